@@ -1,0 +1,172 @@
+//! The model hyper-parameters stored in the manifest (SPEC §4.1).
+//!
+//! Field names follow the Hugging Face `config.json` keys they come from.
+
+use serde::{Deserialize, Serialize};
+
+/// Supported model architectures (HF `architectures[0]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Architecture {
+    /// `LlamaForCausalLM`.
+    Llama,
+    /// `MistralForCausalLM` (optional sliding-window attention).
+    Mistral,
+    /// `Qwen2ForCausalLM` (bias on the Q, K and V projections).
+    Qwen2,
+}
+
+impl Architecture {
+    /// The HF class names accepted, in the order they map to variants.
+    pub const SUPPORTED: [&'static str; 3] =
+        ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+
+    /// Parses an HF `architectures` entry.
+    pub fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "LlamaForCausalLM" => Some(Architecture::Llama),
+            "MistralForCausalLM" => Some(Architecture::Mistral),
+            "Qwen2ForCausalLM" => Some(Architecture::Qwen2),
+            _ => None,
+        }
+    }
+
+    /// The HF class name.
+    pub fn hf_name(self) -> &'static str {
+        Self::SUPPORTED[self as usize]
+    }
+}
+
+/// FFN activation (HF `hidden_act`), applied to the gate projection output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Activation {
+    /// `silu`: x · σ(x).
+    Silu,
+    /// `relu`: max(x, 0).
+    Relu,
+    /// `gelu`: exact erf GELU.
+    Gelu,
+    /// `gelu_pytorch_tanh` / `gelu_new`: tanh approximation.
+    GeluTanh,
+}
+
+impl Activation {
+    /// Parses HF `hidden_act`.
+    pub fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Activation::Silu),
+            "relu" => Some(Activation::Relu),
+            "gelu" => Some(Activation::Gelu),
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Some(Activation::GeluTanh),
+            _ => None,
+        }
+    }
+}
+
+/// RoPE frequency scaling (HF `rope_scaling`, keyed by `type` or `rope_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum RopeScaling {
+    /// `linear`: positions divided by `factor`.
+    Linear { factor: f64 },
+    /// `llama3`: per-frequency interpolation (Llama 3.1).
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: u64,
+    },
+}
+
+/// Model hyper-parameters (SPEC §4.1). Sizes are element counts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Architecture family.
+    pub architecture: Architecture,
+    /// Embedding rows (`vocab_size`).
+    pub vocab_size: u64,
+    /// Residual width (`hidden_size`).
+    pub hidden_size: u64,
+    /// FFN neurons per layer (`intermediate_size`).
+    pub intermediate_size: u64,
+    /// Decoder layers (`num_hidden_layers`).
+    pub num_layers: u64,
+    /// Query heads (`num_attention_heads`).
+    pub num_heads: u64,
+    /// Key/value heads (`num_key_value_heads`, default `num_attention_heads`).
+    pub num_kv_heads: u64,
+    /// Per-head width (`head_dim`, default `hidden_size / num_attention_heads`).
+    pub head_dim: u64,
+    /// RMSNorm epsilon (`rms_norm_eps`).
+    pub rms_norm_eps: f64,
+    /// RoPE base (`rope_theta`, default 10000).
+    pub rope_theta: f64,
+    /// RoPE scaling (`rope_scaling`).
+    pub rope_scaling: Option<RopeScaling>,
+    /// Trained context length (`max_position_embeddings`), tokens.
+    pub max_position_embeddings: u64,
+    /// Sliding attention window (Mistral `sliding_window`), tokens.
+    pub sliding_window: Option<u64>,
+    /// FFN activation (`hidden_act`).
+    pub activation: Activation,
+    /// Output projection shares the embedding matrix (`tie_word_embeddings`).
+    pub tie_word_embeddings: bool,
+    /// Bias on Q/K/V/O projections (`attention_bias`; Qwen2: Q/K/V only).
+    pub attention_bias: bool,
+    /// Bias on gate/up/down projections (`mlp_bias`).
+    pub mlp_bias: bool,
+    /// Beginning-of-sequence token (`bos_token_id`).
+    pub bos_token_id: Option<u32>,
+    /// Every end-of-sequence token (union of `eos_token_id` in config.json and
+    /// generation_config.json).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// Checks internal consistency; returns a description of the first problem.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let nz = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (k, v) in nz {
+            if v == 0 {
+                return Err(format!("{k} is 0"));
+            }
+        }
+        // Caps far above any real model; they bound allocations made from these numbers.
+        let caps = [
+            ("vocab_size", self.vocab_size, 1 << 22),
+            ("hidden_size", self.hidden_size, 1 << 17),
+            ("intermediate_size", self.intermediate_size, 1 << 19),
+            ("num_hidden_layers", self.num_layers, 1 << 10),
+            ("num_attention_heads", self.num_heads, 1 << 10),
+            ("head_dim", self.head_dim, 1 << 12),
+        ];
+        for (k, v, cap) in caps {
+            if v > cap {
+                return Err(format!("{k} = {v} exceeds the supported maximum {cap}"));
+            }
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return Err(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(format!("head_dim {} is odd; RoPE needs an even head_dim", self.head_dim));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(format!("rms_norm_eps {} is not a positive number", self.rms_norm_eps));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(format!("rope_theta {} is not a positive number", self.rope_theta));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,87 @@
+//! The one error type of `nflash-format`.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong reading or writing a pack. Variants carry the
+/// offending offset, length, segment or path so a message can name it.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An I/O error on `path`.
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is smaller than the fixed header (SPEC §2).
+    #[error("{path}: file is {len} bytes, shorter than the {need}-byte header: the file is truncated or not an nflash pack; re-run `prep convert`")]
+    TruncatedHeader { path: PathBuf, len: u64, need: u64 },
+    /// The first 8 bytes are not `NFLASHPK` (SPEC §2).
+    #[error("{path}: bad magic {found:02x?}: not an nflash pack (expected \"NFLASHPK\")")]
+    BadMagic { path: PathBuf, found: [u8; 8] },
+    /// The pack was written by a newer format version than this build reads.
+    #[error("{path}: pack format version {major}.{minor} is newer than this build supports ({sup_major}.{sup_minor}); use nflash/prep {need} or newer, or re-create the pack with this prep")]
+    NewerVersion {
+        path: PathBuf,
+        major: u16,
+        minor: u16,
+        sup_major: u16,
+        sup_minor: u16,
+        need: String,
+    },
+    /// A stored CRC32 does not match the bytes (SPEC §6).
+    #[error("{path}: checksum mismatch in {what}: stored {stored:#010x}, computed {computed:#010x}; the file is corrupt, copy or convert it again")]
+    Checksum {
+        path: PathBuf,
+        what: String,
+        stored: u32,
+        computed: u32,
+    },
+    /// A range `[offset, offset+len)` lies outside the region holding it.
+    #[error("{path}: {what} at offset {offset} length {len} extends past the end of its {region} ({limit} bytes): the file is truncated or corrupt")]
+    OutOfRange {
+        path: PathBuf,
+        what: String,
+        offset: u64,
+        len: u64,
+        region: &'static str,
+        limit: u64,
+    },
+    /// A structurally invalid field (bad alignment, bad dtype for a shape, …).
+    #[error("{path}: invalid {what}: {why}")]
+    Invalid {
+        path: PathBuf,
+        what: String,
+        why: String,
+    },
+    /// The manifest could not be decoded.
+    #[error("{path}: manifest ({len} bytes at offset {offset}) cannot be decoded: {why}")]
+    Manifest {
+        path: PathBuf,
+        offset: u64,
+        len: u64,
+        why: String,
+    },
+    /// A lookup by name found nothing.
+    #[error("{path}: no {kind} named {name:?} in the pack")]
+    NotFound {
+        path: PathBuf,
+        kind: &'static str,
+        name: String,
+    },
+    /// A writer-side misuse (e.g. a row length not a multiple of the block size).
+    #[error("cannot write pack: {0}")]
+    Write(String),
+}
+
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! `nflash-format`: the `.nflash` packed model file (see `SPEC.md`).
+//!
+//! A pack is a fixed 64-byte [`Header`], aligned segments (tokenizer,
+//! resident tensors, one FFN segment of neuron clusters per layer), and a
+//! bincode [`Manifest`] describing them. [`PackWriter`] writes one atomically;
+//! [`Pack::open`] validates one before any access.
+
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod header;
+pub mod manifest;
+pub mod reader;
+pub mod writer;
+
+pub use config::{Activation, Architecture, ModelConfig, RopeScaling};
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use header::{Header, DEFAULT_ALIGNMENT, HEADER_BYTES, MAGIC, VERSION_MAJOR, VERSION_MINOR};
+pub use manifest::{
+    BundleLayout, FfnLayer, Manifest, NeuronCluster, Segment, SegmentKind, TensorEntry,
+    TokenizerInfo,
+};
+pub use reader::Pack;
+pub use writer::PackWriter;

@@ -1,0 +1,406 @@
+//! Opening and validating a pack (SPEC §6). Every offset and length is
+//! checked against the file size before any byte is touched.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::error::{Error, Result};
+use crate::header::{Header, HEADER_BYTES, MAGIC, VERSION_MAJOR, VERSION_MINOR};
+use crate::manifest::{bincode_options, FfnLayer, Manifest, Segment, SegmentKind, TensorEntry};
+use crate::writer::MAX_MANIFEST_BYTES;
+
+/// Largest `tokenizer.json` accepted, bytes.
+pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+
+/// An open, validated pack, memory-mapped read-only.
+pub struct Pack {
+    path: PathBuf,
+    mmap: Mmap,
+    header: Header,
+    manifest: Manifest,
+    tensor_index: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for Pack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pack").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+fn range_check(
+    path: &Path,
+    what: impl FnOnce() -> String,
+    offset: u64,
+    len: u64,
+    region: &'static str,
+    limit: u64,
+) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= limit => Ok(()),
+        _ => Err(Error::OutOfRange {
+            path: path.to_path_buf(),
+            what: what(),
+            offset,
+            len,
+            region,
+            limit,
+        }),
+    }
+}
+
+impl Pack {
+    /// Opens and validates the pack at `path`: header (magic, version, CRC),
+    /// manifest (range, CRC, decoding, size caps), and every segment, tensor
+    /// and neuron-cluster range. Segment checksums are checked by [`Self::verify`].
+    ///
+    /// # Errors
+    /// [`Error::Io`], [`Error::TruncatedHeader`], [`Error::BadMagic`],
+    /// [`Error::NewerVersion`], [`Error::Checksum`] (header, manifest),
+    /// [`Error::OutOfRange`], [`Error::Manifest`], [`Error::Invalid`].
+    pub fn open(path: impl AsRef<Path>) -> Result<Pack> {
+        let path = path.as_ref().to_path_buf();
+        let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
+        if len < HEADER_BYTES as u64 {
+            return Err(Error::TruncatedHeader {
+                path,
+                len,
+                need: HEADER_BYTES as u64,
+            });
+        }
+        // SAFETY: the mapping is read-only and all accesses are bounds-checked
+        // against the length validated here. Another process truncating the
+        // file while it is mapped can still fault; packs are written by
+        // rename, never modified in place.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+        let file_len = mmap.len() as u64;
+        let hb: &[u8; HEADER_BYTES] = mmap[..HEADER_BYTES].try_into().expect("length checked");
+        let header = Header::from_bytes(hb);
+        if header.magic != MAGIC {
+            return Err(Error::BadMagic {
+                path,
+                found: header.magic,
+            });
+        }
+        if header.major != VERSION_MAJOR || header.minor > VERSION_MINOR {
+            return Err(Error::NewerVersion {
+                path,
+                major: header.major,
+                minor: header.minor,
+                sup_major: VERSION_MAJOR,
+                sup_minor: VERSION_MINOR,
+                need: format!("supporting format {}.{}", header.major, header.minor),
+            });
+        }
+        let computed = Header::computed_crc32(hb);
+        if computed != header.header_crc32 {
+            return Err(Error::Checksum {
+                path,
+                what: "header".into(),
+                stored: header.header_crc32,
+                computed,
+            });
+        }
+        if !header.alignment.is_power_of_two() || header.alignment < 4096 {
+            return Err(Error::Invalid {
+                path,
+                what: "header alignment".into(),
+                why: format!("{} is not a power of two ≥ 4096", header.alignment),
+            });
+        }
+        range_check(
+            &path,
+            || "manifest".into(),
+            header.manifest_offset,
+            header.manifest_bytes,
+            "file",
+            file_len,
+        )?;
+        if header.manifest_bytes > MAX_MANIFEST_BYTES {
+            return Err(Error::Invalid {
+                path,
+                what: "manifest length".into(),
+                why: format!(
+                    "{} bytes exceeds the {} byte maximum",
+                    header.manifest_bytes, MAX_MANIFEST_BYTES
+                ),
+            });
+        }
+        let mb = &mmap[header.manifest_offset as usize
+            ..(header.manifest_offset + header.manifest_bytes) as usize];
+        let computed = crc32fast::hash(mb);
+        if computed != header.manifest_crc32 {
+            return Err(Error::Checksum {
+                path,
+                what: "manifest".into(),
+                stored: header.manifest_crc32,
+                computed,
+            });
+        }
+        let manifest: Manifest = bincode::Options::deserialize(
+            bincode_options(header.manifest_bytes),
+            mb,
+        )
+        .map_err(|e| Error::Manifest {
+            path: path.clone(),
+            offset: header.manifest_offset,
+            len: header.manifest_bytes,
+            why: e.to_string(),
+        })?;
+        validate(&path, file_len, &header, &manifest)?;
+        let tensor_index = manifest
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(Pack {
+            path,
+            mmap,
+            header,
+            manifest,
+            tensor_index,
+        })
+    }
+
+    /// Path the pack was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// File length, bytes.
+    pub fn file_len(&self) -> u64 {
+        self.mmap.len() as u64
+    }
+
+    /// The decoded header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// The decoded manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Bytes of segment `idx` (validated at open; panics on an index not in the table).
+    pub fn segment(&self, idx: u32) -> &[u8] {
+        let s = &self.manifest.segments[idx as usize];
+        &self.mmap[s.offset as usize..(s.offset + s.bytes) as usize]
+    }
+
+    /// Looks a segment up by name.
+    pub fn segment_by_name(&self, name: &str) -> Result<(u32, &Segment)> {
+        self.manifest
+            .segments
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.name == name)
+            .map(|(i, s)| (i as u32, s))
+            .ok_or_else(|| Error::NotFound {
+                path: self.path.clone(),
+                kind: "segment",
+                name: name.to_string(),
+            })
+    }
+
+    /// A resident tensor's entry and bytes.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] if the pack has no tensor `name`.
+    pub fn tensor(&self, name: &str) -> Result<(&TensorEntry, &[u8])> {
+        let i = *self.tensor_index.get(name).ok_or_else(|| Error::NotFound {
+            path: self.path.clone(),
+            kind: "tensor",
+            name: name.to_string(),
+        })?;
+        let t = &self.manifest.tensors[i];
+        let seg = self.segment(t.segment);
+        Ok((t, &seg[t.offset as usize..(t.offset + t.bytes) as usize]))
+    }
+
+    /// Whether the pack has tensor `name`.
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.tensor_index.contains_key(name)
+    }
+
+    /// Layer `layer`'s FFN entry and its segment bytes.
+    pub fn ffn_layer(&self, layer: usize) -> Result<(&FfnLayer, &[u8])> {
+        let f = self.manifest.ffn.get(layer).ok_or_else(|| Error::NotFound {
+            path: self.path.clone(),
+            kind: "FFN layer",
+            name: layer.to_string(),
+        })?;
+        Ok((f, self.segment(f.segment)))
+    }
+
+    /// Checks segment `idx`'s CRC32.
+    ///
+    /// # Errors
+    /// [`Error::Checksum`] naming the segment.
+    pub fn verify_segment(&self, idx: u32) -> Result<()> {
+        let s = &self.manifest.segments[idx as usize];
+        let computed = crc32fast::hash(self.segment(idx));
+        if computed != s.crc32 {
+            return Err(Error::Checksum {
+                path: self.path.clone(),
+                what: format!("segment {:?} (offset {}, {} bytes)", s.name, s.offset, s.bytes),
+                stored: s.crc32,
+                computed,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks every segment's CRC32 (reads the whole file).
+    pub fn verify(&self) -> Result<()> {
+        (0..self.manifest.segments.len() as u32).try_for_each(|i| self.verify_segment(i))
+    }
+
+    /// Decompressed `tokenizer.json` bytes.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] / [`Error::Invalid`] if the segment is missing or
+    /// does not decompress to the recorded size.
+    pub fn tokenizer_json(&self) -> Result<Vec<u8>> {
+        let info = &self.manifest.tokenizer;
+        let (idx, _) = self.segment_by_name(&info.segment)?;
+        let invalid = |why: String| Error::Invalid {
+            path: self.path.clone(),
+            what: format!("segment {:?}", info.segment),
+            why,
+        };
+        if info.json_bytes > MAX_TOKENIZER_BYTES {
+            return Err(invalid(format!(
+                "tokenizer.json size {} exceeds {MAX_TOKENIZER_BYTES}",
+                info.json_bytes
+            )));
+        }
+        let out = zstd::bulk::decompress(self.segment(idx), info.json_bytes as usize)
+            .map_err(|e| invalid(format!("zstd: {e}")))?;
+        if out.len() as u64 != info.json_bytes {
+            return Err(invalid(format!(
+                "decompressed to {} bytes, manifest says {}",
+                out.len(),
+                info.json_bytes
+            )));
+        }
+        Ok(out)
+    }
+}
+
+/// Validates every range and index in `manifest` against a file of
+/// `file_len` bytes (SPEC §6).
+pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Result<()> {
+    let invalid = |what: String, why: String| Error::Invalid {
+        path: path.to_path_buf(),
+        what,
+        why,
+    };
+    m.config
+        .check()
+        .map_err(|why| invalid("model config".into(), why))?;
+    let align = header.alignment as u64;
+    let mut prev_end = HEADER_BYTES as u64;
+    for s in &m.segments {
+        range_check(
+            path,
+            || format!("segment {:?}", s.name),
+            s.offset,
+            s.bytes,
+            "file",
+            header.manifest_offset.min(file_len),
+        )?;
+        if s.offset % align != 0 || s.offset < prev_end {
+            return Err(invalid(
+                format!("segment {:?}", s.name),
+                format!("offset {} is not aligned to {align} or overlaps the previous segment", s.offset),
+            ));
+        }
+        prev_end = s.offset + s.bytes;
+    }
+    let seg = |idx: u32, what: &dyn Fn() -> String| -> Result<&Segment> {
+        m.segments
+            .get(idx as usize)
+            .ok_or_else(|| invalid(what(), format!("segment index {idx} out of range")))
+    };
+    for t in &m.tensors {
+        let what = || format!("tensor {:?}", t.name);
+        let s = seg(t.segment, &what)?;
+        if t.shape.is_empty() || t.shape.len() > 4 {
+            return Err(invalid(what(), format!("rank {} not in 1..=4", t.shape.len())));
+        }
+        let need = t.dtype.tensor_bytes(&t.shape).ok_or_else(|| {
+            invalid(
+                what(),
+                format!("shape {:?} does not fit {} blocks", t.shape, t.dtype),
+            )
+        })?;
+        if need != t.bytes {
+            return Err(invalid(
+                what(),
+                format!("{} bytes recorded, shape {:?} of {} needs {need}", t.bytes, t.shape, t.dtype),
+            ));
+        }
+        range_check(path, what, t.offset, t.bytes, "segment", s.bytes)?;
+        if t.offset % 64 != 0 {
+            return Err(invalid(what(), format!("offset {} not 64-byte aligned", t.offset)));
+        }
+    }
+    if m.ffn.len() as u64 != m.config.num_layers {
+        return Err(invalid(
+            "FFN index".into(),
+            format!("{} layers, config has {}", m.ffn.len(), m.config.num_layers),
+        ));
+    }
+    for (l, f) in m.ffn.iter().enumerate() {
+        let what = || format!("FFN layer {l}");
+        let s = seg(f.segment, &what)?;
+        if s.kind != SegmentKind::Ffn || f.layer as usize != l {
+            return Err(invalid(what(), "wrong segment kind or layer number".into()));
+        }
+        if f.n_neurons as u64 != m.config.intermediate_size {
+            return Err(invalid(
+                what(),
+                format!("{} neurons, config has {}", f.n_neurons, m.config.intermediate_size),
+            ));
+        }
+        let b = f.bundle;
+        let expect = crate::manifest::BundleLayout::new(b.dtype, m.config.hidden_size);
+        if expect != Some(b) {
+            return Err(invalid(what(), format!("bundle layout {b:?} does not match hidden_size")));
+        }
+        if !f.cluster_align.is_power_of_two() || f.cluster_align > align {
+            return Err(invalid(what(), format!("cluster alignment {}", f.cluster_align)));
+        }
+        let mut next = 0u32;
+        for c in &f.clusters {
+            if c.first != next || c.n_neurons == 0 || c.offset % f.cluster_align != 0 {
+                return Err(invalid(
+                    what(),
+                    format!("cluster at offset {} (first {}, {} neurons) is out of order or misaligned", c.offset, c.first, c.n_neurons),
+                ));
+            }
+            let len = (c.n_neurons as u64).checked_mul(b.bundle_bytes).unwrap_or(u64::MAX);
+            range_check(path, || format!("neuron cluster of {} at neuron {}", what(), c.first), c.offset, len, "segment", s.bytes)?;
+            next = next.checked_add(c.n_neurons).ok_or_else(|| invalid(what(), "neuron count overflow".into()))?;
+        }
+        if next != f.n_neurons {
+            return Err(invalid(what(), format!("clusters cover {next} of {} neurons", f.n_neurons)));
+        }
+        let mut seen = vec![false; f.n_neurons as usize];
+        if f.order.len() != f.n_neurons as usize {
+            return Err(invalid(what(), format!("neuron order has {} entries", f.order.len())));
+        }
+        for &o in &f.order {
+            match seen.get_mut(o as usize) {
+                Some(s) if !*s => *s = true,
+                _ => return Err(invalid(what(), format!("neuron order is not a permutation (id {o})"))),
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,35 @@
+//! `nflash`: run a `.nflash` pack on this device.
+
+mod common;
+mod ppl;
+mod run;
+
+use clap::{Parser, Subcommand};
+
+/// Run large language models packed by `prep` from a single `.nflash` file.
+#[derive(Parser)]
+#[command(name = "nflash", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, or chat interactively when no prompt is given.
+    Run(run::RunArgs),
+    /// Measure perplexity of the model on a text file.
+    Ppl(ppl::PplArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(a) => run::run(a),
+        Command::Ppl(a) => ppl::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

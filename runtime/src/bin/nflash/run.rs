@@ -1,0 +1,220 @@
+//! `nflash run`: generate from a prompt, or chat interactively.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use nflash_runtime::chat::Message;
+use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
+use nflash_runtime::sampler::{Sampler, SamplerConfig};
+use nflash_runtime::stats::peak_rss_bytes;
+use nflash_runtime::Engine;
+
+use crate::common::{open_pack, read_text, set_threads};
+
+/// Arguments of `nflash run`.
+#[derive(Args)]
+pub struct RunArgs {
+    /// The .nflash pack (from `prep convert`).
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text. Without --prompt or --prompt-file, start an interactive chat.
+    #[arg(long, conflicts_with = "prompt_file")]
+    prompt: Option<String>,
+    /// Read the prompt from a UTF-8 file.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Wrap the prompt in the model's chat template (as a user message).
+    #[arg(long)]
+    chat: bool,
+    /// System message for --chat and interactive chat.
+    #[arg(long)]
+    system: Option<String>,
+    /// Maximum tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample from the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// Nucleus sampling mass (1.0 = off).
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// RNG seed (default: from the clock).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Context length in tokens (KV cache size); default min(4096, model maximum).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Print speed and memory figures to stderr.
+    #[arg(long)]
+    stats: bool,
+    /// Write speed and memory figures as one JSON object to this file.
+    #[arg(long)]
+    stats_json: Option<PathBuf>,
+    /// Check every segment checksum before running (reads the whole file).
+    #[arg(long)]
+    verify: bool,
+    /// Do not stop at end-of-sequence tokens (for benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+pub fn run(a: RunArgs) -> Result<()> {
+    set_threads(a.threads)?;
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        bail!("--temperature must be ≥ 0, got {}", a.temperature);
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", a.top_p);
+    }
+    let prompt = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(f)) => Some(read_text(f)?),
+        (None, None) => None,
+    };
+    let pack = open_pack(&a.model, a.verify)?;
+    let engine = Engine::load(&pack)?;
+    let max_pos = engine.model.cfg.max_position_embeddings as usize;
+    let ctx = a.ctx.unwrap_or(max_pos.min(4096));
+    if ctx < 2 {
+        bail!("--ctx must be at least 2");
+    }
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+    });
+    let mut sampler = Sampler::new(SamplerConfig {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed,
+    });
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens,
+        stop_ids: engine.stop_ids.clone(),
+        ignore_eos: a.ignore_eos,
+    };
+    let mut kv = engine.model.new_kv_cache(ctx);
+    let Some(prompt) = prompt else {
+        return interactive(&engine, &mut kv, &mut sampler, &opts, a.system.as_deref());
+    };
+    if prompt.trim().is_empty() {
+        bail!("the prompt is empty; pass text with --prompt or --prompt-file");
+    }
+    let ids = if a.chat {
+        let template = engine.template.as_ref().context(
+            "this pack has no chat template; run without --chat, or convert a model whose tokenizer_config.json has chat_template",
+        )?;
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(Message::new("system", s));
+        }
+        msgs.push(Message::new("user", &prompt));
+        engine.tokenizer.encode(&template.render(&msgs)?, false)?
+    } else {
+        engine.tokenizer.encode(&prompt, true)?
+    };
+    let mut stdout = std::io::stdout().lock();
+    let (_, st) = generate(&engine.model, &mut kv, &engine.tokenizer, &ids, &mut sampler, &opts, |piece| {
+        let _ = stdout.write_all(piece.as_bytes());
+        let _ = stdout.flush();
+    })?;
+    let _ = writeln!(stdout);
+    report(&a, &st)
+}
+
+fn report(a: &RunArgs, st: &GenStats) -> Result<()> {
+    let rss = peak_rss_bytes().unwrap_or(0);
+    if a.stats {
+        eprintln!(
+            "prefill: {} tokens in {:.3} s, {:.1} tokens/s | decode: {} tokens, {:.1} tokens/s | peak RSS {:.1} MiB",
+            st.prompt_tokens,
+            st.prefill_s,
+            st.prefill_tokens_per_s(),
+            st.generated_tokens,
+            st.decode_tokens_per_s(),
+            rss as f64 / (1 << 20) as f64
+        );
+    }
+    if let Some(path) = &a.stats_json {
+        let j = serde_json::json!({
+            "prompt_tokens": st.prompt_tokens,
+            "generated_tokens": st.generated_tokens,
+            "prefill_seconds": st.prefill_s,
+            "decode_seconds": st.decode_s,
+            "decode_steps": st.decode_steps,
+            "prefill_tokens_per_s": st.prefill_tokens_per_s(),
+            "decode_tokens_per_s": st.decode_tokens_per_s(),
+            "peak_rss_bytes": rss,
+        });
+        std::fs::write(path, format!("{j}\n"))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// A read–eval–print chat. The whole conversation is re-rendered each turn
+/// and only the tokens past the prefix already in the KV cache are run.
+fn interactive(
+    engine: &Engine,
+    kv: &mut nflash_runtime::kv_cache::KvCache,
+    sampler: &mut Sampler,
+    opts: &GenerateOptions,
+    system: Option<&str>,
+) -> Result<()> {
+    let template = engine
+        .template
+        .as_ref()
+        .context("this pack has no chat template, so interactive chat is not possible; pass --prompt")?;
+    let mut msgs = Vec::new();
+    if let Some(s) = system {
+        msgs.push(Message::new("system", s));
+    }
+    let mut cached: Vec<u32> = Vec::new();
+    eprintln!("nflash chat — type a message, an empty line or Ctrl-D to quit.");
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout();
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            break;
+        }
+        msgs.push(Message::new("user", line.trim_end()));
+        let ids = engine.tokenizer.encode(&template.render(&msgs)?, false)?;
+        let common = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
+        kv.truncate(common);
+        cached.truncate(common);
+        let new = &ids[common..];
+        let result = generate(&engine.model, kv, &engine.tokenizer, new, sampler, opts, |p| {
+            let _ = stdout.write_all(p.as_bytes());
+            let _ = stdout.flush();
+        });
+        println!();
+        let (out, _) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("error: {e}");
+                msgs.pop();
+                kv.truncate(cached.len());
+                continue;
+            }
+        };
+        cached.extend_from_slice(new);
+        cached.extend_from_slice(&out);
+        // The last sampled token was never run through the model.
+        cached.truncate(kv.len());
+        let reply = engine.tokenizer.decode(&out)?;
+        msgs.push(Message::new("assistant", &reply));
+    }
+    Ok(())
+}

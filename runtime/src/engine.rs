@@ -1,0 +1,51 @@
+//! Everything `nflash` loads from a pack: model views, tokenizer, chat template, stop set.
+
+use nflash_format::Pack;
+
+use crate::chat::ChatTemplate;
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+
+/// A loaded pack, ready to generate.
+pub struct Engine<'a> {
+    /// The transformer.
+    pub model: Model<'a>,
+    /// The packed tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The packed chat template, if the pack has one.
+    pub template: Option<ChatTemplate>,
+    /// Token ids that end generation (every EOS of the config).
+    pub stop_ids: Vec<u32>,
+}
+
+impl<'a> Engine<'a> {
+    /// Loads model views, tokenizer and template from `pack`.
+    ///
+    /// # Errors
+    /// Missing/misshaped tensors, a bad tokenizer or template, or a tokenizer
+    /// with more tokens than embedding rows ([`Error::TokenOutOfRange`]).
+    pub fn load(pack: &'a Pack) -> Result<Self> {
+        let model = Model::load(pack)?;
+        let tokenizer = Tokenizer::from_json(&pack.tokenizer_json()?)?;
+        let vocab = model.cfg.vocab_size;
+        if tokenizer.vocab_size() as u64 > vocab {
+            return Err(Error::TokenOutOfRange {
+                id: tokenizer.vocab_size() as u32 - 1,
+                vocab,
+            });
+        }
+        let info = &pack.manifest().tokenizer;
+        let template = info
+            .chat_template
+            .as_deref()
+            .map(|src| ChatTemplate::new(src, info.bos_token.as_deref(), info.eos_token.as_deref()))
+            .transpose()?;
+        Ok(Engine {
+            stop_ids: model.cfg.eos_token_ids.clone(),
+            model,
+            tokenizer,
+            template,
+        })
+    }
+}

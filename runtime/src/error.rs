@@ -1,0 +1,48 @@
+//! The one error type of `nflash-runtime`.
+
+/// Errors from loading a pack, tokenizing and generating.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The pack itself is invalid (names the segment / offset).
+    #[error(transparent)]
+    Format(#[from] nflash_format::Error),
+    /// A tensor the model needs is not in the pack.
+    #[error("the pack has no tensor {name:?}; it was written by an incompatible prep, re-run `prep convert`")]
+    MissingTensor { name: String },
+    /// A tensor's shape or type does not match the model config.
+    #[error("tensor {name:?} has shape {found:?} and type {dtype}, expected shape {expected:?}")]
+    Shape {
+        name: String,
+        expected: Vec<u64>,
+        found: Vec<u64>,
+        dtype: nflash_format::DType,
+    },
+    /// The packed tokenizer cannot be loaded or used.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A token id that has no embedding row.
+    #[error("token id {id} is outside the embedding table ({vocab} rows): the tokenizer and the weights do not belong together")]
+    TokenOutOfRange { id: u32, vocab: u64 },
+    /// The chat template failed to render.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// The prompt does not fit the context.
+    #[error("the prompt is {prompt} tokens but the context holds {context} (with {reserve} reserved for generation); shorten the prompt or raise --ctx")]
+    PromptTooLong {
+        prompt: usize,
+        context: usize,
+        reserve: usize,
+    },
+    /// The KV cache is full.
+    #[error("context full: {context} tokens; raise --ctx")]
+    ContextFull { context: usize },
+    /// Nothing to run.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// Invalid user setting (names the flag).
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,123 @@
+//! The FFN neuron engine over neuron clusters (PowerInfer-2 §4; SPEC §4.4).
+//!
+//! Each neuron is a bundle: gate row | up row | down column, `hidden`
+//! elements each. For a token x, neuron i contributes
+//! `act(gate_i · x + bg_i) * (up_i · x + bu_i) * down_i` to the output.
+//! This issue computes every neuron (dense); sparse decode skips neurons.
+
+use nflash_format::{Activation, BundleLayout, FfnLayer, NeuronCluster};
+use rayon::prelude::*;
+
+use crate::ops::activate;
+use crate::weights::{axpy_row, row_dot, row_to_f32, DotInput};
+
+/// One layer's FFN, as views of its neuron clusters.
+pub struct Ffn<'a> {
+    act: Activation,
+    hidden: usize,
+    layout: BundleLayout,
+    /// The layer's FFN segment.
+    data: &'a [u8],
+    clusters: Vec<NeuronCluster>,
+    /// Gate bias in packed neuron order `[n_neurons]`.
+    gate_bias: Option<Vec<f32>>,
+    /// Up bias in packed neuron order `[n_neurons]`.
+    up_bias: Option<Vec<f32>>,
+    /// Down bias `[hidden]`.
+    down_bias: Option<Vec<f32>>,
+}
+
+impl<'a> Ffn<'a> {
+    /// Views layer `f` whose segment bytes are `data` (validated by `Pack::open`).
+    /// Biases, when the model has them, are given in packed neuron order.
+    pub fn new(
+        f: &FfnLayer,
+        data: &'a [u8],
+        act: Activation,
+        gate_bias: Option<Vec<f32>>,
+        up_bias: Option<Vec<f32>>,
+        down_bias: Option<Vec<f32>>,
+    ) -> Self {
+        Ffn {
+            act,
+            hidden: f.bundle.row_elems as usize,
+            layout: f.bundle,
+            data,
+            clusters: f.clusters.clone(),
+            gate_bias,
+            up_bias,
+            down_bias,
+        }
+    }
+
+    /// Bundle bytes of the neuron at packed position `first + i` of cluster `c`.
+    #[inline]
+    fn bundle(&self, c: &NeuronCluster, i: usize) -> (&'a [u8], &'a [u8], &'a [u8]) {
+        let rb = self.layout.row_bytes as usize;
+        let start = c.offset as usize + i * self.layout.bundle_bytes as usize;
+        let b = &self.data[start..start + 3 * rb];
+        (&b[..rb], &b[rb..2 * rb], &b[2 * rb..])
+    }
+
+    /// `out[t] += FFN(xs[t])` for `n = xs.len()` tokens, over every neuron.
+    /// `xs`: inputs prepared for the bundle dtype; `out`: `[n, hidden]`.
+    pub fn forward_dense(&self, xs: &[DotInput], out: &mut [f32]) {
+        let n = xs.len();
+        let h = self.hidden;
+        let dt = self.layout.dtype;
+        debug_assert_eq!(out.len(), n * h);
+        let acc = self
+            .clusters
+            .par_iter()
+            .fold(
+                || (vec![0f32; n * h], vec![0f32; h], vec![0f32; n]),
+                |(mut acc, mut down, mut a), c| {
+                    for i in 0..c.n_neurons as usize {
+                        let p = c.first as usize + i;
+                        let (g_row, u_row, d_row) = self.bundle(c, i);
+                        let bg = self.gate_bias.as_ref().map_or(0.0, |b| b[p]);
+                        let bu = self.up_bias.as_ref().map_or(0.0, |b| b[p]);
+                        for (t, x) in xs.iter().enumerate() {
+                            let g = row_dot(dt, h, g_row, x) + bg;
+                            let u = row_dot(dt, h, u_row, x) + bu;
+                            a[t] = activate(self.act, g) * u;
+                        }
+                        if n == 1 {
+                            axpy_row(dt, d_row, a[0], &mut acc);
+                        } else {
+                            row_to_f32(dt, d_row, &mut down);
+                            for (t, &at) in a.iter().enumerate() {
+                                if at != 0.0 {
+                                    let o = &mut acc[t * h..(t + 1) * h];
+                                    for (o, w) in o.iter_mut().zip(&down) {
+                                        *o += at * w;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    (acc, down, a)
+                },
+            )
+            .map(|(acc, _, _)| acc)
+            .reduce(
+                || vec![0f32; n * h],
+                |mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                    a
+                },
+            );
+        for (t, o) in out.chunks_exact_mut(h).enumerate() {
+            for (j, v) in o.iter_mut().enumerate() {
+                *v += acc[t * h + j] + self.down_bias.as_ref().map_or(0.0, |b| b[j]);
+            }
+        }
+    }
+}
+
+impl Ffn<'_> {
+    /// Storage type of the bundles (inputs must be prepared for it).
+    pub fn dtype(&self) -> nflash_format::DType {
+        self.layout.dtype
+    }
+}

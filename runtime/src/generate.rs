@@ -1,0 +1,123 @@
+//! The generation loop: batched prefill, then token-by-token decode with
+//! streaming output and timing.
+
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::kv_cache::KvCache;
+use crate::model::Model;
+use crate::sampler::Sampler;
+use crate::tokenizer::{TextStream, Tokenizer};
+
+/// Tokens per prefill forward pass; bounds prefill scratch memory.
+pub const PREFILL_CHUNK: usize = 256;
+
+/// Counters of one generation.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GenStats {
+    /// Prompt tokens run in prefill.
+    pub prompt_tokens: usize,
+    /// Tokens generated (the stop token not counted).
+    pub generated_tokens: usize,
+    /// Prefill wall time, seconds (prompt forward passes + first sample).
+    pub prefill_s: f64,
+    /// Single-token forward passes in decode.
+    pub decode_steps: usize,
+    /// Decode wall time, seconds (single-token forward passes + sampling).
+    pub decode_s: f64,
+}
+
+impl GenStats {
+    /// Prompt tokens per second of prefill.
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        rate(self.prompt_tokens, self.prefill_s)
+    }
+    /// Decode forward passes per second.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        rate(self.decode_steps, self.decode_s)
+    }
+}
+
+fn rate(n: usize, s: f64) -> f64 {
+    if s > 0.0 {
+        n as f64 / s
+    } else {
+        0.0
+    }
+}
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// Stop after this many generated tokens.
+    pub max_tokens: usize,
+    /// Token ids that end generation (any EOS); not printed.
+    pub stop_ids: Vec<u32>,
+    /// Keep going past stop ids (benchmarks).
+    pub ignore_eos: bool,
+}
+
+/// Runs `prompt` (token ids appended after whatever `kv` holds) through
+/// prefill, then samples up to `opts.max_tokens` tokens, calling `on_text`
+/// with each complete UTF-8 piece. Returns the generated ids (stop token
+/// excluded) and the counters.
+///
+/// # Errors
+/// [`Error::EmptyPrompt`], [`Error::PromptTooLong`], model and tokenizer errors.
+pub fn generate(
+    model: &Model,
+    kv: &mut KvCache,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    opts: &GenerateOptions,
+    mut on_text: impl FnMut(&str),
+) -> Result<(Vec<u32>, GenStats)> {
+    if prompt.is_empty() {
+        return Err(Error::EmptyPrompt);
+    }
+    if kv.len() + prompt.len() >= kv.capacity() {
+        return Err(Error::PromptTooLong {
+            prompt: kv.len() + prompt.len(),
+            context: kv.capacity(),
+            reserve: 1,
+        });
+    }
+    let mut stats = GenStats {
+        prompt_tokens: prompt.len(),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let mut last_hidden = Vec::new();
+    for chunk in prompt.chunks(PREFILL_CHUNK) {
+        let hs = model.forward(kv, chunk)?;
+        let h = model.cfg.hidden_size as usize;
+        last_hidden = hs[hs.len() - h..].to_vec();
+    }
+    let mut next = sampler.sample(&model.logits(&last_hidden));
+    stats.prefill_s = t0.elapsed().as_secs_f64();
+    let mut out = Vec::new();
+    let mut stream = TextStream::default();
+    let t1 = Instant::now();
+    loop {
+        if !opts.ignore_eos && opts.stop_ids.contains(&next) {
+            break;
+        }
+        out.push(next);
+        if let Some(piece) = stream.push(tok, next)? {
+            on_text(&piece);
+        }
+        if out.len() >= opts.max_tokens || kv.len() + 1 >= kv.capacity() {
+            break;
+        }
+        let hs = model.forward(kv, &[next])?;
+        next = sampler.sample(&model.logits(&hs));
+        stats.decode_steps += 1;
+    }
+    stats.decode_s = t1.elapsed().as_secs_f64();
+    if let Some(piece) = stream.finish(tok)? {
+        on_text(&piece);
+    }
+    stats.generated_tokens = out.len();
+    Ok((out, stats))
+}

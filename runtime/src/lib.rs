@@ -1,0 +1,23 @@
+//! `nflash-runtime`: run a `.nflash` pack — mmap it, keep attention and
+//! FFN neuron clusters as views of the file, and generate text.
+//!
+//! Entry points: [`nflash_format::Pack::open`], [`Engine::load`],
+//! [`generate::generate`], [`ppl::perplexity`].
+
+pub mod chat;
+pub mod engine;
+pub mod error;
+pub mod ffn;
+pub mod generate;
+pub mod kv_cache;
+pub mod model;
+pub mod ops;
+pub mod ppl;
+pub mod sampler;
+pub mod stats;
+pub mod tokenizer;
+pub mod weights;
+
+pub use engine::Engine;
+pub use error::{Error, Result};
+pub use model::Model;

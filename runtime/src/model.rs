@@ -1,0 +1,295 @@
+//! The decoder-only transformer (Llama / Mistral / Qwen2) over a pack.
+//!
+//! Per layer: `x += Wo · attn(RoPE(Wq·norm(x)), RoPE(Wk·norm(x)), Wv·norm(x))`,
+//! then `x += FFN(norm(x))` through the neuron engine. Tensor names are the
+//! Hugging Face ones (SPEC §4.3).
+
+use nflash_format::{DType, ModelConfig, Pack};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::ffn::Ffn;
+use crate::kv_cache::KvCache;
+use crate::ops::{rms_norm, softmax, Rope};
+use crate::weights::{DotInput, QMatrix};
+
+struct Layer<'a> {
+    attn_norm: Vec<f32>, // [hidden]
+    ffn_norm: Vec<f32>,  // [hidden]
+    q: QMatrix<'a>,      // [n_heads * head_dim, hidden]
+    k: QMatrix<'a>,      // [n_kv_heads * head_dim, hidden]
+    v: QMatrix<'a>,      // [n_kv_heads * head_dim, hidden]
+    o: QMatrix<'a>,      // [hidden, n_heads * head_dim]
+    q_bias: Option<Vec<f32>>,
+    k_bias: Option<Vec<f32>>,
+    v_bias: Option<Vec<f32>>,
+    o_bias: Option<Vec<f32>>,
+    ffn: Ffn<'a>,
+}
+
+/// A model whose weights are views into an open [`Pack`].
+pub struct Model<'a> {
+    /// Hyper-parameters from the manifest.
+    pub cfg: ModelConfig,
+    embed: QMatrix<'a>,   // [vocab, hidden]
+    lm_head: QMatrix<'a>, // [vocab, hidden]; the embedding when tied
+    final_norm: Vec<f32>, // [hidden]
+    layers: Vec<Layer<'a>>,
+    rope: Rope,
+}
+
+fn tensor<'a>(pack: &'a Pack, name: &str, shape: &[u64]) -> Result<(DType, &'a [u8])> {
+    let (t, bytes) = pack.tensor(name).map_err(|e| match e {
+        nflash_format::Error::NotFound { .. } => Error::MissingTensor {
+            name: name.to_string(),
+        },
+        e => e.into(),
+    })?;
+    if t.shape != shape {
+        return Err(Error::Shape {
+            name: name.into(),
+            expected: shape.to_vec(),
+            found: t.shape.clone(),
+            dtype: t.dtype,
+        });
+    }
+    Ok((t.dtype, bytes))
+}
+
+fn matrix<'a>(pack: &'a Pack, name: &str, rows: u64, cols: u64) -> Result<QMatrix<'a>> {
+    let (dt, bytes) = tensor(pack, name, &[rows, cols])?;
+    Ok(QMatrix::new(dt, rows as usize, cols as usize, bytes))
+}
+
+fn vector(pack: &Pack, name: &str, len: u64) -> Result<Vec<f32>> {
+    let (dt, bytes) = tensor(pack, name, &[len])?;
+    let mut out = vec![0f32; len as usize];
+    crate::weights::row_to_f32(dt, bytes, &mut out);
+    Ok(out)
+}
+
+
+fn opt_vector(pack: &Pack, name: &str, len: u64, present: bool) -> Result<Option<Vec<f32>>> {
+    if present {
+        vector(pack, name, len).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+impl<'a> Model<'a> {
+    /// Builds views of every tensor, checking names and shapes against the config.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::Shape`].
+    pub fn load(pack: &'a Pack) -> Result<Self> {
+        let cfg = pack.manifest().config.clone();
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let qd = cfg.num_heads * cfg.head_dim;
+        let kvd = cfg.num_kv_heads * cfg.head_dim;
+        let inter = cfg.intermediate_size;
+        let embed = matrix(pack, "model.embed_tokens.weight", v, h)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed
+        } else {
+            matrix(pack, "lm_head.weight", v, h)?
+        };
+        let qkv_bias = cfg.attention_bias || cfg.architecture == nflash_format::Architecture::Qwen2;
+        let mut layers = Vec::with_capacity(cfg.num_layers as usize);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let (f, data) = pack.ffn_layer(l as usize)?;
+            let ffn = Ffn::new(
+                f,
+                data,
+                cfg.activation,
+                opt_vector(pack, &format!("{p}.mlp.gate_proj.bias"), inter, cfg.mlp_bias)?,
+                opt_vector(pack, &format!("{p}.mlp.up_proj.bias"), inter, cfg.mlp_bias)?,
+                opt_vector(pack, &format!("{p}.mlp.down_proj.bias"), h, cfg.mlp_bias)?,
+            );
+            layers.push(Layer {
+                attn_norm: vector(pack, &format!("{p}.input_layernorm.weight"), h)?,
+                ffn_norm: vector(pack, &format!("{p}.post_attention_layernorm.weight"), h)?,
+                q: matrix(pack, &format!("{p}.self_attn.q_proj.weight"), qd, h)?,
+                k: matrix(pack, &format!("{p}.self_attn.k_proj.weight"), kvd, h)?,
+                v: matrix(pack, &format!("{p}.self_attn.v_proj.weight"), kvd, h)?,
+                o: matrix(pack, &format!("{p}.self_attn.o_proj.weight"), h, qd)?,
+                q_bias: opt_vector(pack, &format!("{p}.self_attn.q_proj.bias"), qd, qkv_bias)?,
+                k_bias: opt_vector(pack, &format!("{p}.self_attn.k_proj.bias"), kvd, qkv_bias)?,
+                v_bias: opt_vector(pack, &format!("{p}.self_attn.v_proj.bias"), kvd, qkv_bias)?,
+                o_bias: opt_vector(
+                    pack,
+                    &format!("{p}.self_attn.o_proj.bias"),
+                    h,
+                    cfg.attention_bias && cfg.architecture != nflash_format::Architecture::Qwen2,
+                )?,
+                ffn,
+            });
+        }
+        Ok(Model {
+            rope: Rope::new(&cfg),
+            final_norm: vector(pack, "model.norm.weight", h)?,
+            embed,
+            lm_head,
+            layers,
+            cfg,
+        })
+    }
+
+    /// A KV cache for `capacity` tokens.
+    pub fn new_kv_cache(&self, capacity: usize) -> KvCache {
+        KvCache::new(
+            self.layers.len(),
+            (self.cfg.num_kv_heads * self.cfg.head_dim) as usize,
+            capacity,
+        )
+    }
+
+    /// Runs `tokens` at positions `kv.len()..` and returns the final-normed
+    /// hidden states `[n, hidden]`; the KV cache grows by `n`.
+    ///
+    /// # Errors
+    /// [`Error::ContextFull`] if the tokens do not fit, [`Error::TokenOutOfRange`].
+    pub fn forward(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        let h = self.cfg.hidden_size as usize;
+        let (nh, nkv, hd) = (
+            self.cfg.num_heads as usize,
+            self.cfg.num_kv_heads as usize,
+            self.cfg.head_dim as usize,
+        );
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let p0 = kv.len();
+        if p0 + n > kv.capacity() {
+            return Err(Error::ContextFull {
+                context: kv.capacity(),
+            });
+        }
+        let eps = self.cfg.rms_norm_eps as f32;
+        // x: [n, hidden]
+        let mut x = vec![0f32; n * h];
+        for (t, &id) in tokens.iter().enumerate() {
+            if id as u64 >= self.cfg.vocab_size {
+                return Err(Error::TokenOutOfRange {
+                    id,
+                    vocab: self.cfg.vocab_size,
+                });
+            }
+            self.embed.row_to_f32(id as usize, &mut x[t * h..(t + 1) * h]);
+        }
+        let mut normed = vec![0f32; h];
+        let mut q = vec![0f32; n * qd]; // [n, n_heads * head_dim]
+        let mut k = vec![0f32; n * kvd]; // [n, n_kv_heads * head_dim]
+        let mut v = vec![0f32; n * kvd];
+        let mut attn = vec![0f32; n * qd];
+        let mut o = vec![0f32; n * h];
+        let window = self.cfg.sliding_window.map(|w| w as usize);
+        for (l, layer) in self.layers.iter().enumerate() {
+            // Attention block.
+            let xs = self.prepare(&x, &mut normed, &layer.attn_norm, layer.q.dtype, eps);
+            let xs_kv = if layer.k.dtype == layer.q.dtype {
+                None
+            } else {
+                Some(self.prepare(&x, &mut normed, &layer.attn_norm, layer.k.dtype, eps))
+            };
+            layer.q.matmul(&xs, &mut q);
+            layer.k.matmul(xs_kv.as_ref().unwrap_or(&xs), &mut k);
+            layer.v.matmul(xs_kv.as_ref().unwrap_or(&xs), &mut v);
+            add_bias(&mut q, layer.q_bias.as_deref());
+            add_bias(&mut k, layer.k_bias.as_deref());
+            add_bias(&mut v, layer.v_bias.as_deref());
+            for t in 0..n {
+                self.rope.apply(&mut q[t * qd..(t + 1) * qd], p0 + t);
+                self.rope.apply(&mut k[t * kvd..(t + 1) * kvd], p0 + t);
+            }
+            kv.append(l, &k, &v);
+            let (kc, vc) = kv.layer(l);
+            let scale = 1.0 / (hd as f32).sqrt();
+            let group = nh / nkv;
+            attn.par_chunks_mut(hd).enumerate().for_each_init(
+                Vec::new,
+                |scores: &mut Vec<f32>, (idx, out)| {
+                    let (t, head) = (idx / nh, idx % nh);
+                    let pos = p0 + t;
+                    let start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let kvh = head / group;
+                    let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+                    scores.clear();
+                    for j in start..=pos {
+                        let kr = &kc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
+                        scores.push(qv.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale);
+                    }
+                    softmax(scores);
+                    out.fill(0.0);
+                    for (j, &s) in (start..=pos).zip(scores.iter()) {
+                        let vr = &vc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
+                        for (o, b) in out.iter_mut().zip(vr) {
+                            *o += s * b;
+                        }
+                    }
+                },
+            );
+            let attn_in: Vec<DotInput> = attn
+                .chunks_exact(qd)
+                .map(|r| DotInput::from_slice(layer.o.dtype, r))
+                .collect();
+            layer.o.matmul(&attn_in, &mut o);
+            add_bias(&mut o, layer.o_bias.as_deref());
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            // FFN block through the neuron engine.
+            let xs = self.prepare(&x, &mut normed, &layer.ffn_norm, layer.ffn.dtype(), eps);
+            layer.ffn.forward_dense(&xs, &mut x);
+        }
+        kv.commit(n);
+        for row in x.chunks_exact_mut(h) {
+            normed.copy_from_slice(row);
+            rms_norm(&normed, &self.final_norm, eps, row);
+        }
+        Ok(x)
+    }
+
+    /// RMSNorms each row of `x` (`[n, hidden]`) and prepares it for dots with rows of `dtype`.
+    fn prepare(
+        &self,
+        x: &[f32],
+        normed: &mut [f32],
+        weight: &[f32],
+        dtype: DType,
+        eps: f32,
+    ) -> Vec<DotInput> {
+        x.chunks_exact(normed.len())
+            .map(|row| {
+                rms_norm(row, weight, eps, normed);
+                DotInput::from_slice(dtype, normed)
+            })
+            .collect()
+    }
+
+    /// Logits `[vocab]` for one final hidden state `[hidden]`.
+    pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; self.cfg.vocab_size as usize];
+        self.lm_head
+            .matvec(&DotInput::from_slice(self.lm_head.dtype, hidden), &mut out);
+        out
+    }
+
+    /// Logits `[n, vocab]` for `n` final hidden states `[n, hidden]`.
+    pub fn logits_batch(&self, hidden: &[f32]) -> Vec<f32> {
+        let h = self.cfg.hidden_size as usize;
+        let xs: Vec<DotInput> = hidden
+            .chunks_exact(h)
+            .map(|r| DotInput::from_slice(self.lm_head.dtype, r))
+            .collect();
+        let mut out = vec![0f32; xs.len() * self.cfg.vocab_size as usize];
+        self.lm_head.matmul(&xs, &mut out);
+        out
+    }
+}
+
+fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            row.iter_mut().zip(b).for_each(|(a, c)| *a += c);
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Small f32 building blocks of the transformer: RMSNorm, RoPE, softmax,
+//! FFN activations.
+
+use nflash_format::{Activation, ModelConfig, RopeScaling};
+
+/// RMSNorm: `out = x / sqrt(mean(x²) + eps) * weight`. `x`, `weight`, `out`: `[hidden]`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let scale = 1.0 / (ss + eps).sqrt();
+    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * scale * w;
+    }
+}
+
+/// In-place softmax over `x`.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// Applies the FFN activation to a gate projection output.
+#[inline]
+pub fn activate(act: Activation, x: f32) -> f32 {
+    match act {
+        Activation::Silu => x / (1.0 + (-x).exp()),
+        Activation::Relu => x.max(0.0),
+        Activation::Gelu => 0.5 * x * (1.0 + erf(x / std::f32::consts::SQRT_2)),
+        Activation::GeluTanh => {
+            let c = (2.0 / std::f32::consts::PI).sqrt();
+            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+        }
+    }
+}
+
+/// erf with max error 1.5e-7 (Abramowitz–Stegun 7.1.26), in f64 internally.
+fn erf(x: f32) -> f32 {
+    let x = x as f64;
+    let s = x.signum();
+    let x = x.abs();
+    let t = 1.0 / (1.0 + 0.3275911 * x);
+    let y = 1.0
+        - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t
+            + 0.254829592)
+            * t
+            * (-x * x).exp();
+    (s * y) as f32
+}
+
+/// Rotary position embedding tables (HF "rotate_half" layout: element `i`
+/// pairs with `i + head_dim/2`).
+pub struct Rope {
+    /// Inverse frequencies `[head_dim/2]`, after `rope_scaling`.
+    inv_freq: Vec<f32>,
+    half: usize,
+}
+
+impl Rope {
+    /// Builds the frequencies from `rope_theta`, `head_dim` and `rope_scaling`
+    /// (HF `_compute_default/linear/llama3_rope_parameters`).
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let d = cfg.head_dim as usize;
+        let half = d / 2;
+        let mut inv_freq: Vec<f64> = (0..half)
+            .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64))
+            .collect();
+        match cfg.rope_scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => inv_freq.iter_mut().for_each(|f| *f /= factor),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                let old = original_max_position_embeddings as f64;
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                for f in inv_freq.iter_mut() {
+                    let wavelen = 2.0 * std::f64::consts::PI / *f;
+                    if wavelen < high_wavelen {
+                    } else if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else {
+                        let smooth =
+                            (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+        }
+        Rope {
+            inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(),
+            half,
+        }
+    }
+
+    /// Rotates every head of `x` (`[n_heads * head_dim]`) for position `pos`.
+    pub fn apply(&self, x: &mut [f32], pos: usize) {
+        let d = 2 * self.half;
+        for head in x.chunks_exact_mut(d) {
+            for i in 0..self.half {
+                let angle = pos as f32 * self.inv_freq[i];
+                let (sin, cos) = angle.sin_cos();
+                let a = head[i];
+                let b = head[i + self.half];
+                head[i] = a * cos - b * sin;
+                head[i + self.half] = b * cos + a * sin;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_sums_to_one() {
+        let mut x = vec![1.0, 2.0, 3.0, -1e9];
+        softmax(&mut x);
+        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(x[3] == 0.0 && x[2] > x[1]);
+    }
+
+    #[test]
+    fn activations() {
+        assert!((activate(Activation::Silu, 1.0) - 0.7310586).abs() < 1e-6);
+        assert_eq!(activate(Activation::Relu, -2.0), 0.0);
+        assert!((activate(Activation::Gelu, 1.0) - 0.8413447).abs() < 1e-5);
+        assert!((activate(Activation::GeluTanh, 1.0) - 0.8411920).abs() < 1e-5);
+    }
+}

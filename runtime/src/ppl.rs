@@ -1,0 +1,63 @@
+//! Perplexity over non-overlapping windows (as llama.cpp's `perplexity`,
+//! without its half-window scoring: every token after a window's first is scored).
+
+use crate::error::{Error, Result};
+use crate::model::Model;
+
+/// Result of [`perplexity`].
+#[derive(Debug, Clone, Copy)]
+pub struct Perplexity {
+    /// exp(mean negative log-likelihood).
+    pub perplexity: f64,
+    /// Tokens scored.
+    pub tokens: usize,
+    /// Windows run.
+    pub windows: usize,
+}
+
+/// Scores `tokens` in windows of `ctx` tokens. `on_window(done, total)` reports progress.
+///
+/// # Errors
+/// [`Error::Usage`] for `ctx < 2` or fewer than 2 tokens; model errors.
+pub fn perplexity(
+    model: &Model,
+    tokens: &[u32],
+    ctx: usize,
+    mut on_window: impl FnMut(usize, usize),
+) -> Result<Perplexity> {
+    if ctx < 2 {
+        return Err(Error::Usage(format!("--ctx {ctx} must be at least 2")));
+    }
+    if tokens.len() < 2 {
+        return Err(Error::Usage(format!(
+            "the text has {} tokens; perplexity needs at least 2",
+            tokens.len()
+        )));
+    }
+    let h = model.cfg.hidden_size as usize;
+    let vocab = model.cfg.vocab_size as usize;
+    let windows: Vec<&[u32]> = tokens.chunks(ctx).filter(|w| w.len() >= 2).collect();
+    let mut nll = 0f64;
+    let mut count = 0usize;
+    for (wi, w) in windows.iter().enumerate() {
+        let mut kv = model.new_kv_cache(w.len());
+        let hidden = model.forward(&mut kv, w)?;
+        // Logits in chunks of 32 positions to bound memory.
+        for (ci, hs) in hidden[..(w.len() - 1) * h].chunks(32 * h).enumerate() {
+            let logits = model.logits_batch(hs);
+            for (j, row) in logits.chunks_exact(vocab).enumerate() {
+                let target = w[ci * 32 + j + 1] as usize;
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let lse = row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln() + max;
+                nll += lse - row[target] as f64;
+                count += 1;
+            }
+        }
+        on_window(wi + 1, windows.len());
+    }
+    Ok(Perplexity {
+        perplexity: (nll / count as f64).exp(),
+        tokens: count,
+        windows: windows.len(),
+    })
+}

@@ -1,0 +1,267 @@
+//! Typed views of packed weight rows and the dot products over them.
+//!
+//! Rows are stored exactly as GGML lays them out (SPEC §5), so the mapped
+//! bytes are reinterpreted as candle-core's `BlockQ4_0`/`BlockQ8_0` and fed
+//! to its SIMD `vec_dot` kernels.
+
+use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ8_0, GgmlType};
+use half::f16;
+use nflash_format::DType;
+use rayon::prelude::*;
+
+/// Reinterprets `bytes` as a slice of `T`.
+///
+/// Panics if `bytes` is misaligned for `T` or not a whole number of `T`s;
+/// pack offsets are aligned by construction (SPEC §3–4), so this is a bug.
+fn cast<T>(bytes: &[u8]) -> &[T] {
+    let size = std::mem::size_of::<T>();
+    assert!(
+        bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0 && bytes.len() % size == 0,
+        "misaligned weight view"
+    );
+    // SAFETY: alignment and length were checked above; T is one of f32, f16,
+    // BlockQ8_0, BlockQ4_0, all plain-old-data `repr(C)` types for which every
+    // bit pattern is valid, and the borrow keeps the bytes alive.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) }
+}
+
+/// A vector prepared as the right-hand side of a dot with rows of one dtype:
+/// f32 rows dot f32, f16 rows dot f16, Q8_0/Q4_0 rows dot Q8_0 blocks.
+pub enum DotInput {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Q8(Vec<BlockQ8_0>),
+}
+
+impl DotInput {
+    /// An empty input for rows of `dtype`, to be filled by [`Self::set`].
+    pub fn new(dtype: DType) -> Self {
+        match dtype {
+            DType::F32 => DotInput::F32(Vec::new()),
+            DType::F16 => DotInput::F16(Vec::new()),
+            DType::Q8_0 | DType::Q4_0 => DotInput::Q8(Vec::new()),
+        }
+    }
+
+    /// Prepares `x` (`[n]`, n a multiple of 32 for quantized rows), reusing the buffer.
+    pub fn set(&mut self, x: &[f32]) {
+        match self {
+            DotInput::F32(v) => {
+                v.clear();
+                v.extend_from_slice(x);
+            }
+            DotInput::F16(v) => {
+                v.clear();
+                v.extend(x.iter().map(|&a| f16::from_f32(a)));
+            }
+            DotInput::Q8(v) => {
+                v.resize(x.len() / 32, BlockQ8_0::zeros());
+                BlockQ8_0::from_float(x, v);
+            }
+        }
+    }
+
+    /// Convenience: a new input for `dtype` holding `x`.
+    pub fn from_slice(dtype: DType, x: &[f32]) -> Self {
+        let mut d = Self::new(dtype);
+        d.set(x);
+        d
+    }
+}
+
+/// A row-major matrix view `[rows, cols]` over packed bytes.
+#[derive(Clone, Copy)]
+pub struct QMatrix<'a> {
+    /// Storage type.
+    pub dtype: DType,
+    /// Rows (output features).
+    pub rows: usize,
+    /// Columns (input features, elements per row).
+    pub cols: usize,
+    row_bytes: usize,
+    data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    /// A view of `rows × cols` elements of `dtype` in `data`
+    /// (`data.len() == rows * row_bytes(cols)`, checked by the caller's shape validation).
+    pub fn new(dtype: DType, rows: usize, cols: usize, data: &'a [u8]) -> Self {
+        let row_bytes = dtype.row_bytes(cols as u64).expect("validated row length") as usize;
+        assert_eq!(data.len(), rows * row_bytes, "weight view size");
+        QMatrix {
+            dtype,
+            rows,
+            cols,
+            row_bytes,
+            data,
+        }
+    }
+
+    /// Bytes of row `r`.
+    #[inline]
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// Dot product of row `r` with a prepared input.
+    #[inline]
+    pub fn row_dot(&self, r: usize, x: &DotInput) -> f32 {
+        row_dot(self.dtype, self.cols, self.row(r), x)
+    }
+
+    /// `out[r] = row_r · x` for all rows, in parallel. `out`: `[rows]`.
+    pub fn matvec(&self, x: &DotInput, out: &mut [f32]) {
+        debug_assert_eq!(out.len(), self.rows);
+        out.par_chunks_mut(64).enumerate().for_each(|(ci, chunk)| {
+            for (i, o) in chunk.iter_mut().enumerate() {
+                *o = self.row_dot(ci * 64 + i, x);
+            }
+        });
+    }
+
+    /// `out[t, r] = row_r · xs[t]` for `n = xs.len()` inputs. `out`: `[n, rows]`.
+    /// Rows are the outer loop so each weight row is read once for all inputs.
+    pub fn matmul(&self, xs: &[DotInput], out: &mut [f32]) {
+        let n = xs.len();
+        debug_assert_eq!(out.len(), n * self.rows);
+        if n == 1 {
+            return self.matvec(&xs[0], out);
+        }
+        const RB: usize = 16;
+        let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
+        tmp.par_chunks_mut(RB * n).enumerate().for_each(|(ci, chunk)| {
+            for (i, row_out) in chunk.chunks_mut(n).enumerate() {
+                let r = ci * RB + i;
+                for (t, o) in row_out.iter_mut().enumerate() {
+                    *o = self.row_dot(r, &xs[t]);
+                }
+            }
+        });
+        for r in 0..self.rows {
+            for t in 0..n {
+                out[t * self.rows + r] = tmp[r * n + t];
+            }
+        }
+    }
+
+    /// Dequantizes row `r` into `out` (`[cols]`).
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        row_to_f32(self.dtype, self.row(r), out)
+    }
+}
+
+/// Dot of one packed row (`cols` elements of `dtype`) with a prepared input.
+#[inline]
+pub fn row_dot(dtype: DType, cols: usize, row: &[u8], x: &DotInput) -> f32 {
+    match (dtype, x) {
+        (DType::F32, DotInput::F32(v)) => f32::vec_dot(cols, cast::<f32>(row), v),
+        (DType::F16, DotInput::F16(v)) => f16::vec_dot(cols, cast::<f16>(row), v),
+        (DType::Q8_0, DotInput::Q8(v)) => BlockQ8_0::vec_dot(cols, cast::<BlockQ8_0>(row), v),
+        (DType::Q4_0, DotInput::Q8(v)) => BlockQ4_0::vec_dot(cols, cast::<BlockQ4_0>(row), v),
+        _ => panic!("dot input prepared for another dtype than {dtype}"),
+    }
+}
+
+/// Dequantizes one packed row into `out`.
+pub fn row_to_f32(dtype: DType, row: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => out.copy_from_slice(cast::<f32>(row)),
+        DType::F16 => f16::to_float(cast::<f16>(row), out),
+        DType::Q8_0 => BlockQ8_0::to_float(cast::<BlockQ8_0>(row), out),
+        DType::Q4_0 => BlockQ4_0::to_float(cast::<BlockQ4_0>(row), out),
+    }
+}
+
+/// `out += a · row`, dequantizing one packed row block by block.
+/// `row`: `cols` elements of `dtype`; `out`: `[cols]`.
+#[inline]
+pub fn axpy_row(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
+    match dtype {
+        DType::F32 => {
+            for (o, w) in out.iter_mut().zip(cast::<f32>(row)) {
+                *o += a * w;
+            }
+        }
+        DType::F16 => {
+            for (o, w) in out.iter_mut().zip(cast::<f16>(row)) {
+                *o += a * w.to_f32();
+            }
+        }
+        DType::Q8_0 => {
+            for (b, o) in cast::<BlockQ8_0>(row).iter().zip(out.chunks_exact_mut(32)) {
+                let mut tmp = [0f32; 32];
+                BlockQ8_0::to_float(std::slice::from_ref(b), &mut tmp);
+                for (o, w) in o.iter_mut().zip(tmp) {
+                    *o += a * w;
+                }
+            }
+        }
+        DType::Q4_0 => {
+            for (b, o) in cast::<BlockQ4_0>(row).iter().zip(out.chunks_exact_mut(32)) {
+                let mut tmp = [0f32; 32];
+                BlockQ4_0::to_float(std::slice::from_ref(b), &mut tmp);
+                for (o, w) in o.iter_mut().zip(tmp) {
+                    *o += a * w;
+                }
+            }
+        }
+    }
+}
+
+/// Quantizes `x` (`[n]`) into packed row bytes of `dtype` (used by `prep` and tests).
+/// `n` must be a multiple of 32 for quantized types.
+pub fn quantize_row(dtype: DType, x: &[f32], out: &mut Vec<u8>) {
+    fn push<T: GgmlType>(x: &[f32], out: &mut Vec<u8>) {
+        let mut blocks = vec![T::zeros(); x.len() / T::BLCK_SIZE];
+        T::from_float(x, &mut blocks);
+        // SAFETY: T is a plain-old-data repr(C) type; viewing its memory as
+        // bytes for `len * size_of::<T>()` bytes is valid.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                blocks.as_ptr() as *const u8,
+                blocks.len() * std::mem::size_of::<T>(),
+            )
+        };
+        out.extend_from_slice(bytes);
+    }
+    match dtype {
+        DType::F32 => x.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        DType::F16 => x
+            .iter()
+            .for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+        DType::Q8_0 => push::<BlockQ8_0>(x, out),
+        DType::Q4_0 => push::<BlockQ4_0>(x, out),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn approx_dot(dtype: DType) -> (f32, f32) {
+        let n = 64;
+        let w: Vec<f32> = (0..2 * n).map(|i| ((i * 37 % 17) as f32 - 8.0) / 8.0).collect();
+        let x: Vec<f32> = (0..n).map(|i| ((i * 11 % 13) as f32 - 6.0) / 6.0).collect();
+        let mut bytes = Vec::new();
+        // 8-byte aligned copy so casts are valid
+        quantize_row(dtype, &w[..n], &mut bytes);
+        quantize_row(dtype, &w[n..], &mut bytes);
+        let aligned: Vec<u64> = vec![0; bytes.len().div_ceil(8)];
+        let mut aligned = aligned;
+        // SAFETY: `aligned` has at least `bytes.len()` bytes.
+        let buf = unsafe { std::slice::from_raw_parts_mut(aligned.as_mut_ptr() as *mut u8, bytes.len()) };
+        buf.copy_from_slice(&bytes);
+        let m = QMatrix::new(dtype, 2, n, buf);
+        let xin = DotInput::from_slice(dtype, &x);
+        let exact: f32 = w[n..].iter().zip(&x).map(|(a, b)| a * b).sum();
+        (m.row_dot(1, &xin), exact)
+    }
+
+    #[test]
+    fn dots_match_f32_reference() {
+        for (dt, tol) in [(DType::F32, 1e-5), (DType::F16, 1e-2), (DType::Q8_0, 0.1), (DType::Q4_0, 0.6)] {
+            let (got, want) = approx_dot(dt);
+            assert!((got - want).abs() <= tol, "{dt}: {got} vs {want}");
+        }
+    }
+}

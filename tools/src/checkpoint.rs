@@ -1,0 +1,309 @@
+//! Reading a Hugging Face checkpoint directory: config.json,
+//! generation_config.json, single or sharded safetensors (BF16/F16/F32),
+//! tokenizer.json and tokenizer_config.json.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use memmap2::Mmap;
+use nflash_format::{Activation, Architecture, ModelConfig, RopeScaling};
+use safetensors::tensor::Metadata;
+use safetensors::Dtype;
+use serde_json::Value;
+
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+    data_start: usize,
+    meta: Metadata,
+}
+
+/// An opened checkpoint. Tensors are read lazily, one at a time.
+pub struct Checkpoint {
+    /// Checkpoint directory.
+    pub dir: PathBuf,
+    /// Parsed hyper-parameters.
+    pub config: ModelConfig,
+    /// `tokenizer.json` bytes.
+    pub tokenizer_json: Vec<u8>,
+    /// `tokenizer_config.json`, or `Null` when absent.
+    pub tokenizer_config: Value,
+    shards: Vec<Shard>,
+    index: HashMap<String, usize>,
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
+}
+
+fn get_u64(cfg: &Value, key: &str) -> Result<Option<u64>> {
+    match cfg.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| anyhow!("config.json: {key} = {v} is not a non-negative integer")),
+    }
+}
+
+fn req_u64(cfg: &Value, key: &str) -> Result<u64> {
+    get_u64(cfg, key)?.ok_or_else(|| anyhow!("config.json has no {key}; it is required"))
+}
+
+fn get_f64(cfg: &Value, key: &str) -> Result<Option<f64>> {
+    match cfg.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| anyhow!("config.json: {key} = {v} is not a number")),
+    }
+}
+
+fn get_bool(cfg: &Value, key: &str, default: bool) -> Result<bool> {
+    match cfg.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v.as_bool().ok_or_else(|| anyhow!("config.json: {key} = {v} is not a boolean")),
+    }
+}
+
+/// Token ids from an `eos_token_id` value: an integer or a list of them.
+fn token_ids(v: Option<&Value>, what: &str) -> Result<Vec<u32>> {
+    let as_id = |v: &Value| {
+        v.as_u64()
+            .filter(|&x| x <= u32::MAX as u64)
+            .map(|x| x as u32)
+            .ok_or_else(|| anyhow!("{what}: {v} is not a token id"))
+    };
+    match v {
+        None | Some(Value::Null) => Ok(vec![]),
+        Some(Value::Array(a)) => a.iter().map(as_id).collect(),
+        Some(v) => Ok(vec![as_id(v)?]),
+    }
+}
+
+fn rope_scaling(cfg: &Value) -> Result<Option<RopeScaling>> {
+    let Some(rs) = cfg.get("rope_scaling").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let kind = rs
+        .get("rope_type")
+        .or_else(|| rs.get("type"))
+        .and_then(Value::as_str)
+        .ok_or_else(|| anyhow!("config.json: rope_scaling has no \"type\" or \"rope_type\""))?;
+    let num = |k: &str| -> Result<f64> {
+        rs.get(k)
+            .and_then(Value::as_f64)
+            .ok_or_else(|| anyhow!("config.json: rope_scaling ({kind}) needs a number {k}"))
+    };
+    match kind {
+        "default" => Ok(None),
+        "linear" => Ok(Some(RopeScaling::Linear { factor: num("factor")? })),
+        "llama3" => Ok(Some(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")? as u64,
+        })),
+        other => bail!(
+            "config.json: rope_scaling type {other:?} is not supported; supported: linear, llama3"
+        ),
+    }
+}
+
+/// Parses HF `config.json` (+ `generation_config.json` for extra EOS ids).
+pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
+    let arch_name = cfg
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .ok_or_else(|| anyhow!("config.json has no \"architectures\" list"))?;
+    let architecture = Architecture::from_hf(arch_name).ok_or_else(|| {
+        anyhow!(
+            "unsupported architecture {arch_name:?}; supported: {}",
+            Architecture::SUPPORTED.join(", ")
+        )
+    })?;
+    let hidden_size = req_u64(cfg, "hidden_size")?;
+    let num_heads = req_u64(cfg, "num_attention_heads")?;
+    if num_heads == 0 {
+        bail!("config.json: num_attention_heads is 0");
+    }
+    let act_name = cfg.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+    let activation = Activation::from_hf(act_name).ok_or_else(|| {
+        anyhow!("config.json: hidden_act {act_name:?} is not supported; supported: silu, relu, gelu, gelu_pytorch_tanh")
+    })?;
+    let mut eos = token_ids(cfg.get("eos_token_id"), "config.json eos_token_id")?;
+    if let Some(g) = gen {
+        for id in token_ids(g.get("eos_token_id"), "generation_config.json eos_token_id")? {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    let sliding_window = match architecture {
+        Architecture::Mistral => get_u64(cfg, "sliding_window")?,
+        Architecture::Qwen2 if get_bool(cfg, "use_sliding_window", false)? => get_u64(cfg, "sliding_window")?,
+        _ => None,
+    };
+    let config = ModelConfig {
+        architecture,
+        vocab_size: req_u64(cfg, "vocab_size")?,
+        hidden_size,
+        intermediate_size: req_u64(cfg, "intermediate_size")?,
+        num_layers: req_u64(cfg, "num_hidden_layers")?,
+        num_heads,
+        num_kv_heads: get_u64(cfg, "num_key_value_heads")?.unwrap_or(num_heads),
+        head_dim: get_u64(cfg, "head_dim")?.unwrap_or(hidden_size / num_heads),
+        rms_norm_eps: get_f64(cfg, "rms_norm_eps")?.unwrap_or(1e-6),
+        rope_theta: get_f64(cfg, "rope_theta")?.unwrap_or(10000.0),
+        rope_scaling: rope_scaling(cfg)?,
+        max_position_embeddings: get_u64(cfg, "max_position_embeddings")?.unwrap_or(2048),
+        sliding_window,
+        activation,
+        tie_word_embeddings: get_bool(cfg, "tie_word_embeddings", false)?,
+        attention_bias: get_bool(cfg, "attention_bias", false)?,
+        mlp_bias: get_bool(cfg, "mlp_bias", false)?,
+        bos_token_id: token_ids(cfg.get("bos_token_id"), "config.json bos_token_id")?.first().copied(),
+        eos_token_ids: eos,
+    };
+    config.check().map_err(|e| anyhow!("config.json: {e}"))?;
+    Ok(config)
+}
+
+impl Checkpoint {
+    /// Opens `dir`, parsing the config and every safetensors header.
+    ///
+    /// # Errors
+    /// Missing files (named), invalid JSON, unsupported architecture or
+    /// settings, a shard listed in the index but absent, unreadable headers.
+    pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            bail!("{} is not a directory; pass a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)", dir.display());
+        }
+        let cfg_path = dir.join("config.json");
+        if !cfg_path.exists() {
+            bail!("{} has no config.json; is it a Hugging Face checkpoint directory?", dir.display());
+        }
+        let cfg = read_json(&cfg_path)?;
+        let gen_path = dir.join("generation_config.json");
+        let gen = if gen_path.exists() { Some(read_json(&gen_path)?) } else { None };
+        let config = parse_config(&cfg, gen.as_ref())?;
+
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer_json = std::fs::read(&tok_path).with_context(|| {
+            format!("cannot read {}; nflash needs the Hugging Face fast tokenizer file", tok_path.display())
+        })?;
+        let tc_path = dir.join("tokenizer_config.json");
+        let tokenizer_config = if tc_path.exists() { read_json(&tc_path)? } else { Value::Null };
+
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let shard_names: Vec<String> = if index_path.exists() {
+            let idx = read_json(&index_path)?;
+            let map = idx
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| anyhow!("{} has no weight_map object", index_path.display()))?;
+            let mut names: Vec<String> = map
+                .values()
+                .map(|v| v.as_str().map(str::to_string).ok_or_else(|| anyhow!("{}: weight_map value {v} is not a file name", index_path.display())))
+                .collect::<Result<_>>()?;
+            names.sort();
+            names.dedup();
+            names
+        } else if single.exists() {
+            vec!["model.safetensors".into()]
+        } else {
+            bail!("{} has neither model.safetensors nor model.safetensors.index.json", dir.display());
+        };
+        let mut shards = Vec::new();
+        let mut index = HashMap::new();
+        for name in shard_names {
+            if name.contains('/') || name.contains("..") {
+                bail!("shard name {name:?} in the index is not a plain file name");
+            }
+            let path = dir.join(&name);
+            let file = File::open(&path).with_context(|| {
+                format!("shard {} is named in the index but cannot be opened; re-download the checkpoint", path.display())
+            })?;
+            // SAFETY: read-only map of a checkpoint file that is not modified
+            // while prep runs; every access goes through ranges validated
+            // by safetensors' header parser and checked below.
+            let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
+            let (n, meta) = safetensors::SafeTensors::read_metadata(&mmap)
+                .map_err(|e| anyhow!("{}: invalid safetensors header: {e:?}", path.display()))?;
+            let data_start = 8 + n;
+            let data_len = mmap.len() - data_start;
+            for (tname, info) in meta.tensors() {
+                if info.data_offsets.1 > data_len {
+                    bail!("{}: tensor {tname} extends past the end of the file (truncated download?)", path.display());
+                }
+                index.insert(tname.clone(), shards.len());
+            }
+            shards.push(Shard { path, mmap, data_start, meta });
+        }
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            config,
+            tokenizer_json,
+            tokenizer_config,
+            shards,
+            index,
+        })
+    }
+
+    /// Whether the checkpoint has tensor `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Total tensors across shards.
+    pub fn tensor_count(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Shape of tensor `name`.
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        let s = self.shard_of(name)?;
+        Ok(s.meta.info(name).expect("indexed").shape.clone())
+    }
+
+    fn shard_of(&self, name: &str) -> Result<&Shard> {
+        let i = *self.index.get(name).ok_or_else(|| {
+            anyhow!("tensor {name} is missing from the checkpoint in {}", self.dir.display())
+        })?;
+        Ok(&self.shards[i])
+    }
+
+    /// Reads tensor `name` as f32, checking it has `shape`.
+    ///
+    /// # Errors
+    /// Missing tensor, wrong shape, dtype other than BF16/F16/F32.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let s = self.shard_of(name)?;
+        let info = s.meta.info(name).expect("indexed");
+        if info.shape != shape {
+            bail!("tensor {name} has shape {:?}, expected {shape:?} from config.json", info.shape);
+        }
+        let (a, b) = info.data_offsets;
+        let bytes = &s.mmap[s.data_start + a..s.data_start + b];
+        let n: usize = shape.iter().product();
+        let width = match info.dtype {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            other => bail!("tensor {name} in {} has dtype {other:?}; supported: BF16, F16, F32", s.path.display()),
+        };
+        if bytes.len() != n * width {
+            bail!("tensor {name}: {} bytes for {n} elements of {:?}", bytes.len(), info.dtype);
+        }
+        Ok(match info.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            _ => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        })
+    }
+}

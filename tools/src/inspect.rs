@@ -1,0 +1,88 @@
+//! `prep inspect`: describe a pack.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use nflash_format::{Pack, SegmentKind};
+
+/// Arguments of `prep inspect`.
+#[derive(Args)]
+pub struct InspectArgs {
+    /// The .nflash pack.
+    file: PathBuf,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: InspectArgs) -> Result<()> {
+    let pack = Pack::open(&a.file)?;
+    let h = pack.header();
+    let m = pack.manifest();
+    let resident_bytes: u64 = m.tensors.iter().map(|t| t.bytes).sum();
+    let ffn_bytes: u64 = m
+        .segments
+        .iter()
+        .filter(|s| s.kind == SegmentKind::Ffn)
+        .map(|s| s.bytes)
+        .sum();
+    let mut types: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    for t in &m.tensors {
+        let e = types.entry(t.dtype.to_string()).or_default();
+        e.0 += 1;
+        e.1 += t.bytes;
+    }
+    let ffn_dtype = m.ffn.first().map(|f| f.bundle.dtype.to_string());
+    let clusters: usize = m.ffn.iter().map(|f| f.clusters.len()).sum();
+    if a.json {
+        let segs: Vec<_> = m
+            .segments
+            .iter()
+            .map(|s| serde_json::json!({"name": s.name, "offset": s.offset, "bytes": s.bytes, "kind": format!("{:?}", s.kind), "crc32": s.crc32}))
+            .collect();
+        let j = serde_json::json!({
+            "file": a.file,
+            "file_bytes": pack.file_len(),
+            "version": format!("{}.{}", h.major, h.minor),
+            "alignment": h.alignment,
+            "producer": m.producer,
+            "config": serde_json::to_value(&m.config)?,
+            "chat_template": m.tokenizer.chat_template.is_some(),
+            "segments": segs,
+            "resident_bytes": resident_bytes,
+            "ffn_bytes": ffn_bytes,
+            "ffn_dtype": ffn_dtype,
+            "ffn_clusters": clusters,
+            "tensor_types": types.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(());
+    }
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    println!("{}: nflash pack v{}.{}, {:.1} MiB, alignment {} bytes, by {}", a.file.display(), h.major, h.minor, mib(pack.file_len()), h.alignment, m.producer);
+    let c = &m.config;
+    println!(
+        "model: {} — {} layers, hidden {}, FFN {} ({:?}), heads {}/{} KV, head_dim {}, vocab {}, rope_theta {}, rope_scaling {:?}, max positions {}, tied embeddings {}",
+        c.architecture.hf_name(), c.num_layers, c.hidden_size, c.intermediate_size, c.activation,
+        c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size, c.rope_theta, c.rope_scaling,
+        c.max_position_embeddings, c.tie_word_embeddings
+    );
+    println!("tokens: bos {:?}, eos {:?}, chat template: {}", c.bos_token_id, c.eos_token_ids, if m.tokenizer.chat_template.is_some() { "yes" } else { "no" });
+    println!("resident tensors: {} ({:.2} MiB)", m.tensors.len(), mib(resident_bytes));
+    for (k, (n, b)) in &types {
+        println!("  {k:>5}: {n} tensors, {:.2} MiB", mib(*b));
+    }
+    if let Some(f) = m.ffn.first() {
+        println!(
+            "FFN: {} layers × {} neurons as {} bundles of {} bytes, {} neuron clusters in all, {:.2} MiB",
+            m.ffn.len(), f.n_neurons, f.bundle.dtype, f.bundle.bundle_bytes, clusters, mib(ffn_bytes)
+        );
+    }
+    println!("segments:");
+    for s in &m.segments {
+        println!("  {:<12} {:>12} offset {:>12} bytes  {:?}", s.name, s.offset, s.bytes, s.kind);
+    }
+    Ok(())
+}

@@ -1,0 +1,278 @@
+//! Laying a checkpoint out as a pack: resident tensors, then one FFN segment
+//! per layer of page-aligned neuron clusters of bundles
+//! (gate row | up row | down column), as SPEC §4.4 prescribes.
+
+use anyhow::{anyhow, bail, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use nflash_format::{
+    BundleLayout, DType, FfnLayer, Manifest, ModelConfig, NeuronCluster, PackWriter, SegmentKind,
+    TensorEntry, TokenizerInfo,
+};
+use nflash_runtime::weights::quantize_row;
+use rayon::prelude::*;
+
+use crate::checkpoint::Checkpoint;
+
+/// Layout choices for a pack.
+pub struct PackOptions {
+    /// Type of weight matrices (attention, embeddings, FFN bundles).
+    pub quant: DType,
+    /// Target bytes per neuron cluster.
+    pub cluster_bytes: u64,
+    /// Alignment of cluster offsets, bytes (flash page).
+    pub cluster_align: u64,
+    /// Segment alignment, bytes.
+    pub alignment: u32,
+}
+
+/// One resident tensor to write: HF name, shape, type.
+struct Resident {
+    name: String,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+/// The type a matrix is stored as: `quant`, or F16 when its rows are not a
+/// whole number of 32-element blocks.
+fn matrix_dtype(quant: DType, cols: usize) -> DType {
+    if quant.row_bytes(cols as u64).is_some() {
+        quant
+    } else {
+        DType::F16
+    }
+}
+
+fn resident_list(cfg: &ModelConfig, quant: DType) -> Vec<Resident> {
+    let (h, v) = (cfg.hidden_size as usize, cfg.vocab_size as usize);
+    let qd = (cfg.num_heads * cfg.head_dim) as usize;
+    let kvd = (cfg.num_kv_heads * cfg.head_dim) as usize;
+    let inter = cfg.intermediate_size as usize;
+    let mat = |name: String, rows: usize, cols: usize| Resident {
+        name,
+        shape: vec![rows, cols],
+        dtype: matrix_dtype(quant, cols),
+    };
+    let vec32 = |name: String, n: usize| Resident {
+        name,
+        shape: vec![n],
+        dtype: DType::F32,
+    };
+    let mut out = vec![mat("model.embed_tokens.weight".into(), v, h)];
+    let qkv_bias = cfg.attention_bias || cfg.architecture == nflash_format::Architecture::Qwen2;
+    let o_bias = cfg.attention_bias && cfg.architecture != nflash_format::Architecture::Qwen2;
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        out.push(vec32(format!("{p}.input_layernorm.weight"), h));
+        out.push(vec32(format!("{p}.post_attention_layernorm.weight"), h));
+        out.push(mat(format!("{p}.self_attn.q_proj.weight"), qd, h));
+        out.push(mat(format!("{p}.self_attn.k_proj.weight"), kvd, h));
+        out.push(mat(format!("{p}.self_attn.v_proj.weight"), kvd, h));
+        out.push(mat(format!("{p}.self_attn.o_proj.weight"), h, qd));
+        if qkv_bias {
+            out.push(vec32(format!("{p}.self_attn.q_proj.bias"), qd));
+            out.push(vec32(format!("{p}.self_attn.k_proj.bias"), kvd));
+            out.push(vec32(format!("{p}.self_attn.v_proj.bias"), kvd));
+        }
+        if o_bias {
+            out.push(vec32(format!("{p}.self_attn.o_proj.bias"), h));
+        }
+        if cfg.mlp_bias {
+            out.push(vec32(format!("{p}.mlp.gate_proj.bias"), inter));
+            out.push(vec32(format!("{p}.mlp.up_proj.bias"), inter));
+            out.push(vec32(format!("{p}.mlp.down_proj.bias"), h));
+        }
+    }
+    out.push(vec32("model.norm.weight".into(), h));
+    if !cfg.tie_word_embeddings {
+        out.push(mat("lm_head.weight".into(), v, h));
+    }
+    out
+}
+
+/// Every tensor the pack needs, with its expected shape: checked before
+/// anything is written so a bad checkpoint never leaves a partial file.
+pub fn check_tensors(ck: &Checkpoint) -> Result<()> {
+    let cfg = &ck.config;
+    let (h, inter) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
+    if !cfg.tie_word_embeddings && !ck.has("lm_head.weight") {
+        bail!("config.json says tie_word_embeddings: false but the checkpoint has no lm_head.weight; fix the config (set it to true if the output layer shares the embedding) or supply the missing shard");
+    }
+    let mut need: Vec<(String, Vec<usize>)> = resident_list(cfg, DType::F32)
+        .into_iter()
+        .map(|r| (r.name, r.shape))
+        .collect();
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}.mlp");
+        need.push((format!("{p}.gate_proj.weight"), vec![inter, h]));
+        need.push((format!("{p}.up_proj.weight"), vec![inter, h]));
+        need.push((format!("{p}.down_proj.weight"), vec![h, inter]));
+    }
+    for (name, shape) in need {
+        let got = ck.shape(&name)?;
+        if got != shape {
+            bail!("tensor {name} has shape {got:?}, but config.json implies {shape:?}");
+        }
+    }
+    Ok(())
+}
+
+fn bar(len: u64, msg: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} {per_sec} eta {eta}")
+            .expect("static template"),
+    );
+    pb.set_message(msg.to_string());
+    pb
+}
+
+/// Writes the pack for `ck` to `out` (temporary file + rename).
+pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions) -> Result<()> {
+    let cfg = ck.config.clone();
+    let (h, inter) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
+    let layout = BundleLayout::new(opts.quant, h as u64).ok_or_else(|| {
+        anyhow!("hidden_size {h} is not a multiple of 32, so FFN bundles cannot be stored as {}; use --quant f16 or f32", opts.quant)
+    })?;
+    let mut w = PackWriter::create(out, opts.alignment)?;
+
+    // Tokenizer segment.
+    let tok_z = zstd::bulk::compress(&ck.tokenizer_json, 19)?;
+    w.begin_segment("tokenizer", SegmentKind::Tokenizer)?;
+    w.write(&tok_z)?;
+    w.end_segment()?;
+
+    // Resident tensors.
+    let residents = resident_list(&cfg, opts.quant);
+    let pb = bar((residents.len() + cfg.num_layers as usize) as u64, "convert");
+    w.begin_segment("resident", SegmentKind::Resident)?;
+    let seg_idx = w.segments().len() as u32;
+    let mut tensors = Vec::with_capacity(residents.len());
+    let mut buf = Vec::new();
+    for r in &residents {
+        pb.set_message(short(&r.name));
+        let data = ck.tensor_f32(&r.name, &r.shape)?;
+        let cols = *r.shape.last().expect("rank ≥ 1");
+        buf.clear();
+        let rows: Vec<Vec<u8>> = data
+            .par_chunks(cols)
+            .map(|row| {
+                let mut b = Vec::new();
+                quantize_row(r.dtype, row, &mut b);
+                b
+            })
+            .collect();
+        rows.iter().for_each(|b| buf.extend_from_slice(b));
+        let offset = w.pad_segment_to(64)?;
+        w.write(&buf)?;
+        tensors.push(TensorEntry {
+            name: r.name.clone(),
+            segment: seg_idx,
+            offset,
+            bytes: buf.len() as u64,
+            dtype: r.dtype,
+            shape: r.shape.iter().map(|&d| d as u64).collect(),
+        });
+        pb.inc(1);
+    }
+    w.end_segment()?;
+
+    // FFN neuron clusters, one segment per layer.
+    let per_cluster = (opts.cluster_bytes / layout.bundle_bytes).clamp(1, inter as u64) as usize;
+    let mut ffn = Vec::with_capacity(cfg.num_layers as usize);
+    for l in 0..cfg.num_layers as usize {
+        let p = format!("model.layers.{l}.mlp");
+        pb.set_message(format!("ffn.{l}"));
+        let gate = ck.tensor_f32(&format!("{p}.gate_proj.weight"), &[inter, h])?; // [inter, hidden]
+        let up = ck.tensor_f32(&format!("{p}.up_proj.weight"), &[inter, h])?; // [inter, hidden]
+        let down = ck.tensor_f32(&format!("{p}.down_proj.weight"), &[h, inter])?; // [hidden, inter]
+        // Packed order = original order for a dense pack.
+        let order: Vec<u32> = (0..inter as u32).collect();
+        let bundles: Vec<Vec<u8>> = order
+            .par_iter()
+            .map(|&i| {
+                let i = i as usize;
+                let mut b = Vec::with_capacity(layout.bundle_bytes as usize);
+                quantize_row(opts.quant, &gate[i * h..(i + 1) * h], &mut b);
+                quantize_row(opts.quant, &up[i * h..(i + 1) * h], &mut b);
+                let col: Vec<f32> = (0..h).map(|j| down[j * inter + i]).collect();
+                quantize_row(opts.quant, &col, &mut b);
+                debug_assert_eq!(b.len() as u64, layout.bundle_bytes);
+                b
+            })
+            .collect();
+        let seg_name = format!("ffn.{l}");
+        w.begin_segment(&seg_name, SegmentKind::Ffn)?;
+        let seg = w.segments().len() as u32;
+        let mut clusters = Vec::new();
+        for (ci, chunk) in bundles.chunks(per_cluster).enumerate() {
+            let offset = w.pad_segment_to(opts.cluster_align)?;
+            for b in chunk {
+                w.write(b)?;
+            }
+            clusters.push(NeuronCluster {
+                offset,
+                first: (ci * per_cluster) as u32,
+                n_neurons: chunk.len() as u32,
+            });
+        }
+        w.end_segment()?;
+        ffn.push(FfnLayer {
+            layer: l as u32,
+            segment: seg,
+            n_neurons: inter as u32,
+            bundle: layout,
+            cluster_align: opts.cluster_align,
+            clusters,
+            order,
+        });
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+
+    let tc = &ck.tokenizer_config;
+    let manifest = Manifest {
+        producer: format!("prep {}", env!("CARGO_PKG_VERSION")),
+        config: cfg,
+        tokenizer: TokenizerInfo {
+            segment: "tokenizer".into(),
+            json_bytes: ck.tokenizer_json.len() as u64,
+            chat_template: chat_template(tc),
+            bos_token: special_token(tc, "bos_token"),
+            eos_token: special_token(tc, "eos_token"),
+            add_bos_token: tc.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+        },
+        segments: Vec::new(),
+        tensors,
+        ffn,
+    };
+    w.finish(manifest)?;
+    Ok(())
+}
+
+fn short(name: &str) -> String {
+    name.trim_start_matches("model.").chars().take(28).collect()
+}
+
+/// `chat_template` from tokenizer_config.json: a string, or a list of
+/// `{name, template}` of which "default" is taken.
+fn chat_template(tc: &serde_json::Value) -> Option<String> {
+    match tc.get("chat_template")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .or_else(|| list.first())
+            .and_then(|t| t.get("template"))
+            .and_then(|t| t.as_str())
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+/// A special token string (`"<s>"` or `{"content": "<s>", ...}`).
+fn special_token(tc: &serde_json::Value, key: &str) -> Option<String> {
+    match tc.get(key)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        v => v.get("content").and_then(|c| c.as_str()).map(str::to_string),
+    }
+}
