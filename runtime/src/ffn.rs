@@ -66,9 +66,11 @@ impl<'a> Ffn<'a> {
         let h = self.hidden;
         let dt = self.layout.dtype;
         debug_assert_eq!(out.len(), n * h);
+        let min_len = self.clusters.len().div_ceil(2 * rayon::current_num_threads());
         let acc = self
             .clusters
             .par_iter()
+            .with_min_len(min_len.max(1))
             .fold(
                 || (vec![0f32; n * h], vec![0f32; h], vec![0f32; n]),
                 |(mut acc, mut down, mut a), c| {

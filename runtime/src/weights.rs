@@ -112,9 +112,10 @@ impl<'a> QMatrix<'a> {
     /// `out[r] = row_r · x` for all rows, in parallel. `out`: `[rows]`.
     pub fn matvec(&self, x: &DotInput, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.rows);
-        out.par_chunks_mut(64).enumerate().for_each(|(ci, chunk)| {
-            for (i, o) in chunk.iter_mut().enumerate() {
-                *o = self.row_dot(ci * 64 + i, x);
+        let chunk = par_chunk(self.rows, 64);
+        out.par_chunks_mut(chunk).enumerate().for_each(|(ci, c)| {
+            for (i, o) in c.iter_mut().enumerate() {
+                *o = self.row_dot(ci * chunk + i, x);
             }
         });
     }
@@ -127,11 +128,11 @@ impl<'a> QMatrix<'a> {
         if n == 1 {
             return self.matvec(&xs[0], out);
         }
-        const RB: usize = 16;
+        let rb = par_chunk(self.rows, 16);
         let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
-        tmp.par_chunks_mut(RB * n).enumerate().for_each(|(ci, chunk)| {
+        tmp.par_chunks_mut(rb * n).enumerate().for_each(|(ci, chunk)| {
             for (i, row_out) in chunk.chunks_mut(n).enumerate() {
-                let r = ci * RB + i;
+                let r = ci * rb + i;
                 for (t, o) in row_out.iter_mut().enumerate() {
                     *o = self.row_dot(r, &xs[t]);
                 }
@@ -148,6 +149,12 @@ impl<'a> QMatrix<'a> {
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
         row_to_f32(self.dtype, self.row(r), out)
     }
+}
+
+/// Rows per parallel task: about four tasks per thread, at least `min`,
+/// so small matrices are not split into tasks that cost more than they do.
+pub fn par_chunk(rows: usize, min: usize) -> usize {
+    rows.div_ceil(4 * rayon::current_num_threads()).max(min)
 }
 
 /// Dot of one packed row (`cols` elements of `dtype`) with a prepared input.
@@ -188,20 +195,23 @@ pub fn axpy_row(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
             }
         }
         DType::Q8_0 => {
-            for (b, o) in cast::<BlockQ8_0>(row).iter().zip(out.chunks_exact_mut(32)) {
-                let mut tmp = [0f32; 32];
-                BlockQ8_0::to_float(std::slice::from_ref(b), &mut tmp);
-                for (o, w) in o.iter_mut().zip(tmp) {
-                    *o += a * w;
+            // Block: f16 scale d (2 bytes) then 32 × i8 (SPEC §5).
+            for (b, o) in row.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+                let s = a * f16::from_le_bytes([b[0], b[1]]).to_f32();
+                for (o, &q) in o.iter_mut().zip(&b[2..34]) {
+                    *o += s * (q as i8) as f32;
                 }
             }
         }
         DType::Q4_0 => {
-            for (b, o) in cast::<BlockQ4_0>(row).iter().zip(out.chunks_exact_mut(32)) {
-                let mut tmp = [0f32; 32];
-                BlockQ4_0::to_float(std::slice::from_ref(b), &mut tmp);
-                for (o, w) in o.iter_mut().zip(tmp) {
-                    *o += a * w;
+            // Block: f16 scale d, then 16 bytes; element j is the low nibble of
+            // byte j, element j+16 the high nibble; value (q - 8) * d (SPEC §5).
+            for (b, o) in row.chunks_exact(18).zip(out.chunks_exact_mut(32)) {
+                let s = a * f16::from_le_bytes([b[0], b[1]]).to_f32();
+                let (lo, hi) = o.split_at_mut(16);
+                for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..18]) {
+                    *l += s * ((q & 0x0F) as i32 - 8) as f32;
+                    *h += s * ((q >> 4) as i32 - 8) as f32;
                 }
             }
         }
@@ -255,6 +265,26 @@ mod tests {
         let xin = DotInput::from_slice(dtype, &x);
         let exact: f32 = w[n..].iter().zip(&x).map(|(a, b)| a * b).sum();
         (m.row_dot(1, &xin), exact)
+    }
+
+    #[test]
+    fn axpy_matches_dequantize() {
+        let x: Vec<f32> = (0..96).map(|i| ((i * 29 % 31) as f32 - 15.0) / 7.0).collect();
+        for dt in [DType::F32, DType::F16, DType::Q8_0, DType::Q4_0] {
+            let mut bytes = Vec::new();
+            quantize_row(dt, &x, &mut bytes);
+            let mut aligned = vec![0u64; bytes.len().div_ceil(8)];
+            // SAFETY: `aligned` has at least `bytes.len()` bytes.
+            let buf = unsafe { std::slice::from_raw_parts_mut(aligned.as_mut_ptr() as *mut u8, bytes.len()) };
+            buf.copy_from_slice(&bytes);
+            let mut deq = vec![0f32; 96];
+            row_to_f32(dt, buf, &mut deq);
+            let mut out = vec![1f32; 96];
+            axpy_row(dt, buf, -0.5, &mut out);
+            for (o, d) in out.iter().zip(&deq) {
+                assert!((o - (1.0 - 0.5 * d)).abs() < 1e-5, "{dt}");
+            }
+        }
     }
 
     #[test]

@@ -3,18 +3,19 @@
 use anyhow::{Context, Result};
 use std::path::Path;
 
-/// Sizes the global rayon pool; `None` uses every core.
-pub fn set_threads(threads: Option<usize>) -> Result<()> {
-    if let Some(n) = threads {
-        if n == 0 {
-            anyhow::bail!("--threads must be at least 1");
-        }
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("cannot start the thread pool")?;
+/// Runs `f` on a worker of a rayon pool of `threads` threads (`None`: one
+/// per core). Running the whole command inside the pool keeps the many small
+/// parallel regions of a forward pass on worker threads, instead of
+/// blocking the main thread on a lock for each one.
+pub fn in_pool<T: Send>(threads: Option<usize>, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    if threads == Some(0) {
+        anyhow::bail!("--threads must be at least 1");
     }
-    Ok(())
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.unwrap_or(0))
+        .build()
+        .context("cannot start the thread pool")?;
+    pool.install(f)
 }
 
 /// Reads a UTF-8 text file, naming the file and the bad byte offset on error.

@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::Args;
 use nflash_runtime::{ppl, Engine};
 
-use crate::common::{open_pack, read_text, set_threads};
+use crate::common::{in_pool, open_pack, read_text};
 
 /// Arguments of `nflash ppl`.
 #[derive(Args)]
@@ -35,7 +35,10 @@ pub struct PplArgs {
 }
 
 pub fn run(a: PplArgs) -> Result<()> {
-    set_threads(a.threads)?;
+    in_pool(a.threads, || run_in_pool(a))
+}
+
+fn run_in_pool(a: PplArgs) -> Result<()> {
     let text = read_text(&a.file)?;
     let pack = open_pack(&a.model, a.verify)?;
     let engine = Engine::load(&pack)?;

@@ -11,7 +11,7 @@ use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::stats::peak_rss_bytes;
 use nflash_runtime::Engine;
 
-use crate::common::{open_pack, read_text, set_threads};
+use crate::common::{in_pool, open_pack, read_text};
 
 /// Arguments of `nflash run`.
 #[derive(Args)]
@@ -67,7 +67,10 @@ pub struct RunArgs {
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
-    set_threads(a.threads)?;
+    in_pool(a.threads, || run_in_pool(a))
+}
+
+fn run_in_pool(a: RunArgs) -> Result<()> {
     if !(a.temperature.is_finite() && a.temperature >= 0.0) {
         bail!("--temperature must be ≥ 0, got {}", a.temperature);
     }

@@ -1,0 +1,112 @@
+//! Reference logits from candle-transformers and our runtime, and their comparison.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::{llama, qwen2};
+use nflash_format::Pack;
+use nflash_runtime::Model;
+
+/// Per-position logits `[n][vocab]` from candle-transformers run in f32 on the
+/// HF checkpoint in `dir`, one token at a time through its KV cache.
+pub fn reference_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let dev = Device::Cpu;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    // SAFETY: test fixtures are not modified while mapped.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &dev) }.unwrap();
+    let cfg_text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(&cfg_text).unwrap();
+    let arch = cfg["architectures"][0].as_str().unwrap();
+    let mut out = Vec::new();
+    let step = |t: u32| Tensor::new(&[t], &dev).unwrap().unsqueeze(0).unwrap();
+    match arch {
+        "LlamaForCausalLM" => {
+            let c: llama::LlamaConfig = serde_json::from_str(&cfg_text).unwrap();
+            let c = c.into_config(false);
+            let model = llama::Llama::load(vb, &c).unwrap();
+            let mut cache = llama::Cache::new(true, DType::F32, &c, &dev).unwrap();
+            for (i, &t) in tokens.iter().enumerate() {
+                let l = model.forward(&step(t), i, &mut cache).unwrap();
+                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            }
+        }
+        "Qwen2ForCausalLM" => {
+            let c: qwen2::Config = serde_json::from_str(&cfg_text).unwrap();
+            let mut model = qwen2::ModelForCausalLM::new(&c, vb).unwrap();
+            for (i, &t) in tokens.iter().enumerate() {
+                let l = model.forward(&step(t), i).unwrap();
+                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            }
+        }
+        other => panic!("no reference for {other}"),
+    }
+    out
+}
+
+/// Our logits per position, from one batched prefill and from token-by-token decode.
+pub fn our_logits(pack: &Path, tokens: &[u32]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let pack = Pack::open(pack).unwrap();
+    let model = Model::load(&pack).unwrap();
+    let vocab = model.cfg.vocab_size as usize;
+    let mut kv = model.new_kv_cache(tokens.len() + 1);
+    let h = model.forward(&mut kv, tokens).unwrap();
+    let prefill: Vec<Vec<f32>> = model.logits_batch(&h).chunks(vocab).map(|c| c.to_vec()).collect();
+    let mut kv = model.new_kv_cache(tokens.len() + 1);
+    let decode = tokens
+        .iter()
+        .map(|&t| {
+            let h = model.forward(&mut kv, &[t]).unwrap();
+            model.logits(&h)
+        })
+        .collect();
+    (prefill, decode)
+}
+
+/// ‖a − b‖ / ‖b‖ over all positions.
+pub fn rel_error(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let (mut d, mut n) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.len(), y.len());
+        for (p, q) in x.iter().zip(y) {
+            d += ((p - q) as f64).powi(2);
+            n += (*q as f64).powi(2);
+        }
+    }
+    (d / n).sqrt()
+}
+
+/// Index of the largest value.
+pub fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Fraction of positions whose top-1 tokens agree.
+pub fn top1_agreement(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let same = a.iter().zip(b).filter(|(x, y)| argmax(x) == argmax(y)).count();
+    same as f64 / a.len() as f64
+}
+
+/// Asserts both of our paths match the reference: same top-1 everywhere, relative error < 1e-3.
+pub fn assert_matches_reference(what: &str, ours: &(Vec<Vec<f32>>, Vec<Vec<f32>>), reference: &[Vec<f32>]) {
+    for (path, logits) in [("prefill", &ours.0), ("decode", &ours.1)] {
+        assert_eq!(logits.len(), reference.len());
+        let err = rel_error(logits, reference);
+        let agree = top1_agreement(logits, reference);
+        eprintln!("{what} {path}: relative error {err:.2e}, top-1 agreement {agree}");
+        assert!(err < 1e-3, "{what} {path}: relative logit error {err:.3e} ≥ 1e-3");
+        assert_eq!(agree, 1.0, "{what} {path}: top-1 differs from the reference");
+    }
+}

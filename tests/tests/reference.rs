@@ -1,0 +1,52 @@
+//! Tiny random checkpoints of each supported variant, converted to f32 packs,
+//! must match candle-transformers run on the same checkpoint.
+
+mod common;
+
+use common::{assert_matches_reference, our_logits, reference_logits};
+use nflash_tests::{convert, write_tiny_checkpoint, TinySpec};
+
+fn check(name: &str, spec: TinySpec) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    write_tiny_checkpoint(&dir, &spec);
+    let pack = tmp.path().join("tiny.nflash");
+    convert(&dir, &pack, "f32");
+    let tokens: Vec<u32> = (0..24).map(|i| ((i * 7 + 3) % spec.vocab) as u32).collect();
+    let reference = reference_logits(&dir, &tokens);
+    assert_matches_reference(name, &our_logits(&pack, &tokens), &reference);
+}
+
+#[test]
+fn llama_gqa_llama3_rope_bf16_two_shards() {
+    check(
+        "llama gqa llama3 bf16 sharded",
+        TinySpec { rope_theta: 1e6, llama3_scaling: true, dtype: "BF16", shards: 2, seed: 11, ..Default::default() },
+    );
+}
+
+#[test]
+fn llama_untied_f16() {
+    check("llama untied f16", TinySpec { tied: false, dtype: "F16", seed: 12, ..Default::default() });
+}
+
+#[test]
+fn llama_tied_f32_mha() {
+    check("llama mha f32", TinySpec { kv_heads: 4, seed: 13, ..Default::default() });
+}
+
+#[test]
+fn qwen2_qkv_bias_untied_f32() {
+    check(
+        "qwen2 bias",
+        TinySpec { arch: "Qwen2ForCausalLM", tied: false, rope_theta: 1e6, seed: 14, ..Default::default() },
+    );
+}
+
+#[test]
+fn qwen2_tied_bf16_three_shards() {
+    check(
+        "qwen2 tied bf16",
+        TinySpec { arch: "Qwen2ForCausalLM", tied: true, dtype: "BF16", shards: 3, seed: 15, ..Default::default() },
+    );
+}
