@@ -1,0 +1,157 @@
+//! End-to-end checks on the real SmolLM2-135M-Instruct checkpoint made by `make model`.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+use common::{assert_matches_reference, our_logits, reference_logits, top1_agreement};
+use nflash_format::Pack;
+use nflash_runtime::{ppl, Engine, Model};
+use nflash_tests::{convert, eval_text, repo_root, run, smollm2_dir};
+
+const CHATML_PROMPT: &str = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+const CHATML_IDS: [u32; 16] = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198];
+
+/// The SmolLM2 pack for `quant`, converted once per test run.
+fn pack(quant: &str) -> PathBuf {
+    static PACKS: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
+    let mut map = PACKS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    map.entry(quant.to_string())
+        .or_insert_with(|| {
+            let dir = repo_root().join("target/test-packs");
+            std::fs::create_dir_all(&dir).unwrap();
+            let out = dir.join(format!("smollm2-{quant}.nflash"));
+            convert(&smollm2_dir(), &out, quant);
+            out
+        })
+        .clone()
+}
+
+fn eval_tokens(n: usize) -> Vec<u32> {
+    let (text, _) = eval_text();
+    let tok = tokenizers::Tokenizer::from_file(smollm2_dir().join("tokenizer.json")).unwrap();
+    let ids = tok.encode(&text[..text.len().min(200_000)], false).unwrap().get_ids().to_vec();
+    assert!(ids.len() >= n, "evaluation text too short");
+    ids[..n].to_vec()
+}
+
+#[test]
+fn make_model_output_is_a_valid_hf_checkpoint() {
+    let dir = smollm2_dir();
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        assert!(dir.join(f).exists(), "{f} missing");
+    }
+    let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "LlamaForCausalLM");
+    assert_eq!(cfg["hidden_size"], 576);
+    assert_eq!(cfg["num_key_value_heads"], 3);
+    assert_eq!(cfg["tie_word_embeddings"], true);
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.len(), 272);
+    assert!(st.tensor("lm_head.weight").is_err(), "tied model must not have lm_head.weight");
+    let shape = |n: &str| st.tensor(n).unwrap().shape().to_vec();
+    assert_eq!(shape("model.embed_tokens.weight"), [49152, 576]);
+    assert_eq!(shape("model.layers.0.self_attn.q_proj.weight"), [576, 576]);
+    assert_eq!(shape("model.layers.29.self_attn.k_proj.weight"), [192, 576]);
+    assert_eq!(shape("model.layers.7.self_attn.v_proj.weight"), [192, 576]);
+    assert_eq!(shape("model.layers.3.mlp.gate_proj.weight"), [1536, 576]);
+    assert_eq!(shape("model.layers.3.mlp.down_proj.weight"), [576, 1536]);
+    assert_eq!(shape("model.norm.weight"), [576]);
+    assert!(st.tensors().iter().all(|(_, t)| t.dtype() == safetensors::Dtype::BF16));
+    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    assert_eq!(tok.encode(CHATML_PROMPT, false).unwrap().get_ids(), CHATML_IDS);
+    let tc: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap();
+    assert!(tc["chat_template"].as_str().unwrap().contains("<|im_start|>"));
+}
+
+#[test]
+fn packed_chat_template_and_tokenizer_reproduce_the_chatml_ids() {
+    let p = Pack::open(pack("q8_0")).unwrap();
+    let e = Engine::load(&p).unwrap();
+    let rendered = e
+        .template
+        .as_ref()
+        .unwrap()
+        .render(&[
+            nflash_runtime::chat::Message::new("system", "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
+            nflash_runtime::chat::Message::new("user", "What is the capital of France?"),
+        ])
+        .unwrap();
+    assert!(rendered.ends_with(CHATML_PROMPT), "{rendered:?}");
+    assert_eq!(e.tokenizer.encode(CHATML_PROMPT, false).unwrap(), CHATML_IDS);
+    assert_eq!(e.stop_ids, vec![2]);
+}
+
+#[test]
+fn f32_pack_matches_candle_reference_on_64_tokens() {
+    let tokens = eval_tokens(64);
+    let reference = reference_logits(&smollm2_dir(), &tokens);
+    assert_matches_reference("SmolLM2 f32", &our_logits(&pack("f32"), &tokens), &reference);
+}
+
+fn prefill_logits(quant: &str, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let p = Pack::open(pack(quant)).unwrap();
+    let m = Model::load(&p).unwrap();
+    let mut kv = m.new_kv_cache(tokens.len());
+    let h = m.forward(&mut kv, tokens).unwrap();
+    m.logits_batch(&h).chunks(m.cfg.vocab_size as usize).map(|c| c.to_vec()).collect()
+}
+
+#[test]
+fn q8_0_agrees_with_f32_on_top1() {
+    let tokens = eval_tokens(256);
+    let agree = top1_agreement(&prefill_logits("q8_0", &tokens), &prefill_logits("f32", &tokens));
+    eprintln!("q8_0 vs f32 top-1 agreement over 256 positions of {}: {agree:.4}", eval_text().1);
+    assert!(agree >= 0.95, "top-1 agreement {agree} < 0.95");
+}
+
+#[test]
+fn q4_0_perplexity_is_reported_and_close_to_f32() {
+    let tokens = eval_tokens(1024);
+    let mut r = Vec::new();
+    for q in ["f32", "q4_0"] {
+        let p = Pack::open(pack(q)).unwrap();
+        let m = Model::load(&p).unwrap();
+        r.push(ppl::perplexity(&m, &tokens, 512, |_, _| {}).unwrap().perplexity);
+    }
+    eprintln!("perplexity over 1024 tokens of {} (ctx 512): f32 {:.3}, q4_0 {:.3}", eval_text().1, r[0], r[1]);
+    assert!(r[0].is_finite() && r[0] > 1.0 && r[0] < 100.0, "f32 perplexity {}", r[0]);
+    assert!(r[1] < r[0] * 1.5, "q4_0 perplexity {} too far above f32 {}", r[1], r[0]);
+}
+
+#[test]
+fn greedy_chat_answers_paris_in_q8_0_and_q4_0() {
+    for q in ["q8_0", "q4_0"] {
+        let p = pack(q);
+        let o = run("nflash", &["run", "--model", p.to_str().unwrap(), "--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--max-tokens", "32"]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{q}: {}", String::from_utf8_lossy(&o.stderr));
+        eprintln!("{q}: {out}");
+        assert!(out.contains("Paris"), "{q} answered {out:?}");
+    }
+}
+
+#[test]
+fn ppl_cli_json_and_stats_json() {
+    let p = pack("q4_0");
+    let tmp = tempfile::tempdir().unwrap();
+    let text = tmp.path().join("t.txt");
+    std::fs::write(&text, eval_text().0.chars().take(4000).collect::<String>()).unwrap();
+    let o = run("nflash", &["ppl", "--model", p.to_str().unwrap(), "--file", text.to_str().unwrap(), "--ctx", "128", "--max-tokens", "300", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(j["perplexity"].as_f64().unwrap() > 1.0);
+    assert_eq!(j["tokens"], 300 - 3); // 3 windows (128, 128, 44); the first token of each is not scored
+    let stats = tmp.path().join("s.json");
+    let o = run("nflash", &["run", "--model", p.to_str().unwrap(), "--prompt", "Once upon a time", "--max-tokens", "8", "--ignore-eos", "--seed", "3", "--stats-json", stats.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+    assert_eq!(s["generated_tokens"], 8);
+    assert!(s["prompt_tokens"].as_u64().unwrap() >= 4);
+    for k in ["prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_bytes"] {
+        assert!(s[k].as_f64().unwrap() > 0.0, "{k}");
+    }
+}
