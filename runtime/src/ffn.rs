@@ -118,6 +118,72 @@ impl<'a> Ffn<'a> {
 }
 
 impl Ffn<'_> {
+    /// `out[t] += FFN(x[t])` for a batch (prefill): `x` `[n, hidden]` (normed,
+    /// f32), `out` `[n, hidden]`. Neuron clusters are dequantized a tile at a
+    /// time and multiplied with candle-core's matmul: `A = act(X·Gᵀ)∘(X·Uᵀ)`,
+    /// `out += A·D`, where the tile's rows of G, U, D are its bundles.
+    pub fn forward_batch(&self, x: &[f32], out: &mut [f32]) -> crate::error::Result<()> {
+        let h = self.hidden;
+        let n = x.len() / h;
+        let dt = self.layout.dtype;
+        let xt = crate::matmul::input(x, n, h)?;
+        let tile = (crate::matmul::TILE_ELEMS / h).max(1);
+        let mut group: Vec<&NeuronCluster> = Vec::new();
+        let mut acc = vec![0f32; n * h];
+        let mut flush = |group: &mut Vec<&NeuronCluster>| -> crate::error::Result<()> {
+            if group.is_empty() {
+                return Ok(());
+            }
+            let p0 = group[0].first as usize;
+            let m: usize = group.iter().map(|c| c.n_neurons as usize).sum();
+            let idx: Vec<(&NeuronCluster, usize)> = group
+                .iter()
+                .flat_map(|c| (0..c.n_neurons as usize).map(move |i| (*c, i)))
+                .collect();
+            let (mut wg, mut wu, mut wd) = (vec![0f32; m * h], vec![0f32; m * h], vec![0f32; m * h]);
+            wg.par_chunks_mut(h)
+                .zip(wu.par_chunks_mut(h))
+                .zip(wd.par_chunks_mut(h))
+                .zip(idx.par_iter())
+                .for_each(|(((g, u), d), (c, i))| {
+                    let (gr, ur, dr) = self.bundle(c, *i);
+                    row_to_f32(dt, gr, g);
+                    row_to_f32(dt, ur, u);
+                    row_to_f32(dt, dr, d);
+                });
+            let g = crate::matmul::matmul_xwt(&xt, wg, m, h)?; // [n, m]
+            let u = crate::matmul::matmul_xwt(&xt, wu, m, h)?; // [n, m]
+            let mut a = g;
+            for (row_a, row_u) in a.chunks_exact_mut(m).zip(u.chunks_exact(m)) {
+                for (j, (av, uv)) in row_a.iter_mut().zip(row_u).enumerate() {
+                    let bg = self.gate_bias.as_ref().map_or(0.0, |b| b[p0 + j]);
+                    let bu = self.up_bias.as_ref().map_or(0.0, |b| b[p0 + j]);
+                    *av = activate(self.act, *av + bg) * (uv + bu);
+                }
+            }
+            let y = crate::matmul::matmul_aw(a, n, wd, m, h)?; // [n, hidden]
+            acc.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
+            group.clear();
+            Ok(())
+        };
+        let mut in_group = 0;
+        for c in &self.clusters {
+            if in_group + c.n_neurons as usize > tile && !group.is_empty() {
+                flush(&mut group)?;
+                in_group = 0;
+            }
+            in_group += c.n_neurons as usize;
+            group.push(c);
+        }
+        flush(&mut group)?;
+        for (o, row) in out.chunks_exact_mut(h).zip(acc.chunks_exact(h)) {
+            for (j, (v, a)) in o.iter_mut().zip(row).enumerate() {
+                *v += a + self.down_bias.as_ref().map_or(0.0, |b| b[j]);
+            }
+        }
+        Ok(())
+    }
+
     /// Storage type of the bundles (inputs must be prepared for it).
     pub fn dtype(&self) -> nflash_format::DType {
         self.layout.dtype

@@ -10,6 +10,7 @@ pub mod error;
 pub mod ffn;
 pub mod generate;
 pub mod kv_cache;
+pub mod matmul;
 pub mod model;
 pub mod ops;
 pub mod ppl;

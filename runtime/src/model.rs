@@ -4,12 +4,14 @@
 //! then `x += FFN(norm(x))` through the neuron engine. Tensor names are the
 //! Hugging Face ones (SPEC §4.3).
 
+use candle_core::quantized::GgmlType;
 use nflash_format::{DType, ModelConfig, Pack};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::ffn::Ffn;
 use crate::kv_cache::KvCache;
+use crate::matmul::MIN_BATCH;
 use crate::ops::{rms_norm, softmax, Rope};
 use crate::weights::{DotInput, QMatrix};
 
@@ -184,17 +186,14 @@ impl<'a> Model<'a> {
         let mut attn = vec![0f32; n * qd];
         let mut o = vec![0f32; n * h];
         let window = self.cfg.sliding_window.map(|w| w as usize);
+        let batched = n >= MIN_BATCH;
+        let mut xn = vec![0f32; n * h]; // [n, hidden], RMSNormed
         for (l, layer) in self.layers.iter().enumerate() {
             // Attention block.
-            let xs = self.prepare(&x, &mut normed, &layer.attn_norm, layer.q.dtype, eps);
-            let xs_kv = if layer.k.dtype == layer.q.dtype {
-                None
-            } else {
-                Some(self.prepare(&x, &mut normed, &layer.attn_norm, layer.k.dtype, eps))
-            };
-            layer.q.matmul(&xs, &mut q);
-            layer.k.matmul(xs_kv.as_ref().unwrap_or(&xs), &mut k);
-            layer.v.matmul(xs_kv.as_ref().unwrap_or(&xs), &mut v);
+            norm_rows(&x, &layer.attn_norm, eps, &mut xn);
+            project(&layer.q, &xn, batched, &mut q)?;
+            project(&layer.k, &xn, batched, &mut k)?;
+            project(&layer.v, &xn, batched, &mut v)?;
             add_bias(&mut q, layer.q_bias.as_deref());
             add_bias(&mut k, layer.k_bias.as_deref());
             add_bias(&mut v, layer.v_bias.as_deref());
@@ -217,7 +216,7 @@ impl<'a> Model<'a> {
                     scores.clear();
                     for j in start..=pos {
                         let kr = &kc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
-                        scores.push(qv.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale);
+                        scores.push(f32::vec_dot(hd, qv, kr) * scale);
                     }
                     softmax(scores);
                     out.fill(0.0);
@@ -229,16 +228,20 @@ impl<'a> Model<'a> {
                     }
                 },
             );
-            let attn_in: Vec<DotInput> = attn
-                .chunks_exact(qd)
-                .map(|r| DotInput::from_slice(layer.o.dtype, r))
-                .collect();
-            layer.o.matmul(&attn_in, &mut o);
+            project(&layer.o, &attn, batched, &mut o)?;
             add_bias(&mut o, layer.o_bias.as_deref());
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             // FFN block through the neuron engine.
-            let xs = self.prepare(&x, &mut normed, &layer.ffn_norm, layer.ffn.dtype(), eps);
-            layer.ffn.forward_dense(&xs, &mut x);
+            norm_rows(&x, &layer.ffn_norm, eps, &mut xn);
+            if batched {
+                layer.ffn.forward_batch(&xn, &mut x)?;
+            } else {
+                let xs: Vec<DotInput> = xn
+                    .chunks_exact(h)
+                    .map(|r| DotInput::from_slice(layer.ffn.dtype(), r))
+                    .collect();
+                layer.ffn.forward_dense(&xs, &mut x);
+            }
         }
         kv.commit(n);
         for row in x.chunks_exact_mut(h) {
@@ -246,23 +249,6 @@ impl<'a> Model<'a> {
             rms_norm(&normed, &self.final_norm, eps, row);
         }
         Ok(x)
-    }
-
-    /// RMSNorms each row of `x` (`[n, hidden]`) and prepares it for dots with rows of `dtype`.
-    fn prepare(
-        &self,
-        x: &[f32],
-        normed: &mut [f32],
-        weight: &[f32],
-        dtype: DType,
-        eps: f32,
-    ) -> Vec<DotInput> {
-        x.chunks_exact(normed.len())
-            .map(|row| {
-                rms_norm(row, weight, eps, normed);
-                DotInput::from_slice(dtype, normed)
-            })
-            .collect()
     }
 
     /// Logits `[vocab]` for one final hidden state `[hidden]`.
@@ -284,6 +270,24 @@ impl<'a> Model<'a> {
         self.lm_head.matmul(&xs, &mut out);
         out
     }
+}
+
+/// RMSNorms each row of `x` (`[n, hidden]`) into `out`.
+fn norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    for (row, o) in x.chunks_exact(weight.len()).zip(out.chunks_exact_mut(weight.len())) {
+        rms_norm(row, weight, eps, o);
+    }
+}
+
+/// `out = x · mᵀ` for `x` `[n, cols]`: candle-core matmul over dequantized
+/// tiles for batches, per-row quantized dot products otherwise.
+fn project(m: &QMatrix, x: &[f32], batched: bool, out: &mut [f32]) -> Result<()> {
+    if batched {
+        return m.matmul_f32(x, out);
+    }
+    let xs: Vec<DotInput> = x.chunks_exact(m.cols).map(|r| DotInput::from_slice(m.dtype, r)).collect();
+    m.matmul(&xs, out);
+    Ok(())
 }
 
 fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {

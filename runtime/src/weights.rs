@@ -145,6 +145,27 @@ impl<'a> QMatrix<'a> {
         }
     }
 
+    /// `out[t, r] = row_r · x[t]` for `n` f32 inputs `x` (`[n, cols]`), by
+    /// dequantizing row tiles and multiplying with candle-core's matmul.
+    /// `out`: `[n, rows]`. Used for batches of at least [`crate::matmul::MIN_BATCH`].
+    pub fn matmul_f32(&self, x: &[f32], out: &mut [f32]) -> crate::error::Result<()> {
+        let n = x.len() / self.cols;
+        let xt = crate::matmul::input(x, n, self.cols)?;
+        let tile = (crate::matmul::TILE_ELEMS / self.cols).clamp(1, self.rows);
+        for r0 in (0..self.rows).step_by(tile) {
+            let m = tile.min(self.rows - r0);
+            let mut w = vec![0f32; m * self.cols];
+            w.par_chunks_mut(self.cols)
+                .enumerate()
+                .for_each(|(i, row)| self.row_to_f32(r0 + i, row));
+            let y = crate::matmul::matmul_xwt(&xt, w, m, self.cols)?; // [n, m]
+            for t in 0..n {
+                out[t * self.rows + r0..t * self.rows + r0 + m].copy_from_slice(&y[t * m..(t + 1) * m]);
+            }
+        }
+        Ok(())
+    }
+
     /// Dequantizes row `r` into `out` (`[cols]`).
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
         row_to_f32(self.dtype, self.row(r), out)
