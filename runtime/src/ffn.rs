@@ -59,60 +59,58 @@ impl<'a> Ffn<'a> {
         (&b[..rb], &b[rb..2 * rb], &b[2 * rb..])
     }
 
-    /// `out[t] += FFN(xs[t])` for `n = xs.len()` tokens, over every neuron.
-    /// `xs`: inputs prepared for the bundle dtype; `out`: `[n, hidden]`.
-    pub fn forward_dense(&self, xs: &[DotInput], out: &mut [f32]) {
-        let n = xs.len();
+    /// `out += FFN(x)` for one token (decode), over every neuron.
+    /// `x`: the normed input prepared for the bundle dtype; `out`: `[hidden]`.
+    /// Clusters are split across the rayon pool; each task accumulates into
+    /// its own `[hidden]` buffer, summed at the end.
+    pub fn forward_token(&self, x: &DotInput, out: &mut [f32]) {
         let h = self.hidden;
         let dt = self.layout.dtype;
-        debug_assert_eq!(out.len(), n * h);
+        let act = self.act;
+        let bias = |b: &Option<Vec<f32>>, p: usize| b.as_ref().map_or(0.0, |b| b[p]);
         let min_len = self.clusters.len().div_ceil(2 * rayon::current_num_threads());
         let acc = self
             .clusters
             .par_iter()
             .with_min_len(min_len.max(1))
             .fold(
-                || (vec![0f32; n * h], vec![0f32; h], vec![0f32; n]),
-                |(mut acc, mut down, mut a), c| {
-                    for i in 0..c.n_neurons as usize {
-                        let p = c.first as usize + i;
-                        let (g_row, u_row, d_row) = self.bundle(c, i);
-                        let bg = self.gate_bias.as_ref().map_or(0.0, |b| b[p]);
-                        let bu = self.up_bias.as_ref().map_or(0.0, |b| b[p]);
-                        for (t, x) in xs.iter().enumerate() {
-                            let g = row_dot(dt, h, g_row, x) + bg;
-                            let u = row_dot(dt, h, u_row, x) + bu;
-                            a[t] = activate(self.act, g) * u;
-                        }
-                        if n == 1 {
-                            axpy_row(dt, d_row, a[0], &mut acc);
-                        } else {
-                            row_to_f32(dt, d_row, &mut down);
-                            for (t, &at) in a.iter().enumerate() {
-                                if at != 0.0 {
-                                    let o = &mut acc[t * h..(t + 1) * h];
-                                    for (o, w) in o.iter_mut().zip(&down) {
-                                        *o += at * w;
-                                    }
-                                }
-                            }
+                || vec![0f32; h],
+                |mut acc, c| {
+                    let n = c.n_neurons as usize;
+                    let mut i = 0;
+                    if let DotInput::Q8(y) = x {
+                        // Two neurons per pass: gate and up rows of both in one 4-row kernel.
+                        while i + 1 < n {
+                            let (g0, u0, d0) = self.bundle(c, i);
+                            let (g1, u1, d1) = self.bundle(c, i + 1);
+                            let [g0v, u0v, g1v, u1v] = crate::simd::dot4(dt, h, [g0, u0, g1, u1], y);
+                            let p = c.first as usize + i;
+                            let a0 = activate(act, g0v + bias(&self.gate_bias, p)) * (u0v + bias(&self.up_bias, p));
+                            let a1 = activate(act, g1v + bias(&self.gate_bias, p + 1)) * (u1v + bias(&self.up_bias, p + 1));
+                            axpy_row(dt, d0, a0, &mut acc);
+                            axpy_row(dt, d1, a1, &mut acc);
+                            i += 2;
                         }
                     }
-                    (acc, down, a)
+                    for i in i..n {
+                        let p = c.first as usize + i;
+                        let (g_row, u_row, d_row) = self.bundle(c, i);
+                        let g = row_dot(dt, h, g_row, x) + bias(&self.gate_bias, p);
+                        let u = row_dot(dt, h, u_row, x) + bias(&self.up_bias, p);
+                        axpy_row(dt, d_row, activate(act, g) * u, &mut acc);
+                    }
+                    acc
                 },
             )
-            .map(|(acc, _, _)| acc)
             .reduce(
-                || vec![0f32; n * h],
+                || vec![0f32; h],
                 |mut a, b| {
                     a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
                     a
                 },
             );
-        for (t, o) in out.chunks_exact_mut(h).enumerate() {
-            for (j, v) in o.iter_mut().enumerate() {
-                *v += acc[t * h + j] + self.down_bias.as_ref().map_or(0.0, |b| b[j]);
-            }
+        for (j, (o, a)) in out.iter_mut().zip(&acc).enumerate() {
+            *o += a + bias(&self.down_bias, j);
         }
     }
 }

@@ -236,11 +236,9 @@ impl<'a> Model<'a> {
             if batched {
                 layer.ffn.forward_batch(&xn, &mut x)?;
             } else {
-                let xs: Vec<DotInput> = xn
-                    .chunks_exact(h)
-                    .map(|r| DotInput::from_slice(layer.ffn.dtype(), r))
-                    .collect();
-                layer.ffn.forward_dense(&xs, &mut x);
+                for (xr, outr) in xn.chunks_exact(h).zip(x.chunks_exact_mut(h)) {
+                    layer.ffn.forward_token(&DotInput::from_slice(layer.ffn.dtype(), xr), outr);
+                }
             }
         }
         kv.commit(n);

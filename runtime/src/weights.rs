@@ -112,10 +112,27 @@ impl<'a> QMatrix<'a> {
     /// `out[r] = row_r · x` for all rows, in parallel. `out`: `[rows]`.
     pub fn matvec(&self, x: &DotInput, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.rows);
-        let chunk = par_chunk(self.rows, 64);
+        let chunk = par_chunk(self.rows, 64).next_multiple_of(4);
         out.par_chunks_mut(chunk).enumerate().for_each(|(ci, c)| {
-            for (i, o) in c.iter_mut().enumerate() {
-                *o = self.row_dot(ci * chunk + i, x);
+            let r0 = ci * chunk;
+            match x {
+                DotInput::Q8(y) => {
+                    let done = c.len() / 4 * 4;
+                    let mut quads = c.chunks_exact_mut(4);
+                    for (qi, o) in (&mut quads).enumerate() {
+                        let r = r0 + 4 * qi;
+                        let rows = [self.row(r), self.row(r + 1), self.row(r + 2), self.row(r + 3)];
+                        o.copy_from_slice(&crate::simd::dot4(self.dtype, self.cols, rows, y));
+                    }
+                    for (i, o) in quads.into_remainder().iter_mut().enumerate() {
+                        *o = self.row_dot(r0 + done + i, x);
+                    }
+                }
+                _ => {
+                    for (i, o) in c.iter_mut().enumerate() {
+                        *o = self.row_dot(r0 + i, x);
+                    }
+                }
             }
         });
     }
@@ -215,27 +232,7 @@ pub fn axpy_row(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
                 *o += a * w.to_f32();
             }
         }
-        DType::Q8_0 => {
-            // Block: f16 scale d (2 bytes) then 32 × i8 (SPEC §5).
-            for (b, o) in row.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
-                let s = a * f16::from_le_bytes([b[0], b[1]]).to_f32();
-                for (o, &q) in o.iter_mut().zip(&b[2..34]) {
-                    *o += s * (q as i8) as f32;
-                }
-            }
-        }
-        DType::Q4_0 => {
-            // Block: f16 scale d, then 16 bytes; element j is the low nibble of
-            // byte j, element j+16 the high nibble; value (q - 8) * d (SPEC §5).
-            for (b, o) in row.chunks_exact(18).zip(out.chunks_exact_mut(32)) {
-                let s = a * f16::from_le_bytes([b[0], b[1]]).to_f32();
-                let (lo, hi) = o.split_at_mut(16);
-                for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..18]) {
-                    *l += s * ((q & 0x0F) as i32 - 8) as f32;
-                    *h += s * ((q >> 4) as i32 - 8) as f32;
-                }
-            }
-        }
+        DType::Q8_0 | DType::Q4_0 => crate::simd::axpy(dtype, row, a, out),
     }
 }
 

@@ -1,0 +1,282 @@
+//! Multi-row quantized kernels for decode: the dot products of 4 weight rows
+//! with one Q8_0 activation vector, and a dequantize-and-accumulate (axpy) of
+//! one Q4_0/Q8_0 row. Block layouts are GGML's (SPEC §5).
+//!
+//! candle-core's `vec_dot` handles one row with one accumulator chain; doing
+//! four rows per pass shares the activation loads and keeps four independent
+//! FMA chains in flight, which is what decode (one token, many rows) needs.
+//! On CPUs without AVX2/FMA/F16C, and on other architectures, the kernels
+//! fall back to candle-core's `vec_dot` and a portable axpy.
+
+use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ8_0, GgmlType};
+use half::f16;
+use nflash_format::DType;
+
+/// Whether the AVX2 kernels can run on this CPU (checked once, then cached by std).
+#[inline]
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+fn as_blocks<T>(bytes: &[u8]) -> &[T] {
+    let size = std::mem::size_of::<T>();
+    assert!(bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0 && bytes.len() % size == 0);
+    // SAFETY: alignment and length checked; T is a POD GGML block type for
+    // which every bit pattern is valid.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) }
+}
+
+fn q8_bytes(y: &[BlockQ8_0]) -> &[u8] {
+    // SAFETY: BlockQ8_0 is repr(C), 34 bytes with no padding (asserted by candle-core).
+    unsafe { std::slice::from_raw_parts(y.as_ptr() as *const u8, std::mem::size_of_val(y)) }
+}
+
+/// Dots of four rows of `dtype` (Q4_0 or Q8_0; `cols` elements each) with a
+/// Q8_0 activation vector `y` (`cols / 32` blocks).
+#[inline]
+pub fn dot4(dtype: DType, cols: usize, rows: [&[u8]; 4], y: &[BlockQ8_0]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        let yb = q8_bytes(y);
+        // SAFETY: AVX2/FMA/F16C presence checked above; row and vector lengths
+        // are checked inside against `cols`.
+        return unsafe {
+            match dtype {
+                DType::Q4_0 => avx2::dot4_q4_0(cols, rows, yb),
+                DType::Q8_0 => avx2::dot4_q8_0(cols, rows, yb),
+                _ => unreachable!("dot4 on {dtype}"),
+            }
+        };
+    }
+    let one = |r: &[u8]| match dtype {
+        DType::Q4_0 => BlockQ4_0::vec_dot(cols, as_blocks::<BlockQ4_0>(r), y),
+        DType::Q8_0 => BlockQ8_0::vec_dot(cols, as_blocks::<BlockQ8_0>(r), y),
+        _ => unreachable!("dot4 on {dtype}"),
+    };
+    [one(rows[0]), one(rows[1]), one(rows[2]), one(rows[3])]
+}
+
+/// `out += a · row` for one Q4_0 or Q8_0 row (`out.len()` elements).
+#[inline]
+pub fn axpy(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: features checked above; lengths checked inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => avx2::axpy_q4_0(row, a, out),
+                DType::Q8_0 => avx2::axpy_q8_0(row, a, out),
+                _ => unreachable!("axpy on {dtype}"),
+            }
+        }
+        return;
+    }
+    portable_axpy(dtype, row, a, out)
+}
+
+/// Portable `out += a · row` for Q4_0/Q8_0 (SPEC §5 layouts).
+pub fn portable_axpy(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
+    match dtype {
+        DType::Q8_0 => {
+            for (b, o) in row.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+                let s = a * f16::from_le_bytes([b[0], b[1]]).to_f32();
+                for (o, &q) in o.iter_mut().zip(&b[2..34]) {
+                    *o += s * (q as i8) as f32;
+                }
+            }
+        }
+        DType::Q4_0 => {
+            for (b, o) in row.chunks_exact(18).zip(out.chunks_exact_mut(32)) {
+                let s = a * f16::from_le_bytes([b[0], b[1]]).to_f32();
+                let (lo, hi) = o.split_at_mut(16);
+                for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..18]) {
+                    *l += s * ((q & 0x0F) as i32 - 8) as f32;
+                    *h += s * ((q >> 4) as i32 - 8) as f32;
+                }
+            }
+        }
+        _ => unreachable!("portable_axpy on {dtype}"),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const u16) as i32)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Signed i8 × i8 dot of 32 lanes, as 8 f32 partial sums.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256 {
+        let ax = _mm256_sign_epi8(x, x);
+        let sy = _mm256_sign_epi8(y, x);
+        let dot = _mm256_maddubs_epi16(ax, sy);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)))
+    }
+
+    /// 32 Q4_0 values of the block at `p` (after its scale) as i8 in −8..7.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_unpack(p: *const u8) -> __m256i {
+        let q = _mm_loadu_si128(p as *const __m128i);
+        let m = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(q, m);
+        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m);
+        _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+        let nb = cols / 32;
+        assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * 18));
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for b in 0..nb {
+            let yp = y.as_ptr().add(b * 34);
+            let dy = f16_at(yp);
+            let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
+            for r in 0..4 {
+                let xp = rows[r].as_ptr().add(b * 18);
+                let d = _mm256_set1_ps(f16_at(xp) * dy);
+                acc[r] = _mm256_fmadd_ps(d, mul_sum_i8(q4_unpack(xp.add(2)), yq), acc[r]);
+            }
+        }
+        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot4_q8_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+        let nb = cols / 32;
+        assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * 34));
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for b in 0..nb {
+            let yp = y.as_ptr().add(b * 34);
+            let dy = f16_at(yp);
+            let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
+            for r in 0..4 {
+                let xp = rows[r].as_ptr().add(b * 34);
+                let d = _mm256_set1_ps(f16_at(xp) * dy);
+                let xq = _mm256_loadu_si256(xp.add(2) as *const __m256i);
+                acc[r] = _mm256_fmadd_ps(d, mul_sum_i8(xq, yq), acc[r]);
+            }
+        }
+        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_q4_0(row: &[u8], a: f32, out: &mut [f32]) {
+        let nb = out.len() / 32;
+        assert!(row.len() >= nb * 18 && out.len() % 32 == 0);
+        let o = out.as_mut_ptr();
+        for b in 0..nb {
+            let xp = row.as_ptr().add(b * 18);
+            let s = _mm256_set1_ps(a * f16_at(xp));
+            let v = q4_unpack(xp.add(2));
+            let lo = _mm256_castsi256_si128(v);
+            let hi = _mm256_extracti128_si256(v, 1);
+            let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+            for (k, p) in parts.into_iter().enumerate() {
+                let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p));
+                let dst = o.add(b * 32 + k * 8);
+                _mm256_storeu_ps(dst, _mm256_fmadd_ps(s, f, _mm256_loadu_ps(dst)));
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_q8_0(row: &[u8], a: f32, out: &mut [f32]) {
+        let nb = out.len() / 32;
+        assert!(row.len() >= nb * 34 && out.len() % 32 == 0);
+        let o = out.as_mut_ptr();
+        for b in 0..nb {
+            let xp = row.as_ptr().add(b * 34);
+            let s = _mm256_set1_ps(a * f16_at(xp));
+            for k in 0..4 {
+                let p = _mm_loadl_epi64(xp.add(2 + k * 8) as *const __m128i);
+                let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p));
+                let dst = o.add(b * 32 + k * 8);
+                _mm256_storeu_ps(dst, _mm256_fmadd_ps(s, f, _mm256_loadu_ps(dst)));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::quantize_row;
+
+    fn aligned(bytes: &[u8]) -> Vec<u64> {
+        let mut v = vec![0u64; bytes.len().div_ceil(8)];
+        // SAFETY: v has at least bytes.len() bytes.
+        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, bytes.len()) }.copy_from_slice(bytes);
+        v
+    }
+
+    fn view(v: &[u64], len: usize) -> &[u8] {
+        // SAFETY: v holds at least len bytes.
+        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, len) }
+    }
+
+    #[test]
+    fn dot4_and_axpy_match_candle_and_portable() {
+        let cols = 96;
+        let mut seed = 17u32;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+            (seed >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+        };
+        let x: Vec<f32> = (0..cols).map(|_| rnd()).collect();
+        let mut y = vec![BlockQ8_0::zeros(); cols / 32];
+        BlockQ8_0::from_float(&x, &mut y);
+        for dt in [DType::Q4_0, DType::Q8_0] {
+            let rows: Vec<Vec<u64>> = (0..4)
+                .map(|_| {
+                    let w: Vec<f32> = (0..cols).map(|_| rnd()).collect();
+                    let mut b = Vec::new();
+                    quantize_row(dt, &w, &mut b);
+                    aligned(&b)
+                })
+                .collect();
+            let rb = dt.row_bytes(cols as u64).unwrap() as usize;
+            let r: Vec<&[u8]> = rows.iter().map(|v| view(v, rb)).collect();
+            let got = dot4(dt, cols, [r[0], r[1], r[2], r[3]], &y);
+            for i in 0..4 {
+                let want = match dt {
+                    DType::Q4_0 => BlockQ4_0::vec_dot(cols, as_blocks(r[i]), &y),
+                    _ => BlockQ8_0::vec_dot(cols, as_blocks(r[i]), &y),
+                };
+                assert!((got[i] - want).abs() <= 1e-4 * want.abs().max(1.0), "{dt} row {i}: {} vs {want}", got[i]);
+            }
+            let mut a = vec![0.5f32; cols];
+            let mut b = vec![0.5f32; cols];
+            axpy(dt, r[1], -1.25, &mut a);
+            portable_axpy(dt, r[1], -1.25, &mut b);
+            for (p, q) in a.iter().zip(&b) {
+                assert!((p - q).abs() < 1e-5, "{dt} axpy");
+            }
+        }
+    }
+}
