@@ -15,6 +15,7 @@ pub mod model;
 pub mod ops;
 pub mod ppl;
 pub mod sampler;
+pub mod simd;
 pub mod stats;
 pub mod tokenizer;
 pub mod weights;
