@@ -40,7 +40,7 @@ test: model build
 
 bench: build model
 	bash scripts/bench_setup.sh
-	.venv-bench/bin/python scripts/bench.py --hf-model $(MODEL_DIR)
+	.venv-bench/bin/python scripts/bench.py --hf-model $(MODEL_DIR) --gguf-src models/.download/SmolLM2-135M-Instruct.Q4_1.gguf
 
 clean:
 	$(CARGO) clean
