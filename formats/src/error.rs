@@ -7,17 +7,21 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// An I/O error on `path`.
-    #[error("I/O error on {path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// (The cause is part of the message and deliberately not a `source()`, so
+    /// `anyhow`'s `{:#}` does not print it twice.)
+    #[error("I/O error on {path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
+    /// The pack path does not exist.
+    #[error("{path}: no such file; check the path, or create the pack with `prep convert`")]
+    Missing { path: PathBuf },
+    /// The pack path is a directory (e.g. a Hugging Face checkpoint).
+    #[error("{path} is a directory, not an nflash pack; pass the .nflash file written by `prep convert` (a checkpoint directory must be converted first)")]
+    IsDirectory { path: PathBuf },
     /// The file is smaller than the fixed header (SPEC §2).
     #[error("{path}: file is {len} bytes, shorter than the {need}-byte header: the file is truncated or not an nflash pack; re-run `prep convert`")]
     TruncatedHeader { path: PathBuf, len: u64, need: u64 },
     /// The first 8 bytes are not `NFLASHPK` (SPEC §2).
-    #[error("{path}: bad magic {found:02x?}: not an nflash pack (expected \"NFLASHPK\")")]
+    #[error("{path}: bad magic {found:02x?}: not an nflash pack (expected \"NFLASHPK\"); pass a .nflash file written by `prep convert`")]
     BadMagic { path: PathBuf, found: [u8; 8] },
     /// The pack was written by a newer format version than this build reads.
     #[error("{path}: pack format version {major}.{minor} is newer than this build supports ({sup_major}.{sup_minor}); use nflash/prep {need} or newer, or re-create the pack with this prep")]
@@ -29,6 +33,15 @@ pub enum Error {
         sup_minor: u16,
         need: String,
     },
+    /// The pack was written by an older, incompatible format major version.
+    #[error("{path}: pack format version {major}.{minor} is older than this build reads ({sup_major}.{sup_minor}); re-create the pack from the checkpoint with this build's `prep convert`")]
+    OlderVersion {
+        path: PathBuf,
+        major: u16,
+        minor: u16,
+        sup_major: u16,
+        sup_minor: u16,
+    },
     /// A stored CRC32 does not match the bytes (SPEC §6).
     #[error("{path}: checksum mismatch in {what}: stored {stored:#010x}, computed {computed:#010x}; the file is corrupt, copy or convert it again")]
     Checksum {
@@ -37,8 +50,16 @@ pub enum Error {
         stored: u32,
         computed: u32,
     },
+    /// The file is shorter than its header says (the manifest ends past EOF).
+    #[error("{path}: file is {len} bytes but its header records {expected} bytes (manifest at offset {manifest_offset}): the file is truncated, e.g. by an interrupted copy or conversion; copy or convert it again")]
+    Truncated {
+        path: PathBuf,
+        len: u64,
+        expected: u64,
+        manifest_offset: u64,
+    },
     /// A range `[offset, offset+len)` lies outside the region holding it.
-    #[error("{path}: {what} at offset {offset} length {len} extends past the end of its {region} ({limit} bytes): the file is truncated or corrupt")]
+    #[error("{path}: {what} at offset {offset} length {len} extends past the end of its {region} ({limit} bytes): the file is truncated or corrupt; copy or convert it again")]
     OutOfRange {
         path: PathBuf,
         what: String,
@@ -81,7 +102,7 @@ impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            err: source,
         }
     }
 }

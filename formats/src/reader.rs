@@ -58,12 +58,20 @@ impl Pack {
     ///
     /// # Errors
     /// [`Error::Io`], [`Error::TruncatedHeader`], [`Error::BadMagic`],
-    /// [`Error::NewerVersion`], [`Error::Checksum`] (header, manifest),
-    /// [`Error::OutOfRange`], [`Error::Manifest`], [`Error::Invalid`].
+    /// [`Error::Missing`], [`Error::IsDirectory`], [`Error::NewerVersion`],
+    /// [`Error::OlderVersion`], [`Error::Checksum`] (header, manifest),
+    /// [`Error::Truncated`], [`Error::OutOfRange`], [`Error::Manifest`], [`Error::Invalid`].
     pub fn open(path: impl AsRef<Path>) -> Result<Pack> {
         let path = path.as_ref().to_path_buf();
-        let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
-        let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
+        let file = File::open(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::Missing { path: path.clone() },
+            _ => Error::io(&path, e),
+        })?;
+        let meta = file.metadata().map_err(|e| Error::io(&path, e))?;
+        if meta.is_dir() {
+            return Err(Error::IsDirectory { path });
+        }
+        let len = meta.len();
         if len < HEADER_BYTES as u64 {
             return Err(Error::TruncatedHeader {
                 path,
@@ -83,6 +91,15 @@ impl Pack {
             return Err(Error::BadMagic {
                 path,
                 found: header.magic,
+            });
+        }
+        if header.major < VERSION_MAJOR {
+            return Err(Error::OlderVersion {
+                path,
+                major: header.major,
+                minor: header.minor,
+                sup_major: VERSION_MAJOR,
+                sup_minor: VERSION_MINOR,
             });
         }
         if header.major != VERSION_MAJOR || header.minor > VERSION_MINOR {
@@ -110,6 +127,16 @@ impl Pack {
                 what: "header alignment".into(),
                 why: format!("{} is not a power of two ≥ 4096", header.alignment),
             });
+        }
+        if let Some(end) = header.manifest_offset.checked_add(header.manifest_bytes) {
+            if end > file_len && header.manifest_bytes <= MAX_MANIFEST_BYTES {
+                return Err(Error::Truncated {
+                    path,
+                    len: file_len,
+                    expected: end,
+                    manifest_offset: header.manifest_offset,
+                });
+            }
         }
         range_check(
             &path,

@@ -100,7 +100,7 @@ pub fn generate(
     let mut stream = TextStream::default();
     let t1 = Instant::now();
     loop {
-        if !opts.ignore_eos && opts.stop_ids.contains(&next) {
+        if opts.max_tokens == 0 || (!opts.ignore_eos && opts.stop_ids.contains(&next)) {
             break;
         }
         out.push(next);

@@ -14,13 +14,19 @@ impl Tokenizer {
     /// [`Error::Tokenizer`] if the JSON is not a tokenizer.
     pub fn from_json(json: &[u8]) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_bytes(json)
-            .map_err(|e| Error::Tokenizer(format!("cannot load tokenizer.json: {e}")))?;
+            .map_err(|e| {
+                Error::Tokenizer(format!(
+                    "cannot load the packed tokenizer.json: {e}; the pack may be corrupt (check it with `prep verify`), or convert it again"
+                ))
+            })?;
         Ok(Tokenizer { inner })
     }
 
     /// Largest token id + 1, counting added tokens.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        // Not `get_vocab_size`, which counts tokens: ids may have gaps.
+        let max_id = self.inner.get_vocab(true).into_values().max().map_or(0, |m| m as usize + 1);
+        max_id.max(self.inner.get_vocab_size(true))
     }
 
     /// Encodes `text`; `add_special_tokens` applies the tokenizer's

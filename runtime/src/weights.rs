@@ -112,7 +112,7 @@ impl<'a> QMatrix<'a> {
     /// `out[r] = row_r · x` for all rows, in parallel. `out`: `[rows]`.
     pub fn matvec(&self, x: &DotInput, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.rows);
-        let chunk = par_chunk(self.rows, 64).next_multiple_of(4);
+        let chunk = par_chunk(self.rows, 16).next_multiple_of(4);
         out.par_chunks_mut(chunk).enumerate().for_each(|(ci, c)| {
             let r0 = ci * chunk;
             match x {

@@ -235,7 +235,12 @@ impl Checkpoint {
             // by safetensors' header parser and checked below.
             let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
             let (n, meta) = safetensors::SafeTensors::read_metadata(&mmap)
-                .map_err(|e| anyhow!("{}: invalid safetensors header: {e:?}", path.display()))?;
+                .map_err(|e| {
+                    anyhow!(
+                        "{}: invalid safetensors header ({e:?}): the file is truncated or corrupt; re-download it",
+                        path.display()
+                    )
+                })?;
             let data_start = 8 + n;
             let data_len = mmap.len() - data_start;
             for (tname, info) in meta.tensors() {
@@ -274,7 +279,10 @@ impl Checkpoint {
 
     fn shard_of(&self, name: &str) -> Result<&Shard> {
         let i = *self.index.get(name).ok_or_else(|| {
-            anyhow!("tensor {name} is missing from the checkpoint in {}", self.dir.display())
+            anyhow!(
+                "tensor {name} is missing from the checkpoint in {}; the download is incomplete or config.json does not match the weights: re-download the checkpoint",
+                self.dir.display()
+            )
         })?;
         Ok(&self.shards[i])
     }

@@ -30,21 +30,36 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     if a.cluster_bytes == 0 || a.cluster_bytes > 64 << 20 {
         bail!("--cluster-bytes must be between 1 and 64 MiB");
     }
+    if a.out.is_dir() {
+        bail!(
+            "--out {} is a directory; pass a file path, e.g. {}",
+            a.out.display(),
+            a.out.join("model.nflash").display()
+        );
+    }
     let t0 = std::time::Instant::now();
     let ck = Checkpoint::open(&a.model)?;
     check_tensors(&ck)?;
     let tok = tokenizers::Tokenizer::from_bytes(&ck.tokenizer_json)
         .map_err(|e| anyhow::anyhow!("{}/tokenizer.json cannot be loaded: {e}", a.model.display()))?;
-    let n_tok = tok.get_vocab_size(true) as u64;
-    if n_tok > ck.config.vocab_size {
-        bail!(
-            "the tokenizer has token ids up to {} but the embedding has only {} rows (vocab_size); the tokenizer does not belong to these weights",
-            n_tok - 1,
-            ck.config.vocab_size
-        );
+    // The largest id, not the token count: ids may have gaps, and added
+    // tokens may carry ids past the model vocabulary.
+    let vocab = tok.get_vocab(true);
+    if let Some((name, &max_id)) = vocab.iter().max_by_key(|(_, &id)| id) {
+        let n_ids = (max_id as u64 + 1).max(tok.get_vocab_size(true) as u64);
+        if n_ids > ck.config.vocab_size {
+            bail!(
+                "{}/tokenizer.json has token ids up to {} (token {name:?}) but the embedding has only {} rows (vocab_size in config.json); the tokenizer does not belong to these weights: use the tokenizer.json that came with this checkpoint",
+                a.model.display(),
+                n_ids - 1,
+                ck.config.vocab_size
+            );
+        }
     }
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        std::fs::create_dir_all(dir).with_context(|| {
+            format!("cannot create the output directory {} for --out; choose another --out path", dir.display())
+        })?;
     }
     let cfg = &ck.config;
     eprintln!(

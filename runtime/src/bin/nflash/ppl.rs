@@ -46,6 +46,14 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
     if let Some(m) = a.max_tokens {
         tokens.truncate(m);
     }
+    if tokens.len() < 2 {
+        anyhow::bail!(
+            "{} gives {} tokens{}; perplexity needs at least 2: pass a longer UTF-8 text",
+            a.file.display(),
+            tokens.len(),
+            if a.max_tokens.is_some() { " (after --max-tokens)" } else { "" }
+        );
+    }
     let quiet = a.json;
     let r = ppl::perplexity(&engine.model, &tokens, a.ctx, |done, total| {
         if !quiet {

@@ -111,7 +111,13 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         return interactive(&engine, &mut kv, &mut sampler, &opts, a.system.as_deref());
     };
     if prompt.trim().is_empty() {
-        bail!("the prompt is empty; pass text with --prompt or --prompt-file");
+        match &a.prompt_file {
+            Some(f) if a.prompt.is_none() => bail!(
+                "the prompt is empty: {} holds no text; put the prompt in it, or pass --prompt TEXT",
+                f.display()
+            ),
+            _ => bail!("the prompt is empty; pass text with --prompt or --prompt-file"),
+        }
     }
     let ids = if a.chat {
         let template = engine.template.as_ref().context(

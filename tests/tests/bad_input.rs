@@ -1,0 +1,523 @@
+//! Bad input to `prep` and `nflash`: every case must end with a non-zero
+//! exit status, no panic and no signal, an error message naming the problem,
+//! and (for `prep convert`) no output file left behind.
+
+use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use nflash_tests::{convert, run, tiny_tokenizer_json, write_tiny_checkpoint, TinySpec};
+use serde_json::{json, Value};
+
+// ---------------------------------------------------------------- helpers
+
+/// Asserts `o` is a clean failure: non-zero exit code (not a signal), no
+/// panic, and stderr containing every one of `needles`. Returns stderr.
+#[track_caller]
+fn assert_fails(what: &str, o: &Output, needles: &[&str]) -> String {
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    eprintln!("--- {what}:\n{stderr}");
+    assert!(
+        o.status.signal().is_none(),
+        "{what}: killed by signal {:?}; stderr:\n{stderr}",
+        o.status.signal()
+    );
+    assert!(!o.status.success(), "{what}: exited 0; stderr:\n{stderr}");
+    assert!(o.status.code().is_some_and(|c| c != 0), "{what}: status {:?}", o.status);
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
+        "{what}: panicked:\n{stderr}"
+    );
+    for n in needles {
+        assert!(stderr.contains(n), "{what}: stderr does not mention {n:?}:\n{stderr}");
+    }
+    stderr
+}
+
+/// Asserts neither `out` nor any `<out>.tmp-*` beside it exists.
+#[track_caller]
+fn assert_no_output(out: &Path) {
+    assert!(!out.exists(), "{} was left behind", out.display());
+    let name = out.file_name().unwrap().to_string_lossy().into_owned();
+    if let Ok(entries) = std::fs::read_dir(out.parent().unwrap()) {
+        for e in entries {
+            let n = e.unwrap().file_name().to_string_lossy().into_owned();
+            assert!(!n.starts_with(&format!("{name}.tmp-")), "temporary file {n} was left behind");
+        }
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Runs `prep convert` on `dir`, expects a clean failure mentioning
+/// `needles`, and that no output was left. Returns stderr.
+#[track_caller]
+fn convert_fails(dir: &Path, needles: &[&str]) -> String {
+    let out = dir.parent().unwrap().join("out.nflash");
+    let o = run("prep", &["convert", "--model", s(dir), "--out", s(&out), "--quant", "q8_0"]);
+    let stderr = assert_fails("prep convert", &o, needles);
+    assert_no_output(&out);
+    stderr
+}
+
+/// A tiny default checkpoint in `tmp/ckpt`.
+fn tiny_checkpoint(tmp: &Path, spec: &TinySpec) -> PathBuf {
+    let dir = tmp.join("ckpt");
+    write_tiny_checkpoint(&dir, spec);
+    dir
+}
+
+/// A tiny q8_0 pack in `tmp/tiny.nflash`.
+fn tiny_pack(tmp: &Path) -> PathBuf {
+    let dir = tiny_checkpoint(tmp, &TinySpec::default());
+    let pack = tmp.join("tiny.nflash");
+    convert(&dir, &pack, "q8_0");
+    pack
+}
+
+fn read_json(p: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+}
+
+fn write_json(p: &Path, v: &Value) {
+    std::fs::write(p, serde_json::to_vec_pretty(v).unwrap()).unwrap();
+}
+
+/// `(name, offset, bytes)` of every segment, from `prep inspect --json`.
+fn segments(pack: &Path) -> Vec<(String, u64, u64)> {
+    let o = run("prep", &["inspect", "--json", s(pack)]);
+    assert!(o.status.success(), "prep inspect: {}", String::from_utf8_lossy(&o.stderr));
+    let j: Value = serde_json::from_slice(&o.stdout).unwrap();
+    j["segments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap().to_string(), s["offset"].as_u64().unwrap(), s["bytes"].as_u64().unwrap()))
+        .collect()
+}
+
+fn segment(pack: &Path, name: &str) -> (u64, u64) {
+    let segs = segments(pack);
+    let (_, off, len) = segs.iter().find(|(n, _, _)| n == name).unwrap_or_else(|| panic!("no segment {name}"));
+    (*off, *len)
+}
+
+/// Arguments for a short greedy `nflash run` of `pack`.
+fn run_args<'a>(pack: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["run", "--model", s(pack), "--max-tokens", "2", "--temperature", "0", "--seed", "1", "--threads", "1"];
+    v.extend_from_slice(extra);
+    v
+}
+
+/// `prep inspect`, `prep verify` and `nflash run` on `pack` all fail cleanly, mentioning `needles`.
+#[track_caller]
+fn all_readers_fail(case: &str, pack: &Path, needles: &[&str]) {
+    let o = run("prep", &["inspect", s(pack)]);
+    assert_fails(&format!("{case}: prep inspect"), &o, needles);
+    let o = run("prep", &["inspect", "--json", s(pack)]);
+    assert_fails(&format!("{case}: prep inspect --json"), &o, needles);
+    let o = run("prep", &["verify", s(pack)]);
+    assert_fails(&format!("{case}: prep verify"), &o, needles);
+    let o = run("nflash", &run_args(pack, &["--prompt", "w3 w4"]));
+    assert_fails(&format!("{case}: nflash run"), &o, needles);
+}
+
+/// Rewrites `file` (a safetensors file) without tensor `drop`.
+fn remove_tensor(file: &Path, drop: &str) {
+    let bytes = std::fs::read(file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let views: HashMap<String, safetensors::tensor::TensorView> =
+        st.tensors().into_iter().filter(|(n, _)| n != drop).collect();
+    assert!(views.len() + 1 == st.len(), "{drop} not in {}", file.display());
+    safetensors::serialize_to_file(views, None, file).unwrap();
+}
+
+// ---------------------------------------------------- prep convert failures
+
+#[test]
+fn checkpoint_without_config_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    convert_fails(&dir, &["config.json", s(&dir)]);
+}
+
+#[test]
+fn unsupported_architecture_lists_supported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let mut cfg = read_json(&dir.join("config.json"));
+    cfg["architectures"] = json!(["GPT2LMHeadModel"]);
+    write_json(&dir.join("config.json"), &cfg);
+    convert_fails(&dir, &["GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]);
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    remove_tensor(&dir.join("model.safetensors"), "model.layers.1.mlp.up_proj.weight");
+    convert_fails(&dir, &["model.layers.1.mlp.up_proj.weight", "missing", "re-download"]);
+}
+
+#[test]
+fn missing_resident_tensor_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    remove_tensor(&dir.join("model.safetensors"), "model.norm.weight");
+    convert_fails(&dir, &["model.norm.weight", "missing"]);
+}
+
+#[test]
+fn empty_and_truncated_safetensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let st = dir.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    std::fs::write(&st, &bytes[..bytes.len() / 2]).unwrap();
+    convert_fails(&dir, &["model.safetensors", "truncated", "re-download"]);
+    std::fs::write(&st, b"").unwrap();
+    convert_fails(&dir, &["model.safetensors", "truncated", "re-download"]);
+}
+
+#[test]
+fn shard_named_in_index_but_absent() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec { shards: 2, ..Default::default() });
+    let shard = "model-00002-of-00002.safetensors";
+    std::fs::remove_file(dir.join(shard)).unwrap();
+    convert_fails(&dir, &[shard, "index"]);
+}
+
+#[test]
+fn untied_config_without_lm_head() {
+    let tmp = tempfile::tempdir().unwrap();
+    // tied: true writes no lm_head.weight; then the config claims it is untied.
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec { tied: true, ..Default::default() });
+    let mut cfg = read_json(&dir.join("config.json"));
+    cfg["tie_word_embeddings"] = json!(false);
+    write_json(&dir.join("config.json"), &cfg);
+    convert_fails(&dir, &["lm_head.weight", "tie_word_embeddings"]);
+}
+
+#[test]
+fn tokenizer_larger_than_embedding() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Weights and config for 60 tokens, a tokenizer with 80.
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec { vocab: 60, ..Default::default() });
+    write_json(&dir.join("tokenizer.json"), &tiny_tokenizer_json(80));
+    convert_fails(&dir, &["79", "60"]);
+}
+
+#[test]
+fn added_token_beyond_embedding() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let mut tok = read_json(&dir.join("tokenizer.json"));
+    tok["added_tokens"].as_array_mut().unwrap().push(json!({
+        "id": 500, "content": "<|big|>", "single_word": false, "lstrip": false,
+        "rstrip": false, "normalized": false, "special": true
+    }));
+    write_json(&dir.join("tokenizer.json"), &tok);
+    convert_fails(&dir, &["80", "vocab_size"]);
+}
+
+#[test]
+fn vocab_token_id_beyond_embedding() {
+    // Same token count as the embedding, but one id far beyond it.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let mut tok = read_json(&dir.join("tokenizer.json"));
+    tok["model"]["vocab"]["w79"] = json!(1000);
+    write_json(&dir.join("tokenizer.json"), &tok);
+    convert_fails(&dir, &["1000", "80"]);
+}
+
+// ------------------------------------------------------- damaged packs
+
+#[test]
+fn pack_truncated_inside_header() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let bytes = std::fs::read(&pack).unwrap();
+    std::fs::write(&pack, &bytes[..30]).unwrap();
+    all_readers_fail("truncated header", &pack, &["30 bytes", "64-byte header", "truncated"]);
+}
+
+#[test]
+fn pack_truncated_inside_manifest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let bytes = std::fs::read(&pack).unwrap();
+    std::fs::write(&pack, &bytes[..bytes.len() - 5]).unwrap();
+    let (len, full) = (bytes.len() - 5, bytes.len());
+    all_readers_fail("truncated manifest", &pack, &["truncated", &format!("{len} bytes"), &format!("{full} bytes")]);
+}
+
+#[test]
+fn pack_truncated_inside_segment() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let (off, len) = segment(&pack, "ffn.1");
+    let bytes = std::fs::read(&pack).unwrap();
+    let cut = (off + len / 2) as usize;
+    std::fs::write(&pack, &bytes[..cut]).unwrap();
+    let full = bytes.len();
+    all_readers_fail("truncated segment", &pack, &["truncated", &format!("{cut} bytes"), &format!("{full} bytes")]);
+}
+
+#[test]
+fn pack_with_wrong_magic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let mut bytes = std::fs::read(&pack).unwrap();
+    bytes[0..8].copy_from_slice(b"GGUF\x03\0\0\0");
+    std::fs::write(&pack, &bytes).unwrap();
+    all_readers_fail("wrong magic", &pack, &["magic", "not an nflash pack", "prep convert"]);
+}
+
+fn set_major(pack: &Path, major: u16) {
+    let mut bytes = std::fs::read(pack).unwrap();
+    bytes[8..10].copy_from_slice(&major.to_le_bytes());
+    let crc = crc32fast::hash(&bytes[0..60]);
+    bytes[60..64].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(pack, &bytes).unwrap();
+}
+
+#[test]
+fn pack_with_newer_major_version() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    set_major(&pack, 2);
+    all_readers_fail("newer major", &pack, &["version 2.0", "newer", "1.0", "format 2.0"]);
+}
+
+#[test]
+fn pack_with_older_major_version() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    set_major(&pack, 0);
+    let o = run("prep", &["inspect", s(&pack)]);
+    let e = assert_fails("older major", &o, &["version 0.0", "1.0", "prep convert"]);
+    assert!(!e.contains("newer than"), "an older version is not newer:\n{e}");
+}
+
+#[test]
+fn pack_with_flipped_byte_in_segment() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let (off, len) = segment(&pack, "ffn.0");
+    let mut bytes = std::fs::read(&pack).unwrap();
+    bytes[(off + len / 3) as usize] ^= 0x40;
+    std::fs::write(&pack, &bytes).unwrap();
+    let needles = ["checksum mismatch", "segment \"ffn.0\"", &format!("offset {off}")];
+    let o = run("prep", &["verify", s(&pack)]);
+    assert_fails("prep verify", &o, &needles);
+    let o = run("nflash", &run_args(&pack, &["--verify", "--prompt", "w3 w4"]));
+    assert_fails("nflash run --verify", &o, &needles);
+    let f = tmp.path().join("text.txt");
+    std::fs::write(&f, "w3 w4 w5 w6 w7").unwrap();
+    let o = run("nflash", &["ppl", "--model", s(&pack), "--file", s(&f), "--verify"]);
+    assert_fails("nflash ppl --verify", &o, &needles);
+}
+
+#[test]
+fn pack_with_flipped_byte_in_manifest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let mut bytes = std::fs::read(&pack).unwrap();
+    let n = bytes.len();
+    bytes[n - 100] ^= 0x55;
+    std::fs::write(&pack, &bytes).unwrap();
+    all_readers_fail("flipped manifest byte", &pack, &["checksum mismatch in manifest", "convert it again"]);
+}
+
+#[test]
+fn corrupt_tokenizer_segment_without_verify() {
+    // Without --verify segment CRCs are not checked; the tokenizer still must
+    // fail cleanly, and the message must point at `prep verify`.
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let (off, len) = segment(&pack, "tokenizer");
+    let mut bytes = std::fs::read(&pack).unwrap();
+    bytes[(off + len / 2) as usize] ^= 0x55;
+    std::fs::write(&pack, &bytes).unwrap();
+    let o = run("nflash", &run_args(&pack, &["--prompt", "w3 w4"]));
+    assert_fails("nflash run", &o, &["tokenizer", "prep verify"]);
+    let o = run("nflash", &run_args(&pack, &["--verify", "--prompt", "w3 w4"]));
+    assert_fails("nflash run --verify", &o, &["checksum mismatch", "segment \"tokenizer\""]);
+}
+
+// ------------------------------------------------------- nflash run input
+
+#[test]
+fn prompt_longer_than_context() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let prompt: Vec<String> = (0..40).map(|i| format!("w{}", 3 + i)).collect();
+    let prompt = prompt.join(" ");
+    let o = run("nflash", &run_args(&pack, &["--ctx", "16", "--prompt", &prompt]));
+    assert_fails("long prompt", &o, &["40 tokens", "16", "--ctx"]);
+}
+
+#[test]
+fn empty_prompt_and_empty_prompt_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let o = run("nflash", &run_args(&pack, &["--prompt", ""]));
+    assert_fails("--prompt \"\"", &o, &["prompt is empty"]);
+    let o = run("nflash", &run_args(&pack, &["--prompt", "  \n "]));
+    assert_fails("blank --prompt", &o, &["prompt is empty"]);
+    let f = tmp.path().join("empty.txt");
+    std::fs::write(&f, "").unwrap();
+    let o = run("nflash", &run_args(&pack, &["--prompt-file", s(&f)]));
+    assert_fails("empty --prompt-file", &o, &["prompt is empty", s(&f)]);
+}
+
+#[test]
+fn prompt_file_not_utf8() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let f = tmp.path().join("utf16.txt");
+    std::fs::write(&f, [0xff, 0xfe, b'h', 0, b'i', 0]).unwrap();
+    let o = run("nflash", &run_args(&pack, &["--prompt-file", s(&f)]));
+    assert_fails("non-UTF-8 prompt file", &o, &[s(&f), "not UTF-8", "offset 0"]);
+}
+
+#[test]
+fn missing_prompt_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let f = tmp.path().join("nope.txt");
+    let o = run("nflash", &run_args(&pack, &["--prompt-file", s(&f)]));
+    assert_fails("missing prompt file", &o, &[s(&f), "No such file"]);
+}
+
+// ------------------------------------------------------- user mistakes
+
+#[test]
+fn nonexistent_model_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("nope.nflash");
+    let o = run("nflash", &run_args(&missing, &["--prompt", "hi"]));
+    assert_fails("nflash run", &o, &[s(&missing), "no such file", "prep convert"]);
+    let o = run("prep", &["inspect", s(&missing)]);
+    assert_fails("prep inspect", &o, &[s(&missing), "no such file"]);
+    let ck = tmp.path().join("no-ckpt");
+    let out = tmp.path().join("out.nflash");
+    let o = run("prep", &["convert", "--model", s(&ck), "--out", s(&out)]);
+    assert_fails("prep convert", &o, &[s(&ck), "not a directory"]);
+    assert_no_output(&out);
+}
+
+#[test]
+fn directory_as_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let o = run("nflash", &run_args(&dir, &["--prompt", "hi"]));
+    assert_fails("nflash run on a directory", &o, &[s(&dir), "directory", "prep convert"]);
+    let o = run("prep", &["verify", s(&dir)]);
+    assert_fails("prep verify on a directory", &o, &[s(&dir), "directory"]);
+}
+
+#[test]
+fn checkpoint_file_as_model() {
+    // A user passes the safetensors file instead of the converted pack.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let st = dir.join("model.safetensors");
+    let o = run("nflash", &run_args(&st, &["--prompt", "hi"]));
+    assert_fails("nflash run on safetensors", &o, &["not an nflash pack", "prep convert"]);
+}
+
+#[test]
+fn unknown_quant_is_a_usage_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let out = tmp.path().join("out.nflash");
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&out), "--quant", "q5_k"]);
+    assert_fails("--quant q5_k", &o, &["q5_k", "--quant", "q4_0", "q8_0"]);
+    assert_eq!(o.status.code(), Some(2), "clap usage errors exit 2");
+    assert_no_output(&out);
+}
+
+#[test]
+fn zero_threads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let o = run("nflash", &["run", "--model", s(&pack), "--prompt", "w3", "--max-tokens", "1", "--threads", "0"]);
+    assert_fails("run --threads 0", &o, &["--threads", "at least 1"]);
+    let f = tmp.path().join("text.txt");
+    std::fs::write(&f, "w3 w4 w5").unwrap();
+    let o = run("nflash", &["ppl", "--model", s(&pack), "--file", s(&f), "--threads", "0"]);
+    assert_fails("ppl --threads 0", &o, &["--threads", "at least 1"]);
+}
+
+#[test]
+fn out_under_a_regular_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let file = tmp.path().join("afile");
+    std::fs::write(&file, "x").unwrap();
+    let out = file.join("sub").join("out.nflash");
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&out), "--quant", "q8_0"]);
+    assert_fails("--out under a file", &o, &[s(&file.join("sub")), "cannot create", "--out"]);
+    assert!(!out.exists());
+    assert_eq!(std::fs::read(&file).unwrap(), b"x", "the regular file was modified");
+}
+
+#[test]
+fn out_is_an_existing_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let out = tmp.path().join("packs");
+    std::fs::create_dir(&out).unwrap();
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&out), "--quant", "q8_0"]);
+    assert_fails("--out is a directory", &o, &[s(&out), "is a directory", "--out"]);
+    assert!(out.is_dir() && std::fs::read_dir(&out).unwrap().next().is_none(), "directory changed");
+    assert_no_output(&out.with_file_name("packs.nflash"));
+    for e in std::fs::read_dir(tmp.path()).unwrap() {
+        let n = e.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(!n.contains(".tmp-"), "temporary file {n} was left behind");
+    }
+}
+
+#[test]
+fn ppl_on_empty_and_too_short_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let f = tmp.path().join("empty.txt");
+    std::fs::write(&f, "").unwrap();
+    let o = run("nflash", &["ppl", "--model", s(&pack), "--file", s(&f), "--threads", "1"]);
+    assert_fails("ppl on empty text", &o, &[s(&f), "0 tokens", "at least 2"]);
+    let f1 = tmp.path().join("one.txt");
+    std::fs::write(&f1, "w3").unwrap();
+    let o = run("nflash", &["ppl", "--model", s(&pack), "--file", s(&f1), "--threads", "1"]);
+    assert_fails("ppl on one token", &o, &[s(&f1), "1 tokens", "at least 2"]);
+}
+
+#[test]
+fn max_tokens_zero_generates_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let o = run("nflash", &["run", "--model", s(&pack), "--prompt", "w3 w4", "--max-tokens", "0", "--ignore-eos", "--temperature", "0"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "", "--max-tokens 0 printed text");
+}
+
+#[test]
+fn chat_without_template() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let mut tc = read_json(&dir.join("tokenizer_config.json"));
+    tc.as_object_mut().unwrap().remove("chat_template");
+    write_json(&dir.join("tokenizer_config.json"), &tc);
+    let pack = tmp.path().join("notemplate.nflash");
+    convert(&dir, &pack, "q8_0");
+    let o = run("nflash", &run_args(&pack, &["--chat", "--prompt", "w3"]));
+    assert_fails("--chat without template", &o, &["no chat template", "without --chat"]);
+}
+
