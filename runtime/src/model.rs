@@ -187,6 +187,8 @@ impl<'a> Model<'a> {
         let mut o = vec![0f32; n * h];
         let window = self.cfg.sliding_window.map(|w| w as usize);
         let batched = n >= MIN_BATCH;
+        let half = hd / 2;
+        let (cos, sin) = self.rope.tables(p0, n); // [n, head_dim/2] each
         let mut xn = vec![0f32; n * h]; // [n, hidden], RMSNormed
         for (l, layer) in self.layers.iter().enumerate() {
             // Attention block.
@@ -198,13 +200,15 @@ impl<'a> Model<'a> {
             add_bias(&mut k, layer.k_bias.as_deref());
             add_bias(&mut v, layer.v_bias.as_deref());
             for t in 0..n {
-                self.rope.apply(&mut q[t * qd..(t + 1) * qd], p0 + t);
-                self.rope.apply(&mut k[t * kvd..(t + 1) * kvd], p0 + t);
+                let (c, sn) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+                self.rope.rotate(&mut q[t * qd..(t + 1) * qd], c, sn);
+                self.rope.rotate(&mut k[t * kvd..(t + 1) * kvd], c, sn);
             }
             kv.append(l, &k, &v);
             let (kc, vc) = kv.layer(l);
             let scale = 1.0 / (hd as f32).sqrt();
             let group = nh / nkv;
+            // One task per (token, head).
             attn.par_chunks_mut(hd).enumerate().for_each_init(
                 Vec::new,
                 |scores: &mut Vec<f32>, (idx, out)| {

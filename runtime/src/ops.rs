@@ -100,17 +100,31 @@ impl Rope {
         }
     }
 
-    /// Rotates every head of `x` (`[n_heads * head_dim]`) for position `pos`.
-    pub fn apply(&self, x: &mut [f32], pos: usize) {
-        let d = 2 * self.half;
-        for head in x.chunks_exact_mut(d) {
-            for i in 0..self.half {
-                let angle = pos as f32 * self.inv_freq[i];
-                let (sin, cos) = angle.sin_cos();
-                let a = head[i];
-                let b = head[i + self.half];
-                head[i] = a * cos - b * sin;
-                head[i + self.half] = b * cos + a * sin;
+    /// Rotation tables for positions `p0..p0 + n`: `(cos, sin)`, each `[n, head_dim/2]`.
+    /// Computed once per forward pass and shared by every layer and head.
+    pub fn tables(&self, p0: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut cos = Vec::with_capacity(n * self.half);
+        let mut sin = Vec::with_capacity(n * self.half);
+        for t in 0..n {
+            for &f in &self.inv_freq {
+                let (s, c) = ((p0 + t) as f32 * f).sin_cos();
+                cos.push(c);
+                sin.push(s);
+            }
+        }
+        (cos, sin)
+    }
+
+    /// Rotates every head of `x` (`[n_heads * head_dim]`) with one position's
+    /// `cos`/`sin` rows (`[head_dim/2]`, from [`Self::tables`]).
+    pub fn rotate(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) {
+        let h = self.half;
+        for head in x.chunks_exact_mut(2 * h) {
+            let (lo, hi) = head.split_at_mut(h);
+            for i in 0..h {
+                let (a, b) = (lo[i], hi[i]);
+                lo[i] = a * cos[i] - b * sin[i];
+                hi[i] = b * cos[i] + a * sin[i];
             }
         }
     }
