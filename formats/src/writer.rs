@@ -148,6 +148,11 @@ impl PackWriter {
         Ok((self.segments.len() - 1) as u32)
     }
 
+    /// The temporary file being written (renamed to the final path by [`Self::finish`]).
+    pub fn temp_path(&self) -> &Path {
+        &self.tmp_path
+    }
+
     /// Segments written so far.
     pub fn segments(&self) -> &[Segment] {
         &self.segments

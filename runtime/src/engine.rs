@@ -20,12 +20,21 @@ pub struct Engine<'a> {
 }
 
 impl<'a> Engine<'a> {
-    /// Loads model views, tokenizer and template from `pack`.
+    /// Loads model views, tokenizer and template from `pack`, after checking
+    /// the CRC32 of the tokenizer and resident segments.
     ///
     /// # Errors
-    /// Missing/misshaped tensors, a bad tokenizer or template, or a tokenizer
+    /// A checksum mismatch naming the segment, missing/misshaped tensors, a bad tokenizer or template, or a tokenizer
     /// with more tokens than embedding rows ([`Error::TokenOutOfRange`]).
     pub fn load(pack: &'a Pack) -> Result<Self> {
+        // The tokenizer and resident segments are read whole at start anyway,
+        // so their checksums are always checked (cheap next to the read);
+        // FFN segments are checked by `nflash run --verify` / `prep verify`.
+        for (i, s) in pack.manifest().segments.iter().enumerate() {
+            if s.kind != nflash_format::SegmentKind::Ffn {
+                pack.verify_segment(i as u32)?;
+            }
+        }
         let model = Model::load(pack)?;
         let tokenizer = Tokenizer::from_json(&pack.tokenizer_json()?)?;
         let vocab = model.cfg.vocab_size;

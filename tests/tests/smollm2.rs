@@ -155,3 +155,29 @@ fn ppl_cli_json_and_stats_json() {
         assert!(s[k].as_f64().unwrap() > 0.0, "{k}");
     }
 }
+
+#[test]
+fn interrupted_convert_leaves_no_partial_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("int.nflash");
+    let mut child = std::process::Command::new(nflash_tests::bin("prep"))
+        .args(["convert", "--model", smollm2_dir().to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", "f32"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until the temporary file exists, i.e. writing is under way.
+    let started = std::time::Instant::now();
+    let has_tmp = || std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-"));
+    while !has_tmp() && started.elapsed().as_secs() < 60 && child.try_wait().unwrap().is_none() {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let interrupted = child.try_wait().unwrap().is_none();
+    let _ = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status();
+    let status = child.wait().unwrap();
+    let names: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(names.iter().all(|n| !n.contains(".tmp-")), "temporary file left: {names:?}");
+    if interrupted && !status.success() {
+        assert!(!out.exists(), "partial output left at the final path");
+        assert_eq!(status.code(), Some(130));
+    }
+}

@@ -28,8 +28,21 @@ enum Command {
     Verify(verify::VerifyArgs),
 }
 
+/// The pack being written, if any: removed when prep is interrupted, so
+/// Ctrl-C never leaves a partial file behind.
+pub static IN_PROGRESS: std::sync::Mutex<Option<std::path::PathBuf>> = std::sync::Mutex::new(None);
+
 fn main() {
     let cli = Cli::parse();
+    let _ = ctrlc::set_handler(|| {
+        if let Some(p) = IN_PROGRESS.lock().ok().and_then(|g| g.clone()) {
+            let _ = std::fs::remove_file(&p);
+            eprintln!("\ninterrupted: removed the partial {}", p.display());
+        } else {
+            eprintln!("\ninterrupted");
+        }
+        std::process::exit(130);
+    });
     let result = match cli.command {
         Command::Convert(a) => convert::run(a),
         Command::Inspect(a) => inspect::run(a),

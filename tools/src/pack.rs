@@ -134,6 +134,7 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions) ->
         anyhow!("hidden_size {h} is not a multiple of 32, so FFN bundles cannot be stored as {}; use --quant f16 or f32", opts.quant)
     })?;
     let mut w = PackWriter::create(out, opts.alignment)?;
+    *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(w.temp_path().to_path_buf());
 
     // Tokenizer segment.
     let tok_z = zstd::bulk::compress(&ck.tokenizer_json, 19)?;
@@ -245,7 +246,9 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions) ->
         tensors,
         ffn,
     };
-    w.finish(manifest)?;
+    let result = w.finish(manifest);
+    *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    result?;
     Ok(())
 }
 
