@@ -27,13 +27,7 @@ fn has_avx2() -> bool {
     }
 }
 
-fn as_blocks<T>(bytes: &[u8]) -> &[T] {
-    let size = std::mem::size_of::<T>();
-    assert!(bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0 && bytes.len() % size == 0);
-    // SAFETY: alignment and length checked; T is a POD GGML block type for
-    // which every bit pattern is valid.
-    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) }
-}
+use crate::weights::cast as as_blocks;
 
 fn q8_bytes(y: &[BlockQ8_0]) -> &[u8] {
     // SAFETY: BlockQ8_0 is repr(C), 34 bytes with no padding (asserted by candle-core).
@@ -148,41 +142,48 @@ mod avx2 {
         _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8))
     }
 
+    /// 32 Q8_0 values of the block at `p` (after its scale).
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+    unsafe fn q8_load(p: *const u8) -> __m256i {
+        _mm256_loadu_si256(p as *const __m256i)
+    }
+
+    /// Four rows of `block`-byte blocks whose 32 values `load` unpacks to i8,
+    /// dotted with the Q8_0 vector `y`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot4_blocks(
+        cols: usize,
+        rows: [&[u8]; 4],
+        y: &[u8],
+        block: usize,
+        load: unsafe fn(*const u8) -> __m256i,
+    ) -> [f32; 4] {
         let nb = cols / 32;
-        assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * 18));
+        assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * block));
         let mut acc = [_mm256_setzero_ps(); 4];
         for b in 0..nb {
             let yp = y.as_ptr().add(b * 34);
             let dy = f16_at(yp);
             let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
             for r in 0..4 {
-                let xp = rows[r].as_ptr().add(b * 18);
+                let xp = rows[r].as_ptr().add(b * block);
                 let d = _mm256_set1_ps(f16_at(xp) * dy);
-                acc[r] = _mm256_fmadd_ps(d, mul_sum_i8(q4_unpack(xp.add(2)), yq), acc[r]);
+                acc[r] = _mm256_fmadd_ps(d, mul_sum_i8(load(xp.add(2)), yq), acc[r]);
             }
         }
         [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+        dot4_blocks(cols, rows, y, 18, q4_unpack)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot4_q8_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
-        let nb = cols / 32;
-        assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * 34));
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for b in 0..nb {
-            let yp = y.as_ptr().add(b * 34);
-            let dy = f16_at(yp);
-            let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
-            for r in 0..4 {
-                let xp = rows[r].as_ptr().add(b * 34);
-                let d = _mm256_set1_ps(f16_at(xp) * dy);
-                let xq = _mm256_loadu_si256(xp.add(2) as *const __m256i);
-                acc[r] = _mm256_fmadd_ps(d, mul_sum_i8(xq, yq), acc[r]);
-            }
-        }
-        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+        dot4_blocks(cols, rows, y, 34, q8_load)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 ///
 /// Panics if `bytes` is misaligned for `T` or not a whole number of `T`s;
 /// pack offsets are aligned by construction (SPEC §3–4), so this is a bug.
-fn cast<T>(bytes: &[u8]) -> &[T] {
+pub(crate) fn cast<T>(bytes: &[u8]) -> &[T] {
     let size = std::mem::size_of::<T>();
     assert!(
         bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0 && bytes.len() % size == 0,
