@@ -214,7 +214,9 @@ impl<'a> Model<'a> {
                 |scores: &mut Vec<f32>, (idx, out)| {
                     let (t, head) = (idx / nh, idx % nh);
                     let pos = p0 + t;
-                    let start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    // Sliding window: the current token and the `w` before it, as
+                    // flash-attention's window (w, 0) and candle-transformers' Mistral.
+                    let start = window.map_or(0, |w| pos.saturating_sub(w));
                     let kvh = head / group;
                     let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
                     scores.clear();

@@ -91,6 +91,10 @@ pub struct TinySpec {
     pub shards: usize,
     pub act: &'static str,
     pub seed: u64,
+    /// Explicit `head_dim` (default `hidden / heads`).
+    pub head_dim: Option<usize>,
+    /// Mistral `sliding_window`, tokens.
+    pub sliding_window: Option<usize>,
 }
 
 impl Default for TinySpec {
@@ -110,6 +114,8 @@ impl Default for TinySpec {
             shards: 1,
             act: "silu",
             seed: 1,
+            head_dim: None,
+            sliding_window: None,
         }
     }
 }
@@ -138,6 +144,12 @@ impl TinySpec {
         if self.llama3_scaling {
             c["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
         }
+        if let Some(hd) = self.head_dim {
+            c["head_dim"] = json!(hd);
+        }
+        if self.arch == "MistralForCausalLM" {
+            c["sliding_window"] = json!(self.sliding_window);
+        }
         if self.arch == "Qwen2ForCausalLM" {
             c["sliding_window"] = json!(256);
             c["max_window_layers"] = json!(self.layers);
@@ -148,7 +160,7 @@ impl TinySpec {
 
     /// Tensor names and shapes, PyTorch order.
     pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
-        let hd = self.hidden / self.heads;
+        let hd = self.head_dim.unwrap_or(self.hidden / self.heads);
         let (qd, kvd) = (self.heads * hd, self.kv_heads * hd);
         let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, self.hidden])];
         for l in 0..self.layers {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{llama, qwen2};
+use candle_transformers::models::{llama, mistral, qwen2};
 use nflash_format::Pack;
 use nflash_runtime::Model;
 
@@ -42,6 +42,18 @@ pub fn reference_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
             let mut model = qwen2::ModelForCausalLM::new(&c, vb).unwrap();
             for (i, &t) in tokens.iter().enumerate() {
                 let l = model.forward(&step(t), i).unwrap();
+                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            }
+        }
+        "MistralForCausalLM" => {
+            // candle's Mistral applies the sliding window only through its
+            // prefill mask, so each position is a fresh prefill of its prefix.
+            let c: mistral::Config = serde_json::from_str(&cfg_text).unwrap();
+            let mut model = mistral::Model::new(&c, vb).unwrap();
+            for i in 0..tokens.len() {
+                model.clear_kv_cache();
+                let x = Tensor::new(&tokens[..=i], &dev).unwrap().unsqueeze(0).unwrap();
+                let l = model.forward(&x, 0).unwrap();
                 out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
             }
         }

@@ -50,3 +50,19 @@ fn qwen2_tied_bf16_three_shards() {
         TinySpec { arch: "Qwen2ForCausalLM", tied: true, dtype: "BF16", shards: 3, seed: 15, ..Default::default() },
     );
 }
+
+#[test]
+fn mistral_explicit_head_dim_sliding_window() {
+    check(
+        "mistral head_dim 32 window 8",
+        TinySpec {
+            arch: "MistralForCausalLM",
+            tied: false,
+            head_dim: Some(32),
+            sliding_window: Some(8),
+            rope_theta: 1e6,
+            seed: 16,
+            ..Default::default()
+        },
+    );
+}

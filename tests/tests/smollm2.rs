@@ -181,3 +181,23 @@ fn interrupted_convert_leaves_no_partial_file() {
         assert_eq!(status.code(), Some(130));
     }
 }
+
+#[test]
+fn interactive_chat_keeps_the_conversation() {
+    use std::io::Write;
+    let p = pack("q8_0");
+    let mut child = std::process::Command::new(nflash_tests::bin("nflash"))
+        .args(["run", "--model", p.to_str().unwrap(), "--temperature", "0", "--max-tokens", "40"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"What is the capital of France?\nAnd of Germany?\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (first, second) = out.split_once('\n').unwrap_or((&out, ""));
+    assert!(first.contains("Paris"), "{out:?}");
+    assert!(second.contains("Berlin"), "the second turn must see the first: {out:?}");
+}

@@ -82,7 +82,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
     }
     println!("segments:");
     for s in &m.segments {
-        println!("  {:<12} {:>12} offset {:>12} bytes  {:?}", s.name, s.offset, s.bytes, s.kind);
+        println!("  {:<12} offset {:>12}  {:>12} bytes  {:?}", s.name, s.offset, s.bytes, s.kind);
     }
     Ok(())
 }
