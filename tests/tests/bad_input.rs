@@ -337,8 +337,8 @@ fn pack_with_flipped_byte_in_manifest() {
 
 #[test]
 fn corrupt_tokenizer_segment_without_verify() {
-    // Without --verify segment CRCs are not checked; the tokenizer still must
-    // fail cleanly, and the message must point at `prep verify`.
+    // The tokenizer and resident segments are checksummed at every load, so
+    // even without --verify a damaged tokenizer is named.
     let tmp = tempfile::tempdir().unwrap();
     let pack = tiny_pack(tmp.path());
     let (off, len) = segment(&pack, "tokenizer");
@@ -346,9 +346,22 @@ fn corrupt_tokenizer_segment_without_verify() {
     bytes[(off + len / 2) as usize] ^= 0x55;
     std::fs::write(&pack, &bytes).unwrap();
     let o = run("nflash", &run_args(&pack, &["--prompt", "w3 w4"]));
-    assert_fails("nflash run", &o, &["tokenizer", "prep verify"]);
+    assert_fails("nflash run", &o, &["checksum mismatch", "segment \"tokenizer\"", "convert it again"]);
     let o = run("nflash", &run_args(&pack, &["--verify", "--prompt", "w3 w4"]));
     assert_fails("nflash run --verify", &o, &["checksum mismatch", "segment \"tokenizer\""]);
+}
+
+#[test]
+fn corrupt_resident_segment_without_verify() {
+    // Half of the resident tensors overwritten: caught at load, not a silent wrong answer.
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let (off, len) = segment(&pack, "resident");
+    let mut bytes = std::fs::read(&pack).unwrap();
+    bytes[off as usize..(off + len / 2) as usize].fill(0xff);
+    std::fs::write(&pack, &bytes).unwrap();
+    let o = run("nflash", &run_args(&pack, &["--prompt", "w3 w4"]));
+    assert_fails("nflash run", &o, &["checksum mismatch", "segment \"resident\""]);
 }
 
 // ------------------------------------------------------- nflash run input
