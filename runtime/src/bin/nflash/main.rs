@@ -22,7 +22,21 @@ enum Command {
     Ppl(ppl::PplArgs),
 }
 
+/// Keeps large freed blocks (prefill scratch, dequantized weight tiles) in
+/// the heap instead of returning them to the kernel after every layer, which
+/// would make each reuse page-fault and zero the pages again.
+fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes glibc malloc parameters; called before any
+    // other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
+    }
+}
+
 fn main() {
+    tune_allocator();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => run::run(a),
