@@ -4,7 +4,7 @@
 CARGO    ?= cargo
 PYTHON   ?= python3
 MODEL_DIR := models/SmolLM2-135M-Instruct
-DEMO_PACK := models/smollm2-q4_0.nflash
+DEMO_PACK := models/smollm2-q8_0.nflash
 BIN      := target/release
 
 .PHONY: all build model demo test bench clean help
@@ -26,14 +26,14 @@ model:
 
 $(DEMO_PACK): build model
 	@if [ ! -f $@ ] || [ $(BIN)/prep -nt $@ ]; then \
-		$(BIN)/prep convert --model $(MODEL_DIR) --out $@ --quant q4_0; \
+		$(BIN)/prep convert --model $(MODEL_DIR) --out $@ --quant q8_0; \
 	fi
 
 demo: $(DEMO_PACK)
-	$(BIN)/prep inspect $(DEMO_PACK)
+	@$(BIN)/prep inspect $(DEMO_PACK)
 	@echo
 	@echo '$$ nflash run --model $(DEMO_PACK) --chat --prompt "What is the capital of France?" --temperature 0 --stats'
-	$(BIN)/nflash run --model $(DEMO_PACK) --chat --prompt "What is the capital of France?" --temperature 0 --stats
+	@$(BIN)/nflash run --model $(DEMO_PACK) --chat --prompt "What is the capital of France?" --temperature 0 --stats
 
 test: model build
 	$(CARGO) test --release --workspace

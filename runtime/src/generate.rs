@@ -25,6 +25,9 @@ pub struct GenStats {
     pub decode_steps: usize,
     /// Decode wall time, seconds (single-token forward passes + sampling).
     pub decode_s: f64,
+    /// Set to the context length (tokens) when generation stopped because
+    /// the KV cache was full.
+    pub context_full: Option<usize>,
 }
 
 impl GenStats {
@@ -107,7 +110,11 @@ pub fn generate(
         if let Some(piece) = stream.push(tok, next)? {
             on_text(&piece);
         }
-        if out.len() >= opts.max_tokens || kv.len() + 1 >= kv.capacity() {
+        if out.len() >= opts.max_tokens {
+            break;
+        }
+        if kv.len() + 1 >= kv.capacity() {
+            stats.context_full = Some(kv.capacity());
             break;
         }
         let hs = model.forward(kv, &[next])?;

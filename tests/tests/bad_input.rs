@@ -422,7 +422,7 @@ fn nonexistent_model_path() {
     let ck = tmp.path().join("no-ckpt");
     let out = tmp.path().join("out.nflash");
     let o = run("prep", &["convert", "--model", s(&ck), "--out", s(&out)]);
-    assert_fails("prep convert", &o, &[s(&ck), "not a directory"]);
+    assert_fails("prep convert", &o, &[s(&ck), "does not exist"]);
     assert_no_output(&out);
 }
 
@@ -534,3 +534,22 @@ fn chat_without_template() {
     assert_fails("--chat without template", &o, &["no chat template", "without --chat"]);
 }
 
+
+#[test]
+fn system_without_chat_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let o = run("nflash", &run_args(&pack, &["--prompt", "w3 w4", "--system", "be brief"]));
+    assert_fails("--system without --chat", &o, &["--system", "--chat"]);
+}
+
+#[test]
+fn full_context_stops_with_a_note() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    // 2 prompt tokens in a 3-token context: room for one generated token of the 2 asked.
+    let o = run("nflash", &run_args(&pack, &["--ctx", "3", "--prompt", "w3 w4", "--ignore-eos"]));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("context (3 tokens) is full"), "{err}");
+}

@@ -181,6 +181,9 @@ impl Checkpoint {
     /// Missing files (named), invalid JSON, unsupported architecture or
     /// settings, a shard listed in the index but absent, unreadable headers.
     pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.exists() {
+            bail!("{} does not exist; pass a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)", dir.display());
+        }
         if !dir.is_dir() {
             bail!("{} is not a directory; pass a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)", dir.display());
         }

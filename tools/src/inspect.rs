@@ -63,13 +63,36 @@ pub fn run(a: InspectArgs) -> Result<()> {
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!("{}: nflash pack v{}.{}, {:.1} MiB, alignment {} bytes, by {}", a.file.display(), h.major, h.minor, mib(pack.file_len()), h.alignment, m.producer);
     let c = &m.config;
+    let act = match c.activation {
+        nflash_format::Activation::Silu => "silu",
+        nflash_format::Activation::Relu => "relu",
+        nflash_format::Activation::Gelu => "gelu",
+        nflash_format::Activation::GeluTanh => "gelu_pytorch_tanh",
+    };
+    let rope = match c.rope_scaling {
+        None => "none".to_string(),
+        Some(nflash_format::RopeScaling::Linear { factor }) => format!("linear ×{factor}"),
+        Some(nflash_format::RopeScaling::Llama3 { factor, .. }) => format!("llama3 ×{factor}"),
+    };
     println!(
-        "model: {} — {} layers, hidden {}, FFN {} ({:?}), heads {}/{} KV, head_dim {}, vocab {}, rope_theta {}, rope_scaling {:?}, max positions {}, tied embeddings {}",
-        c.architecture.hf_name(), c.num_layers, c.hidden_size, c.intermediate_size, c.activation,
-        c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size, c.rope_theta, c.rope_scaling,
-        c.max_position_embeddings, c.tie_word_embeddings
+        "model: {}, {} layers, hidden {}, FFN {} ({act}), {} heads / {} KV heads, head_dim {}, vocab {}",
+        c.architecture.hf_name(), c.num_layers, c.hidden_size, c.intermediate_size,
+        c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
     );
-    println!("tokens: bos {:?}, eos {:?}, chat template: {}", c.bos_token_id, c.eos_token_ids, if m.tokenizer.chat_template.is_some() { "yes" } else { "no" });
+    println!(
+        "       RoPE theta {}, scaling {rope}, context {} tokens{}, embeddings {}",
+        c.rope_theta,
+        c.max_position_embeddings,
+        c.sliding_window.map_or(String::new(), |w| format!(", sliding window {w}")),
+        if c.tie_word_embeddings { "tied" } else { "untied" }
+    );
+    let bos = c.bos_token_id.map_or("none".to_string(), |b| b.to_string());
+    let eos: Vec<String> = c.eos_token_ids.iter().map(|e| e.to_string()).collect();
+    println!(
+        "tokens: bos {bos}, eos {}, chat template {}",
+        if eos.is_empty() { "none".to_string() } else { eos.join(", ") },
+        if m.tokenizer.chat_template.is_some() { "yes" } else { "no" }
+    );
     println!("resident tensors: {} ({:.2} MiB)", m.tensors.len(), mib(resident_bytes));
     for (k, (n, b)) in &types {
         println!("  {k:>5}: {n} tensors, {:.2} MiB", mib(*b));
@@ -81,8 +104,15 @@ pub fn run(a: InspectArgs) -> Result<()> {
         );
     }
     println!("segments:");
-    for s in &m.segments {
-        println!("  {:<12} offset {:>12}  {:>12} bytes  {:?}", s.name, s.offset, s.bytes, s.kind);
+    let ffn_segs: Vec<_> = m.segments.iter().filter(|s| s.kind == SegmentKind::Ffn).collect();
+    for s in m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn) {
+        println!("  {:<12} offset {:>12}  {:>12} bytes", s.name, s.offset, s.bytes);
+    }
+    if let (Some(first), Some(last)) = (ffn_segs.first(), ffn_segs.last()) {
+        println!(
+            "  {:<12} offset {:>12}  {:>12} bytes  ({} FFN segments {}..{}, --json lists each)",
+            "ffn.*", first.offset, ffn_bytes, ffn_segs.len(), first.name, last.name
+        );
     }
     Ok(())
 }

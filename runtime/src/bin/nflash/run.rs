@@ -34,8 +34,8 @@ pub struct RunArgs {
     /// Maximum tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
-    /// Sampling temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.8)]
+    /// Sampling temperature; 0 = greedy (deterministic).
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f32,
     /// Sample from the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 40)]
@@ -82,10 +82,16 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         (None, Some(f)) => Some(read_text(f)?),
         (None, None) => None,
     };
+    if a.system.is_some() && prompt.is_some() && !a.chat {
+        bail!("--system only applies to chat; add --chat (or drop --system)");
+    }
     let pack = open_pack(&a.model, a.verify)?;
     let engine = Engine::load(&pack)?;
     let max_pos = engine.model.cfg.max_position_embeddings as usize;
     let ctx = a.ctx.unwrap_or(max_pos.min(4096));
+    if ctx > max_pos {
+        eprintln!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); quality past it is not guaranteed");
+    }
     if ctx < 2 {
         bail!("--ctx must be at least 2");
     }
@@ -108,7 +114,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     };
     let mut kv = engine.model.new_kv_cache(ctx);
     let Some(prompt) = prompt else {
-        return interactive(&engine, &mut kv, &mut sampler, &opts, a.system.as_deref());
+        return interactive(&engine, &mut kv, &mut sampler, &opts, &a);
     };
     if prompt.trim().is_empty() {
         match &a.prompt_file {
@@ -142,14 +148,19 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
 }
 
 fn report(a: &RunArgs, st: &GenStats) -> Result<()> {
+    if let Some(ctx) = st.context_full {
+        eprintln!("note: stopped because the context ({ctx} tokens) is full; raise --ctx for longer output");
+    }
     let rss = peak_rss_bytes().unwrap_or(0);
     if a.stats {
         eprintln!(
-            "prefill: {} tokens in {:.3} s, {:.1} tokens/s | decode: {} tokens, {:.1} tokens/s | peak RSS {:.1} MiB",
+            "prefill: {} tokens in {:.3} s, {:.1} tokens/s | decode: {} tokens generated, {} forward passes in {:.3} s, {:.1} tokens/s | peak RSS {:.1} MiB",
             st.prompt_tokens,
             st.prefill_s,
             st.prefill_tokens_per_s(),
             st.generated_tokens,
+            st.decode_steps,
+            st.decode_s,
             st.decode_tokens_per_s(),
             rss as f64 / (1 << 20) as f64
         );
@@ -178,8 +189,9 @@ fn interactive(
     kv: &mut nflash_runtime::kv_cache::KvCache,
     sampler: &mut Sampler,
     opts: &GenerateOptions,
-    system: Option<&str>,
+    a: &RunArgs,
 ) -> Result<()> {
+    let system = a.system.as_deref();
     let template = engine
         .template
         .as_ref()
@@ -209,7 +221,7 @@ fn interactive(
             let _ = stdout.flush();
         });
         println!();
-        let (out, _) = match result {
+        let (out, st) = match result {
             Ok(r) => r,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -218,6 +230,7 @@ fn interactive(
                 continue;
             }
         };
+        report(a, &st)?;
         cached.extend_from_slice(new);
         cached.extend_from_slice(&out);
         // The last sampled token was never run through the model.
