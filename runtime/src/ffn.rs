@@ -87,8 +87,7 @@ impl<'a> Ffn<'a> {
                             let p = c.first as usize + i;
                             let a0 = activate(act, g0v + bias(&self.gate_bias, p)) * (u0v + bias(&self.up_bias, p));
                             let a1 = activate(act, g1v + bias(&self.gate_bias, p + 1)) * (u1v + bias(&self.up_bias, p + 1));
-                            axpy_row(dt, d0, a0, &mut acc);
-                            axpy_row(dt, d1, a1, &mut acc);
+                            crate::simd::axpy2(dt, [d0, d1], [a0, a1], &mut acc);
                             i += 2;
                         }
                     }

@@ -13,7 +13,7 @@ use crate::ffn::Ffn;
 use crate::kv_cache::KvCache;
 use crate::matmul::MIN_BATCH;
 use crate::ops::{rms_norm, softmax, Rope};
-use crate::weights::{DotInput, QMatrix};
+use crate::weights::{matvec_many, DotInput, QMatrix};
 
 struct Layer<'a> {
     attn_norm: Vec<f32>, // [hidden]
@@ -193,9 +193,22 @@ impl<'a> Model<'a> {
         for (l, layer) in self.layers.iter().enumerate() {
             // Attention block.
             norm_rows(&x, &layer.attn_norm, eps, &mut xn);
-            project(&layer.q, &xn, batched, &mut q)?;
-            project(&layer.k, &xn, batched, &mut k)?;
-            project(&layer.v, &xn, batched, &mut v)?;
+            let same = layer.k.dtype == layer.q.dtype && layer.v.dtype == layer.q.dtype;
+            if batched || !same {
+                project(&layer.q, &xn, batched, &mut q)?;
+                project(&layer.k, &xn, batched, &mut k)?;
+                project(&layer.v, &xn, batched, &mut v)?;
+            } else {
+                // Decode: Q, K and V in one parallel region per token.
+                for t in 0..n {
+                    let xin = DotInput::from_slice(layer.q.dtype, &xn[t * h..(t + 1) * h]);
+                    matvec_many(
+                        &[&layer.q, &layer.k, &layer.v],
+                        &xin,
+                        &mut [&mut q[t * qd..(t + 1) * qd], &mut k[t * kvd..(t + 1) * kvd], &mut v[t * kvd..(t + 1) * kvd]],
+                    );
+                }
+            }
             add_bias(&mut q, layer.q_bias.as_deref());
             add_bias(&mut k, layer.k_bias.as_deref());
             add_bias(&mut v, layer.v_bias.as_deref());

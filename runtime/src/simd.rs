@@ -62,19 +62,33 @@ pub fn dot4(dtype: DType, cols: usize, rows: [&[u8]; 4], y: &[BlockQ8_0]) -> [f3
 /// `out += a · row` for one Q4_0 or Q8_0 row (`out.len()` elements).
 #[inline]
 pub fn axpy(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
+    axpy_n(dtype, [row], [a], out)
+}
+
+/// `out += a[0] · rows[0] + a[1] · rows[1]`: two neurons' down columns with
+/// one pass over `out`.
+#[inline]
+pub fn axpy2(dtype: DType, rows: [&[u8]; 2], a: [f32; 2], out: &mut [f32]) {
+    axpy_n(dtype, rows, a, out)
+}
+
+#[inline]
+fn axpy_n<const N: usize>(dtype: DType, rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: features checked above; lengths checked inside.
         unsafe {
             match dtype {
-                DType::Q4_0 => avx2::axpy_q4_0(row, a, out),
-                DType::Q8_0 => avx2::axpy_q8_0(row, a, out),
+                DType::Q4_0 => avx2::axpy_q4_0(rows, a, out),
+                DType::Q8_0 => avx2::axpy_q8_0(rows, a, out),
                 _ => unreachable!("axpy on {dtype}"),
             }
         }
         return;
     }
-    portable_axpy(dtype, row, a, out)
+    for (r, a) in rows.into_iter().zip(a) {
+        portable_axpy(dtype, r, a, out)
+    }
 }
 
 /// Portable `out += a · row` for Q4_0/Q8_0 (SPEC §5 layouts).
@@ -186,41 +200,53 @@ mod avx2 {
         dot4_blocks(cols, rows, y, 34, q8_load)
     }
 
+    /// `out += Σ a[i] · rows[i]` over `N` rows of `block`-byte blocks whose
+    /// 32 values `load` unpacks to i8; `out` is read and written once per block.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy_q4_0(row: &[u8], a: f32, out: &mut [f32]) {
+    unsafe fn axpy_blocks<const N: usize>(
+        rows: [&[u8]; N],
+        a: [f32; N],
+        out: &mut [f32],
+        block: usize,
+        load: unsafe fn(*const u8) -> __m256i,
+    ) {
         let nb = out.len() / 32;
-        assert!(row.len() >= nb * 18 && out.len() % 32 == 0);
+        assert!(out.len() % 32 == 0 && rows.iter().all(|r| r.len() >= nb * block));
         let o = out.as_mut_ptr();
         for b in 0..nb {
-            let xp = row.as_ptr().add(b * 18);
-            let s = _mm256_set1_ps(a * f16_at(xp));
-            let v = q4_unpack(xp.add(2));
-            let lo = _mm256_castsi256_si128(v);
-            let hi = _mm256_extracti128_si256(v, 1);
-            let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
-            for (k, p) in parts.into_iter().enumerate() {
-                let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p));
+            let mut parts = [[_mm_setzero_si128(); 4]; N];
+            let mut s = [_mm256_setzero_ps(); N];
+            for i in 0..N {
+                let xp = rows[i].as_ptr().add(b * block);
+                s[i] = _mm256_set1_ps(a[i] * f16_at(xp));
+                let v = load(xp.add(2));
+                let lo = _mm256_castsi256_si128(v);
+                let hi = _mm256_extracti128_si256(v, 1);
+                parts[i] = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+            }
+            for k in 0..4 {
                 let dst = o.add(b * 32 + k * 8);
-                _mm256_storeu_ps(dst, _mm256_fmadd_ps(s, f, _mm256_loadu_ps(dst)));
+                let mut acc = _mm256_loadu_ps(dst);
+                for i in 0..N {
+                    let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i][k]));
+                    acc = _mm256_fmadd_ps(s[i], f, acc);
+                }
+                _mm256_storeu_ps(dst, acc);
             }
         }
     }
 
+    /// `out += a[0]·rows[0] + … ` for Q4_0 rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy_q8_0(row: &[u8], a: f32, out: &mut [f32]) {
-        let nb = out.len() / 32;
-        assert!(row.len() >= nb * 34 && out.len() % 32 == 0);
-        let o = out.as_mut_ptr();
-        for b in 0..nb {
-            let xp = row.as_ptr().add(b * 34);
-            let s = _mm256_set1_ps(a * f16_at(xp));
-            for k in 0..4 {
-                let p = _mm_loadl_epi64(xp.add(2 + k * 8) as *const __m128i);
-                let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p));
-                let dst = o.add(b * 32 + k * 8);
-                _mm256_storeu_ps(dst, _mm256_fmadd_ps(s, f, _mm256_loadu_ps(dst)));
-            }
-        }
+    pub unsafe fn axpy_q4_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
+        axpy_blocks(rows, a, out, 18, q4_unpack)
+    }
+
+    /// `out += a[0]·rows[0] + … ` for Q8_0 rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_q8_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
+        axpy_blocks(rows, a, out, 34, q8_load)
     }
 }
 
@@ -277,6 +303,12 @@ mod tests {
             portable_axpy(dt, r[1], -1.25, &mut b);
             for (p, q) in a.iter().zip(&b) {
                 assert!((p - q).abs() < 1e-5, "{dt} axpy");
+            }
+            axpy2(dt, [r[2], r[3]], [0.75, -2.0], &mut a);
+            portable_axpy(dt, r[2], 0.75, &mut b);
+            portable_axpy(dt, r[3], -2.0, &mut b);
+            for (p, q) in a.iter().zip(&b) {
+                assert!((p - q).abs() < 1e-5, "{dt} axpy2");
             }
         }
     }

@@ -111,30 +111,30 @@ impl<'a> QMatrix<'a> {
 
     /// `out[r] = row_r · x` for all rows, in parallel. `out`: `[rows]`.
     pub fn matvec(&self, x: &DotInput, out: &mut [f32]) {
-        debug_assert_eq!(out.len(), self.rows);
-        let chunk = par_chunk(self.rows, 16).next_multiple_of(4);
-        out.par_chunks_mut(chunk).enumerate().for_each(|(ci, c)| {
-            let r0 = ci * chunk;
-            match x {
-                DotInput::Q8(y) => {
-                    let done = c.len() / 4 * 4;
-                    let mut quads = c.chunks_exact_mut(4);
-                    for (qi, o) in (&mut quads).enumerate() {
-                        let r = r0 + 4 * qi;
-                        let rows = [self.row(r), self.row(r + 1), self.row(r + 2), self.row(r + 3)];
-                        o.copy_from_slice(&crate::simd::dot4(self.dtype, self.cols, rows, y));
-                    }
-                    for (i, o) in quads.into_remainder().iter_mut().enumerate() {
-                        *o = self.row_dot(r0 + done + i, x);
-                    }
+        matvec_many(&[self], x, &mut [out]);
+    }
+
+    /// `out[i] = row_{r0+i} · x` for the rows `r0 .. r0 + out.len()`, four at a time for Q8 inputs.
+    fn rows_into(&self, x: &DotInput, r0: usize, out: &mut [f32]) {
+        match x {
+            DotInput::Q8(y) => {
+                let done = out.len() / 4 * 4;
+                let mut quads = out.chunks_exact_mut(4);
+                for (qi, o) in (&mut quads).enumerate() {
+                    let r = r0 + 4 * qi;
+                    let rows = [self.row(r), self.row(r + 1), self.row(r + 2), self.row(r + 3)];
+                    o.copy_from_slice(&crate::simd::dot4(self.dtype, self.cols, rows, y));
                 }
-                _ => {
-                    for (i, o) in c.iter_mut().enumerate() {
-                        *o = self.row_dot(r0 + i, x);
-                    }
+                for (i, o) in quads.into_remainder().iter_mut().enumerate() {
+                    *o = self.row_dot(r0 + done + i, x);
                 }
             }
-        });
+            _ => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = self.row_dot(r0 + i, x);
+                }
+            }
+        }
     }
 
     /// `out[t, r] = row_r · xs[t]` for `n = xs.len()` inputs. `out`: `[n, rows]`.
@@ -187,6 +187,24 @@ impl<'a> QMatrix<'a> {
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
         row_to_f32(self.dtype, self.row(r), out)
     }
+}
+
+/// `outs[i] = mats[i] · x` (`[mats[i].rows]` each) for matrices sharing one
+/// prepared input, as a single parallel region (decode runs Q, K and V this
+/// way: one fork–join instead of three).
+pub fn matvec_many(mats: &[&QMatrix], x: &DotInput, outs: &mut [&mut [f32]]) {
+    let total: usize = mats.iter().map(|m| m.rows).sum();
+    let chunk = par_chunk(total, 16).next_multiple_of(4);
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (mi, out) in outs.iter_mut().enumerate() {
+        debug_assert_eq!(out.len(), mats[mi].rows);
+        for (ci, c) in out.chunks_mut(chunk).enumerate() {
+            tasks.push((mi, ci * chunk, c));
+        }
+    }
+    tasks
+        .into_par_iter()
+        .for_each(|(mi, r0, c)| mats[mi].rows_into(x, r0, c));
 }
 
 /// Rows per parallel task: about four tasks per thread, at least `min`,
