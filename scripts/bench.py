@@ -497,16 +497,21 @@ def run_nflash(a, pack: Path, prompt_file: Path, tmpdir: Path) -> dict:
     if code != 0 or not j.exists():
         die(f"nflash run failed (exit {code}): {' '.join(cmd)}\n{se[-3000:]}")
     s = json.loads(j.read_text())
+    return run_result(s, maxrss, s.get("peak_rss_bytes"), wall, so)
+
+
+def run_result(s: dict, maxrss: int, self_rss, wall: float, text: str) -> dict:
+    """One run's figures in the common shape of both engines."""
     return {
         "prompt_tokens": s["prompt_tokens"],
         "generated_tokens": s["generated_tokens"],
         "prefill_tokens_per_s": s["prefill_tokens_per_s"],
         "decode_tokens_per_s": s["decode_tokens_per_s"],
         "peak_rss_bytes": maxrss,
-        "self_reported_peak_rss_bytes": s.get("peak_rss_bytes"),
+        "self_reported_peak_rss_bytes": self_rss,
         "wall_s": wall,
         "stats": s,
-        "text": so[:400],
+        "text": text[:400],
     }
 
 
@@ -522,17 +527,7 @@ def run_llama(a, gguf: Path, prompt_file: Path, tmpdir: Path) -> dict:
         log(f"warning: llama.cpp perf counters n_p_eval={s['n_p_eval']} n_eval={s['n_eval']}, "
             f"expected {s['prompt_tokens']} and {a.gen_tokens - 1}")
     text = s.pop("text")
-    return {
-        "prompt_tokens": s["prompt_tokens"],
-        "generated_tokens": s["generated_tokens"],
-        "prefill_tokens_per_s": s["prefill_tokens_per_s"],
-        "decode_tokens_per_s": s["decode_tokens_per_s"],
-        "peak_rss_bytes": maxrss,
-        "self_reported_peak_rss_bytes": s["vm_hwm_bytes"],
-        "wall_s": wall,
-        "stats": s,
-        "text": text[:400],
-    }
+    return run_result(s, maxrss, s["vm_hwm_bytes"], wall, text)
 
 
 def fmt(x, nd=1):
