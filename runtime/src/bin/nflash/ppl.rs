@@ -55,9 +55,18 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
         );
     }
     let quiet = a.json;
+    let started = std::time::Instant::now();
+    let n_tokens = tokens.len();
+    if !quiet {
+        eprintln!("scoring {n_tokens} tokens in windows of {} tokens", a.ctx);
+    }
     let r = ppl::perplexity(&engine.model, &tokens, a.ctx, |done, total| {
         if !quiet {
-            eprint!("\rwindow {done}/{total}");
+            let secs = started.elapsed().as_secs_f64();
+            let done_tokens = (done * a.ctx).min(n_tokens);
+            let rate = done_tokens as f64 / secs.max(1e-9);
+            let eta = (n_tokens - done_tokens) as f64 / rate.max(1e-9);
+            eprint!("\rwindow {done}/{total}, {rate:.0} tokens/s, {secs:.0} s elapsed, about {eta:.0} s left   ");
         }
     })?;
     if a.json {
@@ -75,8 +84,12 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
     } else {
         eprintln!();
         println!(
-            "perplexity {:.4} over {} tokens ({} windows of ≤ {} tokens)",
-            r.perplexity, r.tokens, r.windows, a.ctx
+            "perplexity {:.4} over {} scored tokens ({} window{} of at most {} tokens)",
+            r.perplexity,
+            r.tokens,
+            r.windows,
+            if r.windows == 1 { "" } else { "s" },
+            a.ctx
         );
     }
     Ok(())
