@@ -22,11 +22,17 @@ impl Tokenizer {
         Ok(Tokenizer { inner })
     }
 
-    /// Largest token id + 1, counting added tokens.
+    /// Largest token id + 1, counting added tokens: the embedding rows the
+    /// tokenizer needs. (Not `get_vocab_size`, which counts tokens: ids may
+    /// have gaps, and added tokens may carry ids past the model vocabulary.)
     pub fn vocab_size(&self) -> usize {
-        // Not `get_vocab_size`, which counts tokens: ids may have gaps.
-        let max_id = self.inner.get_vocab(true).into_values().max().map_or(0, |m| m as usize + 1);
+        let max_id = self.highest_id().map_or(0, |(_, m)| m as usize + 1);
         max_id.max(self.inner.get_vocab_size(true))
+    }
+
+    /// The token with the largest id (added tokens included), if any.
+    pub fn highest_id(&self) -> Option<(String, u32)> {
+        self.inner.get_vocab(true).into_iter().max_by_key(|(_, id)| *id)
     }
 
     /// Encodes `text`; `add_special_tokens` applies the tokenizer's

@@ -40,21 +40,17 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     let ck = Checkpoint::open(&a.model)?;
     check_tensors(&ck)?;
-    let tok = tokenizers::Tokenizer::from_bytes(&ck.tokenizer_json)
+    let tok = nflash_runtime::tokenizer::Tokenizer::from_json(&ck.tokenizer_json)
         .map_err(|e| anyhow::anyhow!("{}/tokenizer.json cannot be loaded: {e}", a.model.display()))?;
-    // The largest id, not the token count: ids may have gaps, and added
-    // tokens may carry ids past the model vocabulary.
-    let vocab = tok.get_vocab(true);
-    if let Some((name, &max_id)) = vocab.iter().max_by_key(|(_, &id)| id) {
-        let n_ids = (max_id as u64 + 1).max(tok.get_vocab_size(true) as u64);
-        if n_ids > ck.config.vocab_size {
-            bail!(
-                "{}/tokenizer.json has token ids up to {} (token {name:?}) but the embedding has only {} rows (vocab_size in config.json); the tokenizer does not belong to these weights: use the tokenizer.json that came with this checkpoint",
-                a.model.display(),
-                n_ids - 1,
-                ck.config.vocab_size
-            );
-        }
+    let n_ids = tok.vocab_size() as u64;
+    if n_ids > ck.config.vocab_size {
+        let name = tok.highest_id().map(|(name, _)| name).unwrap_or_default();
+        bail!(
+            "{}/tokenizer.json has token ids up to {} (token {name:?}) but the embedding has only {} rows (vocab_size in config.json); the tokenizer does not belong to these weights: use the tokenizer.json that came with this checkpoint",
+            a.model.display(),
+            n_ids - 1,
+            ck.config.vocab_size
+        );
     }
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| {
