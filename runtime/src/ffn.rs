@@ -11,6 +11,12 @@ use rayon::prelude::*;
 use crate::ops::activate;
 use crate::weights::{axpy_row, row_dot, row_to_f32, DotInput};
 
+/// Element `p` of an optional bias vector (0 without bias).
+#[inline]
+fn bias(b: &Option<Vec<f32>>, p: usize) -> f32 {
+    b.as_ref().map_or(0.0, |b| b[p])
+}
+
 /// One layer's FFN, as views of its neuron clusters.
 pub struct Ffn<'a> {
     act: Activation,
@@ -67,7 +73,6 @@ impl<'a> Ffn<'a> {
         let h = self.hidden;
         let dt = self.layout.dtype;
         let act = self.act;
-        let bias = |b: &Option<Vec<f32>>, p: usize| b.as_ref().map_or(0.0, |b| b[p]);
         let min_len = self.clusters.len().div_ceil(2 * rayon::current_num_threads());
         let acc = self
             .clusters
@@ -153,8 +158,7 @@ impl Ffn<'_> {
             let mut a = g;
             for (row_a, row_u) in a.chunks_exact_mut(m).zip(u.chunks_exact(m)) {
                 for (j, (av, uv)) in row_a.iter_mut().zip(row_u).enumerate() {
-                    let bg = self.gate_bias.as_ref().map_or(0.0, |b| b[p0 + j]);
-                    let bu = self.up_bias.as_ref().map_or(0.0, |b| b[p0 + j]);
+                    let (bg, bu) = (bias(&self.gate_bias, p0 + j), bias(&self.up_bias, p0 + j));
                     *av = activate(self.act, *av + bg) * (uv + bu);
                 }
             }
@@ -175,7 +179,7 @@ impl Ffn<'_> {
         flush(&mut group)?;
         for (o, row) in out.chunks_exact_mut(h).zip(acc.chunks_exact(h)) {
             for (j, (v, a)) in o.iter_mut().zip(row).enumerate() {
-                *v += a + self.down_bias.as_ref().map_or(0.0, |b| b[j]);
+                *v += a + bias(&self.down_bias, j);
             }
         }
         Ok(())
