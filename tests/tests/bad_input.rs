@@ -137,6 +137,13 @@ fn remove_tensor(file: &Path, drop: &str) {
 
 // ---------------------------------------------------- prep convert failures
 
+/// Reads `path`, lets `f` change its bytes, writes them back.
+fn edit_file(path: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+    let mut bytes = std::fs::read(path).unwrap();
+    f(&mut bytes);
+    std::fs::write(path, &bytes).unwrap();
+}
+
 #[test]
 fn checkpoint_without_config_json() {
     let tmp = tempfile::tempdir().unwrap();
@@ -273,9 +280,9 @@ fn pack_truncated_inside_segment() {
 fn pack_with_wrong_magic() {
     let tmp = tempfile::tempdir().unwrap();
     let pack = tiny_pack(tmp.path());
-    let mut bytes = std::fs::read(&pack).unwrap();
-    bytes[0..8].copy_from_slice(b"GGUF\x03\0\0\0");
-    std::fs::write(&pack, &bytes).unwrap();
+    edit_file(&pack, |bytes| {
+        bytes[0..8].copy_from_slice(b"GGUF\x03\0\0\0");
+    });
     all_readers_fail("wrong magic", &pack, &["magic", "not an nflash pack", "prep convert"]);
 }
 
@@ -310,9 +317,9 @@ fn pack_with_flipped_byte_in_segment() {
     let tmp = tempfile::tempdir().unwrap();
     let pack = tiny_pack(tmp.path());
     let (off, len) = segment(&pack, "ffn.0");
-    let mut bytes = std::fs::read(&pack).unwrap();
-    bytes[(off + len / 3) as usize] ^= 0x40;
-    std::fs::write(&pack, &bytes).unwrap();
+    edit_file(&pack, |bytes| {
+        bytes[(off + len / 3) as usize] ^= 0x40;
+    });
     let needles = ["checksum mismatch", "segment \"ffn.0\"", &format!("offset {off}")];
     let o = run("prep", &["verify", s(&pack)]);
     assert_fails("prep verify", &o, &needles);
@@ -328,10 +335,10 @@ fn pack_with_flipped_byte_in_segment() {
 fn pack_with_flipped_byte_in_manifest() {
     let tmp = tempfile::tempdir().unwrap();
     let pack = tiny_pack(tmp.path());
-    let mut bytes = std::fs::read(&pack).unwrap();
-    let n = bytes.len();
-    bytes[n - 100] ^= 0x55;
-    std::fs::write(&pack, &bytes).unwrap();
+    edit_file(&pack, |bytes| {
+        let n = bytes.len();
+        bytes[n - 100] ^= 0x55;
+    });
     all_readers_fail("flipped manifest byte", &pack, &["checksum mismatch in manifest", "convert it again"]);
 }
 
@@ -342,9 +349,9 @@ fn corrupt_tokenizer_segment_without_verify() {
     let tmp = tempfile::tempdir().unwrap();
     let pack = tiny_pack(tmp.path());
     let (off, len) = segment(&pack, "tokenizer");
-    let mut bytes = std::fs::read(&pack).unwrap();
-    bytes[(off + len / 2) as usize] ^= 0x55;
-    std::fs::write(&pack, &bytes).unwrap();
+    edit_file(&pack, |bytes| {
+        bytes[(off + len / 2) as usize] ^= 0x55;
+    });
     let o = run("nflash", &run_args(&pack, &["--prompt", "w3 w4"]));
     assert_fails("nflash run", &o, &["checksum mismatch", "segment \"tokenizer\"", "convert it again"]);
     let o = run("nflash", &run_args(&pack, &["--verify", "--prompt", "w3 w4"]));
@@ -357,9 +364,9 @@ fn corrupt_resident_segment_without_verify() {
     let tmp = tempfile::tempdir().unwrap();
     let pack = tiny_pack(tmp.path());
     let (off, len) = segment(&pack, "resident");
-    let mut bytes = std::fs::read(&pack).unwrap();
-    bytes[off as usize..(off + len / 2) as usize].fill(0xff);
-    std::fs::write(&pack, &bytes).unwrap();
+    edit_file(&pack, |bytes| {
+        bytes[off as usize..(off + len / 2) as usize].fill(0xff);
+    });
     let o = run("nflash", &run_args(&pack, &["--prompt", "w3 w4"]));
     assert_fails("nflash run", &o, &["checksum mismatch", "segment \"resident\""]);
 }
