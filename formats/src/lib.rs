@@ -18,8 +18,8 @@ pub use dtype::DType;
 pub use error::{Error, Result};
 pub use header::{Header, DEFAULT_ALIGNMENT, HEADER_BYTES, MAGIC, VERSION_MAJOR, VERSION_MINOR};
 pub use manifest::{
-    BundleLayout, FfnLayer, Manifest, NeuronCluster, Segment, SegmentKind, TensorEntry,
-    TokenizerInfo,
+    BundleLayout, Criterion, FfnLayer, LayerSparsity, Manifest, NeuronCluster, PredictorKind,
+    PredictorQuality, Segment, SegmentKind, SparseInfo, TensorEntry, TokenizerInfo,
 };
 pub use reader::Pack;
 pub use writer::PackWriter;

@@ -93,7 +93,7 @@ pub struct NeuronCluster {
 }
 
 /// One layer's FFN as neuron clusters (SPEC §4.4).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FfnLayer {
     /// Decoder layer index.
     pub layer: u32,
@@ -108,7 +108,127 @@ pub struct FfnLayer {
     /// Clusters in packed order, covering positions `0..n_neurons` exactly once.
     pub clusters: Vec<NeuronCluster>,
     /// `order[p]` = original neuron id (row of `gate_proj`) stored at packed position `p`.
+    /// Sparse packs store neurons hot first (descending activation frequency).
     pub order: Vec<u32>,
+    /// Activity threshold, predictor calibration and profile summary; `None` in dense packs (SPEC §4.5).
+    pub sparse: Option<LayerSparsity>,
+}
+
+/// Which per-neuron value decides whether an FFN neuron is active (SPEC §4.5).
+/// For ReLU-family models both reduce to `act > 0` at threshold 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Criterion {
+    /// `|act(gate · x)|` (CATS, arXiv 2404.08763).
+    Gate,
+    /// `|act(gate · x) · (up · x)|`, the input of the down projection.
+    GateUp,
+}
+
+impl Criterion {
+    /// Command-line name: `gate`, `gate-up`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Criterion::Gate => "gate",
+            Criterion::GateUp => "gate-up",
+        }
+    }
+}
+
+impl std::str::FromStr for Criterion {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "gate" => Ok(Criterion::Gate),
+            "gate-up" => Ok(Criterion::GateUp),
+            _ => Err(format!("unknown criterion {s:?}; use gate or gate-up")),
+        }
+    }
+}
+
+/// How decode decides which neurons to read and compute (SPEC §4.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PredictorKind {
+    /// Gate and up for every neuron; down only for active ones.
+    Exact,
+    /// Rank-r estimate of gate and up through a projection of the input:
+    /// tensors `nflash.predictor.{l}.proj` `[r, hidden]`, `.gate` and `.up` `[n_neurons, r]`.
+    LowRank,
+    /// Per-layer MLP `hidden → r → n_neurons` with ReLU, output a logit:
+    /// `.w1` `[r, hidden]`, `.b1` `[r]`, `.w2` `[n_neurons, r]`, `.b2` `[n_neurons]`.
+    Mlp,
+}
+
+impl PredictorKind {
+    /// Command-line name: `exact`, `low-rank`, `mlp`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PredictorKind::Exact => "exact",
+            PredictorKind::LowRank => "low-rank",
+            PredictorKind::Mlp => "mlp",
+        }
+    }
+}
+
+impl std::str::FromStr for PredictorKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "exact" => Ok(PredictorKind::Exact),
+            "low-rank" => Ok(PredictorKind::LowRank),
+            "mlp" => Ok(PredictorKind::Mlp),
+            _ => Err(format!("unknown predictor {s:?}; use exact, low-rank or mlp")),
+        }
+    }
+}
+
+/// Pack-wide sparsity settings (SPEC §4.5).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SparseInfo {
+    /// Activity criterion.
+    pub criterion: Criterion,
+    /// Predictor used by decode.
+    pub predictor: PredictorKind,
+    /// Predictor rank r (0 for [`PredictorKind::Exact`]).
+    pub rank: u32,
+    /// Target fraction of inactive neurons per layer (0 for ReLU-family models: natural sparsity).
+    pub target_sparsity: f32,
+    /// Target fraction of truly active neurons the predictor keeps.
+    pub recall_target: f32,
+    /// Calibration tokens profiled.
+    pub calib_tokens: u64,
+    /// Calibration text file name.
+    pub calib_source: String,
+}
+
+/// Predictor quality on held-out calibration tokens (SPEC §4.5).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PredictorQuality {
+    /// Fraction of truly active neurons that were predicted.
+    pub recall: f32,
+    /// Fraction of predicted neurons that were truly active.
+    pub precision: f32,
+    /// Fraction of neuron bundles not predicted (neither read nor computed).
+    pub bundles_skipped: f32,
+    /// Fraction of neurons inactive under the threshold (down projection skipped).
+    pub sparsity: f32,
+    /// Held-out tokens the figures were measured on.
+    pub tokens: u32,
+}
+
+/// One layer's sparsity settings and profile summary (SPEC §4.5).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerSparsity {
+    /// A neuron is active iff its criterion value is `> threshold`.
+    pub threshold: f32,
+    /// A neuron is predicted iff its predictor score is `> predictor_threshold`
+    /// (ignored by [`PredictorKind::Exact`]).
+    pub predictor_threshold: f32,
+    /// Predictor tensors, bytes (0 for exact).
+    pub predictor_bytes: u64,
+    /// Held-out predictor quality.
+    pub quality: PredictorQuality,
+    /// Activation frequency at packed positions `round(k·(n-1)/32)`, k = 0..=32 (hot first).
+    pub frequency_curve: Vec<f32>,
 }
 
 /// Tokenizer and chat settings (SPEC §4.2).
@@ -143,6 +263,8 @@ pub struct Manifest {
     pub tensors: Vec<TensorEntry>,
     /// FFN neuron clusters, one entry per layer in layer order.
     pub ffn: Vec<FfnLayer>,
+    /// Sparse decode settings; `None` for a dense pack (SPEC §4.5).
+    pub sparse: Option<SparseInfo>,
 }
 
 /// bincode options used for the manifest (SPEC §4).

@@ -428,6 +428,17 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
                 _ => return Err(invalid(what(), format!("neuron order is not a permutation (id {o})"))),
             }
         }
+        if f.sparse.is_some() != m.sparse.is_some() {
+            return Err(invalid(what(), "sparsity settings present in only some of the manifest".into()));
+        }
+        if let Some(sp) = &f.sparse {
+            if !sp.threshold.is_finite() || !sp.predictor_threshold.is_finite() || sp.frequency_curve.len() > 33 {
+                return Err(invalid(
+                    what(),
+                    format!("sparsity threshold {} / predictor threshold {} / {}-point frequency curve", sp.threshold, sp.predictor_threshold, sp.frequency_curve.len()),
+                ));
+            }
+        }
     }
     Ok(())
 }

@@ -225,6 +225,7 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions) ->
             cluster_align: opts.cluster_align,
             clusters,
             order,
+            sparse: None,
         });
         pb.inc(1);
     }
@@ -245,6 +246,7 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions) ->
         segments: Vec::new(),
         tensors,
         ffn,
+        sparse: None,
     };
     let result = w.finish(manifest);
     *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = None;
