@@ -5,10 +5,11 @@
 //! `act(gate_i · x + bg_i) * (up_i · x + bu_i) * down_i` to the output.
 //! This issue computes every neuron (dense); sparse decode skips neurons.
 
-use nflash_format::{Activation, BundleLayout, FfnLayer, NeuronCluster};
+use nflash_format::{Activation, BundleLayout, Criterion, FfnLayer, NeuronCluster};
 use rayon::prelude::*;
 
 use crate::ops::activate;
+use crate::sparse::{criterion_value, LayerCounts};
 use crate::weights::{axpy_row, row_dot, row_to_f32, DotInput};
 
 /// Element `p` of an optional bias vector (0 without bias).
@@ -25,6 +26,9 @@ pub struct Ffn<'a> {
     /// The layer's FFN segment.
     data: &'a [u8],
     clusters: Vec<NeuronCluster>,
+    /// Bundle offset inside `data` of each packed position, bytes `[n_neurons]`.
+    offsets: Vec<u64>,
+    n_neurons: usize,
     /// Gate bias in packed neuron order `[n_neurons]`.
     gate_bias: Option<Vec<f32>>,
     /// Up bias in packed neuron order `[n_neurons]`.
@@ -44,8 +48,15 @@ impl<'a> Ffn<'a> {
         up_bias: Option<Vec<f32>>,
         down_bias: Option<Vec<f32>>,
     ) -> Self {
+        let offsets = f
+            .clusters
+            .iter()
+            .flat_map(|c| (0..c.n_neurons as u64).map(move |i| c.offset + i * f.bundle.bundle_bytes))
+            .collect();
         Ffn {
             act,
+            offsets,
+            n_neurons: f.n_neurons as usize,
             hidden: f.bundle.row_elems as usize,
             layout: f.bundle,
             data,
@@ -56,67 +67,151 @@ impl<'a> Ffn<'a> {
         }
     }
 
-    /// Bundle bytes of the neuron at packed position `first + i` of cluster `c`.
+    /// `out += FFN(x)` for one token (decode) over the neurons `sel`
+    /// selects, skipping the down projection of neurons whose criterion value
+    /// is not above `gate.1` (`gate`: `None` = every selected neuron is active).
+    /// `x`: the normed input prepared for the bundle dtype; `out`: `[hidden]`.
+    ///
+    /// The selection is cut into fixed runs of [`CHUNK`] neurons, each
+    /// accumulated into its own row of `s.partials` by one rayon task, and the
+    /// rows are summed in order: the result does not depend on the thread
+    /// count. No allocation once `s` has grown to size. Returns the number of
+    /// neurons whose down projection was computed.
+    pub fn forward_token(&self, x: &DotInput, sel: Selection, gate: Option<(Criterion, f32)>, s: &mut FfnScratch, out: &mut [f32]) -> u64 {
+        let h = self.hidden;
+        let n_sel = sel.len(self.n_neurons);
+        let n_chunks = n_sel.div_ceil(CHUNK);
+        s.partials.resize(n_chunks.max(1) * h, 0.0);
+        s.computed.resize(n_chunks.max(1), 0);
+        s.partials[..n_chunks * h]
+            .par_chunks_mut(h)
+            .zip(s.computed[..n_chunks].par_iter_mut())
+            .enumerate()
+            .for_each(|(ci, (acc, done))| {
+                acc.fill(0.0);
+                let lo = ci * CHUNK;
+                let hi = (lo + CHUNK).min(n_sel);
+                *done = self.run_chunk(x, &sel, lo, hi, gate, acc);
+            });
+        let mut computed = 0u64;
+        for (ci, acc) in s.partials[..n_chunks * h].chunks_exact(h).enumerate() {
+            out.iter_mut().zip(acc).for_each(|(o, a)| *o += a);
+            computed += s.computed[ci] as u64;
+        }
+        if let Some(b) = &self.down_bias {
+            out.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+        }
+        computed
+    }
+
+    /// Selected neurons `lo..hi` of `sel` into `acc` (`[hidden]`); returns how many were active.
+    fn run_chunk(&self, x: &DotInput, sel: &Selection, lo: usize, hi: usize, gate: Option<(Criterion, f32)>, acc: &mut [f32]) -> u32 {
+        let (h, dt, act) = (self.hidden, self.layout.dtype, self.act);
+        let value = |p: usize, g: f32, u: f32| -> f32 {
+            activate(act, g + bias(&self.gate_bias, p)) * (u + bias(&self.up_bias, p))
+        };
+        // Gate-up: the criterion value is |a|. Gate: checked before the up row is read.
+        let keep = |a: f32| -> bool { !matches!(gate, Some((Criterion::GateUp, t)) if a.abs() <= t) };
+        let mut done = 0u32;
+        let mut i = lo;
+        if let (DotInput::Q8(y), false) = (x, matches!(gate, Some((Criterion::Gate, _)))) {
+            // Two neurons per pass: gate and up rows of both in one 4-row kernel.
+            while i + 1 < hi {
+                let (p0, p1) = (sel.get(i), sel.get(i + 1));
+                let (g0, u0, d0) = self.bundle_at(p0);
+                let (g1, u1, d1) = self.bundle_at(p1);
+                let [g0v, u0v, g1v, u1v] = crate::simd::dot4(dt, h, [g0, u0, g1, u1], y);
+                let (a0, a1) = (value(p0, g0v, u0v), value(p1, g1v, u1v));
+                match (keep(a0), keep(a1)) {
+                    (true, true) => crate::simd::axpy2(dt, [d0, d1], [a0, a1], acc),
+                    (true, false) => axpy_row(dt, d0, a0, acc),
+                    (false, true) => axpy_row(dt, d1, a1, acc),
+                    (false, false) => {}
+                }
+                done += keep(a0) as u32 + keep(a1) as u32;
+                i += 2;
+            }
+        }
+        for i in i..hi {
+            let p = sel.get(i);
+            let (g_row, u_row, d_row) = self.bundle_at(p);
+            let g = row_dot(dt, h, g_row, x);
+            if let Some((Criterion::Gate, t)) = gate {
+                // The gate alone decides: skip the up row of inactive neurons.
+                if criterion_value(Criterion::Gate, act, g + bias(&self.gate_bias, p), 0.0) <= t {
+                    continue;
+                }
+            }
+            let u = row_dot(dt, h, u_row, x);
+            let a = value(p, g, u);
+            if keep(a) {
+                axpy_row(dt, d_row, a, acc);
+                done += 1;
+            }
+        }
+        done
+    }
+
+    /// Bundle bytes of the neuron at packed position `p`.
     #[inline]
-    fn bundle(&self, c: &NeuronCluster, i: usize) -> (&'a [u8], &'a [u8], &'a [u8]) {
+    fn bundle_at(&self, p: usize) -> (&'a [u8], &'a [u8], &'a [u8]) {
         let rb = self.layout.row_bytes as usize;
-        let start = c.offset as usize + i * self.layout.bundle_bytes as usize;
+        let start = self.offsets[p] as usize;
         let b = &self.data[start..start + 3 * rb];
         (&b[..rb], &b[rb..2 * rb], &b[2 * rb..])
     }
 
-    /// `out += FFN(x)` for one token (decode), over every neuron.
-    /// `x`: the normed input prepared for the bundle dtype; `out`: `[hidden]`.
-    /// Clusters are split across the rayon pool; each task accumulates into
-    /// its own `[hidden]` buffer, summed at the end.
-    pub fn forward_token(&self, x: &DotInput, out: &mut [f32]) {
-        let h = self.hidden;
-        let dt = self.layout.dtype;
-        let act = self.act;
-        let min_len = self.clusters.len().div_ceil(2 * rayon::current_num_threads());
-        let acc = self
-            .clusters
-            .par_iter()
-            .with_min_len(min_len.max(1))
-            .fold(
-                || vec![0f32; h],
-                |mut acc, c| {
-                    let n = c.n_neurons as usize;
-                    let mut i = 0;
-                    if let DotInput::Q8(y) = x {
-                        // Two neurons per pass: gate and up rows of both in one 4-row kernel.
-                        while i + 1 < n {
-                            let (g0, u0, d0) = self.bundle(c, i);
-                            let (g1, u1, d1) = self.bundle(c, i + 1);
-                            let [g0v, u0v, g1v, u1v] = crate::simd::dot4(dt, h, [g0, u0, g1, u1], y);
-                            let p = c.first as usize + i;
-                            let a0 = activate(act, g0v + bias(&self.gate_bias, p)) * (u0v + bias(&self.up_bias, p));
-                            let a1 = activate(act, g1v + bias(&self.gate_bias, p + 1)) * (u1v + bias(&self.up_bias, p + 1));
-                            crate::simd::axpy2(dt, [d0, d1], [a0, a1], &mut acc);
-                            i += 2;
-                        }
-                    }
-                    for i in i..n {
-                        let p = c.first as usize + i;
-                        let (g_row, u_row, d_row) = self.bundle(c, i);
-                        let g = row_dot(dt, h, g_row, x) + bias(&self.gate_bias, p);
-                        let u = row_dot(dt, h, u_row, x) + bias(&self.up_bias, p);
-                        axpy_row(dt, d_row, activate(act, g) * u, &mut acc);
-                    }
-                    acc
-                },
-            )
-            .reduce(
-                || vec![0f32; h],
-                |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                    a
-                },
-            );
-        for (j, (o, a)) in out.iter_mut().zip(&acc).enumerate() {
-            *o += a + bias(&self.down_bias, j);
+    /// Neurons in the layer.
+    pub fn n_neurons(&self) -> usize {
+        self.n_neurons
+    }
+}
+
+/// Sparse evaluation of a batch: which neurons each token keeps.
+pub struct BatchMask {
+    /// Activity criterion.
+    pub criterion: Criterion,
+    /// Active iff criterion value `> threshold`.
+    pub threshold: f32,
+    /// `[n, n_neurons]` predictor selection in packed order; `None` = every neuron (exact).
+    pub predicted: Option<Vec<bool>>,
+}
+
+/// Neurons per decode task (a fixed run, so the reduction order is fixed).
+pub const CHUNK: usize = 32;
+
+/// The neurons a decode step computes.
+pub enum Selection<'s> {
+    /// Every neuron, in packed order.
+    All,
+    /// These packed positions, ascending.
+    List(&'s [u32]),
+}
+
+impl Selection<'_> {
+    #[inline]
+    fn len(&self, n_neurons: usize) -> usize {
+        match self {
+            Selection::All => n_neurons,
+            Selection::List(l) => l.len(),
         }
     }
+    #[inline]
+    fn get(&self, i: usize) -> usize {
+        match self {
+            Selection::All => i,
+            Selection::List(l) => l[i] as usize,
+        }
+    }
+}
+
+/// Per-token decode buffers, reused across tokens and layers.
+#[derive(Default)]
+pub struct FfnScratch {
+    /// `[n_chunks, hidden]` partial sums, one row per task.
+    partials: Vec<f32>,
+    /// `[n_chunks]` down projections computed per task.
+    computed: Vec<u32>,
 }
 
 impl Ffn<'_> {
@@ -124,7 +219,13 @@ impl Ffn<'_> {
     /// f32), `out` `[n, hidden]`. Neuron clusters are dequantized a tile at a
     /// time and multiplied with candle-core's matmul: `A = act(X·Gᵀ)∘(X·Uᵀ)`,
     /// `out += A·D`, where the tile's rows of G, U, D are its bundles.
-    pub fn forward_batch(&self, x: &[f32], out: &mut [f32]) -> crate::error::Result<()> {
+    ///
+    /// With `mask`, the FFN is evaluated as sparse decode would: a neuron's
+    /// product is dropped unless the predictor selected it and its criterion
+    /// value is above the threshold; the returned counters say how much was
+    /// kept (and, since every gate and up value is known here, the recall).
+    pub fn forward_batch(&self, x: &[f32], mask: Option<&BatchMask>, out: &mut [f32]) -> crate::error::Result<LayerCounts> {
+        let mut counts = LayerCounts::default();
         let h = self.hidden;
         let n = x.len() / h;
         let dt = self.layout.dtype;
@@ -148,7 +249,7 @@ impl Ffn<'_> {
                 .zip(wd.par_chunks_mut(h))
                 .zip(idx.par_iter())
                 .for_each(|(((g, u), d), (c, i))| {
-                    let (gr, ur, dr) = self.bundle(c, *i);
+                    let (gr, ur, dr) = self.bundle_at(c.first as usize + *i);
                     row_to_f32(dt, gr, g);
                     row_to_f32(dt, ur, u);
                     row_to_f32(dt, dr, d);
@@ -156,10 +257,23 @@ impl Ffn<'_> {
             let g = crate::matmul::matmul_xwt(&xt, wg, m, h)?; // [n, m]
             let u = crate::matmul::matmul_xwt(&xt, wu, m, h)?; // [n, m]
             let mut a = g;
-            for (row_a, row_u) in a.chunks_exact_mut(m).zip(u.chunks_exact(m)) {
+            for (t, (row_a, row_u)) in a.chunks_exact_mut(m).zip(u.chunks_exact(m)).enumerate() {
                 for (j, (av, uv)) in row_a.iter_mut().zip(row_u).enumerate() {
                     let (bg, bu) = (bias(&self.gate_bias, p0 + j), bias(&self.up_bias, p0 + j));
-                    *av = activate(self.act, *av + bg) * (uv + bu);
+                    let (gv, uv) = (*av + bg, uv + bu);
+                    *av = activate(self.act, gv) * uv;
+                    if let Some(mk) = mask {
+                        let active = criterion_value(mk.criterion, self.act, gv, uv) > mk.threshold;
+                        let read = mk.predicted.as_ref().is_none_or(|p| p[t * self.n_neurons + p0 + j]);
+                        counts.neurons += 1;
+                        counts.read += read as u64;
+                        counts.active += active as u64;
+                        counts.hit += (read && active) as u64;
+                        counts.computed += (read && active) as u64;
+                        if !(read && active) {
+                            *av = 0.0;
+                        }
+                    }
                 }
             }
             let y = crate::matmul::matmul_aw(a, n, wd, m, h)?; // [n, hidden]
@@ -182,11 +296,158 @@ impl Ffn<'_> {
                 *v += a + bias(&self.down_bias, j);
             }
         }
-        Ok(())
+        if mask.is_none() {
+            counts.neurons = (n * self.n_neurons) as u64;
+            counts.read = counts.neurons;
+            counts.computed = counts.neurons;
+        }
+        Ok(counts)
     }
 
     /// Storage type of the bundles (inputs must be prepared for it).
     pub fn dtype(&self) -> nflash_format::DType {
         self.layout.dtype
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sparse::{LayerSparse, Predictor};
+    use crate::weights::QMatrix;
+    use nflash_format::DType;
+
+    /// Deterministic values in [-1, 1).
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    const H: usize = 32;
+    const N: usize = 96;
+
+    /// An f32 FFN layer of `N` neurons in one cluster: bundle p = gate row | up row | down column.
+    fn layer(gate: &[f32], up: &[f32], down_t: &[f32]) -> (FfnLayer, Vec<u8>) {
+        let mut data = Vec::new();
+        for p in 0..N {
+            for m in [gate, up, down_t] {
+                data.extend(bytes(&m[p * H..(p + 1) * H]));
+            }
+        }
+        let bundle = BundleLayout::new(DType::F32, H as u64).unwrap();
+        let f = FfnLayer {
+            layer: 0,
+            segment: 0,
+            n_neurons: N as u32,
+            bundle,
+            cluster_align: 4,
+            clusters: vec![NeuronCluster { offset: 0, first: 0, n_neurons: N as u32 }],
+            order: (0..N as u32).collect(),
+            sparse: None,
+        };
+        (f, data)
+    }
+
+    #[test]
+    fn batched_recall_and_sparsity_equal_a_brute_force_count() {
+        let (gate, up, down_t) = (values(1, N * H), values(2, N * H), values(3, N * H));
+        let (f, data) = layer(&gate, &up, &down_t);
+        let ffn = Ffn::new(&f, &data, Activation::Silu, None, None, None);
+        let r = 8;
+        let (proj, pg, pu) = (values(4, r * H), values(5, N * r), values(6, N * r));
+        let (bp, bg, bu) = (bytes(&proj), bytes(&pg), bytes(&pu));
+        let sp = LayerSparse {
+            criterion: Criterion::GateUp,
+            threshold: 0.05,
+            predictor_threshold: 0.1,
+            predictor: Predictor::LowRank {
+                proj: QMatrix::new(DType::F32, r, H, &bp),
+                gate: QMatrix::new(DType::F32, N, r, &bg),
+                up: QMatrix::new(DType::F32, N, r, &bu),
+            },
+        };
+        let n_tok = 16;
+        let x = values(7, n_tok * H);
+        let mask = BatchMask {
+            criterion: sp.criterion,
+            threshold: sp.threshold,
+            predicted: sp.predict_batch(Activation::Silu, &x, H).unwrap(),
+        };
+        let mut out = vec![0f32; n_tok * H];
+        let c = ffn.forward_batch(&x, Some(&mask), &mut out).unwrap();
+        // Brute force, straight from the f32 weights.
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+        let (mut active, mut read, mut hit) = (0u64, 0u64, 0u64);
+        for t in 0..n_tok {
+            let xt = &x[t * H..(t + 1) * H];
+            let z: Vec<f32> = (0..r).map(|k| dot(&proj[k * H..(k + 1) * H], xt)).collect();
+            for p in 0..N {
+                let g = dot(&gate[p * H..(p + 1) * H], xt);
+                let u = dot(&up[p * H..(p + 1) * H], xt);
+                let is_active = (activate(Activation::Silu, g) * u).abs() > 0.05;
+                let (ge, ue) = (dot(&pg[p * r..(p + 1) * r], &z), dot(&pu[p * r..(p + 1) * r], &z));
+                let predicted = (activate(Activation::Silu, ge) * ue).abs() > 0.1;
+                active += is_active as u64;
+                read += predicted as u64;
+                hit += (is_active && predicted) as u64;
+            }
+        }
+        assert!(active > 0 && hit > 0 && read < (n_tok * N) as u64, "degenerate fixture");
+        // Values near a threshold may round differently between candle's matmul and this loop.
+        let near = |a: u64, b: u64| (a as i64 - b as i64).abs() <= 2;
+        assert!(near(c.active, active), "active {} vs {active}", c.active);
+        assert!(near(c.read, read), "read {} vs {read}", c.read);
+        assert!(near(c.hit, hit), "hit {} vs {hit}", c.hit);
+        assert_eq!(c.neurons, (n_tok * N) as u64);
+        assert_eq!(c.computed, c.hit);
+    }
+
+    #[test]
+    fn sparse_decode_with_nothing_skipped_is_bit_identical_to_dense() {
+        let (gate, up, down_t) = (values(11, N * H), values(12, N * H), values(13, N * H));
+        let (f, data) = layer(&gate, &up, &down_t);
+        let ffn = Ffn::new(&f, &data, Activation::Silu, None, None, None);
+        let x = DotInput::from_slice(DType::F32, &values(14, H));
+        let mut s = FfnScratch::default();
+        let (mut dense, mut sparse) = (vec![0.5f32; H], vec![0.5f32; H]);
+        ffn.forward_token(&x, Selection::All, None, &mut s, &mut dense);
+        let all: Vec<u32> = (0..N as u32).collect();
+        let n = ffn.forward_token(&x, Selection::List(&all), Some((Criterion::GateUp, -1.0)), &mut s, &mut sparse);
+        assert_eq!(n, N as u64);
+        assert_eq!(dense, sparse);
+        // A real threshold skips neurons and changes the result.
+        let mut skipped = vec![0.5f32; H];
+        let n = ffn.forward_token(&x, Selection::List(&all), Some((Criterion::GateUp, 0.3)), &mut s, &mut skipped);
+        assert!(n < N as u64);
+        assert_ne!(dense, skipped);
+    }
+
+    #[test]
+    fn decode_result_does_not_depend_on_the_thread_count() {
+        let (gate, up, down_t) = (values(21, N * H), values(22, N * H), values(23, N * H));
+        let (f, data) = layer(&gate, &up, &down_t);
+        let ffn = Ffn::new(&f, &data, Activation::Silu, None, None, None);
+        let x = DotInput::from_slice(DType::F32, &values(24, H));
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let mut out = vec![0f32; H];
+                ffn.forward_token(&x, Selection::All, None, &mut FfnScratch::default(), &mut out);
+                out
+            })
+        };
+        let one = run(1);
+        for t in [2, 3, 4] {
+            assert_eq!(one, run(t), "{t} threads");
+        }
     }
 }

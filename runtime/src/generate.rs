@@ -93,7 +93,7 @@ pub fn generate(
     let t0 = Instant::now();
     let mut last_hidden = Vec::new();
     for chunk in prompt.chunks(PREFILL_CHUNK) {
-        let hs = model.forward(kv, chunk)?;
+        let hs = model.forward_with(kv, chunk, crate::model::Pass::Prefill)?;
         let h = model.cfg.hidden_size as usize;
         last_hidden = hs[hs.len() - h..].to_vec();
     }

@@ -16,6 +16,7 @@ pub mod ops;
 pub mod ppl;
 pub mod sampler;
 pub mod simd;
+pub mod sparse;
 pub mod stats;
 pub mod tokenizer;
 pub mod weights;

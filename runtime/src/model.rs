@@ -9,7 +9,11 @@ use nflash_format::{DType, ModelConfig, Pack};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::ffn::Ffn;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use crate::ffn::{BatchMask, Ffn, FfnScratch, Selection};
+use crate::sparse::{LayerCounts, LayerSparse, PredictScratch};
 use crate::kv_cache::KvCache;
 use crate::matmul::MIN_BATCH;
 use crate::ops::{rms_norm, softmax, Rope};
@@ -27,6 +31,47 @@ struct Layer<'a> {
     v_bias: Option<Vec<f32>>,
     o_bias: Option<Vec<f32>>,
     ffn: Ffn<'a>,
+    /// Sparse-decode settings; `None` for a dense pack.
+    sparse: Option<LayerSparse<'a>>,
+}
+
+/// How a forward pass computes the FFN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// Prompt processing: every neuron (PowerInfer-2 runs prefill dense).
+    Prefill,
+    /// Token generation: the pack's predictor and thresholds, unless dense is forced.
+    Decode,
+    /// Quality evaluation of sparse decode over a batch: dense matmuls with
+    /// the neurons decode would skip dropped, and recall counted.
+    Evaluate,
+}
+
+/// Time spent per part of the forward pass, seconds, summed over calls.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Timings {
+    /// Norms, Q/K/V/O projections, RoPE, attention.
+    pub attention_s: f64,
+    /// Predictor evaluation (sparse decode).
+    pub predictor_s: f64,
+    /// FFN neuron engine.
+    pub ffn_s: f64,
+    /// Output projection to logits.
+    pub lm_head_s: f64,
+}
+
+/// Per-call scratch and counters, behind a lock so `forward` takes `&self`.
+#[derive(Default)]
+struct Work {
+    ffn: FfnScratch,
+    predict: PredictScratch,
+    /// Packed positions selected by the predictor `[≤ n_neurons]`.
+    list: Vec<u32>,
+    /// The FFN input prepared for the bundle dtype.
+    xin: Option<DotInput>,
+    /// Per-layer sparse counters.
+    counts: Vec<LayerCounts>,
+    timings: Timings,
 }
 
 /// A model whose weights are views into an open [`Pack`].
@@ -38,6 +83,9 @@ pub struct Model<'a> {
     final_norm: Vec<f32>, // [hidden]
     layers: Vec<Layer<'a>>,
     rope: Rope,
+    /// Use the pack's predictors in [`Pass::Decode`] / [`Pass::Evaluate`].
+    sparse_enabled: bool,
+    work: Mutex<Work>,
 }
 
 fn tensor<'a>(pack: &'a Pack, name: &str, shape: &[u64]) -> Result<(DType, &'a [u8])> {
@@ -58,12 +106,12 @@ fn tensor<'a>(pack: &'a Pack, name: &str, shape: &[u64]) -> Result<(DType, &'a [
     Ok((t.dtype, bytes))
 }
 
-fn matrix<'a>(pack: &'a Pack, name: &str, rows: u64, cols: u64) -> Result<QMatrix<'a>> {
+pub(crate) fn matrix<'a>(pack: &'a Pack, name: &str, rows: u64, cols: u64) -> Result<QMatrix<'a>> {
     let (dt, bytes) = tensor(pack, name, &[rows, cols])?;
     Ok(QMatrix::new(dt, rows as usize, cols as usize, bytes))
 }
 
-fn vector(pack: &Pack, name: &str, len: u64) -> Result<Vec<f32>> {
+pub(crate) fn vector(pack: &Pack, name: &str, len: u64) -> Result<Vec<f32>> {
     let (dt, bytes) = tensor(pack, name, &[len])?;
     let mut out = vec![0f32; len as usize];
     crate::weights::row_to_f32(dt, bytes, &mut out);
@@ -96,11 +144,16 @@ impl<'a> Model<'a> {
         } else {
             matrix(pack, "lm_head.weight", v, h)?
         };
+        let sparse_info = pack.manifest().sparse.clone();
         let qkv_bias = cfg.attention_bias || cfg.architecture == nflash_format::Architecture::Qwen2;
         let mut layers = Vec::with_capacity(cfg.num_layers as usize);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
             let (f, data) = pack.ffn_layer(l as usize)?;
+            let sparse = match (&sparse_info, &f.sparse) {
+                (Some(si), Some(ls)) => Some(LayerSparse::load(pack, l as usize, si.predictor, si.criterion, ls)?),
+                _ => None,
+            };
             let ffn = Ffn::new(
                 f,
                 data,
@@ -126,6 +179,7 @@ impl<'a> Model<'a> {
                     cfg.attention_bias && cfg.architecture != nflash_format::Architecture::Qwen2,
                 )?,
                 ffn,
+                sparse,
             });
         }
         Ok(Model {
@@ -133,9 +187,37 @@ impl<'a> Model<'a> {
             final_norm: vector(pack, "model.norm.weight", h)?,
             embed,
             lm_head,
+            sparse_enabled: sparse_info.is_some(),
+            work: Mutex::new(Work {
+                counts: vec![LayerCounts::default(); layers.len()],
+                ..Default::default()
+            }),
             layers,
             cfg,
         })
+    }
+
+    /// Whether the pack has sparse-decode settings.
+    pub fn is_sparse_pack(&self) -> bool {
+        self.layers.iter().any(|l| l.sparse.is_some())
+    }
+
+    /// Forces dense FFN evaluation everywhere (`--dense`) or restores the pack's sparsity.
+    pub fn set_dense(&mut self, dense: bool) {
+        self.sparse_enabled = !dense && self.is_sparse_pack();
+    }
+
+    /// Per-layer sparse-FFN counters since load or the last [`Self::reset_counters`].
+    pub fn counters(&self) -> (Vec<LayerCounts>, Timings) {
+        let w = self.work.lock().unwrap_or_else(|e| e.into_inner());
+        (w.counts.clone(), w.timings)
+    }
+
+    /// Zeroes the counters and timings.
+    pub fn reset_counters(&self) {
+        let mut w = self.work.lock().unwrap_or_else(|e| e.into_inner());
+        w.counts.iter_mut().for_each(|c| *c = LayerCounts::default());
+        w.timings = Timings::default();
     }
 
     /// A KV cache for `capacity` tokens.
@@ -148,11 +230,25 @@ impl<'a> Model<'a> {
     }
 
     /// Runs `tokens` at positions `kv.len()..` and returns the final-normed
-    /// hidden states `[n, hidden]`; the KV cache grows by `n`.
+    /// hidden states `[n, hidden]`; the KV cache grows by `n`. One token is a
+    /// [`Pass::Decode`], more a [`Pass::Prefill`].
     ///
     /// # Errors
     /// [`Error::ContextFull`] if the tokens do not fit, [`Error::TokenOutOfRange`].
     pub fn forward(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
+        let pass = if tokens.len() == 1 { Pass::Decode } else { Pass::Prefill };
+        self.forward_with(kv, tokens, pass)
+    }
+
+    /// [`Self::forward`] with an explicit pass: batches of at least
+    /// `MIN_BATCH` tokens use dense matmuls (masked for [`Pass::Evaluate`]),
+    /// smaller ones run token by token (sparse unless [`Pass::Prefill`]).
+    ///
+    /// # Errors
+    /// As [`Self::forward`].
+    pub fn forward_with(&self, kv: &mut KvCache, tokens: &[u32], pass: Pass) -> Result<Vec<f32>> {
+        let mut guard = self.work.lock().unwrap_or_else(|e| e.into_inner());
+        let work = &mut *guard;
         let n = tokens.len();
         let h = self.cfg.hidden_size as usize;
         let (nh, nkv, hd) = (
@@ -190,7 +286,11 @@ impl<'a> Model<'a> {
         let half = hd / 2;
         let (cos, sin) = self.rope.tables(p0, n); // [n, head_dim/2] each
         let mut xn = vec![0f32; n * h]; // [n, hidden], RMSNormed
+        let sparse_on = self.sparse_enabled && pass != Pass::Prefill;
+        // Counters and timings describe decode / evaluation only.
+        let timings_before = work.timings;
         for (l, layer) in self.layers.iter().enumerate() {
+            let t_attn = Instant::now();
             // Attention block.
             norm_rows(&x, &layer.attn_norm, eps, &mut xn);
             let same = layer.k.dtype == layer.q.dtype && layer.v.dtype == layer.q.dtype;
@@ -252,13 +352,36 @@ impl<'a> Model<'a> {
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             // FFN block through the neuron engine.
             norm_rows(&x, &layer.ffn_norm, eps, &mut xn);
-            if batched {
-                layer.ffn.forward_batch(&xn, &mut x)?;
+            work.timings.attention_s += t_attn.elapsed().as_secs_f64();
+            let sparse = layer.sparse.as_ref().filter(|_| sparse_on);
+            let counts = if batched {
+                let t_pred = Instant::now();
+                let mask = match sparse {
+                    Some(sp) => Some(BatchMask {
+                        criterion: sp.criterion,
+                        threshold: sp.threshold,
+                        predicted: sp.predict_batch(self.cfg.activation, &xn, h)?,
+                    }),
+                    None => None,
+                };
+                let t_ffn = Instant::now();
+                work.timings.predictor_s += (t_ffn - t_pred).as_secs_f64();
+                let c = layer.ffn.forward_batch(&xn, mask.as_ref(), &mut x)?;
+                work.timings.ffn_s += t_ffn.elapsed().as_secs_f64();
+                c
             } else {
+                let mut c = LayerCounts::default();
                 for (xr, outr) in xn.chunks_exact(h).zip(x.chunks_exact_mut(h)) {
-                    layer.ffn.forward_token(&DotInput::from_slice(layer.ffn.dtype(), xr), outr);
+                    c.add(&self.ffn_token(layer, sparse, xr, work, outr));
                 }
+                c
+            };
+            if pass != Pass::Prefill {
+                work.counts[l].add(&counts);
             }
+        }
+        if pass == Pass::Prefill {
+            work.timings = timings_before;
         }
         kv.commit(n);
         for row in x.chunks_exact_mut(h) {
@@ -268,11 +391,37 @@ impl<'a> Model<'a> {
         Ok(x)
     }
 
+    /// One token's FFN (`x`: normed input `[hidden]`, `out`: residual `[hidden]`), sparse when `sparse` is given.
+    fn ffn_token(&self, layer: &Layer, sparse: Option<&LayerSparse>, x: &[f32], work: &mut Work, out: &mut [f32]) -> LayerCounts {
+        let n = layer.ffn.n_neurons() as u64;
+        let t0 = Instant::now();
+        let xin = work.xin.get_or_insert_with(|| DotInput::new(layer.ffn.dtype()));
+        xin.set(x);
+        let Some(sp) = sparse else {
+            layer.ffn.forward_token(xin, Selection::All, None, &mut work.ffn, out);
+            work.timings.ffn_s += t0.elapsed().as_secs_f64();
+            return LayerCounts { neurons: n, read: n, computed: n, ..Default::default() };
+        };
+        let listed = sp.predict_token(self.cfg.activation, xin, x, &mut work.predict, &mut work.list);
+        let t1 = Instant::now();
+        work.timings.predictor_s += (t1 - t0).as_secs_f64();
+        let (sel, read) = if listed {
+            (Selection::List(&work.list), work.list.len() as u64)
+        } else {
+            (Selection::All, n)
+        };
+        let computed = layer.ffn.forward_token(xin, sel, Some((sp.criterion, sp.threshold)), &mut work.ffn, out);
+        work.timings.ffn_s += t1.elapsed().as_secs_f64();
+        LayerCounts { neurons: n, read, computed, ..Default::default() }
+    }
+
     /// Logits `[vocab]` for one final hidden state `[hidden]`.
     pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
+        let t0 = Instant::now();
         let mut out = vec![0f32; self.cfg.vocab_size as usize];
         self.lm_head
             .matvec(&DotInput::from_slice(self.lm_head.dtype, hidden), &mut out);
+        self.work.lock().unwrap_or_else(|e| e.into_inner()).timings.lm_head_s += t0.elapsed().as_secs_f64();
         out
     }
 

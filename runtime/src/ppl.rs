@@ -41,7 +41,7 @@ pub fn perplexity(
     let mut count = 0usize;
     for (wi, w) in windows.iter().enumerate() {
         let mut kv = model.new_kv_cache(w.len());
-        let hidden = model.forward(&mut kv, w)?;
+        let hidden = model.forward_with(&mut kv, w, crate::model::Pass::Evaluate)?;
         // Logits in chunks of 32 positions to bound memory.
         for (ci, hs) in hidden[..(w.len() - 1) * h].chunks(32 * h).enumerate() {
             let logits = model.logits_batch(hs);

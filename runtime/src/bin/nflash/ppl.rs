@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
+use nflash_runtime::sparse::SparsitySummary;
 use nflash_runtime::{ppl, Engine};
 
 use crate::common::{in_pool, open_pack, read_text};
@@ -32,6 +33,9 @@ pub struct PplArgs {
     /// Check every segment checksum before running.
     #[arg(long)]
     verify: bool,
+    /// Evaluate a sparse pack densely (every FFN neuron), for comparison.
+    #[arg(long)]
+    dense: bool,
 }
 
 pub fn run(a: PplArgs) -> Result<()> {
@@ -41,7 +45,8 @@ pub fn run(a: PplArgs) -> Result<()> {
 fn run_in_pool(a: PplArgs) -> Result<()> {
     let text = read_text(&a.file)?;
     let pack = open_pack(&a.model, a.verify)?;
-    let engine = Engine::load(&pack)?;
+    let mut engine = Engine::load(&pack)?;
+    engine.model.set_dense(a.dense);
     let mut tokens = engine.tokenizer.encode(&text, false)?;
     if let Some(m) = a.max_tokens {
         tokens.truncate(m);
@@ -69,18 +74,28 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
             eprint!("\rwindow {done}/{total}, {rate:.0} tokens/s, {secs:.0} s elapsed, about {eta:.0} s left   ");
         }
     })?;
+    let sparsity = SparsitySummary::new(&engine.model.counters().0);
     if a.json {
-        println!(
-            "{}",
-            serde_json::json!({
-                "perplexity": r.perplexity,
-                "tokens": r.tokens,
-                "windows": r.windows,
-                "ctx": a.ctx,
-                "model": a.model,
-                "file": a.file,
-            })
-        );
+        let mut j = serde_json::json!({
+            "perplexity": r.perplexity,
+            "tokens": r.tokens,
+            "windows": r.windows,
+            "ctx": a.ctx,
+            "model": a.model,
+            "file": a.file,
+            "sparse": engine.model.is_sparse_pack() && !a.dense,
+        });
+        if let Some(s) = &sparsity {
+            j["ffn_sparsity"] = s.ffn_sparsity.into();
+            j["bundles_skipped"] = s.bundles_skipped.into();
+            j["recall"] = s.recall.into();
+            j["layers"] = s
+                .layers
+                .iter()
+                .map(|(f, b, r)| serde_json::json!({"ffn_sparsity": f, "bundles_skipped": b, "recall": r}))
+                .collect();
+        }
+        println!("{j}");
     } else {
         eprintln!();
         println!(
@@ -91,6 +106,20 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
             if r.windows == 1 { "" } else { "s" },
             a.ctx
         );
+        if let Some(s) = sparsity.filter(|_| engine.model.is_sparse_pack()) {
+            print_sparsity(&s);
+        }
     }
     Ok(())
+}
+
+/// Per-layer and mean FFN sparsity, as a table on stdout.
+fn print_sparsity(s: &SparsitySummary) {
+    let pct = |v: f64| format!("{:5.1}%", 100.0 * v);
+    let rec = |r: Option<f64>| r.map_or("    -".into(), pct);
+    println!("layer  ffn sparsity  bundles skipped  recall");
+    for (l, (f, b, r)) in s.layers.iter().enumerate() {
+        println!("{l:>5}  {:>12}  {:>15}  {:>6}", pct(*f), pct(*b), rec(*r));
+    }
+    println!(" mean  {:>12}  {:>15}  {:>6}", pct(s.ffn_sparsity), pct(s.bundles_skipped), rec(s.recall));
 }

@@ -9,7 +9,8 @@ use nflash_runtime::chat::Message;
 use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::stats::peak_rss_bytes;
-use nflash_runtime::Engine;
+use nflash_runtime::sparse::SparsitySummary;
+use nflash_runtime::{Engine, Model};
 
 use crate::common::{in_pool, open_pack, read_text};
 
@@ -64,6 +65,9 @@ pub struct RunArgs {
     /// Do not stop at end-of-sequence tokens (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
+    /// Decode densely (every FFN neuron) even if the pack is sparse, for comparison.
+    #[arg(long)]
+    dense: bool,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -86,7 +90,8 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         bail!("--system only applies to chat; add --chat (or drop --system)");
     }
     let pack = open_pack(&a.model, a.verify)?;
-    let engine = Engine::load(&pack)?;
+    let mut engine = Engine::load(&pack)?;
+    engine.model.set_dense(a.dense);
     let max_pos = engine.model.cfg.max_position_embeddings as usize;
     let ctx = a.ctx.unwrap_or(max_pos.min(4096));
     if ctx > max_pos {
@@ -144,10 +149,14 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         let _ = stdout.flush();
     })?;
     let _ = writeln!(stdout);
-    report(&a, &st)
+    report(&a, &st, &engine.model)
 }
 
-fn report(a: &RunArgs, st: &GenStats) -> Result<()> {
+fn report(a: &RunArgs, st: &GenStats, model: &Model) -> Result<()> {
+    let (counts, tm) = model.counters();
+    let sparsity = SparsitySummary::new(&counts).filter(|_| model.is_sparse_pack() && !a.dense);
+    // Per decode step, milliseconds.
+    let per = |s: f64| 1e3 * s / st.decode_steps.max(1) as f64;
     if let Some(ctx) = st.context_full {
         eprintln!("note: stopped because the context ({ctx} tokens) is full; raise --ctx for longer output");
     }
@@ -164,6 +173,18 @@ fn report(a: &RunArgs, st: &GenStats) -> Result<()> {
             st.decode_tokens_per_s(),
             rss as f64 / (1 << 20) as f64
         );
+        eprintln!(
+            "decode per token: attention {:.2} ms, predictor {:.2} ms, FFN {:.2} ms, lm_head {:.2} ms{}",
+            per(tm.attention_s),
+            per(tm.predictor_s),
+            per(tm.ffn_s),
+            per(tm.lm_head_s),
+            sparsity.as_ref().map_or(String::new(), |s| format!(
+                " | FFN sparsity {:.1}%, bundles skipped {:.1}%",
+                100.0 * s.ffn_sparsity,
+                100.0 * s.bundles_skipped
+            ))
+        );
     }
     if let Some(path) = &a.stats_json {
         let j = serde_json::json!({
@@ -175,6 +196,13 @@ fn report(a: &RunArgs, st: &GenStats) -> Result<()> {
             "prefill_tokens_per_s": st.prefill_tokens_per_s(),
             "decode_tokens_per_s": st.decode_tokens_per_s(),
             "peak_rss_bytes": rss,
+            "sparse": sparsity.is_some(),
+            "ffn_sparsity": sparsity.as_ref().map(|s| s.ffn_sparsity),
+            "bundles_skipped": sparsity.as_ref().map(|s| s.bundles_skipped),
+            "attention_ms_per_token": per(tm.attention_s),
+            "predictor_ms_per_token": per(tm.predictor_s),
+            "ffn_ms_per_token": per(tm.ffn_s),
+            "lm_head_ms_per_token": per(tm.lm_head_s),
         });
         std::fs::write(path, format!("{j}\n"))
             .with_context(|| format!("cannot write {}", path.display()))?;
@@ -216,6 +244,7 @@ fn interactive(
         kv.truncate(common);
         cached.truncate(common);
         let new = &ids[common..];
+        engine.model.reset_counters();
         let result = generate(&engine.model, kv, &engine.tokenizer, new, sampler, opts, |p| {
             let _ = stdout.write_all(p.as_bytes());
             let _ = stdout.flush();
@@ -230,7 +259,7 @@ fn interactive(
                 continue;
             }
         };
-        report(a, &st)?;
+        report(a, &st, &engine.model)?;
         cached.extend_from_slice(new);
         cached.extend_from_slice(&out);
         // The last sampled token was never run through the model.
