@@ -15,16 +15,29 @@ pub struct Perplexity {
     pub windows: usize,
 }
 
+/// [`perplexity`] plus the model's top-1 token at every scored position
+/// (`[tokens]`), to compare two models position by position.
+#[derive(Debug, Clone)]
+pub struct Scored {
+    /// Perplexity figures.
+    pub ppl: Perplexity,
+    /// Argmax of the logits at each scored position, in order.
+    pub top1: Vec<u32>,
+}
+
 /// Scores `tokens` in windows of `ctx` tokens. `on_window(done, total)` reports progress.
 ///
 /// # Errors
 /// [`Error::Usage`] for `ctx < 2` or fewer than 2 tokens; model errors.
-pub fn perplexity(
-    model: &Model,
-    tokens: &[u32],
-    ctx: usize,
-    mut on_window: impl FnMut(usize, usize),
-) -> Result<Perplexity> {
+pub fn perplexity(model: &Model, tokens: &[u32], ctx: usize, on_window: impl FnMut(usize, usize)) -> Result<Perplexity> {
+    score(model, tokens, ctx, on_window).map(|s| s.ppl)
+}
+
+/// [`perplexity`] that also returns the top-1 token of every scored position.
+///
+/// # Errors
+/// As [`perplexity`].
+pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMut(usize, usize)) -> Result<Scored> {
     if ctx < 2 {
         return Err(Error::Usage(format!("--ctx {ctx} must be at least 2")));
     }
@@ -39,6 +52,7 @@ pub fn perplexity(
     let windows: Vec<&[u32]> = tokens.chunks(ctx).filter(|w| w.len() >= 2).collect();
     let mut nll = 0f64;
     let mut count = 0usize;
+    let mut top1 = Vec::with_capacity(tokens.len());
     for (wi, w) in windows.iter().enumerate() {
         let mut kv = model.new_kv_cache(w.len());
         let hidden = model.forward_with(&mut kv, w, crate::model::Pass::Evaluate)?;
@@ -47,7 +61,13 @@ pub fn perplexity(
             let logits = model.logits_batch(hs);
             for (j, row) in logits.chunks_exact(vocab).enumerate() {
                 let target = w[ci * 32 + j + 1] as usize;
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let (arg, &mx) = row
+                    .iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
+                    .expect("vocab > 0");
+                top1.push(arg as u32);
+                let max = mx as f64;
                 let lse = row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln() + max;
                 nll += lse - row[target] as f64;
                 count += 1;
@@ -55,9 +75,12 @@ pub fn perplexity(
         }
         on_window(wi + 1, windows.len());
     }
-    Ok(Perplexity {
-        perplexity: (nll / count as f64).exp(),
-        tokens: count,
-        windows: windows.len(),
+    Ok(Scored {
+        ppl: Perplexity {
+            perplexity: (nll / count as f64).exp(),
+            tokens: count,
+            windows: windows.len(),
+        },
+        top1,
     })
 }

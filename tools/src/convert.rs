@@ -4,10 +4,12 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use nflash_format::DType;
+use nflash_format::{Criterion, DType, PredictorKind};
 
 use crate::checkpoint::Checkpoint;
 use crate::pack::{check_tensors, write_pack, PackOptions};
+use crate::profile::{Profile, ProfileOptions};
+use crate::sparsify::{self, SparseOptions, SparsePlan};
 
 /// Arguments of `prep convert`.
 #[derive(Args)]
@@ -24,9 +26,137 @@ pub struct ConvertArgs {
     /// Target size of one neuron cluster, bytes (a run of FFN neuron bundles read together).
     #[arg(long, default_value_t = 64 * 1024)]
     cluster_bytes: u64,
+    #[command(flatten)]
+    sparse: SparseArgs,
+}
+
+/// Sparse-pack options: without `--calib` or `--profile` the pack is dense.
+#[derive(Args)]
+#[command(next_help_heading = "Activation sparsity (sparse decode)")]
+pub struct SparseArgs {
+    /// Calibration text (UTF-8): profile FFN activity on it and write a sparse pack.
+    #[arg(long, conflicts_with = "profile")]
+    calib: Option<PathBuf>,
+    /// Reuse a profile written by `prep profile` instead of profiling (--calib).
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Calibration tokens to profile (with --calib).
+    #[arg(long, default_value_t = 50_000)]
+    tokens: usize,
+    /// Calibration window length, tokens (with --calib).
+    #[arg(long, default_value_t = 512)]
+    window: usize,
+    /// FFN inputs kept per layer for predictor training (with --calib).
+    #[arg(long, default_value_t = 8192)]
+    sample: usize,
+    /// Target fraction of FFN neurons inactive per token, in [0, 1); ReLU-family models use their natural sparsity.
+    #[arg(long, default_value_t = 0.5)]
+    sparsity: f64,
+    /// What decides that a neuron is active: |act(gate)| (gate) or |act(gate)·up| (gate-up).
+    #[arg(long, default_value = "gate-up")]
+    criterion: Criterion,
+    /// How decode picks neurons before reading them: exact (all gate/up, sparse down), low-rank or mlp.
+    #[arg(long, default_value = "mlp")]
+    predictor: PredictorKind,
+    /// Predictor rank r (multiple of 32); default from --predictor-budget.
+    #[arg(long)]
+    rank: Option<usize>,
+    /// Predictor size as a fraction of the layer's FFN bytes, used to choose the rank.
+    #[arg(long, default_value_t = 0.10)]
+    predictor_budget: f64,
+    /// Fraction of truly active neurons the predictor must keep on held-out calibration tokens.
+    #[arg(long, default_value_t = 0.95)]
+    recall: f64,
+    /// MLP predictor training epochs.
+    #[arg(long, default_value_t = 20)]
+    epochs: usize,
+    /// MLP predictor seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl SparseArgs {
+    fn check(&self) -> Result<()> {
+        if !(0.0..1.0).contains(&self.sparsity) {
+            bail!("--sparsity {} is outside [0, 1): it is the fraction of FFN neurons skipped per token, e.g. 0.5", self.sparsity);
+        }
+        if !(self.recall > 0.0 && self.recall <= 1.0) {
+            bail!("--recall {} is outside (0, 1]", self.recall);
+        }
+        if !(self.predictor_budget > 0.0 && self.predictor_budget <= 1.0) {
+            bail!("--predictor-budget {} is outside (0, 1]", self.predictor_budget);
+        }
+        if let Some(r) = self.rank {
+            if r == 0 || r % 32 != 0 || r > 65536 {
+                bail!("--rank {r} must be a positive multiple of 32 (predictor rows are stored in 32-element blocks)");
+            }
+        }
+        Ok(())
+    }
+
+    /// The sparse plan, or `None` for a dense pack.
+    fn plan(&self, ck: &Checkpoint, model_dir: &std::path::Path, quant: DType) -> Result<Option<SparsePlan>> {
+        let profile = match (&self.calib, &self.profile) {
+            (None, None) => return Ok(None),
+            (_, Some(p)) => {
+                let pr = Profile::load(p)?;
+                pr.check_matches(&ck.config, model_dir)?;
+                pr
+            }
+            (Some(c), None) => {
+                let t = std::time::Instant::now();
+                let pr = crate::profile::profile(
+                    ck,
+                    c,
+                    &ProfileOptions { tokens: self.tokens, window: self.window, sample: self.sample },
+                )?;
+                eprintln!("profiled {} tokens in {:.1} s", pr.calib.n_tokens, t.elapsed().as_secs_f64());
+                pr
+            }
+        };
+        let t = std::time::Instant::now();
+        let plan = sparsify::plan(
+            ck,
+            &profile,
+            &SparseOptions {
+                sparsity: self.sparsity,
+                criterion: self.criterion,
+                predictor: self.predictor,
+                rank: self.rank,
+                budget: self.predictor_budget,
+                recall: self.recall,
+                epochs: self.epochs,
+                seed: self.seed,
+            },
+            quant,
+        )?;
+        let n = plan.layers.len().max(1) as f32;
+        let mean = |f: &dyn Fn(&nflash_format::PredictorQuality) -> f32| plan.layers.iter().map(|l| f(&l.sparse.quality)).sum::<f32>() / n;
+        eprintln!(
+            "{} predictor (rank {}) built in {:.1} s: held-out recall {:.3}, precision {:.3}, bundles skipped {:.1}%, sparsity {:.1}% (layer means)",
+            plan.info.predictor.name(),
+            plan.info.rank,
+            t.elapsed().as_secs_f64(),
+            mean(&|q| q.recall),
+            mean(&|q| q.precision),
+            100.0 * mean(&|q| q.bundles_skipped),
+            100.0 * mean(&|q| q.sparsity),
+        );
+        let losses: Vec<(f32, f32)> = plan.layers.iter().filter_map(|l| l.loss).collect();
+        if !losses.is_empty() {
+            let k = losses.len() as f32;
+            eprintln!(
+                "MLP training loss (binary cross-entropy, layer mean): first epoch {:.4}, last epoch {:.4}",
+                losses.iter().map(|l| l.0).sum::<f32>() / k,
+                losses.iter().map(|l| l.1).sum::<f32>() / k
+            );
+        }
+        Ok(Some(plan))
+    }
 }
 
 pub fn run(a: ConvertArgs) -> Result<()> {
+    a.sparse.check()?;
     if a.cluster_bytes == 0 || a.cluster_bytes > 64 << 20 {
         bail!("--cluster-bytes must be between 1 and 64 MiB");
     }
@@ -69,6 +199,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         a.out.display(),
         a.quant
     );
+    let plan = a.sparse.plan(&ck, &a.model, a.quant)?;
     write_pack(
         &ck,
         &a.out,
@@ -78,6 +209,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
             cluster_align: 4096,
             alignment: nflash_format::DEFAULT_ALIGNMENT,
         },
+        plan.as_ref(),
     )?;
     let size = std::fs::metadata(&a.out).map(|m| m.len()).unwrap_or(0);
     eprintln!(

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use nflash_format::{Pack, SegmentKind};
+use nflash_format::{Manifest, Pack, SegmentKind};
 
 /// Arguments of `prep inspect`.
 #[derive(Args)]
@@ -55,6 +55,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             "ffn_bytes": ffn_bytes,
             "ffn_dtype": ffn_dtype,
             "ffn_clusters": clusters,
+            "sparse": sparse_json(m),
             "tensor_types": types.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
@@ -103,6 +104,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             m.ffn.len(), f.n_neurons, f.bundle.dtype, f.bundle.bundle_bytes, clusters, mib(ffn_bytes)
         );
     }
+    print_sparse(m);
     println!("segments:");
     let ffn_segs: Vec<_> = m.segments.iter().filter(|s| s.kind == SegmentKind::Ffn).collect();
     for s in m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn) {
@@ -115,4 +117,75 @@ pub fn run(a: InspectArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The sparsity settings and per-layer profile summary (SPEC §4.5), or null.
+fn sparse_json(m: &Manifest) -> serde_json::Value {
+    let Some(si) = &m.sparse else { return serde_json::Value::Null };
+    let layers: Vec<_> = m
+        .ffn
+        .iter()
+        .filter_map(|f| f.sparse.as_ref().map(|s| (f.layer, s)))
+        .map(|(l, s)| {
+            serde_json::json!({
+                "layer": l,
+                "threshold": s.threshold,
+                "predictor_threshold": s.predictor_threshold,
+                "predictor_bytes": s.predictor_bytes,
+                "recall": s.quality.recall,
+                "precision": s.quality.precision,
+                "bundles_skipped": s.quality.bundles_skipped,
+                "sparsity": s.quality.sparsity,
+                "frequency_curve": s.frequency_curve,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "criterion": si.criterion.name(),
+        "predictor": si.predictor.name(),
+        "rank": si.rank,
+        "target_sparsity": si.target_sparsity,
+        "recall_target": si.recall_target,
+        "calib_tokens": si.calib_tokens,
+        "calib_source": si.calib_source,
+        "predictor_bytes": m.ffn.iter().filter_map(|f| f.sparse.as_ref()).map(|s| s.predictor_bytes).sum::<u64>(),
+        "layers": layers,
+    })
+}
+
+/// Text form of [`sparse_json`]: settings, then one line per layer with the
+/// held-out predictor quality and the hot-first activation frequency curve.
+fn print_sparse(m: &Manifest) {
+    let Some(si) = &m.sparse else {
+        println!("sparsity: none (dense pack; convert with --calib for sparse decode)");
+        return;
+    };
+    let pred_bytes: u64 = m.ffn.iter().filter_map(|f| f.sparse.as_ref()).map(|s| s.predictor_bytes).sum();
+    println!(
+        "sparsity: criterion {}, target {:.0}%, predictor {}{} ({:.2} MiB), recall target {:.2}, calibrated on {} tokens of {}",
+        si.criterion.name(),
+        100.0 * si.target_sparsity,
+        si.predictor.name(),
+        if si.rank > 0 { format!(" rank {}", si.rank) } else { String::new() },
+        pred_bytes as f64 / (1 << 20) as f64,
+        si.recall_target,
+        si.calib_tokens,
+        si.calib_source
+    );
+    println!("  layer  threshold  sparsity  recall  precision  skipped  activation frequency, hottest → coldest (9 of 33 points)");
+    for f in &m.ffn {
+        let Some(s) = &f.sparse else { continue };
+        let q = &s.quality;
+        let curve: Vec<String> = s.frequency_curve.iter().step_by(4).map(|v| format!("{v:.2}")).collect();
+        println!(
+            "  {:>5}  {:>9.3e}  {:>7.1}%  {:>6.3}  {:>9.3}  {:>6.1}%  {}",
+            f.layer,
+            s.threshold,
+            100.0 * q.sparsity,
+            q.recall,
+            q.precision,
+            100.0 * q.bundles_skipped,
+            curve.join(" ")
+        );
+    }
 }

@@ -3,8 +3,15 @@
 
 mod checkpoint;
 mod convert;
+mod forward;
+mod histogram;
 mod inspect;
 mod pack;
+mod plot;
+mod predictor;
+mod profile;
+mod quality;
+mod sparsify;
 mod verify;
 
 use clap::{Parser, Subcommand};
@@ -24,8 +31,10 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// Print a pack's header, config, segments and tensor types.
     Inspect(inspect::InspectArgs),
-    /// Check every checksum of a pack.
+    /// Check every checksum of packs; with --quality, measure sparse vs dense quality.
     Verify(verify::VerifyArgs),
+    /// Profile FFN neuron activity on calibration text.
+    Profile(profile::ProfileArgs),
 }
 
 /// The pack being written, if any: removed when prep is interrupted, so
@@ -47,6 +56,7 @@ fn main() {
         Command::Convert(a) => convert::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Verify(a) => verify::run(a),
+        Command::Profile(a) => profile::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

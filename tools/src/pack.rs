@@ -5,13 +5,14 @@
 use anyhow::{anyhow, bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use nflash_format::{
-    BundleLayout, DType, FfnLayer, Manifest, ModelConfig, NeuronCluster, PackWriter, SegmentKind,
+    BundleLayout, DType, FfnLayer, LayerSparsity, Manifest, ModelConfig, NeuronCluster, PackWriter, SegmentKind,
     TensorEntry, TokenizerInfo,
 };
 use nflash_runtime::weights::quantize_row;
 use rayon::prelude::*;
 
 use crate::checkpoint::Checkpoint;
+use crate::sparsify::SparsePlan;
 
 /// Layout choices for a pack.
 pub struct PackOptions {
@@ -127,7 +128,12 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
 }
 
 /// Writes the pack for `ck` to `out` (temporary file + rename).
-pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions) -> Result<()> {
+///
+/// With a `plan`, FFN neurons are stored in its hot-first order (gate/up
+/// biases permuted to match), predictor tensors `nflash.predictor.{l}.*` join
+/// the resident segment (rows of `[n_neurons, ·]` tensors permuted), and the
+/// manifest carries the sparsity settings (SPEC §4.5).
+pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, plan: Option<&SparsePlan>) -> Result<()> {
     let cfg = ck.config.clone();
     let (h, inter) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
     let layout = BundleLayout::new(opts.quant, h as u64).ok_or_else(|| {
@@ -151,29 +157,29 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions) ->
     let mut buf = Vec::new();
     for r in &residents {
         pb.set_message(short(&r.name));
-        let data = ck.tensor_f32(&r.name, &r.shape)?;
-        let cols = *r.shape.last().expect("rank ≥ 1");
-        buf.clear();
-        let rows: Vec<Vec<u8>> = data
-            .par_chunks(cols)
-            .map(|row| {
-                let mut b = Vec::new();
-                quantize_row(r.dtype, row, &mut b);
-                b
-            })
-            .collect();
-        rows.iter().for_each(|b| buf.extend_from_slice(b));
-        let offset = w.pad_segment_to(64)?;
-        w.write(&buf)?;
-        tensors.push(TensorEntry {
-            name: r.name.clone(),
-            segment: seg_idx,
-            offset,
-            bytes: buf.len() as u64,
-            dtype: r.dtype,
-            shape: r.shape.iter().map(|&d| d as u64).collect(),
-        });
+        let mut data = ck.tensor_f32(&r.name, &r.shape)?;
+        if let (Some(plan), Some(l)) = (plan, ffn_bias_layer(&r.name)) {
+            data = permute_rows(&data, 1, &plan.layers[l].order);
+        }
+        write_tensor(&mut w, seg_idx, &r.name, &r.shape, r.dtype, &data, &mut buf, &mut tensors)?;
         pb.inc(1);
+    }
+    let mut predictor_bytes = vec![0u64; cfg.num_layers as usize];
+    if let Some(plan) = plan {
+        let pd = crate::sparsify::predictor_dtype(opts.quant);
+        for (l, lp) in plan.layers.iter().enumerate() {
+            for (suffix, shape, data) in &lp.tensors {
+                let data = if matches!(*suffix, "gate" | "up" | "w2" | "b2") {
+                    permute_rows(data, shape[1..].iter().product(), &lp.order)
+                } else {
+                    data.clone()
+                };
+                let dtype = if shape.len() == 1 { DType::F32 } else { matrix_dtype(pd, shape[1]) };
+                let name = format!("nflash.predictor.{l}.{suffix}");
+                write_tensor(&mut w, seg_idx, &name, shape, dtype, &data, &mut buf, &mut tensors)?;
+                predictor_bytes[l] += tensors.last().map_or(0, |t| t.bytes);
+            }
+        }
     }
     w.end_segment()?;
 
@@ -186,8 +192,8 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions) ->
         let gate = ck.tensor_f32(&format!("{p}.gate_proj.weight"), &[inter, h])?; // [inter, hidden]
         let up = ck.tensor_f32(&format!("{p}.up_proj.weight"), &[inter, h])?; // [inter, hidden]
         let down = ck.tensor_f32(&format!("{p}.down_proj.weight"), &[h, inter])?; // [hidden, inter]
-        // Packed order = original order for a dense pack.
-        let order: Vec<u32> = (0..inter as u32).collect();
+        // Packed order: hot first for a sparse pack, original order for a dense one.
+        let order: Vec<u32> = plan.map_or_else(|| (0..inter as u32).collect(), |p| p.layers[l].order.clone());
         let bundles: Vec<Vec<u8>> = order
             .par_iter()
             .map(|&i| {
@@ -225,7 +231,10 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions) ->
             cluster_align: opts.cluster_align,
             clusters,
             order,
-            sparse: None,
+            sparse: plan.map(|p| LayerSparsity {
+                predictor_bytes: predictor_bytes[l],
+                ..p.layers[l].sparse.clone()
+            }),
         });
         pb.inc(1);
     }
@@ -246,11 +255,64 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions) ->
         segments: Vec::new(),
         tensors,
         ffn,
-        sparse: None,
+        sparse: plan.map(|p| p.info.clone()),
     };
     let result = w.finish(manifest);
     *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = None;
     result?;
+    Ok(())
+}
+
+/// Layer of an FFN gate/up bias tensor name (those follow the neuron order).
+fn ffn_bias_layer(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (l, tail) = rest.split_once('.')?;
+    matches!(tail, "mlp.gate_proj.bias" | "mlp.up_proj.bias").then(|| l.parse().ok())?
+}
+
+/// Rows of `data` (`[n, cols]`) in `order`: row `p` of the result is row `order[p]`.
+fn permute_rows(data: &[f32], cols: usize, order: &[u32]) -> Vec<f32> {
+    order
+        .iter()
+        .flat_map(|&i| &data[i as usize * cols..(i as usize + 1) * cols])
+        .copied()
+        .collect()
+}
+
+/// Quantizes `data` (`[rows, cols]`, row-major) as `dtype` and appends it to
+/// the open resident segment, 64-byte aligned, recording its entry.
+#[allow(clippy::too_many_arguments)]
+fn write_tensor(
+    w: &mut PackWriter,
+    segment: u32,
+    name: &str,
+    shape: &[usize],
+    dtype: DType,
+    data: &[f32],
+    buf: &mut Vec<u8>,
+    tensors: &mut Vec<TensorEntry>,
+) -> Result<()> {
+    let cols = *shape.last().expect("rank ≥ 1");
+    buf.clear();
+    let rows: Vec<Vec<u8>> = data
+        .par_chunks(cols)
+        .map(|row| {
+            let mut b = Vec::new();
+            quantize_row(dtype, row, &mut b);
+            b
+        })
+        .collect();
+    rows.iter().for_each(|b| buf.extend_from_slice(b));
+    let offset = w.pad_segment_to(64)?;
+    w.write(buf)?;
+    tensors.push(TensorEntry {
+        name: name.to_string(),
+        segment,
+        offset,
+        bytes: buf.len() as u64,
+        dtype,
+        shape: shape.iter().map(|&d| d as u64).collect(),
+    });
     Ok(())
 }
 

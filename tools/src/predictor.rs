@@ -1,0 +1,339 @@
+//! Activation predictors for sparse decode (issue 3; SPEC §4.5): built from
+//! the profile's sample of FFN inputs, calibrated on held-out sample tokens
+//! for a recall target.
+//!
+//! - exact: nothing to build;
+//! - low-rank: `z = Pᵀx` with P the top-r principal directions of the
+//!   calibration inputs (uncentred second moment), `ĝ = (W_gate P) z`,
+//!   `û = (W_up P) z`, score = criterion value of (ĝ, û);
+//! - MLP: `hidden → r → n_neurons` with ReLU, trained with candle's autograd
+//!   (AdamW, binary cross-entropy on "active" labels), score = logit.
+//!
+//! Tensors are returned in original neuron order; the packer permutes rows.
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor, Var};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use nflash_format::{Activation, Criterion, PredictorKind, PredictorQuality};
+use nflash_runtime::sparse::criterion_value;
+use rand::{Rng, SeedableRng};
+
+/// One layer's FFN gate and up weights in f32 (original neuron order).
+pub struct GateUp<'a> {
+    /// `[n_neurons, hidden]`.
+    pub gate: &'a [f32],
+    /// `[n_neurons, hidden]`.
+    pub up: &'a [f32],
+    /// `[n_neurons]`, when the model has `mlp_bias`.
+    pub gate_bias: Option<&'a [f32]>,
+    /// `[n_neurons]`, when the model has `mlp_bias`.
+    pub up_bias: Option<&'a [f32]>,
+    /// Neurons.
+    pub n: usize,
+    /// Hidden size.
+    pub hidden: usize,
+}
+
+/// How to build a layer's predictor.
+#[derive(Clone, Debug)]
+pub struct PredictorOptions {
+    /// Which predictor.
+    pub kind: PredictorKind,
+    /// Rank r (a multiple of 32).
+    pub rank: usize,
+    /// Fraction of truly active neurons to keep (held-out).
+    pub recall: f64,
+    /// Activity criterion and the layer threshold.
+    pub criterion: Criterion,
+    /// MLP training epochs.
+    pub epochs: usize,
+    /// MLP seed (initialisation and shuffling).
+    pub seed: u64,
+}
+
+/// A built predictor.
+pub struct Built {
+    /// `(suffix, shape, data)` of each tensor `nflash.predictor.{l}.{suffix}`;
+    /// shapes `[rows, cols]`; tensors with `n_neurons` rows are in original neuron order.
+    pub tensors: Vec<(&'static str, Vec<usize>, Vec<f32>)>,
+    /// Decision threshold on the score (predicted iff score > it).
+    pub threshold: f32,
+    /// Held-out quality.
+    pub quality: PredictorQuality,
+    /// MLP training loss before and after training (train split).
+    pub loss: Option<(f32, f32)>,
+}
+
+fn tensor(data: &[f32], rows: usize, cols: usize) -> Result<Tensor> {
+    Ok(Tensor::from_slice(data, (rows, cols), &Device::Cpu)?)
+}
+
+/// Gate and up pre-activations `[s, n]` each for sample inputs `x` `[s, hidden]`.
+fn gate_up(w: &GateUp, x: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
+    let run = |m: &[f32], b: Option<&[f32]>| -> Result<Vec<f32>> {
+        let mut y = x.matmul(&tensor(m, w.n, w.hidden)?.t()?)?;
+        if let Some(b) = b {
+            y = y.broadcast_add(&Tensor::from_slice(b, w.n, &Device::Cpu)?)?;
+        }
+        Ok(y.flatten_all()?.to_vec1()?)
+    };
+    Ok((run(w.gate, w.gate_bias)?, run(w.up, w.up_bias)?))
+}
+
+/// Truly active flags `[s, n]` (criterion value > `t`).
+pub fn labels(w: &GateUp, x: &[f32], act: Activation, c: Criterion, t: f32) -> Result<Vec<bool>> {
+    let s = x.len() / w.hidden;
+    let (g, u) = gate_up(w, &tensor(x, s, w.hidden)?)?;
+    Ok(g.iter().zip(&u).map(|(&g, &u)| criterion_value(c, act, g, u) > t).collect())
+}
+
+/// The largest threshold that keeps at least `recall` of the active pairs:
+/// predicted iff score > threshold.
+pub fn calibrate(scores: &[f32], active: &[bool], recall: f64) -> f32 {
+    let mut a: Vec<f32> = scores.iter().zip(active).filter(|(_, &y)| y).map(|(&s, _)| s).collect();
+    if a.is_empty() {
+        return f32::MAX;
+    }
+    a.sort_by(|x, y| x.total_cmp(y));
+    let k = ((1.0 - recall) * a.len() as f64).floor() as usize;
+    let k = k.min(a.len() - 1);
+    if k == 0 {
+        // Keep every active pair: just below the smallest score.
+        let m = a[0];
+        return m - m.abs().max(1e-6) * 1e-3 - 1e-12;
+    }
+    (a[k - 1] + a[k]) / 2.0
+}
+
+/// Recall, precision, bundles skipped and sparsity of `scores > tau` against `active`.
+pub fn quality(scores: &[f32], active: &[bool], tau: f32, tokens: usize) -> PredictorQuality {
+    let (mut tp, mut pred, mut act) = (0u64, 0u64, 0u64);
+    for (&s, &y) in scores.iter().zip(active) {
+        let p = s > tau;
+        pred += p as u64;
+        act += y as u64;
+        tp += (p && y) as u64;
+    }
+    let n = scores.len().max(1) as f64;
+    PredictorQuality {
+        recall: if act == 0 { 1.0 } else { (tp as f64 / act as f64) as f32 },
+        precision: if pred == 0 { 1.0 } else { (tp as f64 / pred as f64) as f32 },
+        bundles_skipped: (1.0 - pred as f64 / n) as f32,
+        sparsity: (1.0 - act as f64 / n) as f32,
+        tokens: tokens as u32,
+    }
+}
+
+/// Builds and calibrates one layer's predictor from sample inputs `x`
+/// `[s, hidden]` (the first 80% train it, the rest calibrate and measure it).
+/// `t`: the layer's activity threshold.
+///
+/// # Errors
+/// Fewer than 10 sample tokens; candle-core failures.
+pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOptions) -> Result<Built> {
+    let h = w.hidden;
+    let s = x.len() / h;
+    if s < 10 {
+        bail!("the profile holds {s} sample tokens; predictors need at least 10: re-run prep profile with more --tokens / --sample");
+    }
+    let n_train = s * 4 / 5;
+    let (train, held) = x.split_at(n_train * h);
+    let n_held = s - n_train;
+    let held_active = labels(w, held, act, o.criterion, t)?;
+    let (tensors, scores, loss) = match o.kind {
+        PredictorKind::Exact => {
+            let q = quality(&vec![1.0; held_active.len()], &held_active, 0.0, n_held);
+            return Ok(Built { tensors: Vec::new(), threshold: 0.0, quality: q, loss: None });
+        }
+        PredictorKind::LowRank => {
+            let (tensors, scores) = low_rank(w, train, held, act, o)?;
+            (tensors, scores, None)
+        }
+        PredictorKind::Mlp => {
+            let train_active = labels(w, train, act, o.criterion, t)?;
+            let (tensors, scores, loss) = mlp(w, train, &train_active, held, o)?;
+            (tensors, scores, Some(loss))
+        }
+    };
+    let tau = calibrate(&scores, &held_active, o.recall);
+    Ok(Built {
+        tensors,
+        threshold: tau,
+        quality: quality(&scores, &held_active, tau, n_held),
+        loss,
+    })
+}
+
+type Tensors = Vec<(&'static str, Vec<usize>, Vec<f32>)>;
+
+/// Top-`r` principal directions of `train` (`[s, hidden]`), as `Pᵀ` `[r, hidden]`.
+fn principal_directions(train: &[f32], h: usize, r: usize) -> Result<Vec<f32>> {
+    let s = train.len() / h;
+    let xt = tensor(train, s, h)?;
+    let c = (xt.t()?.matmul(&xt)? / s as f64)?; // [h, h]
+    let c: Vec<f32> = c.flatten_all()?.to_vec1()?;
+    let m = nalgebra::DMatrix::from_row_slice(h, h, &c.iter().map(|&v| v as f64).collect::<Vec<_>>());
+    let eig = nalgebra::SymmetricEigen::new(m);
+    let mut idx: Vec<usize> = (0..h).collect();
+    idx.sort_by(|&a, &b| eig.eigenvalues[b].total_cmp(&eig.eigenvalues[a]).then(a.cmp(&b)));
+    let mut p = vec![0f32; r * h];
+    for (k, &i) in idx.iter().take(r).enumerate() {
+        let col = eig.eigenvectors.column(i);
+        // Fix the sign so the result is deterministic across eigensolver runs.
+        let sign = if col.iter().fold(0.0, |a: f64, &v| if v.abs() > a.abs() { v } else { a }) < 0.0 { -1.0 } else { 1.0 };
+        for j in 0..h {
+            p[k * h + j] = (sign * col[j]) as f32;
+        }
+    }
+    Ok(p)
+}
+
+fn low_rank(w: &GateUp, train: &[f32], held: &[f32], act: Activation, o: &PredictorOptions) -> Result<(Tensors, Vec<f32>)> {
+    let (h, n) = (w.hidden, w.n);
+    let r = o.rank.min(h);
+    let pt = principal_directions(train, h, r)?; // [r, h]
+    let ptt = tensor(&pt, r, h)?;
+    let proj = |m: &[f32]| -> Result<Vec<f32>> { Ok(tensor(m, n, h)?.matmul(&ptt.t()?)?.flatten_all()?.to_vec1()?) };
+    let (ga, ua) = (proj(w.gate)?, proj(w.up)?); // [n, r] each
+    // Held-out scores.
+    let s = held.len() / h;
+    let z = tensor(held, s, h)?.matmul(&ptt.t()?)?; // [s, r]
+    let g: Vec<f32> = z.matmul(&tensor(&ga, n, r)?.t()?)?.flatten_all()?.to_vec1()?;
+    let u: Vec<f32> = z.matmul(&tensor(&ua, n, r)?.t()?)?.flatten_all()?.to_vec1()?;
+    let scores = g.iter().zip(&u).map(|(&g, &u)| criterion_value(o.criterion, act, g, u)).collect();
+    Ok((vec![("proj", vec![r, h], pt), ("gate", vec![n, r], ga), ("up", vec![n, r], ua)], scores))
+}
+
+/// Numerically stable mean binary cross-entropy of `logits` against 0/1 `y`.
+fn bce(logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+    // max(x, 0) − x·y + log(1 + exp(−|x|))
+    let soft = (logits.abs()?.neg()?.exp()? + 1.0)?.log()?;
+    ((logits.relu()? - (logits * y)?)? + soft)?.mean_all()
+}
+
+/// Trains the MLP; returns its tensors, held-out logits `[s_held, n]` and the (first, last) epoch's mean train loss.
+fn mlp(w: &GateUp, train: &[f32], active: &[bool], held: &[f32], o: &PredictorOptions) -> Result<(Tensors, Vec<f32>, (f32, f32))> {
+    let (h, n, r) = (w.hidden, w.n, o.rank);
+    let s = train.len() / h;
+    let dev = Device::Cpu;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(o.seed);
+    let mut uniform = |len: usize, fan_in: usize| -> Vec<f32> {
+        let b = (1.0 / fan_in as f32).sqrt();
+        (0..len).map(|_| rng.random_range(-b..b)).collect()
+    };
+    let w1 = Var::from_tensor(&tensor(&uniform(r * h, h), r, h)?)?;
+    let b1 = Var::from_tensor(&Tensor::zeros(r, candle_core::DType::F32, &dev)?)?;
+    let w2 = Var::from_tensor(&tensor(&uniform(n * r, r), n, r)?)?;
+    let b2 = Var::from_tensor(&Tensor::zeros(n, candle_core::DType::F32, &dev)?)?;
+    let mut opt = AdamW::new(
+        vec![w1.clone(), b1.clone(), w2.clone(), b2.clone()],
+        ParamsAdamW { lr: 2e-3, weight_decay: 1e-4, ..Default::default() },
+    )?;
+    let x = tensor(train, s, h)?;
+    let y = Tensor::from_vec(active.iter().map(|&a| a as u8 as f32).collect::<Vec<_>>(), (s, n), &dev)?;
+    let forward = |xb: &Tensor| -> candle_core::Result<Tensor> {
+        xb.matmul(&w1.as_tensor().t()?)?
+            .broadcast_add(b1.as_tensor())?
+            .relu()?
+            .matmul(&w2.as_tensor().t()?)?
+            .broadcast_add(b2.as_tensor())
+    };
+    const BATCH: usize = 256;
+    let mut order: Vec<u32> = (0..s as u32).collect();
+    let (mut first, mut last) = (f32::NAN, f32::NAN);
+    for epoch in 0..o.epochs.max(1) {
+        // Fisher–Yates with the seeded generator: same seed, same batches.
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.random_range(0..=i));
+        }
+        let (mut sum, mut batches) = (0f64, 0usize);
+        for idx in order.chunks(BATCH) {
+            let it = Tensor::from_slice(idx, idx.len(), &dev)?;
+            let (xb, yb) = (x.index_select(&it, 0)?, y.index_select(&it, 0)?);
+            let loss = bce(&forward(&xb)?, &yb)?;
+            opt.backward_step(&loss)?;
+            sum += loss.to_scalar::<f32>()? as f64;
+            batches += 1;
+        }
+        let mean = (sum / batches as f64) as f32;
+        if epoch == 0 {
+            first = mean;
+        }
+        last = mean;
+    }
+    let sh = held.len() / h;
+    let scores: Vec<f32> = forward(&tensor(held, sh, h)?)?.flatten_all()?.to_vec1()?;
+    let flat = |v: &Var| -> Result<Vec<f32>> { v.as_tensor().flatten_all()?.to_vec1().context("predictor tensor") };
+    let tensors = vec![
+        ("w1", vec![r, h], flat(&w1)?),
+        ("b1", vec![r], flat(&b1)?),
+        ("w2", vec![n, r], flat(&w2)?),
+        ("b2", vec![n], flat(&b2)?),
+    ];
+    Ok((tensors, scores, (first, last)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn synthetic(seed: u64, s: usize, h: usize, n: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut v = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+        (v(s * h), v(n * h), v(n * h))
+    }
+
+    #[test]
+    fn calibrate_keeps_the_recall_target() {
+        let scores: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        let active: Vec<bool> = (0..1000).map(|i| i % 2 == 0).collect();
+        let tau = calibrate(&scores, &active, 0.9);
+        let q = quality(&scores, &active, tau, 1);
+        assert!(q.recall >= 0.9 && q.recall < 0.91, "{q:?}");
+        let all = calibrate(&scores, &active, 1.0);
+        assert_eq!(quality(&scores, &active, all, 1).recall, 1.0);
+    }
+
+    #[test]
+    fn mlp_training_lowers_the_loss_and_is_deterministic() {
+        let (h, n, s) = (32, 64, 600);
+        let (x, gate, up) = synthetic(7, s, h, n);
+        let w = GateUp { gate: &gate, up: &up, gate_bias: None, up_bias: None, n, hidden: h };
+        let t = 0.05;
+        let o = PredictorOptions {
+            kind: PredictorKind::Mlp,
+            rank: 32,
+            recall: 0.95,
+            criterion: Criterion::GateUp,
+            epochs: 8,
+            seed: 3,
+        };
+        let a = build(&w, &x, Activation::Silu, t, &o).unwrap();
+        let (first, last) = a.loss.unwrap();
+        assert!(last < 0.9 * first, "loss {first} -> {last}");
+        let b = build(&w, &x, Activation::Silu, t, &o).unwrap();
+        assert_eq!(a.tensors[0].2, b.tensors[0].2);
+        assert_eq!(a.threshold, b.threshold);
+        assert!(a.quality.recall >= 0.95);
+    }
+
+    #[test]
+    fn full_rank_low_rank_predictor_is_exact() {
+        let (h, n, s) = (32, 48, 400);
+        let (x, gate, up) = synthetic(11, s, h, n);
+        let w = GateUp { gate: &gate, up: &up, gate_bias: None, up_bias: None, n, hidden: h };
+        let o = PredictorOptions {
+            kind: PredictorKind::LowRank,
+            rank: h,
+            recall: 1.0,
+            criterion: Criterion::GateUp,
+            epochs: 0,
+            seed: 0,
+        };
+        let b = build(&w, &x, Activation::Silu, 0.1, &o).unwrap();
+        // With r = hidden, PPᵀ = I: the estimate is the true value, so full
+        // recall needs no over-selection.
+        assert_eq!(b.quality.recall, 1.0);
+        assert!(b.quality.precision > 0.99, "{:?}", b.quality);
+    }
+}

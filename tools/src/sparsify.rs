@@ -1,0 +1,181 @@
+//! From a profile to a sparse pack's contents: per-layer activity thresholds,
+//! hot-first neuron order, and calibrated predictors (issue 3; SPEC §4.5).
+
+use anyhow::Result;
+use indicatif::{ProgressBar, ProgressStyle};
+use nflash_format::{Activation, Criterion, DType, LayerSparsity, PredictorKind, SparseInfo};
+
+use crate::checkpoint::Checkpoint;
+use crate::predictor::{build, GateUp, PredictorOptions};
+use crate::profile::Profile;
+
+/// Choices for `prep convert --calib`.
+#[derive(Clone, Debug)]
+pub struct SparseOptions {
+    /// Target fraction of inactive neurons per layer, in [0, 1) (ignored by ReLU-family models).
+    pub sparsity: f64,
+    /// Activity criterion.
+    pub criterion: Criterion,
+    /// Predictor.
+    pub predictor: PredictorKind,
+    /// Predictor rank; `None`: from `budget`.
+    pub rank: Option<usize>,
+    /// Predictor size budget as a fraction of the layer's FFN bytes.
+    pub budget: f64,
+    /// Recall target on held-out calibration tokens.
+    pub recall: f64,
+    /// MLP training epochs.
+    pub epochs: usize,
+    /// MLP seed.
+    pub seed: u64,
+}
+
+/// One layer's part of a [`SparsePlan`].
+pub struct LayerPlan {
+    /// `order[p]` = original neuron id at packed position `p` (hot first).
+    pub order: Vec<u32>,
+    /// Manifest entry (`predictor_bytes` is filled in by the packer).
+    pub sparse: LayerSparsity,
+    /// Predictor tensors `(suffix, shape, data)`, rows in original neuron order.
+    pub tensors: Vec<(&'static str, Vec<usize>, Vec<f32>)>,
+    /// MLP training loss (first epoch, last epoch).
+    pub loss: Option<(f32, f32)>,
+}
+
+/// Everything the packer needs for a sparse pack.
+pub struct SparsePlan {
+    /// Manifest-wide settings.
+    pub info: SparseInfo,
+    /// Per layer.
+    pub layers: Vec<LayerPlan>,
+}
+
+/// Storage type of predictor matrices: Q8_0 for quantized packs (the Q8_0
+/// input prepared for the FFN serves both), else the pack's type.
+pub fn predictor_dtype(quant: DType) -> DType {
+    match quant {
+        DType::Q4_0 | DType::Q8_0 => DType::Q8_0,
+        d => d,
+    }
+}
+
+/// Rank r (a multiple of 32, at least 32, at most `hidden` rounded down to
+/// 32) whose predictor takes about `budget` of the layer's FFN bytes.
+pub fn rank_for_budget(kind: PredictorKind, budget: f64, hidden: usize, n: usize, quant: DType) -> usize {
+    let pd = predictor_dtype(quant);
+    let ffn = 3 * n as u64 * quant.row_bytes(hidden as u64).unwrap_or(4 * hidden as u64);
+    let elem = pd.row_bytes(32).unwrap_or(128) as f64 / 32.0;
+    let per_rank = match kind {
+        PredictorKind::Exact => return 0,
+        PredictorKind::LowRank => (hidden + 2 * n) as f64 * elem,
+        PredictorKind::Mlp => (hidden + n) as f64 * elem + 4.0,
+    };
+    let r = (budget * ffn as f64 / per_rank) as usize / 32 * 32;
+    r.clamp(32, (hidden / 32 * 32).max(32))
+}
+
+fn is_relu_family(a: Activation) -> bool {
+    a == Activation::Relu
+}
+
+/// Thresholds, hot-first order and predictors for every layer.
+///
+/// # Errors
+/// A profile of another model, checkpoint read failures, predictor training failures.
+pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType) -> Result<SparsePlan> {
+    let cfg = &ck.config;
+    let (h, n) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
+    let relu = is_relu_family(cfg.activation);
+    let rank = match o.predictor {
+        PredictorKind::Exact => 0,
+        k => o.rank.unwrap_or_else(|| rank_for_budget(k, o.budget, h, n, quant)),
+    };
+    let pb = ProgressBar::new(cfg.num_layers);
+    pb.set_style(
+        ProgressStyle::with_template("{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}")
+            .expect("static template"),
+    );
+    pb.set_message(format!("{} r={rank}", o.predictor.name()));
+    let mut layers = Vec::with_capacity(cfg.num_layers as usize);
+    let mut natural = Vec::new();
+    for (l, lp) in profile.layers.iter().enumerate() {
+        // ReLU family: active ⇔ act > 0, whatever the requested sparsity.
+        let hist = match o.criterion {
+            Criterion::Gate => &lp.gate,
+            Criterion::GateUp => &lp.gate_up,
+        };
+        let zeros = hist.zeros as f64 / hist.total.max(1) as f64;
+        let (t, s) = if relu {
+            (0.0, zeros)
+        } else if o.sparsity <= 0.0 {
+            (-1.0, 0.0)
+        } else {
+            (lp.threshold(o.criterion, o.sparsity), o.sparsity)
+        };
+        natural.push(s);
+        let freq = lp.frequency(o.criterion, s.clamp(0.0, 0.999));
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        order.sort_by(|&a, &b| freq[b as usize].total_cmp(&freq[a as usize]).then(a.cmp(&b)));
+        let curve = (0..=32).map(|k| freq[order[(k * (n - 1) + 16) / 32] as usize]).collect();
+        let p = format!("model.layers.{l}.mlp");
+        let gate = ck.tensor_f32(&format!("{p}.gate_proj.weight"), &[n, h])?;
+        let up = ck.tensor_f32(&format!("{p}.up_proj.weight"), &[n, h])?;
+        let (gb, ub) = if cfg.mlp_bias {
+            (
+                Some(ck.tensor_f32(&format!("{p}.gate_proj.bias"), &[n])?),
+                Some(ck.tensor_f32(&format!("{p}.up_proj.bias"), &[n])?),
+            )
+        } else {
+            (None, None)
+        };
+        let w = GateUp {
+            gate: &gate,
+            up: &up,
+            gate_bias: gb.as_deref(),
+            up_bias: ub.as_deref(),
+            n,
+            hidden: h,
+        };
+        let built = build(
+            &w,
+            &profile.sample(l),
+            cfg.activation,
+            t,
+            &PredictorOptions {
+                kind: o.predictor,
+                rank,
+                recall: o.recall,
+                criterion: o.criterion,
+                epochs: o.epochs,
+                seed: o.seed.wrapping_add(l as u64),
+            },
+        )?;
+        layers.push(LayerPlan {
+            order,
+            sparse: LayerSparsity {
+                threshold: t,
+                predictor_threshold: built.threshold,
+                predictor_bytes: 0,
+                quality: built.quality,
+                frequency_curve: curve,
+            },
+            tensors: built.tensors,
+            loss: built.loss,
+        });
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    let target = if relu { natural.iter().sum::<f64>() / natural.len().max(1) as f64 } else { o.sparsity };
+    Ok(SparsePlan {
+        info: SparseInfo {
+            criterion: o.criterion,
+            predictor: o.predictor,
+            rank: rank as u32,
+            target_sparsity: target as f32,
+            recall_target: o.recall as f32,
+            calib_tokens: profile.calib.n_tokens,
+            calib_source: profile.calib.source.clone(),
+        },
+        layers,
+    })
+}
