@@ -282,3 +282,11 @@ pub fn convert(dir: &Path, out: &Path, quant: &str) {
     let o = run("prep", &["convert", "--model", dir.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", quant]);
     assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// ‖a − b‖ / ‖b‖ of two flat vectors of equal length.
+pub fn rel_error_flat(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let d: f64 = a.iter().zip(b).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
+    let n: f64 = b.iter().map(|q| (*q as f64).powi(2)).sum();
+    (d / n.max(1e-30)).sqrt()
+}
