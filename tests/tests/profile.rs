@@ -1,0 +1,264 @@
+//! `prep profile` end to end on tiny random checkpoints: deterministic output,
+//! a file whose counts agree with its own thresholds, and clean failures on
+//! bad input.
+//!
+//! The file is decoded here with a copy of the structures of
+//! tools/src/profile.rs (magic, u32 version, zstd(bincode)), so a format
+//! change without a version bump fails these tests.
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use nflash_tests::{run, write_tiny_checkpoint, Rng, TinySpec};
+use serde::Deserialize;
+
+#[derive(Deserialize, Debug)]
+#[allow(dead_code)]
+struct Histogram {
+    zeros: u64,
+    counts: Vec<u64>,
+    min_exp: i32,
+    total: u64,
+}
+
+#[derive(Deserialize, Debug)]
+#[allow(dead_code)]
+struct ProfileModel {
+    architecture: String,
+    hidden_size: u64,
+    intermediate_size: u64,
+    num_layers: u64,
+    activation: String,
+}
+
+#[derive(Deserialize, Debug)]
+#[allow(dead_code)]
+struct CalibInfo {
+    source: String,
+    n_tokens: u64,
+    window: u32,
+    n_windows: u32,
+}
+
+#[derive(Deserialize, Debug)]
+struct LayerProfile {
+    gate: Histogram,
+    gate_up: Histogram,
+    grid: Vec<f32>,
+    gate_thresholds: Vec<f32>,
+    gate_up_thresholds: Vec<f32>,
+    gate_counts: Vec<Vec<u32>>,
+    gate_up_counts: Vec<Vec<u32>>,
+    sample: Vec<u16>,
+}
+
+#[derive(Deserialize, Debug)]
+struct Profile {
+    model: ProfileModel,
+    calib: CalibInfo,
+    layers: Vec<LayerProfile>,
+}
+
+fn load(path: &Path) -> Profile {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(&bytes[..8], b"NFPROFIL");
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 1, "profile version");
+    let raw = zstd::decode_all(&bytes[12..]).unwrap();
+    use bincode::Options;
+    bincode::DefaultOptions::new()
+        .with_fixint_encoding()
+        .with_little_endian()
+        .reject_trailing_bytes()
+        .deserialize(&raw)
+        .unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// `n` words of the tiny tokenizer's vocabulary (`w3`…), pseudo-random.
+fn calib_text(n: usize, vocab: usize) -> String {
+    let mut rng = Rng::new(11);
+    (0..n)
+        .map(|_| format!("w{}", 3 + ((rng.next_f32() + 1.0) * 0.5 * (vocab - 3) as f32) as usize % (vocab - 3)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A tiny checkpoint and a calibration text of `words` words in `tmp`.
+fn setup(tmp: &Path, spec: &TinySpec, words: usize) -> (PathBuf, PathBuf) {
+    let dir = tmp.join("ckpt");
+    write_tiny_checkpoint(&dir, spec);
+    let calib = tmp.join("calib.txt");
+    std::fs::write(&calib, calib_text(words, spec.vocab)).unwrap();
+    (dir, calib)
+}
+
+fn profile(dir: &Path, calib: &Path, out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["profile", "--model", s(dir), "--calib", s(calib), "--out", s(out)];
+    args.extend_from_slice(extra);
+    run("prep", &args)
+}
+
+#[track_caller]
+fn profile_ok(dir: &Path, calib: &Path, out: &Path, extra: &[&str]) -> Profile {
+    let o = profile(dir, calib, out, extra);
+    assert!(o.status.success(), "prep profile failed: {}", String::from_utf8_lossy(&o.stderr));
+    load(out)
+}
+
+/// Every layer's shapes, thresholds and counts agree with each other and with the grid.
+#[track_caller]
+fn check_consistent(p: &Profile, spec: &TinySpec, n_tokens: u64, n_sample: usize) {
+    let inter = spec.inter;
+    assert_eq!(p.model.num_layers, spec.layers as u64);
+    assert_eq!(p.model.intermediate_size, inter as u64);
+    assert_eq!(p.calib.n_tokens, n_tokens);
+    assert_eq!(p.layers.len(), spec.layers);
+    for (l, lp) in p.layers.iter().enumerate() {
+        assert_eq!(lp.grid.len(), 19);
+        assert!((lp.grid[9] - 0.5).abs() < 1e-6);
+        assert_eq!(lp.sample.len(), n_sample * spec.hidden, "layer {l} sample");
+        assert!(lp.sample.iter().all(|&b| half::f16::from_bits(b).is_finite()));
+        for (h, thr, counts) in [
+            (&lp.gate, &lp.gate_thresholds, &lp.gate_counts),
+            (&lp.gate_up, &lp.gate_up_thresholds, &lp.gate_up_counts),
+        ] {
+            assert_eq!(h.total, n_tokens * inter as u64);
+            assert_eq!(h.total, h.zeros + h.counts.iter().sum::<u64>());
+            assert!(thr.windows(2).all(|w| w[0] <= w[1]), "layer {l}: thresholds not ascending: {thr:?}");
+            assert_eq!(counts.len(), 19);
+            let zero_frac = h.zeros as f64 / h.total as f64;
+            for (k, c) in counts.iter().enumerate() {
+                assert_eq!(c.len(), inter);
+                assert!(c.iter().all(|&v| v as u64 <= n_tokens));
+                let active = c.iter().map(|&v| v as f64).sum::<f64>() / (inter as f64 * n_tokens as f64);
+                // Below the fraction of exact zeros the threshold is 0 and every non-zero value counts.
+                // Typically within 0.2%; up to ~2% where one 1/32-octave bin holds much of the
+                // mass (|gelu(g)| piles up at its minimum, 0.17).
+                let expect = 1.0 - (lp.grid[k] as f64).max(zero_frac);
+                assert!(
+                    (active - expect).abs() < 0.03,
+                    "{} {}: layer {l}, s = {}: mean active fraction {active:.4}, expected {expect:.4}, zeros {zero_frac:.4}",
+                    spec.arch,
+                    spec.act,
+                    lp.grid[k]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn profile_is_deterministic_and_consistent() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec::default();
+    let (dir, calib) = setup(tmp.path(), &spec, 3000);
+    let (a, b) = (tmp.path().join("a.profile"), tmp.path().join("b.profile"));
+    let extra = ["--tokens", "2000", "--window", "128", "--sample", "50"];
+    let p = profile_ok(&dir, &calib, &a, &extra);
+    profile_ok(&dir, &calib, &b, &extra);
+    assert!(std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(), "two runs gave different files");
+    // 15 windows of 128 tokens and one of 80.
+    assert_eq!((p.calib.window, p.calib.n_windows), (128, 16));
+    assert_eq!(p.calib.source, "calib.txt");
+    assert_eq!(p.model.architecture, "LlamaForCausalLM");
+    assert_eq!(p.model.activation, "silu");
+    check_consistent(&p, &spec, 2000, 50);
+    assert!(p.layers[0].gate.zeros == 0, "SiLU gives no exact zeros");
+}
+
+#[test]
+fn profile_of_other_architectures() {
+    let cases = [
+        TinySpec { arch: "MistralForCausalLM", sliding_window: Some(5), dtype: "BF16", shards: 2, ..TinySpec::default() },
+        TinySpec { arch: "Qwen2ForCausalLM", act: "relu", layers: 3, kv_heads: 1, ..TinySpec::default() },
+        TinySpec { act: "gelu_pytorch_tanh", llama3_scaling: true, heads: 2, kv_heads: 2, head_dim: Some(16), ..TinySpec::default() },
+    ];
+    for spec in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, calib) = setup(tmp.path(), &spec, 700);
+        let out = tmp.path().join("p.profile");
+        // 700 tokens: 10 windows of 64 and one of 60; the sample is capped at the tokens run.
+        let p = profile_ok(&dir, &calib, &out, &["--window", "64", "--sample", "5000"]);
+        assert_eq!(p.calib.n_windows, 11, "{}", spec.arch);
+        check_consistent(&p, &spec, 700, 700);
+        if spec.act == "relu" {
+            let h = &p.layers[0].gate;
+            let zf = h.zeros as f64 / h.total as f64;
+            assert!(zf > 0.2, "ReLU gives exact zeros: {zf}");
+            assert_eq!(p.layers[0].gate_thresholds[0], 0.0);
+        }
+    }
+}
+
+// ------------------------------------------------------------- bad input
+
+/// A clean failure: non-zero exit, no signal, no panic, stderr mentions every needle, no output left.
+#[track_caller]
+fn assert_fails(what: &str, o: &Output, out: &Path, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    eprintln!("--- {what}:\n{stderr}");
+    assert!(o.status.signal().is_none(), "{what}: killed by a signal");
+    assert!(o.status.code().is_some_and(|c| c != 0), "{what}: status {:?}", o.status);
+    assert!(!stderr.contains("panicked"), "{what}: panicked:\n{stderr}");
+    for n in needles {
+        assert!(stderr.contains(n), "{what}: stderr does not mention {n:?}:\n{stderr}");
+    }
+    if !out.is_dir() {
+        assert!(!out.exists(), "{what}: {} was left behind", out.display());
+    }
+    let name = out.file_name().unwrap().to_string_lossy().into_owned();
+    for e in std::fs::read_dir(out.parent().unwrap()).unwrap() {
+        let n = e.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(!n.starts_with(&format!("{name}.tmp-")), "{what}: temporary file {n} was left behind");
+    }
+}
+
+#[test]
+fn bad_input_fails_cleanly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec::default();
+    let (dir, calib) = setup(tmp.path(), &spec, 300);
+    let out = tmp.path().join("p.profile");
+    let file = |name: &str, bytes: &[u8]| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    };
+
+    let empty = file("empty.txt", b"");
+    assert_fails("empty calib", &profile(&dir, &empty, &out, &[]), &out, &["empty.txt", "empty"]);
+
+    let latin1 = file("latin1.txt", b"w3 w4 caf\xe9 w5");
+    assert_fails("non-UTF-8 calib", &profile(&dir, &latin1, &out, &[]), &out, &["latin1.txt", "not UTF-8", "offset 9"]);
+
+    let o = profile(&dir, &calib, &out, &["--window", "512"]);
+    assert_fails("calib shorter than a window", &o, &out, &["only 300 tokens", "--window"]);
+
+    let o = profile(&dir, &calib, &out, &["--tokens", "100", "--window", "128"]);
+    assert_fails("--tokens below --window", &o, &out, &["--tokens 100", "--window 128"]);
+
+    let o = profile(&dir, &calib, &out, &["--tokens", "0"]);
+    assert_fails("--tokens 0", &o, &out, &["--tokens 0"]);
+
+    let o = profile(&dir, &calib, &out, &["--window", "1"]);
+    assert_fails("--window 1", &o, &out, &["--window 1", "at least 2"]);
+
+    let outdir = tmp.path().join("outdir");
+    std::fs::create_dir(&outdir).unwrap();
+    let o = profile(&dir, &calib, &outdir, &["--window", "64"]);
+    assert_fails("--out a directory", &o, &outdir, &["outdir", "is a directory"]);
+
+    let missing = tmp.path().join("no-such-model");
+    let o = profile(&missing, &calib, &out, &["--window", "64"]);
+    assert_fails("missing model dir", &o, &out, &["no-such-model", "does not exist"]);
+
+    let o = profile(&dir, &tmp.path().join("nothing.txt"), &out, &["--window", "64"]);
+    assert_fails("missing calib", &o, &out, &["nothing.txt", "cannot read"]);
+
+    // Sanity: the same arguments with a fitting window succeed.
+    profile_ok(&dir, &calib, &out, &["--window", "64"]);
+}

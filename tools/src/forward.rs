@@ -1,0 +1,444 @@
+//! Streaming f32 forward pass of a Hugging Face checkpoint over many
+//! calibration tokens at once, one layer's weights in memory at a time.
+//!
+//! The residual stream of every calibration token (`[n_tokens, hidden]`)
+//! stays in memory; a layer's attention weights are loaded, applied to all
+//! windows and dropped, then its FFN weights. Windows are independent causal
+//! sequences starting at position 0. Semantics follow `runtime/src/model.rs`
+//! (GQA, RMSNorm, RoPE with scaling, Mistral sliding window, biases, FFN
+//! activations), so the statistics describe what the runtime computes.
+
+use std::ops::Range;
+
+use anyhow::{bail, Result};
+use candle_core::quantized::GgmlType;
+use candle_core::{Device, Tensor, D};
+use nflash_format::{Activation, Architecture, ModelConfig};
+use nflash_runtime::ops::{activate, rms_norm, softmax, Rope};
+use rayon::prelude::*;
+
+use crate::checkpoint::Checkpoint;
+
+/// Tokens of equal-length windows batched into one attention pass (one
+/// matmul per projection).
+const ATTN_BATCH_TOKENS: usize = 4096;
+
+/// The residual stream of all calibration tokens and the checkpoint it runs.
+pub struct Forward<'a> {
+    ck: &'a Checkpoint,
+    cfg: ModelConfig,
+    /// Token ranges of the windows, in order, covering `0..n_tokens`.
+    windows: Vec<Range<usize>>,
+    /// Residual stream `[n_tokens, hidden]`.
+    x: Vec<f32>,
+    rope: Rope,
+}
+
+/// One layer's attention weights as tensors.
+struct Attention {
+    norm: Vec<f32>, // [hidden]
+    q: Tensor,      // [n_heads * head_dim, hidden]
+    k: Tensor,      // [n_kv_heads * head_dim, hidden]
+    v: Tensor,      // [n_kv_heads * head_dim, hidden]
+    o: Tensor,      // [hidden, n_heads * head_dim]
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    o_bias: Option<Tensor>,
+}
+
+/// One layer's FFN weights: `down · (act(gate·xn + bg) ⊙ (up·xn + bu)) + bd`
+/// with `xn = RMSNorm(x)` (post_attention_layernorm).
+pub struct Ffn {
+    norm: Vec<f32>, // [hidden]
+    gate: Tensor,   // [n_neurons, hidden]
+    up: Tensor,     // [n_neurons, hidden]
+    down: Tensor,   // [hidden, n_neurons]
+    gate_bias: Option<Tensor>,
+    up_bias: Option<Tensor>,
+    down_bias: Option<Tensor>,
+    act: Activation,
+    eps: f32,
+}
+
+/// FFN activations of a chunk of tokens, each `[n, n_neurons]`.
+pub struct Activations {
+    /// `a = act(gate·xn + bg)`.
+    pub a: Vec<f32>,
+    /// `hv = a ⊙ (up·xn + bu)`, the input of the down projection.
+    pub hv: Vec<f32>,
+}
+
+fn matrix(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<Tensor> {
+    Ok(Tensor::from_vec(ck.tensor_f32(name, &[rows, cols])?, (rows, cols), &Device::Cpu)?)
+}
+
+fn bias(ck: &Checkpoint, name: &str, len: usize, present: bool) -> Result<Option<Tensor>> {
+    if !present {
+        return Ok(None);
+    }
+    Ok(Some(Tensor::from_vec(ck.tensor_f32(name, &[len])?, len, &Device::Cpu)?))
+}
+
+/// `x · wᵀ (+ b)` for `x` `[.., in]`, `w` `[out, in]`.
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.matmul(&w.t()?)?;
+    Ok(match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
+}
+
+/// RMSNorms every row of `x` (`[n, hidden]`) with `weight` (`[hidden]`).
+fn norm_rows(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    out.par_chunks_mut(weight.len())
+        .zip(x.par_chunks(weight.len()))
+        .for_each(|(o, r)| rms_norm(r, weight, eps, o));
+    out
+}
+
+/// Attention output `[b * len, hidden]` for `b` windows of `len` tokens
+/// with residual stream `x` `[b * len, hidden]`: projections by candle-core
+/// matmuls, RoPE and the causal softmax per (token, head) as the runtime does.
+fn attend(cfg: &ModelConfig, rope: &Rope, w: &Attention, x: &[f32], b: usize, len: usize) -> Result<Vec<f32>> {
+    let h = cfg.hidden_size as usize;
+    let (nh, nkv, hd) = (cfg.num_heads as usize, cfg.num_kv_heads as usize, cfg.head_dim as usize);
+    let xn = Tensor::from_vec(norm_rows(x, &w.norm, cfg.rms_norm_eps as f32), (b * len, h), &Device::Cpu)?;
+    let project = |m: &Tensor, bias: Option<&Tensor>| -> Result<Vec<f32>> {
+        Ok(linear(&xn, m, bias)?.flatten_all()?.to_vec1::<f32>()?)
+    };
+    let mut q = project(&w.q, w.q_bias.as_ref())?; // [b, len, nh, hd]
+    let mut k = project(&w.k, w.k_bias.as_ref())?; // [b, len, nkv, hd]
+    let v = project(&w.v, w.v_bias.as_ref())?; // [b, len, nkv, hd]
+    let (cos, sin) = rope.tables(0, len); // [len, hd/2] each; every window starts at position 0
+    for (m, width) in [(&mut q, nh * hd), (&mut k, nkv * hd)] {
+        m.par_chunks_mut(width).enumerate().for_each(|(i, row)| {
+            let t = i % len;
+            rope.rotate(row, &cos[t * hd / 2..(t + 1) * hd / 2], &sin[t * hd / 2..(t + 1) * hd / 2]);
+        });
+    }
+    let shape = Heads { len, nh, nkv, hd, sliding: cfg.sliding_window.map(|s| s as usize) };
+    let attn = causal_attention(&q, &k, &v, &shape);
+    let attn = Tensor::from_vec(attn, (b * len, nh * hd), &Device::Cpu)?;
+    Ok(linear(&attn, &w.o, w.o_bias.as_ref())?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// Window length and head layout of [`causal_attention`].
+struct Heads {
+    len: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    /// Mistral sliding window: the current token and the `w` before it.
+    sliding: Option<usize>,
+}
+
+/// Softmax attention of every (window, token, head) over the window's tokens
+/// up to itself (and within the sliding window), query head `h` reading kv
+/// head `h / (nh / nkv)`: q `[b, len, nh, hd]` (after RoPE), k (after RoPE)
+/// and v `[b, len, nkv, hd]` → `[b, len, nh * hd]`. The same arithmetic as
+/// runtime/src/model.rs.
+fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &Heads) -> Vec<f32> {
+    let (len, nh, nkv, hd) = (s.len, s.nh, s.nkv, s.hd);
+    let (qd, kvd, group) = (nh * hd, nkv * hd, nh / nkv);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0f32; q.len()];
+    out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
+        let (row, head) = (idx / nh, idx % nh); // row = window · len + t
+        let (t, w0) = (row % len, row - row % len);
+        let kvh = head / group;
+        let qv = &q[row * qd + head * hd..row * qd + (head + 1) * hd];
+        let start = s.sliding.map_or(0, |w| t.saturating_sub(w));
+        let kv = |j: usize| (w0 + j) * kvd + kvh * hd; // offset of key/value j's head
+        scores.clear();
+        scores.extend((start..=t).map(|j| f32::vec_dot(hd, qv, &k[kv(j)..kv(j) + hd]) * scale));
+        softmax(scores);
+        for (j, &p) in (start..=t).zip(scores.iter()) {
+            o.iter_mut().zip(&v[kv(j)..kv(j) + hd]).for_each(|(a, b)| *a += p * b);
+        }
+    });
+    out
+}
+
+/// Splits `n_tokens` into windows of `window` tokens; a final partial
+/// window is kept when it has at least 2 tokens (as `nflash ppl`).
+pub fn split_windows(n_tokens: usize, window: usize) -> Vec<Range<usize>> {
+    (0..n_tokens)
+        .step_by(window.max(1))
+        .map(|s| s..(s + window).min(n_tokens))
+        .filter(|r| r.len() >= 2)
+        .collect()
+}
+
+impl<'a> Forward<'a> {
+    /// Embeds `tokens` (`[n_tokens]`), split into `windows` (from [`split_windows`]).
+    ///
+    /// # Errors
+    /// A token id ≥ `vocab_size`, a missing or misshapen embedding.
+    pub fn new(ck: &'a Checkpoint, tokens: &[u32], windows: Vec<Range<usize>>) -> Result<Self> {
+        let cfg = ck.config.clone();
+        let (h, vocab) = (cfg.hidden_size as usize, cfg.vocab_size as usize);
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
+            bail!("the tokenizer gave token id {id}, but the embedding has only {vocab} rows (vocab_size in config.json); tokenizer.json does not belong to these weights");
+        }
+        let embed = ck.tensor_f32("model.embed_tokens.weight", &[vocab, h])?; // [vocab, hidden]
+        let mut x = Vec::with_capacity(tokens.len() * h);
+        for &id in tokens {
+            x.extend_from_slice(&embed[id as usize * h..(id as usize + 1) * h]);
+        }
+        Ok(Forward { ck, rope: Rope::new(&cfg), cfg, windows, x })
+    }
+
+    /// Calibration tokens (rows of the residual stream).
+    pub fn n_tokens(&self) -> usize {
+        self.x.len() / self.cfg.hidden_size as usize
+    }
+
+    fn attention_weights(&self, l: usize) -> Result<Attention> {
+        let (ck, cfg) = (self.ck, &self.cfg);
+        let h = cfg.hidden_size as usize;
+        let qd = (cfg.num_heads * cfg.head_dim) as usize;
+        let kvd = (cfg.num_kv_heads * cfg.head_dim) as usize;
+        let qwen2 = cfg.architecture == Architecture::Qwen2;
+        let qkv_bias = cfg.attention_bias || qwen2;
+        let p = format!("model.layers.{l}.self_attn");
+        Ok(Attention {
+            norm: ck.tensor_f32(&format!("model.layers.{l}.input_layernorm.weight"), &[h])?,
+            q: matrix(ck, &format!("{p}.q_proj.weight"), qd, h)?,
+            k: matrix(ck, &format!("{p}.k_proj.weight"), kvd, h)?,
+            v: matrix(ck, &format!("{p}.v_proj.weight"), kvd, h)?,
+            o: matrix(ck, &format!("{p}.o_proj.weight"), h, qd)?,
+            q_bias: bias(ck, &format!("{p}.q_proj.bias"), qd, qkv_bias)?,
+            k_bias: bias(ck, &format!("{p}.k_proj.bias"), kvd, qkv_bias)?,
+            v_bias: bias(ck, &format!("{p}.v_proj.bias"), kvd, qkv_bias)?,
+            o_bias: bias(ck, &format!("{p}.o_proj.bias"), h, cfg.attention_bias && !qwen2)?,
+        })
+    }
+
+    /// Adds layer `l`'s attention block to the residual stream of every
+    /// window. `progress(tokens)` is called after each batch of windows.
+    ///
+    /// # Errors
+    /// Missing or misshapen attention tensors; tensor op failures.
+    pub fn attention(&mut self, l: usize, mut progress: impl FnMut(usize)) -> Result<()> {
+        let w = self.attention_weights(l)?;
+        let h = self.cfg.hidden_size as usize;
+        let mut i = 0;
+        while i < self.windows.len() {
+            let len = self.windows[i].len();
+            let max_b = (ATTN_BATCH_TOKENS / len).max(1);
+            let b = self.windows[i..].iter().take(max_b).take_while(|r| r.len() == len).count();
+            let rows = self.windows[i].start * h..self.windows[i + b - 1].end * h;
+            let out = attend(&self.cfg, &self.rope, &w, &self.x[rows.clone()], b, len)?;
+            self.x[rows].iter_mut().zip(&out).for_each(|(a, d)| *a += d);
+            progress(b * len);
+            i += b;
+        }
+        Ok(())
+    }
+
+    /// Loads layer `l`'s FFN weights.
+    ///
+    /// # Errors
+    /// Missing or misshapen FFN tensors.
+    pub fn ffn(&self, l: usize) -> Result<Ffn> {
+        let (ck, cfg) = (self.ck, &self.cfg);
+        let (h, inter) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
+        let p = format!("model.layers.{l}.mlp");
+        Ok(Ffn {
+            norm: ck.tensor_f32(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h])?,
+            gate: matrix(ck, &format!("{p}.gate_proj.weight"), inter, h)?,
+            up: matrix(ck, &format!("{p}.up_proj.weight"), inter, h)?,
+            down: matrix(ck, &format!("{p}.down_proj.weight"), h, inter)?,
+            gate_bias: bias(ck, &format!("{p}.gate_proj.bias"), inter, cfg.mlp_bias)?,
+            up_bias: bias(ck, &format!("{p}.up_proj.bias"), inter, cfg.mlp_bias)?,
+            down_bias: bias(ck, &format!("{p}.down_proj.bias"), h, cfg.mlp_bias)?,
+            act: cfg.activation,
+            eps: cfg.rms_norm_eps as f32,
+        })
+    }
+
+    /// FFN input `xn = post_attention_layernorm(x)` of token rows `rows`: `[rows.len(), hidden]`.
+    pub fn ffn_input(&self, ffn: &Ffn, rows: Range<usize>) -> Vec<f32> {
+        let h = self.cfg.hidden_size as usize;
+        norm_rows(&self.x[rows.start * h..rows.end * h], &ffn.norm, ffn.eps)
+    }
+
+    /// Adds `delta` (`[rows.len(), hidden]`) to the residual stream of `rows`.
+    pub fn add_residual(&mut self, rows: Range<usize>, delta: &[f32]) {
+        let h = self.cfg.hidden_size as usize;
+        self.x[rows.start * h..rows.end * h]
+            .iter_mut()
+            .zip(delta)
+            .for_each(|(a, d)| *a += d);
+    }
+}
+
+impl Ffn {
+    /// Activations of `n` tokens with FFN inputs `xn` `[n, hidden]`.
+    ///
+    /// # Errors
+    /// Tensor op failures.
+    pub fn activations(&self, xn: Vec<f32>, n: usize) -> Result<Activations> {
+        let h = self.gate.dim(D::Minus1)?;
+        let xn = Tensor::from_vec(xn, (n, h), &Device::Cpu)?;
+        let g = linear(&xn, &self.gate, self.gate_bias.as_ref())?.flatten_all()?.to_vec1::<f32>()?;
+        let mut hv = linear(&xn, &self.up, self.up_bias.as_ref())?.flatten_all()?.to_vec1::<f32>()?;
+        let mut a = g;
+        let act = self.act;
+        a.par_iter_mut().zip(hv.par_iter_mut()).for_each(|(a, u)| {
+            *a = activate(act, *a);
+            *u *= *a;
+        });
+        Ok(Activations { a, hv })
+    }
+
+    /// FFN output `down · hv (+ bias)`: `[n, hidden]` for `hv` `[n, n_neurons]`.
+    ///
+    /// # Errors
+    /// Tensor op failures.
+    pub fn down(&self, hv: Vec<f32>, n: usize) -> Result<Vec<f32>> {
+        let inter = self.down.dim(D::Minus1)?;
+        let hv = Tensor::from_vec(hv, (n, inter), &Device::Cpu)?;
+        Ok(linear(&hv, &self.down, self.down_bias.as_ref())?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    /// Neurons in the layer (`intermediate_size`).
+    pub fn n_neurons(&self) -> usize {
+        self.gate.dims()[0]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(sliding: Option<u64>) -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::Mistral,
+            vocab_size: 10,
+            hidden_size: 16,
+            intermediate_size: 8,
+            num_layers: 1,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            max_position_embeddings: 64,
+            sliding_window: sliding,
+            activation: Activation::Silu,
+            tie_word_embeddings: true,
+            attention_bias: true,
+            mlp_bias: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    struct Lcg(u64);
+    impl Lcg {
+        fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    scale * ((self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+                })
+                .collect()
+        }
+    }
+
+    fn t(v: Vec<f32>, shape: &[usize]) -> Tensor {
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The runtime's per-token attention (runtime/src/model.rs) on plain vectors.
+    fn reference(c: &ModelConfig, raw: &[Vec<f32>], x: &[f32], len: usize) -> Vec<f32> {
+        let (h, nh, nkv, hd) = (16, 4, 2, 8);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let rope = Rope::new(c);
+        let (cos, sin) = rope.tables(0, len);
+        let mv = |m: &[f32], b: &[f32], v: &[f32]| -> Vec<f32> {
+            b.iter().enumerate().map(|(r, bb)| bb + (0..v.len()).map(|j| m[r * v.len() + j] * v[j]).sum::<f32>()).collect()
+        };
+        let mut out = vec![0f32; x.len()];
+        for (wx, wo) in x.chunks(len * h).zip(out.chunks_mut(len * h)) {
+            let (mut q, mut k, mut v) = (vec![], vec![], vec![]);
+            for t in 0..len {
+                let mut xn = vec![0f32; h];
+                rms_norm(&wx[t * h..(t + 1) * h], &raw[0], 1e-5, &mut xn);
+                let (mut qt, mut kt) = (mv(&raw[1], &raw[5], &xn), mv(&raw[2], &raw[6], &xn));
+                rope.rotate(&mut qt, &cos[t * hd / 2..(t + 1) * hd / 2], &sin[t * hd / 2..(t + 1) * hd / 2]);
+                rope.rotate(&mut kt, &cos[t * hd / 2..(t + 1) * hd / 2], &sin[t * hd / 2..(t + 1) * hd / 2]);
+                q.extend(qt);
+                k.extend(kt);
+                v.extend(mv(&raw[3], &raw[7], &xn));
+            }
+            for t in 0..len {
+                let mut attn = vec![0f32; qd];
+                for head in 0..nh {
+                    let kvh = head / (nh / nkv);
+                    let start = c.sliding_window.map_or(0, |w| t.saturating_sub(w as usize));
+                    let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+                    let mut sc: Vec<f32> = (start..=t)
+                        .map(|j| (0..hd).map(|i| qv[i] * k[j * kvd + kvh * hd + i]).sum::<f32>() / (hd as f32).sqrt())
+                        .collect();
+                    nflash_runtime::ops::softmax(&mut sc);
+                    for (j, s) in (start..=t).zip(&sc) {
+                        for i in 0..hd {
+                            attn[head * hd + i] += s * v[j * kvd + kvh * hd + i];
+                        }
+                    }
+                }
+                wo[t * h..(t + 1) * h].copy_from_slice(&mv(&raw[4], &raw[8], &attn));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn attention_matches_runtime_semantics() {
+        let mut rng = Lcg(5);
+        let (h, qd, kvd) = (16, 32, 16);
+        let raw: Vec<Vec<f32>> = vec![
+            rng.vec(h, 0.2).iter().map(|v| 1.0 + v).collect(),
+            rng.vec(qd * h, 0.5),
+            rng.vec(kvd * h, 0.5),
+            rng.vec(kvd * h, 0.5),
+            rng.vec(h * qd, 0.3),
+            rng.vec(qd, 0.1),
+            rng.vec(kvd, 0.1),
+            rng.vec(kvd, 0.1),
+            rng.vec(h, 0.1),
+        ];
+        let w = Attention {
+            norm: raw[0].clone(),
+            q: t(raw[1].clone(), &[qd, h]),
+            k: t(raw[2].clone(), &[kvd, h]),
+            v: t(raw[3].clone(), &[kvd, h]),
+            o: t(raw[4].clone(), &[h, qd]),
+            q_bias: Some(t(raw[5].clone(), &[qd])),
+            k_bias: Some(t(raw[6].clone(), &[kvd])),
+            v_bias: Some(t(raw[7].clone(), &[kvd])),
+            o_bias: Some(t(raw[8].clone(), &[h])),
+        };
+        let (b, len) = (3, 11);
+        let x = rng.vec(b * len * h, 1.0);
+        for sliding in [None, Some(3)] {
+            let c = cfg(sliding);
+            let want = reference(&c, &raw, &x, len);
+            let got = attend(&c, &Rope::new(&c), &w, &x, b, len).unwrap();
+            let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err < 1e-4, "sliding {sliding:?}: max error {err}");
+        }
+    }
+
+    #[test]
+    fn windows_keep_partial_of_two() {
+        assert_eq!(split_windows(10, 4), vec![0..4, 4..8, 8..10]);
+        assert_eq!(split_windows(9, 4), vec![0..4, 4..8]);
+        assert_eq!(split_windows(8, 4), vec![0..4, 4..8]);
+    }
+}

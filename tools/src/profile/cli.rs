@@ -1,0 +1,100 @@
+//! `prep profile`: FFN neuron activity of a checkpoint on calibration text.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use nflash_format::Criterion;
+
+use super::{profile, Profile, ProfileOptions};
+use crate::checkpoint::Checkpoint;
+
+/// Arguments of `prep profile`.
+#[derive(Args)]
+pub struct ProfileArgs {
+    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// UTF-8 calibration text, tokenized without BOS or chat template.
+    #[arg(long)]
+    calib: PathBuf,
+    /// Calibration tokens to run (the first ones of the text).
+    #[arg(long, default_value_t = 50_000)]
+    tokens: usize,
+    /// Window length, tokens: windows are independent causal sequences.
+    #[arg(long, default_value_t = 512)]
+    window: usize,
+    /// FFN inputs kept per layer for predictor training (evenly spaced tokens).
+    #[arg(long, default_value_t = 8192)]
+    sample: usize,
+    /// Output profile file (written to a temporary file, then renamed).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn run(a: ProfileArgs) -> Result<()> {
+    let opts = ProfileOptions { tokens: a.tokens, window: a.window, sample: a.sample };
+    opts.check()?;
+    if a.out.is_dir() {
+        bail!(
+            "--out {} is a directory; pass a file path, e.g. {}",
+            a.out.display(),
+            a.out.join("model.profile").display()
+        );
+    }
+    let t0 = std::time::Instant::now();
+    let ck = Checkpoint::open(&a.model)?;
+    let cfg = &ck.config;
+    if a.window as u64 > cfg.max_position_embeddings {
+        eprintln!(
+            "warning: --window {} is beyond the model's trained context ({} tokens)",
+            a.window, cfg.max_position_embeddings
+        );
+    }
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| {
+            format!("cannot create the output directory {} for --out; choose another --out path", dir.display())
+        })?;
+    }
+    eprintln!(
+        "profiling {} ({}, {} layers, FFN {}) on {}",
+        a.model.display(),
+        cfg.architecture.hf_name(),
+        cfg.num_layers,
+        cfg.intermediate_size,
+        a.calib.display()
+    );
+    let p = profile(&ck, &a.calib, &opts)?;
+    let secs = t0.elapsed().as_secs_f64();
+    p.save(&a.out)?;
+    summary(&p, &a.out, secs);
+    Ok(())
+}
+
+fn summary(p: &Profile, out: &std::path::Path, secs: f64) {
+    let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
+    let c = &p.calib;
+    eprintln!(
+        "profiled {} tokens ({} window{} of ≤ {} tokens) in {secs:.1} s, {:.0} tokens/s; sample of {} tokens per layer",
+        c.n_tokens,
+        c.n_windows,
+        if c.n_windows == 1 { "" } else { "s" },
+        c.window,
+        c.n_tokens as f64 / secs.max(1e-9),
+        p.n_sample()
+    );
+    let mid = p.layers.len() / 2;
+    for (i, l) in p.layers.iter().enumerate() {
+        if i == 0 || i == mid || i + 1 == p.layers.len() {
+            let f = l.frequency(Criterion::GateUp, 0.5);
+            let hot = f.iter().filter(|&&v| v > 0.8).count();
+            eprintln!(
+                "layer {i:>3}: |act(gate)| zero {:.1}%, gate-up threshold at 50% sparsity {:.4}, neurons active > 80% of tokens there: {hot}/{}",
+                100.0 * l.gate.zero_fraction(),
+                l.threshold(Criterion::GateUp, 0.5),
+                f.len()
+            );
+        }
+    }
+    println!("wrote {} ({:.1} MiB)", out.display(), bytes as f64 / (1 << 20) as f64);
+}
