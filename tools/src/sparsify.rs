@@ -148,6 +148,7 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
                 criterion: o.criterion,
                 epochs: o.epochs,
                 seed: o.seed.wrapping_add(l as u64),
+                hidden: h,
             },
         )?;
         layers.push(LayerPlan {
