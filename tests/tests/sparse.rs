@@ -162,3 +162,55 @@ fn quality_report_compares_sparse_and_dense() {
     let png = std::fs::read(&plot).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
 }
+
+/// `o` failed cleanly (non-zero exit, no panic) with every needle in stderr, and left no pack.
+#[track_caller]
+fn assert_clean_failure(what: &str, o: &std::process::Output, needles: &[&str], out: &Path) {
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && o.status.code().is_some(), "{what}: {:?}\n{stderr}", o.status);
+    assert!(!stderr.contains("panicked"), "{what}: panicked\n{stderr}");
+    for n in needles {
+        assert!(stderr.contains(n), "{what}: stderr lacks {n:?}:\n{stderr}");
+    }
+    assert!(!out.exists(), "{what}: left {}", out.display());
+}
+
+#[test]
+fn bad_sparsity_inputs_are_refused_clearly() {
+    let spec = TinySpec::default();
+    let f = fixture(&spec);
+    let out = f.root.join("bad.nflash");
+    let base = |extra: &[&str]| {
+        let mut a = vec!["convert", "--model", f.ckpt.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", "f32"];
+        a.extend_from_slice(extra);
+        run("prep", &a)
+    };
+    let calib = f.calib.to_str().unwrap();
+    for s in ["1", "1.5", "-0.1", "NaN"] {
+        let o = base(&["--calib", calib, "--sparsity", s]);
+        assert_clean_failure(&format!("--sparsity {s}"), &o, &["--sparsity"], &out);
+    }
+    let empty = f.root.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    assert_clean_failure("empty calib", &base(&["--calib", empty.to_str().unwrap()]), &["empty.txt"], &out);
+    let binary = f.root.join("binary.txt");
+    std::fs::write(&binary, b"w3 w4 \xff\xfe w5").unwrap();
+    assert_clean_failure("non-UTF-8 calib", &base(&["--calib", binary.to_str().unwrap()]), &["UTF-8"], &out);
+    let short = f.root.join("short.txt");
+    std::fs::write(&short, words(20, spec.vocab, 1)).unwrap();
+    assert_clean_failure("fewer tokens than a window", &base(&["--calib", short.to_str().unwrap(), "--window", "64"]), &["window"], &out);
+    // A profile of a differently shaped model.
+    let other = TinySpec { inter: 128, ..TinySpec::default() };
+    let g = fixture(&other);
+    let prof = f.root.join("other.profile");
+    let o = run(
+        "prep",
+        &["profile", "--model", g.ckpt.to_str().unwrap(), "--calib", g.calib.to_str().unwrap(), "--tokens", "200", "--window", "50", "--out", prof.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = base(&["--profile", prof.to_str().unwrap()]);
+    assert_clean_failure("profile of another model", &o, &["profile", "128"], &out);
+    // A file that is not a profile.
+    let o = base(&["--profile", calib]);
+    assert_clean_failure("not a profile", &o, &["calib.txt"], &out);
+}

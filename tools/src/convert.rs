@@ -8,7 +8,7 @@ use nflash_format::{Criterion, DType, PredictorKind};
 
 use crate::checkpoint::Checkpoint;
 use crate::pack::{check_tensors, write_pack, PackOptions};
-use crate::profile::{Profile, ProfileOptions};
+use crate::profile::{CalibArgs, Profile};
 use crate::sparsify::{self, SparseOptions, SparsePlan};
 
 /// Arguments of `prep convert`.
@@ -40,17 +40,10 @@ pub struct SparseArgs {
     /// Reuse a profile written by `prep profile` instead of profiling (--calib).
     #[arg(long)]
     profile: Option<PathBuf>,
-    /// Calibration tokens to profile (with --calib).
-    #[arg(long, default_value_t = 50_000)]
-    tokens: usize,
-    /// Calibration window length, tokens (with --calib).
-    #[arg(long, default_value_t = 512)]
-    window: usize,
-    /// FFN inputs kept per layer for predictor training (with --calib).
-    #[arg(long, default_value_t = 8192)]
-    sample: usize,
+    #[command(flatten)]
+    calib_run: CalibArgs,
     /// Target fraction of FFN neurons inactive per token, in [0, 1); ReLU-family models use their natural sparsity.
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true)]
     sparsity: f64,
     /// What decides that a neuron is active: |act(gate)| (gate) or |act(gate)·up| (gate-up).
     #[arg(long, default_value = "gate-up")]
@@ -62,10 +55,10 @@ pub struct SparseArgs {
     #[arg(long)]
     rank: Option<usize>,
     /// Predictor size as a fraction of the layer's FFN bytes, used to choose the rank.
-    #[arg(long, default_value_t = 0.10)]
+    #[arg(long, default_value_t = 0.10, allow_negative_numbers = true)]
     predictor_budget: f64,
     /// Fraction of truly active neurons the predictor must keep on held-out calibration tokens.
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
     recall: f64,
     /// MLP predictor training epochs.
     #[arg(long, default_value_t = 20)]
@@ -108,7 +101,7 @@ impl SparseArgs {
                 let pr = crate::profile::profile(
                     ck,
                     c,
-                    &ProfileOptions { tokens: self.tokens, window: self.window, sample: self.sample },
+                    &self.calib_run.options(),
                 )?;
                 eprintln!("profiled {} tokens in {:.1} s", pr.calib.n_tokens, t.elapsed().as_secs_f64());
                 pr

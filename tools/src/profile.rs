@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::histogram::Histogram;
 
-pub use cli::{run, ProfileArgs};
+pub use cli::{run, CalibArgs, ProfileArgs};
 pub use collect::{profile, ProfileOptions};
 
 /// First bytes of a profile file.

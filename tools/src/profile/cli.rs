@@ -18,22 +18,36 @@ pub struct ProfileArgs {
     /// UTF-8 calibration text, tokenized without BOS or chat template.
     #[arg(long)]
     calib: PathBuf,
-    /// Calibration tokens to run (the first ones of the text).
-    #[arg(long, default_value_t = 50_000)]
-    tokens: usize,
-    /// Window length, tokens: windows are independent causal sequences.
-    #[arg(long, default_value_t = 512)]
-    window: usize,
-    /// FFN inputs kept per layer for predictor training (evenly spaced tokens).
-    #[arg(long, default_value_t = 8192)]
-    sample: usize,
+    #[command(flatten)]
+    run: CalibArgs,
     /// Output profile file (written to a temporary file, then renamed).
     #[arg(long)]
     out: PathBuf,
 }
 
+/// How much calibration text to profile (shared by `prep profile` and `prep convert --calib`).
+#[derive(Args, Clone, Debug)]
+pub struct CalibArgs {
+    /// Calibration tokens to run (the first ones of the text).
+    #[arg(long, default_value_t = 50_000)]
+    pub tokens: usize,
+    /// Window length, tokens: windows are independent causal sequences.
+    #[arg(long, default_value_t = 512)]
+    pub window: usize,
+    /// FFN inputs kept per layer for predictor training (evenly spaced tokens).
+    #[arg(long, default_value_t = 8192)]
+    pub sample: usize,
+}
+
+impl CalibArgs {
+    /// As profile options.
+    pub fn options(&self) -> ProfileOptions {
+        ProfileOptions { tokens: self.tokens, window: self.window, sample: self.sample }
+    }
+}
+
 pub fn run(a: ProfileArgs) -> Result<()> {
-    let opts = ProfileOptions { tokens: a.tokens, window: a.window, sample: a.sample };
+    let opts = a.run.options();
     opts.check()?;
     if a.out.is_dir() {
         bail!(
@@ -45,10 +59,10 @@ pub fn run(a: ProfileArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     let ck = Checkpoint::open(&a.model)?;
     let cfg = &ck.config;
-    if a.window as u64 > cfg.max_position_embeddings {
+    if a.run.window as u64 > cfg.max_position_embeddings {
         eprintln!(
             "warning: --window {} is beyond the model's trained context ({} tokens)",
-            a.window, cfg.max_position_embeddings
+            a.run.window, cfg.max_position_embeddings
         );
     }
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
