@@ -42,6 +42,9 @@ pub enum Error {
     /// Invalid user setting (names the flag).
     #[error("{0}")]
     Usage(String),
+    /// The model produced NaN or infinite logits.
+    #[error("the model produced non-finite logits (NaN or infinity) at position {position}: the pack's weights are probably damaged; check every segment with `nflash run --verify` or `prep verify`")]
+    NonFinite { position: usize },
 }
 
 /// `Result` with [`Error`].

@@ -97,7 +97,7 @@ pub fn generate(
         let h = model.cfg.hidden_size as usize;
         last_hidden = hs[hs.len() - h..].to_vec();
     }
-    let mut next = sampler.sample(&model.logits(&last_hidden));
+    let mut next = sampler.sample(&model.checked_logits(&last_hidden, kv.len() - 1)?);
     stats.prefill_s = t0.elapsed().as_secs_f64();
     let mut out = Vec::new();
     let mut stream = TextStream::default();
@@ -118,7 +118,7 @@ pub fn generate(
             break;
         }
         let hs = model.forward(kv, &[next])?;
-        next = sampler.sample(&model.logits(&hs));
+        next = sampler.sample(&model.checked_logits(&hs, kv.len() - 1)?);
         stats.decode_steps += 1;
     }
     stats.decode_s = t1.elapsed().as_secs_f64();

@@ -415,6 +415,20 @@ impl<'a> Model<'a> {
         LayerCounts { neurons: n, read, computed, ..Default::default() }
     }
 
+    /// Logits `[vocab]` for one final hidden state `[hidden]`; errors on NaN or
+    /// infinite values (damaged weights), naming `position`.
+    ///
+    /// # Errors
+    /// [`Error::NonFinite`].
+    pub fn checked_logits(&self, hidden: &[f32], position: usize) -> Result<Vec<f32>> {
+        let l = self.logits(hidden);
+        if l.iter().all(|v| v.is_finite()) {
+            Ok(l)
+        } else {
+            Err(Error::NonFinite { position })
+        }
+    }
+
     /// Logits `[vocab]` for one final hidden state `[hidden]`.
     pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
         let t0 = Instant::now();

@@ -67,6 +67,9 @@ pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMu
                     .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
                     .expect("vocab > 0");
                 top1.push(arg as u32);
+                if !row.iter().all(|v| v.is_finite()) {
+                    return Err(Error::NonFinite { position: ci * 32 + j });
+                }
                 let max = mx as f64;
                 let lse = row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln() + max;
                 nll += lse - row[target] as f64;

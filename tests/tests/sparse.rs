@@ -213,4 +213,23 @@ fn bad_sparsity_inputs_are_refused_clearly() {
     // A file that is not a profile.
     let o = base(&["--profile", calib]);
     assert_clean_failure("not a profile", &o, &["calib.txt"], &out);
+    // Sparsity options without a calibration source would silently give a dense pack.
+    let o = base(&["--sparsity", "0.7", "--predictor", "mlp"]);
+    assert_clean_failure("sparse flags without --calib", &o, &["--calib", "--profile"], &out);
+    // --rank beyond the hidden size.
+    let o = base(&["--calib", calib, "--predictor", "low-rank", "--rank", "4096"]);
+    assert_clean_failure("--rank 4096", &o, &["--rank 4096", "at most"], &out);
+}
+
+#[test]
+fn quality_plot_path_is_checked_before_scoring_and_leaves_nothing() {
+    let spec = TinySpec::default();
+    let f = fixture(&spec);
+    let p = convert_sparse(&f, "p.nflash", "f32", &["--sparsity", "0.3", "--predictor", "exact"]);
+    let dir = f.root.join("adir");
+    std::fs::create_dir(&dir).unwrap();
+    let o = run("prep", &["verify", p.to_str().unwrap(), "--quality", "--text", f.calib.to_str().unwrap(), "--plot", dir.to_str().unwrap()]);
+    assert_clean_failure("--plot a directory", &o, &["--plot", "directory"], &f.root.join("never"));
+    let leftovers: Vec<_> = std::fs::read_dir(&f.root).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().contains("tmp")).collect();
+    assert!(leftovers.is_empty(), "left {leftovers:?}");
 }

@@ -33,6 +33,7 @@ pub struct ConvertArgs {
 /// Sparse-pack options: without `--calib` or `--profile` the pack is dense.
 #[derive(Args)]
 #[command(next_help_heading = "Activation sparsity (sparse decode)")]
+#[command(group(clap::ArgGroup::new("source").args(["calib", "profile"])))]
 pub struct SparseArgs {
     /// Calibration text (UTF-8): profile FFN activity on it and write a sparse pack.
     #[arg(long, conflicts_with = "profile")]
@@ -43,28 +44,28 @@ pub struct SparseArgs {
     #[command(flatten)]
     calib_run: CalibArgs,
     /// Target fraction of FFN neurons inactive per token, in [0, 1); ReLU-family models use their natural sparsity.
-    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true, requires = "source")]
     sparsity: f64,
     /// What decides that a neuron is active: |act(gate)| (gate) or |act(gate)·up| (gate-up).
-    #[arg(long, default_value = "gate-up")]
+    #[arg(long, default_value = "gate-up", requires = "source")]
     criterion: Criterion,
     /// How decode picks neurons before reading them: exact (all gate/up, sparse down), low-rank or mlp.
-    #[arg(long, default_value = "mlp")]
+    #[arg(long, default_value = "mlp", requires = "source")]
     predictor: PredictorKind,
     /// Predictor rank r (multiple of 32); default from --predictor-budget.
-    #[arg(long)]
+    #[arg(long, requires = "source")]
     rank: Option<usize>,
     /// Predictor size as a fraction of the layer's FFN bytes, used to choose the rank.
-    #[arg(long, default_value_t = 0.10, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.10, allow_negative_numbers = true, requires = "source")]
     predictor_budget: f64,
     /// Fraction of truly active neurons the predictor must keep on held-out calibration tokens.
-    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true, requires = "source")]
     recall: f64,
     /// MLP predictor training epochs.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, requires = "source")]
     epochs: usize,
     /// MLP predictor seed.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, requires = "source")]
     seed: u64,
 }
 
@@ -80,9 +81,12 @@ impl SparseArgs {
             bail!("--predictor-budget {} is outside (0, 1]", self.predictor_budget);
         }
         if let Some(r) = self.rank {
-            if r == 0 || r % 32 != 0 || r > 65536 {
+            if r == 0 || r % 32 != 0 {
                 bail!("--rank {r} must be a positive multiple of 32 (predictor rows are stored in 32-element blocks)");
             }
+        }
+        if self.epochs == 0 {
+            bail!("--epochs 0 would leave the MLP predictor untrained; use at least 1 (default 20)");
         }
         Ok(())
     }

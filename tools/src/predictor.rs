@@ -132,7 +132,9 @@ pub fn quality(scores: &[f32], active: &[bool], tau: f32, tokens: usize) -> Pred
 }
 
 /// Builds and calibrates one layer's predictor from sample inputs `x`
-/// `[s, hidden]` (the first 80% train it, the rest calibrate and measure it).
+/// `[s, hidden]`: the first 80% of the tokens train it, the next 10% set its
+/// decision threshold for the recall target, the last 10% measure it (so the
+/// reported recall is not the target by construction).
 /// `t`: the layer's activity threshold.
 ///
 /// # Errors
@@ -141,7 +143,7 @@ pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOption
     let h = w.hidden;
     let s = x.len() / h;
     if s < 10 {
-        bail!("the profile holds {s} sample tokens; predictors need at least 10: re-run prep profile with more --tokens / --sample");
+        bail!("the profile holds {s} sampled FFN inputs; predictors need at least 10: calibrate on more tokens (a longer text, --tokens, --sample)");
     }
     let n_train = s * 4 / 5;
     let (train, held) = x.split_at(n_train * h);
@@ -162,11 +164,14 @@ pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOption
             (tensors, scores, Some(loss))
         }
     };
-    let tau = calibrate(&scores, &held_active, o.recall);
+    let n_cal = n_held / 2;
+    let (cal_scores, test_scores) = scores.split_at(n_cal * w.n);
+    let (cal_active, test_active) = held_active.split_at(n_cal * w.n);
+    let tau = calibrate(cal_scores, cal_active, o.recall);
     Ok(Built {
         tensors,
         threshold: tau,
-        quality: quality(&scores, &held_active, tau, n_held),
+        quality: quality(test_scores, test_active, tau, n_held - n_cal),
         loss,
     })
 }
@@ -326,7 +331,8 @@ mod tests {
         let b = build(&w, &x, Activation::Silu, t, &o).unwrap();
         assert_eq!(a.tensors[0].2, b.tensors[0].2);
         assert_eq!(a.threshold, b.threshold);
-        assert!(a.quality.recall >= 0.95);
+        // Measured on tokens the threshold was not fitted on: near, not exactly at, the target.
+        assert!(a.quality.recall > 0.85, "{:?}", a.quality);
     }
 
     #[test]
@@ -344,9 +350,10 @@ mod tests {
             hidden: h,
         };
         let b = build(&w, &x, Activation::Silu, 0.1, &o).unwrap();
-        // With r = hidden, PPᵀ = I: the estimate is the true value, so full
-        // recall needs no over-selection.
-        assert_eq!(b.quality.recall, 1.0);
+        // With r = hidden, PPᵀ = I: the estimate is the true value, so the
+        // threshold lands at the activity threshold and (on unseen tokens)
+        // nearly every active neuron is kept with no over-selection.
+        assert!(b.quality.recall > 0.97, "{:?}", b.quality);
         assert!(b.quality.precision > 0.99, "{:?}", b.quality);
     }
 }

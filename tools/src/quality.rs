@@ -54,8 +54,10 @@ pub struct QualityRow {
     pub ffn_sparsity: f64,
     /// Mean over layers of the fraction of neuron bundles neither read nor computed.
     pub bundles_skipped: f64,
-    /// Mean over layers of predictor recall of the truly active neurons.
-    pub recall: f64,
+    /// Mean over layers of predictor recall of the truly active neurons (`None`: not measured).
+    pub recall: Option<f64>,
+    /// FFN weight type of the pack.
+    pub quant: String,
     /// Predictor tensors, bytes.
     pub predictor_bytes: u64,
     /// Tokens scored.
@@ -97,6 +99,7 @@ pub fn evaluate(files: &[PathBuf], o: &QualityOptions) -> Result<Vec<QualityRow>
         let m = pack.manifest();
         let key = format!("{:?}|{}|{}", m.config, m.ffn.first().map_or(String::new(), |f| f.bundle.dtype.to_string()), tokens.len());
         let name = short(f);
+        let quant = m.ffn.first().map_or(String::new(), |f| f.bundle.dtype.to_string());
         let dense = match dense_cache.iter().find(|(k, _)| *k == key) {
             Some((_, d)) => d.clone(),
             None => {
@@ -107,7 +110,7 @@ pub fn evaluate(files: &[PathBuf], o: &QualityOptions) -> Result<Vec<QualityRow>
             }
         };
         let Some(si) = m.sparse.clone() else {
-            rows.push(row(f, "dense", "dense", 0, 0.0, &dense, &dense, None, 0));
+            rows.push(row(f, &quant, "dense", "dense", 0, 0.0, &dense, &dense, None, 0));
             continue;
         };
         engine.model.set_dense(false);
@@ -117,6 +120,7 @@ pub fn evaluate(files: &[PathBuf], o: &QualityOptions) -> Result<Vec<QualityRow>
         let pred_bytes = m.ffn.iter().filter_map(|f| f.sparse.as_ref()).map(|s| s.predictor_bytes).sum();
         rows.push(row(
             f,
+            &quant,
             si.criterion.name(),
             si.predictor.name(),
             si.rank,
@@ -133,6 +137,7 @@ pub fn evaluate(files: &[PathBuf], o: &QualityOptions) -> Result<Vec<QualityRow>
 #[allow(clippy::too_many_arguments)]
 fn row(
     f: &Path,
+    quant: &str,
     criterion: &str,
     predictor: &str,
     rank: u32,
@@ -155,7 +160,8 @@ fn row(
         top1_agreement: agree as f64 / dense.top1.len().max(1) as f64,
         ffn_sparsity: s.map_or(0.0, |s| s.ffn_sparsity),
         bundles_skipped: s.map_or(0.0, |s| s.bundles_skipped),
-        recall: s.and_then(|s| s.recall).unwrap_or(1.0),
+        recall: s.and_then(|s| s.recall),
+        quant: quant.to_string(),
         predictor_bytes,
         tokens: sparse.ppl.tokens,
     }
@@ -168,13 +174,14 @@ fn short(p: &Path) -> String {
 /// The results as a table on stdout.
 pub fn print_table(rows: &[QualityRow]) {
     println!(
-        "{:<28} {:<8} {:<9} {:>4} {:>6} {:>9} {:>9} {:>7} {:>6} {:>8} {:>8} {:>6} {:>9}",
-        "pack", "criterion", "predictor", "rank", "target", "dense ppl", "sparse ppl", "Δ%", "top-1", "ffn spar", "skipped", "recall", "pred KiB"
+        "{:<28} {:<5} {:<8} {:<9} {:>4} {:>6} {:>9} {:>9} {:>7} {:>6} {:>8} {:>8} {:>6} {:>9}",
+        "pack", "quant", "criterion", "predictor", "rank", "target", "dense ppl", "sparse ppl", "Δ%", "top-1", "ffn spar", "skipped", "recall", "pred KiB"
     );
     for r in rows {
         println!(
-            "{:<28} {:<8} {:<9} {:>4} {:>5.0}% {:>9.3} {:>9.3} {:>+6.1}% {:>6.3} {:>7.1}% {:>7.1}% {:>6.3} {:>9.0}",
+            "{:<28} {:<5} {:<8} {:<9} {:>4} {:>5.0}% {:>9.3} {:>9.3} {:>+6.1}% {:>6.3} {:>7.1}% {:>7.1}% {:>6} {:>9.0}",
             short(&r.pack),
+            r.quant,
             r.criterion,
             r.predictor,
             r.rank,
@@ -185,7 +192,7 @@ pub fn print_table(rows: &[QualityRow]) {
             r.top1_agreement,
             100.0 * r.ffn_sparsity,
             100.0 * r.bundles_skipped,
-            r.recall,
+            r.recall.map_or("-".into(), |v| format!("{v:.3}")),
             r.predictor_bytes as f64 / 1024.0
         );
     }

@@ -1,7 +1,7 @@
 //! From a profile to a sparse pack's contents: per-layer activity thresholds,
 //! hot-first neuron order, and calibrated predictors (issue 3; SPEC §4.5).
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use nflash_format::{Activation, Criterion, DType, LayerSparsity, PredictorKind, SparseInfo};
 
@@ -86,6 +86,10 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
     let cfg = &ck.config;
     let (h, n) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
     let relu = is_relu_family(cfg.activation);
+    let max_rank = (h / 32 * 32).max(32);
+    if let Some(r) = o.rank.filter(|&r| r > max_rank) {
+        bail!("--rank {r} is larger than the model allows: at most {max_rank} (hidden_size {h} rounded down to a multiple of 32)");
+    }
     let rank = match o.predictor {
         PredictorKind::Exact => 0,
         k => o.rank.unwrap_or_else(|| rank_for_budget(k, o.budget, h, n, quant)),

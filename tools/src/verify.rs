@@ -40,6 +40,9 @@ pub struct VerifyArgs {
 }
 
 pub fn run(a: VerifyArgs) -> Result<()> {
+    if let Some(p) = &a.plot {
+        crate::plot::check_path(p)?;
+    }
     for f in &a.files {
         let pack = Pack::open(f)?;
         let segs = &pack.manifest().segments;

@@ -23,6 +23,9 @@ const NEURON_BLOCK: usize = 64;
 /// Progress units per token and layer: attention, FFN pass 1, FFN pass 2.
 const STAGES: u64 = 3;
 
+/// Fewest sampled FFN inputs a profile keeps (predictor training needs them).
+pub const MIN_SAMPLE: usize = 16;
+
 /// What to profile.
 #[derive(Clone, Debug)]
 pub struct ProfileOptions {
@@ -52,6 +55,9 @@ impl ProfileOptions {
         }
         if self.window > u32::MAX as usize {
             bail!("--window {} is too long", self.window);
+        }
+        if self.sample < MIN_SAMPLE {
+            bail!("--sample {} is too small: predictors are trained and calibrated on at least {MIN_SAMPLE} sampled FFN inputs (default 8192)", self.sample);
         }
         if self.tokens < self.window {
             bail!("--tokens {} is less than one window (--window {}): raise --tokens or lower --window", self.tokens, self.window);
@@ -152,8 +158,10 @@ fn progress_bar(len: u64, layers: u64) -> ProgressBar {
 /// checkpoint tensors missing or misshapen, tokenizer mismatch.
 pub fn profile(ck: &Checkpoint, calib: &Path, opts: &ProfileOptions) -> Result<Profile> {
     opts.check()?;
-    let tokens = calib_tokens(ck, calib, opts)?;
+    let mut tokens = calib_tokens(ck, calib, opts)?;
     let windows = split_windows(tokens.len(), opts.window);
+    // A final 1-token window is dropped: so is its token.
+    tokens.truncate(windows.last().map_or(0, |w| w.end));
     let n_windows = windows.len();
     let mut fwd = Forward::new(ck, &tokens, windows)?;
     let n = fwd.n_tokens();

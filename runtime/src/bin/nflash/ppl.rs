@@ -106,7 +106,7 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
             if r.windows == 1 { "" } else { "s" },
             a.ctx
         );
-        if let Some(s) = sparsity.filter(|_| engine.model.is_sparse_pack()) {
+        if let Some(s) = sparsity.filter(|_| engine.model.is_sparse_pack() && !a.dense) {
             print_sparsity(&s);
         }
     }

@@ -154,7 +154,9 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
 
 fn report(a: &RunArgs, st: &GenStats, model: &Model) -> Result<()> {
     let (counts, tm) = model.counters();
-    let sparsity = SparsitySummary::new(&counts).filter(|_| model.is_sparse_pack() && !a.dense);
+    let sparse = model.is_sparse_pack() && !a.dense;
+    // Dense decode reports 0% (every neuron read and computed).
+    let sparsity = SparsitySummary::new(&counts);
     // Per decode step, milliseconds.
     let per = |s: f64| 1e3 * s / st.decode_steps.max(1) as f64;
     if let Some(ctx) = st.context_full {
@@ -179,7 +181,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model) -> Result<()> {
             per(tm.predictor_s),
             per(tm.ffn_s),
             per(tm.lm_head_s),
-            sparsity.as_ref().map_or(String::new(), |s| format!(
+            sparsity.as_ref().filter(|_| sparse).map_or(String::new(), |s| format!(
                 " | FFN sparsity {:.1}%, bundles skipped {:.1}%",
                 100.0 * s.ffn_sparsity,
                 100.0 * s.bundles_skipped
@@ -196,7 +198,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model) -> Result<()> {
             "prefill_tokens_per_s": st.prefill_tokens_per_s(),
             "decode_tokens_per_s": st.decode_tokens_per_s(),
             "peak_rss_bytes": rss,
-            "sparse": sparsity.is_some(),
+            "sparse": sparse,
             "ffn_sparsity": sparsity.as_ref().map(|s| s.ffn_sparsity),
             "bundles_skipped": sparsity.as_ref().map(|s| s.bundles_skipped),
             "attention_ms_per_token": per(tm.attention_s),
