@@ -28,7 +28,6 @@ pub struct Ffn<'a> {
     clusters: Vec<NeuronCluster>,
     /// Bundle offset inside `data` of each packed position, bytes `[n_neurons]`.
     offsets: Vec<u64>,
-    n_neurons: usize,
     /// Gate bias in packed neuron order `[n_neurons]`.
     gate_bias: Option<Vec<f32>>,
     /// Up bias in packed neuron order `[n_neurons]`.
@@ -56,7 +55,6 @@ impl<'a> Ffn<'a> {
         Ffn {
             act,
             offsets,
-            n_neurons: f.n_neurons as usize,
             hidden: f.bundle.row_elems as usize,
             layout: f.bundle,
             data,
@@ -79,7 +77,7 @@ impl<'a> Ffn<'a> {
     /// neurons whose down projection was computed.
     pub fn forward_token(&self, x: &DotInput, sel: Selection, gate: Option<(Criterion, f32)>, s: &mut FfnScratch, out: &mut [f32]) -> u64 {
         let h = self.hidden;
-        let n_sel = sel.len(self.n_neurons);
+        let n_sel = sel.len(self.n_neurons());
         let n_chunks = n_sel.div_ceil(CHUNK);
         s.partials.resize(n_chunks.max(1) * h, 0.0);
         s.computed.resize(n_chunks.max(1), 0);
@@ -163,7 +161,7 @@ impl<'a> Ffn<'a> {
 
     /// Neurons in the layer.
     pub fn n_neurons(&self) -> usize {
-        self.n_neurons
+        self.offsets.len()
     }
 }
 
@@ -238,18 +236,15 @@ impl Ffn<'_> {
                 return Ok(());
             }
             let p0 = group[0].first as usize;
+            // The group's clusters are consecutive: packed positions p0 .. p0 + m.
             let m: usize = group.iter().map(|c| c.n_neurons as usize).sum();
-            let idx: Vec<(&NeuronCluster, usize)> = group
-                .iter()
-                .flat_map(|c| (0..c.n_neurons as usize).map(move |i| (*c, i)))
-                .collect();
             let (mut wg, mut wu, mut wd) = (vec![0f32; m * h], vec![0f32; m * h], vec![0f32; m * h]);
             wg.par_chunks_mut(h)
                 .zip(wu.par_chunks_mut(h))
                 .zip(wd.par_chunks_mut(h))
-                .zip(idx.par_iter())
-                .for_each(|(((g, u), d), (c, i))| {
-                    let (gr, ur, dr) = self.bundle_at(c.first as usize + *i);
+                .enumerate()
+                .for_each(|(j, ((g, u), d))| {
+                    let (gr, ur, dr) = self.bundle_at(p0 + j);
                     row_to_f32(dt, gr, g);
                     row_to_f32(dt, ur, u);
                     row_to_f32(dt, dr, d);
@@ -264,7 +259,7 @@ impl Ffn<'_> {
                     *av = activate(self.act, gv) * uv;
                     if let Some(mk) = mask {
                         let active = criterion_value(mk.criterion, self.act, gv, uv) > mk.threshold;
-                        let read = mk.predicted.as_ref().is_none_or(|p| p[t * self.n_neurons + p0 + j]);
+                        let read = mk.predicted.as_ref().is_none_or(|p| p[t * self.n_neurons() + p0 + j]);
                         counts.neurons += 1;
                         counts.read += read as u64;
                         counts.active += active as u64;
@@ -297,7 +292,7 @@ impl Ffn<'_> {
             }
         }
         if mask.is_none() {
-            counts.neurons = (n * self.n_neurons) as u64;
+            counts.neurons = (n * self.n_neurons()) as u64;
             counts.read = counts.neurons;
             counts.computed = counts.neurons;
         }

@@ -60,6 +60,15 @@ pub struct Timings {
     pub lm_head_s: f64,
 }
 
+impl Timings {
+    fn add(&mut self, o: &Timings) {
+        self.attention_s += o.attention_s;
+        self.predictor_s += o.predictor_s;
+        self.ffn_s += o.ffn_s;
+        self.lm_head_s += o.lm_head_s;
+    }
+}
+
 /// Per-call scratch and counters, behind a lock so `forward` takes `&self`.
 #[derive(Default)]
 struct Work {
@@ -287,8 +296,9 @@ impl<'a> Model<'a> {
         let (cos, sin) = self.rope.tables(p0, n); // [n, head_dim/2] each
         let mut xn = vec![0f32; n * h]; // [n, hidden], RMSNormed
         let sparse_on = self.sparse_enabled && pass != Pass::Prefill;
-        // Counters and timings describe decode / evaluation only.
-        let timings_before = work.timings;
+        // Counters and timings describe decode / evaluation only: kept here,
+        // added to `work` at the end unless this is a prefill.
+        let mut tm = Timings::default();
         for (l, layer) in self.layers.iter().enumerate() {
             let t_attn = Instant::now();
             // Attention block.
@@ -352,7 +362,7 @@ impl<'a> Model<'a> {
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             // FFN block through the neuron engine.
             norm_rows(&x, &layer.ffn_norm, eps, &mut xn);
-            work.timings.attention_s += t_attn.elapsed().as_secs_f64();
+            tm.attention_s += t_attn.elapsed().as_secs_f64();
             let sparse = layer.sparse.as_ref().filter(|_| sparse_on);
             let counts = if batched {
                 let t_pred = Instant::now();
@@ -365,14 +375,14 @@ impl<'a> Model<'a> {
                     None => None,
                 };
                 let t_ffn = Instant::now();
-                work.timings.predictor_s += (t_ffn - t_pred).as_secs_f64();
+                tm.predictor_s += (t_ffn - t_pred).as_secs_f64();
                 let c = layer.ffn.forward_batch(&xn, mask.as_ref(), &mut x)?;
-                work.timings.ffn_s += t_ffn.elapsed().as_secs_f64();
+                tm.ffn_s += t_ffn.elapsed().as_secs_f64();
                 c
             } else {
                 let mut c = LayerCounts::default();
                 for (xr, outr) in xn.chunks_exact(h).zip(x.chunks_exact_mut(h)) {
-                    c.add(&self.ffn_token(layer, sparse, xr, work, outr));
+                    c.add(&self.ffn_token(layer, sparse, xr, work, &mut tm, outr));
                 }
                 c
             };
@@ -380,8 +390,8 @@ impl<'a> Model<'a> {
                 work.counts[l].add(&counts);
             }
         }
-        if pass == Pass::Prefill {
-            work.timings = timings_before;
+        if pass != Pass::Prefill {
+            work.timings.add(&tm);
         }
         kv.commit(n);
         for row in x.chunks_exact_mut(h) {
@@ -392,26 +402,27 @@ impl<'a> Model<'a> {
     }
 
     /// One token's FFN (`x`: normed input `[hidden]`, `out`: residual `[hidden]`), sparse when `sparse` is given.
-    fn ffn_token(&self, layer: &Layer, sparse: Option<&LayerSparse>, x: &[f32], work: &mut Work, out: &mut [f32]) -> LayerCounts {
+    /// Time spent goes to `tm`.
+    fn ffn_token(&self, layer: &Layer, sparse: Option<&LayerSparse>, x: &[f32], work: &mut Work, tm: &mut Timings, out: &mut [f32]) -> LayerCounts {
         let n = layer.ffn.n_neurons() as u64;
         let t0 = Instant::now();
         let xin = work.xin.get_or_insert_with(|| DotInput::new(layer.ffn.dtype()));
         xin.set(x);
         let Some(sp) = sparse else {
             layer.ffn.forward_token(xin, Selection::All, None, &mut work.ffn, out);
-            work.timings.ffn_s += t0.elapsed().as_secs_f64();
+            tm.ffn_s += t0.elapsed().as_secs_f64();
             return LayerCounts { neurons: n, read: n, computed: n, ..Default::default() };
         };
         let listed = sp.predict_token(self.cfg.activation, xin, x, &mut work.predict, &mut work.list);
         let t1 = Instant::now();
-        work.timings.predictor_s += (t1 - t0).as_secs_f64();
+        tm.predictor_s += (t1 - t0).as_secs_f64();
         let (sel, read) = if listed {
             (Selection::List(&work.list), work.list.len() as u64)
         } else {
             (Selection::All, n)
         };
         let computed = layer.ffn.forward_token(xin, sel, Some((sp.criterion, sp.threshold)), &mut work.ffn, out);
-        work.timings.ffn_s += t1.elapsed().as_secs_f64();
+        tm.ffn_s += t1.elapsed().as_secs_f64();
         LayerCounts { neurons: n, read, computed, ..Default::default() }
     }
 

@@ -188,15 +188,6 @@ impl<'a> LayerSparse<'a> {
             }
         }))
     }
-
-    /// The dtype the first predictor matrix wants its input prepared for.
-    pub fn input_dtype(&self) -> Option<DType> {
-        match &self.predictor {
-            Predictor::Exact => None,
-            Predictor::LowRank { proj, .. } => Some(proj.dtype),
-            Predictor::Mlp { w1, .. } => Some(w1.dtype),
-        }
-    }
 }
 
 /// `out = m · x`, using the prepared input when its kind matches `m`'s dtype,
