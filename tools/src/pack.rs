@@ -2,6 +2,8 @@
 //! per layer of page-aligned neuron clusters of bundles
 //! (gate row | up row | down column), as SPEC §4.4 prescribes.
 
+use std::borrow::Cow;
+
 use anyhow::{anyhow, bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use nflash_format::{
@@ -169,10 +171,11 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, pl
         let pd = crate::sparsify::predictor_dtype(opts.quant);
         for (l, lp) in plan.layers.iter().enumerate() {
             for (suffix, shape, data) in &lp.tensors {
+                // Tensors with a row per neuron follow the packed order.
                 let data = if matches!(*suffix, "gate" | "up" | "w2" | "b2") {
-                    permute_rows(data, shape[1..].iter().product(), &lp.order)
+                    Cow::Owned(permute_rows(data, shape[1..].iter().product(), &lp.order))
                 } else {
-                    data.clone()
+                    Cow::Borrowed(data)
                 };
                 let dtype = if shape.len() == 1 { DType::F32 } else { matrix_dtype(pd, shape[1]) };
                 let name = format!("nflash.predictor.{l}.{suffix}");

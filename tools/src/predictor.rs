@@ -49,8 +49,6 @@ pub struct PredictorOptions {
     pub epochs: usize,
     /// MLP seed (initialisation and shuffling).
     pub seed: u64,
-    /// Hidden size (input features).
-    pub hidden: usize,
 }
 
 /// A built predictor.
@@ -160,7 +158,7 @@ pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOption
         }
         PredictorKind::Mlp => {
             let values = criterion_values(w, train, act, o.criterion)?;
-            let (tensors, scores, loss) = mlp(train, &values, t, held, o)?;
+            let (tensors, scores, loss) = mlp(w, train, &values, t, held, o)?;
             (tensors, scores, Some(loss))
         }
     };
@@ -217,7 +215,6 @@ fn low_rank(w: &GateUp, train: &[f32], held: &[f32], act: Activation, o: &Predic
 }
 
 /// Numerically stable mean binary cross-entropy of `logits` against 0/1 `y`.
-/// Numerically stable mean binary cross-entropy of `logits` against 0/1 `y`.
 fn bce(logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
     // max(x, 0) − x·y + log(1 + exp(−|x|))
     let soft = (logits.abs()?.neg()?.exp()? + 1.0)?.log()?;
@@ -226,10 +223,9 @@ fn bce(logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
 
 /// Trains the MLP; returns its tensors, held-out logits `[s_held, n]` and the (first, last) epoch's mean train loss.
 /// Labels: criterion value (`values`, `[s, n]`) `> t`.
-fn mlp(train: &[f32], values: &[f32], t: f32, held: &[f32], o: &PredictorOptions) -> Result<(Tensors, Vec<f32>, (f32, f32))> {
-    let (h, r) = (o.hidden, o.rank);
+fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], o: &PredictorOptions) -> Result<(Tensors, Vec<f32>, (f32, f32))> {
+    let (h, n, r) = (w.hidden, w.n, o.rank);
     let s = train.len() / h;
-    let n = values.len() / s;
     let dev = Device::Cpu;
     let mut rng = rand::rngs::StdRng::seed_from_u64(o.seed);
     let mut uniform = |len: usize, fan_in: usize| -> Vec<f32> {
@@ -246,7 +242,6 @@ fn mlp(train: &[f32], values: &[f32], t: f32, held: &[f32], o: &PredictorOptions
     )?;
     let x = tensor(train, s, h)?;
     let y = Tensor::from_vec(values.iter().map(|&v| (v > t) as u8 as f32).collect::<Vec<_>>(), (s, n), &dev)?;
-
     let forward = |xb: &Tensor| -> candle_core::Result<Tensor> {
         xb.matmul(&w1.as_tensor().t()?)?
             .broadcast_add(b1.as_tensor())?
@@ -323,7 +318,6 @@ mod tests {
             criterion: Criterion::GateUp,
             epochs: 8,
             seed: 3,
-            hidden: h,
         };
         let a = build(&w, &x, Activation::Silu, t, &o).unwrap();
         let (first, last) = a.loss.unwrap();
@@ -347,7 +341,6 @@ mod tests {
             criterion: Criterion::GateUp,
             epochs: 0,
             seed: 0,
-            hidden: h,
         };
         let b = build(&w, &x, Activation::Silu, 0.1, &o).unwrap();
         // With r = hidden, PPᵀ = I: the estimate is the true value, so the

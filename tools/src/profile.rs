@@ -315,6 +315,12 @@ impl LayerProfile {
         self.gate.total / (self.n_neurons().max(1) as u64)
     }
 
+    /// Fraction of (token, neuron) values of criterion `c` that are exactly 0
+    /// (the natural sparsity of ReLU-family models).
+    pub fn zero_fraction(&self, c: Criterion) -> f64 {
+        self.parts(c).0.zero_fraction()
+    }
+
     /// Threshold on criterion `c` that leaves a fraction `sparsity` of the
     /// (token, neuron) values at or below it (neuron inactive iff value ≤ threshold).
     pub fn threshold(&self, c: Criterion, sparsity: f64) -> f32 {

@@ -104,13 +104,8 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
     let mut natural = Vec::new();
     for (l, lp) in profile.layers.iter().enumerate() {
         // ReLU family: active ⇔ act > 0, whatever the requested sparsity.
-        let hist = match o.criterion {
-            Criterion::Gate => &lp.gate,
-            Criterion::GateUp => &lp.gate_up,
-        };
-        let zeros = hist.zeros as f64 / hist.total.max(1) as f64;
         let (t, s) = if relu {
-            (0.0, zeros)
+            (0.0, lp.zero_fraction(o.criterion))
         } else if o.sparsity <= 0.0 {
             (-1.0, 0.0)
         } else {
@@ -152,7 +147,6 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
                 criterion: o.criterion,
                 epochs: o.epochs,
                 seed: o.seed.wrapping_add(l as u64),
-                hidden: h,
             },
         )?;
         layers.push(LayerPlan {
