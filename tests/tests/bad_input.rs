@@ -3,50 +3,12 @@
 //! and (for `prep convert`) no output file left behind.
 
 use std::collections::HashMap;
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::Output;
 
-use nflash_tests::{convert, run, tiny_tokenizer_json, write_tiny_checkpoint, TinySpec};
+use nflash_tests::{assert_fails, assert_no_output, convert, run, tiny_tokenizer_json, write_tiny_checkpoint, TinySpec};
 use serde_json::{json, Value};
 
 // ---------------------------------------------------------------- helpers
-
-/// Asserts `o` is a clean failure: non-zero exit code (not a signal), no
-/// panic, and stderr containing every one of `needles`. Returns stderr.
-#[track_caller]
-fn assert_fails(what: &str, o: &Output, needles: &[&str]) -> String {
-    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
-    eprintln!("--- {what}:\n{stderr}");
-    assert!(
-        o.status.signal().is_none(),
-        "{what}: killed by signal {:?}; stderr:\n{stderr}",
-        o.status.signal()
-    );
-    assert!(!o.status.success(), "{what}: exited 0; stderr:\n{stderr}");
-    assert!(o.status.code().is_some_and(|c| c != 0), "{what}: status {:?}", o.status);
-    assert!(
-        !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
-        "{what}: panicked:\n{stderr}"
-    );
-    for n in needles {
-        assert!(stderr.contains(n), "{what}: stderr does not mention {n:?}:\n{stderr}");
-    }
-    stderr
-}
-
-/// Asserts neither `out` nor any `<out>.tmp-*` beside it exists.
-#[track_caller]
-fn assert_no_output(out: &Path) {
-    assert!(!out.exists(), "{} was left behind", out.display());
-    let name = out.file_name().unwrap().to_string_lossy().into_owned();
-    if let Ok(entries) = std::fs::read_dir(out.parent().unwrap()) {
-        for e in entries {
-            let n = e.unwrap().file_name().to_string_lossy().into_owned();
-            assert!(!n.starts_with(&format!("{name}.tmp-")), "temporary file {n} was left behind");
-        }
-    }
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

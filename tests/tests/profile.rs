@@ -6,11 +6,10 @@
 //! tools/src/profile.rs (magic, u32 version, zstd(bincode)), so a format
 //! change without a version bump fails these tests.
 
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use nflash_tests::{run, write_tiny_checkpoint, Rng, TinySpec};
+use nflash_tests::{assert_no_temp, run, tiny_words, write_tiny_checkpoint, TinySpec};
 use serde::Deserialize;
 
 #[derive(Deserialize, Debug)]
@@ -78,21 +77,12 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// `n` words of the tiny tokenizer's vocabulary (`w3`…), pseudo-random.
-fn calib_text(n: usize, vocab: usize) -> String {
-    let mut rng = Rng::new(11);
-    (0..n)
-        .map(|_| format!("w{}", 3 + ((rng.next_f32() + 1.0) * 0.5 * (vocab - 3) as f32) as usize % (vocab - 3)))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 /// A tiny checkpoint and a calibration text of `words` words in `tmp`.
 fn setup(tmp: &Path, spec: &TinySpec, words: usize) -> (PathBuf, PathBuf) {
     let dir = tmp.join("ckpt");
     write_tiny_checkpoint(&dir, spec);
     let calib = tmp.join("calib.txt");
-    std::fs::write(&calib, calib_text(words, spec.vocab)).unwrap();
+    std::fs::write(&calib, tiny_words(words, spec.vocab, 11)).unwrap();
     (dir, calib)
 }
 
@@ -196,25 +186,15 @@ fn profile_of_other_architectures() {
 
 // ------------------------------------------------------------- bad input
 
-/// A clean failure: non-zero exit, no signal, no panic, stderr mentions every needle, no output left.
+/// A clean failure (see [`nflash_tests::assert_fails`]) that left no output
+/// (an existing directory passed as `out` is input, not output).
 #[track_caller]
 fn assert_fails(what: &str, o: &Output, out: &Path, needles: &[&str]) {
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    eprintln!("--- {what}:\n{stderr}");
-    assert!(o.status.signal().is_none(), "{what}: killed by a signal");
-    assert!(o.status.code().is_some_and(|c| c != 0), "{what}: status {:?}", o.status);
-    assert!(!stderr.contains("panicked"), "{what}: panicked:\n{stderr}");
-    for n in needles {
-        assert!(stderr.contains(n), "{what}: stderr does not mention {n:?}:\n{stderr}");
-    }
+    nflash_tests::assert_fails(what, o, needles);
     if !out.is_dir() {
         assert!(!out.exists(), "{what}: {} was left behind", out.display());
     }
-    let name = out.file_name().unwrap().to_string_lossy().into_owned();
-    for e in std::fs::read_dir(out.parent().unwrap()).unwrap() {
-        let n = e.unwrap().file_name().to_string_lossy().into_owned();
-        assert!(!n.starts_with(&format!("{name}.tmp-")), "{what}: temporary file {n} was left behind");
-    }
+    assert_no_temp(out);
 }
 
 #[test]

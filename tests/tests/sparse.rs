@@ -5,16 +5,7 @@ use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
 use nflash_runtime::Model;
-use nflash_tests::{rel_error_flat, run, write_tiny_checkpoint, Rng, TinySpec};
-
-/// `n` words of the tiny word-level vocabulary (`w3` … `w{vocab-1}`).
-fn words(n: usize, vocab: usize, seed: u64) -> String {
-    let mut r = Rng::new(seed);
-    (0..n)
-        .map(|_| format!("w{}", 3 + ((r.next_f32() + 1.0) * 0.5 * (vocab - 3) as f32) as usize % (vocab - 3)))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
+use nflash_tests::{assert_fails, assert_no_output, rel_error_flat, run, tiny_words, write_tiny_checkpoint, TinySpec};
 
 struct Fixture {
     _dir: tempfile::TempDir,
@@ -28,7 +19,7 @@ fn fixture(spec: &TinySpec) -> Fixture {
     let ckpt = dir.path().join("ckpt");
     write_tiny_checkpoint(&ckpt, spec);
     let calib = dir.path().join("calib.txt");
-    std::fs::write(&calib, words(1200, spec.vocab, 99)).unwrap();
+    std::fs::write(&calib, tiny_words(1200, spec.vocab, 99)).unwrap();
     Fixture { root: dir.path().to_path_buf(), _dir: dir, ckpt, calib }
 }
 
@@ -163,16 +154,11 @@ fn quality_report_compares_sparse_and_dense() {
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
 }
 
-/// `o` failed cleanly (non-zero exit, no panic) with every needle in stderr, and left no pack.
+/// `o` failed cleanly with every needle in stderr, and left no pack.
 #[track_caller]
 fn assert_clean_failure(what: &str, o: &std::process::Output, needles: &[&str], out: &Path) {
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && o.status.code().is_some(), "{what}: {:?}\n{stderr}", o.status);
-    assert!(!stderr.contains("panicked"), "{what}: panicked\n{stderr}");
-    for n in needles {
-        assert!(stderr.contains(n), "{what}: stderr lacks {n:?}:\n{stderr}");
-    }
-    assert!(!out.exists(), "{what}: left {}", out.display());
+    assert_fails(what, o, needles);
+    assert_no_output(out);
 }
 
 #[test]
@@ -197,7 +183,7 @@ fn bad_sparsity_inputs_are_refused_clearly() {
     std::fs::write(&binary, b"w3 w4 \xff\xfe w5").unwrap();
     assert_clean_failure("non-UTF-8 calib", &base(&["--calib", binary.to_str().unwrap()]), &["UTF-8"], &out);
     let short = f.root.join("short.txt");
-    std::fs::write(&short, words(20, spec.vocab, 1)).unwrap();
+    std::fs::write(&short, tiny_words(20, spec.vocab, 1)).unwrap();
     assert_clean_failure("fewer tokens than a window", &base(&["--calib", short.to_str().unwrap(), "--window", "64"]), &["window"], &out);
     // A profile of a differently shaped model.
     let other = TinySpec { inter: 128, ..TinySpec::default() };
