@@ -90,6 +90,19 @@ pub enum Error {
         kind: &'static str,
         name: String,
     },
+    /// A device profile that cannot be used (SPEC §4.6).
+    #[error("device profile {path}: {reason}; fix the file or measure one with `nflash probe --out FILE`")]
+    Profile { path: PathBuf, reason: String },
+    /// A memory budget the planner cannot meet (SPEC §4.6).
+    #[error("memory budget {budget} bytes ({budget_mib:.1} MiB) is {short} bytes ({short_mib:.1} MiB) short of the fixed region alone ({fixed} bytes: {detail}); raise --memory-budget to at least {fixed} bytes or lower --ctx")]
+    Budget {
+        budget: u64,
+        budget_mib: f64,
+        fixed: u64,
+        short: u64,
+        short_mib: f64,
+        detail: String,
+    },
     /// A writer-side misuse (e.g. a row length not a multiple of the block size).
     #[error("cannot write pack: {0}")]
     Write(String),

@@ -3,7 +3,7 @@
 /// `NFLASHPK`: the first 8 bytes of every pack.
 pub const MAGIC: [u8; 8] = *b"NFLASHPK";
 /// Format major version this build writes and reads.
-pub const VERSION_MAJOR: u16 = 2;
+pub const VERSION_MAJOR: u16 = 3;
 /// Format minor version this build writes; packs with a larger minor are refused.
 pub const VERSION_MINOR: u16 = 0;
 /// Size of [`Header`] on disk, bytes.

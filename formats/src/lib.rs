@@ -6,15 +6,19 @@
 //! [`Pack::open`] validates one before any access.
 
 pub mod config;
+pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod header;
 pub mod manifest;
+pub mod plan;
 pub mod reader;
 pub mod writer;
 
 pub use config::{Activation, Architecture, ModelConfig, RopeScaling};
+pub use device::DeviceProfile;
 pub use dtype::DType;
+pub use plan::Plan;
 pub use error::{Error, Result};
 pub use header::{Header, DEFAULT_ALIGNMENT, HEADER_BYTES, MAGIC, VERSION_MAJOR, VERSION_MINOR};
 pub use manifest::{

@@ -265,6 +265,8 @@ pub struct Manifest {
     pub ffn: Vec<FfnLayer>,
     /// Sparse decode settings; `None` for a dense pack (SPEC §4.5).
     pub sparse: Option<SparseInfo>,
+    /// Memory plan for a device and budget; `None` if the pack was written without `--device` (SPEC §4.6).
+    pub plan: Option<crate::plan::Plan>,
 }
 
 /// bincode options used for the manifest (SPEC §4).

@@ -15,10 +15,26 @@ use crate::writer::MAX_MANIFEST_BYTES;
 /// Largest `tokenizer.json` accepted, bytes.
 pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 
-/// An open, validated pack, memory-mapped read-only.
+/// Where a pack's segment bytes live.
+enum Storage {
+    /// The whole file memory-mapped read-only (tools, [`Pack::open`]).
+    Mmap(Mmap),
+    /// Tokenizer and resident segments copied into memory; FFN segments stay
+    /// on flash for the runtime's own reads ([`Pack::open_resident`]).
+    Loaded {
+        /// Segment bytes by segment index; `None` for FFN segments.
+        /// `Vec<u64>` so tensor views are 8-byte aligned.
+        segments: Vec<Option<(Vec<u64>, usize)>>,
+        file: File,
+    },
+}
+
+/// An open, validated pack: memory-mapped ([`Pack::open`]) or with its
+/// resident segments read into memory ([`Pack::open_resident`]).
 pub struct Pack {
     path: PathBuf,
-    mmap: Mmap,
+    storage: Storage,
+    file_len: u64,
     header: Header,
     manifest: Manifest,
     tensor_index: HashMap<String, usize>,
@@ -62,7 +78,24 @@ impl Pack {
     /// [`Error::OlderVersion`], [`Error::Checksum`] (header, manifest),
     /// [`Error::Truncated`], [`Error::OutOfRange`], [`Error::Manifest`], [`Error::Invalid`].
     pub fn open(path: impl AsRef<Path>) -> Result<Pack> {
-        let path = path.as_ref().to_path_buf();
+        Self::open_mode(path.as_ref(), false)
+    }
+
+    /// Opens and validates the pack at `path` like [`Self::open`], then reads
+    /// the tokenizer and resident segments into memory with `pread`; FFN
+    /// segments are not mapped or read (the runtime reads neuron clusters
+    /// itself). Nothing is memory-mapped, so a file truncated or damaged
+    /// later gives read errors, never SIGBUS.
+    ///
+    /// # Errors
+    /// As [`Self::open`]; [`Error::Io`] if a segment cannot be read in full.
+    pub fn open_resident(path: impl AsRef<Path>) -> Result<Pack> {
+        Self::open_mode(path.as_ref(), true)
+    }
+
+    fn open_mode(path: &Path, resident: bool) -> Result<Pack> {
+        use std::os::unix::fs::FileExt;
+        let path = path.to_path_buf();
         let file = File::open(&path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Error::Missing { path: path.clone() },
             _ => Error::io(&path, e),
@@ -79,13 +112,14 @@ impl Pack {
                 need: HEADER_BYTES as u64,
             });
         }
-        // SAFETY: the mapping is read-only and all accesses are bounds-checked
-        // against the length validated here. Another process truncating the
-        // file while it is mapped can still fault; packs are written by
-        // rename, never modified in place.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-        let file_len = mmap.len() as u64;
-        let hb: &[u8; HEADER_BYTES] = mmap[..HEADER_BYTES].try_into().expect("length checked");
+        let file_len = len;
+        let read_at = |offset: u64, n: usize| -> Result<Vec<u8>> {
+            let mut buf = vec![0u8; n];
+            file.read_exact_at(&mut buf, offset).map_err(|e| Error::io(&path, e))?;
+            Ok(buf)
+        };
+        let hbuf = read_at(0, HEADER_BYTES)?;
+        let hb: &[u8; HEADER_BYTES] = hbuf[..].try_into().expect("length checked");
         let header = Header::from_bytes(hb);
         if header.magic != MAGIC {
             return Err(Error::BadMagic {
@@ -156,8 +190,8 @@ impl Pack {
                 ),
             });
         }
-        let mb = &mmap[header.manifest_offset as usize
-            ..(header.manifest_offset + header.manifest_bytes) as usize];
+        let mbuf = read_at(header.manifest_offset, header.manifest_bytes as usize)?;
+        let mb = &mbuf[..];
         let computed = crc32fast::hash(mb);
         if computed != header.manifest_crc32 {
             return Err(Error::Checksum {
@@ -184,9 +218,42 @@ impl Pack {
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
+        let storage = if resident {
+            let mut segments = Vec::with_capacity(manifest.segments.len());
+            for s in &manifest.segments {
+                if s.kind == SegmentKind::Ffn {
+                    segments.push(None);
+                    continue;
+                }
+                let n = s.bytes as usize;
+                let mut words = vec![0u64; n.div_ceil(8)];
+                // SAFETY: `words` owns n.div_ceil(8) * 8 ≥ n initialized bytes; u8 has no alignment or validity requirements.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, n) };
+                file.read_exact_at(bytes, s.offset).map_err(|e| Error::io(&path, e))?;
+                segments.push(Some((words, n)));
+            }
+            Storage::Loaded { segments, file }
+        } else {
+            // SAFETY: the mapping is read-only and all accesses are bounds-checked
+            // against the length validated above. Another process truncating the
+            // file while it is mapped can still fault; packs are written by
+            // rename, never modified in place, and the runtime uses
+            // `open_resident`, which maps nothing.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+            if mmap.len() as u64 != file_len {
+                return Err(Error::Truncated {
+                    path,
+                    len: mmap.len() as u64,
+                    expected: file_len,
+                    manifest_offset: header.manifest_offset,
+                });
+            }
+            Storage::Mmap(mmap)
+        };
         Ok(Pack {
             path,
-            mmap,
+            storage,
+            file_len,
             header,
             manifest,
             tensor_index,
@@ -200,7 +267,13 @@ impl Pack {
 
     /// File length, bytes.
     pub fn file_len(&self) -> u64 {
-        self.mmap.len() as u64
+        self.file_len
+    }
+
+    /// Whether segment bytes are memory-mapped ([`Self::open`]) rather than
+    /// loaded ([`Self::open_resident`], where FFN segments are not in memory).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.storage, Storage::Mmap(_))
     }
 
     /// The decoded header.
@@ -213,10 +286,27 @@ impl Pack {
         &self.manifest
     }
 
-    /// Bytes of segment `idx` (validated at open; panics on an index not in the table).
-    pub fn segment(&self, idx: u32) -> &[u8] {
+    /// Bytes of segment `idx` (validated at open), or `None` for an FFN
+    /// segment of a pack opened with [`Self::open_resident`].
+    /// Panics on an index not in the table.
+    pub fn segment(&self, idx: u32) -> Option<&[u8]> {
         let s = &self.manifest.segments[idx as usize];
-        &self.mmap[s.offset as usize..(s.offset + s.bytes) as usize]
+        match &self.storage {
+            Storage::Mmap(m) => Some(&m[s.offset as usize..(s.offset + s.bytes) as usize]),
+            Storage::Loaded { segments, .. } => segments[idx as usize].as_ref().map(|(w, n)| {
+                // SAFETY: `w` owns at least `n` initialized bytes and lives as long as `self`.
+                unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u8, *n) }
+            }),
+        }
+    }
+
+    /// Segment `idx`'s bytes, or an error naming it if it is not in memory.
+    fn segment_in_memory(&self, idx: u32) -> Result<&[u8]> {
+        self.segment(idx).ok_or_else(|| Error::Invalid {
+            path: self.path.clone(),
+            what: format!("segment {:?}", self.manifest.segments[idx as usize].name),
+            why: "FFN segments of a pack opened for running are read by the neuron cache, not held in memory".into(),
+        })
     }
 
     /// Looks a segment up by name.
@@ -245,7 +335,7 @@ impl Pack {
             name: name.to_string(),
         })?;
         let t = &self.manifest.tensors[i];
-        let seg = self.segment(t.segment);
+        let seg = self.segment_in_memory(t.segment)?;
         Ok((t, &seg[t.offset as usize..(t.offset + t.bytes) as usize]))
     }
 
@@ -254,14 +344,18 @@ impl Pack {
         self.tensor_index.contains_key(name)
     }
 
-    /// Layer `layer`'s FFN entry and its segment bytes.
-    pub fn ffn_layer(&self, layer: usize) -> Result<(&FfnLayer, &[u8])> {
-        let f = self.manifest.ffn.get(layer).ok_or_else(|| Error::NotFound {
+    /// Layer `layer`'s FFN entry.
+    pub fn ffn_layer(&self, layer: usize) -> Result<&FfnLayer> {
+        self.manifest.ffn.get(layer).ok_or_else(|| Error::NotFound {
             path: self.path.clone(),
             kind: "FFN layer",
             name: layer.to_string(),
-        })?;
-        Ok((f, self.segment(f.segment)))
+        })
+    }
+
+    /// Absolute file offset of byte `offset` of segment `idx` (for `pread`).
+    pub fn segment_file_offset(&self, idx: u32) -> u64 {
+        self.manifest.segments[idx as usize].offset
     }
 
     /// Checks segment `idx`'s CRC32.
@@ -270,7 +364,24 @@ impl Pack {
     /// [`Error::Checksum`] naming the segment.
     pub fn verify_segment(&self, idx: u32) -> Result<()> {
         let s = &self.manifest.segments[idx as usize];
-        let computed = crc32fast::hash(self.segment(idx));
+        let computed = match (self.segment(idx), &self.storage) {
+            (Some(b), _) => crc32fast::hash(b),
+            (None, Storage::Loaded { file, .. }) => {
+                // Not in memory: stream it through a 1 MiB buffer.
+                use std::os::unix::fs::FileExt;
+                let mut h = crc32fast::Hasher::new();
+                let mut buf = vec![0u8; 1 << 20];
+                let mut done = 0u64;
+                while done < s.bytes {
+                    let n = (s.bytes - done).min(buf.len() as u64) as usize;
+                    file.read_exact_at(&mut buf[..n], s.offset + done).map_err(|e| Error::io(&self.path, e))?;
+                    h.update(&buf[..n]);
+                    done += n as u64;
+                }
+                h.finalize()
+            }
+            (None, Storage::Mmap(_)) => unreachable!("a mapped pack has every segment"),
+        };
         if computed != s.crc32 {
             return Err(Error::Checksum {
                 path: self.path.clone(),
@@ -306,7 +417,7 @@ impl Pack {
                 info.json_bytes
             )));
         }
-        let out = zstd::bulk::decompress(self.segment(idx), info.json_bytes as usize)
+        let out = zstd::bulk::decompress(self.segment_in_memory(idx)?, info.json_bytes as usize)
             .map_err(|e| invalid(format!("zstd: {e}")))?;
         if out.len() as u64 != info.json_bytes {
             return Err(invalid(format!(
@@ -438,6 +549,19 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
                     format!("sparsity threshold {} / predictor threshold {} / {}-point frequency curve", sp.threshold, sp.predictor_threshold, sp.frequency_curve.len()),
                 ));
             }
+        }
+    }
+    if let Some(p) = &m.plan {
+        if p.hot_neurons.len() != m.ffn.len() {
+            return Err(invalid("plan".into(), format!("{} hot-set sizes for {} layers", p.hot_neurons.len(), m.ffn.len())));
+        }
+        for (f, &h) in m.ffn.iter().zip(&p.hot_neurons) {
+            if h != f.n_neurons && !f.clusters.iter().any(|c| c.first == h) {
+                return Err(invalid("plan".into(), format!("layer {} hot set of {h} neurons does not end on a neuron-cluster boundary", f.layer)));
+            }
+        }
+        if p.io_threads == 0 || p.io_threads > 64 || p.threads == 0 {
+            return Err(invalid("plan".into(), format!("{} I/O threads, {} compute threads", p.io_threads, p.threads)));
         }
     }
     Ok(())

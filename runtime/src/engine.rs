@@ -27,6 +27,15 @@ impl<'a> Engine<'a> {
     /// A checksum mismatch naming the segment, missing/misshaped tensors, a bad tokenizer or template, or a tokenizer
     /// with more tokens than embedding rows ([`Error::TokenOutOfRange`]).
     pub fn load(pack: &'a Pack) -> Result<Self> {
+        Self::load_with(pack, &crate::cache::CacheConfig::all_hot(pack))
+    }
+
+    /// As [`Self::load`], with the FFN neuron clusters split between memory
+    /// and flash as `cache` says.
+    ///
+    /// # Errors
+    /// As [`Self::load`].
+    pub fn load_with(pack: &'a Pack, cache: &crate::cache::CacheConfig) -> Result<Self> {
         // The tokenizer and resident segments are read whole at start anyway,
         // so their checksums are always checked (cheap next to the read);
         // FFN segments are checked by `nflash run --verify` / `prep verify`.
@@ -35,7 +44,7 @@ impl<'a> Engine<'a> {
                 pack.verify_segment(i as u32)?;
             }
         }
-        let model = Model::load(pack)?;
+        let model = Model::load_with(pack, cache)?;
         let tokenizer = Tokenizer::from_json(&pack.tokenizer_json()?)?;
         let vocab = model.cfg.vocab_size;
         if tokenizer.vocab_size() as u64 > vocab {

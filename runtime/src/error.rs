@@ -39,6 +39,12 @@ pub enum Error {
     /// Nothing to run.
     #[error("the prompt is empty")]
     EmptyPrompt,
+    /// An I/O error on a file.
+    #[error("{path}: {err}")]
+    Io { path: std::path::PathBuf, err: std::io::Error },
+    /// A neuron-cluster read failed (read error, or the file shrank while running).
+    #[error("reading FFN layer {layer} neuron cluster {cluster} (file offset {offset}, {len} bytes) failed: {msg}")]
+    ClusterRead { layer: usize, cluster: usize, offset: u64, len: u64, msg: String },
     /// Invalid user setting (names the flag).
     #[error("{0}")]
     Usage(String),

@@ -3,11 +3,14 @@
 //! Each neuron is a bundle: gate row | up row | down column, `hidden`
 //! elements each. For a token x, neuron i contributes
 //! `act(gate_i · x + bg_i) * (up_i · x + bu_i) * down_i` to the output.
-//! This issue computes every neuron (dense); sparse decode skips neurons.
+//! Sparse decode computes only the neurons the predictor selects. Bundle
+//! bytes come from the neuron cache ([`LayerClusters`]), wherever they live.
 
 use nflash_format::{Activation, BundleLayout, Criterion, FfnLayer, NeuronCluster};
 use rayon::prelude::*;
 
+use crate::cache::LayerClusters;
+use crate::error::Result;
 use crate::ops::activate;
 use crate::sparse::{criterion_value, LayerCounts};
 use crate::weights::{axpy_row, row_dot, row_to_f32, DotInput};
@@ -18,16 +21,16 @@ fn bias(b: &Option<Vec<f32>>, p: usize) -> f32 {
     b.as_ref().map_or(0.0, |b| b[p])
 }
 
-/// One layer's FFN, as views of its neuron clusters.
-pub struct Ffn<'a> {
+/// One layer's FFN over its neuron clusters.
+pub struct Ffn {
     act: Activation,
     hidden: usize,
     layout: BundleLayout,
-    /// The layer's FFN segment.
-    data: &'a [u8],
     clusters: Vec<NeuronCluster>,
-    /// Bundle offset inside `data` of each packed position, bytes `[n_neurons]`.
-    offsets: Vec<u64>,
+    /// Cluster index of each packed position `[n_neurons]`.
+    cluster_of: Vec<u32>,
+    /// Bundle offset inside its cluster of each packed position, bytes `[n_neurons]`.
+    offsets: Vec<u32>,
     /// Gate bias in packed neuron order `[n_neurons]`.
     gate_bias: Option<Vec<f32>>,
     /// Up bias in packed neuron order `[n_neurons]`.
@@ -36,12 +39,11 @@ pub struct Ffn<'a> {
     down_bias: Option<Vec<f32>>,
 }
 
-impl<'a> Ffn<'a> {
-    /// Views layer `f` whose segment bytes are `data` (validated by `Pack::open`).
-    /// Biases, when the model has them, are given in packed neuron order.
+impl Ffn {
+    /// Layer `f` (validated by `Pack::open`). Biases, when the model has
+    /// them, are given in packed neuron order.
     pub fn new(
         f: &FfnLayer,
-        data: &'a [u8],
         act: Activation,
         gate_bias: Option<Vec<f32>>,
         up_bias: Option<Vec<f32>>,
@@ -50,14 +52,20 @@ impl<'a> Ffn<'a> {
         let offsets = f
             .clusters
             .iter()
-            .flat_map(|c| (0..c.n_neurons as u64).map(move |i| c.offset + i * f.bundle.bundle_bytes))
+            .flat_map(|c| (0..c.n_neurons as u64).map(move |i| (i * f.bundle.bundle_bytes) as u32))
+            .collect();
+        let cluster_of = f
+            .clusters
+            .iter()
+            .enumerate()
+            .flat_map(|(ci, c)| std::iter::repeat_n(ci as u32, c.n_neurons as usize))
             .collect();
         Ffn {
             act,
             offsets,
+            cluster_of,
             hidden: f.bundle.row_elems as usize,
             layout: f.bundle,
-            data,
             clusters: f.clusters.clone(),
             gate_bias,
             up_bias,
@@ -73,9 +81,14 @@ impl<'a> Ffn<'a> {
     /// The selection is cut into fixed runs of [`CHUNK`] neurons, each
     /// accumulated into its own row of `s.partials` by one rayon task, and the
     /// rows are summed in order: the result does not depend on the thread
-    /// count. No allocation once `s` has grown to size. Returns the number of
-    /// neurons whose down projection was computed.
-    pub fn forward_token(&self, x: &DotInput, sel: Selection, gate: Option<(Criterion, f32)>, s: &mut FfnScratch, out: &mut [f32]) -> u64 {
+    /// count nor on where each cluster lives. Chunks wait for their clusters'
+    /// reads ([`LayerClusters::get`]), so computing resident neurons overlaps
+    /// the I/O of cold ones. No allocation once `s` has grown to size.
+    /// Returns the number of neurons whose down projection was computed.
+    ///
+    /// # Errors
+    /// A failed cluster read ([`crate::Error::ClusterRead`]).
+    pub fn forward_token(&self, src: &LayerClusters, x: &DotInput, sel: Selection, gate: Option<(Criterion, f32)>, s: &mut FfnScratch, out: &mut [f32]) -> Result<u64> {
         let h = self.hidden;
         let n_sel = sel.len(self.n_neurons());
         let n_chunks = n_sel.div_ceil(CHUNK);
@@ -85,12 +98,13 @@ impl<'a> Ffn<'a> {
             .par_chunks_mut(h)
             .zip(s.computed[..n_chunks].par_iter_mut())
             .enumerate()
-            .for_each(|(ci, (acc, done))| {
+            .try_for_each(|(ci, (acc, done))| -> Result<()> {
                 acc.fill(0.0);
                 let lo = ci * CHUNK;
                 let hi = (lo + CHUNK).min(n_sel);
-                *done = self.run_chunk(x, &sel, lo, hi, gate, acc);
-            });
+                *done = self.run_chunk(src, x, &sel, lo, hi, gate, acc)?;
+                Ok(())
+            })?;
         let mut computed = 0u64;
         for (ci, acc) in s.partials[..n_chunks * h].chunks_exact(h).enumerate() {
             out.iter_mut().zip(acc).for_each(|(o, a)| *o += a);
@@ -99,11 +113,12 @@ impl<'a> Ffn<'a> {
         if let Some(b) = &self.down_bias {
             out.iter_mut().zip(b).for_each(|(o, b)| *o += b);
         }
-        computed
+        Ok(computed)
     }
 
     /// Selected neurons `lo..hi` of `sel` into `acc` (`[hidden]`); returns how many were active.
-    fn run_chunk(&self, x: &DotInput, sel: &Selection, lo: usize, hi: usize, gate: Option<(Criterion, f32)>, acc: &mut [f32]) -> u32 {
+    #[allow(clippy::too_many_arguments)]
+    fn run_chunk(&self, src: &LayerClusters, x: &DotInput, sel: &Selection, lo: usize, hi: usize, gate: Option<(Criterion, f32)>, acc: &mut [f32]) -> Result<u32> {
         let (h, dt, act) = (self.hidden, self.layout.dtype, self.act);
         let value = |p: usize, g: f32, u: f32| -> f32 {
             activate(act, g + bias(&self.gate_bias, p)) * (u + bias(&self.up_bias, p))
@@ -116,8 +131,8 @@ impl<'a> Ffn<'a> {
             // Two neurons per pass: gate and up rows of both in one 4-row kernel.
             while i + 1 < hi {
                 let (p0, p1) = (sel.get(i), sel.get(i + 1));
-                let (g0, u0, d0) = self.bundle_at(p0);
-                let (g1, u1, d1) = self.bundle_at(p1);
+                let (g0, u0, d0) = self.bundle_at(src, p0)?;
+                let (g1, u1, d1) = self.bundle_at(src, p1)?;
                 let [g0v, u0v, g1v, u1v] = crate::simd::dot4(dt, h, [g0, u0, g1, u1], y);
                 let (a0, a1) = (value(p0, g0v, u0v), value(p1, g1v, u1v));
                 match (keep(a0), keep(a1)) {
@@ -132,7 +147,7 @@ impl<'a> Ffn<'a> {
         }
         for i in i..hi {
             let p = sel.get(i);
-            let (g_row, u_row, d_row) = self.bundle_at(p);
+            let (g_row, u_row, d_row) = self.bundle_at(src, p)?;
             let g = row_dot(dt, h, g_row, x);
             if let Some((Criterion::Gate, t)) = gate {
                 // The gate alone decides: skip the up row of inactive neurons.
@@ -147,16 +162,28 @@ impl<'a> Ffn<'a> {
                 done += 1;
             }
         }
-        done
+        Ok(done)
     }
 
-    /// Bundle bytes of the neuron at packed position `p`.
+    /// Bundle bytes (gate row, up row, down column) of the neuron at packed
+    /// position `p`, waiting for its cluster's read if needed.
     #[inline]
-    fn bundle_at(&self, p: usize) -> (&'a [u8], &'a [u8], &'a [u8]) {
+    fn bundle_at<'c>(&self, src: &LayerClusters<'c>, p: usize) -> Result<(&'c [u8], &'c [u8], &'c [u8])> {
         let rb = self.layout.row_bytes as usize;
         let start = self.offsets[p] as usize;
-        let b = &self.data[start..start + 3 * rb];
-        (&b[..rb], &b[rb..2 * rb], &b[2 * rb..])
+        let b = &src.get(self.cluster_of[p] as usize)?[start..start + 3 * rb];
+        Ok((&b[..rb], &b[rb..2 * rb], &b[2 * rb..]))
+    }
+
+    /// Cluster index of packed position `p`.
+    #[inline]
+    pub fn cluster_of(&self, p: usize) -> u32 {
+        self.cluster_of[p]
+    }
+
+    /// Number of neuron clusters.
+    pub fn n_clusters(&self) -> usize {
+        self.clusters.len()
     }
 
     /// Neurons in the layer.
@@ -212,7 +239,7 @@ pub struct FfnScratch {
     computed: Vec<u32>,
 }
 
-impl Ffn<'_> {
+impl Ffn {
     /// `out[t] += FFN(x[t])` for a batch (prefill): `x` `[n, hidden]` (normed,
     /// f32), `out` `[n, hidden]`. Neuron clusters are dequantized a tile at a
     /// time and multiplied with candle-core's matmul: `A = act(X·Gᵀ)∘(X·Uᵀ)`,
@@ -222,7 +249,7 @@ impl Ffn<'_> {
     /// product is dropped unless the predictor selected it and its criterion
     /// value is above the threshold; the returned counters say how much was
     /// kept (and, since every gate and up value is known here, the recall).
-    pub fn forward_batch(&self, x: &[f32], mask: Option<&BatchMask>, out: &mut [f32]) -> crate::error::Result<LayerCounts> {
+    pub fn forward_batch(&self, src: &LayerClusters, x: &[f32], mask: Option<&BatchMask>, out: &mut [f32]) -> crate::error::Result<LayerCounts> {
         let mut counts = LayerCounts::default();
         let h = self.hidden;
         let n = x.len() / h;
@@ -243,12 +270,13 @@ impl Ffn<'_> {
                 .zip(wu.par_chunks_mut(h))
                 .zip(wd.par_chunks_mut(h))
                 .enumerate()
-                .for_each(|(j, ((g, u), d))| {
-                    let (gr, ur, dr) = self.bundle_at(p0 + j);
+                .try_for_each(|(j, ((g, u), d))| -> Result<()> {
+                    let (gr, ur, dr) = self.bundle_at(src, p0 + j)?;
                     row_to_f32(dt, gr, g);
                     row_to_f32(dt, ur, u);
                     row_to_f32(dt, dr, d);
-                });
+                    Ok(())
+                })?;
             let g = crate::matmul::matmul_xwt(&xt, wg, m, h)?; // [n, m]
             let u = crate::matmul::matmul_xwt(&xt, wu, m, h)?; // [n, m]
             let mut a = g;
@@ -356,7 +384,8 @@ mod tests {
     fn batched_recall_and_sparsity_equal_a_brute_force_count() {
         let (gate, up, down_t) = (values(1, N * H), values(2, N * H), values(3, N * H));
         let (f, data) = layer(&gate, &up, &down_t);
-        let ffn = Ffn::new(&f, &data, Activation::Silu, None, None, None);
+        let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
+        let src = LayerClusters::Segment { data: &data, offsets: &[0] };
         let r = 8;
         let (proj, pg, pu) = (values(4, r * H), values(5, N * r), values(6, N * r));
         let (bp, bg, bu) = (bytes(&proj), bytes(&pg), bytes(&pu));
@@ -378,7 +407,7 @@ mod tests {
             predicted: sp.predict_batch(Activation::Silu, &x, H).unwrap(),
         };
         let mut out = vec![0f32; n_tok * H];
-        let c = ffn.forward_batch(&x, Some(&mask), &mut out).unwrap();
+        let c = ffn.forward_batch(&src, &x, Some(&mask), &mut out).unwrap();
         // Brute force, straight from the f32 weights.
         let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
         let (mut active, mut read, mut hit) = (0u64, 0u64, 0u64);
@@ -410,18 +439,19 @@ mod tests {
     fn sparse_decode_with_nothing_skipped_is_bit_identical_to_dense() {
         let (gate, up, down_t) = (values(11, N * H), values(12, N * H), values(13, N * H));
         let (f, data) = layer(&gate, &up, &down_t);
-        let ffn = Ffn::new(&f, &data, Activation::Silu, None, None, None);
+        let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
+        let src = LayerClusters::Segment { data: &data, offsets: &[0] };
         let x = DotInput::from_slice(DType::F32, &values(14, H));
         let mut s = FfnScratch::default();
         let (mut dense, mut sparse) = (vec![0.5f32; H], vec![0.5f32; H]);
-        ffn.forward_token(&x, Selection::All, None, &mut s, &mut dense);
+        ffn.forward_token(&src, &x, Selection::All, None, &mut s, &mut dense).unwrap();
         let all: Vec<u32> = (0..N as u32).collect();
-        let n = ffn.forward_token(&x, Selection::List(&all), Some((Criterion::GateUp, -1.0)), &mut s, &mut sparse);
+        let n = ffn.forward_token(&src, &x, Selection::List(&all), Some((Criterion::GateUp, -1.0)), &mut s, &mut sparse).unwrap();
         assert_eq!(n, N as u64);
         assert_eq!(dense, sparse);
         // A real threshold skips neurons and changes the result.
         let mut skipped = vec![0.5f32; H];
-        let n = ffn.forward_token(&x, Selection::List(&all), Some((Criterion::GateUp, 0.3)), &mut s, &mut skipped);
+        let n = ffn.forward_token(&src, &x, Selection::List(&all), Some((Criterion::GateUp, 0.3)), &mut s, &mut skipped).unwrap();
         assert!(n < N as u64);
         assert_ne!(dense, skipped);
     }
@@ -430,13 +460,14 @@ mod tests {
     fn decode_result_does_not_depend_on_the_thread_count() {
         let (gate, up, down_t) = (values(21, N * H), values(22, N * H), values(23, N * H));
         let (f, data) = layer(&gate, &up, &down_t);
-        let ffn = Ffn::new(&f, &data, Activation::Silu, None, None, None);
+        let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
+        let src = LayerClusters::Segment { data: &data, offsets: &[0] };
         let x = DotInput::from_slice(DType::F32, &values(24, H));
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
                 let mut out = vec![0f32; H];
-                ffn.forward_token(&x, Selection::All, None, &mut FfnScratch::default(), &mut out);
+                ffn.forward_token(&src, &x, Selection::All, None, &mut FfnScratch::default(), &mut out).unwrap();
                 out
             })
         };

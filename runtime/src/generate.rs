@@ -13,7 +13,7 @@ use crate::tokenizer::{TextStream, Tokenizer};
 pub const PREFILL_CHUNK: usize = 256;
 
 /// Counters of one generation.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct GenStats {
     /// Prompt tokens run in prefill.
     pub prompt_tokens: usize,
@@ -28,6 +28,10 @@ pub struct GenStats {
     /// Set to the context length (tokens) when generation stopped because
     /// the KV cache was full.
     pub context_full: Option<usize>,
+    /// Wall time of each decode step (forward pass + sampling), seconds `[decode_steps]`.
+    pub step_s: Vec<f64>,
+    /// Neuron-cache counters over decode only.
+    pub decode_cache: crate::cache::CacheStats,
 }
 
 impl GenStats {
@@ -102,6 +106,7 @@ pub fn generate(
     let mut out = Vec::new();
     let mut stream = TextStream::default();
     let t1 = Instant::now();
+    let cache0 = model.cache_stats();
     loop {
         if opts.max_tokens == 0 || (!opts.ignore_eos && opts.stop_ids.contains(&next)) {
             break;
@@ -117,11 +122,14 @@ pub fn generate(
             stats.context_full = Some(kv.capacity());
             break;
         }
+        let ts = Instant::now();
         let hs = model.forward(kv, &[next])?;
         next = sampler.sample(&model.checked_logits(&hs, kv.len() - 1)?);
+        stats.step_s.push(ts.elapsed().as_secs_f64());
         stats.decode_steps += 1;
     }
     stats.decode_s = t1.elapsed().as_secs_f64();
+    stats.decode_cache = model.cache_stats().since(&cache0);
     if let Some(piece) = stream.finish(tok)? {
         on_text(&piece);
     }

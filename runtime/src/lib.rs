@@ -4,15 +4,19 @@
 //! Entry points: [`nflash_format::Pack::open`], [`Engine::load`],
 //! [`generate::generate`], [`ppl::perplexity`].
 
+pub mod cache;
 pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod ffn;
+pub mod flash;
 pub mod generate;
+pub mod io;
 pub mod kv_cache;
 pub mod matmul;
 pub mod model;
 pub mod ops;
+pub mod planner;
 pub mod ppl;
 pub mod sampler;
 pub mod simd;

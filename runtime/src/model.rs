@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use crate::cache::{CacheConfig, CacheStats, LayerClusters, Loc, NeuronCache};
 use crate::ffn::{BatchMask, Ffn, FfnScratch, Selection};
 use crate::sparse::{LayerCounts, LayerSparse, PredictScratch};
 use crate::kv_cache::KvCache;
@@ -30,7 +31,7 @@ struct Layer<'a> {
     k_bias: Option<Vec<f32>>,
     v_bias: Option<Vec<f32>>,
     o_bias: Option<Vec<f32>>,
-    ffn: Ffn<'a>,
+    ffn: Ffn,
     /// Sparse-decode settings; `None` for a dense pack.
     sparse: Option<LayerSparse<'a>>,
 }
@@ -80,6 +81,10 @@ struct Work {
     xin: Option<DotInput>,
     /// Per-layer sparse counters.
     counts: Vec<LayerCounts>,
+    /// Clusters the current layer call needs, ascending.
+    needed: Vec<u32>,
+    /// `[n_clusters]` where each needed cluster is.
+    table: Vec<Loc>,
     timings: Timings,
 }
 
@@ -94,6 +99,8 @@ pub struct Model<'a> {
     rope: Rope,
     /// Use the pack's predictors in [`Pass::Decode`] / [`Pass::Evaluate`].
     sparse_enabled: bool,
+    /// Hot and cold regions of the FFN neuron clusters.
+    cache: NeuronCache,
     work: Mutex<Work>,
 }
 
@@ -137,11 +144,21 @@ fn opt_vector(pack: &Pack, name: &str, len: u64, present: bool) -> Result<Option
 }
 
 impl<'a> Model<'a> {
-    /// Builds views of every tensor, checking names and shapes against the config.
+    /// Builds views of every tensor, checking names and shapes against the
+    /// config, with every FFN neuron cluster read into memory (no budget).
     ///
     /// # Errors
-    /// [`Error::MissingTensor`], [`Error::Shape`].
+    /// [`Error::MissingTensor`], [`Error::Shape`], [`Error::Io`].
     pub fn load(pack: &'a Pack) -> Result<Self> {
+        Self::load_with(pack, &CacheConfig::all_hot(pack))
+    }
+
+    /// As [`Self::load`], with the FFN split between a hot region, a cold
+    /// cache and flash as `cache` says.
+    ///
+    /// # Errors
+    /// As [`Self::load`].
+    pub fn load_with(pack: &'a Pack, cache: &CacheConfig) -> Result<Self> {
         let cfg = pack.manifest().config.clone();
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let qd = cfg.num_heads * cfg.head_dim;
@@ -158,14 +175,13 @@ impl<'a> Model<'a> {
         let mut layers = Vec::with_capacity(cfg.num_layers as usize);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
-            let (f, data) = pack.ffn_layer(l as usize)?;
+            let f = pack.ffn_layer(l as usize)?;
             let sparse = match (&sparse_info, &f.sparse) {
                 (Some(si), Some(ls)) => Some(LayerSparse::load(pack, l as usize, si.predictor, si.criterion, ls)?),
                 _ => None,
             };
             let ffn = Ffn::new(
                 f,
-                data,
                 cfg.activation,
                 opt_vector(pack, &format!("{p}.mlp.gate_proj.bias"), inter, cfg.mlp_bias)?,
                 opt_vector(pack, &format!("{p}.mlp.up_proj.bias"), inter, cfg.mlp_bias)?,
@@ -197,6 +213,7 @@ impl<'a> Model<'a> {
             embed,
             lm_head,
             sparse_enabled: sparse_info.is_some(),
+            cache: NeuronCache::open(pack, cache)?,
             work: Mutex::new(Work {
                 counts: vec![LayerCounts::default(); layers.len()],
                 ..Default::default()
@@ -220,6 +237,16 @@ impl<'a> Model<'a> {
     pub fn counters(&self) -> (Vec<LayerCounts>, Timings) {
         let w = self.work.lock().unwrap_or_else(|e| e.into_inner());
         (w.counts.clone(), w.timings)
+    }
+
+    /// Neuron-cache counters (cumulative since load).
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache.stats()
+    }
+
+    /// Hot and cold region sizes, bytes, and whether reads bypass the page cache.
+    pub fn cache_regions(&self) -> (u64, u64, bool) {
+        (self.cache.hot_bytes(), self.cache.cold_bytes(), self.cache.is_direct())
     }
 
     /// Zeroes the counters and timings.
@@ -376,13 +403,18 @@ impl<'a> Model<'a> {
                 };
                 let t_ffn = Instant::now();
                 tm.predictor_s += (t_ffn - t_pred).as_secs_f64();
-                let c = layer.ffn.forward_batch(&xn, mask.as_ref(), &mut x)?;
+                // Prefill: every cluster, cold ones streamed in large merged reads.
+                work.needed.clear();
+                work.needed.extend(0..layer.ffn.n_clusters() as u32);
+                self.cache.fetch(l, &work.needed, &mut work.table)?;
+                let src = LayerClusters::Cached { cache: &self.cache, layer: l, table: &work.table };
+                let c = layer.ffn.forward_batch(&src, &xn, mask.as_ref(), &mut x)?;
                 tm.ffn_s += t_ffn.elapsed().as_secs_f64();
                 c
             } else {
                 let mut c = LayerCounts::default();
                 for (xr, outr) in xn.chunks_exact(h).zip(x.chunks_exact_mut(h)) {
-                    c.add(&self.ffn_token(layer, sparse, xr, work, &mut tm, outr));
+                    c.add(&self.ffn_token(l, sparse, xr, work, &mut tm, outr)?);
                 }
                 c
             };
@@ -403,27 +435,37 @@ impl<'a> Model<'a> {
 
     /// One token's FFN (`x`: normed input `[hidden]`, `out`: residual `[hidden]`), sparse when `sparse` is given.
     /// Time spent goes to `tm`.
-    fn ffn_token(&self, layer: &Layer, sparse: Option<&LayerSparse>, x: &[f32], work: &mut Work, tm: &mut Timings, out: &mut [f32]) -> LayerCounts {
+    fn ffn_token(&self, l: usize, sparse: Option<&LayerSparse>, x: &[f32], work: &mut Work, tm: &mut Timings, out: &mut [f32]) -> Result<LayerCounts> {
+        let layer = &self.layers[l];
         let n = layer.ffn.n_neurons() as u64;
         let t0 = Instant::now();
-        let xin = work.xin.get_or_insert_with(|| DotInput::new(layer.ffn.dtype()));
+        let Work { ffn, predict, list, xin, needed, table, .. } = work;
+        let xin = xin.get_or_insert_with(|| DotInput::new(layer.ffn.dtype()));
         xin.set(x);
-        let Some(sp) = sparse else {
-            layer.ffn.forward_token(xin, Selection::All, None, &mut work.ffn, out);
-            tm.ffn_s += t0.elapsed().as_secs_f64();
-            return LayerCounts { neurons: n, read: n, computed: n, ..Default::default() };
+        // Predict, then fetch the clusters holding the selected neurons.
+        let (listed, gate) = match sparse {
+            Some(sp) => (sp.predict_token(self.cfg.activation, xin, x, predict, list), Some((sp.criterion, sp.threshold))),
+            None => (false, None),
         };
-        let listed = sp.predict_token(self.cfg.activation, xin, x, &mut work.predict, &mut work.list);
         let t1 = Instant::now();
         tm.predictor_s += (t1 - t0).as_secs_f64();
-        let (sel, read) = if listed {
-            (Selection::List(&work.list), work.list.len() as u64)
+        needed.clear();
+        if listed {
+            for &p in list.iter() {
+                let c = layer.ffn.cluster_of(p as usize);
+                if needed.last() != Some(&c) {
+                    needed.push(c);
+                }
+            }
         } else {
-            (Selection::All, n)
-        };
-        let computed = layer.ffn.forward_token(xin, sel, Some((sp.criterion, sp.threshold)), &mut work.ffn, out);
+            needed.extend(0..layer.ffn.n_clusters() as u32);
+        }
+        self.cache.fetch(l, needed, table)?;
+        let src = LayerClusters::Cached { cache: &self.cache, layer: l, table };
+        let (sel, read) = if listed { (Selection::List(list), list.len() as u64) } else { (Selection::All, n) };
+        let computed = layer.ffn.forward_token(&src, xin, sel, gate, ffn, out)?;
         tm.ffn_s += t1.elapsed().as_secs_f64();
-        LayerCounts { neurons: n, read, computed, ..Default::default() }
+        Ok(LayerCounts { neurons: n, read, computed, ..Default::default() })
     }
 
     /// Logits `[vocab]` for one final hidden state `[hidden]`; errors on NaN or

@@ -23,11 +23,38 @@ pub struct ConvertArgs {
     /// Weight type: q4_0, q8_0 (GGML-compatible blocks), f16 or f32.
     #[arg(long, default_value = "q4_0")]
     quant: DType,
-    /// Target size of one neuron cluster, bytes (a run of FFN neuron bundles read together).
-    #[arg(long, default_value_t = 64 * 1024)]
-    cluster_bytes: u64,
+    /// Target size of one neuron cluster, bytes (a run of FFN neuron bundles
+    /// read together). Default: chosen by the planner for --device, else 65536.
+    #[arg(long)]
+    cluster_bytes: Option<u64>,
     #[command(flatten)]
     sparse: SparseArgs,
+    #[command(flatten)]
+    device: DeviceArgs,
+}
+
+/// Offline planning for a target device (PowerInfer-2 §4.4; SPEC §4.6).
+#[derive(Args)]
+#[command(next_help_heading = "Device plan (hot neurons, cold cache, I/O)")]
+pub struct DeviceArgs {
+    /// Device profile (TOML, see profiles/): plan hot neurons, cold cache,
+    /// cluster size and I/O threads for it and store the plan in the pack.
+    #[arg(long)]
+    device: Option<PathBuf>,
+    /// Whole-process memory budget on the device (e.g. 96MiB, 4GiB); default: the profile's available memory.
+    #[arg(long, requires = "device", value_parser = parse_bytes)]
+    memory_budget: Option<u64>,
+    /// Context length (tokens) the KV cache is planned for; default min(4096, the model's maximum), as `nflash run`.
+    #[arg(long, requires = "device")]
+    ctx: Option<u32>,
+    /// Compute threads on the device; default: its core count.
+    #[arg(long, requires = "device")]
+    threads: Option<u32>,
+}
+
+/// A byte size: `96MiB`, `1.5GiB`, `100MB` (10⁸), or plain bytes.
+fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    parse_size::parse_size(s).map_err(|e| format!("{e}: expected a size such as 96MiB, 1.5GiB, 100MB or 1048576"))
 }
 
 /// Sparse-pack options: without `--calib` or `--profile` the pack is dense.
@@ -155,9 +182,13 @@ impl SparseArgs {
 
 pub fn run(a: ConvertArgs) -> Result<()> {
     a.sparse.check()?;
-    if a.cluster_bytes == 0 || a.cluster_bytes > 64 << 20 {
+    if a.cluster_bytes.is_some_and(|c| c == 0 || c > 64 << 20) {
         bail!("--cluster-bytes must be between 1 and 64 MiB");
     }
+    let device = match &a.device.device {
+        Some(p) => Some(nflash_format::DeviceProfile::load(p)?),
+        None => None,
+    };
     if a.out.is_dir() {
         bail!(
             "--out {} is a directory; pass a file path, e.g. {}",
@@ -198,16 +229,43 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         a.quant
     );
     let plan = a.sparse.plan(&ck, &a.model, a.quant)?;
+    // Cluster size: given, or matched to the device's reads and the expected need of cold neurons.
+    let cluster_bytes = match (a.cluster_bytes, &device) {
+        (Some(c), _) => c,
+        (None, None) => 64 * 1024,
+        (None, Some(dev)) => {
+            let bundle = nflash_format::BundleLayout::new(a.quant, cfg.hidden_size).map_or(1, |b| b.bundle_bytes);
+            let n = cfg.intermediate_size as usize;
+            let p = match &plan {
+                Some(sp) => nflash_runtime::planner::neuron_need_probability(Some(&sp.info), sp.layers.first().map(|l| &l.sparse), n),
+                None => vec![1.0; n],
+            };
+            let c = nflash_runtime::planner::choose_cluster_bytes(dev, bundle, &p);
+            eprintln!("neuron cluster size for {}: {} KiB ({} neurons of {bundle} bytes)", dev.name, c / 1024, (c / bundle).max(1));
+            c
+        }
+    };
+    let ctx = a.device.ctx.unwrap_or_else(|| cfg.max_position_embeddings.min(4096) as u32);
+    let planner = device.as_ref().map(|dev| {
+        let req = nflash_runtime::planner::PlanRequest {
+            budget_bytes: a.device.memory_budget.unwrap_or(dev.memory.available_bytes),
+            ctx,
+            threads: a.device.threads.unwrap_or_else(|| dev.n_cores()),
+            io_threads: None,
+        };
+        move |m: &nflash_format::Manifest| -> Result<nflash_format::Plan> { Ok(nflash_runtime::planner::plan(m, dev, &req)?) }
+    });
     write_pack(
         &ck,
         &a.out,
         &PackOptions {
             quant: a.quant,
-            cluster_bytes: a.cluster_bytes,
+            cluster_bytes,
             cluster_align: 4096,
             alignment: nflash_format::DEFAULT_ALIGNMENT,
         },
         plan.as_ref(),
+        planner.as_ref().map(|p| p as crate::pack::Planner),
     )?;
     let size = std::fs::metadata(&a.out).map(|m| m.len()).unwrap_or(0);
     eprintln!(

@@ -135,7 +135,10 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
 /// biases permuted to match), predictor tensors `nflash.predictor.{l}.*` join
 /// the resident segment (rows of `[n_neurons, ·]` tensors permuted), and the
 /// manifest carries the sparsity settings (SPEC §4.5).
-pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, plan: Option<&SparsePlan>) -> Result<()> {
+/// Plans memory for a finished manifest (segments filled in); see `nflash_runtime::planner`.
+pub type Planner<'p> = &'p dyn Fn(&Manifest) -> Result<nflash_format::Plan>;
+
+pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, plan: Option<&SparsePlan>, planner: Option<Planner>) -> Result<()> {
     let cfg = ck.config.clone();
     let (h, inter) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
     let layout = BundleLayout::new(opts.quant, h as u64).ok_or_else(|| {
@@ -259,7 +262,17 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, pl
         tensors,
         ffn,
         sparse: plan.map(|p| p.info.clone()),
+        plan: None,
     };
+    let mut manifest = manifest;
+    if let Some(planner) = planner {
+        // The planner needs the segment sizes, known now that every segment is written.
+        let mut full = manifest.clone();
+        full.segments = w.segments().to_vec();
+        let p = planner(&full)?;
+        eprintln!("{}", nflash_runtime::planner::describe(&p, &full));
+        manifest.plan = Some(p);
+    }
     let result = w.finish(manifest);
     *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = None;
     result?;

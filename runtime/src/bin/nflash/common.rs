@@ -32,7 +32,7 @@ pub fn read_text(path: &Path) -> Result<String> {
 
 /// Opens a pack, optionally verifying every segment checksum.
 pub fn open_pack(path: &Path, verify: bool) -> Result<nflash_format::Pack> {
-    let pack = nflash_format::Pack::open(path)?;
+    let pack = nflash_format::Pack::open_resident(path)?;
     if verify {
         pack.verify()?;
     }

@@ -1,7 +1,9 @@
 //! `nflash`: run a `.nflash` pack on this device.
 
 mod common;
+mod memory;
 mod ppl;
+mod probe;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -20,6 +22,8 @@ enum Command {
     Run(run::RunArgs),
     /// Measure perplexity of the model on a text file.
     Ppl(ppl::PplArgs),
+    /// Measure this device (flash read bandwidth, memory bandwidth, dot-product speed) and write a device profile
+    Probe(probe::ProbeArgs),
 }
 
 /// Keeps large freed blocks (prefill scratch, dequantized weight tiles) in
@@ -41,6 +45,7 @@ fn main() {
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Ppl(a) => ppl::run(a),
+        Command::Probe(a) => probe::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

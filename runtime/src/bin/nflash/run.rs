@@ -8,11 +8,12 @@ use clap::Args;
 use nflash_runtime::chat::Message;
 use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
-use nflash_runtime::stats::peak_rss_bytes;
+use nflash_runtime::stats::{peak_rss_bytes, percentile};
 use nflash_runtime::sparse::SparsitySummary;
 use nflash_runtime::{Engine, Model};
 
 use crate::common::{in_pool, open_pack, read_text};
+use crate::memory::{resolve, MemoryArgs};
 
 /// Arguments of `nflash run`.
 #[derive(Args)]
@@ -68,6 +69,8 @@ pub struct RunArgs {
     /// Decode densely (every FFN neuron) even if the pack is sparse, for comparison.
     #[arg(long)]
     dense: bool,
+    #[command(flatten)]
+    memory: MemoryArgs,
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -90,10 +93,16 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         bail!("--system only applies to chat; add --chat (or drop --system)");
     }
     let pack = open_pack(&a.model, a.verify)?;
-    let mut engine = Engine::load(&pack)?;
-    engine.model.set_dense(a.dense);
-    let max_pos = engine.model.cfg.max_position_embeddings as usize;
+    let max_pos = pack.manifest().config.max_position_embeddings as usize;
     let ctx = a.ctx.unwrap_or(max_pos.min(4096));
+    let (cache, plan) = resolve(&pack, &a.memory, ctx, rayon::current_num_threads())?;
+    if a.stats {
+        if let Some(p) = &plan {
+            eprintln!("{}", nflash_runtime::planner::describe(p, pack.manifest()));
+        }
+    }
+    let mut engine = Engine::load_with(&pack, &cache)?;
+    engine.model.set_dense(a.dense);
     if ctx > max_pos {
         eprintln!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); quality past it is not guaranteed");
     }
@@ -163,6 +172,15 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model) -> Result<()> {
         eprintln!("note: stopped because the context ({ctx} tokens) is full; raise --ctx for longer output");
     }
     let rss = peak_rss_bytes().unwrap_or(0);
+    let ms: Vec<f64> = st.step_s.iter().map(|s| s * 1e3).collect();
+    let mean_ms = if ms.is_empty() { 0.0 } else { ms.iter().sum::<f64>() / ms.len() as f64 };
+    let (p50, p90, p99) = (percentile(&ms, 0.5).unwrap_or(0.0), percentile(&ms, 0.9).unwrap_or(0.0), percentile(&ms, 0.99).unwrap_or(0.0));
+    let c = &st.decode_cache;
+    let steps = st.decode_steps.max(1) as f64;
+    let bytes_per_token = c.bytes_read as f64 / steps;
+    // Compute threads wait in parallel: their summed wait over the thread count is wall time.
+    let io_wait_share = if st.decode_s > 0.0 { (c.io_wait_s / rayon::current_num_threads() as f64 / st.decode_s).min(1.0) } else { 0.0 };
+    let (hot_b, cold_b, direct) = model.cache_regions();
     if a.stats {
         eprintln!(
             "prefill: {} tokens in {:.3} s, {:.1} tokens/s | decode: {} tokens generated, {} forward passes in {:.3} s, {:.1} tokens/s | peak RSS {:.1} MiB",
@@ -187,6 +205,16 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model) -> Result<()> {
                 100.0 * s.bundles_skipped
             ))
         );
+        eprintln!(
+            "decode latency: mean {mean_ms:.2} ms, P50 {p50:.2} ms, P90 {p90:.2} ms, P99 {p99:.2} ms | neuron cache: hot {:.1} MiB, cold {:.1} MiB ({}), hit rate {:.1}%, {:.1} KiB read per token in {:.1} reads, I/O wait {:.1}% of decode",
+            hot_b as f64 / (1 << 20) as f64,
+            cold_b as f64 / (1 << 20) as f64,
+            if direct { "O_DIRECT" } else { "buffered" },
+            100.0 * c.hit_rate(),
+            bytes_per_token / 1024.0,
+            c.reads as f64 / steps,
+            100.0 * io_wait_share
+        );
     }
     if let Some(path) = &a.stats_json {
         let j = serde_json::json!({
@@ -205,6 +233,18 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model) -> Result<()> {
             "predictor_ms_per_token": per(tm.predictor_s),
             "ffn_ms_per_token": per(tm.ffn_s),
             "lm_head_ms_per_token": per(tm.lm_head_s),
+            "latency_ms_mean": mean_ms,
+            "latency_ms_p50": p50,
+            "latency_ms_p90": p90,
+            "latency_ms_p99": p99,
+            "cache_hit_rate": c.hit_rate(),
+            "bytes_read_per_token": bytes_per_token,
+            "reads_per_token": c.reads as f64 / steps,
+            "io_wait_share": io_wait_share,
+            "hot_bytes": hot_b,
+            "cold_bytes": cold_b,
+            "o_direct": direct,
+            "memory_budget_bytes": a.memory.memory_budget,
         });
         std::fs::write(path, format!("{j}\n"))
             .with_context(|| format!("cannot write {}", path.display()))?;

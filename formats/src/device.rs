@@ -1,0 +1,277 @@
+//! Device profiles: what the planner knows about the target (SPEC §4.6).
+//!
+//! A profile is a TOML file (`profiles/*.toml`), either transcribed from
+//! published figures (`oneplus-12.toml`) or measured by `nflash probe`
+//! (`dev-host.toml`). Units are in the field names: bytes, MB/s (10⁶ bytes
+//! per second), GB/s (10⁹ bytes per second).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Largest profile file accepted, bytes.
+const MAX_PROFILE_BYTES: u64 = 1 << 20;
+
+/// A device profile (SPEC §4.6).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceProfile {
+    /// Human-readable device name, e.g. `OnePlus 12`.
+    pub name: String,
+    /// Where the figures come from (a paper, a datasheet, `nflash probe` and its date).
+    pub source: String,
+    /// Memory.
+    pub memory: MemoryInfo,
+    /// CPU cores and measured kernel speeds.
+    pub cpu: CpuInfo,
+    /// Flash storage.
+    pub flash: FlashInfo,
+}
+
+/// Memory figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryInfo {
+    /// Physical memory, bytes.
+    pub total_bytes: u64,
+    /// Memory an application can use for a model without being killed, bytes.
+    pub available_bytes: u64,
+    /// Sustained read bandwidth of one streaming pass, GB/s.
+    pub bandwidth_gb_s: f64,
+}
+
+/// One class of identical cores.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CoreClass {
+    /// Class name, e.g. `prime`, `performance`, `efficiency`, `x86`.
+    pub class: String,
+    /// Number of cores.
+    pub count: u32,
+    /// Maximum clock, GHz.
+    pub ghz: f64,
+}
+
+/// Cores and measured dot-product speeds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CpuInfo {
+    /// Core classes, fastest first.
+    pub cores: Vec<CoreClass>,
+    /// Q4_0 matrix-vector speed on one thread: weight bytes streamed through
+    /// the dot kernel per second, GB/s. `None` when not measured.
+    #[serde(default)]
+    pub q4_0_matvec_gb_s_1t: Option<f64>,
+    /// The same with every core busy (`threads_measured` threads), GB/s.
+    #[serde(default)]
+    pub q4_0_matvec_gb_s_mt: Option<f64>,
+    /// Threads used for the multi-thread figure.
+    #[serde(default)]
+    pub threads_measured: Option<u32>,
+}
+
+/// Flash storage figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlashInfo {
+    /// Independent I/O command queues (UFS phones: 1; more I/O threads than this can hurt).
+    pub io_queues: u32,
+    /// Read bandwidth by block size and reads in flight.
+    pub read: Vec<ReadPoint>,
+}
+
+/// Read bandwidth at one block size and queue depth.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadPoint {
+    /// Bytes per read.
+    pub block_bytes: u64,
+    /// Reads in flight.
+    pub in_flight: u32,
+    /// Random reads (uniform offsets), MB/s.
+    pub random_mb_s: f64,
+    /// Sequential reads, MB/s.
+    pub sequential_mb_s: f64,
+}
+
+impl DeviceProfile {
+    /// Reads and checks a TOML profile.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the file cannot be read, [`Error::Profile`] if it is
+    /// too large, not valid TOML, misses a field, or has impossible values.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+        if len > MAX_PROFILE_BYTES {
+            return Err(Error::Profile {
+                path: path.to_path_buf(),
+                reason: format!("{len} bytes; a device profile is a small TOML file"),
+            });
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::parse(&text).map_err(|reason| Error::Profile {
+            path: path.to_path_buf(),
+            reason,
+        })
+    }
+
+    /// Parses and checks TOML text; the error says what is wrong.
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let p: DeviceProfile = toml::from_str(text).map_err(|e| e.to_string())?;
+        p.check()?;
+        Ok(p)
+    }
+
+    /// The profile as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a profile always serializes")
+    }
+
+    fn check(&self) -> std::result::Result<(), String> {
+        let pos = |v: f64| v.is_finite() && v > 0.0;
+        if self.memory.available_bytes == 0 || self.memory.available_bytes > self.memory.total_bytes {
+            return Err("memory.available_bytes must be in 1..=memory.total_bytes".into());
+        }
+        if !pos(self.memory.bandwidth_gb_s) {
+            return Err("memory.bandwidth_gb_s must be a positive number".into());
+        }
+        if self.cpu.cores.is_empty() || self.cpu.cores.iter().any(|c| c.count == 0 || !pos(c.ghz)) {
+            return Err("cpu.cores needs at least one class with count ≥ 1 and ghz > 0".into());
+        }
+        for v in [self.cpu.q4_0_matvec_gb_s_1t, self.cpu.q4_0_matvec_gb_s_mt].into_iter().flatten() {
+            if !pos(v) {
+                return Err("cpu.q4_0_matvec_gb_s_* must be positive numbers".into());
+            }
+        }
+        if self.flash.io_queues == 0 {
+            return Err("flash.io_queues must be ≥ 1".into());
+        }
+        if self.flash.read.is_empty() {
+            return Err("flash.read needs at least one [[flash.read]] point".into());
+        }
+        for r in &self.flash.read {
+            if r.block_bytes == 0 || r.in_flight == 0 || !pos(r.random_mb_s) || !pos(r.sequential_mb_s) {
+                return Err(format!(
+                    "flash.read point at {} bytes × {} in flight: block_bytes, in_flight and both bandwidths must be positive",
+                    r.block_bytes, r.in_flight
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Total cores.
+    pub fn n_cores(&self) -> u32 {
+        self.cpu.cores.iter().map(|c| c.count).sum()
+    }
+
+    /// Best random-read bandwidth at `block_bytes`, bytes/s, over any queue
+    /// depth, interpolated in log2(block size) between measured points and
+    /// clamped at the ends.
+    pub fn random_read_bytes_per_s(&self, block_bytes: u64) -> f64 {
+        self.read_bw(block_bytes, |r| r.random_mb_s)
+    }
+
+    /// Best sequential-read bandwidth at `block_bytes`, bytes/s (as [`Self::random_read_bytes_per_s`]).
+    pub fn sequential_read_bytes_per_s(&self, block_bytes: u64) -> f64 {
+        self.read_bw(block_bytes, |r| r.sequential_mb_s)
+    }
+
+    fn read_bw(&self, block_bytes: u64, f: impl Fn(&ReadPoint) -> f64) -> f64 {
+        // Best figure per block size, ascending by size.
+        let mut pts: Vec<(f64, f64)> = Vec::new();
+        let mut sizes: Vec<u64> = self.flash.read.iter().map(|r| r.block_bytes).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        for s in sizes {
+            let best = self.flash.read.iter().filter(|r| r.block_bytes == s).map(&f).fold(0.0, f64::max);
+            pts.push(((s as f64).log2(), best));
+        }
+        let x = (block_bytes.max(1) as f64).log2();
+        let mb = if x <= pts[0].0 {
+            pts[0].1
+        } else if x >= pts[pts.len() - 1].0 {
+            pts[pts.len() - 1].1
+        } else {
+            let i = pts.iter().position(|p| p.0 >= x).expect("inside the range");
+            let (a, b) = (pts[i - 1], pts[i]);
+            a.1 + (b.1 - a.1) * (x - a.0) / (b.0 - a.0)
+        };
+        mb * 1e6
+    }
+
+    /// Q4_0 matrix-vector speed with `threads` threads, weight bytes/s: the
+    /// measured figures when present, otherwise half the memory bandwidth
+    /// shared by the threads (a conservative estimate for phones, where
+    /// decode is bandwidth-bound).
+    pub fn matvec_bytes_per_s(&self, threads: u32) -> f64 {
+        let mem = self.memory.bandwidth_gb_s * 1e9;
+        match (self.cpu.q4_0_matvec_gb_s_1t, self.cpu.q4_0_matvec_gb_s_mt) {
+            (Some(one), mt) => {
+                let n = self.cpu.threads_measured.unwrap_or(1).max(1) as f64;
+                let all = mt.unwrap_or(one * n);
+                // Linear in threads up to the measured thread count, flat beyond.
+                let t = (threads.max(1) as f64).min(n);
+                let v = if n > 1.0 { one + (all - one) * (t - 1.0) / (n - 1.0) } else { one };
+                (v * 1e9).min(mem)
+            }
+            (None, _) => mem * 0.5 * (threads.max(1) as f64 / self.n_cores().max(1) as f64).min(1.0),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> DeviceProfile {
+        DeviceProfile {
+            name: "t".into(),
+            source: "test".into(),
+            memory: MemoryInfo { total_bytes: 8 << 30, available_bytes: 4 << 30, bandwidth_gb_s: 20.0 },
+            cpu: CpuInfo {
+                cores: vec![CoreClass { class: "x86".into(), count: 2, ghz: 3.0 }],
+                q4_0_matvec_gb_s_1t: Some(10.0),
+                q4_0_matvec_gb_s_mt: Some(18.0),
+                threads_measured: Some(2),
+            },
+            flash: FlashInfo {
+                io_queues: 1,
+                read: vec![
+                    ReadPoint { block_bytes: 4096, in_flight: 16, random_mb_s: 200.0, sequential_mb_s: 400.0 },
+                    ReadPoint { block_bytes: 65536, in_flight: 1, random_mb_s: 500.0, sequential_mb_s: 900.0 },
+                    ReadPoint { block_bytes: 65536, in_flight: 16, random_mb_s: 1300.0, sequential_mb_s: 1400.0 },
+                ],
+            },
+        }
+    }
+
+    #[test]
+    fn toml_round_trips_and_interpolates_in_log_block_size() {
+        let p = sample();
+        let back = DeviceProfile::parse(&p.to_toml()).unwrap();
+        assert_eq!(p, back);
+        assert_eq!(p.random_read_bytes_per_s(4096), 200e6);
+        assert_eq!(p.random_read_bytes_per_s(65536), 1300e6);
+        assert_eq!(p.random_read_bytes_per_s(1 << 20), 1300e6);
+        // 16 KiB is half-way between 4 KiB and 64 KiB in log2.
+        assert!((p.random_read_bytes_per_s(16384) - 750e6).abs() < 1.0);
+        assert_eq!(p.matvec_bytes_per_s(1), 10e9);
+        assert_eq!(p.matvec_bytes_per_s(2), 18e9);
+        assert_eq!(p.matvec_bytes_per_s(8), 18e9);
+    }
+
+    #[test]
+    fn impossible_profiles_are_refused_with_the_field_named() {
+        let mut p = sample();
+        p.flash.read.clear();
+        assert!(DeviceProfile::parse(&p.to_toml()).unwrap_err().contains("flash.read"));
+        let mut p = sample();
+        p.memory.available_bytes = p.memory.total_bytes + 1;
+        assert!(DeviceProfile::parse(&p.to_toml()).unwrap_err().contains("available_bytes"));
+        assert!(DeviceProfile::parse("name = 1").is_err());
+    }
+}

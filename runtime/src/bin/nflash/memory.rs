@@ -1,0 +1,88 @@
+//! `--memory-budget` and the cache overrides shared by `run` and `ppl`.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use nflash_format::{DeviceProfile, Pack, Plan};
+use nflash_runtime::cache::CacheConfig;
+use nflash_runtime::planner::{self, PlanRequest};
+
+/// The profile used when the pack has no plan and no --device is given:
+/// this repository's `profiles/dev-host.toml`, measured by `nflash probe`.
+const DEFAULT_PROFILE: &str = include_str!("../../../../profiles/dev-host.toml");
+
+/// A byte size: `96MiB`, `1.5GiB`, `100MB` (10⁸), or plain bytes.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    parse_size::parse_size(s).map_err(|e| format!("{e}: expected a size such as 96MiB, 1.5GiB, 100MB or 1048576"))
+}
+
+/// Memory options (PowerInfer-2's segmented neuron cache; SPEC §4.6).
+#[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "Memory (neuron cache)")]
+pub struct MemoryArgs {
+    /// Whole-process memory budget (e.g. 96MiB, 1.5GiB): the fixed region
+    /// (resident weights, KV cache at --ctx, scratch) plus hot neurons plus
+    /// the cold neuron cache; the rest of the FFN is read from flash on
+    /// demand. Default: the pack's plan, or everything in memory.
+    #[arg(long, value_parser = parse_bytes)]
+    pub memory_budget: Option<u64>,
+    /// Device profile (TOML) to plan with; default: the pack's plan's
+    /// device, else the built-in dev-host profile.
+    #[arg(long)]
+    pub device: Option<std::path::PathBuf>,
+    /// Override the plan: fraction of each layer's FFN neurons pinned hot (0–1, whole clusters).
+    #[arg(long)]
+    pub hot_fraction: Option<f64>,
+    /// Override the plan: cold neuron cache size (e.g. 8MiB); at least one layer's cold clusters.
+    #[arg(long, value_parser = parse_bytes)]
+    pub cold_cache: Option<u64>,
+    /// Override the plan: I/O threads reading neuron clusters.
+    #[arg(long)]
+    pub io_threads: Option<usize>,
+}
+
+/// The cache layout to run with, and the plan it came from (if any).
+///
+/// Order: no budget and no plan → everything in memory; `--memory-budget`
+/// → plan now with `--device` / the pack's device / dev-host; no flag but a
+/// stored plan → the stored plan (re-planned if `ctx` or `threads` differ);
+/// then the override flags.
+pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize) -> Result<(CacheConfig, Option<Plan>)> {
+    let m = pack.manifest();
+    let device = match &a.device {
+        Some(p) => Some(DeviceProfile::load(p)?),
+        None => None,
+    };
+    let plan = match (a.memory_budget, &m.plan) {
+        (None, None) => None,
+        (Some(budget), stored) => {
+            let dev = match (device, stored) {
+                (Some(d), _) => d,
+                (None, Some(p)) => p.device.clone(),
+                (None, None) => DeviceProfile::parse(DEFAULT_PROFILE).map_err(anyhow::Error::msg).context("built-in dev-host profile")?,
+            };
+            Some(planner::plan(m, &dev, &PlanRequest { budget_bytes: budget, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32) })?)
+        }
+        (None, Some(p)) if p.ctx as usize == ctx && p.threads as usize == threads && device.is_none() => Some(p.clone()),
+        (None, Some(p)) => {
+            let dev = device.unwrap_or_else(|| p.device.clone());
+            Some(planner::plan(m, &dev, &PlanRequest { budget_bytes: p.memory_budget_bytes, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32) })?)
+        }
+    };
+    let mut cfg = plan.as_ref().map_or_else(|| CacheConfig::all_hot(pack), planner::cache_config);
+    if let Some(f) = a.hot_fraction {
+        if !(0.0..=1.0).contains(&f) {
+            bail!("--hot-fraction {f} is outside [0, 1]");
+        }
+        cfg.hot_neurons = m.ffn.iter().map(|l| (l.n_neurons as f64 * f).round() as u32).collect();
+    }
+    if let Some(c) = a.cold_cache {
+        cfg.cold_bytes = c;
+    }
+    if let Some(n) = a.io_threads {
+        if n == 0 || n > 64 {
+            bail!("--io-threads must be between 1 and 64");
+        }
+        cfg.io_threads = n;
+    }
+    Ok((cfg, plan))
+}

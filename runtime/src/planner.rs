@@ -1,0 +1,343 @@
+//! The offline planner (PowerInfer-2 §4.4; SPEC §4.6): given a pack, a
+//! device profile and a whole-process memory budget, choose how many hot
+//! neurons each layer pins, how big the cold cache is and how many I/O
+//! threads read it. Used by `prep convert --device` (stored in the pack) and
+//! by `nflash run --memory-budget` (re-planned at start).
+//!
+//! Memory model: `budget = fixed + hot + cold`, where the fixed region is
+//! the resident segments (embeddings, attention, norms, predictors), the KV
+//! cache at the context length, scratch buffers and the runtime's own
+//! footprint. Hot clusters are the most frequently needed first; a layer's
+//! hot set grows until the expected I/O for its misses fits in its attention
+//! compute time (the bound PowerInfer-2 uses), then the rest of the budget
+//! goes to the cold LRU cache, which is never smaller than one layer's cold
+//! clusters (they also stage that layer's reads).
+
+use nflash_format::{DeviceProfile, Manifest, Plan, PredictorKind, SegmentKind};
+
+use crate::cache::MAX_MERGE_BYTES;
+use crate::error::{Error, Result};
+use crate::flash::align_up;
+use crate::generate::PREFILL_CHUNK;
+use crate::kv_cache::KvCache;
+use crate::matmul::TILE_ELEMS;
+
+/// Process memory outside the model: code, libraries, thread stacks, the
+/// allocator's arenas, bytes. Measured as the peak RSS of `nflash run` on a
+/// tiny pack (about 9 MiB on x86-64 Linux) plus a margin.
+pub const RUNTIME_BASE_BYTES: u64 = 16 << 20;
+
+/// The in-memory tokenizer as a multiple of its JSON size (HF tokenizers'
+/// vocabulary and merge tables; measured ≈ 5× on SmolLM2's byte-level BPE).
+pub const TOKENIZER_FACTOR: u64 = 6;
+
+/// What to plan for.
+#[derive(Debug, Clone)]
+pub struct PlanRequest {
+    /// Whole-process memory budget, bytes.
+    pub budget_bytes: u64,
+    /// Context length, tokens (sizes the KV cache).
+    pub ctx: u32,
+    /// Compute threads.
+    pub threads: u32,
+    /// I/O threads; `None` = from the profile (its I/O queues, at most 2).
+    pub io_threads: Option<u32>,
+}
+
+/// The fixed region of a pack at a context length, bytes, with its parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FixedRegion {
+    /// Tokenizer and resident segments.
+    pub resident: u64,
+    /// KV cache at the context length.
+    pub kv: u64,
+    /// Prefill and decode scratch buffers.
+    pub scratch: u64,
+    /// Runtime code, libraries, in-memory tokenizer.
+    pub runtime: u64,
+}
+
+impl FixedRegion {
+    /// Sum of the parts.
+    pub fn total(&self) -> u64 {
+        self.resident + self.kv + self.scratch + self.runtime
+    }
+
+    /// `resident R MiB + KV cache at ctx N: K MiB + …` for messages.
+    pub fn describe(&self, ctx: u32) -> String {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        format!(
+            "resident tensors {:.1} MiB + KV cache at ctx {ctx}: {:.1} MiB + scratch {:.1} MiB + runtime {:.1} MiB",
+            mib(self.resident),
+            mib(self.kv),
+            mib(self.scratch),
+            mib(self.runtime)
+        )
+    }
+}
+
+/// The fixed region of `m` at context `ctx` (see the module docs).
+pub fn fixed_region(m: &Manifest, ctx: u32) -> FixedRegion {
+    let c = &m.config;
+    let (h, qd, kvd) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let resident = m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn).map(|s| s.bytes).sum();
+    let kv = KvCache::bytes_at_capacity(c.num_layers as usize, kvd as usize, ctx as usize);
+    // One prefill chunk: activations [n, ·], one FFN weight tile (gate, up, down,
+    // f32), its [n, m] products, candle's copies of them, and the logits.
+    let n = (ctx as u64).min(PREFILL_CHUNK as u64);
+    let tile_rows = (TILE_ELEMS as u64 / h.max(1)).clamp(1, c.intermediate_size.max(1));
+    let activations = n * (6 * h + 2 * qd + 2 * kvd) * 4;
+    let tile = 3 * tile_rows * h * 4 + 4 * n * tile_rows * 4 + 2 * n * h * 4;
+    let scores = n * ctx as u64 * 4;
+    let scratch = activations + tile + scores + 2 * c.vocab_size * 4 + n * c.intermediate_size;
+    let runtime = RUNTIME_BASE_BYTES + TOKENIZER_FACTOR * m.tokenizer.json_bytes;
+    FixedRegion { resident, kv, scratch, runtime }
+}
+
+/// Probability that decode needs each neuron of layer `l` (packed order):
+/// the profiled activation frequency scaled by the predictor's
+/// recall / precision (1 for a dense pack or the exact predictor, which read every bundle).
+fn need_probability(m: &Manifest, l: usize) -> Vec<f64> {
+    neuron_need_probability(m.sparse.as_ref(), m.ffn[l].sparse.as_ref(), m.ffn[l].n_neurons as usize)
+}
+
+/// Probability that decode needs each of a layer's `n` neurons (packed
+/// order), from the pack-wide `info` and the layer's `sp` sparsity settings
+/// (SPEC §4.5): the frequency curve scaled by recall / precision; all 1 for
+/// a dense layer or the exact predictor.
+pub fn neuron_need_probability(info: Option<&nflash_format::SparseInfo>, sp: Option<&nflash_format::LayerSparsity>, n: usize) -> Vec<f64> {
+    let (Some(info), Some(sp)) = (info, sp) else { return vec![1.0; n] };
+    if info.predictor == PredictorKind::Exact || sp.frequency_curve.len() < 2 {
+        return vec![1.0; n];
+    }
+    let q = &sp.quality;
+    let scale = if q.precision > 0.0 { (q.recall / q.precision) as f64 } else { 1.0 };
+    let curve = &sp.frequency_curve;
+    let k = (curve.len() - 1) as f64;
+    (0..n)
+        .map(|p| {
+            // Linear interpolation in the curve sampled at round(k·(n-1)/32).
+            let x = if n > 1 { p as f64 * k / (n - 1) as f64 } else { 0.0 };
+            let i = (x.floor() as usize).min(curve.len() - 2);
+            let v = curve[i] as f64 + (curve[i + 1] - curve[i]) as f64 * (x - i as f64);
+            (v * scale).clamp(0.0, 1.0)
+        })
+        .collect()
+}
+
+/// One cluster as the planner sees it.
+#[derive(Debug, Clone, Copy)]
+struct Cl {
+    /// Bytes read (aligned).
+    bytes: u64,
+    /// Probability that a decode token needs it.
+    p: f64,
+}
+
+/// Expected decode I/O seconds per token for clusters `cs` (all cold):
+/// each is read with probability `p`; adjacent needed clusters merge, so a
+/// read is about `bytes / (1 − p)` long (capped at the merge limit).
+fn io_seconds(dev: &DeviceProfile, cs: &[Cl]) -> f64 {
+    cs.iter().map(|c| io_term(dev, c)).sum()
+}
+
+/// One cluster's share of [`io_seconds`].
+fn io_term(dev: &DeviceProfile, c: &Cl) -> f64 {
+    let run = (c.bytes as f64 / (1.0 - c.p).max(1e-3)).min(MAX_MERGE_BYTES as f64);
+    c.p * c.bytes as f64 / dev.random_read_bytes_per_s(run as u64)
+}
+
+/// Chooses the neuron-cluster size for a layer of `n_neurons` bundles of
+/// `bundle_bytes`, whose neurons are needed with probabilities `p` (packed
+/// order): the size among 4 KiB … 512 KiB that minimises the expected decode
+/// I/O time on `dev` (fewer, larger reads against reading unneeded
+/// neighbours), preferring the smallest within 5 % of the best (finer hot
+/// sets). Returns bytes.
+pub fn choose_cluster_bytes(dev: &DeviceProfile, bundle_bytes: u64, p: &[f64]) -> u64 {
+    let mut best: Vec<(u64, f64)> = Vec::new();
+    for s in (12..=19).map(|e| 1u64 << e) {
+        let k = (s / bundle_bytes.max(1)).max(1) as usize;
+        let cs: Vec<Cl> = p
+            .chunks(k)
+            .map(|ch| Cl { bytes: align_up(ch.len() as u64 * bundle_bytes), p: 1.0 - ch.iter().map(|q| 1.0 - q).product::<f64>() })
+            .collect();
+        best.push((s, io_seconds(dev, &cs)));
+    }
+    let min = best.iter().map(|b| b.1).fold(f64::INFINITY, f64::min);
+    best.iter().find(|b| b.1 <= min * 1.05).map_or(64 << 10, |b| b.0)
+}
+
+/// Plans hot set, cold cache and I/O threads for `m` on `dev` (module docs).
+///
+/// # Errors
+/// [`nflash_format::Error::Budget`] (wrapped) if the fixed region alone
+/// exceeds the budget, saying by how much.
+pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan> {
+    let fixed = fixed_region(m, req.ctx);
+    let budget = req.budget_bytes;
+    if fixed.total() > budget {
+        let short = fixed.total() - budget;
+        return Err(Error::Format(nflash_format::Error::Budget {
+            budget,
+            budget_mib: budget as f64 / (1u64 << 20) as f64,
+            fixed: fixed.total(),
+            short,
+            short_mib: short as f64 / (1u64 << 20) as f64,
+            detail: fixed.describe(req.ctx),
+        }));
+    }
+    let avail = budget - fixed.total();
+    // The cold region must stage at least one layer's cold clusters.
+    let max_layer: u64 = m.ffn.iter().map(|f| f.clusters.iter().map(|c| align_up(c.n_neurons as u64 * f.bundle.bundle_bytes)).sum::<u64>()).max().unwrap_or(0);
+    let ffn_all: u64 = m.ffn.iter().map(|f| f.clusters.iter().map(|c| align_up(c.n_neurons as u64 * f.bundle.bundle_bytes)).sum::<u64>()).sum();
+    if avail < max_layer.min(ffn_all) {
+        let need = fixed.total() + max_layer;
+        return Err(Error::Format(nflash_format::Error::Budget {
+            budget,
+            budget_mib: budget as f64 / (1u64 << 20) as f64,
+            fixed: need,
+            short: need - budget,
+            short_mib: (need - budget) as f64 / (1u64 << 20) as f64,
+            detail: format!("{} + one layer's FFN clusters to stage reads {:.1} MiB", fixed.describe(req.ctx), max_layer as f64 / (1u64 << 20) as f64),
+        }));
+    }
+    let matvec = dev.matvec_bytes_per_s(req.threads);
+    // Per layer: clusters with their need probability, and attention compute time.
+    let layers: Vec<Vec<Cl>> = (0..m.ffn.len())
+        .map(|l| {
+            let f = &m.ffn[l];
+            let p = need_probability(m, l);
+            f.clusters
+                .iter()
+                .map(|c| {
+                    let ps = &p[c.first as usize..(c.first + c.n_neurons) as usize];
+                    Cl {
+                        bytes: align_up(c.n_neurons as u64 * f.bundle.bundle_bytes),
+                        p: 1.0 - ps.iter().map(|q| 1.0 - q).product::<f64>(),
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let t_attn: Vec<f64> = (0..m.ffn.len())
+        .map(|l| {
+            let prefix = format!("model.layers.{l}.self_attn.");
+            let bytes: u64 = m.tensors.iter().filter(|t| t.name.starts_with(&prefix)).map(|t| t.bytes).sum();
+            bytes as f64 / matvec
+        })
+        .collect();
+    let total: u64 = layers.iter().flatten().map(|c| c.bytes).sum();
+    let mut hot = vec![0usize; layers.len()];
+    let cold_of = |l: usize, h: usize| -> u64 { layers[l][h..].iter().map(|c| c.bytes).sum() };
+    let (hot_bytes, cold_bytes) = if avail >= total {
+        hot.iter_mut().zip(&layers).for_each(|(h, cs)| *h = cs.len());
+        (total, 0)
+    } else {
+        // Greedy: the most likely needed next cluster among layers whose expected
+        // miss I/O does not yet fit in their attention time, while the hot set plus
+        // one layer's cold clusters (the staging minimum) fits.
+        let mut hot_bytes = 0u64;
+        let mut io_rem: Vec<f64> = layers.iter().map(|cs| io_seconds(dev, cs)).collect();
+        let mut cold: Vec<u64> = (0..layers.len()).map(|l| cold_of(l, 0)).collect();
+        loop {
+            let mut pick: Option<(usize, f64)> = None;
+            for l in 0..layers.len() {
+                let h = hot[l];
+                if h == layers[l].len() || io_rem[l] <= t_attn[l] {
+                    continue;
+                }
+                // Most likely needed first; ties go to the layer with the fewest hot
+                // clusters, so equal layers grow evenly.
+                let better = pick.is_none_or(|(b, p)| layers[l][h].p > p || (layers[l][h].p == p && h < hot[b]));
+                if better {
+                    pick = Some((l, layers[l][h].p));
+                }
+            }
+            let Some((l, _)) = pick else { break };
+            let c = layers[l][hot[l]];
+            cold[l] -= c.bytes;
+            let staging = cold.iter().copied().max().unwrap_or(0);
+            if hot_bytes + c.bytes + staging > avail {
+                break;
+            }
+            hot[l] += 1;
+            io_rem[l] -= io_term(dev, &c);
+            hot_bytes += c.bytes;
+        }
+        (hot_bytes, avail - hot_bytes)
+    };
+    // Expected reads: cold clusters weighted by need, less what the LRU catches
+    // (about its share of the cold bytes for weakly skewed access).
+    let cold_total: u64 = (0..layers.len()).map(|l| cold_of(l, hot[l])).sum();
+    let lru_hit = if cold_total == 0 { 1.0 } else { (cold_bytes as f64 / cold_total as f64).min(1.0) };
+    let mut read_bytes = 0.0;
+    let mut token_s = 0.0;
+    for (l, cs) in layers.iter().enumerate() {
+        let miss = 1.0 - lru_hit;
+        read_bytes += cs[hot[l]..].iter().map(|c| c.p * c.bytes as f64).sum::<f64>() * miss;
+        let io = io_seconds(dev, &cs[hot[l]..]) * miss;
+        let ffn = cs.iter().map(|c| c.p * c.bytes as f64).sum::<f64>() / matvec;
+        token_s += t_attn[l] + ffn.max(io);
+    }
+    let embed: u64 = m.tensors.iter().filter(|t| t.name == "lm_head.weight" || (m.config.tie_word_embeddings && t.name == "model.embed_tokens.weight")).map(|t| t.bytes).sum();
+    token_s += embed as f64 / matvec;
+    let io_threads = req.io_threads.unwrap_or_else(|| dev.flash.io_queues.min(2)).max(1);
+    let hot_neurons = hot
+        .iter()
+        .zip(&m.ffn)
+        .map(|(&h, f)| f.clusters[..h].iter().map(|c| c.n_neurons).sum())
+        .collect();
+    let cluster_bytes = m.ffn.first().and_then(|f| f.clusters.first().map(|c| c.n_neurons as u64 * f.bundle.bundle_bytes)).unwrap_or(0);
+    Ok(Plan {
+        device: dev.clone(),
+        memory_budget_bytes: budget,
+        ctx: req.ctx,
+        threads: req.threads,
+        fixed_bytes: fixed.total(),
+        resident_bytes: fixed.resident,
+        kv_bytes: fixed.kv,
+        hot_neurons,
+        hot_bytes,
+        cold_bytes,
+        io_threads,
+        cluster_bytes,
+        expected_read_bytes_per_token: read_bytes as u64,
+        expected_token_ms: token_s * 1e3,
+    })
+}
+
+/// A human-readable summary of `p` (printed by `prep convert` and `nflash run --stats`).
+pub fn describe(p: &Plan, m: &Manifest) -> String {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let ffn_total: u64 = m.ffn.iter().map(|f| f.clusters.iter().map(|c| align_up(c.n_neurons as u64 * f.bundle.bundle_bytes)).sum::<u64>()).sum();
+    let hot_n: u64 = p.hot_neurons.iter().map(|&h| h as u64).sum();
+    let all_n: u64 = m.ffn.iter().map(|f| f.n_neurons as u64).sum();
+    let (lo, hi) = (p.hot_neurons.iter().min().copied().unwrap_or(0), p.hot_neurons.iter().max().copied().unwrap_or(0));
+    format!(
+        "plan for {} at {:.1} MiB (ctx {}, {} threads):\n  fixed region {:.1} MiB (resident {:.1} MiB, KV cache {:.1} MiB)\n  hot region   {:.1} MiB: {hot_n} of {all_n} neurons ({:.0}%), {lo}–{hi} per layer\n  cold region  {:.1} MiB (LRU of {:.0} KiB neuron clusters), {} I/O thread(s)\n  FFN on flash {:.1} MiB; expected {:.2} MiB read and {:.1} ms per decode token",
+        p.device.name,
+        mib(p.memory_budget_bytes),
+        p.ctx,
+        p.threads,
+        mib(p.fixed_bytes),
+        mib(p.resident_bytes),
+        mib(p.kv_bytes),
+        mib(p.hot_bytes),
+        100.0 * hot_n as f64 / all_n.max(1) as f64,
+        mib(p.cold_bytes),
+        p.cluster_bytes as f64 / 1024.0,
+        p.io_threads,
+        mib(ffn_total),
+        mib(p.expected_read_bytes_per_token),
+        p.expected_token_ms,
+    )
+}
+
+/// The cache layout a plan describes.
+pub fn cache_config(p: &Plan) -> crate::cache::CacheConfig {
+    crate::cache::CacheConfig {
+        hot_neurons: p.hot_neurons.clone(),
+        cold_bytes: p.cold_bytes,
+        io_threads: p.io_threads as usize,
+    }
+}

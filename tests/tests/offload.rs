@@ -1,0 +1,188 @@
+//! The segmented neuron cache and flash reads (issue 4): results do not
+//! depend on where FFN weights live or on the thread count; bad budgets are
+//! refused up front; a pack shrunk while running gives an error, not a
+//! crash; a device plan is stored and used.
+
+use std::path::{Path, PathBuf};
+
+use nflash_format::Pack;
+use nflash_runtime::cache::{CacheConfig, CacheStats};
+use nflash_runtime::Model;
+use nflash_tests::{assert_fails, repo_root, run, tiny_words, write_tiny_checkpoint, TinySpec};
+
+fn spec() -> TinySpec {
+    TinySpec { inter: 256, layers: 3, ..TinySpec::default() }
+}
+
+/// A tiny checkpoint converted with small neuron clusters (many per layer);
+/// `extra` adds `prep convert` flags.
+fn pack(dir: &Path, name: &str, quant: &str, extra: &[&str]) -> PathBuf {
+    let ckpt = dir.join("ckpt");
+    if !ckpt.exists() {
+        write_tiny_checkpoint(&ckpt, &spec());
+        std::fs::write(dir.join("calib.txt"), tiny_words(1200, spec().vocab, 7)).unwrap();
+    }
+    let out = dir.join(name);
+    let mut args = vec!["convert", "--model", ckpt.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", quant, "--cluster-bytes", "1024"];
+    args.extend_from_slice(extra);
+    let o = run("prep", &args);
+    assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+/// Greedy generation from `prompt` for `steps` tokens: every step's logits,
+/// the tokens, and the cache counters.
+fn generate(path: &Path, cfg: &CacheConfig, threads: usize, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    pool.install(|| {
+        let pack = Pack::open_resident(path).unwrap();
+        let model = Model::load_with(&pack, cfg).unwrap();
+        let h = model.cfg.hidden_size as usize;
+        let mut kv = model.new_kv_cache(prompt.len() + steps + 1);
+        let hs = model.forward(&mut kv, prompt).unwrap();
+        let mut logits = vec![model.logits(&hs[hs.len() - h..])];
+        let mut tokens = Vec::new();
+        for _ in 0..steps {
+            let l = logits.last().unwrap();
+            let next = (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+            tokens.push(next);
+            let hs = model.forward(&mut kv, &[next]).unwrap();
+            logits.push(model.logits(&hs));
+        }
+        (logits, tokens, model.cache_stats())
+    })
+}
+
+fn configs(pack: &Path) -> Vec<(&'static str, CacheConfig)> {
+    let p = Pack::open_resident(pack).unwrap();
+    let n: Vec<u32> = p.manifest().ffn.iter().map(|f| f.n_neurons).collect();
+    let all = CacheConfig::all_hot(&p);
+    let with = |hot: f64, cold: u64, io: usize| CacheConfig {
+        hot_neurons: n.iter().map(|&x| (x as f64 * hot) as u32).collect(),
+        cold_bytes: cold,
+        io_threads: io,
+    };
+    vec![
+        ("whole FFN in memory", all),
+        ("10% hot, minimal cold region", with(0.1, 0, 1)),
+        ("nothing hot, minimal cold region, 3 I/O threads", with(0.0, 0, 3)),
+        ("nothing hot, cold region holds the whole FFN", with(0.0, 64 << 20, 2)),
+    ]
+}
+
+fn check_placement_and_threads(path: &Path) {
+    // Prompt of 12 tokens: batched prefill (streams every cluster), then decode.
+    let prompt: Vec<u32> = (0..12).map(|i| 3 + (i * 5) % 70).collect();
+    let (ref_logits, ref_tokens, _) = generate(path, &configs(path)[0].1, 1, &prompt, 10);
+    for (name, cfg) in configs(path) {
+        for threads in 1..=4 {
+            let (logits, tokens, st) = generate(path, &cfg, threads, &prompt, 10);
+            assert_eq!(tokens, ref_tokens, "{name}, {threads} threads: tokens differ");
+            assert!(logits == ref_logits, "{name}, {threads} threads: logits differ");
+            if cfg.hot_neurons.iter().all(|&h| h == 0) {
+                assert!(st.bytes_read > 0 && st.misses > 0, "{name}: nothing was read from flash: {st:?}");
+            }
+            if name.starts_with("whole") {
+                assert_eq!(st.bytes_read, 0, "{name}: read from flash");
+                assert_eq!(st.hit_rate(), 1.0);
+            }
+            if name.contains("holds the whole") {
+                assert!(st.cold_hits > 0, "{name}: the cold region never hit: {st:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn dense_results_do_not_depend_on_where_weights_live_or_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    check_placement_and_threads(&pack(dir.path(), "dense.nflash", "q8_0", &[]));
+}
+
+#[test]
+fn sparse_results_do_not_depend_on_where_weights_live_or_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let calib = dir.path().join("calib.txt");
+    let p = pack(dir.path(), "sparse.nflash", "q8_0", &[]);
+    drop(p);
+    let p = pack(
+        dir.path(),
+        "sparse.nflash",
+        "q8_0",
+        &["--calib", calib.to_str().unwrap(), "--tokens", "1000", "--window", "50", "--sample", "400", "--epochs", "3", "--sparsity", "0.5"],
+    );
+    check_placement_and_threads(&p);
+}
+
+#[test]
+fn a_pack_shrunk_while_running_gives_an_error_not_a_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
+    let p = Pack::open_resident(&path).unwrap();
+    let n = p.manifest().ffn.len();
+    let cfg = CacheConfig { hot_neurons: vec![0; n], cold_bytes: 0, io_threads: 1 };
+    let model = Model::load_with(&p, &cfg).unwrap();
+    let mut kv = model.new_kv_cache(16);
+    model.forward(&mut kv, &[5]).expect("reads work before the truncation");
+    // Cut the file inside layer 0's FFN segment, after open.
+    let ffn0 = p.manifest().segments.iter().find(|s| s.name == "ffn.0").unwrap().offset;
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(ffn0 + 100).unwrap();
+    let e = model.forward(&mut kv, &[6]).expect_err("a shrunk pack must fail the request");
+    let msg = e.to_string();
+    assert!(msg.contains("neuron cluster") && msg.contains("shrank"), "unexpected error: {msg}");
+}
+
+#[test]
+fn budgets_below_the_fixed_region_or_the_kv_cache_are_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
+    let m = path.to_str().unwrap();
+    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "1MiB"]);
+    assert_fails("budget below the fixed region", &o, &["memory budget", "short of the fixed region", "--memory-budget"]);
+    // Enough for the weights at a small context, not for the KV cache at a huge one.
+    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "64MiB", "--ctx", "400000"]);
+    assert_fails("KV cache larger than the budget", &o, &["KV cache at ctx 400000", "short"]);
+    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "lots"]);
+    assert_fails("unparsable budget", &o, &["--memory-budget", "96MiB"]);
+    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "64MiB", "--ctx", "64"]);
+    assert!(o.status.success(), "a sufficient budget must run: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn a_device_plan_is_stored_in_the_pack_and_used_by_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let profile = repo_root().join("profiles/oneplus-12.toml");
+    let path = pack(dir.path(), "planned.nflash", "q8_0", &["--device", profile.to_str().unwrap(), "--memory-budget", "40MiB", "--ctx", "64", "--threads", "2"]);
+    let p = Pack::open(&path).unwrap();
+    let plan = p.manifest().plan.as_ref().expect("the pack carries a plan");
+    assert_eq!(plan.memory_budget_bytes, 40 << 20);
+    assert_eq!(plan.hot_neurons.len(), p.manifest().ffn.len());
+    assert_eq!(plan.device.name, nflash_format::DeviceProfile::load(&profile).unwrap().name);
+    assert!(plan.fixed_bytes + plan.hot_bytes + plan.cold_bytes <= plan.memory_budget_bytes);
+    let m = path.to_str().unwrap();
+    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "4", "--temperature", "0", "--ctx", "64", "--threads", "2", "--stats"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("plan for") && err.contains("40.0 MiB"), "the stored plan is not reported: {err}");
+    // The run flags override it.
+    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "4", "--temperature", "0", "--ctx", "64", "--threads", "2", "--stats", "--memory-budget", "48MiB"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("48.0 MiB"));
+}
+
+#[test]
+fn stats_json_reports_latency_percentiles_and_cache_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
+    let json = dir.path().join("stats.json");
+    let o = run(
+        "nflash",
+        &["run", "--model", path.to_str().unwrap(), "--prompt", "a b c", "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--hot-fraction", "0", "--memory-budget", "64MiB", "--ctx", "64", "--stats-json", json.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("missing {k} in {v}"));
+    assert!(f("latency_ms_p50") > 0.0 && f("latency_ms_p50") <= f("latency_ms_p90") && f("latency_ms_p90") <= f("latency_ms_p99"));
+    assert!((0.0..1.0).contains(&f("cache_hit_rate")), "nothing hot: some clusters must miss");
+    assert!(f("bytes_read_per_token") > 0.0);
+    assert!((0.0..=1.0).contains(&f("io_wait_share")));
+}
