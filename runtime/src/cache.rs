@@ -17,7 +17,11 @@ use crate::io::{IoPipeline, ReadRequest, Shared, EMPTY, FAILED, PENDING, READY};
 
 /// Largest merged read, bytes (PowerInfer-2 reads clusters, not neurons;
 /// beyond ~512 KiB flash bandwidth no longer grows, DESIGN.md).
-pub const MAX_MERGE_BYTES: u64 = 1 << 20;
+pub const MAX_MERGE_BYTES: u64 = 512 << 10;
+
+/// Clusters that decode needs with at least this probability are read ahead
+/// while the previous layer computes.
+pub const PREFETCH_MIN_P: f64 = 0.9;
 
 /// Sentinel for "no slot" / "no owner".
 const NONE: u32 = u32::MAX;
@@ -72,6 +76,8 @@ struct LayerLayout {
     clusters: Vec<ClusterSpan>,
     /// Clusters `0..hot` are pinned.
     hot: usize,
+    /// `[n_clusters]` whether decode usually needs the cluster (read ahead while the previous layer computes).
+    prefetch: Vec<bool>,
     /// Offset of cluster 0 in the hot region.
     hot_base: usize,
 }
@@ -89,6 +95,8 @@ struct Lru {
     tail: u32,
     /// slot → the fetch (epoch) that last needed it; slots of the current fetch are never evicted.
     used: Vec<u64>,
+    /// slot → read ahead by a prefetch and not yet used.
+    prefetched: Vec<bool>,
     epoch: u64,
 }
 
@@ -102,6 +110,7 @@ impl Lru {
             head: NONE,
             tail: NONE,
             used: vec![0; n_slots],
+            prefetched: vec![false; n_slots],
             epoch: 0,
         };
         for s in 0..n_slots as u32 {
@@ -127,6 +136,39 @@ impl Lru {
         self.unlink(s);
         self.push_back(s);
         self.used[s as usize] = self.epoch;
+    }
+}
+
+/// Builds merged reads: consecutive clusters whose file ranges touch go
+/// into one `preadv` of at most [`MAX_MERGE_BYTES`].
+#[derive(Default)]
+struct Merger {
+    req: Option<ReadRequest>,
+}
+
+impl Merger {
+    fn push(&mut self, io: &IoPipeline, span: ClusterSpan, slot: u32) {
+        if let Some(r) = &mut self.req {
+            let end = r.offset + r.lens[..r.n].iter().map(|&l| l as u64).sum::<u64>();
+            if end == span.offset && r.n < MAX_IOVECS && end + span.read - r.offset <= MAX_MERGE_BYTES {
+                r.slots[r.n] = slot;
+                r.lens[r.n] = span.read as u32;
+                r.n += 1;
+                r.need = span.offset + span.need - r.offset;
+                return;
+            }
+            io.submit(*r);
+        }
+        let mut r = ReadRequest { offset: span.offset, need: span.need, n: 1, slots: [0; MAX_IOVECS], lens: [0; MAX_IOVECS] };
+        r.slots[0] = slot;
+        r.lens[0] = span.read as u32;
+        self.req = Some(r);
+    }
+
+    fn flush(&mut self, io: &IoPipeline) {
+        if let Some(r) = self.req.take() {
+            io.submit(r);
+        }
     }
 }
 
@@ -215,7 +257,14 @@ impl NeuronCache {
             let hot_len = if hot == 0 { 0 } else { (clusters[hot - 1].offset + clusters[hot - 1].read - clusters[0].offset) as usize };
             max_cold = max_cold.max(clusters[hot..].iter().map(|c| c.read).sum());
             slot_bytes = slot_bytes.max(clusters.iter().map(|c| c.read).max().unwrap_or(0));
-            layers.push(LayerLayout { clusters, hot, hot_base: hot_total });
+            // Read ahead the clusters needed by most tokens (PREFETCH_MIN_P).
+            let p = crate::planner::neuron_need_probability(m.sparse.as_ref(), f.sparse.as_ref(), f.n_neurons as usize);
+            let prefetch = f
+                .clusters
+                .iter()
+                .map(|c| 1.0 - p[c.first as usize..(c.first + c.n_neurons) as usize].iter().map(|q| 1.0 - q).product::<f64>() >= PREFETCH_MIN_P)
+                .collect();
+            layers.push(LayerLayout { clusters, hot, prefetch, hot_base: hot_total });
             hot_total += hot_len;
         }
         let hot = AlignedBuf::zeroed(hot_total)?;
@@ -281,7 +330,9 @@ impl NeuronCache {
 
     /// Makes the clusters `needed` (ascending indices) of `layer` available:
     /// fills `table` (`[n_clusters]`) with each one's location and queues
-    /// merged reads for the misses, which complete in the background.
+    /// merged reads for the misses, which complete in the background. Then
+    /// queues reads of the next layer's likely-needed cold clusters
+    /// (prefetch), so the disk keeps working while this layer computes.
     ///
     /// # Errors
     /// [`Error::Usage`] if the cold region cannot hold this layer's misses
@@ -293,7 +344,7 @@ impl NeuronCache {
         let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
         lru.epoch += 1;
         let mut st = CacheStats::default();
-        let mut req: Option<ReadRequest> = None;
+        let mut reads = Merger::default();
         for &c in needed {
             let c = c as usize;
             st.needed += 1;
@@ -311,49 +362,35 @@ impl NeuronCache {
             } else if s != NONE {
                 lru.touch(s);
                 table[c] = Loc::Slot(s);
-                st.cold_hits += 1;
+                // A prefetched cluster was read for this use: a miss, read ahead of time.
+                if std::mem::take(&mut lru.prefetched[s as usize]) {
+                    st.misses += 1;
+                } else {
+                    st.cold_hits += 1;
+                }
                 continue;
             }
-            // Miss: take the least recently used slot not needed by this fetch.
-            let s = lru.head;
-            if s == NONE || lru.used[s as usize] == lru.epoch {
+            let Some(s) = self.claim(&mut lru, layer, c) else {
                 return Err(Error::Usage(format!("the cold region ({} bytes) cannot hold layer {layer}'s cold clusters", self.cold_bytes())));
-            }
-            // A read still running from an abandoned request must land before reuse.
-            while self.shared.state[s as usize].load(Ordering::Acquire) == PENDING {
-                std::thread::yield_now();
-            }
-            let (ol, oc) = lru.owner[s as usize];
-            if ol != NONE {
-                lru.slot_of[ol as usize][oc as usize] = NONE;
-            }
-            lru.owner[s as usize] = (layer as u32, c as u32);
-            lru.slot_of[layer][c] = s;
-            lru.touch(s);
-            self.shared.state[s as usize].store(PENDING, Ordering::Relaxed);
+            };
             table[c] = Loc::Slot(s);
             st.misses += 1;
-            let span = lay.clusters[c];
-            // Merge with the previous miss when the file ranges touch.
-            if let Some(r) = &mut req {
-                let end = r.offset + r.lens[..r.n].iter().map(|&l| l as u64).sum::<u64>();
-                if end == span.offset && r.n < MAX_IOVECS && end + span.read - r.offset <= MAX_MERGE_BYTES {
-                    r.slots[r.n] = s;
-                    r.lens[r.n] = span.read as u32;
-                    r.n += 1;
-                    r.need = span.offset + span.need - r.offset;
-                    continue;
-                }
-                self.io.submit(*r);
+            reads.push(&self.io, lay.clusters[c], s);
+        }
+        reads.flush(&self.io);
+        // Prefetch: the next layer's (or the next token's first layer's) cold
+        // clusters that are usually needed, into slots not used by this layer.
+        let next = (layer + 1) % self.layers.len();
+        let nl = &self.layers[next];
+        for c in nl.hot..nl.clusters.len() {
+            if !nl.prefetch[c] || lru.slot_of[next][c] != NONE {
+                continue;
             }
-            let mut r = ReadRequest { offset: span.offset, need: span.need, n: 1, slots: [0; MAX_IOVECS], lens: [0; MAX_IOVECS] };
-            r.slots[0] = s;
-            r.lens[0] = span.read as u32;
-            req = Some(r);
+            let Some(s) = self.claim(&mut lru, next, c) else { break };
+            lru.prefetched[s as usize] = true;
+            reads.push(&self.io, nl.clusters[c], s);
         }
-        if let Some(r) = req {
-            self.io.submit(r);
-        }
+        reads.flush(&self.io);
         drop(lru);
         let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
         c.needed += st.needed;
@@ -361,6 +398,30 @@ impl NeuronCache {
         c.cold_hits += st.cold_hits;
         c.misses += st.misses;
         Ok(())
+    }
+
+    /// Takes the least recently used slot not used by the current fetch for
+    /// cluster `c` of `layer` and marks it [`PENDING`]; `None` if every slot
+    /// is in use.
+    fn claim(&self, lru: &mut Lru, layer: usize, c: usize) -> Option<u32> {
+        let s = lru.head;
+        if s == NONE || lru.used[s as usize] == lru.epoch {
+            return None;
+        }
+        // A read still running from an abandoned request must land before reuse.
+        while self.shared.state[s as usize].load(Ordering::Acquire) == PENDING {
+            std::thread::yield_now();
+        }
+        let (ol, oc) = lru.owner[s as usize];
+        if ol != NONE {
+            lru.slot_of[ol as usize][oc as usize] = NONE;
+        }
+        lru.owner[s as usize] = (layer as u32, c as u32);
+        lru.slot_of[layer][c] = s;
+        lru.prefetched[s as usize] = false;
+        lru.touch(s);
+        self.shared.state[s as usize].store(PENDING, Ordering::Relaxed);
+        Some(s)
     }
 
     /// The bytes (`n_neurons × bundle_bytes`) of cluster `c` of `layer` at

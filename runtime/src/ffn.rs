@@ -249,13 +249,14 @@ impl Ffn {
     /// product is dropped unless the predictor selected it and its criterion
     /// value is above the threshold; the returned counters say how much was
     /// kept (and, since every gate and up value is known here, the recall).
-    pub fn forward_batch(&self, src: &LayerClusters, x: &[f32], mask: Option<&BatchMask>, out: &mut [f32]) -> crate::error::Result<LayerCounts> {
+    /// `tile_elems` bounds the dequantized weight tile (elements per matrix).
+    pub fn forward_batch(&self, src: &LayerClusters, x: &[f32], mask: Option<&BatchMask>, tile_elems: usize, out: &mut [f32]) -> crate::error::Result<LayerCounts> {
         let mut counts = LayerCounts::default();
         let h = self.hidden;
         let n = x.len() / h;
         let dt = self.layout.dtype;
         let xt = crate::matmul::input(x, n, h)?;
-        let tile = (crate::matmul::TILE_ELEMS / h).max(1);
+        let tile = (tile_elems / h).max(1);
         let mut group: Vec<&NeuronCluster> = Vec::new();
         let mut acc = vec![0f32; n * h];
         let mut flush = |group: &mut Vec<&NeuronCluster>| -> crate::error::Result<()> {
@@ -407,7 +408,7 @@ mod tests {
             predicted: sp.predict_batch(Activation::Silu, &x, H).unwrap(),
         };
         let mut out = vec![0f32; n_tok * H];
-        let c = ffn.forward_batch(&src, &x, Some(&mask), &mut out).unwrap();
+        let c = ffn.forward_batch(&src, &x, Some(&mask), crate::matmul::TILE_ELEMS, &mut out).unwrap();
         // Brute force, straight from the f32 weights.
         let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
         let (mut active, mut read, mut hit) = (0u64, 0u64, 0u64);

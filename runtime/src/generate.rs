@@ -10,7 +10,7 @@ use crate::sampler::Sampler;
 use crate::tokenizer::{TextStream, Tokenizer};
 
 /// Tokens per prefill forward pass; bounds prefill scratch memory.
-pub const PREFILL_CHUNK: usize = 256;
+pub const PREFILL_CHUNK: usize = 64;
 
 /// Counters of one generation.
 #[derive(Debug, Clone, Default)]

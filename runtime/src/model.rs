@@ -20,6 +20,12 @@ use crate::matmul::MIN_BATCH;
 use crate::ops::{rms_norm, softmax, Rope};
 use crate::weights::{matvec_many, DotInput, QMatrix};
 
+/// Elements of one dequantized FFN weight tile (per gate / up / down
+/// matrix, f32) in batched passes: bounds prefill scratch, so the planner's
+/// fixed region holds whatever the FFN's placement (results do not depend
+/// on the memory budget).
+pub const FFN_TILE_ELEMS: usize = 1 << 18;
+
 struct Layer<'a> {
     attn_norm: Vec<f32>, // [hidden]
     ffn_norm: Vec<f32>,  // [hidden]
@@ -408,7 +414,7 @@ impl<'a> Model<'a> {
                 work.needed.extend(0..layer.ffn.n_clusters() as u32);
                 self.cache.fetch(l, &work.needed, &mut work.table)?;
                 let src = LayerClusters::Cached { cache: &self.cache, layer: l, table: &work.table };
-                let c = layer.ffn.forward_batch(&src, &xn, mask.as_ref(), &mut x)?;
+                let c = layer.ffn.forward_batch(&src, &xn, mask.as_ref(), FFN_TILE_ELEMS, &mut x)?;
                 tm.ffn_s += t_ffn.elapsed().as_secs_f64();
                 c
             } else {
