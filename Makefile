@@ -7,7 +7,7 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 DEMO_PACK := models/smollm2-q8_0.nflash
 BIN      := target/release
 
-.PHONY: all build model demo test bench quality clean help
+.PHONY: all build model demo test bench bench-offload quality clean help
 
 all: build
 
@@ -18,6 +18,8 @@ help:
 	@echo "make test    - model + build + cargo test (whole workspace)"
 	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s,"
 	@echo "               and sparse vs dense decode of a sparse pack (calibrated on ../shared/data)"
+	@echo "make bench-offload - (root) nflash sparse vs llama.cpp mmap under cgroup v1 memory limits"
+	@echo "               (model + headroom, minus 25/50/75% of the FFN): decode tok/s, hit rate, I/O, kills"
 	@echo "make quality - perplexity vs sparsity for each criterion and predictor (about an hour)"
 
 # Every target (bins, tests, examples) in one build: one feature set, so
@@ -46,6 +48,11 @@ test: model build
 bench: build model
 	bash scripts/bench_setup.sh
 	.venv-bench/bin/python scripts/bench.py --hf-model $(MODEL_DIR) --gguf-src models/.download/SmolLM2-135M-Instruct.Q4_1.gguf
+
+# Needs root (cgroup v1 memory limits, drop_caches); exits 2 with a message otherwise.
+bench-offload: build model
+	bash scripts/bench_setup.sh
+	.venv-bench/bin/python scripts/bench_offload.py --hf-model $(MODEL_DIR) --gguf-src models/.download/SmolLM2-135M-Instruct.Q4_1.gguf
 
 quality: build model
 	bash scripts/quality.sh

@@ -81,6 +81,9 @@ CG_ROOT = Path("/sys/fs/cgroup/memory")
 CG_PREFIX = "nflash-bench-offload"
 MIB = 1 << 20
 ENGINES = ("nflash", "llama.cpp")
+# --llama-repack adds llama.cpp with its default weight handling (see the docstring).
+LLAMA_REPACK = "llama.cpp repack"
+LLAMA_WEIGHTS = {"llama.cpp": "mmap", LLAMA_REPACK: "default"}
 # Limit name -> fraction of the FFN bytes taken away from a = M + H.
 LIMITS = {"a": 0.0, "b": 0.25, "c": 0.5, "d": 0.75}
 TARGET_LIMIT = "c"
@@ -282,11 +285,12 @@ class Runner:
             r["stats"] = json.loads(j.read_text())
         return r
 
-    def llama(self, limit: int | None, baseline: int) -> dict:
+    def llama(self, limit: int | None, baseline: int, weights: str) -> dict:
         a = self.a
         j = self.tmpdir / "llama-stats.json"
         j.unlink(missing_ok=True)
-        cmd = worker_cmd("_llama-run", self.gguf, self.prompt_file, a.tokens, a.threads, a.ctx, j)
+        cmd = worker_cmd("_llama-run", self.gguf, self.prompt_file, a.tokens, a.threads, a.ctx, j,
+                         weights)
         r = run_in_cgroup(cmd, None if limit is None else limit + baseline, a.timeout)
         r["outcome"] = outcome(r, refused_ok=False)
         if r["outcome"] == "ok" and not j.exists():
@@ -329,6 +333,19 @@ def ffn_bytes(prep: Path, pack: Path) -> tuple[int, dict]:
         log(f"note: FFN segments sum to {total} bytes, prep inspect's ffn_bytes says "
             f"{info['ffn_bytes']}; using the segment sum")
     return total, info
+
+
+def read_ahead_kb(path: Path) -> int | None:
+    """read_ahead_kb of the block device holding `path`: the kernel reads up to
+    this much around each major page fault of an mmapped file."""
+    st = os.stat(path)
+    dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    for q in (dev / "queue", dev / ".." / "queue"):
+        try:
+            return int((q / "read_ahead_kb").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def run_probe(a, out: Path) -> Path:
@@ -385,6 +402,10 @@ def parse_args(argv):
                     help="which limits to run, a subset of a,b,c,d (a = M + H, then minus "
                          "25/50/75%% of the FFN bytes); the unlimited rows always run")
     ap.add_argument("--skip-llama", action="store_true", help="only nflash (quick iteration)")
+    ap.add_argument("--llama-repack", action="store_true",
+                    help=f"also run llama.cpp with its default weight handling ('{LLAMA_REPACK}': "
+                         "Q4_0 repacked into anonymous memory, which cannot be paged); it is left "
+                         "out of the headroom H and of the targets")
     ap.add_argument("--out-dir", type=Path, default=REPO / "bench-out/offload",
                     help="results.json, offload.png, probe.toml")
     ap.add_argument("--cache-dir", type=Path, default=REPO / "bench-out",
@@ -473,7 +494,7 @@ def plot(path: Path, summary: dict, limits: dict, engines: list[str], title: str
     except ImportError as e:
         return f"no plot: matplotlib is missing ({e}); run scripts/bench_setup.sh"
     fig, ax = plt.subplots(figsize=(8, 5))
-    colors = {"nflash": "tab:blue", "llama.cpp": "tab:orange"}
+    colors = {"nflash": "tab:blue", "llama.cpp": "tab:orange", LLAMA_REPACK: "tab:red"}
     names = [n for n in LIMITS if n in limits]
     ys_all = []
     for e in engines:
@@ -524,13 +545,15 @@ def main(argv) -> int:
     need_root()
     remove_stale_groups()
     engines = [e for e in ENGINES if not (e == "llama.cpp" and a.skip_llama)]
+    if a.llama_repack:
+        engines.append(LLAMA_REPACK)
 
     for b in (a.nflash, a.prep):
         if not b.exists():
             die(f"{b} not found: run `make build` (cargo build --release) first", 2)
     have_llama_cpp = subprocess.run([sys.executable, "-c", "import llama_cpp"],
                                     capture_output=True).returncode == 0
-    if not have_llama_cpp and not a.skip_llama:
+    if not have_llama_cpp and engines != ["nflash"]:
         die(f"{sys.executable} cannot import llama_cpp: run scripts/bench_setup.sh and use "
             f"{REPO / '.venv-bench/bin/python'} (or --skip-llama)", 2)
     if not a.calib.exists():
@@ -558,6 +581,7 @@ def main(argv) -> int:
     if pack is None:
         die("no sparse pack was made", 2)
     M = gguf.stat().st_size
+    ra_kb = read_ahead_kb(gguf)
     F, inspect = ffn_bytes(a.prep, pack)
     log(f"model M = {M / MIB:.1f} MiB ({gguf.name}); FFN F = {F / MIB:.1f} MiB of {pack.name} "
         f"({pack.stat().st_size / MIB:.1f} MiB)")
@@ -582,7 +606,8 @@ def main(argv) -> int:
             for e in order:
                 busy = wait_idle(a.wait_idle)
                 busy_runs += busy > BUSY_LIMIT
-                r = runner.nflash(limit) if e == "nflash" else runner.llama(limit, baseline)
+                r = (runner.nflash(limit) if e == "nflash"
+                     else runner.llama(limit, baseline, LLAMA_WEIGHTS[e]))
                 r.update(run=i, cpu_busy_before=busy)
                 runs[name][e].append(slim(r))
                 s = r.get("stats") or {}
@@ -606,12 +631,14 @@ def main(argv) -> int:
     log(f"unlimited runs ({a.runs} per engine, cold page cache, cgroups without a limit)")
     measure("unlimited", None, 0)
     base = 0
-    if "llama.cpp" in engines:
-        base = median([r["stats"]["python_baseline_rss_bytes"] for r in runs["unlimited"]["llama.cpp"]
-                       if r["outcome"] == "ok"]) or 0
-        base = int(base)
+    llamas = [e for e in engines if e != "nflash"]
+    if llamas:
+        base = int(median([r["stats"]["python_baseline_rss_bytes"] for e in llamas
+                           for r in runs["unlimited"][e] if r["outcome"] == "ok"]) or 0)
     over = {}
     for e in engines:
+        if e == LLAMA_REPACK:
+            continue
         ok = [r for r in runs["unlimited"][e] if r["outcome"] == "ok"]
         if not ok:
             die(f"every unlimited {e} run failed; see the log above", 1)
@@ -632,7 +659,7 @@ def main(argv) -> int:
         v["llama_cgroup_bytes"] = v["bytes"] + base
         log(f"limit ({n}) = M + H - {LIMITS[n]:.2f} F = {v['bytes'] / MIB:.1f} MiB"
             + (f" (llama.cpp's cgroup: + {base / MIB:.1f} MiB Python = {v['llama_cgroup_bytes'] / MIB:.1f} MiB)"
-               if "llama.cpp" in engines else ""))
+               if llamas else ""))
 
     # 2. The limits, in order.
     for n in a.limits:
@@ -700,10 +727,15 @@ def main(argv) -> int:
     print("x llama = nflash / llama.cpp decode tok/s; KiB read/tok: nflash's own count (--stats-json), "
           "llama.cpp's /proc/self/io read_bytes during decode; peak cg = the cgroup's "
           "max_usage_in_bytes (page cache included), max over runs")
-    if "llama.cpp" in engines:
+    if llamas:
         print(f"llama.cpp runs in a Python process: its cgroup limit is the limit + {base / MIB:.1f} MiB, "
               f"the interpreter's RSS before the model loads (median of the unlimited runs); "
               f"its peak cg includes that.")
+    if llamas:
+        print("llama.cpp reads its weights in place from the mmapped GGUF (load_mode mmap, no "
+              "repacking: llama.cpp's default repacks Q4_0 into an anonymous copy that cannot be "
+              f"paged out; --llama-repack adds that as '{LLAMA_REPACK}'); read-ahead of the disk "
+              f"holding the GGUF: {ra_kb if ra_kb is not None else '?'} KiB per page-fault read.")
     print("unlimited rows: cold page cache too, no memory limit (a cgroup without a limit, only to "
           "measure the peak); nflash without --memory-budget holds the whole pack in memory.")
 
@@ -782,6 +814,8 @@ def main(argv) -> int:
                    "pack_segments": inspect.get("segments")},
         "headroom_bytes_H": H, "headroom_measured_bytes": over,
         "llama_python_baseline_rss_bytes": base,
+        "llama_weights": {e: LLAMA_WEIGHTS[e] for e in engines if e != "nflash"},
+        "gguf_device_read_ahead_kb": ra_kb,
         "limits": limits,
         "probe": {"path": str(probe_path), "source": probe.get("source"), "flash_read": points},
         "summary": summary, "targets": targets, "io_floor": io_floor,

@@ -155,7 +155,11 @@ def worker_tokenize(gguf: str, texts_json: str) -> None:
 
 
 def worker_llama_run(gguf: str, prompt_file: str, n_gen: int, threads: int, n_ctx: int,
-                     out_json: str) -> None:
+                     out_json: str, weights: str = "default") -> None:
+    """weights: "default" = llama.cpp's defaults (on this CPU, Q4_0 weights are
+    repacked into an 8x8-interleaved copy in anonymous memory: faster kernels,
+    but that copy cannot be paged out); "mmap" = weights used in place from the
+    mmapped file (no repacking), so the kernel can evict and re-read them."""
     import ctypes
 
     import llama_cpp as L
@@ -163,6 +167,11 @@ def worker_llama_run(gguf: str, prompt_file: str, n_gen: int, threads: int, n_ct
     baseline_kib = _status_kib("VmRSS")  # Python + numpy + llama_cpp, no model yet
     L.llama_backend_init()
     mp = L.llama_model_default_params()
+    if weights == "mmap":
+        mp.load_mode = L.LLAMA_LOAD_MODE_MMAP
+        mp.use_extra_bufts = False
+    elif weights != "default":
+        die(f"unknown weights mode {weights!r} (default, mmap)")
     model = L.llama_model_load_from_file(gguf.encode(), mp)
     if not model:
         die(f"cannot load {gguf}")
@@ -226,6 +235,9 @@ def worker_llama_run(gguf: str, prompt_file: str, n_gen: int, threads: int, n_ct
         "vm_hwm_bytes": _status_kib("VmHWM") * 1024,
         "python_baseline_rss_bytes": baseline_kib * 1024,
         "flash_attn_type": int(cp.flash_attn_type),
+        "weights": weights,
+        "load_mode": int(mp.load_mode),
+        "use_extra_bufts": bool(mp.use_extra_bufts),
         # Decode only (after the prompt): storage reads (/proc/self/io read_bytes,
         # which counts mmap page-fault reads) and major page faults, per token.
         "bytes_read_per_token": (io1 - io0) / len(lat_ms) if io0 is not None and lat_ms else None,
@@ -242,7 +254,7 @@ def worker_llama_run(gguf: str, prompt_file: str, n_gen: int, threads: int, n_ct
 WORKERS = {
     "_quantize": lambda a: worker_quantize(a[0], a[1], a[2], int(a[3])),
     "_tokenize": lambda a: worker_tokenize(a[0], a[1]),
-    "_llama-run": lambda a: worker_llama_run(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), a[5]),
+    "_llama-run": lambda a: worker_llama_run(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), a[5], *a[6:7]),
 }
 
 

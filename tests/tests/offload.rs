@@ -186,3 +186,62 @@ fn stats_json_reports_latency_percentiles_and_cache_figures() {
     assert!(f("bytes_read_per_token") > 0.0);
     assert!((0.0..=1.0).contains(&f("io_wait_share")));
 }
+
+/// A profile with the given random-read bandwidth at every block size, MB/s.
+fn profile(read_mb_s: f64) -> nflash_format::DeviceProfile {
+    nflash_format::DeviceProfile::parse(&format!(
+        r#"
+name = "test device"
+source = "test"
+[memory]
+total_bytes = 8589934592
+available_bytes = 4294967296
+bandwidth_gb_s = 10.0
+[cpu]
+cores = [{{ class = "x", count = 2, ghz = 2.0 }}]
+q4_0_matvec_gb_s_1t = 2.0
+[flash]
+io_queues = 1
+read = [{{ block_bytes = 4096, in_flight = 1, random_mb_s = {read_mb_s}, sequential_mb_s = {read_mb_s} }}]
+"#
+    ))
+    .unwrap()
+}
+
+#[test]
+fn the_planner_fills_the_budget_hot_first_and_bounds_the_hot_set_by_io_time() {
+    use nflash_runtime::planner::{fixed_region, plan, PlanRequest};
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
+    let p = Pack::open(&path).unwrap();
+    let m = p.manifest();
+    let req = |budget: u64| PlanRequest { budget_bytes: budget, ctx: 64, threads: 2, io_threads: None };
+    let fixed = fixed_region(m, 64).total();
+    let ffn: u64 = m.segments.iter().filter(|s| s.kind == nflash_format::SegmentKind::Ffn).map(|s| s.bytes).sum();
+    let slow = profile(1.0);
+    // Everything fits: all hot, no cold region.
+    let all = plan(m, &slow, &req(fixed + 2 * ffn)).unwrap();
+    assert!(all.hot_neurons.iter().zip(&m.ffn).all(|(&h, f)| h == f.n_neurons));
+    assert_eq!(all.cold_bytes, 0);
+    // Less memory: fewer hot neurons, never more memory than the budget, and
+    // the hot set grows with the budget.
+    let mut last = 0u64;
+    // (With 3 layers, two layers' cold clusters are staged first, so hot starts above 2/3.)
+    for frac in [0.75, 0.85, 0.95] {
+        let b = fixed + (ffn as f64 * frac) as u64;
+        let pl = plan(m, &slow, &req(b)).unwrap();
+        let hot: u64 = pl.hot_neurons.iter().map(|&h| h as u64).sum();
+        assert!(pl.fixed_bytes + pl.hot_bytes + pl.cold_bytes <= b, "plan exceeds its budget: {pl:?}");
+        assert!(hot >= last && hot > 0, "hot set must grow with the budget: {hot} after {last}");
+        assert!(pl.hot_neurons.iter().zip(&m.ffn).all(|(&h, f)| h <= f.n_neurons));
+        last = hot;
+    }
+    // A disk fast enough that misses hide behind attention: no hot set is
+    // needed, and the memory goes to the cold cache instead.
+    let fast = plan(m, &profile(1e9), &req(fixed + ffn * 9 / 10)).unwrap();
+    assert!(fast.hot_neurons.iter().all(|&h| h == 0), "{:?}", fast.hot_neurons);
+    assert!(fast.cold_bytes > ffn / 2);
+    // Below the fixed region: refused, saying by how much.
+    let e = plan(m, &slow, &req(fixed - 1)).unwrap_err().to_string();
+    assert!(e.contains("short of the fixed region") && e.contains("1 bytes"), "{e}");
+}

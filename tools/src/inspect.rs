@@ -56,6 +56,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             "ffn_dtype": ffn_dtype,
             "ffn_clusters": clusters,
             "sparse": sparse_json(m),
+            "plan": m.plan.as_ref().map(|p| serde_json::to_value(p)).transpose()?,
             "tensor_types": types.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
@@ -105,6 +106,10 @@ pub fn run(a: InspectArgs) -> Result<()> {
         );
     }
     print_sparse(m);
+    match &m.plan {
+        Some(p) => println!("{}", nflash_runtime::planner::describe(p, m)),
+        None => println!("plan: none (convert with --device PROFILE [--memory-budget SIZE] to plan memory for a device)"),
+    }
     println!("segments:");
     let ffn_segs: Vec<_> = m.segments.iter().filter(|s| s.kind == SegmentKind::Ffn).collect();
     for s in m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn) {

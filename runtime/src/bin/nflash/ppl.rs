@@ -8,6 +8,7 @@ use nflash_runtime::sparse::SparsitySummary;
 use nflash_runtime::{ppl, Engine};
 
 use crate::common::{in_pool, open_pack, read_text};
+use crate::memory::{resolve, MemoryArgs};
 
 /// Arguments of `nflash ppl`.
 #[derive(Args)]
@@ -36,6 +37,8 @@ pub struct PplArgs {
     /// Evaluate a sparse pack densely (every FFN neuron), for comparison.
     #[arg(long)]
     dense: bool,
+    #[command(flatten)]
+    memory: MemoryArgs,
 }
 
 pub fn run(a: PplArgs) -> Result<()> {
@@ -45,7 +48,8 @@ pub fn run(a: PplArgs) -> Result<()> {
 fn run_in_pool(a: PplArgs) -> Result<()> {
     let text = read_text(&a.file)?;
     let pack = open_pack(&a.model, a.verify)?;
-    let mut engine = Engine::load(&pack)?;
+    let (cache, _) = resolve(&pack, &a.memory, a.ctx, rayon::current_num_threads())?;
+    let mut engine = Engine::load_with(&pack, &cache)?;
     engine.model.set_dense(a.dense);
     let mut tokens = engine.tokenizer.encode(&text, false)?;
     if let Some(m) = a.max_tokens {
