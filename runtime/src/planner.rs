@@ -33,6 +33,15 @@ pub const RUNTIME_BASE_BYTES: u64 = 24 << 20;
 /// plus the transient JSON parse at load) as a multiple of its JSON size.
 pub const TOKENIZER_FACTOR: u64 = 6;
 
+/// Parses a byte size for the command line: `96MiB`, `1.5GiB`, `100MB`
+/// (10⁸), or plain bytes (the `parse-size` crate's syntax).
+///
+/// # Errors
+/// A message with examples.
+pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    parse_size::parse_size(s).map_err(|e| format!("{e}: expected a size such as 96MiB, 1.5GiB, 100MB or 1048576"))
+}
+
 /// What to plan for.
 #[derive(Debug, Clone)]
 pub struct PlanRequest {
@@ -285,7 +294,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
     }
     let embed: u64 = m.tensors.iter().filter(|t| t.name == "lm_head.weight" || (m.config.tie_word_embeddings && t.name == "model.embed_tokens.weight")).map(|t| t.bytes).sum();
     token_s += embed as f64 / matvec;
-    let io_threads = req.io_threads.unwrap_or_else(|| dev.flash.io_queues.min(4)).max(1);
+    let io_threads = req.io_threads.unwrap_or_else(|| dev.flash.io_queues.min(2)).max(1);
     let hot_neurons = hot
         .iter()
         .zip(&m.ffn)

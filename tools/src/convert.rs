@@ -42,7 +42,7 @@ pub struct DeviceArgs {
     #[arg(long)]
     device: Option<PathBuf>,
     /// Whole-process memory budget on the device (e.g. 96MiB, 4GiB); default: the profile's available memory.
-    #[arg(long, requires = "device", value_parser = parse_bytes)]
+    #[arg(long, requires = "device", value_parser = nflash_runtime::planner::parse_bytes)]
     memory_budget: Option<u64>,
     /// Context length (tokens) the KV cache is planned for; default min(4096, the model's maximum), as `nflash run`.
     #[arg(long, requires = "device")]
@@ -52,10 +52,6 @@ pub struct DeviceArgs {
     threads: Option<u32>,
 }
 
-/// A byte size: `96MiB`, `1.5GiB`, `100MB` (10⁸), or plain bytes.
-fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
-    parse_size::parse_size(s).map_err(|e| format!("{e}: expected a size such as 96MiB, 1.5GiB, 100MB or 1048576"))
-}
 
 /// Sparse-pack options: without `--calib` or `--profile` the pack is dense.
 #[derive(Args)]

@@ -4,16 +4,12 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use nflash_format::{DeviceProfile, Pack, Plan};
 use nflash_runtime::cache::CacheConfig;
-use nflash_runtime::planner::{self, PlanRequest};
+use nflash_runtime::planner::{self, parse_bytes, PlanRequest};
 
 /// The profile used when the pack has no plan and no --device is given:
 /// this repository's `profiles/dev-host.toml`, measured by `nflash probe`.
 const DEFAULT_PROFILE: &str = include_str!("../../../../profiles/dev-host.toml");
 
-/// A byte size: `96MiB`, `1.5GiB`, `100MB` (10⁸), or plain bytes.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    parse_size::parse_size(s).map_err(|e| format!("{e}: expected a size such as 96MiB, 1.5GiB, 100MB or 1048576"))
-}
 
 /// Memory options (PowerInfer-2's segmented neuron cache; SPEC §4.6).
 #[derive(Args, Clone, Debug)]
