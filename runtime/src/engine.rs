@@ -36,6 +36,16 @@ impl<'a> Engine<'a> {
     /// # Errors
     /// As [`Self::load`].
     pub fn load_with(pack: &'a Pack, cache: &crate::cache::CacheConfig) -> Result<Self> {
+        Self::load_planned(pack, || Ok(cache.clone()))
+    }
+
+    /// As [`Self::load_with`], with the cache layout chosen by `plan` once
+    /// the resident tensors and tokenizer are in memory, so that it can
+    /// measure the process's footprint ([`crate::stats::rss_bytes`]).
+    ///
+    /// # Errors
+    /// As [`Self::load`], and `plan`'s error.
+    pub fn load_planned(pack: &'a Pack, plan: impl FnOnce() -> Result<crate::cache::CacheConfig>) -> Result<Self> {
         // The tokenizer and resident segments are read whole at start anyway,
         // so their checksums are always checked (cheap next to the read);
         // FFN segments are checked by `nflash run --verify` / `prep verify`.
@@ -44,8 +54,8 @@ impl<'a> Engine<'a> {
                 pack.verify_segment(i as u32)?;
             }
         }
-        let model = Model::load_with(pack, cache)?;
         let tokenizer = Tokenizer::from_json(&pack.tokenizer_json()?)?;
+        let model = Model::load_with(pack, &plan()?)?;
         let vocab = model.cfg.vocab_size;
         if tokenizer.vocab_size() as u64 > vocab {
             return Err(Error::TokenOutOfRange {

@@ -1,8 +1,10 @@
-//! `nflash-runtime`: run a `.nflash` pack — mmap it, keep attention and
-//! FFN neuron clusters as views of the file, and generate text.
+//! `nflash-runtime`: run a `.nflash` pack within a memory budget — read the
+//! resident tensors, pin hot FFN neuron clusters, fetch cold ones from flash
+//! through the neuron cache ([`cache`]) and the I/O pipeline ([`io`]), and
+//! generate text.
 //!
-//! Entry points: [`nflash_format::Pack::open`], [`Engine::load`],
-//! [`generate::generate`], [`ppl::perplexity`].
+//! Entry points: [`nflash_format::Pack::open_resident`], [`planner::plan`],
+//! [`Engine::load_with`], [`generate::generate`], [`ppl::perplexity`].
 
 pub mod cache;
 pub mod chat;

@@ -33,6 +33,12 @@ pub const RUNTIME_BASE_BYTES: u64 = 24 << 20;
 /// plus the transient JSON parse at load) as a multiple of its JSON size.
 pub const TOKENIZER_FACTOR: u64 = 6;
 
+/// Memory the runtime touches after it has measured itself at start (code
+/// of the compute kernels, thread stacks, allocator slack), bytes. Measured
+/// on SmolLM2-135M as peak RSS minus the start-up RSS, the hot and cold
+/// regions, the KV cache in use and the scratch estimate: about 4 MiB.
+pub const RUNTIME_MARGIN_BYTES: u64 = 6 << 20;
+
 /// Parses a byte size for the command line: `96MiB`, `1.5GiB`, `100MB`
 /// (10⁸), or plain bytes (the `parse-size` crate's syntax).
 ///
@@ -53,6 +59,10 @@ pub struct PlanRequest {
     pub threads: u32,
     /// I/O threads; `None` = from the profile (its I/O queues, at most 2).
     pub io_threads: Option<u32>,
+    /// The process's resident memory measured with the resident tensors and
+    /// tokenizer loaded, bytes (`nflash run` measures itself); replaces the
+    /// estimate of the resident + runtime part of the fixed region.
+    pub measured_rss_bytes: Option<u64>,
 }
 
 /// The fixed region of a pack at a context length, bytes, with its parts.
@@ -87,8 +97,10 @@ impl FixedRegion {
     }
 }
 
-/// The fixed region of `m` at context `ctx` (see the module docs).
-pub fn fixed_region(m: &Manifest, ctx: u32) -> FixedRegion {
+/// The fixed region of `m` at context `ctx` (see the module docs); with
+/// `measured_rss` (bytes, resident tensors and tokenizer loaded) the runtime
+/// part is that measurement less the resident segments, plus [`RUNTIME_MARGIN_BYTES`].
+pub fn fixed_region(m: &Manifest, ctx: u32, measured_rss: Option<u64>) -> FixedRegion {
     let c = &m.config;
     let (h, qd, kvd) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     let resident = m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn).map(|s| s.bytes).sum();
@@ -101,7 +113,10 @@ pub fn fixed_region(m: &Manifest, ctx: u32) -> FixedRegion {
     let tile = 3 * tile_rows * h * 4 + 4 * n * tile_rows * 4 + 2 * n * h * 4;
     let scores = n * ctx as u64 * 4;
     let scratch = activations + tile + scores + 2 * c.vocab_size * 4 + n * c.intermediate_size;
-    let runtime = RUNTIME_BASE_BYTES + TOKENIZER_FACTOR * m.tokenizer.json_bytes;
+    let runtime = match measured_rss {
+        Some(rss) => rss.saturating_sub(resident) + RUNTIME_MARGIN_BYTES,
+        None => RUNTIME_BASE_BYTES + TOKENIZER_FACTOR * m.tokenizer.json_bytes,
+    };
     FixedRegion { resident, kv, scratch, runtime }
 }
 
@@ -184,7 +199,7 @@ pub fn choose_cluster_bytes(dev: &DeviceProfile, bundle_bytes: u64, p: &[f64]) -
 /// [`nflash_format::Error::Budget`] (wrapped) if the fixed region alone
 /// exceeds the budget, saying by how much.
 pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan> {
-    let fixed = fixed_region(m, req.ctx);
+    let fixed = fixed_region(m, req.ctx, req.measured_rss_bytes);
     let budget = req.budget_bytes;
     if fixed.total() > budget {
         let short = fixed.total() - budget;

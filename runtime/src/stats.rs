@@ -1,5 +1,27 @@
 //! Process-level measurements.
 
+/// Current resident set size of this process, bytes (`VmRSS`); `None`
+/// where `/proc/self/status` does not exist.
+pub fn rss_bytes() -> Option<u64> {
+    status_kib("VmRSS:").map(|k| k * 1024)
+}
+
+/// Releases freed heap memory to the system (glibc `malloc_trim`), so that
+/// load-time transients do not count as resident; a no-op elsewhere.
+pub fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free pages of the heap to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+fn status_kib(key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// Peak resident set size of this process, bytes (`VmHWM` in
 /// `/proc/self/status`); `None` where that file does not exist.
 pub fn peak_rss_bytes() -> Option<u64> {

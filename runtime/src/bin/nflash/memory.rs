@@ -42,7 +42,9 @@ pub struct MemoryArgs {
 /// → plan now with `--device` / the pack's device / dev-host; no flag but a
 /// stored plan → the stored plan (re-planned if `ctx` or `threads` differ);
 /// then the override flags.
-pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize) -> Result<(CacheConfig, Option<Plan>)> {
+/// `measured_rss`: the process's resident bytes now (resident tensors and
+/// tokenizer loaded), used instead of the planner's estimate of them.
+pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize, measured_rss: Option<u64>) -> Result<(CacheConfig, Option<Plan>)> {
     let m = pack.manifest();
     let device = match &a.device {
         Some(p) => Some(DeviceProfile::load(p)?),
@@ -56,12 +58,12 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize) -> Resul
                 (None, Some(p)) => p.device.clone(),
                 (None, None) => DeviceProfile::parse(DEFAULT_PROFILE).map_err(anyhow::Error::msg).context("built-in dev-host profile")?,
             };
-            Some(planner::plan(m, &dev, &PlanRequest { budget_bytes: budget, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32) })?)
+            Some(planner::plan(m, &dev, &PlanRequest { budget_bytes: budget, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32), measured_rss_bytes: measured_rss })?)
         }
-        (None, Some(p)) if p.ctx as usize == ctx && p.threads as usize == threads && device.is_none() => Some(p.clone()),
+        (None, Some(p)) if p.ctx as usize == ctx && p.threads as usize == threads && device.is_none() && measured_rss.is_none() => Some(p.clone()),
         (None, Some(p)) => {
             let dev = device.unwrap_or_else(|| p.device.clone());
-            Some(planner::plan(m, &dev, &PlanRequest { budget_bytes: p.memory_budget_bytes, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32) })?)
+            Some(planner::plan(m, &dev, &PlanRequest { budget_bytes: p.memory_budget_bytes, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32), measured_rss_bytes: measured_rss })?)
         }
     };
     let mut cfg = plan.as_ref().map_or_else(|| CacheConfig::all_hot(pack), planner::cache_config);

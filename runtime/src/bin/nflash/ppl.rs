@@ -48,8 +48,12 @@ pub fn run(a: PplArgs) -> Result<()> {
 fn run_in_pool(a: PplArgs) -> Result<()> {
     let text = read_text(&a.file)?;
     let pack = open_pack(&a.model, a.verify)?;
-    let (cache, _) = resolve(&pack, &a.memory, a.ctx, rayon::current_num_threads())?;
-    let mut engine = Engine::load_with(&pack, &cache)?;
+    let mut engine = Engine::load_planned(&pack, || {
+        nflash_runtime::stats::trim_heap();
+        let (cache, _) = resolve(&pack, &a.memory, a.ctx, rayon::current_num_threads(), nflash_runtime::stats::rss_bytes())
+            .map_err(|e| nflash_runtime::Error::Usage(format!("{e:#}")))?;
+        Ok(cache)
+    })?;
     engine.model.set_dense(a.dense);
     let mut tokens = engine.tokenizer.encode(&text, false)?;
     if let Some(m) = a.max_tokens {

@@ -95,13 +95,21 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     let pack = open_pack(&a.model, a.verify)?;
     let max_pos = pack.manifest().config.max_position_embeddings as usize;
     let ctx = a.ctx.unwrap_or(max_pos.min(4096));
-    let (cache, plan) = resolve(&pack, &a.memory, ctx, rayon::current_num_threads())?;
+    // Plan once the resident tensors and tokenizer are loaded, from the
+    // process's measured footprint.
+    let mut plan = None;
+    let mut engine = Engine::load_planned(&pack, || {
+        nflash_runtime::stats::trim_heap();
+        let (cache, p) = resolve(&pack, &a.memory, ctx, rayon::current_num_threads(), nflash_runtime::stats::rss_bytes())
+            .map_err(|e| nflash_runtime::Error::Usage(format!("{e:#}")))?;
+        plan = p;
+        Ok(cache)
+    })?;
     if a.stats {
         if let Some(p) = &plan {
             eprintln!("{}", nflash_runtime::planner::describe(p, pack.manifest()));
         }
     }
-    let mut engine = Engine::load_with(&pack, &cache)?;
     engine.model.set_dense(a.dense);
     if ctx > max_pos {
         eprintln!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); quality past it is not guaranteed");
