@@ -284,7 +284,9 @@ impl NeuronCache {
                 at += n;
             }
         }
-        let n_slots = if max_cold == 0 { 0 } else { (cfg.cold_bytes.max(max_cold) / slot_bytes) as usize };
+        // At least one layer's cold clusters; at most every cold cluster (more is never used).
+        let all_cold: usize = layers.iter().map(|l| l.clusters.len() - l.hot).sum();
+        let n_slots = if max_cold == 0 { 0 } else { (cfg.cold_bytes.max(max_cold) / slot_bytes).min(all_cold as u64) as usize };
         let n_slots = n_slots.max(layers.iter().map(|l| l.clusters.len() - l.hot).max().unwrap_or(0));
         let shared = Arc::new(Shared {
             flash,

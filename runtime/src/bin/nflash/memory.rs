@@ -68,7 +68,7 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize, measured
     };
     let mut cfg = plan.as_ref().map_or_else(|| CacheConfig::all_hot(pack), planner::cache_config);
     if let Some(f) = a.hot_fraction {
-        if !(0.0..=1.0).contains(&f) {
+        if !(0.0..=1.0).contains(&f) || f.is_nan() {
             bail!("--hot-fraction {f} is outside [0, 1]");
         }
         cfg.hot_neurons = m.ffn.iter().map(|l| (l.n_neurons as f64 * f).round() as u32).collect();
@@ -81,6 +81,22 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize, measured
             bail!("--io-threads must be between 1 and 64");
         }
         cfg.io_threads = n;
+    }
+    if let (Some(p), true) = (&plan, a.hot_fraction.is_some() || a.cold_cache.is_some()) {
+        let hot: u64 = m
+            .ffn
+            .iter()
+            .zip(&cfg.hot_neurons)
+            .map(|(f, &h)| f.clusters.iter().filter(|c| c.first + c.n_neurons <= h).map(|c| nflash_runtime::flash::align_up(c.n_neurons as u64 * f.bundle.bundle_bytes)).sum::<u64>())
+            .sum();
+        let need = p.fixed_bytes + hot + cfg.cold_bytes;
+        if need > p.memory_budget_bytes {
+            eprintln!(
+                "warning: --hot-fraction/--cold-cache need about {:.1} MiB, more than the {:.1} MiB budget; the process may exceed it",
+                need as f64 / (1u64 << 20) as f64,
+                p.memory_budget_bytes as f64 / (1u64 << 20) as f64
+            );
+        }
     }
     Ok((cfg, plan))
 }
