@@ -94,14 +94,21 @@ pub enum Error {
     #[error("device profile {path}: {reason}; fix the file or measure one with `nflash probe --out FILE`")]
     Profile { path: PathBuf, reason: String },
     /// A memory budget the planner cannot meet (SPEC §4.6).
-    #[error("memory budget {budget} bytes ({budget_mib:.1} MiB) is {short} bytes ({short_mib:.1} MiB) short of the fixed region alone ({fixed} bytes: {detail}); raise --memory-budget to at least {fixed} bytes or lower --ctx")]
+    #[error("memory budget {budget_mib:.1} MiB is {short_mib:.1} MiB short of the minimum {need_mib:.1} MiB ({detail}); use --memory-budget {suggest_mib}MiB or more{ctx_hint}")]
     Budget {
+        /// The budget, bytes.
         budget: u64,
         budget_mib: f64,
-        fixed: u64,
-        short: u64,
+        /// The minimum: fixed region plus one layer's FFN staging, bytes.
+        need: u64,
+        need_mib: f64,
         short_mib: f64,
+        /// The parts of the minimum.
         detail: String,
+        /// A budget that fits with a 2 % margin, MiB.
+        suggest_mib: u64,
+        /// `, or lower --ctx to N or less` when a smaller context would fit.
+        ctx_hint: String,
     },
     /// A writer-side misuse (e.g. a row length not a multiple of the block size).
     #[error("cannot write pack: {0}")]

@@ -55,7 +55,14 @@ pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMu
     let mut top1 = Vec::with_capacity(tokens.len());
     for (wi, w) in windows.iter().enumerate() {
         let mut kv = model.new_kv_cache(w.len());
-        let hidden = model.forward_with(&mut kv, w, crate::model::Pass::Evaluate)?;
+        // The window in nearly equal parts of at most PREFILL_CHUNK tokens
+        // (scratch bounded as in generation, each part batched).
+        let parts = w.len().div_ceil(crate::generate::PREFILL_CHUNK);
+        let mut hidden = Vec::with_capacity(w.len() * h);
+        for p in 0..parts {
+            let (lo, hi) = (p * w.len() / parts, (p + 1) * w.len() / parts);
+            hidden.extend(model.forward_with(&mut kv, &w[lo..hi], crate::model::Pass::Evaluate)?);
+        }
         // Logits in chunks of 32 positions to bound memory.
         for (ci, hs) in hidden[..(w.len() - 1) * h].chunks(32 * h).enumerate() {
             let logits = model.logits_batch(hs);

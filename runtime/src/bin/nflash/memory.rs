@@ -28,7 +28,7 @@ pub struct MemoryArgs {
     /// Override the plan: fraction of each layer's FFN neurons pinned hot (0–1, whole clusters).
     #[arg(long)]
     pub hot_fraction: Option<f64>,
-    /// Override the plan: cold neuron cache size (e.g. 8MiB); at least one layer's cold clusters.
+    /// Override the plan: cold neuron cache size (e.g. 8MiB); raised to one layer's cold clusters if smaller.
     #[arg(long, value_parser = parse_bytes)]
     pub cold_cache: Option<u64>,
     /// Override the plan: I/O threads reading neuron clusters.
@@ -91,9 +91,12 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize, measured
             .sum();
         let need = p.fixed_bytes + hot + cfg.cold_bytes;
         if need > p.memory_budget_bytes {
-            eprintln!(
-                "warning: --hot-fraction/--cold-cache need about {:.1} MiB, more than the {:.1} MiB budget; the process may exceed it",
+            bail!(
+                "--hot-fraction/--cold-cache need about {:.1} MiB (fixed region {:.1} MiB + hot {:.1} MiB + cold {:.1} MiB), more than the {:.1} MiB memory budget; lower them or raise --memory-budget",
                 need as f64 / (1u64 << 20) as f64,
+                p.fixed_bytes as f64 / (1u64 << 20) as f64,
+                hot as f64 / (1u64 << 20) as f64,
+                cfg.cold_bytes as f64 / (1u64 << 20) as f64,
                 p.memory_budget_bytes as f64 / (1u64 << 20) as f64
             );
         }

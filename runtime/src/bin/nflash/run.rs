@@ -94,7 +94,8 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     }
     let pack = open_pack(&a.model, a.verify)?;
     let max_pos = pack.manifest().config.max_position_embeddings as usize;
-    let ctx = a.ctx.unwrap_or(max_pos.min(4096));
+    // Default context: the one the pack's plan was made for, else min(4096, the model's).
+    let ctx = a.ctx.or(pack.manifest().plan.as_ref().map(|p| p.ctx as usize)).unwrap_or(max_pos.min(4096));
     // Plan once the resident tensors and tokenizer are loaded, from the
     // process's measured footprint.
     let mut plan = None;
@@ -107,9 +108,10 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     })?;
     if a.stats {
         if let Some(p) = &plan {
-            eprintln!("{}", nflash_runtime::planner::describe(p, pack.manifest()));
+            eprintln!("{} (planned at start from this process's measured footprint)", nflash_runtime::planner::describe(p, pack.manifest()));
         }
     }
+    let budget = plan.as_ref().map(|p| p.memory_budget_bytes);
     engine.model.set_dense(a.dense);
     if ctx > max_pos {
         eprintln!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); quality past it is not guaranteed");
@@ -136,7 +138,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     };
     let mut kv = engine.model.new_kv_cache(ctx);
     let Some(prompt) = prompt else {
-        return interactive(&engine, &mut kv, &mut sampler, &opts, &a);
+        return interactive(&engine, &mut kv, &mut sampler, &opts, &a, budget);
     };
     if prompt.trim().is_empty() {
         match &a.prompt_file {
@@ -166,10 +168,11 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         let _ = stdout.flush();
     })?;
     let _ = writeln!(stdout);
-    report(&a, &st, &engine.model)
+    report(&a, &st, &engine.model, budget)
 }
 
-fn report(a: &RunArgs, st: &GenStats, model: &Model) -> Result<()> {
+/// Prints / writes the stats; `budget`: the memory budget in force, bytes.
+fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Result<()> {
     let (counts, tm) = model.counters();
     let sparse = model.is_sparse_pack() && !a.dense;
     // Dense decode reports 0% (every neuron read and computed).
@@ -252,7 +255,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model) -> Result<()> {
             "hot_bytes": hot_b,
             "cold_bytes": cold_b,
             "o_direct": direct,
-            "memory_budget_bytes": a.memory.memory_budget,
+            "memory_budget_bytes": budget,
         });
         std::fs::write(path, format!("{j}\n"))
             .with_context(|| format!("cannot write {}", path.display()))?;
@@ -268,6 +271,7 @@ fn interactive(
     sampler: &mut Sampler,
     opts: &GenerateOptions,
     a: &RunArgs,
+    budget: Option<u64>,
 ) -> Result<()> {
     let system = a.system.as_deref();
     let template = engine
@@ -309,7 +313,7 @@ fn interactive(
                 continue;
             }
         };
-        report(a, &st, &engine.model)?;
+        report(a, &st, &engine.model, budget)?;
         cached.extend_from_slice(new);
         cached.extend_from_slice(&out);
         // The last sampled token was never run through the model.
