@@ -104,17 +104,23 @@ impl DeviceProfile {
     /// too large, not valid TOML, misses a field, or has impossible values.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+        let unreadable = |e: std::io::Error| Error::Profile { path: path.to_path_buf(), reason: format!("cannot read it ({e})") };
+        let meta = std::fs::metadata(path).map_err(unreadable)?;
+        if meta.is_dir() {
+            return Err(Error::Profile { path: path.to_path_buf(), reason: "is a directory, not a TOML file".into() });
+        }
+        let len = meta.len();
         if len > MAX_PROFILE_BYTES {
             return Err(Error::Profile {
                 path: path.to_path_buf(),
                 reason: format!("{len} bytes; a device profile is a small TOML file"),
             });
         }
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = std::fs::read_to_string(path).map_err(unreadable)?;
         Self::parse(&text).map_err(|reason| Error::Profile {
             path: path.to_path_buf(),
-            reason,
+            // TOML errors quote the offending line; keep messages readable.
+            reason: if reason.chars().count() > 600 { format!("{}…", reason.chars().take(600).collect::<String>()) } else { reason },
         })
     }
 

@@ -263,6 +263,27 @@ impl<'a> Model<'a> {
     }
 
     /// A KV cache for `capacity` tokens.
+    /// A KV cache for `capacity` tokens, or an error if its memory cannot be reserved.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] naming the size and `--ctx`.
+    pub fn try_new_kv_cache(&self, capacity: usize) -> Result<KvCache> {
+        let kvd = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
+        let bytes = KvCache::bytes_at_capacity(self.layers.len(), kvd, capacity);
+        // Reserve once to see whether the system grants it (pages are only touched as tokens fill).
+        let elems = capacity.checked_mul(kvd).and_then(|e| e.checked_mul(2 * self.layers.len()));
+        let ok = elems.is_some_and(|e| Vec::<f32>::new().try_reserve_exact(e).is_ok());
+        if !ok {
+            return Err(Error::Usage(format!(
+                "cannot reserve the KV cache for a context of {capacity} tokens ({:.1} MiB); lower --ctx",
+                bytes as f64 / (1u64 << 20) as f64
+            )));
+        }
+        Ok(self.new_kv_cache(capacity))
+    }
+
+    /// A KV cache for `capacity` tokens (aborts if the memory cannot be
+    /// reserved; see [`Self::try_new_kv_cache`]).
     pub fn new_kv_cache(&self, capacity: usize) -> KvCache {
         KvCache::new(
             self.layers.len(),
@@ -480,6 +501,11 @@ impl<'a> Model<'a> {
     /// # Errors
     /// [`Error::NonFinite`].
     pub fn checked_logits(&self, hidden: &[f32], position: usize) -> Result<Vec<f32>> {
+        // Checked before the output projection: quantizing its input for the
+        // Q8_0 dot turns NaN into 0, which would give finite, flat logits.
+        if !hidden.iter().all(|v| v.is_finite()) {
+            return Err(Error::NonFinite { position });
+        }
         let l = self.logits(hidden);
         if l.iter().all(|v| v.is_finite()) {
             Ok(l)

@@ -63,6 +63,9 @@ pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMu
             let (lo, hi) = (p * w.len() / parts, (p + 1) * w.len() / parts);
             hidden.extend(model.forward_with(&mut kv, &w[lo..hi], crate::model::Pass::Evaluate)?);
         }
+        if !hidden.iter().all(|v| v.is_finite()) {
+            return Err(Error::NonFinite { position: 0 });
+        }
         // Logits in chunks of 32 positions to bound memory.
         for (ci, hs) in hidden[..(w.len() - 1) * h].chunks(32 * h).enumerate() {
             let logits = model.logits_batch(hs);

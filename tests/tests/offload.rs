@@ -245,3 +245,42 @@ fn the_planner_fills_the_budget_hot_first_and_bounds_the_hot_set_by_io_time() {
     let e = plan(m, &slow, &req(fixed - 1)).unwrap_err().to_string();
     assert!(e.contains("short of the minimum") && e.contains("fixed region"), "{e}");
 }
+
+#[test]
+fn damaged_weights_huge_contexts_and_clobbering_outputs_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
+    let m = path.to_str().unwrap();
+    // NaN scales (0xFFFF as f16) in layer 0's FFN: an error pointing to --verify, not flat garbage.
+    let bad = dir.path().join("bad.nflash");
+    std::fs::copy(&path, &bad).unwrap();
+    let seg = Pack::open(&path).unwrap().manifest().segments.iter().find(|s| s.name == "ffn.0").unwrap().clone();
+    let mut bytes = std::fs::read(&bad).unwrap();
+    bytes[seg.offset as usize..(seg.offset + seg.bytes) as usize].fill(0xFF);
+    std::fs::write(&bad, &bytes).unwrap();
+    let o = run("nflash", &["run", "--model", bad.to_str().unwrap(), "--prompt", "a b", "--max-tokens", "3", "--temperature", "0"]);
+    assert_fails("NaN weights", &o, &["non-finite", "--verify"]);
+    // A context whose KV cache cannot be reserved: an error, not an abort.
+    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--ctx", "4000000000000"]);
+    assert_fails("huge --ctx", &o, &["KV cache", "--ctx"]);
+    // --stats-json naming the pack would destroy it: refused before any work.
+    let before = std::fs::read(&path).unwrap();
+    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--stats-json", m]);
+    assert_fails("--stats-json = --model", &o, &["--stats-json", "input"]);
+    assert_eq!(std::fs::read(&path).unwrap(), before, "the pack was modified");
+    // prep convert --out onto a checkpoint file: refused, checkpoint intact.
+    let st = dir.path().join("ckpt/model.safetensors");
+    let before = std::fs::read(&st).unwrap();
+    let o = run("prep", &["convert", "--model", dir.path().join("ckpt").to_str().unwrap(), "--out", st.to_str().unwrap()]);
+    assert_fails("--out inside the checkpoint", &o, &["checkpoint", "choose another path"]);
+    assert_eq!(std::fs::read(&st).unwrap(), before, "the checkpoint was modified");
+    // Plans that could never run are not written.
+    let profile = repo_root().join("profiles/dev-host.toml");
+    for bad in [["--threads", "0"], ["--ctx", "1"]] {
+        let out = dir.path().join("never.nflash");
+        let ck = dir.path().join("ckpt");
+        let o = run("prep", &["convert", "--model", ck.to_str().unwrap(), "--out", out.to_str().unwrap(), "--device", profile.to_str().unwrap(), bad[0], bad[1]]);
+        assert_fails(&format!("prep convert {} {}", bad[0], bad[1]), &o, &[bad[0]]);
+        assert!(!out.exists());
+    }
+}

@@ -45,10 +45,10 @@ pub struct DeviceArgs {
     #[arg(long, requires = "device", value_parser = nflash_runtime::planner::parse_bytes)]
     memory_budget: Option<u64>,
     /// Context length (tokens) the KV cache is planned for; default min(4096, the model's maximum), as `nflash run`.
-    #[arg(long, requires = "device")]
+    #[arg(long, requires = "device", value_parser = clap::value_parser!(u32).range(2..=1 << 24))]
     ctx: Option<u32>,
     /// Compute threads on the device; default: its core count.
-    #[arg(long, requires = "device")]
+    #[arg(long, requires = "device", value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
 }
 
@@ -185,6 +185,18 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         Some(p) => Some(nflash_format::DeviceProfile::load(p)?),
         None => None,
     };
+    // Never overwrite a file of the checkpoint being converted.
+    if a.out.exists() {
+        if let (Ok(o), Ok(d)) = (a.out.canonicalize(), a.model.canonicalize()) {
+            if o.starts_with(&d) {
+                bail!(
+                    "--out {} is an existing file inside the checkpoint directory {}; writing it would destroy the checkpoint: choose another path",
+                    a.out.display(),
+                    a.model.display()
+                );
+            }
+        }
+    }
     if a.out.is_dir() {
         bail!(
             "--out {} is a directory; pass a file path, e.g. {}",

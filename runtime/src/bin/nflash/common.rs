@@ -11,6 +11,13 @@ pub fn in_pool<T: Send>(threads: Option<usize>, f: impl FnOnce() -> Result<T> + 
     if threads == Some(0) {
         anyhow::bail!("--threads must be at least 1");
     }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if let Some(t) = threads.filter(|&t| t > 1024) {
+        anyhow::bail!("--threads {t} is more than 1024; use at most the number of cores ({cores})");
+    }
+    if let Some(t) = threads.filter(|&t| t > 4 * cores) {
+        eprintln!("warning: --threads {t} is far more than the {cores} cores here; decode will be slow");
+    }
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.unwrap_or(0))
         .build()
@@ -37,4 +44,35 @@ pub fn open_pack(path: &Path, verify: bool) -> Result<nflash_format::Pack> {
         pack.verify()?;
     }
     Ok(pack)
+}
+
+/// Checks before any work that `out` (given with `flag`) can be written: not
+/// a directory, its directory exists, and it is none of `inputs`.
+pub fn check_output(out: &Path, flag: &str, inputs: &[&Path]) -> Result<()> {
+    if out.is_dir() {
+        anyhow::bail!("{flag} {} is a directory; pass a file path", out.display());
+    }
+    let dir = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        anyhow::bail!("{flag} {}: the directory {} does not exist; create it or choose another path", out.display(), dir.display());
+    }
+    if let Ok(o) = out.canonicalize() {
+        for i in inputs {
+            if i.canonicalize().is_ok_and(|c| c == o) {
+                anyhow::bail!("{flag} {} is also an input of this command; writing it would destroy that file: choose another path", out.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory
+/// and a rename, so a failure never leaves a partial or clobbered file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir).with_context(|| format!("cannot create a temporary file in {}", dir.display()))?;
+    tmp.write_all(bytes).with_context(|| format!("cannot write {}", path.display()))?;
+    tmp.persist(path).map_err(|e| anyhow::anyhow!("cannot write {}: {}", path.display(), e.error))?;
+    Ok(())
 }

@@ -12,7 +12,7 @@ use nflash_runtime::stats::{peak_rss_bytes, percentile};
 use nflash_runtime::sparse::SparsitySummary;
 use nflash_runtime::{Engine, Model};
 
-use crate::common::{in_pool, open_pack, read_text};
+use crate::common::{check_output, in_pool, open_pack, read_text, write_atomic};
 use crate::memory::{resolve, MemoryArgs};
 
 /// Arguments of `nflash run`.
@@ -78,6 +78,11 @@ pub fn run(a: RunArgs) -> Result<()> {
 }
 
 fn run_in_pool(a: RunArgs) -> Result<()> {
+    if let Some(p) = &a.stats_json {
+        let mut inputs = vec![a.model.as_path()];
+        inputs.extend(a.prompt_file.as_deref());
+        check_output(p, "--stats-json", &inputs)?;
+    }
     if !(a.temperature.is_finite() && a.temperature >= 0.0) {
         bail!("--temperature must be ≥ 0, got {}", a.temperature);
     }
@@ -111,6 +116,14 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
             eprintln!("{} (planned at start from this process's measured footprint)", nflash_runtime::planner::describe(p, pack.manifest()));
         }
     }
+    if a.stats && (a.memory.hot_fraction.is_some() || a.memory.cold_cache.is_some()) {
+        let (hot, cold, _) = engine.model.cache_regions();
+        eprintln!(
+            "flags override the plan: hot region {:.1} MiB, cold region {:.1} MiB in force",
+            hot as f64 / (1u64 << 20) as f64,
+            cold as f64 / (1u64 << 20) as f64
+        );
+    }
     let budget = plan.as_ref().map(|p| p.memory_budget_bytes);
     engine.model.set_dense(a.dense);
     if ctx > max_pos {
@@ -136,7 +149,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         stop_ids: engine.stop_ids.clone(),
         ignore_eos: a.ignore_eos,
     };
-    let mut kv = engine.model.new_kv_cache(ctx);
+    let mut kv = engine.model.try_new_kv_cache(ctx)?;
     let Some(prompt) = prompt else {
         return interactive(&engine, &mut kv, &mut sampler, &opts, &a, budget);
     };
@@ -257,8 +270,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
             "o_direct": direct,
             "memory_budget_bytes": budget,
         });
-        std::fs::write(path, format!("{j}\n"))
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        write_atomic(path, format!("{j}\n").as_bytes())?;
     }
     Ok(())
 }
