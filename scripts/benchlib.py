@@ -165,6 +165,7 @@ def worker_llama_run(gguf: str, prompt_file: str, n_gen: int, threads: int, n_ct
     import llama_cpp as L
 
     baseline_kib = _status_kib("VmRSS")  # Python + numpy + llama_cpp, no model yet
+    baseline_anon_kib = _status_kib("RssAnon")  # the rest is file-backed (shared libraries)
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     if weights == "mmap":
@@ -234,6 +235,7 @@ def worker_llama_run(gguf: str, prompt_file: str, n_gen: int, threads: int, n_ct
         "decode_tokens_per_s": perf.n_eval / perf.t_eval_ms * 1e3 if perf.t_eval_ms > 0 else 0.0,
         "vm_hwm_bytes": _status_kib("VmHWM") * 1024,
         "python_baseline_rss_bytes": baseline_kib * 1024,
+        "python_baseline_rss_anon_bytes": baseline_anon_kib * 1024,
         "flash_attn_type": int(cp.flash_attn_type),
         "weights": weights,
         "load_mode": int(mp.load_mode),
@@ -486,7 +488,9 @@ def prepare_sparse(a, out: Path) -> dict[str, Path]:
         log(f"note: --calib {a.calib} not found: no sparse rows (pass a calibration text file)")
         return {}
     profile = out / "smollm2.profile"
-    if not newer(profile, a.prep, a.calib):
+    # Cached across prep rebuilds (profiling and MLP training take ~13 min); a
+    # pack this prep cannot read (older format) is rebuilt.
+    if not newer(profile, a.calib):
         cmd = [str(a.prep), "profile", "--model", str(a.hf_model), "--calib", str(a.calib),
                "--tokens", str(a.calib_tokens), "--out", str(profile)]
         log("running " + " ".join(cmd))
@@ -497,7 +501,8 @@ def prepare_sparse(a, out: Path) -> dict[str, Path]:
     if not stamp.exists() or stamp.read_text() != a.sparse_args:
         stamp.write_text(a.sparse_args)
     for q, pack in packs.items():
-        if newer(pack, a.prep, profile, stamp):
+        readable = pack.exists() and subprocess.run([str(a.prep), "inspect", str(pack)], capture_output=True).returncode == 0
+        if readable and newer(pack, profile, stamp):
             continue
         cmd = [str(a.prep), "convert", "--model", str(a.hf_model), "--profile", str(profile),
                "--out", str(pack), "--quant", q, *a.sparse_args.split()]

@@ -232,6 +232,13 @@ impl Pack {
                 file.read_exact_at(bytes, s.offset).map_err(|e| Error::io(&path, e))?;
                 segments.push(Some((words, n)));
             }
+            // The copies are what the process holds: drop the file's pages from
+            // the page cache so they are neither kept nor charged twice.
+            #[cfg(target_os = "linux")]
+            // SAFETY: plain syscall on an open descriptor; advice only.
+            unsafe {
+                libc::posix_fadvise(std::os::unix::io::AsRawFd::as_raw_fd(&file), 0, 0, libc::POSIX_FADV_DONTNEED);
+            }
             Storage::Loaded { segments, file }
         } else {
             // SAFETY: the mapping is read-only and all accesses are bounds-checked

@@ -37,7 +37,7 @@ pub const TOKENIZER_FACTOR: u64 = 6;
 /// of the compute kernels, thread stacks, allocator slack), bytes. Measured
 /// on SmolLM2-135M as peak RSS minus the start-up RSS, the hot and cold
 /// regions, the KV cache in use and the scratch estimate: about 4 MiB.
-pub const RUNTIME_MARGIN_BYTES: u64 = 6 << 20;
+pub const RUNTIME_MARGIN_BYTES: u64 = 4 << 20;
 
 /// Parses a byte size for the command line: `96MiB`, `1.5GiB`, `100MB`
 /// (10⁸), or plain bytes (the `parse-size` crate's syntax).
