@@ -68,10 +68,16 @@ impl IoPipeline {
         let (tx, rx) = sync_channel::<ReadRequest>(QUEUE);
         let rx = Arc::new(Mutex::new(rx));
         let mut threads = Vec::new();
+        // Every thread has started (and done its one-time set-up) before the first read.
+        let started = Arc::new(std::sync::Barrier::new(n.max(1) + 1));
         for i in 0..n.max(1) {
-            let (rx, sh) = (Arc::clone(&rx), Arc::clone(&shared));
-            threads.push(std::thread::Builder::new().name(format!("nflash-io-{i}")).spawn(move || worker(&rx, &sh))?);
+            let (rx, sh, started) = (Arc::clone(&rx), Arc::clone(&shared), Arc::clone(&started));
+            threads.push(std::thread::Builder::new().name(format!("nflash-io-{i}")).spawn(move || {
+                started.wait();
+                worker(&rx, &sh)
+            })?);
         }
+        started.wait();
         Ok(IoPipeline { tx: Some(tx), threads })
     }
 

@@ -143,9 +143,13 @@ fn fetching_cold_clusters_through_the_cache_does_not_allocate_per_token() {
             let src = LayerClusters::Cached { cache: &cache, layer, table: &table };
             ffn.forward_token(&src, xin, Selection::All, None, &mut fs, out).unwrap()
         };
-        // Warm up: scratch growth, the I/O threads' first wait.
-        for l in 0..n_layers {
-            step(l, &mut xin, &mut out);
+        // Warm up: scratch growth, and each I/O thread's first blocking wait
+        // (std's channel sets up a per-thread waiter once), given time to happen.
+        for _ in 0..3 {
+            for l in 0..n_layers {
+                step(l, &mut xin, &mut out);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
         let read0 = cache.stats().bytes_read;
         let before = ALLOCS.load(Ordering::SeqCst);
