@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the benchmark venv at .venv-bench/ in the repo root and
 # installs the llama.cpp peer (llama-cpp-python, built from source) plus
-# matplotlib, as pinned in scripts/requirements-bench.txt.
+# matplotlib, as pinned in scripts/requirements-bench.txt. Then builds the
+# native llama.cpp peer of scripts/bench_offload.py: llama-completion from the
+# llama.cpp source that the pinned llama-cpp-python sdist vendors
+# (vendor/llama.cpp), with the same CPU flags, into bench-out/llama-native/
+# (binary: bench-out/llama-native/build/bin/llama-completion).
 #
 # Idempotent: if the venv already imports the pinned llama_cpp and
-# matplotlib, it does nothing.
+# matplotlib, that part does nothing; the native build is skipped when the
+# binary exists and is newer than its source (the sdist and its tree).
 #
 # FIRST RUN IS SLOW: llama.cpp is compiled from source. On the 2-core dev
 # machine with one build job (the default, so a concurrent cargo build keeps a
@@ -16,6 +21,9 @@
 #   BENCH_BUILD_JOBS  parallel compile jobs for llama.cpp (default 1)
 #   PYTHON            interpreter used to create the venv (default python3)
 #   BENCH_VENV        venv dir (default <repo>/.venv-bench)
+#   BENCH_NATIVE_JOBS parallel compile jobs for the native llama.cpp (default 2;
+#                     ~5 min on the 2-core dev machine)
+#   BENCH_SKIP_NATIVE set to 1 to skip the native llama.cpp build
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,7 +41,63 @@ fi
 # The native build enables AMX on this CPU and dies with SIGILL; build for a
 # fixed AVX2/FMA/F16C target instead. LLAVA_BUILD=OFF skips the multimodal
 # library (not needed, saves build time).
-LCP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF"
+GGML_CPU_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+LCP_CMAKE_ARGS="$GGML_CPU_ARGS -DLLAVA_BUILD=OFF"
+
+# The native llama.cpp: same source (the sdist's vendor/llama.cpp), same CPU
+# flags, static, no curl, only the llama-completion tool (the
+# non-conversational command-line tool of this llama.cpp version).
+NATIVE_DIR="$REPO/bench-out/llama-native"
+NATIVE_JOBS="${BENCH_NATIVE_JOBS:-2}"
+NATIVE_BIN="$NATIVE_DIR/build/bin/llama-completion"
+NATIVE_CMAKE_ARGS="$GGML_CPU_ARGS -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF"
+
+build_native() {
+    if [ "${BENCH_SKIP_NATIVE:-0}" = 1 ]; then
+        echo "bench_setup: BENCH_SKIP_NATIVE=1: not building the native llama.cpp"
+        return 0
+    fi
+    local sdist="$REPO/bench-out/llama_cpp_python-$LCP_PIN.tar.gz"
+    local src="$NATIVE_DIR/llama_cpp_python-$LCP_PIN/vendor/llama.cpp"
+    mkdir -p "$NATIVE_DIR"
+    if [ ! -f "$sdist" ]; then
+        echo "bench_setup: downloading the llama-cpp-python==$LCP_PIN sdist (it vendors llama.cpp)"
+        # --no-binary for this package only: its build dependencies may come as
+        # wheels (--no-binary :all: would compile cmake itself to read metadata).
+        "$VENV/bin/python" -m pip download --quiet --no-deps --no-binary llama-cpp-python \
+            "llama-cpp-python==$LCP_PIN" -d "$REPO/bench-out/"
+    fi
+    if [ ! -d "$src" ] || [ "$sdist" -nt "$src" ]; then
+        echo "bench_setup: unpacking $sdist into $NATIVE_DIR"
+        rm -rf "$NATIVE_DIR/llama_cpp_python-$LCP_PIN"
+        tar xzf "$sdist" -C "$NATIVE_DIR"
+        touch "$src"
+    fi
+    if [ -x "$NATIVE_BIN" ] && [ "$NATIVE_BIN" -nt "$sdist" ] && [ "$NATIVE_BIN" -nt "$src" ] \
+       && [ -z "$(find "$src" -newer "$NATIVE_BIN" -print -quit)" ]; then
+        echo "bench_setup: native llama.cpp is up to date: $NATIVE_BIN"
+        return 0
+    fi
+    # cmake and ninja: the venv's if present, else pip-installed into it.
+    if [ ! -x "$VENV/bin/cmake" ] || [ ! -x "$VENV/bin/ninja" ]; then
+        "$VENV/bin/python" -m pip install --quiet cmake ninja
+    fi
+    local log="$NATIVE_DIR/build.log"
+    echo "bench_setup: building native llama.cpp (llama-completion) with $NATIVE_JOBS job(s) (log: $log)"
+    local start end
+    start=$(date +%s)
+    # shellcheck disable=SC2086  # NATIVE_CMAKE_ARGS is a list of flags
+    if ! { PATH="$VENV/bin:$PATH" cmake -S "$src" -B "$NATIVE_DIR/build" -G Ninja $NATIVE_CMAKE_ARGS \
+           && PATH="$VENV/bin:$PATH" cmake --build "$NATIVE_DIR/build" --target llama-completion \
+                  --parallel "$NATIVE_JOBS"; } >"$log" 2>&1; then
+        echo "bench_setup: native llama.cpp build failed; last lines of $log:" >&2
+        tail -n 40 "$log" >&2
+        exit 1
+    fi
+    touch "$NATIVE_BIN"  # newer than the source even when ninja had nothing to do
+    end=$(date +%s)
+    echo "bench_setup: native llama.cpp built in $(( (end - start) / 60 )) min $(( (end - start) % 60 )) s: $NATIVE_BIN"
+}
 
 check() {
     "$VENV/bin/python" - "$LCP_PIN" <<'PYEOF' 2>/dev/null
@@ -47,7 +111,8 @@ PYEOF
 }
 
 if [ -x "$VENV/bin/python" ] && check; then
-    echo "bench_setup: $VENV already has llama-cpp-python==$LCP_PIN and matplotlib; nothing to do."
+    echo "bench_setup: $VENV already has llama-cpp-python==$LCP_PIN and matplotlib; nothing to do there."
+    build_native
     exit 0
 fi
 
@@ -82,4 +147,5 @@ if ! check; then
     exit 1
 fi
 "$VENV/bin/python" -c 'import llama_cpp; print("bench_setup: llama.cpp system info:", llama_cpp.llama_print_system_info().decode())'
+build_native
 echo "bench_setup: ready: $VENV/bin/python scripts/bench.py --help"

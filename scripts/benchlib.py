@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import struct
@@ -273,9 +274,18 @@ def run_measured(cmd: list[str], timeout: float, env: dict | None = None) -> tup
     os.wait4 gives this child's own rusage, so peak RSS is per run (unlike
     RUSAGE_CHILDREN, which is the max over every child so far).
     """
+    code, ru, so, se, wall = run_measured_ru(cmd, timeout, env)
+    return code, ru.ru_maxrss * 1024, so, se, wall
+
+
+def run_measured_ru(cmd: list[str], timeout: float, env: dict | None = None):
+    """run_measured, but returns the child's whole rusage (os.wait4) in place of
+    the peak RSS: (exit status, rusage, stdout, stderr, wall s). On Linux
+    ru_inblock is the process's storage read_bytes / 512 (/proc/PID/io, which
+    is gone once it has exited; mmap page-fault reads included)."""
     with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env)
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, env=env)
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -298,8 +308,57 @@ def run_measured(cmd: list[str], timeout: float, env: dict | None = None) -> tup
         code = os.waitstatus_to_exitcode(status) if status != -1 else -1
         fo.seek(0)
         fe.seek(0)
-        return (code, ru.ru_maxrss * 1024, fo.read().decode("utf-8", "replace"),
+        return (code, ru, fo.read().decode("utf-8", "replace"),
                 fe.read().decode("utf-8", "replace"), wall)
+
+
+# Native llama.cpp (scripts/bench_setup.sh builds it from the llama.cpp source
+# that llama-cpp-python vendors, with the same CPU flags): llama-completion,
+# the non-conversational command-line tool of this llama.cpp version.
+LLAMA_NATIVE_BIN = REPO / "bench-out/llama-native/build/bin/llama-completion"
+
+# The timing lines of common_perf_print (llama_perf_context_print in older
+# llama.cpp) on stderr, e.g.
+#   llama_perf_context_print: prompt eval time =   123.45 ms /   128 tokens (...)
+#   llama_perf_context_print:        eval time =   456.78 ms /    63 runs   (...)
+_PERF_RE = {
+    "load": re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+load time\s*=\s*([\d.]+) ms"),
+    "prompt": re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+prompt eval time\s*=\s*([\d.]+) ms\s*/\s*(\d+) tokens"),
+    "eval": re.compile(r"(?:llama_perf_context_print|common_perf_print):\s+eval time\s*=\s*([\d.]+) ms\s*/\s*(\d+) runs"),
+}
+
+
+def native_llama_cmd(binary: Path, gguf: Path, prompt_file: Path, n_gen: int, threads: int,
+                     n_ctx: int) -> list[str]:
+    """llama-completion set up like worker_llama_run(weights="mmap"): the prompt
+    file as raw text, exactly n_gen tokens (EOS ignored), greedy, weights used
+    in place from the mmapped GGUF (--load-mode mmap, --no-repack), no warm-up
+    pass, batch and micro-batch 512, no conversation mode."""
+    return [str(binary), "-m", str(gguf), "-f", str(prompt_file), "-n", str(n_gen), "--ignore-eos",
+            "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "-b", "512", "-ub", "512",
+            "--temp", "0", "--no-warmup", "-no-cnv", "--no-repack", "--load-mode", "mmap"]
+
+
+def parse_native_llama(stderr: str) -> dict | None:
+    """The figures worker_llama_run reports, from llama-completion's timing lines
+    (None if they are missing). decode tok/s = eval runs / eval time, the same
+    llama_perf_context counters the Python worker divides."""
+    m_e = _PERF_RE["eval"].findall(stderr)
+    m_p = _PERF_RE["prompt"].findall(stderr)
+    if not m_e:
+        return None
+    t_eval, n_eval = float(m_e[-1][0]), int(m_e[-1][1])
+    t_p, n_p = (float(m_p[-1][0]), int(m_p[-1][1])) if m_p else (0.0, 0)
+    m_l = _PERF_RE["load"].findall(stderr)
+    return {
+        "prompt_tokens": n_p,
+        "n_p_eval": n_p, "t_p_eval_ms": t_p,
+        "n_eval": n_eval, "t_eval_ms": t_eval,
+        "load_ms": float(m_l[-1]) if m_l else None,
+        "prefill_tokens_per_s": n_p / t_p * 1e3 if t_p > 0 else 0.0,
+        "decode_tokens_per_s": n_eval / t_eval * 1e3 if t_eval > 0 else 0.0,
+        "weights": "mmap",
+    }
 
 
 def worker_cmd(name: str, *args) -> list[str]:
