@@ -623,7 +623,7 @@ def plot(path: Path, summary: dict, limits: dict, engines: list[str], title: str
                     va="bottom", fontsize=9)
     if ys_all:
         ax.set_yscale("log")
-    ax.set_xlabel("memory limit, MiB (the Python llama.cpp's cgroup: + its interpreter's allowance)")
+    ax.set_xlabel("memory limit, MiB (Python llama.cpp: + interpreter allowance)")
     ax.set_ylabel("decode tokens/s (median; bars: min-max)")
     ax.set_title(title, fontsize=10, pad=18)
     ax.grid(True, which="both", alpha=0.3)
