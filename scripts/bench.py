@@ -50,14 +50,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (BUSY_LIMIT, REPO, choose_prompt, die, fmt,  # noqa: E402
+from benchlib import (BUSY_LIMIT, REPO, choose_prompt, die, fmt, run_info,  # noqa: E402
                       gguf_tensor_types, loadavg, log, median, prepare_llama, prepare_nflash,
                       prepare_sparse, run_measured, wait_idle, worker_cmd)
 
@@ -316,11 +315,7 @@ def main(argv) -> int:
               f"is the interpreter + llama_cpp before the model loads)")
 
     info = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
-                                 if l.startswith("model name")), None)},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        **run_info(a),
         "prompt_text": text,
         "models": {"gguf": {q: str(p) for q, p in ggufs.items()},
                    "gguf_tensor_types": {q: gguf_tensor_types(p) for q, p in ggufs.items()},

@@ -89,7 +89,6 @@ import json
 import math
 import re
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -99,7 +98,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
-from benchlib import (BUSY_LIMIT, LLAMA_NATIVE_BIN, REPO, choose_prompt, die, fmt, log,  # noqa: E402
+from benchlib import (BUSY_LIMIT, LLAMA_NATIVE_BIN, REPO, choose_prompt, die, fmt, log, run_info,  # noqa: E402
                       median, native_llama_cmd, parse_native_llama, prepare_llama, prepare_sparse,
                       run_measured_ru, wait_idle, worker_cmd)
 
@@ -963,11 +962,7 @@ def main(argv) -> int:
         log(err)
     wall = time.perf_counter() - t_start
     info = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
-                                 if l.startswith("model name")), None)},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        **run_info(a),
         "prompt_text": text, "prompt_tokens_llama": llama_prompt_tokens,
         "models": {"gguf": str(gguf), "pack": str(pack), "model_bytes_M": M, "ffn_bytes_F": F,
                    "pack_bytes": pack.stat().st_size,

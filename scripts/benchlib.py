@@ -581,3 +581,15 @@ if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in WORKERS:
         die(f"usage: {sys.argv[0]} {{{'|'.join(WORKERS)}}} ARGS... (workers of the benchmarks)")
     WORKERS[sys.argv[1]](sys.argv[2:])
+
+
+def run_info(a) -> dict:
+    """`when`, `machine` and `args` fields of a results.json."""
+    import platform
+    return {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo")
+                                 if l.startswith("model name")), None)},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+    }
