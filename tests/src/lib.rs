@@ -343,3 +343,30 @@ pub fn assert_no_output(out: &Path) {
     assert!(!out.exists(), "{} was left behind", out.display());
     assert_no_temp(out);
 }
+
+/// A global allocator that counts allocations (for the no-allocation tests):
+/// install with `#[global_allocator] static A: CountingAlloc = CountingAlloc;`
+/// in a test binary with one test, so that no sibling test allocates
+/// during its measurement.
+pub struct CountingAlloc;
+
+/// Allocations (and reallocations) made through [`CountingAlloc`].
+pub static ALLOCS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        // SAFETY: `p` came from `System.alloc` with layout `l`.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { std::alloc::System.realloc(p, l, n) }
+    }
+}
