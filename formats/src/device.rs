@@ -178,22 +178,13 @@ impl DeviceProfile {
     /// depth, interpolated in log2(block size) between measured points and
     /// clamped at the ends.
     pub fn random_read_bytes_per_s(&self, block_bytes: u64) -> f64 {
-        self.read_bw(block_bytes, |r| r.random_mb_s)
-    }
-
-    /// Best sequential-read bandwidth at `block_bytes`, bytes/s (as [`Self::random_read_bytes_per_s`]).
-    pub fn sequential_read_bytes_per_s(&self, block_bytes: u64) -> f64 {
-        self.read_bw(block_bytes, |r| r.sequential_mb_s)
-    }
-
-    fn read_bw(&self, block_bytes: u64, f: impl Fn(&ReadPoint) -> f64) -> f64 {
         // Best figure per block size, ascending by size.
         let mut pts: Vec<(f64, f64)> = Vec::new();
         let mut sizes: Vec<u64> = self.flash.read.iter().map(|r| r.block_bytes).collect();
         sizes.sort_unstable();
         sizes.dedup();
         for s in sizes {
-            let best = self.flash.read.iter().filter(|r| r.block_bytes == s).map(&f).fold(0.0, f64::max);
+            let best = self.flash.read.iter().filter(|r| r.block_bytes == s).map(|r| r.random_mb_s).fold(0.0, f64::max);
             pts.push(((s as f64).log2(), best));
         }
         let x = (block_bytes.max(1) as f64).log2();

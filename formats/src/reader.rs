@@ -277,12 +277,6 @@ impl Pack {
         self.file_len
     }
 
-    /// Whether segment bytes are memory-mapped ([`Self::open`]) rather than
-    /// loaded ([`Self::open_resident`], where FFN segments are not in memory).
-    pub fn is_mapped(&self) -> bool {
-        matches!(self.storage, Storage::Mmap(_))
-    }
-
     /// The decoded header.
     pub fn header(&self) -> &Header {
         &self.header

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use nflash_format::Pack;
+use nflash_format::{FfnLayer, NeuronCluster, Pack};
 
 use crate::error::{Error, Result};
 use crate::flash::{align_up, AlignedBuf, FlashFile, MAX_IOVECS};
@@ -18,6 +18,18 @@ use crate::io::{IoPipeline, ReadRequest, Shared, EMPTY, FAILED, PENDING, READY};
 /// Largest merged read, bytes (PowerInfer-2 reads clusters, not neurons;
 /// beyond ~512 KiB flash bandwidth no longer grows, DESIGN.md).
 pub const MAX_MERGE_BYTES: u64 = 512 << 10;
+
+/// Bytes read for cluster `c` of layer `f`: its bundles rounded up to the
+/// direct-I/O alignment (the cluster's size in the hot or cold region).
+pub fn cluster_read_bytes(f: &FfnLayer, c: &NeuronCluster) -> u64 {
+    align_up(c.n_neurons as u64 * f.bundle.bundle_bytes)
+}
+
+/// How many of `f`'s clusters lie wholly in the hot prefix of `hot_neurons`
+/// packed positions (the hot set holds whole clusters only).
+pub fn hot_clusters(f: &FfnLayer, hot_neurons: u32) -> usize {
+    f.clusters.iter().take_while(|c| c.first as u64 + c.n_neurons as u64 <= hot_neurons as u64).count()
+}
 
 /// Clusters that decode needs with at least this probability are read ahead
 /// while the previous layer computes.
@@ -97,6 +109,8 @@ struct Lru {
     used: Vec<u64>,
     /// slot → read ahead by a prefetch and not yet used.
     prefetched: Vec<bool>,
+    /// Cluster counters (`needed`, `hot_hits`, `cold_hits`, `misses`) since load.
+    counts: CacheStats,
     epoch: u64,
 }
 
@@ -111,6 +125,7 @@ impl Lru {
             tail: NONE,
             used: vec![0; n_slots],
             prefetched: vec![false; n_slots],
+            counts: CacheStats::default(),
             epoch: 0,
         };
         for s in 0..n_slots as u32 {
@@ -218,7 +233,6 @@ pub struct NeuronCache {
     shared: Arc<Shared>,
     lru: Mutex<Lru>,
     io: IoPipeline,
-    counts: Mutex<CacheStats>,
     wait_ns: AtomicU64,
 }
 
@@ -247,13 +261,9 @@ impl NeuronCache {
             let clusters: Vec<ClusterSpan> = f
                 .clusters
                 .iter()
-                .map(|c| {
-                    let need = c.n_neurons as u64 * f.bundle.bundle_bytes;
-                    ClusterSpan { offset: base + c.offset, need, read: align_up(need) }
-                })
+                .map(|c| ClusterSpan { offset: base + c.offset, need: c.n_neurons as u64 * f.bundle.bundle_bytes, read: cluster_read_bytes(f, c) })
                 .collect();
-            // Whole clusters only: the hot prefix ends at the last cluster that fits.
-            let hot = f.clusters.iter().take_while(|c| c.first as u64 + c.n_neurons as u64 <= hot_n as u64).count();
+            let hot = hot_clusters(f, hot_n);
             let hot_len = if hot == 0 { 0 } else { (clusters[hot - 1].offset + clusters[hot - 1].read - clusters[0].offset) as usize };
             max_cold = max_cold.max(clusters[hot..].iter().map(|c| c.read).sum());
             slot_bytes = slot_bytes.max(clusters.iter().map(|c| c.read).max().unwrap_or(0));
@@ -262,7 +272,7 @@ impl NeuronCache {
             let prefetch = f
                 .clusters
                 .iter()
-                .map(|c| 1.0 - p[c.first as usize..(c.first + c.n_neurons) as usize].iter().map(|q| 1.0 - q).product::<f64>() >= PREFETCH_MIN_P)
+                .map(|c| crate::planner::cluster_need(&p[c.first as usize..(c.first + c.n_neurons) as usize]) >= PREFETCH_MIN_P)
                 .collect();
             layers.push(LayerLayout { clusters, hot, prefetch, hot_base: hot_total });
             hot_total += hot_len;
@@ -305,7 +315,6 @@ impl NeuronCache {
             hot,
             shared,
             io,
-            counts: Mutex::new(CacheStats::default()),
             wait_ns: AtomicU64::new(0),
         })
     }
@@ -323,11 +332,6 @@ impl NeuronCache {
     /// Whether cluster reads bypass the page cache (`O_DIRECT`).
     pub fn is_direct(&self) -> bool {
         self.shared.flash.is_direct()
-    }
-
-    /// Number of clusters of `layer`.
-    pub fn n_clusters(&self, layer: usize) -> usize {
-        self.layers[layer].clusters.len()
     }
 
     /// Makes the clusters `needed` (ascending indices) of `layer` available:
@@ -393,8 +397,7 @@ impl NeuronCache {
             reads.push(&self.io, nl.clusters[c], s);
         }
         reads.flush(&self.io);
-        drop(lru);
-        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let c = &mut lru.counts;
         c.needed += st.needed;
         c.hot_hits += st.hot_hits;
         c.cold_hits += st.cold_hits;
@@ -471,7 +474,7 @@ impl NeuronCache {
 
     /// Counters since load (cumulative; subtract with [`CacheStats::since`]).
     pub fn stats(&self) -> CacheStats {
-        let mut c = *self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut c = self.lru.lock().unwrap_or_else(|e| e.into_inner()).counts;
         c.bytes_read = self.shared.bytes_read.load(Ordering::Relaxed);
         c.reads = self.shared.reads.load(Ordering::Relaxed);
         c.io_wait_s = self.wait_ns.load(Ordering::Relaxed) as f64 * 1e-9;

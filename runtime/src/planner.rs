@@ -15,7 +15,7 @@
 
 use nflash_format::{DeviceProfile, Manifest, Plan, PredictorKind, SegmentKind};
 
-use crate::cache::MAX_MERGE_BYTES;
+use crate::cache::{cluster_read_bytes, hot_clusters, MAX_MERGE_BYTES};
 use crate::error::{Error, Result};
 use crate::flash::align_up;
 use crate::generate::PREFILL_CHUNK;
@@ -151,6 +151,12 @@ pub fn neuron_need_probability(info: Option<&nflash_format::SparseInfo>, sp: Opt
         .collect()
 }
 
+/// Probability that decode needs a cluster whose neurons are needed with
+/// probabilities `p` (independently): `1 − Π(1 − pᵢ)`.
+pub fn cluster_need(p: &[f64]) -> f64 {
+    1.0 - p.iter().map(|q| 1.0 - q).product::<f64>()
+}
+
 /// One cluster as the planner sees it.
 #[derive(Debug, Clone, Copy)]
 struct Cl {
@@ -185,7 +191,7 @@ pub fn choose_cluster_bytes(dev: &DeviceProfile, bundle_bytes: u64, p: &[f64]) -
         let k = (s / bundle_bytes.max(1)).max(1) as usize;
         let cs: Vec<Cl> = p
             .chunks(k)
-            .map(|ch| Cl { bytes: align_up(ch.len() as u64 * bundle_bytes), p: 1.0 - ch.iter().map(|q| 1.0 - q).product::<f64>() })
+            .map(|ch| Cl { bytes: align_up(ch.len() as u64 * bundle_bytes), p: cluster_need(ch) })
             .collect();
         best.push((s, io_seconds(dev, &cs)));
     }
@@ -202,7 +208,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
     let fixed = fixed_region(m, req.ctx, req.measured_rss_bytes);
     let budget = req.budget_bytes;
     // The minimum: the fixed region and one layer's FFN clusters, which stage reads.
-    let max_layer: u64 = m.ffn.iter().map(|f| f.clusters.iter().map(|c| align_up(c.n_neurons as u64 * f.bundle.bundle_bytes)).sum::<u64>()).max().unwrap_or(0);
+    let max_layer: u64 = m.ffn.iter().map(|f| f.clusters.iter().map(|c| cluster_read_bytes(f, c)).sum::<u64>()).max().unwrap_or(0);
     let need = fixed.total() + max_layer;
     if need > budget {
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
@@ -233,13 +239,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
             let p = need_probability(m, l);
             f.clusters
                 .iter()
-                .map(|c| {
-                    let ps = &p[c.first as usize..(c.first + c.n_neurons) as usize];
-                    Cl {
-                        bytes: align_up(c.n_neurons as u64 * f.bundle.bundle_bytes),
-                        p: 1.0 - ps.iter().map(|q| 1.0 - q).product::<f64>(),
-                    }
-                })
+                .map(|c| Cl { bytes: cluster_read_bytes(f, c), p: cluster_need(&p[c.first as usize..(c.first + c.n_neurons) as usize]) })
                 .collect()
         })
         .collect();
@@ -335,7 +335,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
 /// A human-readable summary of `p` (printed by `prep convert` and `nflash run --stats`).
 pub fn describe(p: &Plan, m: &Manifest) -> String {
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    let ffn_total: u64 = m.ffn.iter().map(|f| f.clusters.iter().map(|c| align_up(c.n_neurons as u64 * f.bundle.bundle_bytes)).sum::<u64>()).sum();
+    let ffn_total: u64 = m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| cluster_read_bytes(f, c))).sum();
     let hot_n: u64 = p.hot_neurons.iter().map(|&h| h as u64).sum();
     let all_n: u64 = m.ffn.iter().map(|f| f.n_neurons as u64).sum();
     let (lo, hi) = (p.hot_neurons.iter().min().copied().unwrap_or(0), p.hot_neurons.iter().max().copied().unwrap_or(0));
@@ -358,6 +358,12 @@ pub fn describe(p: &Plan, m: &Manifest) -> String {
         mib(p.expected_read_bytes_per_token),
         p.expected_token_ms,
     )
+}
+
+/// Bytes of the hot region that pins `hot_neurons[l]` packed positions of
+/// each layer `l` of `m` (whole clusters only).
+pub fn hot_region_bytes(m: &Manifest, hot_neurons: &[u32]) -> u64 {
+    m.ffn.iter().zip(hot_neurons).flat_map(|(f, &h)| f.clusters[..hot_clusters(f, h)].iter().map(move |c| cluster_read_bytes(f, c))).sum()
 }
 
 /// The cache layout a plan describes.

@@ -125,7 +125,7 @@ fn a_pack_shrunk_while_running_gives_an_error_not_a_crash() {
     let mut kv = model.new_kv_cache(16);
     model.forward(&mut kv, &[5]).expect("reads work before the truncation");
     // Cut the file inside layer 0's FFN segment, after open.
-    let ffn0 = p.manifest().segments.iter().find(|s| s.name == "ffn.0").unwrap().offset;
+    let ffn0 = p.segment_by_name("ffn.0").unwrap().1.offset;
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(ffn0 + 100).unwrap();
     let e = model.forward(&mut kv, &[6]).expect_err("a shrunk pack must fail the request");
     let msg = e.to_string();
@@ -254,7 +254,7 @@ fn damaged_weights_huge_contexts_and_clobbering_outputs_are_refused() {
     // NaN scales (0xFFFF as f16) in layer 0's FFN: an error pointing to --verify, not flat garbage.
     let bad = dir.path().join("bad.nflash");
     std::fs::copy(&path, &bad).unwrap();
-    let seg = Pack::open(&path).unwrap().manifest().segments.iter().find(|s| s.name == "ffn.0").unwrap().clone();
+    let seg = Pack::open(&path).unwrap().segment_by_name("ffn.0").unwrap().1.clone();
     let mut bytes = std::fs::read(&bad).unwrap();
     bytes[seg.offset as usize..(seg.offset + seg.bytes) as usize].fill(0xFF);
     std::fs::write(&bad, &bytes).unwrap();

@@ -5,6 +5,7 @@ use clap::Args;
 use nflash_format::{DeviceProfile, Pack, Plan};
 use nflash_runtime::cache::CacheConfig;
 use nflash_runtime::planner::{self, parse_bytes, PlanRequest};
+use nflash_runtime::Engine;
 
 /// The profile used when the pack has no plan and no --device is given:
 /// this repository's `profiles/dev-host.toml`, measured by `nflash probe`.
@@ -50,20 +51,22 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize, measured
         Some(p) => Some(DeviceProfile::load(p)?),
         None => None,
     };
-    let plan = match (a.memory_budget, &m.plan) {
-        (None, None) => None,
-        (Some(budget), stored) => {
+    let stored = m.plan.as_ref();
+    let budget = a.memory_budget.or(stored.map(|p| p.memory_budget_bytes));
+    let plan = match (budget, stored) {
+        (None, _) => None,
+        // The stored plan as is, when nothing it depends on changed.
+        (Some(_), Some(p)) if a.memory_budget.is_none() && p.ctx as usize == ctx && p.threads as usize == threads && device.is_none() && measured_rss.is_none() => {
+            Some(p.clone())
+        }
+        (Some(budget_bytes), _) => {
             let dev = match (device, stored) {
                 (Some(d), _) => d,
                 (None, Some(p)) => p.device.clone(),
                 (None, None) => DeviceProfile::parse(DEFAULT_PROFILE).map_err(anyhow::Error::msg).context("built-in dev-host profile")?,
             };
-            Some(planner::plan(m, &dev, &PlanRequest { budget_bytes: budget, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32), measured_rss_bytes: measured_rss })?)
-        }
-        (None, Some(p)) if p.ctx as usize == ctx && p.threads as usize == threads && device.is_none() && measured_rss.is_none() => Some(p.clone()),
-        (None, Some(p)) => {
-            let dev = device.unwrap_or_else(|| p.device.clone());
-            Some(planner::plan(m, &dev, &PlanRequest { budget_bytes: p.memory_budget_bytes, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32), measured_rss_bytes: measured_rss })?)
+            let req = PlanRequest { budget_bytes, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32), measured_rss_bytes: measured_rss };
+            Some(planner::plan(m, &dev, &req)?)
         }
     };
     let mut cfg = plan.as_ref().map_or_else(|| CacheConfig::all_hot(pack), planner::cache_config);
@@ -83,12 +86,7 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize, measured
         cfg.io_threads = n;
     }
     if let (Some(p), true) = (&plan, a.hot_fraction.is_some() || a.cold_cache.is_some()) {
-        let hot: u64 = m
-            .ffn
-            .iter()
-            .zip(&cfg.hot_neurons)
-            .map(|(f, &h)| f.clusters.iter().filter(|c| c.first + c.n_neurons <= h).map(|c| nflash_runtime::flash::align_up(c.n_neurons as u64 * f.bundle.bundle_bytes)).sum::<u64>())
-            .sum();
+        let hot = planner::hot_region_bytes(m, &cfg.hot_neurons);
         let need = p.fixed_bytes + hot + cfg.cold_bytes;
         if need > p.memory_budget_bytes {
             bail!(
@@ -102,4 +100,19 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize, measured
         }
     }
     Ok((cfg, plan))
+}
+
+/// Loads the engine with the cache layout [`resolve`] chooses once the
+/// resident tensors and tokenizer are in memory, measured from this
+/// process's footprint at that point; returns the plan too.
+pub fn load_engine<'p>(pack: &'p Pack, a: &MemoryArgs, ctx: usize) -> Result<(Engine<'p>, Option<Plan>)> {
+    let mut plan = None;
+    let engine = Engine::load_planned(pack, || {
+        nflash_runtime::stats::trim_heap();
+        let (cache, p) = resolve(pack, a, ctx, rayon::current_num_threads(), nflash_runtime::stats::rss_bytes())
+            .map_err(|e| nflash_runtime::Error::Usage(format!("{e:#}")))?;
+        plan = p;
+        Ok(cache)
+    })?;
+    Ok((engine, plan))
 }

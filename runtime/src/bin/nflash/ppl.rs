@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 use nflash_runtime::sparse::SparsitySummary;
-use nflash_runtime::{ppl, Engine};
+use nflash_runtime::ppl;
 
 use crate::common::{in_pool, open_pack, read_text};
-use crate::memory::{resolve, MemoryArgs};
+use crate::memory::{load_engine, MemoryArgs};
 
 /// Arguments of `nflash ppl`.
 #[derive(Args)]
@@ -48,12 +48,7 @@ pub fn run(a: PplArgs) -> Result<()> {
 fn run_in_pool(a: PplArgs) -> Result<()> {
     let text = read_text(&a.file)?;
     let pack = open_pack(&a.model, a.verify)?;
-    let mut engine = Engine::load_planned(&pack, || {
-        nflash_runtime::stats::trim_heap();
-        let (cache, _) = resolve(&pack, &a.memory, a.ctx, rayon::current_num_threads(), nflash_runtime::stats::rss_bytes())
-            .map_err(|e| nflash_runtime::Error::Usage(format!("{e:#}")))?;
-        Ok(cache)
-    })?;
+    let (mut engine, _) = load_engine(&pack, &a.memory, a.ctx)?;
     engine.model.set_dense(a.dense);
     let mut tokens = engine.tokenizer.encode(&text, false)?;
     if let Some(m) = a.max_tokens {

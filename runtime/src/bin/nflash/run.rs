@@ -13,7 +13,7 @@ use nflash_runtime::sparse::SparsitySummary;
 use nflash_runtime::{Engine, Model};
 
 use crate::common::{check_output, in_pool, open_pack, read_text, write_atomic};
-use crate::memory::{resolve, MemoryArgs};
+use crate::memory::{load_engine, MemoryArgs};
 
 /// Arguments of `nflash run`.
 #[derive(Args)]
@@ -101,16 +101,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     let max_pos = pack.manifest().config.max_position_embeddings as usize;
     // Default context: the one the pack's plan was made for, else min(4096, the model's).
     let ctx = a.ctx.or(pack.manifest().plan.as_ref().map(|p| p.ctx as usize)).unwrap_or(max_pos.min(4096));
-    // Plan once the resident tensors and tokenizer are loaded, from the
-    // process's measured footprint.
-    let mut plan = None;
-    let mut engine = Engine::load_planned(&pack, || {
-        nflash_runtime::stats::trim_heap();
-        let (cache, p) = resolve(&pack, &a.memory, ctx, rayon::current_num_threads(), nflash_runtime::stats::rss_bytes())
-            .map_err(|e| nflash_runtime::Error::Usage(format!("{e:#}")))?;
-        plan = p;
-        Ok(cache)
-    })?;
+    let (mut engine, plan) = load_engine(&pack, &a.memory, ctx)?;
     if a.stats {
         if let Some(p) = &plan {
             eprintln!("{} (planned at start from this process's measured footprint)", nflash_runtime::planner::describe(p, pack.manifest()));
