@@ -7,7 +7,7 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 DEMO_PACK := models/smollm2-q8_0.nflash
 BIN      := target/release
 
-.PHONY: all build model demo test bench bench-offload quality clean help
+.PHONY: all build model demo test bench bench-offload bench-scale quality clean help
 
 all: build
 
@@ -19,6 +19,7 @@ help:
 	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s,"
 	@echo "               and sparse vs dense decode of a sparse pack (calibrated on ../shared/data)"
 	@echo "make bench-offload - (root) nflash sparse vs llama.cpp mmap under cgroup v1 memory limits"
+	@echo "make bench-scale   - (root) the same at 7B scale on synthetic ReLU models (sparsity 0.9/0.8/0.6)"
 	@echo "               (model + headroom, minus 25/50/75% of the FFN): decode tok/s, hit rate, I/O, kills"
 	@echo "make quality - perplexity vs sparsity for each criterion and predictor (about an hour)"
 
@@ -53,6 +54,11 @@ bench: build model
 bench-offload: build model
 	bash scripts/bench_setup.sh
 	.venv-bench/bin/python scripts/bench_offload.py --hf-model $(MODEL_DIR) --gguf-src models/.download/SmolLM2-135M-Instruct.Q4_1.gguf
+
+# Needs root, ~60 GB of free disk and ~2 h the first time (three synthetic 7B models).
+bench-scale: build model
+	bash scripts/bench_setup.sh
+	.venv-bench/bin/python scripts/bench_scale.py
 
 quality: build model
 	bash scripts/quality.sh

@@ -130,7 +130,7 @@ REFUSED_RE = re.compile(r"memory budget\b.*\bshort of\b")
 # cgroup v1 memory groups and the page cache
 # --------------------------------------------------------------------------
 
-def need_root() -> None:
+def need_root(target: str = "bench-offload") -> None:
     """Exits with status 2 unless we are root with a usable cgroup v1 memory controller."""
     why = None
     if os.geteuid() != 0:
@@ -152,9 +152,9 @@ def need_root() -> None:
             except OSError:
                 pass
     if why:
-        print("make bench-offload needs root and a cgroup v1 memory controller: " + why + ".\n"
+        print(f"make {target} needs root and a cgroup v1 memory controller: " + why + ".\n"
               f"Run it as root on a machine with {CG_ROOT} mounted (cgroup v1), e.g. `sudo make "
-              "bench-offload`.", file=sys.stderr)
+              f"{target}`.", file=sys.stderr)
         sys.exit(2)
 
 

@@ -110,8 +110,15 @@ if llama_cpp.__version__ != want:
 PYEOF
 }
 
+# gguf (pure Python, pinned as in requirements-model.txt): scripts/hf_to_gguf.py
+# writes the q4_0 GGUF of the synthetic 7B model for make bench-scale.
+install_gguf() {
+    "$VENV/bin/python" -m pip install --quiet "gguf==0.19.0"
+}
+
 if [ -x "$VENV/bin/python" ] && check; then
     echo "bench_setup: $VENV already has llama-cpp-python==$LCP_PIN and matplotlib; nothing to do there."
+    install_gguf
     build_native
     exit 0
 fi
@@ -147,5 +154,6 @@ if ! check; then
     exit 1
 fi
 "$VENV/bin/python" -c 'import llama_cpp; print("bench_setup: llama.cpp system info:", llama_cpp.llama_print_system_info().decode())'
+install_gguf
 build_native
 echo "bench_setup: ready: $VENV/bin/python scripts/bench.py --help"

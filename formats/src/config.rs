@@ -36,7 +36,8 @@ impl Architecture {
     }
 }
 
-/// FFN activation (HF `hidden_act`), applied to the gate projection output.
+/// FFN activation (HF `hidden_act`). The neuron output is
+/// `act(gate·x) · up·x`, except for [`Activation::DRelu`] (`relu(gate·x) · relu(up·x)`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Activation {
     /// `silu`: x · σ(x).
@@ -47,6 +48,11 @@ pub enum Activation {
     Gelu,
     /// `gelu_pytorch_tanh` / `gelu_new`: tanh approximation.
     GeluTanh,
+    /// dReLU (TurboSparse, arXiv 2406.05955): ReLU on both the gate and the
+    /// up projection outputs. HF checkpoints say so with
+    /// `architectures: ["BambooForCausalLM"]` (`model_type: "bamboo"`) and
+    /// `hidden_act: "relu"`; `hidden_act: "drelu"` is accepted too (format 3.1).
+    DRelu,
 }
 
 impl Activation {
@@ -55,10 +61,27 @@ impl Activation {
         match name {
             "silu" | "swish" => Some(Activation::Silu),
             "relu" => Some(Activation::Relu),
+            "drelu" => Some(Activation::DRelu),
             "gelu" => Some(Activation::Gelu),
             "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => Some(Activation::GeluTanh),
             _ => None,
         }
+    }
+
+    /// The `hidden_act` spelling (`drelu` for dReLU).
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Silu => "silu",
+            Activation::Relu => "relu",
+            Activation::Gelu => "gelu",
+            Activation::GeluTanh => "gelu_pytorch_tanh",
+            Activation::DRelu => "drelu",
+        }
+    }
+
+    /// ReLU family (ReLU, dReLU): a neuron is active exactly when its output is non-zero.
+    pub fn is_relu_family(self) -> bool {
+        matches!(self, Activation::Relu | Activation::DRelu)
     }
 }
 

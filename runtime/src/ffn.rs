@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use crate::cache::LayerClusters;
 use crate::error::Result;
-use crate::ops::activate;
+use crate::ops::neuron_output;
 use crate::sparse::{criterion_value, LayerCounts};
 use crate::weights::{axpy_row, row_dot, row_to_f32, DotInput};
 
@@ -121,7 +121,7 @@ impl Ffn {
     fn run_chunk(&self, src: &LayerClusters, x: &DotInput, sel: &Selection, lo: usize, hi: usize, gate: Option<(Criterion, f32)>, acc: &mut [f32]) -> Result<u32> {
         let (h, dt, act) = (self.hidden, self.layout.dtype, self.act);
         let value = |p: usize, g: f32, u: f32| -> f32 {
-            activate(act, g + bias(&self.gate_bias, p)) * (u + bias(&self.up_bias, p))
+            neuron_output(act, g + bias(&self.gate_bias, p), u + bias(&self.up_bias, p))
         };
         // Gate-up: the criterion value is |a|. Gate: checked before the up row is read.
         let keep = |a: f32| -> bool { !matches!(gate, Some((Criterion::GateUp, t)) if a.abs() <= t) };
@@ -285,7 +285,7 @@ impl Ffn {
                 for (j, (av, uv)) in row_a.iter_mut().zip(row_u).enumerate() {
                     let (bg, bu) = (bias(&self.gate_bias, p0 + j), bias(&self.up_bias, p0 + j));
                     let (gv, uv) = (*av + bg, uv + bu);
-                    *av = activate(self.act, gv) * uv;
+                    *av = neuron_output(self.act, gv, uv);
                     if let Some(mk) = mask {
                         let active = criterion_value(mk.criterion, self.act, gv, uv) > mk.threshold;
                         let read = mk.predicted.as_ref().is_none_or(|p| p[t * self.n_neurons() + p0 + j]);
@@ -337,6 +337,7 @@ impl Ffn {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::activate;
     use crate::sparse::{LayerSparse, Predictor};
     use crate::weights::QMatrix;
     use nflash_format::DType;

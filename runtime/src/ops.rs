@@ -29,13 +29,30 @@ pub fn softmax(x: &mut [f32]) {
 pub fn activate(act: Activation, x: f32) -> f32 {
     match act {
         Activation::Silu => x / (1.0 + (-x).exp()),
-        Activation::Relu => x.max(0.0),
+        Activation::Relu | Activation::DRelu => x.max(0.0),
         Activation::Gelu => 0.5 * x * (1.0 + erf(x / std::f32::consts::SQRT_2)),
         Activation::GeluTanh => {
             let c = (2.0 / std::f32::consts::PI).sqrt();
             0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
         }
     }
+}
+
+/// Applies the activation's up-projection part: ReLU for dReLU, identity otherwise.
+#[inline]
+pub fn activate_up(act: Activation, u: f32) -> f32 {
+    match act {
+        Activation::DRelu => u.max(0.0),
+        _ => u,
+    }
+}
+
+/// A neuron's output (the input of its down-projection column) from its gate
+/// and up pre-activations `g`, `u` (biases included): `act(g) · u`, or
+/// `relu(g) · relu(u)` for dReLU.
+#[inline]
+pub fn neuron_output(act: Activation, g: f32, u: f32) -> f32 {
+    activate(act, g) * activate_up(act, u)
 }
 
 /// erf with max error 1.5e-7 (Abramowitz–Stegun 7.1.26), in f64 internally.
@@ -146,6 +163,10 @@ mod tests {
     fn activations() {
         assert!((activate(Activation::Silu, 1.0) - 0.7310586).abs() < 1e-6);
         assert_eq!(activate(Activation::Relu, -2.0), 0.0);
+        assert_eq!(neuron_output(Activation::Relu, 2.0, -3.0), -6.0);
+        assert_eq!(neuron_output(Activation::DRelu, 2.0, -3.0), 0.0);
+        assert_eq!(neuron_output(Activation::DRelu, 2.0, 3.0), 6.0);
+        assert_eq!(neuron_output(Activation::DRelu, -2.0, 3.0), 0.0);
         assert!((activate(Activation::Gelu, 1.0) - 0.8413447).abs() < 1e-5);
         assert!((activate(Activation::GeluTanh, 1.0) - 0.8411920).abs() < 1e-5);
     }

@@ -14,7 +14,7 @@ use nflash_format::{Activation, Criterion, DType, LayerSparsity, Pack, Predictor
 
 use crate::error::Result;
 use crate::model::{matrix, vector};
-use crate::ops::activate;
+use crate::ops::{activate, neuron_output};
 use crate::weights::{DotInput, QMatrix};
 
 /// Criterion value of one neuron from its gate and up pre-activations.
@@ -22,7 +22,7 @@ use crate::weights::{DotInput, QMatrix};
 pub fn criterion_value(c: Criterion, act: Activation, g: f32, u: f32) -> f32 {
     match c {
         Criterion::Gate => activate(act, g).abs(),
-        Criterion::GateUp => (activate(act, g) * u).abs(),
+        Criterion::GateUp => neuron_output(act, g, u).abs(),
     }
 }
 

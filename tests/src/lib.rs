@@ -6,6 +6,9 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use nflash_format::Pack;
+use nflash_runtime::cache::{CacheConfig, CacheStats};
+use nflash_runtime::Model;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::{json, Value};
@@ -96,6 +99,8 @@ pub struct TinySpec {
     pub head_dim: Option<usize>,
     /// Mistral `sliding_window`, tokens.
     pub sliding_window: Option<usize>,
+    /// Bias on gate/up/down projections (`mlp_bias`).
+    pub mlp_bias: bool,
 }
 
 impl Default for TinySpec {
@@ -117,6 +122,7 @@ impl Default for TinySpec {
             seed: 1,
             head_dim: None,
             sliding_window: None,
+            mlp_bias: false,
         }
     }
 }
@@ -126,7 +132,7 @@ impl TinySpec {
     pub fn config(&self) -> Value {
         let mut c = json!({
             "architectures": [self.arch],
-            "model_type": match self.arch { "Qwen2ForCausalLM" => "qwen2", "MistralForCausalLM" => "mistral", _ => "llama" },
+            "model_type": match self.arch { "Qwen2ForCausalLM" => "qwen2", "MistralForCausalLM" => "mistral", "BambooForCausalLM" => "bamboo", _ => "llama" },
             "hidden_size": self.hidden,
             "intermediate_size": self.inter,
             "num_hidden_layers": self.layers,
@@ -141,6 +147,7 @@ impl TinySpec {
             "bos_token_id": 0,
             "eos_token_id": 1,
             "torch_dtype": "float32",
+            "mlp_bias": self.mlp_bias,
         });
         if self.llama3_scaling {
             c["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
@@ -148,7 +155,7 @@ impl TinySpec {
         if let Some(hd) = self.head_dim {
             c["head_dim"] = json!(hd);
         }
-        if self.arch == "MistralForCausalLM" {
+        if self.arch == "MistralForCausalLM" || self.arch == "BambooForCausalLM" {
             c["sliding_window"] = json!(self.sliding_window);
         }
         if self.arch == "Qwen2ForCausalLM" {
@@ -180,6 +187,11 @@ impl TinySpec {
             t.push((format!("{p}.mlp.gate_proj.weight"), vec![self.inter, self.hidden]));
             t.push((format!("{p}.mlp.up_proj.weight"), vec![self.inter, self.hidden]));
             t.push((format!("{p}.mlp.down_proj.weight"), vec![self.hidden, self.inter]));
+            if self.mlp_bias {
+                t.push((format!("{p}.mlp.gate_proj.bias"), vec![self.inter]));
+                t.push((format!("{p}.mlp.up_proj.bias"), vec![self.inter]));
+                t.push((format!("{p}.mlp.down_proj.bias"), vec![self.hidden]));
+            }
         }
         t.push(("model.norm.weight".to_string(), vec![self.hidden]));
         if !self.tied {
@@ -370,3 +382,72 @@ unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
         unsafe { std::alloc::System.realloc(p, l, n) }
     }
 }
+
+/// Greedy generation from `prompt` for `steps` tokens: every step's logits,
+/// the tokens, and the cache counters.
+pub fn generate(path: &Path, cfg: &CacheConfig, threads: usize, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    pool.install(|| {
+        let pack = Pack::open_resident(path).unwrap();
+        let model = Model::load_with(&pack, cfg).unwrap();
+        let h = model.cfg.hidden_size as usize;
+        let mut kv = model.new_kv_cache(prompt.len() + steps + 1);
+        let hs = model.forward(&mut kv, prompt).unwrap();
+        let mut logits = vec![model.logits(&hs[hs.len() - h..])];
+        let mut tokens = Vec::new();
+        for _ in 0..steps {
+            let l = logits.last().unwrap();
+            let next = (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+            tokens.push(next);
+            let hs = model.forward(&mut kv, &[next]).unwrap();
+            logits.push(model.logits(&hs));
+        }
+        (logits, tokens, model.cache_stats())
+    })
+}
+
+/// Four placements of the FFN: all in memory, 10% hot, nothing hot with 3 I/O
+/// threads, nothing hot with a cold region holding everything.
+pub fn placements(pack: &Path) -> Vec<(&'static str, CacheConfig)> {
+    let p = Pack::open_resident(pack).unwrap();
+    let n: Vec<u32> = p.manifest().ffn.iter().map(|f| f.n_neurons).collect();
+    let all = CacheConfig::all_hot(&p);
+    let with = |hot: f64, cold: u64, io: usize| CacheConfig {
+        hot_neurons: n.iter().map(|&x| (x as f64 * hot) as u32).collect(),
+        cold_bytes: cold,
+        io_threads: io,
+    };
+    vec![
+        ("whole FFN in memory", all),
+        ("10% hot, minimal cold region", with(0.1, 0, 1)),
+        ("nothing hot, minimal cold region, 3 I/O threads", with(0.0, 0, 3)),
+        ("nothing hot, cold region holds the whole FFN", with(0.0, 64 << 20, 2)),
+    ]
+}
+
+/// Asserts that greedy tokens and logits (12-token prefill, then 10 decode
+/// steps) are bit-identical under every placement and 1–4 threads, and that
+/// flash reads and cold hits really happened where expected.
+pub fn check_placement_and_threads(path: &Path) {
+    // Prompt of 12 tokens: batched prefill (streams every cluster), then decode.
+    let prompt: Vec<u32> = (0..12).map(|i| 3 + (i * 5) % 70).collect(); // ids valid for vocabularies ≥ 73
+    let (ref_logits, ref_tokens, _) = generate(path, &placements(path)[0].1, 1, &prompt, 10);
+    for (name, cfg) in placements(path) {
+        for threads in 1..=4 {
+            let (logits, tokens, st) = generate(path, &cfg, threads, &prompt, 10);
+            assert_eq!(tokens, ref_tokens, "{name}, {threads} threads: tokens differ");
+            assert!(logits == ref_logits, "{name}, {threads} threads: logits differ");
+            if cfg.hot_neurons.iter().all(|&h| h == 0) {
+                assert!(st.bytes_read > 0 && st.misses > 0, "{name}: nothing was read from flash: {st:?}");
+            }
+            if name.starts_with("whole") {
+                assert_eq!(st.bytes_read, 0, "{name}: read from flash");
+                assert_eq!(st.hit_rate(), 1.0);
+            }
+            if name.contains("holds the whole") {
+                assert!(st.cold_hits > 0, "{name}: the cold region never hit: {st:?}");
+            }
+        }
+    }
+}
+

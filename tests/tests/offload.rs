@@ -6,9 +6,9 @@
 use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
-use nflash_runtime::cache::{CacheConfig, CacheStats};
+use nflash_runtime::cache::CacheConfig;
 use nflash_runtime::Model;
-use nflash_tests::{assert_fails, repo_root, run, tiny_words, write_tiny_checkpoint, TinySpec};
+use nflash_tests::{assert_fails, check_placement_and_threads, repo_root, run, tiny_words, write_tiny_checkpoint, TinySpec};
 
 fn spec() -> TinySpec {
     TinySpec { inter: 256, layers: 3, ..TinySpec::default() }
@@ -28,69 +28,6 @@ fn pack(dir: &Path, name: &str, quant: &str, extra: &[&str]) -> PathBuf {
     let o = run("prep", &args);
     assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
     out
-}
-
-/// Greedy generation from `prompt` for `steps` tokens: every step's logits,
-/// the tokens, and the cache counters.
-fn generate(path: &Path, cfg: &CacheConfig, threads: usize, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-    pool.install(|| {
-        let pack = Pack::open_resident(path).unwrap();
-        let model = Model::load_with(&pack, cfg).unwrap();
-        let h = model.cfg.hidden_size as usize;
-        let mut kv = model.new_kv_cache(prompt.len() + steps + 1);
-        let hs = model.forward(&mut kv, prompt).unwrap();
-        let mut logits = vec![model.logits(&hs[hs.len() - h..])];
-        let mut tokens = Vec::new();
-        for _ in 0..steps {
-            let l = logits.last().unwrap();
-            let next = (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
-            tokens.push(next);
-            let hs = model.forward(&mut kv, &[next]).unwrap();
-            logits.push(model.logits(&hs));
-        }
-        (logits, tokens, model.cache_stats())
-    })
-}
-
-fn configs(pack: &Path) -> Vec<(&'static str, CacheConfig)> {
-    let p = Pack::open_resident(pack).unwrap();
-    let n: Vec<u32> = p.manifest().ffn.iter().map(|f| f.n_neurons).collect();
-    let all = CacheConfig::all_hot(&p);
-    let with = |hot: f64, cold: u64, io: usize| CacheConfig {
-        hot_neurons: n.iter().map(|&x| (x as f64 * hot) as u32).collect(),
-        cold_bytes: cold,
-        io_threads: io,
-    };
-    vec![
-        ("whole FFN in memory", all),
-        ("10% hot, minimal cold region", with(0.1, 0, 1)),
-        ("nothing hot, minimal cold region, 3 I/O threads", with(0.0, 0, 3)),
-        ("nothing hot, cold region holds the whole FFN", with(0.0, 64 << 20, 2)),
-    ]
-}
-
-fn check_placement_and_threads(path: &Path) {
-    // Prompt of 12 tokens: batched prefill (streams every cluster), then decode.
-    let prompt: Vec<u32> = (0..12).map(|i| 3 + (i * 5) % 70).collect();
-    let (ref_logits, ref_tokens, _) = generate(path, &configs(path)[0].1, 1, &prompt, 10);
-    for (name, cfg) in configs(path) {
-        for threads in 1..=4 {
-            let (logits, tokens, st) = generate(path, &cfg, threads, &prompt, 10);
-            assert_eq!(tokens, ref_tokens, "{name}, {threads} threads: tokens differ");
-            assert!(logits == ref_logits, "{name}, {threads} threads: logits differ");
-            if cfg.hot_neurons.iter().all(|&h| h == 0) {
-                assert!(st.bytes_read > 0 && st.misses > 0, "{name}: nothing was read from flash: {st:?}");
-            }
-            if name.starts_with("whole") {
-                assert_eq!(st.bytes_read, 0, "{name}: read from flash");
-                assert_eq!(st.hit_rate(), 1.0);
-            }
-            if name.contains("holds the whole") {
-                assert!(st.cold_hits > 0, "{name}: the cold region never hit: {st:?}");
-            }
-        }
-    }
 }
 
 #[test]

@@ -4,18 +4,22 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
 use nflash_format::{Activation, Architecture, ModelConfig, RopeScaling};
 use safetensors::tensor::Metadata;
+use rayon::prelude::*;
 use safetensors::Dtype;
 use serde_json::Value;
 
 struct Shard {
     path: PathBuf,
-    mmap: Mmap,
+    /// Tensor data is read with `pread`, so a 7B checkpoint streamed through
+    /// prep never counts towards its resident memory.
+    file: File,
     data_start: usize,
     meta: Metadata,
 }
@@ -114,6 +118,10 @@ fn rope_scaling(cfg: &Value) -> Result<Option<RopeScaling>> {
     }
 }
 
+/// HF class of TurboSparse / Bamboo checkpoints: Mistral attention, dReLU FFN
+/// (`relu(gate·x) · relu(up·x)`, TurboSparse arXiv 2406.05955).
+pub const BAMBOO: &str = "BambooForCausalLM";
+
 /// Parses HF `config.json` (+ `generation_config.json` for extra EOS ids).
 pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
     let arch_name = cfg
@@ -121,9 +129,11 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         .and_then(|a| a.get(0))
         .and_then(Value::as_str)
         .ok_or_else(|| anyhow!("config.json has no \"architectures\" list"))?;
-    let architecture = Architecture::from_hf(arch_name).ok_or_else(|| {
+    // TurboSparse (dReLU) checkpoints are Mistral-shaped "Bamboo" models.
+    let bamboo = arch_name == BAMBOO;
+    let architecture = if bamboo { Some(Architecture::Mistral) } else { Architecture::from_hf(arch_name) }.ok_or_else(|| {
         anyhow!(
-            "unsupported architecture {arch_name:?}; supported: {}",
+            "unsupported architecture {arch_name:?}; supported: {}, {BAMBOO} (dReLU)",
             Architecture::SUPPORTED.join(", ")
         )
     })?;
@@ -133,9 +143,14 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         bail!("config.json: num_attention_heads is 0");
     }
     let act_name = cfg.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-    let activation = Activation::from_hf(act_name).ok_or_else(|| {
-        anyhow!("config.json: hidden_act {act_name:?} is not supported; supported: silu, relu, gelu, gelu_pytorch_tanh")
-    })?;
+    let activation = match Activation::from_hf(act_name) {
+        Some(Activation::Relu) if bamboo => Activation::DRelu,
+        Some(a) => a,
+        None => bail!("config.json: hidden_act {act_name:?} is not supported; supported: silu, relu, drelu, gelu, gelu_pytorch_tanh"),
+    };
+    if bamboo && activation != Activation::DRelu {
+        bail!("config.json: {BAMBOO} with hidden_act {act_name:?}: TurboSparse (Bamboo) models use dReLU, hidden_act \"relu\"");
+    }
     let mut eos = token_ids(cfg.get("eos_token_id"), "config.json eos_token_id")?;
     if let Some(g) = gen {
         for id in token_ids(g.get("eos_token_id"), "generation_config.json eos_token_id")? {
@@ -252,7 +267,8 @@ impl Checkpoint {
                 }
                 index.insert(tname.clone(), shards.len());
             }
-            shards.push(Shard { path, mmap, data_start, meta });
+            drop(mmap); // only its header pages were touched
+            shards.push(Shard { path, file, data_start, meta });
         }
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
@@ -290,31 +306,81 @@ impl Checkpoint {
         Ok(&self.shards[i])
     }
 
-    /// Reads tensor `name` as f32, checking it has `shape`.
-    ///
-    /// # Errors
-    /// Missing tensor, wrong shape, dtype other than BF16/F16/F32.
-    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    /// Shard, element width (bytes) and absolute data range of tensor `name`, checked to have `shape`.
+    fn locate(&self, name: &str, shape: &[usize]) -> Result<(&Shard, Dtype, u64, usize)> {
         let s = self.shard_of(name)?;
         let info = s.meta.info(name).expect("indexed");
         if info.shape != shape {
             bail!("tensor {name} has shape {:?}, expected {shape:?} from config.json", info.shape);
         }
-        let (a, b) = info.data_offsets;
-        let bytes = &s.mmap[s.data_start + a..s.data_start + b];
-        let n: usize = shape.iter().product();
         let width = match info.dtype {
             Dtype::F32 => 4,
             Dtype::F16 | Dtype::BF16 => 2,
             other => bail!("tensor {name} in {} has dtype {other:?}; supported: BF16, F16, F32", s.path.display()),
         };
-        if bytes.len() != n * width {
-            bail!("tensor {name}: {} bytes for {n} elements of {:?}", bytes.len(), info.dtype);
+        let (a, b) = info.data_offsets;
+        let n: usize = shape.iter().product();
+        if b - a != n * width {
+            bail!("tensor {name}: {} bytes for {n} elements of {:?}", b - a, info.dtype);
         }
-        Ok(match info.dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            _ => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        })
+        Ok((s, info.dtype, (s.data_start + a) as u64, b - a))
+    }
+
+    /// Reads tensor `name` as f32, checking it has `shape`.
+    ///
+    /// # Errors
+    /// Missing tensor, wrong shape, dtype other than BF16/F16/F32, read failures.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (s, dtype, off, len) = self.locate(name, shape)?;
+        let mut bytes = vec![0u8; len];
+        read_at(s, name, &mut bytes, off)?;
+        Ok(decode(dtype, &bytes))
+    }
+
+    /// Rows `rows` of the 2-D tensor `name` (`[rows.len(), shape[1]]`), read one by one.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::tensor_f32`]; a row index ≥ `shape[0]`.
+    pub fn rows_f32(&self, name: &str, shape: &[usize], rows: &[u32]) -> Result<Vec<f32>> {
+        let (s, dtype, off, len) = self.locate(name, shape)?;
+        let (n_rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
+        let row_bytes = len / n_rows.max(1);
+        let mut bytes = vec![0u8; row_bytes];
+        let mut out = Vec::with_capacity(rows.len() * cols);
+        for &r in rows {
+            if r as usize >= n_rows {
+                bail!("row {r} of {name} is out of range: it has {n_rows} rows");
+            }
+            read_at(s, name, &mut bytes, off + (r as usize * row_bytes) as u64)?;
+            out.extend(decode(dtype, &bytes));
+        }
+        Ok(out)
+    }
+}
+
+fn read_at(s: &Shard, name: &str, buf: &mut [u8], off: u64) -> Result<()> {
+    s.file.read_exact_at(buf, off).with_context(|| {
+        format!("cannot read tensor {name} from {} (truncated or unreadable); re-download the checkpoint", s.path.display())
+    })
+}
+
+/// Little-endian BF16/F16/F32 bytes to f32.
+fn decode(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => bytes.par_chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::F16 => bytes.par_chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        _ => bytes.par_chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+    }
+}
+
+impl crate::forward::WeightSource for Checkpoint {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        Checkpoint::tensor_f32(self, name, shape)
+    }
+    fn rows_f32(&self, name: &str, shape: &[usize], rows: &[u32]) -> Result<Vec<f32>> {
+        Checkpoint::rows_f32(self, name, shape, rows)
     }
 }

@@ -82,9 +82,10 @@ pub struct SparseArgs {
     /// Predictor size as a fraction of the layer's FFN bytes, used to choose the rank.
     #[arg(long, default_value_t = 0.10, allow_negative_numbers = true, requires = "source")]
     predictor_budget: f64,
-    /// Fraction of truly active neurons the predictor must keep on held-out calibration tokens.
-    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true, requires = "source")]
-    recall: f64,
+    /// Fraction of truly active neurons the predictor must keep on held-out calibration tokens
+    /// [default: 0.99 for ReLU-family models (relu, dReLU), 0.95 otherwise].
+    #[arg(long, allow_negative_numbers = true, requires = "source")]
+    recall: Option<f64>,
     /// MLP predictor training epochs.
     #[arg(long, default_value_t = 20, requires = "source")]
     epochs: usize,
@@ -98,8 +99,8 @@ impl SparseArgs {
         if !(0.0..1.0).contains(&self.sparsity) {
             bail!("--sparsity {} is outside [0, 1): it is the fraction of FFN neurons skipped per token, e.g. 0.5", self.sparsity);
         }
-        if !(self.recall > 0.0 && self.recall <= 1.0) {
-            bail!("--recall {} is outside (0, 1]", self.recall);
+        if let Some(r) = self.recall.filter(|r| !(*r > 0.0 && *r <= 1.0)) {
+            bail!("--recall {r} is outside (0, 1]");
         }
         if !(self.predictor_budget > 0.0 && self.predictor_budget <= 1.0) {
             bail!("--predictor-budget {} is outside (0, 1]", self.predictor_budget);
@@ -116,7 +117,7 @@ impl SparseArgs {
     }
 
     /// The sparse plan, or `None` for a dense pack.
-    fn plan(&self, ck: &Checkpoint, model_dir: &std::path::Path, quant: DType) -> Result<Option<SparsePlan>> {
+    fn plan(&self, ck: &Checkpoint, model_dir: &std::path::Path, quant: DType, stages: &mut Stages) -> Result<Option<SparsePlan>> {
         let profile = match (&self.calib, &self.profile) {
             (None, None) => return Ok(None),
             (_, Some(p)) => {
@@ -132,6 +133,7 @@ impl SparseArgs {
                     &self.calib_run.options(),
                 )?;
                 eprintln!("profiled {} tokens in {:.1} s", pr.calib.n_tokens, t.elapsed().as_secs_f64());
+                stages.mark("profile");
                 pr
             }
         };
@@ -145,7 +147,7 @@ impl SparseArgs {
                 predictor: self.predictor,
                 rank: self.rank,
                 budget: self.predictor_budget,
-                recall: self.recall,
+                recall: self.recall.unwrap_or(if ck.config.activation.is_relu_family() { 0.99 } else { 0.95 }),
                 epochs: self.epochs,
                 seed: self.seed,
             },
@@ -163,6 +165,7 @@ impl SparseArgs {
             100.0 * mean(&|q| q.bundles_skipped),
             100.0 * mean(&|q| q.sparsity),
         );
+        stages.mark("predictors");
         let losses: Vec<(f32, f32)> = plan.layers.iter().filter_map(|l| l.loss).collect();
         if !losses.is_empty() {
             let k = losses.len() as f32;
@@ -205,6 +208,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         );
     }
     let t0 = std::time::Instant::now();
+    let mut stages = Stages::start();
     let ck = Checkpoint::open(&a.model)?;
     check_tensors(&ck)?;
     let tok = nflash_runtime::tokenizer::Tokenizer::from_json(&ck.tokenizer_json)
@@ -236,7 +240,8 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         a.out.display(),
         a.quant
     );
-    let plan = a.sparse.plan(&ck, &a.model, a.quant)?;
+    stages.mark("open + check");
+    let plan = a.sparse.plan(&ck, &a.model, a.quant, &mut stages)?;
     // Cluster size: given, or matched to the device's reads and the expected need of cold neurons.
     let cluster_bytes = match (a.cluster_bytes, &device) {
         (Some(c), _) => c,
@@ -276,6 +281,8 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         plan.as_ref(),
         planner.as_ref().map(|p| p as crate::pack::Planner),
     )?;
+    stages.mark("plan + quantize + pack");
+    stages.print();
     let size = std::fs::metadata(&a.out).map(|m| m.len()).unwrap_or(0);
     eprintln!(
         "wrote {} ({:.1} MiB) in {:.1} s",
@@ -284,4 +291,42 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// Wall time and peak resident memory of each conversion stage (issue 5:
+/// streaming prep reports both). The peak is reset between stages through
+/// `/proc/self/clear_refs` where Linux allows it, so each row is that
+/// stage's own peak; elsewhere it is the running peak.
+struct Stages {
+    t: std::time::Instant,
+    rows: Vec<(&'static str, f64, Option<u64>)>,
+}
+
+impl Stages {
+    fn start() -> Self {
+        Self::reset_peak();
+        Stages { t: std::time::Instant::now(), rows: Vec::new() }
+    }
+
+    fn reset_peak() {
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+    }
+
+    /// Ends stage `name`.
+    fn mark(&mut self, name: &'static str) {
+        self.rows.push((name, self.t.elapsed().as_secs_f64(), nflash_runtime::stats::peak_rss_bytes()));
+        Self::reset_peak();
+        self.t = std::time::Instant::now();
+    }
+
+    fn print(&self) {
+        eprintln!("{:<24} {:>9} {:>14}", "stage", "wall s", "peak RSS MiB");
+        for (name, s, peak) in &self.rows {
+            let p = peak.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
+            eprintln!("{name:<24} {s:>9.1} {p:>14}");
+        }
+        let total: f64 = self.rows.iter().map(|r| r.1).sum();
+        let peak = self.rows.iter().filter_map(|r| r.2).max();
+        eprintln!("{:<24} {total:>9.1} {:>14}", "total", peak.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64)));
+    }
 }

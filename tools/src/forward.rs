@@ -14,10 +14,27 @@ use anyhow::{bail, Result};
 use candle_core::quantized::GgmlType;
 use candle_core::{Device, Tensor, D};
 use nflash_format::{Activation, Architecture, ModelConfig};
-use nflash_runtime::ops::{activate, rms_norm, softmax, Rope};
+use nflash_runtime::ops::{activate, activate_up, rms_norm, softmax, Rope};
 use rayon::prelude::*;
 
-use crate::checkpoint::Checkpoint;
+/// Where the forward pass gets its weights: a checkpoint on disk
+/// ([`crate::checkpoint::Checkpoint`]) or a generator (`prep synth`).
+/// Tensor names and shapes are Hugging Face's (`model.layers.{l}.mlp.gate_proj.weight`, `[n_neurons, hidden]`).
+pub trait WeightSource: Sync {
+    /// Model hyper-parameters.
+    fn config(&self) -> &ModelConfig;
+    /// Tensor `name` as f32, checked to have `shape`.
+    ///
+    /// # Errors
+    /// Missing tensor, wrong shape or dtype, read failures.
+    fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>>;
+    /// Rows `rows` of the 2-D tensor `name` of `shape` (`[rows.len(), shape[1]]`),
+    /// without materializing the rest.
+    ///
+    /// # Errors
+    /// As [`WeightSource::tensor_f32`]; a row index out of range.
+    fn rows_f32(&self, name: &str, shape: &[usize], rows: &[u32]) -> Result<Vec<f32>>;
+}
 
 /// Tokens of equal-length windows batched into one attention pass (one
 /// matmul per projection).
@@ -25,7 +42,7 @@ const ATTN_BATCH_TOKENS: usize = 4096;
 
 /// The residual stream of all calibration tokens and the checkpoint it runs.
 pub struct Forward<'a> {
-    ck: &'a Checkpoint,
+    ck: &'a dyn WeightSource,
     cfg: ModelConfig,
     /// Token ranges of the windows, in order, covering `0..n_tokens`.
     windows: Vec<Range<usize>>,
@@ -48,6 +65,7 @@ struct Attention {
 }
 
 /// One layer's FFN weights: `down · (act(gate·xn + bg) ⊙ (up·xn + bu)) + bd`
+/// (dReLU: `relu(up·xn + bu)`)
 /// with `xn = RMSNorm(x)` (post_attention_layernorm).
 pub struct Ffn {
     norm: Vec<f32>, // [hidden]
@@ -69,11 +87,11 @@ pub struct Activations {
     pub hv: Vec<f32>,
 }
 
-fn matrix(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> Result<Tensor> {
+fn matrix(ck: &dyn WeightSource, name: &str, rows: usize, cols: usize) -> Result<Tensor> {
     Ok(Tensor::from_vec(ck.tensor_f32(name, &[rows, cols])?, (rows, cols), &Device::Cpu)?)
 }
 
-fn bias(ck: &Checkpoint, name: &str, len: usize, present: bool) -> Result<Option<Tensor>> {
+fn bias(ck: &dyn WeightSource, name: &str, len: usize, present: bool) -> Result<Option<Tensor>> {
     if !present {
         return Ok(None);
     }
@@ -176,17 +194,13 @@ impl<'a> Forward<'a> {
     ///
     /// # Errors
     /// A token id ≥ `vocab_size`, a missing or misshapen embedding.
-    pub fn new(ck: &'a Checkpoint, tokens: &[u32], windows: Vec<Range<usize>>) -> Result<Self> {
-        let cfg = ck.config.clone();
+    pub fn new(ck: &'a dyn WeightSource, tokens: &[u32], windows: Vec<Range<usize>>) -> Result<Self> {
+        let cfg = ck.config().clone();
         let (h, vocab) = (cfg.hidden_size as usize, cfg.vocab_size as usize);
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
             bail!("the tokenizer gave token id {id}, but the embedding has only {vocab} rows (vocab_size in config.json); tokenizer.json does not belong to these weights");
         }
-        let embed = ck.tensor_f32("model.embed_tokens.weight", &[vocab, h])?; // [vocab, hidden]
-        let mut x = Vec::with_capacity(tokens.len() * h);
-        for &id in tokens {
-            x.extend_from_slice(&embed[id as usize * h..(id as usize + 1) * h]);
-        }
+        let x = ck.rows_f32("model.embed_tokens.weight", &[vocab, h], tokens)?; // [n_tokens, hidden]
         Ok(Forward { ck, rope: Rope::new(&cfg), cfg, windows, x })
     }
 
@@ -259,6 +273,16 @@ impl<'a> Forward<'a> {
         })
     }
 
+    /// RMSNorm with the `[hidden]` weight tensor `norm` of token rows `rows`: `[rows.len(), hidden]`.
+    ///
+    /// # Errors
+    /// A missing or misshapen norm weight.
+    pub fn normed(&self, norm: &str, rows: Range<usize>) -> Result<Vec<f32>> {
+        let h = self.cfg.hidden_size as usize;
+        let w = self.ck.tensor_f32(norm, &[h])?;
+        Ok(norm_rows(&self.x[rows.start * h..rows.end * h], &w, self.cfg.rms_norm_eps as f32))
+    }
+
     /// FFN input `xn = post_attention_layernorm(x)` of token rows `rows`: `[rows.len(), hidden]`.
     pub fn ffn_input(&self, ffn: &Ffn, rows: Range<usize>) -> Vec<f32> {
         let h = self.cfg.hidden_size as usize;
@@ -289,7 +313,7 @@ impl Ffn {
         let act = self.act;
         a.par_iter_mut().zip(hv.par_iter_mut()).for_each(|(a, u)| {
             *a = activate(act, *a);
-            *u *= *a;
+            *u = activate_up(act, *u) * *a;
         });
         Ok(Activations { a, hv })
     }

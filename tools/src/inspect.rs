@@ -65,12 +65,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!("{}: nflash pack v{}.{}, {:.1} MiB, alignment {} bytes, by {}", a.file.display(), h.major, h.minor, mib(pack.file_len()), h.alignment, m.producer);
     let c = &m.config;
-    let act = match c.activation {
-        nflash_format::Activation::Silu => "silu",
-        nflash_format::Activation::Relu => "relu",
-        nflash_format::Activation::Gelu => "gelu",
-        nflash_format::Activation::GeluTanh => "gelu_pytorch_tanh",
-    };
+    let act = c.activation.name();
     let rope = match c.rope_scaling {
         None => "none".to_string(),
         Some(nflash_format::RopeScaling::Linear { factor }) => format!("linear ×{factor}"),

@@ -12,6 +12,7 @@ mod predictor;
 mod profile;
 mod quality;
 mod sparsify;
+mod synth;
 mod verify;
 
 use clap::{Parser, Subcommand};
@@ -35,17 +36,20 @@ enum Command {
     Verify(verify::VerifyArgs),
     /// Profile FFN neuron activity on calibration text.
     Profile(profile::ProfileArgs),
+    /// Write a synthetic Hugging Face checkpoint (llama-7b, mistral-7b, tiny shapes) with
+    /// controlled FFN activation sparsity and hot-neuron skew.
+    Synth(synth::SynthArgs),
 }
 
-/// The pack being written, if any: removed when prep is interrupted, so
-/// Ctrl-C never leaves a partial file behind.
+/// The pack (or synthetic checkpoint directory) being written, if any:
+/// removed when prep is interrupted, so Ctrl-C never leaves a partial output behind.
 pub static IN_PROGRESS: std::sync::Mutex<Option<std::path::PathBuf>> = std::sync::Mutex::new(None);
 
 fn main() {
     let cli = Cli::parse();
     let _ = ctrlc::set_handler(|| {
         if let Some(p) = IN_PROGRESS.lock().ok().and_then(|g| g.clone()) {
-            let _ = std::fs::remove_file(&p);
+            let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
             eprintln!("\ninterrupted: removed the partial {}", p.display());
         } else {
             eprintln!("\ninterrupted");
@@ -57,6 +61,7 @@ fn main() {
         Command::Inspect(a) => inspect::run(a),
         Command::Verify(a) => verify::run(a),
         Command::Profile(a) => profile::run(a),
+        Command::Synth(a) => synth::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -238,7 +238,7 @@ fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], o: &Pred
     let b2 = Var::from_tensor(&Tensor::zeros(n, candle_core::DType::F32, &dev)?)?;
     let mut opt = AdamW::new(
         vec![w1.clone(), b1.clone(), w2.clone(), b2.clone()],
-        ParamsAdamW { lr: 2e-3, weight_decay: 1e-4, ..Default::default() },
+        ParamsAdamW { lr: 5e-3, weight_decay: 1e-4, ..Default::default() },
     )?;
     let x = tensor(train, s, h)?;
     let y = Tensor::from_vec(values.iter().map(|&v| (v > t) as u8 as f32).collect::<Vec<_>>(), (s, n), &dev)?;
@@ -249,7 +249,7 @@ fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], o: &Pred
             .matmul(&w2.as_tensor().t()?)?
             .broadcast_add(b2.as_tensor())
     };
-    const BATCH: usize = 256;
+    const BATCH: usize = 64;
     let mut order: Vec<u32> = (0..s as u32).collect();
     let (mut first, mut last) = (f32::NAN, f32::NAN);
     for epoch in 0..o.epochs.max(1) {

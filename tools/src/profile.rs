@@ -17,7 +17,7 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
 use bincode::Options;
-use nflash_format::{Activation, Criterion, ModelConfig};
+use nflash_format::{Criterion, ModelConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::histogram::Histogram;
@@ -64,7 +64,7 @@ impl ProfileModel {
             hidden_size: cfg.hidden_size,
             intermediate_size: cfg.intermediate_size,
             num_layers: cfg.num_layers,
-            activation: activation_name(cfg.activation).to_string(),
+            activation: cfg.activation.name().to_string(),
         }
     }
 }
@@ -76,15 +76,6 @@ impl std::fmt::Display for ProfileModel {
             "{} with {} layers, hidden {}, FFN {}, {}",
             self.architecture, self.num_layers, self.hidden_size, self.intermediate_size, self.activation
         )
-    }
-}
-
-fn activation_name(a: Activation) -> &'static str {
-    match a {
-        Activation::Silu => "silu",
-        Activation::Relu => "relu",
-        Activation::Gelu => "gelu",
-        Activation::GeluTanh => "gelu_pytorch_tanh",
     }
 }
 

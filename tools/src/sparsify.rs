@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use nflash_format::{Activation, Criterion, DType, LayerSparsity, PredictorKind, SparseInfo};
+use nflash_format::{Criterion, DType, LayerSparsity, PredictorKind, SparseInfo};
 
 use crate::checkpoint::Checkpoint;
 use crate::predictor::{build, GateUp, PredictorOptions};
@@ -74,10 +74,6 @@ pub fn rank_for_budget(kind: PredictorKind, budget: f64, hidden: usize, n: usize
     r.clamp(32, (hidden / 32 * 32).max(32))
 }
 
-fn is_relu_family(a: Activation) -> bool {
-    a == Activation::Relu
-}
-
 /// Thresholds, hot-first order and predictors for every layer.
 ///
 /// # Errors
@@ -85,7 +81,7 @@ fn is_relu_family(a: Activation) -> bool {
 pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType) -> Result<SparsePlan> {
     let cfg = &ck.config;
     let (h, n) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
-    let relu = is_relu_family(cfg.activation);
+    let relu = cfg.activation.is_relu_family();
     let max_rank = (h / 32 * 32).max(32);
     if let Some(r) = o.rank.filter(|&r| r > max_rank) {
         bail!("--rank {r} is larger than the model allows: at most {max_rank} (hidden_size {h} rounded down to a multiple of 32)");

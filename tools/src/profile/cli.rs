@@ -103,8 +103,9 @@ fn summary(p: &Profile, out: &std::path::Path, secs: f64) {
             let f = l.frequency(Criterion::GateUp, 0.5);
             let hot = f.iter().filter(|&&v| v > 0.8).count();
             eprintln!(
-                "layer {i:>3}: |act(gate)| zero {:.1}%, gate-up threshold at 50% sparsity {:.4}, neurons active > 80% of tokens there: {hot}/{}",
+                "layer {i:>3}: |act(gate)| zero {:.1}%, |act(gate)·up| zero {:.1}%, gate-up threshold at 50% sparsity {:.4}, neurons active > 80% of tokens there: {hot}/{}",
                 100.0 * l.gate.zero_fraction(),
+                100.0 * l.gate_up.zero_fraction(),
                 l.threshold(Criterion::GateUp, 0.5),
                 f.len()
             );

@@ -1,0 +1,132 @@
+//! `prep synth` (issue 5): the synthetic checkpoint hits its target sparsity
+//! (±0.02) when profiled on other text, its hotness skew shows in the
+//! profile, its predictors reach the ReLU recall target, and its offloaded
+//! and in-memory outputs are identical.
+
+use std::path::{Path, PathBuf};
+
+use nflash_format::Pack;
+use nflash_tests::{assert_fails, check_placement_and_threads, run, tiny_words, write_tiny_checkpoint, TinySpec};
+
+const VOCAB: usize = 300;
+
+/// A directory with tokenizer files (a tiny word-level vocabulary of `VOCAB` tokens).
+fn tokenizer_dir(root: &Path) -> PathBuf {
+    let d = root.join("tok");
+    if !d.exists() {
+        write_tiny_checkpoint(&d, &TinySpec { vocab: VOCAB, ..TinySpec::default() });
+    }
+    d
+}
+
+/// `prep synth --shape tiny` into `root/name`.
+fn synth(root: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let out = root.join(name);
+    let tok = tokenizer_dir(root);
+    let mut args = vec!["synth", "--shape", "tiny", "--out", out.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--dtype", "f32"];
+    args.extend_from_slice(extra);
+    let o = run("prep", &args);
+    assert!(o.status.success(), "prep synth failed: {}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+/// Calibration/evaluation text: random words of the tiny vocabulary (not the synth's own calibration tokens).
+fn text(root: &Path, seed: u64) -> PathBuf {
+    let p = root.join(format!("text-{seed}.txt"));
+    std::fs::write(&p, tiny_words(6000, VOCAB, seed)).unwrap();
+    p
+}
+
+/// Per layer: (fraction of zero activations, neurons active on > 80% of tokens), from `prep profile`.
+fn profile(root: &Path, model: &Path) -> Vec<(f64, usize)> {
+    let out = root.join("p.profile");
+    let calib = text(root, 99);
+    let o = run(
+        "prep",
+        &["profile", "--model", model.to_str().unwrap(), "--calib", calib.to_str().unwrap(), "--tokens", "4000", "--window", "200", "--out", out.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "prep profile failed: {}", String::from_utf8_lossy(&o.stderr));
+    let all = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let layers: Vec<(f64, usize)> = all
+        .lines()
+        .filter(|l| l.trim_start().starts_with("layer"))
+        .map(|l| {
+            // The neuron output's zeros (|act(gate)·up|): dReLU also zeroes through up.
+            let zero: f64 = l.split("|act(gate)·up| zero ").nth(1).unwrap().split('%').next().unwrap().parse().unwrap();
+            let hot: usize = l.rsplit(": ").next().unwrap().split('/').next().unwrap().parse().unwrap();
+            (zero / 100.0, hot)
+        })
+        .collect();
+    assert_eq!(layers.len(), 2, "{all}");
+    eprintln!("{}: {layers:?}", model.display());
+    layers
+}
+
+#[test]
+fn synth_hits_its_target_sparsity_and_its_skew_shows_in_the_profile() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (act, target, skew) in [("relu", 0.9, "1.5"), ("relu", 0.7, "1.5"), ("drelu", 0.9, "1.5"), ("relu", 0.9, "0")] {
+        let name = format!("{act}-{target}-{skew}");
+        let m = synth(tmp.path(), &name, &["--act", act, "--sparsity", &target.to_string(), "--skew", skew]);
+        let layers = profile(tmp.path(), &m);
+        let mean = layers.iter().map(|l| l.0).sum::<f64>() / layers.len() as f64;
+        assert!((mean - target).abs() <= 0.02, "{name}: mean sparsity {mean:.4}, target {target}");
+        for (l, &(_, hot)) in layers.iter().enumerate() {
+            if skew == "0" {
+                // Every neuron has p = 1 − sparsity: none is hot.
+                assert_eq!(hot, 0, "{name} layer {l}: {hot} neurons active on > 80% of tokens without skew");
+            } else {
+                // The power law makes a hot set: p > 0.8 for ~15 of 512 neurons at sparsity 0.9.
+                assert!(hot >= 8, "{name} layer {l}: only {hot} neurons active on > 80% of tokens");
+            }
+        }
+    }
+}
+
+#[test]
+fn synthetic_relu_model_predictor_recall_and_offload_exactness() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = synth(tmp.path(), "relu", &[]);
+    let calib = text(tmp.path(), 5);
+    let pack = tmp.path().join("relu.nflash");
+    let o = run(
+        "prep",
+        &[
+            "convert", "--model", m.to_str().unwrap(), "--out", pack.to_str().unwrap(), "--quant", "q8_0", "--cluster-bytes", "1024",
+            "--calib", calib.to_str().unwrap(), "--tokens", "4000", "--window", "200",
+        ],
+    );
+    assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
+    let p = Pack::open(&pack).unwrap();
+    let sp = p.manifest().sparse.as_ref().expect("a sparse pack");
+    assert!((sp.recall_target - 0.99).abs() < 1e-6, "ReLU default recall target is 0.99, got {}", sp.recall_target);
+    assert!((sp.target_sparsity - 0.9).abs() < 0.02, "natural sparsity {}", sp.target_sparsity);
+    for (l, ls) in p.manifest().ffn.iter().filter_map(|f| f.sparse.as_ref()).enumerate() {
+        let q = &ls.quality;
+        eprintln!("layer {l}: recall {:.4} precision {:.3} skipped {:.3}", q.recall, q.precision, q.bundles_skipped);
+        assert!(q.recall >= 0.985, "layer {l}: held-out recall {} below the 0.99 target", q.recall);
+        assert!(q.bundles_skipped > 0.5, "layer {l}: the predictor skips only {} of bundles", q.bundles_skipped);
+        assert_eq!(ls.threshold, 0.0, "ReLU activity is exact (act > 0)");
+    }
+    drop(p);
+    check_placement_and_threads(&pack);
+}
+
+#[test]
+fn bad_synth_arguments_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("x");
+    let tok = tokenizer_dir(tmp.path());
+    let o = |extra: &[&str]| {
+        let mut a = vec!["synth", "--shape", "tiny", "--out", out.to_str().unwrap()];
+        a.extend_from_slice(extra);
+        run("prep", &a)
+    };
+    let t = ["--tokenizer", tok.to_str().unwrap()];
+    assert_fails("sparsity 1", &o(&[&t[..], &["--sparsity", "1"]].concat()), &["--sparsity"]);
+    assert_fails("skew -1", &o(&[&t[..], &["--skew=-1"]].concat()), &["--skew"]);
+    assert_fails("no tokenizer", &o(&["--tokenizer", "/nonexistent"]), &["tokenizer.json", "--tokenizer"]);
+    assert!(!out.exists());
+    std::fs::create_dir_all(&out).unwrap();
+    assert_fails("existing out", &o(&t), &["already exists"]);
+}

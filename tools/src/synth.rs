@@ -1,0 +1,668 @@
+//! `prep synth`: a synthetic Hugging Face checkpoint of a chosen shape whose
+//! FFN activation statistics are controlled (issue 5).
+//!
+//! No ReLU-family checkpoint can be fetched here, so the sparse, skewed regime
+//! of ReluLLaMA / ProSparse / TurboSparse models is generated instead:
+//! - weights are random (uniform, scaled by fan-in), norms are 1;
+//! - neuron `i`'s target activation probability `p_i` follows a power law over
+//!   its hotness rank `k`: `p = min(1, c·(k+1)^-skew)`, with `c` chosen so the
+//!   mean is `1 − sparsity`; ranks are a random permutation per layer, so hot
+//!   neurons are scattered as in real models;
+//! - ReLU (`hidden_act: relu`, `mlp_bias: true`): the gate bias of neuron `i`
+//!   is set from the statistics of its pre-activation `z_i = gate_i · xn` over
+//!   calibration tokens run through the layers generated so far:
+//!   `b_i = −(μ_i + σ_i Φ⁻¹(1 − p_i))`, so `P(z_i + b_i > 0) ≈ p_i`;
+//! - dReLU (TurboSparse, `BambooForCausalLM`): gate and up biases each target
+//!   `√p_i` (their pre-activations come from independent projections);
+//! - the gate (and, for dReLU, up) rows lie in a random `--active-rank`
+//!   dimensional subspace of the hidden space, as activity is predictable from
+//!   a low-dimensional projection in trained models (Deja Vu, PowerInfer):
+//!   the trained predictors can then reach their recall target.
+//!
+//! Writing streams one tensor at a time: every tensor is regenerated from the
+//! seed when its shard is written, so peak memory is one tensor plus one
+//! layer's weights during calibration, whatever the model size.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use nflash_format::{Activation, Architecture, ModelConfig};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+use safetensors::tensor::View;
+use safetensors::Dtype;
+use serde_json::{json, Value};
+use statrs::distribution::{ContinuousCDF, Normal};
+
+use crate::forward::{split_windows, Forward, WeightSource};
+
+/// Model shapes `prep synth` can generate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Shape {
+    /// Llama-2-7B: hidden 4096, FFN 11008, 32 layers, 32 heads (MHA).
+    #[value(name = "llama-7b")]
+    Llama7b,
+    /// Mistral-7B: hidden 4096, FFN 14336, 32 layers, 32 heads, 8 KV heads (GQA).
+    #[value(name = "mistral-7b")]
+    Mistral7b,
+    /// For tests: hidden 128, FFN 512, 2 layers, 4 heads, 2 KV heads.
+    Tiny,
+}
+
+/// FFN activation of the generated model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SynthAct {
+    /// ReLU on the gate (ReluLLaMA / ProSparse style; `hidden_act: relu`).
+    Relu,
+    /// ReLU on gate and up (TurboSparse; written as `BambooForCausalLM`).
+    Drelu,
+}
+
+/// Weight storage type of the checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SynthDtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+/// Arguments of `prep synth`.
+#[derive(Args)]
+pub struct SynthArgs {
+    /// Model shape.
+    #[arg(long, value_enum)]
+    shape: Shape,
+    /// Output checkpoint directory (must not exist; written to a temporary directory, then renamed).
+    #[arg(long)]
+    out: PathBuf,
+    /// Target mean fraction of FFN neurons inactive per token, in (0, 1).
+    #[arg(long, default_value_t = 0.9)]
+    sparsity: f64,
+    /// Power-law exponent of per-neuron activation probability over hotness rank
+    /// (0: every neuron equally likely; 1.5: the hottest 20% give ~80% of activations at sparsity 0.9).
+    #[arg(long, default_value_t = 1.5)]
+    skew: f64,
+    /// FFN activation.
+    #[arg(long, value_enum, default_value = "relu")]
+    act: SynthAct,
+    /// Dimension of the subspace the gate (dReLU: and up) rows lie in; default 128 (tiny: 16).
+    #[arg(long)]
+    active_rank: Option<usize>,
+    /// Decoder layers (default: the shape's).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Weight type.
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: SynthDtype,
+    /// Random seed (weights, hotness ranks, calibration tokens).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Directory with the tokenizer files to reuse (tokenizer.json, tokenizer_config.json;
+    /// config.json / generation_config.json for BOS/EOS ids if present).
+    #[arg(long, default_value = "models/SmolLM2-135M-Instruct")]
+    tokenizer: PathBuf,
+    /// Largest shard, bytes (e.g. 2GiB).
+    #[arg(long, default_value = "2GiB", value_parser = nflash_runtime::planner::parse_bytes)]
+    shard_bytes: u64,
+    /// Calibration tokens (uniformly random ids) whose statistics set the biases.
+    #[arg(long, default_value_t = 512)]
+    calib_tokens: usize,
+}
+
+/// Shape parameters: (architecture, hidden, FFN, layers, heads, KV heads, rope θ, max positions).
+fn dims(shape: Shape) -> (Architecture, u64, u64, u64, u64, u64, f64, u64) {
+    match shape {
+        Shape::Llama7b => (Architecture::Llama, 4096, 11008, 32, 32, 32, 10000.0, 4096),
+        Shape::Mistral7b => (Architecture::Mistral, 4096, 14336, 32, 32, 8, 1e6, 32768),
+        Shape::Tiny => (Architecture::Llama, 128, 512, 2, 4, 2, 10000.0, 512),
+    }
+}
+
+/// The generator: a [`WeightSource`] whose tensors are functions of the seed.
+pub struct Synth {
+    cfg: ModelConfig,
+    seed: u64,
+    /// Subspace dimension of gate (and dReLU up) rows.
+    rank: usize,
+    /// Calibrated biases by tensor name (`…gate_proj.bias`, `…up_proj.bias`), `[n_neurons]`.
+    biases: Mutex<HashMap<String, Vec<f32>>>,
+}
+
+/// splitmix64 finalizer: decorrelates nearby seeds.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// FNV-1a of a tensor name.
+fn key(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Uniform values in `[-a, a)` with standard deviation `std` (`a = √3·std`), one RNG per row.
+fn fill_row(seed: u64, name_key: u64, row: u64, std: f32, out: &mut [f32]) {
+    let mut rng = SmallRng::seed_from_u64(mix(seed ^ mix(name_key ^ mix(row))));
+    let a = 3f32.sqrt() * std;
+    out.iter_mut().for_each(|v| *v = (rng.random::<f32>() * 2.0 - 1.0) * a);
+}
+
+impl Synth {
+    /// Whether `name` is a low-rank projection (gate; dReLU: up too).
+    fn is_low_rank(&self, name: &str) -> bool {
+        name.ends_with("mlp.gate_proj.weight") || (self.cfg.activation == Activation::DRelu && name.ends_with("mlp.up_proj.weight"))
+    }
+
+    /// Standard deviation of a full-rank random tensor of `shape` named `name`:
+    /// 1 for embeddings (RMSNorm rescales them), else 1/√fan_in so that every
+    /// projection keeps its output O(1).
+    fn std_of(name: &str, shape: &[usize]) -> f32 {
+        if name.contains("embed_tokens") {
+            1.0
+        } else {
+            1.0 / (*shape.last().unwrap_or(&1) as f32).sqrt()
+        }
+    }
+
+    /// Rows `rows` of tensor `name` of `shape`, `[rows.len(), cols]`.
+    fn gen_rows(&self, name: &str, shape: &[usize], rows: Range<usize>) -> Result<Vec<f32>> {
+        let cols = if shape.len() == 2 { shape[1] } else { 1 };
+        let n = rows.len();
+        if name.ends_with("norm.weight") {
+            return Ok(vec![1.0; n * cols]);
+        }
+        if name.ends_with(".bias") {
+            if name.ends_with("down_proj.bias") || (name.ends_with("up_proj.bias") && self.cfg.activation != Activation::DRelu) {
+                return Ok(vec![0.0; n * cols]);
+            }
+            let b = self.biases.lock().unwrap_or_else(|e| e.into_inner());
+            let v = b.get(name).with_context(|| format!("internal: bias {name} used before its layer was calibrated"))?;
+            return Ok(v[rows].to_vec());
+        }
+        let mut out = vec![0f32; n * cols];
+        if self.is_low_rank(name) {
+            // Row i = g_i · P: g_i `[rank]` (std 1/√rank), P `[rank, hidden]` (std 1/√hidden).
+            let p = self.basis(name, cols);
+            let g = self.coefficients(name, rows.clone());
+            let w = Tensor::from_vec(g, (n, self.rank), &Device::Cpu)?
+                .matmul(&Tensor::from_vec(p, (self.rank, cols), &Device::Cpu)?)?;
+            return Ok(w.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let (k, std) = (key(name), Self::std_of(name, shape));
+        out.par_chunks_mut(cols).zip(rows).for_each(|(o, r)| fill_row(self.seed, k, r as u64, std, o));
+        Ok(out)
+    }
+
+    /// `P` `[rank, hidden]` of a low-rank projection.
+    fn basis(&self, name: &str, hidden: usize) -> Vec<f32> {
+        let k = key(&format!("{name}#basis"));
+        let mut p = vec![0f32; self.rank * hidden];
+        let std = 1.0 / (hidden as f32).sqrt();
+        p.par_chunks_mut(hidden).enumerate().for_each(|(r, o)| fill_row(self.seed, k, r as u64, std, o));
+        p
+    }
+
+    /// Coefficients `g` `[rows.len(), rank]` of a low-rank projection.
+    fn coefficients(&self, name: &str, rows: Range<usize>) -> Vec<f32> {
+        let k = key(&format!("{name}#coef"));
+        let mut g = vec![0f32; rows.len() * self.rank];
+        let std = 1.0 / (self.rank as f32).sqrt();
+        g.par_chunks_mut(self.rank).zip(rows).for_each(|(o, r)| fill_row(self.seed, k, r as u64, std, o));
+        g
+    }
+
+    /// Target activation probability of every neuron of layer `l` `[n_neurons]`:
+    /// a power law over a random hotness ranking, mean `1 − sparsity`.
+    pub fn targets(&self, l: usize, sparsity: f64, skew: f64) -> Vec<f64> {
+        let n = self.cfg.intermediate_size as usize;
+        let curve = power_law(n, 1.0 - sparsity, skew);
+        let mut order: Vec<usize> = (0..n).collect();
+        // Fisher–Yates with a per-layer RNG: neuron order[k] gets rank k.
+        let mut rng = SmallRng::seed_from_u64(mix(self.seed ^ mix(0x686f74 ^ l as u64)));
+        for i in (1..n).rev() {
+            order.swap(i, rng.random_range(0..=i));
+        }
+        let mut p = vec![0.0; n];
+        for (k, &i) in order.iter().enumerate() {
+            p[i] = curve[k];
+        }
+        p
+    }
+}
+
+/// `p_k = min(p_max, c·(k+1)^-skew)`, k = 0..n, with `c` found by bisection so
+/// that the mean is `mean`. `p_max` is 0.999 (no neuron is certain).
+pub fn power_law(n: usize, mean: f64, skew: f64) -> Vec<f64> {
+    const P_MAX: f64 = 0.999;
+    let eval = |c: f64| -> Vec<f64> { (0..n).map(|k| (c * ((k + 1) as f64).powf(-skew)).min(P_MAX)).collect() };
+    let avg = |c: f64| eval(c).iter().sum::<f64>() / n as f64;
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    while avg(hi) < mean && hi < 1e300 {
+        hi *= 2.0;
+    }
+    for _ in 0..200 {
+        let mid = 0.5 * (lo + hi);
+        if avg(mid) < mean {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    eval(hi)
+}
+
+impl WeightSource for Synth {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        self.gen_rows(name, shape, 0..shape[0])
+    }
+    fn rows_f32(&self, name: &str, shape: &[usize], rows: &[u32]) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(rows.len() * shape.get(1).copied().unwrap_or(1));
+        for &r in rows {
+            out.extend(self.gen_rows(name, shape, r as usize..r as usize + 1)?);
+        }
+        Ok(out)
+    }
+}
+
+/// Tensor names and shapes in HF order.
+fn tensor_list(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, n, v) = (cfg.hidden_size as usize, cfg.intermediate_size as usize, cfg.vocab_size as usize);
+    let (qd, kvd) = ((cfg.num_heads * cfg.head_dim) as usize, (cfg.num_kv_heads * cfg.head_dim) as usize);
+    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        t.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        t.push((format!("{p}.self_attn.q_proj.weight"), vec![qd, h]));
+        t.push((format!("{p}.self_attn.k_proj.weight"), vec![kvd, h]));
+        t.push((format!("{p}.self_attn.v_proj.weight"), vec![kvd, h]));
+        t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, qd]));
+        t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        t.push((format!("{p}.mlp.gate_proj.weight"), vec![n, h]));
+        t.push((format!("{p}.mlp.gate_proj.bias"), vec![n]));
+        t.push((format!("{p}.mlp.up_proj.weight"), vec![n, h]));
+        t.push((format!("{p}.mlp.up_proj.bias"), vec![n]));
+        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, n]));
+        t.push((format!("{p}.mlp.down_proj.bias"), vec![h]));
+    }
+    t.push(("model.norm.weight".to_string(), vec![h]));
+    t.push(("lm_head.weight".to_string(), vec![v, h]));
+    t
+}
+
+/// Uniformly random token ids in `first..vocab`: the most diverse inputs, so
+/// that each neuron's pre-activation statistics are those of the whole
+/// embedding space rather than of a few frequent tokens (a Zipf-like stream
+/// underestimates the spread and leaves real text ~1.5 points less sparse).
+fn calib_tokens(n: usize, vocab: usize, first: usize, seed: u64) -> Vec<u32> {
+    let mut rng = SmallRng::seed_from_u64(mix(seed ^ 0x63616c6962));
+    (0..n).map(|_| rng.random_range(first as u32..vocab as u32)).collect()
+}
+
+/// Per-neuron mean and standard deviation over rows of `z` `[n_tokens, n]`.
+fn column_stats(z: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
+    let t = (z.len() / n).max(1) as f64;
+    let (mut s, mut s2) = (vec![0f64; n], vec![0f64; n]);
+    for row in z.chunks_exact(n) {
+        for (i, &v) in row.iter().enumerate() {
+            s[i] += v as f64;
+            s2[i] += (v as f64) * (v as f64);
+        }
+    }
+    let mu: Vec<f64> = s.iter().map(|v| v / t).collect();
+    let sd = s2.iter().zip(&mu).map(|(v, m)| (v / t - m * m).max(1e-12).sqrt()).collect();
+    (mu, sd)
+}
+
+/// `b_i = −(μ_i + σ_i Φ⁻¹(1 − p_i))`: bias making `P(z_i + b_i > 0) = p_i` for Gaussian `z_i`.
+fn biases_for(mu: &[f64], sd: &[f64], p: &[f64]) -> Vec<f32> {
+    let normal = Normal::standard();
+    mu.iter()
+        .zip(sd)
+        .zip(p)
+        .map(|((m, s), &p)| (-(m + s * normal.inverse_cdf((1.0 - p).clamp(1e-9, 1.0 - 1e-9)))) as f32)
+        .collect()
+}
+
+/// Calibrates every layer's biases: runs the calibration tokens through the
+/// layers generated so far. Returns the per-layer fraction of inactive
+/// neurons on the calibration tokens.
+fn calibrate(s: &Synth, a: &SynthArgs, pb: &ProgressBar) -> Result<Vec<f64>> {
+    let cfg = s.cfg.clone();
+    let (h, n) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
+    let tokens = calib_tokens(a.calib_tokens, cfg.vocab_size as usize, 3.min(cfg.vocab_size as usize - 1), s.seed);
+    let window = 128.min(tokens.len());
+    let windows = split_windows(tokens.len(), window);
+    let mut fwd = Forward::new(s, &tokens, windows)?;
+    let rows = 0..fwd.n_tokens();
+    let drelu = cfg.activation == Activation::DRelu;
+    let mut achieved = Vec::new();
+    for l in 0..cfg.num_layers as usize {
+        fwd.attention(l, |_| {})?;
+        let xn = fwd.normed(&format!("model.layers.{l}.post_attention_layernorm.weight"), rows.clone())?; // [t, hidden]
+        let t = xn.len() / h;
+        let x = Tensor::from_vec(xn.clone(), (t, h), &Device::Cpu)?;
+        let p = s.targets(l, a.sparsity, a.skew);
+        let p_each: Vec<f64> = if drelu { p.iter().map(|v| v.sqrt()).collect() } else { p.clone() };
+        let mut active: Vec<bool> = vec![true; t * n];
+        for proj in if drelu { &["gate_proj", "up_proj"][..] } else { &["gate_proj"][..] } {
+            let name = format!("model.layers.{l}.mlp.{proj}.weight");
+            // z = (x · Pᵀ) · Gᵀ `[t, n]`, without materializing the `[n, hidden]` matrix.
+            let basis = Tensor::from_vec(s.basis(&name, h), (s.rank, h), &Device::Cpu)?;
+            let coef = Tensor::from_vec(s.coefficients(&name, 0..n), (n, s.rank), &Device::Cpu)?;
+            let z = x.matmul(&basis.t()?)?.matmul(&coef.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+            let (mu, sd) = column_stats(&z, n);
+            let b = biases_for(&mu, &sd, &p_each);
+            for (row, act) in z.chunks_exact(n).zip(active.chunks_exact_mut(n)) {
+                for ((zi, bi), a) in row.iter().zip(&b).zip(act.iter_mut()) {
+                    *a &= zi + bi > 0.0;
+                }
+            }
+            s.biases.lock().unwrap_or_else(|e| e.into_inner()).insert(format!("model.layers.{l}.mlp.{}", proj.replace("_proj", "_proj.bias")), b);
+        }
+        achieved.push(1.0 - active.iter().filter(|&&v| v).count() as f64 / active.len() as f64);
+        let ffn = fwd.ffn(l)?;
+        let act = ffn.activations(xn, t)?;
+        let out = ffn.down(act.hv, t)?;
+        fwd.add_residual(rows.clone(), &out);
+        pb.inc(1);
+    }
+    Ok(achieved)
+}
+
+/// A tensor written lazily: its bytes are generated when the shard is written.
+struct Lazy<'a> {
+    s: &'a Synth,
+    name: String,
+    shape: Vec<usize>,
+    dtype: Dtype,
+    pb: &'a ProgressBar,
+}
+
+impl Lazy<'_> {
+    fn bytes(&self) -> Result<Vec<u8>> {
+        let rows = self.shape[0];
+        let cols: usize = self.shape[1..].iter().product();
+        let width = self.dtype.bitsize() / 8;
+        let mut out = Vec::with_capacity(rows * cols * width);
+        // Row blocks of ≤ 16 Mi elements keep the f32 transient small.
+        let block = ((16usize << 20) / cols.max(1)).max(1);
+        for r0 in (0..rows).step_by(block) {
+            let v = self.s.gen_rows(&self.name, &self.shape, r0..(r0 + block).min(rows))?;
+            match self.dtype {
+                Dtype::F32 => out.extend(v.iter().flat_map(|x| x.to_le_bytes())),
+                Dtype::F16 => out.extend(v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes())),
+                _ => out.extend(v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl View for Lazy<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        // Generation cannot fail for names from `tensor_list` once calibrated.
+        let b = self.bytes().unwrap_or_else(|e| {
+            eprintln!("error: generating {}: {e:#}", self.name);
+            std::process::exit(1)
+        });
+        self.pb.inc(b.len() as u64);
+        Cow::Owned(b)
+    }
+    fn data_len(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
+    }
+}
+
+fn read_json(p: &Path) -> Option<Value> {
+    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
+}
+
+fn bar(len: u64, template: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(ProgressStyle::with_template(template).expect("static template"));
+    pb
+}
+
+pub fn run(a: SynthArgs) -> Result<()> {
+    if !(a.sparsity > 0.0 && a.sparsity < 1.0) {
+        bail!("--sparsity {} is outside (0, 1): it is the mean fraction of FFN neurons inactive per token, e.g. 0.9", a.sparsity);
+    }
+    if !(0.0..=8.0).contains(&a.skew) {
+        bail!("--skew {} is outside [0, 8]: 0 means no hot neurons, 1.5 is the default", a.skew);
+    }
+    if a.calib_tokens < 16 {
+        bail!("--calib-tokens {} is too few to estimate neuron statistics; use at least 16 (default 512)", a.calib_tokens);
+    }
+    if a.shard_bytes < 1 << 20 {
+        bail!("--shard-bytes must be at least 1 MiB");
+    }
+    if a.layers == Some(0) {
+        bail!("--layers 0: a model needs at least one layer");
+    }
+    if a.out.exists() {
+        bail!("{} already exists; prep synth writes a new checkpoint directory: remove it or choose another --out", a.out.display());
+    }
+    let tok_json = a.tokenizer.join("tokenizer.json");
+    let tok_bytes = std::fs::read(&tok_json).with_context(|| {
+        format!("cannot read {}: pass --tokenizer DIR with a tokenizer.json (the default is the SmolLM2 checkpoint made by `make model`)", tok_json.display())
+    })?;
+    let tok = nflash_runtime::tokenizer::Tokenizer::from_json(&tok_bytes)
+        .map_err(|e| anyhow::anyhow!("{} cannot be loaded: {e}", tok_json.display()))?;
+    let src_cfg = read_json(&a.tokenizer.join("config.json")).unwrap_or(Value::Null);
+    let vocab = src_cfg.get("vocab_size").and_then(Value::as_u64).unwrap_or(tok.vocab_size() as u64).max(tok.vocab_size() as u64);
+    if vocab < 8 {
+        bail!("{} has only {vocab} tokens; synth needs a real vocabulary", tok_json.display());
+    }
+    let (arch, hidden, inter, layers, heads, kv_heads, theta, max_pos) = dims(a.shape);
+    let layers = a.layers.map_or(layers, |l| l as u64);
+    let rank = a.active_rank.unwrap_or(if a.shape == Shape::Tiny { 16 } else { 128 });
+    if rank == 0 || rank > hidden as usize {
+        bail!("--active-rank {rank} must be in 1..={hidden} (hidden size)");
+    }
+    let activation = match a.act {
+        SynthAct::Relu => Activation::Relu,
+        SynthAct::Drelu => Activation::DRelu,
+    };
+    let bos = src_cfg.get("bos_token_id").and_then(Value::as_u64).map(|v| v as u32);
+    let eos: Vec<u32> = src_cfg.get("eos_token_id").and_then(Value::as_u64).map(|v| vec![v as u32]).unwrap_or_default();
+    let cfg = ModelConfig {
+        architecture: arch,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: inter,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hidden / heads,
+        rms_norm_eps: 1e-5,
+        rope_theta: theta,
+        rope_scaling: None,
+        max_position_embeddings: max_pos,
+        sliding_window: None,
+        activation,
+        tie_word_embeddings: false,
+        attention_bias: false,
+        mlp_bias: true,
+        bos_token_id: bos,
+        eos_token_ids: eos.clone(),
+    };
+    let synth = Synth { cfg: cfg.clone(), seed: a.seed, rank, biases: Mutex::new(HashMap::new()) };
+    let t0 = std::time::Instant::now();
+    eprintln!(
+        "synthesizing {:?} ({} layers, hidden {hidden}, FFN {inter}, {} KV heads, {:?}) with target sparsity {} and skew {} into {}",
+        a.shape, layers, kv_heads, a.act, a.sparsity, a.skew, a.out.display()
+    );
+
+    // 1. Biases from calibration statistics.
+    let pb = bar(layers, "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}");
+    pb.set_message("calibrate");
+    let achieved = calibrate(&synth, &a, &pb)?;
+    pb.finish_and_clear();
+    let curve = power_law(inter as usize, 1.0 - a.sparsity, a.skew);
+    let top20: f64 = curve[..inter as usize / 5].iter().sum::<f64>() / curve.iter().sum::<f64>();
+    eprintln!(
+        "calibrated biases in {:.1} s on {} tokens: sparsity {:.3} (layer mean; target {}), hottest 20% of neurons give {:.0}% of activations, hottest neuron p={:.3}, coldest p={:.4}",
+        t0.elapsed().as_secs_f64(),
+        a.calib_tokens,
+        achieved.iter().sum::<f64>() / achieved.len() as f64,
+        a.sparsity,
+        100.0 * top20,
+        curve[0],
+        curve[curve.len() - 1]
+    );
+
+    // 2. Shards, streamed into a temporary directory.
+    let parent = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    let tmp = parent.join(format!(".{}.tmp-{}", a.out.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(), std::process::id()));
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(tmp.clone());
+    let result = write_dir(&synth, &a, &tmp, &cfg, &eos);
+    if let Err(e) = result {
+        let _ = std::fs::remove_dir_all(&tmp);
+        *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        return Err(e);
+    }
+    std::fs::rename(&tmp, &a.out).with_context(|| format!("cannot rename {} to {}", tmp.display(), a.out.display()))?;
+    *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    let peak = nflash_runtime::stats::peak_rss_bytes().unwrap_or(0);
+    eprintln!("wrote {} in {:.1} s (peak RSS {:.0} MiB)", a.out.display(), t0.elapsed().as_secs_f64(), peak as f64 / (1 << 20) as f64);
+    Ok(())
+}
+
+fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32]) -> Result<()> {
+    let dtype = match a.dtype {
+        SynthDtype::Bf16 => Dtype::BF16,
+        SynthDtype::F16 => Dtype::F16,
+        SynthDtype::F32 => Dtype::F32,
+    };
+    let width = dtype.bitsize() / 8;
+    let list = tensor_list(cfg);
+    let total: u64 = list.iter().map(|(_, sh)| (sh.iter().product::<usize>() * width) as u64).sum();
+    // Group tensors into shards of at most --shard-bytes (a larger tensor gets its own).
+    let mut shards: Vec<Vec<(String, Vec<usize>)>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for (name, shape) in list {
+        let b = (shape.iter().product::<usize>() * width) as u64;
+        if size + b > a.shard_bytes && !shards.last().is_some_and(|v| v.is_empty()) {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        size += b;
+        shards.last_mut().expect("non-empty").push((name, shape));
+    }
+    let pb = bar(total, "{msg:>10} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}");
+    let n_shards = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    for (i, shard) in shards.into_iter().enumerate() {
+        let file = format!("model-{:05}-of-{n_shards:05}.safetensors", i + 1);
+        pb.set_message(format!("shard {}/{n_shards}", i + 1));
+        for (name, _) in &shard {
+            weight_map.insert(name.clone(), json!(file));
+        }
+        let views = shard.into_iter().map(|(name, shape)| (name.clone(), Lazy { s, name, shape, dtype, pb: &pb }));
+        safetensors::serialize_to_file(views, None, &dir.join(&file)).with_context(|| format!("cannot write {}", dir.join(&file).display()))?;
+    }
+    pb.finish_and_clear();
+    let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_vec_pretty(&index)?)?;
+    let drelu = cfg.activation == Activation::DRelu;
+    let (arch, model_type) = match (drelu, cfg.architecture) {
+        (true, _) => (crate::checkpoint::BAMBOO, "bamboo"),
+        (false, Architecture::Mistral) => ("MistralForCausalLM", "mistral"),
+        _ => ("LlamaForCausalLM", "llama"),
+    };
+    let mut config = json!({
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "relu",
+        "mlp_bias": true,
+        "attention_bias": false,
+        "tie_word_embeddings": false,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos.first(),
+        "torch_dtype": match a.dtype { SynthDtype::Bf16 => "bfloat16", SynthDtype::F16 => "float16", SynthDtype::F32 => "float32" },
+        "nflash_synth": {
+            "shape": format!("{:?}", a.shape), "sparsity": a.sparsity, "skew": a.skew, "act": format!("{:?}", a.act),
+            "active_rank": s.rank, "seed": a.seed, "calib_tokens": a.calib_tokens,
+        },
+    });
+    if cfg.architecture == Architecture::Mistral || drelu {
+        config["sliding_window"] = Value::Null;
+    }
+    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config)?)?;
+    for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"] {
+        let src = a.tokenizer.join(f);
+        if src.exists() {
+            std::fs::copy(&src, dir.join(f)).with_context(|| format!("cannot copy {}", src.display()))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn power_law_has_the_requested_mean_and_is_decreasing() {
+        for (mean, skew) in [(0.1, 1.5), (0.2, 1.0), (0.4, 0.5), (0.1, 0.0)] {
+            let p = power_law(1000, mean, skew);
+            let m = p.iter().sum::<f64>() / 1000.0;
+            assert!((m - mean).abs() < 1e-6, "mean {m} for target {mean}");
+            assert!(p.windows(2).all(|w| w[0] >= w[1]));
+            assert!(p.iter().all(|&v| v > 0.0 && v <= 0.999));
+        }
+        // Skew 1.5 at mean 0.1: the hottest 20% carry about 80% of activations.
+        let p = power_law(11008, 0.1, 1.5);
+        let top: f64 = p[..2201].iter().sum::<f64>() / p.iter().sum::<f64>();
+        assert!((0.7..0.9).contains(&top), "{top}");
+    }
+
+    #[test]
+    fn biases_hit_gaussian_targets() {
+        let (mu, sd) = (vec![0.5, -1.0], vec![2.0, 0.5]);
+        let b = biases_for(&mu, &sd, &[0.1, 0.9]);
+        // P(z + b > 0) with z ~ N(μ, σ): threshold −b = μ + σ Φ⁻¹(1 − p).
+        let n = Normal::standard();
+        for i in 0..2 {
+            let p = 1.0 - n.cdf((-(b[i] as f64) - mu[i]) / sd[i]);
+            assert!((p - [0.1, 0.9][i]).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn calib_tokens_skip_control_ids_and_are_deterministic() {
+        let a = calib_tokens(2000, 100, 3, 7);
+        assert_eq!(a, calib_tokens(2000, 100, 3, 7));
+        assert!(a.iter().all(|&t| (3..100).contains(&t)));
+        assert_ne!(a, calib_tokens(2000, 100, 3, 8));
+    }
+}
