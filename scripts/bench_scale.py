@@ -49,6 +49,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -124,11 +125,13 @@ def parse_stages(stderr: str) -> list[dict]:
             on = True
             continue
         if on:
-            parts = line.rsplit(None, 2)
-            if len(parts) == 3:
-                name, wall, peak = parts
-                rows.append({"stage": name.strip(), "wall_s": float(wall),
-                             "peak_rss_mib": None if peak == "-" else float(peak)})
+            m = re.match(r"^(.+?)\s+([\d.]+)\s+([\d.]+|-)$", line)
+            if not m:
+                break
+            rows.append({"stage": m[1].strip(), "wall_s": float(m[2]),
+                         "peak_rss_mib": None if m[3] == "-" else float(m[3])})
+            if m[1].strip() == "total":
+                break
     return rows
 
 

@@ -21,6 +21,7 @@ pub mod ops;
 pub mod planner;
 pub mod ppl;
 pub mod sampler;
+pub mod sim;
 pub mod simd;
 pub mod sparse;
 pub mod stats;

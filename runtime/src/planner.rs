@@ -233,23 +233,8 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
     let avail = budget - fixed.total();
     let matvec = dev.matvec_bytes_per_s(req.threads);
     // Per layer: clusters with their need probability, and attention compute time.
-    let layers: Vec<Vec<Cl>> = (0..m.ffn.len())
-        .map(|l| {
-            let f = &m.ffn[l];
-            let p = need_probability(m, l);
-            f.clusters
-                .iter()
-                .map(|c| Cl { bytes: cluster_read_bytes(f, c), p: cluster_need(&p[c.first as usize..(c.first + c.n_neurons) as usize]) })
-                .collect()
-        })
-        .collect();
-    let t_attn: Vec<f64> = (0..m.ffn.len())
-        .map(|l| {
-            let prefix = format!("model.layers.{l}.self_attn.");
-            let bytes: u64 = m.tensors.iter().filter(|t| t.name.starts_with(&prefix)).map(|t| t.bytes).sum();
-            bytes as f64 / matvec
-        })
-        .collect();
+    let layers = cluster_needs(m);
+    let t_attn: Vec<f64> = (0..m.ffn.len()).map(|l| attention_bytes(m, l) as f64 / matvec).collect();
     let total: u64 = layers.iter().flatten().map(|c| c.bytes).sum();
     let mut hot = vec![0usize; layers.len()];
     let cold_of = |l: usize, h: usize| -> u64 { layers[l][h..].iter().map(|c| c.bytes).sum() };
@@ -292,21 +277,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         }
         (hot_bytes, avail - hot_bytes)
     };
-    // Expected reads: cold clusters weighted by need, less what the LRU catches
-    // (about its share of the cold bytes for weakly skewed access).
-    let cold_total: u64 = (0..layers.len()).map(|l| cold_of(l, hot[l])).sum();
-    let lru_hit = if cold_total == 0 { 1.0 } else { (cold_bytes as f64 / cold_total as f64).min(1.0) };
-    let mut read_bytes = 0.0;
-    let mut token_s = 0.0;
-    for (l, cs) in layers.iter().enumerate() {
-        let miss = 1.0 - lru_hit;
-        read_bytes += cs[hot[l]..].iter().map(|c| c.p * c.bytes as f64).sum::<f64>() * miss;
-        let io = io_seconds(dev, &cs[hot[l]..]) * miss;
-        let ffn = cs.iter().map(|c| c.p * c.bytes as f64).sum::<f64>() / matvec;
-        token_s += t_attn[l] + ffn.max(io);
-    }
-    let embed: u64 = m.tensors.iter().filter(|t| t.name == "lm_head.weight" || (m.config.tie_word_embeddings && t.name == "model.embed_tokens.weight")).map(|t| t.bytes).sum();
-    token_s += embed as f64 / matvec;
+    let est = estimate_with(m, dev, req.threads, &layers, &hot, cold_bytes);
     let io_threads = req.io_threads.unwrap_or_else(|| dev.flash.io_queues.min(2)).max(1);
     let hot_neurons = hot
         .iter()
@@ -327,9 +298,144 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         cold_bytes,
         io_threads,
         cluster_bytes,
-        expected_read_bytes_per_token: read_bytes as u64,
-        expected_token_ms: token_s * 1e3,
+        expected_read_bytes_per_token: est.read_bytes_per_token as u64,
+        expected_token_ms: est.token_ms(),
     })
+}
+
+/// Every layer's clusters with their read size and need probability.
+fn cluster_needs(m: &Manifest) -> Vec<Vec<Cl>> {
+    (0..m.ffn.len())
+        .map(|l| {
+            let f = &m.ffn[l];
+            let p = need_probability(m, l);
+            f.clusters
+                .iter()
+                .map(|c| Cl { bytes: cluster_read_bytes(f, c), p: cluster_need(&p[c.first as usize..(c.first + c.n_neurons) as usize]) })
+                .collect()
+        })
+        .collect()
+}
+
+/// Bytes of layer `l`'s attention weights (read once per decode token).
+fn attention_bytes(m: &Manifest, l: usize) -> u64 {
+    let prefix = format!("model.layers.{l}.self_attn.");
+    m.tensors.iter().filter(|t| t.name.starts_with(&prefix)).map(|t| t.bytes).sum()
+}
+
+/// Expected decode cost per token of a plan, split by resource (what
+/// `nflash plan-sim` prints; the planner stores its total in the plan).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Estimate {
+    /// Attention projections (dense), ms.
+    pub attention_ms: f64,
+    /// Predictors, ms.
+    pub predictor_ms: f64,
+    /// FFN of the predicted neurons (their gate/up/down bundles), ms.
+    pub ffn_ms: f64,
+    /// Output projection (lm_head), ms.
+    pub lm_head_ms: f64,
+    /// Flash reads of missed cold clusters, ms (overlapped with the layer's FFN compute).
+    pub io_ms: f64,
+    /// Sum over layers of `max(0, io − FFN compute)`: the I/O time compute does not hide, ms.
+    pub io_exposed_ms: f64,
+    /// Expected flash bytes read per token.
+    pub read_bytes_per_token: f64,
+    /// Expected share of needed clusters found in memory (hot or cold region).
+    pub hit_rate: f64,
+}
+
+impl Estimate {
+    /// Time per decode token, ms: compute plus the I/O it does not hide.
+    pub fn token_ms(&self) -> f64 {
+        self.compute_ms() + self.io_exposed_ms
+    }
+
+    /// Compute alone, ms.
+    pub fn compute_ms(&self) -> f64 {
+        self.attention_ms + self.predictor_ms + self.ffn_ms + self.lm_head_ms
+    }
+
+    /// Which resource bounds decode: `"flash I/O"` when un-hidden I/O is
+    /// more than half the time, else `"compute"`.
+    pub fn bound(&self) -> &'static str {
+        if self.io_exposed_ms > 0.5 * self.token_ms() {
+            "flash I/O"
+        } else {
+            "compute"
+        }
+    }
+}
+
+/// The expected decode cost of plan `p` for `m` on `dev` (see [`Estimate`]).
+pub fn estimate(m: &Manifest, dev: &DeviceProfile, p: &Plan) -> Estimate {
+    let hot: Vec<usize> = m.ffn.iter().zip(&p.hot_neurons).map(|(f, &h)| hot_clusters(f, h)).collect();
+    estimate_with(m, dev, p.threads, &cluster_needs(m), &hot, p.cold_bytes)
+}
+
+/// [`estimate`] from the planner's per-layer clusters and hot cluster counts.
+///
+/// Compute: bytes touched per token / the profile's matvec speed at
+/// `threads` (attention, predictor, the bundles of the neurons the predictor
+/// selects, lm_head). I/O: each cold cluster is needed with its probability
+/// `p`; the cold LRU keeps it with Che's approximation for independent
+/// requests (`hit = 1 − e^{−p·T}`, `T` such that the expected number of
+/// cached clusters equals the region's slots); misses are read at the
+/// profile's random-read bandwidth for the merged read size.
+fn estimate_with(m: &Manifest, dev: &DeviceProfile, threads: u32, layers: &[Vec<Cl>], hot: &[usize], cold_bytes: u64) -> Estimate {
+    let matvec = dev.matvec_bytes_per_s(threads);
+    let cold: Vec<&Cl> = layers.iter().zip(hot).flat_map(|(cs, &h)| cs[h..].iter()).collect();
+    let slot = cold.iter().map(|c| c.bytes).max().unwrap_or(1).max(1);
+    let slots = (cold_bytes / slot) as f64;
+    let occupancy = |t: f64| cold.iter().map(|c| 1.0 - (-c.p * t).exp()).sum::<f64>();
+    let t_char = if slots <= 0.0 {
+        0.0
+    } else if occupancy(1e12) <= slots {
+        f64::INFINITY
+    } else {
+        let (mut lo, mut hi) = (0.0, 1.0);
+        while occupancy(hi) < slots {
+            hi *= 2.0;
+        }
+        for _ in 0..60 {
+            let mid = 0.5 * (lo + hi);
+            if occupancy(mid) < slots {
+                lo = mid
+            } else {
+                hi = mid
+            }
+        }
+        lo
+    };
+    let keep = |p: f64| if t_char.is_infinite() { 1.0 } else { 1.0 - (-p * t_char).exp() };
+    let mut e = Estimate::default();
+    let (mut needed, mut found) = (0.0, 0.0);
+    for (l, cs) in layers.iter().enumerate() {
+        let f = &m.ffn[l];
+        let q = need_probability(m, l);
+        e.attention_ms += attention_bytes(m, l) as f64 / matvec * 1e3;
+        e.predictor_ms += f.sparse.as_ref().map_or(0, |s| s.predictor_bytes) as f64 / matvec * 1e3;
+        let ffn_ms = q.iter().sum::<f64>() * f.bundle.bundle_bytes as f64 / matvec * 1e3;
+        e.ffn_ms += ffn_ms;
+        let mut io_s = 0.0;
+        for (i, c) in cs.iter().enumerate() {
+            needed += c.p;
+            if i < hot[l] {
+                found += c.p;
+                continue;
+            }
+            let k = keep(c.p);
+            found += c.p * k;
+            e.read_bytes_per_token += c.p * (1.0 - k) * c.bytes as f64;
+            io_s += io_term(dev, c) * (1.0 - k);
+        }
+        e.io_ms += io_s * 1e3;
+        e.io_exposed_ms += (io_s * 1e3 - ffn_ms).max(0.0);
+    }
+    let head: u64 = m.tensors.iter().filter(|t| t.name == "lm_head.weight" || (m.config.tie_word_embeddings && t.name == "model.embed_tokens.weight")).map(|t| t.bytes).sum();
+    e.lm_head_ms = head as f64 / matvec * 1e3;
+    e.hit_rate = if needed > 0.0 { found / needed } else { 1.0 };
+    e
 }
 
 /// A human-readable summary of `p` (printed by `prep convert` and `nflash run --stats`).

@@ -42,6 +42,8 @@ use safetensors::Dtype;
 use serde_json::{json, Value};
 use statrs::distribution::{ContinuousCDF, Normal};
 
+use nflash_runtime::sim::power_law;
+
 use crate::forward::{split_windows, Forward, WeightSource};
 
 /// Model shapes `prep synth` can generate.
@@ -237,27 +239,6 @@ impl Synth {
         }
         p
     }
-}
-
-/// `p_k = min(p_max, c·(k+1)^-skew)`, k = 0..n, with `c` found by bisection so
-/// that the mean is `mean`. `p_max` is 0.999 (no neuron is certain).
-pub fn power_law(n: usize, mean: f64, skew: f64) -> Vec<f64> {
-    const P_MAX: f64 = 0.999;
-    let eval = |c: f64| -> Vec<f64> { (0..n).map(|k| (c * ((k + 1) as f64).powf(-skew)).min(P_MAX)).collect() };
-    let avg = |c: f64| eval(c).iter().sum::<f64>() / n as f64;
-    let (mut lo, mut hi) = (0.0f64, 1.0f64);
-    while avg(hi) < mean && hi < 1e300 {
-        hi *= 2.0;
-    }
-    for _ in 0..200 {
-        let mid = 0.5 * (lo + hi);
-        if avg(mid) < mean {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    eval(hi)
 }
 
 impl WeightSource for Synth {
@@ -630,21 +611,6 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn power_law_has_the_requested_mean_and_is_decreasing() {
-        for (mean, skew) in [(0.1, 1.5), (0.2, 1.0), (0.4, 0.5), (0.1, 0.0)] {
-            let p = power_law(1000, mean, skew);
-            let m = p.iter().sum::<f64>() / 1000.0;
-            assert!((m - mean).abs() < 1e-6, "mean {m} for target {mean}");
-            assert!(p.windows(2).all(|w| w[0] >= w[1]));
-            assert!(p.iter().all(|&v| v > 0.0 && v <= 0.999));
-        }
-        // Skew 1.5 at mean 0.1: the hottest 20% carry about 80% of activations.
-        let p = power_law(11008, 0.1, 1.5);
-        let top: f64 = p[..2201].iter().sum::<f64>() / p.iter().sum::<f64>();
-        assert!((0.7..0.9).contains(&top), "{top}");
-    }
 
     #[test]
     fn biases_hit_gaussian_targets() {

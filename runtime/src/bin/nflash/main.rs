@@ -2,6 +2,7 @@
 
 mod common;
 mod memory;
+mod plan_sim;
 mod ppl;
 mod probe;
 mod run;
@@ -24,6 +25,8 @@ enum Command {
     Ppl(ppl::PplArgs),
     /// Measure this device (flash read bandwidth, memory bandwidth, dot-product speed) and write a device profile
     Probe(probe::ProbeArgs),
+    /// Predict decode tokens/s of a pack or a model shape (llama-7b, mistral-7b, mixtral-47b) on a device profile
+    PlanSim(plan_sim::PlanSimArgs),
 }
 
 /// Keeps large freed blocks (prefill scratch, dequantized weight tiles) in
@@ -46,6 +49,7 @@ fn main() {
         Command::Run(a) => run::run(a),
         Command::Ppl(a) => ppl::run(a),
         Command::Probe(a) => probe::run(a),
+        Command::PlanSim(a) => plan_sim::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,235 @@
+//! Decode-speed simulation beyond this machine (`nflash plan-sim`, issue 5):
+//! a synthetic manifest of a model shape whose FFN activation statistics are
+//! those `prep synth` generates (mean sparsity, power-law hotness), so the
+//! planner ([`crate::planner::plan`]) and its cost model
+//! ([`crate::planner::estimate`]) can be applied to any device profile.
+//!
+//! Mixture-of-experts shapes are approximated as one FFN pool of
+//! `experts × intermediate` neurons per layer whose mean activation is
+//! `(active experts / experts) · (1 − sparsity)`: routing is folded into the
+//! neuron frequencies (expert popularity is skewed too), and neurons are
+//! treated as independent, so clustering gains from routing are not counted.
+
+use nflash_format::{
+    Activation, Architecture, BundleLayout, Criterion, DType, DeviceProfile, FfnLayer, LayerSparsity, Manifest, ModelConfig, NeuronCluster,
+    PredictorKind, PredictorQuality, Segment, SegmentKind, SparseInfo, TensorEntry, TokenizerInfo,
+};
+
+use crate::flash::align_up;
+
+/// A model shape (HF config values).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    /// Name on the command line.
+    pub name: &'static str,
+    /// `hidden_size`.
+    pub hidden: u64,
+    /// `intermediate_size` (per expert).
+    pub inter: u64,
+    /// `num_hidden_layers`.
+    pub layers: u64,
+    /// `num_attention_heads`.
+    pub heads: u64,
+    /// `num_key_value_heads`.
+    pub kv_heads: u64,
+    /// `vocab_size`.
+    pub vocab: u64,
+    /// FFN experts per layer (1: dense).
+    pub experts: u64,
+    /// Experts each token is routed to.
+    pub active_experts: u64,
+}
+
+/// Shapes `plan-sim` knows: Llama-2-7B, Mistral-7B (the shapes `prep synth`
+/// writes, with Llama's 32000-token vocabulary) and Mixtral-8x7B (47B, top-2).
+pub const SHAPES: [Shape; 3] = [
+    Shape { name: "llama-7b", hidden: 4096, inter: 11008, layers: 32, heads: 32, kv_heads: 32, vocab: 32000, experts: 1, active_experts: 1 },
+    Shape { name: "mistral-7b", hidden: 4096, inter: 14336, layers: 32, heads: 32, kv_heads: 8, vocab: 32000, experts: 1, active_experts: 1 },
+    Shape { name: "mixtral-47b", hidden: 4096, inter: 14336, layers: 32, heads: 32, kv_heads: 8, vocab: 32000, experts: 8, active_experts: 2 },
+];
+
+/// Looks up a shape by name.
+pub fn shape(name: &str) -> Option<Shape> {
+    SHAPES.iter().copied().find(|s| s.name == name)
+}
+
+/// What the simulated pack looks like.
+#[derive(Debug, Clone, Copy)]
+pub struct SimOptions {
+    /// Mean fraction of (routed) FFN neurons inactive per token, in [0, 1).
+    pub sparsity: f64,
+    /// Power-law exponent of neuron activation frequency over hotness rank.
+    pub skew: f64,
+    /// Weight type of matrices.
+    pub quant: DType,
+    /// Predictor recall of active neurons.
+    pub recall: f64,
+    /// Predictor precision (active among selected).
+    pub precision: f64,
+    /// Predictor size as a fraction of a layer's FFN bytes (MLP predictor, Q8_0).
+    pub predictor_budget: f64,
+}
+
+/// `p_k = min(0.999, c·(k+1)^-skew)` for hotness ranks `k = 0..n`, with `c`
+/// found by bisection so that the mean is `mean` (≤ 0.999): the per-neuron
+/// activation probabilities `prep synth` generates, hottest first.
+pub fn power_law(n: usize, mean: f64, skew: f64) -> Vec<f64> {
+    const P_MAX: f64 = 0.999;
+    let eval = |c: f64| -> Vec<f64> { (0..n).map(|k| (c * ((k + 1) as f64).powf(-skew)).min(P_MAX)).collect() };
+    let avg = |c: f64| eval(c).iter().sum::<f64>() / n.max(1) as f64;
+    let mean = mean.min(P_MAX);
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    while avg(hi) < mean && hi < 1e300 {
+        hi *= 2.0;
+    }
+    for _ in 0..200 {
+        let mid = 0.5 * (lo + hi);
+        if avg(mid) < mean {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    eval(hi)
+}
+
+/// A manifest of `shape` as `prep convert --quant` would write it with a
+/// sparse MLP predictor, clusters sized for `dev` (no tensor data: only what
+/// the planner reads). Returns `None` if `hidden` is not a multiple of the
+/// quantization block.
+pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) -> Option<Manifest> {
+    let (h, l) = (shape.hidden, shape.layers);
+    let n = shape.inter * shape.experts;
+    let head_dim = h / shape.heads;
+    let (qd, kvd) = (shape.heads * head_dim, shape.kv_heads * head_dim);
+    let row = o.quant.row_bytes(h)?;
+    let bundle = BundleLayout::new(o.quant, h)?;
+    let mean = (1.0 - o.sparsity) * shape.active_experts as f64 / shape.experts as f64;
+    let freq = power_law(n as usize, mean, o.skew);
+    let curve: Vec<f32> = (0..=32).map(|k| freq[(k * (n as usize - 1) + 16) / 32] as f32).collect();
+    let scale = o.recall / o.precision.max(1e-6);
+    let need: Vec<f64> = freq.iter().map(|p| (p * scale).min(1.0)).collect();
+    let cluster_bytes = crate::planner::choose_cluster_bytes(dev, bundle.bundle_bytes, &need);
+    let per = (cluster_bytes / bundle.bundle_bytes).max(1) as u32;
+    // MLP predictor: rank r with (hidden + n) Q8_0 weights per rank ≈ budget × layer FFN bytes.
+    let q8 = DType::Q8_0.row_bytes(32)? as f64 / 32.0;
+    let ffn_layer = n as f64 * bundle.bundle_bytes as f64;
+    let rank = ((o.predictor_budget * ffn_layer / ((h + n) as f64 * q8)) as u64 / 32 * 32).clamp(32, h);
+    let predictor_bytes = (rank as f64 * (h + n) as f64 * q8) as u64;
+    let mut tensors = Vec::new();
+    let mut tensor = |name: String, rows: u64, bytes_per_row: u64| {
+        tensors.push(TensorEntry { name, segment: 1, offset: 0, bytes: rows * bytes_per_row, dtype: o.quant, shape: vec![rows, h] });
+    };
+    tensor("model.embed_tokens.weight".into(), shape.vocab, row);
+    tensor("lm_head.weight".into(), shape.vocab, row);
+    for i in 0..l {
+        let p = format!("model.layers.{i}.self_attn");
+        tensor(format!("{p}.q_proj.weight"), qd, row);
+        tensor(format!("{p}.k_proj.weight"), kvd, row);
+        tensor(format!("{p}.v_proj.weight"), kvd, row);
+        tensor(format!("{p}.o_proj.weight"), h, o.quant.row_bytes(qd)?);
+    }
+    let resident: u64 = tensors.iter().map(|t| t.bytes).sum::<u64>() + l * (predictor_bytes + 2 * h * 4) + h * 4;
+    let mut segments = vec![
+        Segment { name: "tokenizer".into(), kind: SegmentKind::Tokenizer, offset: 0, bytes: 1 << 20, crc32: 0 },
+        Segment { name: "resident".into(), kind: SegmentKind::Resident, offset: 0, bytes: resident, crc32: 0 },
+    ];
+    let clusters: Vec<NeuronCluster> = (0..n as u32)
+        .step_by(per as usize)
+        .map(|first| NeuronCluster { offset: 0, first, n_neurons: per.min(n as u32 - first) })
+        .collect();
+    let layer_bytes: u64 = clusters.iter().map(|c| align_up(c.n_neurons as u64 * bundle.bundle_bytes)).sum();
+    let quality = PredictorQuality {
+        recall: o.recall as f32,
+        precision: o.precision as f32,
+        bundles_skipped: (1.0 - need.iter().sum::<f64>() / n as f64) as f32,
+        sparsity: 1.0 - mean as f32,
+        tokens: 0,
+    };
+    let ffn = (0..l as u32)
+        .map(|i| {
+            segments.push(Segment { name: format!("ffn.{i}"), kind: SegmentKind::Ffn, offset: 0, bytes: layer_bytes, crc32: 0 });
+            FfnLayer {
+                layer: i,
+                segment: segments.len() as u32 - 1,
+                n_neurons: n as u32,
+                bundle,
+                cluster_align: 4096,
+                clusters: clusters.clone(),
+                order: Vec::new(),
+                sparse: Some(LayerSparsity {
+                    threshold: 0.0,
+                    predictor_threshold: 0.0,
+                    predictor_bytes,
+                    quality,
+                    frequency_curve: curve.clone(),
+                }),
+            }
+        })
+        .collect();
+    Some(Manifest {
+        producer: format!("nflash plan-sim ({})", shape.name),
+        config: ModelConfig {
+            architecture: Architecture::Mistral,
+            vocab_size: shape.vocab,
+            hidden_size: h,
+            intermediate_size: n,
+            num_layers: l,
+            num_heads: shape.heads,
+            num_kv_heads: shape.kv_heads,
+            head_dim,
+            rms_norm_eps: 1e-5,
+            rope_theta: 1e6,
+            rope_scaling: None,
+            max_position_embeddings: 32768,
+            sliding_window: None,
+            activation: Activation::Relu,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            mlp_bias: true,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+        },
+        tokenizer: TokenizerInfo {
+            segment: "tokenizer".into(),
+            json_bytes: 2 << 20,
+            chat_template: None,
+            bos_token: None,
+            eos_token: None,
+            add_bos_token: false,
+        },
+        segments,
+        tensors,
+        ffn,
+        sparse: Some(SparseInfo {
+            criterion: Criterion::GateUp,
+            predictor: PredictorKind::Mlp,
+            rank: rank as u32,
+            target_sparsity: o.sparsity as f32,
+            recall_target: o.recall as f32,
+            calib_tokens: 0,
+            calib_source: "synthetic".into(),
+        }),
+        plan: None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn power_law_has_the_requested_mean_and_is_decreasing() {
+        for (mean, skew) in [(0.1, 1.5), (0.2, 1.0), (0.4, 0.5), (0.1, 0.0)] {
+            let p = power_law(1000, mean, skew);
+            let m = p.iter().sum::<f64>() / 1000.0;
+            assert!((m - mean).abs() < 1e-6, "mean {m} for target {mean}");
+            assert!(p.windows(2).all(|w| w[0] >= w[1]));
+            assert!(p.iter().all(|&v| v > 0.0 && v <= 0.999));
+        }
+        // Skew 1.5 at mean 0.1: the hottest 20% carry about 80% of activations.
+        let p = power_law(11008, 0.1, 1.5);
+        let top: f64 = p[..2201].iter().sum::<f64>() / p.iter().sum::<f64>();
+        assert!((0.7..0.9).contains(&top), "{top}");
+    }
+}
