@@ -262,8 +262,9 @@ fn pack_with_newer_major_version() {
     let pack = tiny_pack(tmp.path());
     let (cur, next) = (nflash_format::VERSION_MAJOR, nflash_format::VERSION_MAJOR + 1);
     set_major(&pack, next);
-    let (found, ours) = (format!("version {next}.0"), format!("{cur}.0"));
-    all_readers_fail("newer major", &pack, &[&found, "newer", &ours, &format!("format {next}.0")]);
+    let minor = nflash_format::VERSION_MINOR;
+    let (found, ours) = (format!("version {next}.{minor}"), format!("{cur}.{minor}"));
+    all_readers_fail("newer major", &pack, &[&found, "newer", &ours, &format!("format {next}.{minor}")]);
 }
 
 #[test]
@@ -272,7 +273,8 @@ fn pack_with_older_major_version() {
     let pack = tiny_pack(tmp.path());
     set_major(&pack, nflash_format::VERSION_MAJOR - 1);
     let o = run("prep", &["inspect", s(&pack)]);
-    let (found, ours) = (format!("version {}.0", nflash_format::VERSION_MAJOR - 1), format!("{}.0", nflash_format::VERSION_MAJOR));
+    let minor = nflash_format::VERSION_MINOR;
+    let (found, ours) = (format!("version {}.{minor}", nflash_format::VERSION_MAJOR - 1), format!("{}.{minor}", nflash_format::VERSION_MAJOR));
     let e = assert_fails("older major", &o, &[&found, &ours, "prep convert"]);
     assert!(!e.contains("newer than"), "an older version is not newer:\n{e}");
 }
