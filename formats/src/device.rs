@@ -137,15 +137,19 @@ impl DeviceProfile {
     }
 
     fn check(&self) -> std::result::Result<(), String> {
-        let pos = |v: f64| v.is_finite() && v > 0.0;
+        // Positive and plausible: no device reads or computes at less than 1 kB/s.
+        let pos = |v: f64| v.is_finite() && v >= 1e-6;
         if self.memory.available_bytes == 0 || self.memory.available_bytes > self.memory.total_bytes {
             return Err("memory.available_bytes must be in 1..=memory.total_bytes".into());
         }
         if !pos(self.memory.bandwidth_gb_s) {
             return Err("memory.bandwidth_gb_s must be a positive number".into());
         }
-        if self.cpu.cores.is_empty() || self.cpu.cores.iter().any(|c| c.count == 0 || !pos(c.ghz)) {
-            return Err("cpu.cores needs at least one class with count ≥ 1 and ghz > 0".into());
+        if self.cpu.cores.is_empty() || self.cpu.cores.iter().any(|c| c.count == 0 || c.count > 4096 || !pos(c.ghz)) {
+            return Err("cpu.cores needs at least one class with count in 1..=4096 and ghz > 0".into());
+        }
+        if self.cpu.threads_measured == Some(0) {
+            return Err("cpu.threads_measured must be ≥ 1".into());
         }
         for v in [self.cpu.q4_0_matvec_gb_s_1t, self.cpu.q4_0_matvec_gb_s_mt].into_iter().flatten() {
             if !pos(v) {
@@ -161,7 +165,7 @@ impl DeviceProfile {
         for r in &self.flash.read {
             if r.block_bytes == 0 || r.in_flight == 0 || !pos(r.random_mb_s) || !pos(r.sequential_mb_s) {
                 return Err(format!(
-                    "flash.read point at {} bytes × {} in flight: block_bytes, in_flight and both bandwidths must be positive",
+                    "flash.read point at {} bytes × {} in flight: block_bytes, in_flight and both bandwidths must be positive (bandwidths ≥ 1e-6 MB/s)",
                     r.block_bytes, r.in_flight
                 ));
             }

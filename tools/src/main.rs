@@ -48,9 +48,23 @@ pub static IN_PROGRESS: std::sync::Mutex<Option<std::path::PathBuf>> = std::sync
 fn main() {
     let cli = Cli::parse();
     let _ = ctrlc::set_handler(|| {
-        if let Some(p) = IN_PROGRESS.lock().ok().and_then(|g| g.clone()) {
-            let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
-            eprintln!("\ninterrupted: removed the partial {}", p.display());
+        // The lock is held until exit: the main thread cannot rename the
+        // output into place (it takes the lock first) while it is removed.
+        let guard = IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = guard.clone() {
+            // The main thread may still be creating files in a directory: retry until it is gone.
+            for _ in 0..100 {
+                let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+                if p.symlink_metadata().is_err() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            if p.symlink_metadata().is_err() {
+                eprintln!("\ninterrupted: removed the partial {}", p.display());
+            } else {
+                eprintln!("\ninterrupted: could not remove the partial {}; delete it", p.display());
+            }
         } else {
             eprintln!("\ninterrupted");
         }

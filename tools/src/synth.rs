@@ -86,11 +86,11 @@ pub struct SynthArgs {
     #[arg(long)]
     out: PathBuf,
     /// Target mean fraction of FFN neurons inactive per token, in (0, 1).
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
     sparsity: f64,
     /// Power-law exponent of per-neuron activation probability over hotness rank
     /// (0: every neuron equally likely; 1.5: the hottest 20% give ~80% of activations at sparsity 0.9).
-    #[arg(long, default_value_t = 1.5)]
+    #[arg(long, default_value_t = 1.5, allow_negative_numbers = true)]
     skew: f64,
     /// FFN activation.
     #[arg(long, value_enum, default_value = "relu")]
@@ -98,7 +98,7 @@ pub struct SynthArgs {
     /// Dimension of the subspace the gate (dReLU: and up) rows lie in; default 128 (tiny: 16).
     #[arg(long)]
     active_rank: Option<usize>,
-    /// Decoder layers (default: the shape's).
+    /// Decoder layers (default: the shape's), at most 256.
     #[arg(long)]
     layers: Option<usize>,
     /// Weight type.
@@ -114,7 +114,7 @@ pub struct SynthArgs {
     /// Largest shard, bytes (e.g. 2GiB).
     #[arg(long, default_value = "2GiB", value_parser = nflash_runtime::planner::parse_bytes)]
     shard_bytes: u64,
-    /// Calibration tokens (uniformly random ids) whose statistics set the biases.
+    /// Calibration tokens (uniformly random ids) whose statistics set the biases, 16 to 65536.
     #[arg(long, default_value_t = 512)]
     calib_tokens: usize,
 }
@@ -412,8 +412,8 @@ impl View for Lazy<'_> {
     }
 }
 
-fn read_json(p: &Path) -> Option<Value> {
-    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
+fn read_json(p: &Path) -> Result<Value> {
+    Ok(serde_json::from_str(&std::fs::read_to_string(p)?)?)
 }
 
 fn bar(len: u64, template: &str) -> ProgressBar {
@@ -429,28 +429,88 @@ pub fn run(a: SynthArgs) -> Result<()> {
     if !(0.0..=8.0).contains(&a.skew) {
         bail!("--skew {} is outside [0, 8]: 0 means no hot neurons, 1.5 is the default", a.skew);
     }
-    if a.calib_tokens < 16 {
-        bail!("--calib-tokens {} is too few to estimate neuron statistics; use at least 16 (default 512)", a.calib_tokens);
+    if !(16..=MAX_CALIB_TOKENS).contains(&a.calib_tokens) {
+        bail!("--calib-tokens {} is outside 16..={MAX_CALIB_TOKENS}: at least 16 to estimate neuron statistics, at most {MAX_CALIB_TOKENS} (memory grows with them; default 512)", a.calib_tokens);
     }
     if a.shard_bytes < 1 << 20 {
         bail!("--shard-bytes must be at least 1 MiB");
     }
-    if a.layers == Some(0) {
-        bail!("--layers 0: a model needs at least one layer");
+    if let Some(l) = a.layers.filter(|l| !(1..=MAX_LAYERS).contains(l)) {
+        bail!("--layers {l} is outside 1..={MAX_LAYERS}");
     }
-    if a.out.exists() {
-        bail!("{} already exists; prep synth writes a new checkpoint directory: remove it or choose another --out", a.out.display());
+    // The output must be a new directory: not an existing path (a dangling symlink included), not `..`.
+    let name_ok = a.out.file_name().is_some_and(|n| n != "." && n != "..");
+    if a.out.symlink_metadata().is_ok() || !name_ok {
+        bail!("--out {} must name a new directory (it exists, or is `.`/`..`): remove it or choose another --out", a.out.display());
     }
+    // Create the temporary output directory now, so a bad location fails before any heavy work.
+    let parent = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if parent.exists() && !parent.is_dir() {
+        bail!("--out {}: {} is a file, not a directory", a.out.display(), parent.display());
+    }
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create the directory {} for --out", parent.display()))?;
+    let tmp = parent.join(format!(".{}.tmp-{}", a.out.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(), std::process::id()));
+    std::fs::create_dir(&tmp).with_context(|| format!("cannot create {} (is {} writable?)", tmp.display(), parent.display()))?;
+    *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(tmp.clone());
+    let result = synthesize(&a, &tmp);
+    let mut guard = crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner());
+    // Holding the lock: an interrupt now waits for this to finish, then exits.
+    let result = result.and_then(|t0| {
+        std::fs::rename(&tmp, &a.out).with_context(|| format!("cannot rename {} to {}", tmp.display(), a.out.display()))?;
+        Ok(t0)
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    *guard = None;
+    drop(guard);
+    let t0 = result?;
+    let peak = nflash_runtime::stats::peak_rss_bytes().unwrap_or(0);
+    eprintln!("wrote {} in {:.1} s (peak RSS {:.0} MiB)", a.out.display(), t0.elapsed().as_secs_f64(), peak as f64 / (1 << 20) as f64);
+    Ok(())
+}
+
+/// Most calibration tokens (`[n, n_neurons]` pre-activations are kept per layer).
+const MAX_CALIB_TOKENS: usize = 65536;
+/// Most decoder layers.
+const MAX_LAYERS: usize = 256;
+/// Largest vocabulary accepted from the tokenizer directory.
+const MAX_VOCAB: u64 = 1 << 20;
+
+/// Token ids of `v` (a number or a list of numbers, as HF writes `eos_token_id`).
+fn ids(v: Option<&Value>, what: &str) -> Result<Vec<u32>> {
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a.iter().map(|x| ids(Some(x), what).map(|v| v[0])).collect(),
+        Some(x) => match x.as_u64().filter(|&i| i <= u32::MAX as u64) {
+            Some(i) => Ok(vec![i as u32]),
+            None => bail!("{what} = {x} is not a token id"),
+        },
+    }
+}
+
+/// Calibrates and writes the checkpoint into `tmp`; returns the start time.
+fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
     let tok_json = a.tokenizer.join("tokenizer.json");
     let tok_bytes = std::fs::read(&tok_json).with_context(|| {
         format!("cannot read {}: pass --tokenizer DIR with a tokenizer.json (the default is the SmolLM2 checkpoint made by `make model`)", tok_json.display())
     })?;
     let tok = nflash_runtime::tokenizer::Tokenizer::from_json(&tok_bytes)
         .map_err(|e| anyhow::anyhow!("{} cannot be loaded: {e}", tok_json.display()))?;
-    let src_cfg = read_json(&a.tokenizer.join("config.json")).unwrap_or(Value::Null);
-    let vocab = src_cfg.get("vocab_size").and_then(Value::as_u64).unwrap_or(tok.vocab_size() as u64).max(tok.vocab_size() as u64);
-    if vocab < 8 {
-        bail!("{} has only {vocab} tokens; synth needs a real vocabulary", tok_json.display());
+    let cfg_path = a.tokenizer.join("config.json");
+    let src_cfg = if cfg_path.exists() {
+        read_json(&cfg_path).with_context(|| format!("{} is not valid JSON; fix it or remove it (it only supplies BOS/EOS ids and vocab_size)", cfg_path.display()))?
+    } else {
+        eprintln!("note: {} has no config.json: no BOS/EOS token ids in the synthetic config", a.tokenizer.display());
+        Value::Null
+    };
+    if !a.tokenizer.join("tokenizer_config.json").exists() {
+        eprintln!("note: {} has no tokenizer_config.json: the checkpoint will have no chat template", a.tokenizer.display());
+    }
+    let n_tok = tok.vocab_size() as u64;
+    let vocab = src_cfg.get("vocab_size").and_then(Value::as_u64).unwrap_or(n_tok).max(n_tok);
+    if vocab < 8 || vocab > MAX_VOCAB {
+        bail!("vocabulary of {vocab} tokens ({} and its config.json vocab_size) is outside 8..={MAX_VOCAB}", tok_json.display());
     }
     let (arch, hidden, inter, layers, heads, kv_heads, theta, max_pos) = dims(a.shape);
     let layers = a.layers.map_or(layers, |l| l as u64);
@@ -462,8 +522,8 @@ pub fn run(a: SynthArgs) -> Result<()> {
         SynthAct::Relu => Activation::Relu,
         SynthAct::Drelu => Activation::DRelu,
     };
-    let bos = src_cfg.get("bos_token_id").and_then(Value::as_u64).map(|v| v as u32);
-    let eos: Vec<u32> = src_cfg.get("eos_token_id").and_then(Value::as_u64).map(|v| vec![v as u32]).unwrap_or_default();
+    let bos = ids(src_cfg.get("bos_token_id"), "config.json bos_token_id")?.first().copied();
+    let eos = ids(src_cfg.get("eos_token_id"), "config.json eos_token_id")?;
     let cfg = ModelConfig {
         architecture: arch,
         vocab_size: vocab,
@@ -510,23 +570,9 @@ pub fn run(a: SynthArgs) -> Result<()> {
         curve[curve.len() - 1]
     );
 
-    // 2. Shards, streamed into a temporary directory.
-    let parent = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
-    let tmp = parent.join(format!(".{}.tmp-{}", a.out.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(), std::process::id()));
-    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(tmp.clone());
-    let result = write_dir(&synth, &a, &tmp, &cfg, &eos);
-    if let Err(e) = result {
-        let _ = std::fs::remove_dir_all(&tmp);
-        *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        return Err(e);
-    }
-    std::fs::rename(&tmp, &a.out).with_context(|| format!("cannot rename {} to {}", tmp.display(), a.out.display()))?;
-    *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    let peak = nflash_runtime::stats::peak_rss_bytes().unwrap_or(0);
-    eprintln!("wrote {} in {:.1} s (peak RSS {:.0} MiB)", a.out.display(), t0.elapsed().as_secs_f64(), peak as f64 / (1 << 20) as f64);
-    Ok(())
+    // 2. Shards, streamed into the temporary directory.
+    write_dir(&synth, a, tmp, &cfg, &eos)?;
+    Ok(t0)
 }
 
 fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32]) -> Result<()> {
@@ -550,6 +596,7 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
         size += b;
         shards.last_mut().expect("non-empty").push((name, shape));
     }
+    eprintln!("writing {:.2} GiB of {} weights in {} shard(s)", total as f64 / (1u64 << 30) as f64, match a.dtype { SynthDtype::Bf16 => "BF16", SynthDtype::F16 => "F16", SynthDtype::F32 => "F32" }, shards.len());
     let pb = bar(total, "{msg:>10} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}");
     let n_shards = shards.len();
     let mut weight_map = serde_json::Map::new();
@@ -560,7 +607,10 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
             weight_map.insert(name.clone(), json!(file));
         }
         let views = shard.into_iter().map(|(name, shape)| (name.clone(), Lazy { s, name, shape, dtype, pb: &pb }));
-        safetensors::serialize_to_file(views, None, &dir.join(&file)).with_context(|| format!("cannot write {}", dir.join(&file).display()))?;
+        let path = dir.join(&file);
+        safetensors::serialize_to_file(views, None, &path).with_context(|| format!("cannot write {}", path.display()))?;
+        // safetensors creates the file 0600; checkpoints are shared like the other files.
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
     }
     pb.finish_and_clear();
     let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
@@ -588,7 +638,7 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
         "attention_bias": false,
         "tie_word_embeddings": false,
         "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": eos.first(),
+        "eos_token_id": if eos.len() == 1 { json!(eos[0]) } else { json!(eos) },
         "torch_dtype": match a.dtype { SynthDtype::Bf16 => "bfloat16", SynthDtype::F16 => "float16", SynthDtype::F32 => "float32" },
         "nflash_synth": {
             "shape": format!("{:?}", a.shape), "sparsity": a.sparsity, "skew": a.skew, "act": format!("{:?}", a.act),

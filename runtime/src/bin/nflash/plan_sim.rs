@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use nflash_format::{DType, DeviceProfile, Manifest, Pack, SegmentKind};
+use nflash_format::{DType, DeviceProfile, Manifest, Pack};
+use nflash_runtime::cache::cluster_read_bytes;
 use nflash_runtime::planner::{self, Estimate, PlanRequest};
 use nflash_runtime::sim::{self, SimOptions};
 
@@ -76,52 +77,81 @@ fn check(a: &PlanSimArgs) -> Result<()> {
 /// One simulated case.
 struct Case {
     label: String,
-    sparsity: String,
+    /// Target sparsity; `None` for a dense pack.
+    sparsity: Option<f64>,
     budget: u64,
     ffn_bytes: u64,
     fixed: u64,
     hot_share: f64,
-    est: Estimate,
+    /// The estimate, or why the planner refused the budget.
+    est: std::result::Result<Estimate, String>,
 }
 
-fn simulate(m: &Manifest, dev: &DeviceProfile, a: &PlanSimArgs, threads: u32, label: &str, sparsity: String) -> Result<Vec<Case>> {
-    let ffn_bytes: u64 = m.segments.iter().filter(|s| s.kind == SegmentKind::Ffn).map(|s| s.bytes).sum();
+fn simulate(m: &Manifest, dev: &DeviceProfile, a: &PlanSimArgs, threads: u32, label: &str, sparsity: Option<f64>, notes: &mut Vec<String>) -> Vec<Case> {
+    // FFN bytes as read (whole aligned clusters), the unit hot_bytes is counted in.
+    let ffn_bytes: u64 = m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| cluster_read_bytes(f, c))).sum();
     let fixed = planner::fixed_region(m, a.ctx, None).total();
     let budgets: Vec<u64> = if a.memory_budget.is_empty() {
         // The planner also needs one layer's clusters to stage reads beyond the fixed region.
         let stage = ffn_bytes / m.ffn.len().max(1) as u64;
-        a.ffn_share.iter().map(|f| fixed + ((*f * ffn_bytes as f64) as u64).max(stage) + (1 << 20)).collect()
+        let b: Vec<u64> = a.ffn_share.iter().map(|f| fixed + ((*f * ffn_bytes as f64) as u64).max(stage) + (1 << 20)).collect();
+        if a.ffn_share.iter().any(|f| ((*f * ffn_bytes as f64) as u64) < stage) {
+            notes.push(format!("{label}: an --ffn-share below one layer's FFN ({:.1}% of it) is raised to that minimum (the cold region stages one layer's reads)", 100.0 / m.ffn.len().max(1) as f64));
+        }
+        b
     } else {
         a.memory_budget.clone()
     };
-    let mut out = Vec::new();
-    for budget in budgets {
-        let req = PlanRequest { budget_bytes: budget, ctx: a.ctx, threads, io_threads: None, measured_rss_bytes: None };
-        let p = planner::plan(m, dev, &req).with_context(|| format!("{label} at {:.2} GiB", budget as f64 / (1u64 << 30) as f64))?;
-        out.push(Case {
-            label: label.to_string(),
-            sparsity: sparsity.clone(),
-            budget,
-            ffn_bytes,
-            fixed: p.fixed_bytes,
-            hot_share: p.hot_bytes as f64 / ffn_bytes.max(1) as f64,
-            est: planner::estimate(m, dev, &p),
-        });
+    if a.ctx as u64 > m.config.max_position_embeddings {
+        notes.push(format!("{label}: --ctx {} is beyond the model's context of {} tokens", a.ctx, m.config.max_position_embeddings));
     }
-    Ok(out)
+    budgets
+        .into_iter()
+        .map(|budget| {
+            if budget > dev.memory.available_bytes {
+                notes.push(format!(
+                    "{label}: the budget {:.2} GiB is more than {}'s available memory ({:.2} GiB): that row cannot run there",
+                    budget as f64 / (1u64 << 30) as f64,
+                    dev.name,
+                    dev.memory.available_bytes as f64 / (1u64 << 30) as f64
+                ));
+            }
+            let req = PlanRequest { budget_bytes: budget, ctx: a.ctx, threads, io_threads: None, measured_rss_bytes: None };
+            match planner::plan(m, dev, &req) {
+                Ok(p) => Case {
+                    label: label.to_string(),
+                    sparsity,
+                    budget,
+                    ffn_bytes,
+                    fixed: p.fixed_bytes,
+                    hot_share: p.hot_bytes as f64 / ffn_bytes.max(1) as f64,
+                    est: Ok(planner::estimate(m, dev, &p)),
+                },
+                Err(e) => Case { label: label.to_string(), sparsity, budget, ffn_bytes, fixed, hot_share: 0.0, est: Err(e.to_string()) },
+            }
+        })
+        .collect()
 }
 
 pub fn run(a: PlanSimArgs) -> Result<()> {
     check(&a)?;
     let dev = DeviceProfile::load(&a.device)?;
-    let threads = a.threads.unwrap_or_else(|| dev.n_cores());
+    let mut notes = Vec::new();
+    let threads = match a.threads {
+        Some(t) if t > dev.n_cores() => {
+            notes.push(format!("--threads {t} is more than {}'s {} cores: simulated with {}", dev.name, dev.n_cores(), dev.n_cores()));
+            dev.n_cores()
+        }
+        Some(t) => t,
+        None => dev.n_cores(),
+    };
     let mut cases = Vec::new();
     for path in &a.models {
         let pack = Pack::open(path)?;
         let m = pack.manifest();
-        let s = m.sparse.as_ref().map_or("dense".to_string(), |s| format!("{:.2}", s.target_sparsity));
+        let s = m.sparse.as_ref().map(|s| s.target_sparsity as f64);
         let name = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-        cases.extend(simulate(m, &dev, &a, threads, &name, s)?);
+        cases.extend(simulate(m, &dev, &a, threads, &name, s, &mut notes));
     }
     for name in &a.shape {
         let shape = sim::shape(name).with_context(|| {
@@ -130,24 +160,33 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         for &s in &a.sparsity {
             let o = SimOptions { sparsity: s, skew: a.skew, quant: a.quant, recall: a.recall, precision: a.precision, predictor_budget: 0.1 };
             let m = sim::synthetic_manifest(&shape, &o, &dev).with_context(|| format!("{} cannot be stored as {}", shape.name, a.quant))?;
-            cases.extend(simulate(&m, &dev, &a, threads, shape.name, format!("{s:.2}"))?);
+            cases.extend(simulate(&m, &dev, &a, threads, shape.name, Some(s), &mut notes));
         }
     }
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     if a.json {
         for c in &cases {
-            let e = &c.est;
-            println!(
-                "{}",
-                serde_json::json!({
-                    "model": c.label, "sparsity": c.sparsity, "memory_budget_bytes": c.budget, "fixed_bytes": c.fixed,
-                    "ffn_bytes": c.ffn_bytes, "hot_share": c.hot_share, "hit_rate": e.hit_rate,
-                    "read_bytes_per_token": e.read_bytes_per_token, "attention_ms": e.attention_ms,
-                    "predictor_ms": e.predictor_ms, "ffn_ms": e.ffn_ms, "lm_head_ms": e.lm_head_ms,
-                    "io_ms": e.io_ms, "io_exposed_ms": e.io_exposed_ms, "token_ms": e.token_ms(),
-                    "tokens_per_s": 1e3 / e.token_ms(), "bound": e.bound(),
-                })
-            );
+            let mut j = serde_json::json!({
+                "model": c.label, "sparsity": c.sparsity, "memory_budget_bytes": c.budget, "fixed_bytes": c.fixed,
+                "ffn_bytes": c.ffn_bytes, "threads": threads, "ctx": a.ctx,
+            });
+            match &c.est {
+                Ok(e) => {
+                    let more = serde_json::json!({
+                        "hot_share": c.hot_share, "hit_rate": e.hit_rate,
+                        "read_bytes_per_token": e.read_bytes_per_token, "attention_ms": e.attention_ms,
+                        "predictor_ms": e.predictor_ms, "ffn_ms": e.ffn_ms, "lm_head_ms": e.lm_head_ms,
+                        "io_ms": e.io_ms, "io_exposed_ms": e.io_exposed_ms, "token_ms": e.token_ms(),
+                        "tokens_per_s": 1e3 / e.token_ms(), "bound": e.bound(),
+                    });
+                    j.as_object_mut().expect("object").extend(more.as_object().expect("object").clone());
+                }
+                Err(why) => j["refused"] = serde_json::json!(why),
+            }
+            println!("{j}");
+        }
+        for n in &notes {
+            eprintln!("note: {n}");
         }
         return Ok(());
     }
@@ -157,24 +196,30 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         "model", "spars", "budget", "fixed", "FFN", "hot", "hit", "MiB read", "compute", "I/O", "I/O exp", "tok/s"
     );
     for c in &cases {
-        let e = &c.est;
-        println!(
-            "{:<26} {:>5} {:>6.2}Gi {:>6.2}Gi {:>6.2}Gi {:>5.0}% {:>6.3} {:>9.1} {:>7.1}ms {:>5.1}ms {:>6.1}ms {:>8.2}  {}",
-            c.label,
-            c.sparsity,
-            gib(c.budget),
-            gib(c.fixed),
-            gib(c.ffn_bytes),
-            100.0 * c.hot_share,
-            e.hit_rate,
-            e.read_bytes_per_token / (1u64 << 20) as f64,
-            e.compute_ms(),
-            e.io_ms,
-            e.io_exposed_ms,
-            1e3 / e.token_ms(),
-            e.bound()
-        );
+        let sp = c.sparsity.map_or("dense".into(), |s| format!("{s:.2}"));
+        match &c.est {
+            Ok(e) => println!(
+                "{:<26} {:>5} {:>6.2}Gi {:>6.2}Gi {:>6.2}Gi {:>5.0}% {:>6.3} {:>9.1} {:>7.1}ms {:>5.1}ms {:>6.1}ms {:>8.2}  {}",
+                c.label,
+                sp,
+                gib(c.budget),
+                gib(c.fixed),
+                gib(c.ffn_bytes),
+                100.0 * c.hot_share,
+                e.hit_rate,
+                e.read_bytes_per_token / (1u64 << 20) as f64,
+                e.compute_ms(),
+                e.io_ms,
+                e.io_exposed_ms,
+                1e3 / e.token_ms(),
+                e.bound()
+            ),
+            Err(why) => println!("{:<26} {:>5} {:>6.2}Gi refused: {why}", c.label, sp, gib(c.budget)),
+        }
     }
     println!("compute: weights touched per token / the profile's Q4_0 matvec speed at {threads} threads; I/O: expected cold misses (Che's LRU approximation) at the profile's random-read bandwidth for the merged read size; I/O exp: the part not hidden behind the layer's FFN compute");
+    for n in &notes {
+        println!("note: {n}");
+    }
     Ok(())
 }
