@@ -127,6 +127,12 @@ fn bad_synth_arguments_are_refused() {
     assert_fails("skew -1", &o(&[&t[..], &["--skew=-1"]].concat()), &["--skew"]);
     assert_fails("no tokenizer", &o(&["--tokenizer", "/nonexistent"]), &["tokenizer.json", "--tokenizer"]);
     assert!(!out.exists());
+    assert!(std::fs::read_dir(tmp.path()).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp-")), "a temporary directory was left behind");
+    let dangling = tmp.path().join("dangling");
+    std::os::unix::fs::symlink(tmp.path().join("nowhere"), &dangling).unwrap();
+    let mut a = vec!["synth", "--shape", "tiny", "--out", dangling.to_str().unwrap()];
+    a.extend_from_slice(&t);
+    assert_fails("dangling symlink out", &run("prep", &a), &["must name a new directory"]);
     std::fs::create_dir_all(&out).unwrap();
-    assert_fails("existing out", &o(&t), &["already exists"]);
+    assert_fails("existing out", &o(&t), &["must name a new directory"]);
 }
