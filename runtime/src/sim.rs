@@ -116,6 +116,8 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
     let ffn_layer = n as f64 * bundle.bundle_bytes as f64;
     let rank = ((o.predictor_budget * ffn_layer / ((h + n) as f64 * q8)) as u64 / 32 * 32).clamp(32, h);
     let predictor_bytes = (rank as f64 * (h + n) as f64 * q8) as u64;
+    // Mixture of experts: all experts' predictors are resident, only the routed ones run.
+    let predictor_run_bytes = predictor_bytes * shape.active_experts / shape.experts;
     let mut tensors = Vec::new();
     let mut tensor = |name: String, rows: u64, bytes_per_row: u64| {
         tensors.push(TensorEntry { name, segment: 1, offset: 0, bytes: rows * bytes_per_row, dtype: o.quant, shape: vec![rows, h] });
@@ -160,7 +162,7 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
                 sparse: Some(LayerSparsity {
                     threshold: 0.0,
                     predictor_threshold: 0.0,
-                    predictor_bytes,
+                    predictor_bytes: predictor_run_bytes,
                     quality,
                     frequency_curve: curve.clone(),
                 }),
