@@ -357,10 +357,14 @@ impl Estimate {
     }
 
     /// Which resource bounds decode: `"flash I/O"` when un-hidden I/O is
-    /// more than half the time, else `"compute"`.
+    /// more than half the time, `"compute + I/O"` when it is a fifth to a
+    /// half, else `"compute"`.
     pub fn bound(&self) -> &'static str {
-        if self.io_exposed_ms > 0.5 * self.token_ms() {
+        let share = self.io_exposed_ms / self.token_ms().max(1e-12);
+        if share > 0.5 {
             "flash I/O"
+        } else if share > 0.2 {
+            "compute + I/O"
         } else {
             "compute"
         }
