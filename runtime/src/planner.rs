@@ -129,26 +129,35 @@ fn need_probability(m: &Manifest, l: usize) -> Vec<f64> {
 
 /// Probability that decode needs each of a layer's `n` neurons (packed
 /// order), from the pack-wide `info` and the layer's `sp` sparsity settings
-/// (SPEC §4.5): the frequency curve scaled by recall / precision; all 1 for
-/// a dense layer or the exact predictor.
+/// (SPEC §4.5): `recall·f + fpr·(1 − f)` for the profiled frequency `f`,
+/// with the predictor's false-positive rate from its recall and precision;
+/// all 1 for a dense layer or the exact predictor.
 pub fn neuron_need_probability(info: Option<&nflash_format::SparseInfo>, sp: Option<&nflash_format::LayerSparsity>, n: usize) -> Vec<f64> {
     let (Some(info), Some(sp)) = (info, sp) else { return vec![1.0; n] };
     if info.predictor == PredictorKind::Exact || sp.frequency_curve.len() < 2 {
         return vec![1.0; n];
     }
     let q = &sp.quality;
-    let scale = if q.precision > 0.0 { (q.recall / q.precision) as f64 } else { 1.0 };
     let curve = &sp.frequency_curve;
     let k = (curve.len() - 1) as f64;
-    (0..n)
+    let freq: Vec<f64> = (0..n)
         .map(|p| {
             // Linear interpolation in the curve sampled at round(k·(n-1)/32).
             let x = if n > 1 { p as f64 * k / (n - 1) as f64 } else { 0.0 };
             let i = (x.floor() as usize).min(curve.len() - 2);
-            let v = curve[i] as f64 + (curve[i + 1] - curve[i]) as f64 * (x - i as f64);
-            (v * scale).clamp(0.0, 1.0)
+            (curve[i] as f64 + (curve[i + 1] - curve[i]) as f64 * (x - i as f64)).clamp(0.0, 1.0)
         })
-        .collect()
+        .collect();
+    // A neuron is selected when it is active and caught (recall), or inactive
+    // and a false positive: the predictor selects recall·f̄/precision of the
+    // neurons, recall·f̄ of them rightly, so its false-positive rate among
+    // inactive neurons is (recall·f̄/precision − recall·f̄)/(1 − f̄). False
+    // positives fall on cold neurons as much as on hot ones.
+    let recall = (q.recall as f64).clamp(0.0, 1.0);
+    let mean = freq.iter().sum::<f64>() / n.max(1) as f64;
+    let selected = if q.precision > 0.0 { (recall * mean / q.precision as f64).min(1.0) } else { 1.0 };
+    let fpr = if mean < 1.0 { ((selected - recall * mean) / (1.0 - mean)).clamp(0.0, 1.0) } else { 0.0 };
+    freq.iter().map(|&f| (recall * f + fpr * (1.0 - f)).clamp(0.0, 1.0)).collect()
 }
 
 /// Probability that decode needs a cluster whose neurons are needed with
