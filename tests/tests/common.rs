@@ -122,3 +122,15 @@ pub fn assert_matches_reference(what: &str, ours: &(Vec<Vec<f32>>, Vec<Vec<f32>>
         assert_eq!(agree, 1.0, "{what} {path}: top-1 differs from the reference");
     }
 }
+
+/// A tiny random checkpoint of `spec` converted to an f32 pack in a fresh
+/// temporary directory, and 24 test tokens: (the directory, checkpoint, pack, tokens).
+pub fn tiny_f32_pack(spec: &nflash_tests::TinySpec) -> (tempfile::TempDir, PathBuf, PathBuf, Vec<u32>) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    nflash_tests::write_tiny_checkpoint(&dir, spec);
+    let pack = tmp.path().join("tiny.nflash");
+    nflash_tests::convert(&dir, &pack, "f32");
+    let tokens: Vec<u32> = (0..24).map(|i| ((i * 7 + 3) % spec.vocab) as u32).collect();
+    (tmp, dir, pack, tokens)
+}

@@ -9,8 +9,8 @@ mod common;
 use std::collections::HashMap;
 use std::path::Path;
 
-use common::{assert_matches_reference, our_logits, reference_logits};
-use nflash_tests::{convert, write_tiny_checkpoint, TinySpec};
+use common::{assert_matches_reference, our_logits, reference_logits, tiny_f32_pack};
+use nflash_tests::{write_tiny_checkpoint, TinySpec};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
@@ -130,12 +130,7 @@ fn f32_reference(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
 }
 
 fn check(name: &str, spec: TinySpec) -> Vec<Vec<f32>> {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ckpt");
-    write_tiny_checkpoint(&dir, &spec);
-    let pack = tmp.path().join("tiny.nflash");
-    convert(&dir, &pack, "f32");
-    let tokens: Vec<u32> = (0..24).map(|i| ((i * 7 + 3) % spec.vocab) as u32).collect();
+    let (_tmp, dir, pack, tokens) = tiny_f32_pack(&spec);
     let reference = f32_reference(&dir, &tokens);
     assert_matches_reference(name, &our_logits(&pack, &tokens), &reference);
     if spec.arch == "MistralForCausalLM" && !spec.mlp_bias {
