@@ -38,7 +38,8 @@ pub struct Checkpoint {
     index: HashMap<String, usize>,
 }
 
-fn read_json(path: &Path) -> Result<Value> {
+/// Reads and parses a JSON file; errors name the file.
+pub fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
 }
@@ -75,7 +76,7 @@ fn get_bool(cfg: &Value, key: &str, default: bool) -> Result<bool> {
 }
 
 /// Token ids from an `eos_token_id` value: an integer or a list of them.
-fn token_ids(v: Option<&Value>, what: &str) -> Result<Vec<u32>> {
+pub fn token_ids(v: Option<&Value>, what: &str) -> Result<Vec<u32>> {
     let as_id = |v: &Value| {
         v.as_u64()
             .filter(|&x| x <= u32::MAX as u64)

@@ -44,6 +44,7 @@ use statrs::distribution::{ContinuousCDF, Normal};
 
 use nflash_runtime::sim::power_law;
 
+use crate::checkpoint::{read_json, token_ids};
 use crate::forward::{split_windows, Forward, WeightSource};
 
 /// Model shapes `prep synth` can generate.
@@ -412,10 +413,6 @@ impl View for Lazy<'_> {
     }
 }
 
-fn read_json(p: &Path) -> Result<Value> {
-    Ok(serde_json::from_str(&std::fs::read_to_string(p)?)?)
-}
-
 fn bar(len: u64, template: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
     pb.set_style(ProgressStyle::with_template(template).expect("static template"));
@@ -477,18 +474,6 @@ const MAX_LAYERS: usize = 256;
 /// Largest vocabulary accepted from the tokenizer directory.
 const MAX_VOCAB: u64 = 1 << 20;
 
-/// Token ids of `v` (a number or a list of numbers, as HF writes `eos_token_id`).
-fn ids(v: Option<&Value>, what: &str) -> Result<Vec<u32>> {
-    match v {
-        None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::Array(a)) => a.iter().map(|x| ids(Some(x), what).map(|v| v[0])).collect(),
-        Some(x) => match x.as_u64().filter(|&i| i <= u32::MAX as u64) {
-            Some(i) => Ok(vec![i as u32]),
-            None => bail!("{what} = {x} is not a token id"),
-        },
-    }
-}
-
 /// Calibrates and writes the checkpoint into `tmp`; returns the start time.
 fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
     let tok_json = a.tokenizer.join("tokenizer.json");
@@ -522,8 +507,8 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
         SynthAct::Relu => Activation::Relu,
         SynthAct::Drelu => Activation::DRelu,
     };
-    let bos = ids(src_cfg.get("bos_token_id"), "config.json bos_token_id")?.first().copied();
-    let eos = ids(src_cfg.get("eos_token_id"), "config.json eos_token_id")?;
+    let bos = token_ids(src_cfg.get("bos_token_id"), "config.json bos_token_id")?.first().copied();
+    let eos = token_ids(src_cfg.get("eos_token_id"), "config.json eos_token_id")?;
     let cfg = ModelConfig {
         architecture: arch,
         vocab_size: vocab,
