@@ -8,6 +8,7 @@ use nflash_format::{Criterion, DType, PredictorKind};
 
 use crate::checkpoint::Checkpoint;
 use crate::pack::{check_tensors, write_pack, PackOptions};
+use crate::predictor::MlpInit;
 use crate::profile::{CalibArgs, Profile};
 use crate::sparsify::{self, SparseOptions, SparsePlan};
 
@@ -92,6 +93,11 @@ pub struct SparseArgs {
     /// MLP predictor seed.
     #[arg(long, default_value_t = 0, requires = "source")]
     seed: u64,
+    /// How the MLP predictor starts: gate-svd (the gate projection's best low-rank
+    /// approximation, which predicts ReLU activity) or random
+    /// [default: gate-svd for ReLU-family models, random otherwise].
+    #[arg(long, requires = "source")]
+    predictor_init: Option<MlpInit>,
 }
 
 impl SparseArgs {
@@ -150,6 +156,7 @@ impl SparseArgs {
                 recall: self.recall.unwrap_or(if ck.config.activation.is_relu_family() { 0.99 } else { 0.95 }),
                 epochs: self.epochs,
                 seed: self.seed,
+                init: self.predictor_init.unwrap_or(if ck.config.activation.is_relu_family() { MlpInit::GateSvd } else { MlpInit::Random }),
             },
             quant,
         )?;
@@ -166,13 +173,18 @@ impl SparseArgs {
             100.0 * mean(&|q| q.sparsity),
         );
         stages.mark("predictors");
-        let losses: Vec<(f32, f32)> = plan.layers.iter().filter_map(|l| l.loss).collect();
-        if !losses.is_empty() {
-            let k = losses.len() as f32;
+        let runs: Vec<crate::predictor::Training> = plan.layers.iter().filter_map(|l| l.loss).collect();
+        if !runs.is_empty() {
+            let k = runs.len() as f32;
+            let mut kept: Vec<usize> = runs.iter().map(|r| r.kept_epoch).collect();
+            kept.sort_unstable();
             eprintln!(
-                "MLP training loss (binary cross-entropy, layer mean): first epoch {:.4}, last epoch {:.4}",
-                losses.iter().map(|l| l.0).sum::<f32>() / k,
-                losses.iter().map(|l| l.1).sum::<f32>() / k
+                "MLP training loss (binary cross-entropy, layer mean): first epoch {:.4}, last epoch {:.4}; weights kept after epoch {}..{} (median {}; 0 = initialisation), chosen on held-out tokens",
+                runs.iter().map(|r| r.first).sum::<f32>() / k,
+                runs.iter().map(|r| r.last).sum::<f32>() / k,
+                kept[0],
+                kept[kept.len() - 1],
+                kept[kept.len() / 2],
             );
         }
         Ok(Some(plan))

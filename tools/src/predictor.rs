@@ -7,7 +7,10 @@
 //!   calibration inputs (uncentred second moment), `ĝ = (W_gate P) z`,
 //!   `û = (W_up P) z`, score = criterion value of (ĝ, û);
 //! - MLP: `hidden → r → n_neurons` with ReLU, trained with candle's autograd
-//!   (AdamW, binary cross-entropy on "active" labels), score = logit.
+//!   (AdamW, binary cross-entropy on "active" labels), score = logit. For
+//!   ReLU-family models it starts from the gate projection's best rank-r/2
+//!   approximation ([`MlpInit::GateSvd`]), so that it predicts the gate's
+//!   sign on inputs unlike the calibration text (generated text) too.
 //!
 //! Tensors are returned in original neuron order; the packer permutes rows.
 
@@ -49,6 +52,24 @@ pub struct PredictorOptions {
     pub epochs: usize,
     /// MLP seed (initialisation and shuffling).
     pub seed: u64,
+    /// How the MLP's weights start.
+    pub init: MlpInit,
+}
+
+/// How the MLP predictor's weights start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MlpInit {
+    /// Uniform in ±1/√fan_in (PyTorch's `nn.Linear` default), zero biases.
+    Random,
+    /// The gate pre-activation's best rank-k approximation (k = r/2, Eckart–Young),
+    /// written as the MLP: with `G ≈ U_k S_k V_kᵀ`, `w1 = [V_kᵀ; −V_kᵀ]`
+    /// (`[r, hidden]`), `w2 = α[G V_k, −G V_k]` (`[n, r]`), `b2 = α·gate bias`,
+    /// since `relu(a) − relu(−a) = a`; α scales the logits to a useful range
+    /// for the cross-entropy. Before training the logit is α·(Ĝx + b), whose
+    /// sign is the ReLU gate's activity up to the rank-k error (exact when
+    /// the gate has rank ≤ k). Training then fits the labels with a smaller
+    /// learning rate.
+    GateSvd,
 }
 
 /// A built predictor.
@@ -60,8 +81,19 @@ pub struct Built {
     pub threshold: f32,
     /// Held-out quality.
     pub quality: PredictorQuality,
-    /// MLP training loss before and after training (train split).
-    pub loss: Option<(f32, f32)>,
+    /// MLP training record.
+    pub loss: Option<Training>,
+}
+
+/// What MLP training did.
+#[derive(Clone, Copy, Debug)]
+pub struct Training {
+    /// Mean binary cross-entropy over the first epoch (train split).
+    pub first: f32,
+    /// Mean binary cross-entropy over the last epoch (train split).
+    pub last: f32,
+    /// Epochs behind the weights kept (0: the initialisation), chosen on the calibration split.
+    pub kept_epoch: usize,
 }
 
 fn tensor(data: &[f32], rows: usize, cols: usize) -> Result<Tensor> {
@@ -158,7 +190,8 @@ pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOption
         }
         PredictorKind::Mlp => {
             let values = criterion_values(w, train, act, o.criterion)?;
-            let (tensors, scores, loss) = mlp(w, train, &values, t, held, o)?;
+            let cal = Calibration { x: &held[..n_held / 2 * h], active: &held_active[..n_held / 2 * w.n], recall: o.recall };
+            let (tensors, scores, loss) = mlp(w, train, &values, t, held, &cal, o)?;
             (tensors, scores, Some(loss))
         }
     };
@@ -214,6 +247,95 @@ fn low_rank(w: &GateUp, train: &[f32], held: &[f32], act: Activation, o: &Predic
     Ok((vec![("proj", vec![r, h], pt), ("gate", vec![n, r], ga), ("up", vec![n, r], ua)], scores))
 }
 
+/// Orthonormal basis of the columns of `y` (`[rows, cols]` row-major, rows ≥ cols), by Householder QR.
+fn orthonormalize(y: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let m = nalgebra::DMatrix::from_row_slice(rows, cols, &y.iter().map(|&v| v as f64).collect::<Vec<_>>());
+    let q = m.qr().q(); // [rows, cols]
+    let mut out = vec![0f32; rows * cols];
+    for i in 0..rows {
+        for j in 0..cols {
+            out[i * cols + j] = q[(i, j)] as f32;
+        }
+    }
+    out
+}
+
+/// Top-`k` right singular vectors of `g` (`[n, hidden]`) as `V_kᵀ` (`[k, hidden]`),
+/// by randomized subspace iteration (Halko, Martinsson & Tropp 2011, alg. 4.4:
+/// 16 extra columns, 2 power iterations), then the exact SVD of the small
+/// projected matrix. Deterministic for a seed; signs fixed by the largest entry.
+fn top_right_singular_vectors(g: &Tensor, n: usize, h: usize, k: usize, seed: u64) -> Result<Vec<f32>> {
+    let p = (k + 16).min(n).min(h);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5344_5649);
+    // Gaussian test matrix Ω [hidden, p] (Box–Muller).
+    let omega: Vec<f32> = (0..h * p)
+        .map(|_| {
+            let (u1, u2): (f64, f64) = (rng.random_range(f64::MIN_POSITIVE..1.0), rng.random());
+            ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+        })
+        .collect();
+    let as_vec = |t: Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1()?) };
+    let mut q = orthonormalize(&as_vec(g.matmul(&tensor(&omega, h, p)?)?)?, n, p); // [n, p]
+    for _ in 0..2 {
+        let z = orthonormalize(&as_vec(g.t()?.matmul(&tensor(&q, n, p)?)?)?, h, p); // [hidden, p]
+        q = orthonormalize(&as_vec(g.matmul(&tensor(&z, h, p)?)?)?, n, p);
+    }
+    // B = Qᵀ G [p, hidden]; B Bᵀ = U S² Uᵀ; V_kᵀ = S⁻¹ Uᵀ B (top k).
+    let b = tensor(&q, n, p)?.t()?.matmul(g)?;
+    let bbt: Vec<f32> = as_vec(b.matmul(&b.t()?)?)?;
+    let eig = nalgebra::SymmetricEigen::new(nalgebra::DMatrix::from_row_slice(p, p, &bbt.iter().map(|&v| v as f64).collect::<Vec<_>>()));
+    let mut idx: Vec<usize> = (0..p).collect();
+    idx.sort_by(|&a, &c| eig.eigenvalues[c].total_cmp(&eig.eigenvalues[a]).then(a.cmp(&c)));
+    let bv: Vec<f32> = as_vec(b)?;
+    let mut vt = vec![0f32; k * h];
+    for (row, &i) in idx.iter().take(k).enumerate() {
+        let sigma = eig.eigenvalues[i].max(0.0).sqrt();
+        let out = &mut vt[row * h..(row + 1) * h];
+        if sigma <= 1e-12 {
+            continue; // rank below k: a zero row adds nothing
+        }
+        for (j, &u) in eig.eigenvectors.column(i).iter().enumerate() {
+            let c = (u / sigma) as f32;
+            out.iter_mut().zip(&bv[j * h..(j + 1) * h]).for_each(|(o, &bj)| *o += c * bj);
+        }
+        let big = out.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+        if big < 0.0 {
+            out.iter_mut().for_each(|v| *v = -*v);
+        }
+    }
+    Ok(vt)
+}
+
+/// [`MlpInit::GateSvd`]: `(w1 [r, hidden], w2 [n, r], b2 [n])` for rank `r`
+/// (k = r/2 singular directions of the gate); `x`: training inputs `[s, hidden]`,
+/// used only to scale the logits (α = 2 / std of the rank-k pre-activation).
+fn gate_svd_init(w: &GateUp, x: &Tensor, r: usize, seed: u64) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let (h, n) = (w.hidden, w.n);
+    let k = (r / 2).min(h).min(n);
+    let g = tensor(w.gate, n, h)?; // [n, hidden]
+    let vt = top_right_singular_vectors(&g, n, h, k, seed)?; // [k, hidden]
+    let vtt = tensor(&vt, k, h)?;
+    let gv: Vec<f32> = g.matmul(&vtt.t()?)?.flatten_all()?.to_vec1()?; // [n, k]
+    let bias = w.gate_bias.map_or_else(|| vec![0f32; n], <[f32]>::to_vec);
+    // Scale from the rank-k pre-activations on the training inputs.
+    let pre: Vec<f32> = x.matmul(&vtt.t()?)?.matmul(&tensor(&gv, n, k)?.t()?)?.flatten_all()?.to_vec1()?;
+    let mean = pre.iter().map(|&v| v as f64).sum::<f64>() / pre.len().max(1) as f64;
+    let var = pre.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / pre.len().max(1) as f64;
+    let alpha = if var > 0.0 { (2.0 / var.sqrt()) as f32 } else { 1.0 };
+    let mut w1 = vec![0f32; r * h];
+    w1[..k * h].copy_from_slice(&vt);
+    w1[k * h..2 * k * h].iter_mut().zip(&vt).for_each(|(o, &v)| *o = -v);
+    let mut w2 = vec![0f32; n * r];
+    for i in 0..n {
+        for j in 0..k {
+            let v = alpha * gv[i * k + j];
+            w2[i * r + j] = v;
+            w2[i * r + k + j] = -v;
+        }
+    }
+    Ok((w1, w2, bias.iter().map(|&b| alpha * b).collect()))
+}
+
 /// Numerically stable mean binary cross-entropy of `logits` against 0/1 `y`.
 fn bce(logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
     // max(x, 0) − x·y + log(1 + exp(−|x|))
@@ -221,9 +343,32 @@ fn bce(logits: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
     ((logits.relu()? - (logits * y)?)? + soft)?.mean_all()
 }
 
-/// Trains the MLP; returns its tensors, held-out logits `[s_held, n]` and the (first, last) epoch's mean train loss.
-/// Labels: criterion value (`values`, `[s, n]`) `> t`.
-fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], o: &PredictorOptions) -> Result<(Tensors, Vec<f32>, (f32, f32))> {
+/// The calibration split: the tokens that set the decision threshold, also
+/// used to pick the MLP's best epoch.
+struct Calibration<'a> {
+    /// `[s_cal, hidden]`.
+    x: &'a [f32],
+    /// `[s_cal, n]` truly active flags.
+    active: &'a [bool],
+    /// Recall target.
+    recall: f64,
+}
+
+impl Calibration<'_> {
+    /// Fraction of (token, neuron) pairs selected at the threshold that keeps the recall
+    /// target on this split, for calibration logits `scores` `[s_cal, n]` (lower is better).
+    fn selected(&self, scores: &[f32]) -> f64 {
+        let tau = calibrate(scores, self.active, self.recall);
+        scores.iter().filter(|&&v| v > tau).count() as f64 / scores.len().max(1) as f64
+    }
+}
+
+/// Trains the MLP; returns its tensors, held-out logits `[s_held, n]` and the training record.
+/// Labels: criterion value (`values`, `[s, n]`) `> t`. Early stopping: the
+/// weights kept are those (initial or after an epoch) that select the fewest
+/// neurons at the recall target on the calibration split, so training never
+/// makes a good initialisation worse on tokens it did not see.
+fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], cal: &Calibration, o: &PredictorOptions) -> Result<(Tensors, Vec<f32>, Training)> {
     let (h, n, r) = (w.hidden, w.n, o.rank);
     let s = train.len() / h;
     let dev = Device::Cpu;
@@ -232,15 +377,22 @@ fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], o: &Pred
         let b = (1.0 / fan_in as f32).sqrt();
         (0..len).map(|_| rng.random_range(-b..b)).collect()
     };
-    let w1 = Var::from_tensor(&tensor(&uniform(r * h, h), r, h)?)?;
-    let b1 = Var::from_tensor(&Tensor::zeros(r, candle_core::DType::F32, &dev)?)?;
-    let w2 = Var::from_tensor(&tensor(&uniform(n * r, r), n, r)?)?;
-    let b2 = Var::from_tensor(&Tensor::zeros(n, candle_core::DType::F32, &dev)?)?;
+    let x = tensor(train, s, h)?;
+    let (w1, w2, b2, lr) = match o.init {
+        MlpInit::Random => (uniform(r * h, h), uniform(n * r, r), vec![0f32; n], 5e-3),
+        MlpInit::GateSvd => {
+            let (w1, w2, b2) = gate_svd_init(w, &x, r, o.seed)?;
+            (w1, w2, b2, 5e-4)
+        }
+    };
+    let w1 = Var::from_tensor(&tensor(&w1, r, h)?)?; // [r, hidden]
+    let b1 = Var::from_tensor(&Tensor::zeros(r, candle_core::DType::F32, &dev)?)?; // [r]
+    let w2 = Var::from_tensor(&tensor(&w2, n, r)?)?; // [n, r]
+    let b2 = Var::from_tensor(&Tensor::from_vec(b2, n, &dev)?)?; // [n]
     let mut opt = AdamW::new(
         vec![w1.clone(), b1.clone(), w2.clone(), b2.clone()],
-        ParamsAdamW { lr: 5e-3, weight_decay: 1e-4, ..Default::default() },
+        ParamsAdamW { lr, weight_decay: 1e-4, ..Default::default() },
     )?;
-    let x = tensor(train, s, h)?;
     let y = Tensor::from_vec(values.iter().map(|&v| (v > t) as u8 as f32).collect::<Vec<_>>(), (s, n), &dev)?;
     let forward = |xb: &Tensor| -> candle_core::Result<Tensor> {
         xb.matmul(&w1.as_tensor().t()?)?
@@ -252,6 +404,11 @@ fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], o: &Pred
     const BATCH: usize = 64;
     let mut order: Vec<u32> = (0..s as u32).collect();
     let (mut first, mut last) = (f32::NAN, f32::NAN);
+    let xc = tensor(cal.x, cal.x.len() / h, h)?;
+    let params = [&w1, &b1, &w2, &b2];
+    let snapshot = || -> Result<Vec<Tensor>> { Ok(params.iter().map(|v| v.as_tensor().copy()).collect::<candle_core::Result<_>>()?) };
+    let selected = || -> Result<f64> { Ok(cal.selected(&forward(&xc)?.flatten_all()?.to_vec1()?)) };
+    let mut best = (selected()?, snapshot()?, 0);
     for epoch in 0..o.epochs.max(1) {
         // Fisher–Yates with the seeded generator: same seed, same batches.
         for i in (1..order.len()).rev() {
@@ -271,6 +428,13 @@ fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], o: &Pred
             first = mean;
         }
         last = mean;
+        let sel = selected()?;
+        if sel < best.0 {
+            best = (sel, snapshot()?, epoch + 1);
+        }
+    }
+    for (v, t) in params.iter().zip(&best.1) {
+        v.set(t)?;
     }
     let sh = held.len() / h;
     let scores: Vec<f32> = forward(&tensor(held, sh, h)?)?.flatten_all()?.to_vec1()?;
@@ -281,7 +445,7 @@ fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], o: &Pred
         ("w2", vec![n, r], flat(&w2)?),
         ("b2", vec![n], flat(&b2)?),
     ];
-    Ok((tensors, scores, (first, last)))
+    Ok((tensors, scores, Training { first, last, kept_epoch: best.2 }))
 }
 
 #[cfg(test)]
@@ -318,9 +482,10 @@ mod tests {
             criterion: Criterion::GateUp,
             epochs: 8,
             seed: 3,
+            init: MlpInit::Random,
         };
         let a = build(&w, &x, Activation::Silu, t, &o).unwrap();
-        let (first, last) = a.loss.unwrap();
+        let Training { first, last, .. } = a.loss.unwrap();
         assert!(last < 0.95 * first, "loss {first} -> {last}");
         let b = build(&w, &x, Activation::Silu, t, &o).unwrap();
         assert_eq!(a.tensors[0].2, b.tensors[0].2);
@@ -341,6 +506,7 @@ mod tests {
             criterion: Criterion::GateUp,
             epochs: 0,
             seed: 0,
+            init: MlpInit::Random,
         };
         let b = build(&w, &x, Activation::Silu, 0.1, &o).unwrap();
         // With r = hidden, PPᵀ = I: the estimate is the true value, so the

@@ -18,6 +18,8 @@ pub struct SparseOptions {
     pub criterion: Criterion,
     /// Predictor.
     pub predictor: PredictorKind,
+    /// How the MLP predictor starts.
+    pub init: crate::predictor::MlpInit,
     /// Predictor rank; `None`: from `budget`.
     pub rank: Option<usize>,
     /// Predictor size budget as a fraction of the layer's FFN bytes.
@@ -38,8 +40,8 @@ pub struct LayerPlan {
     pub sparse: LayerSparsity,
     /// Predictor tensors `(suffix, shape, data)`, rows in original neuron order.
     pub tensors: Vec<(&'static str, Vec<usize>, Vec<f32>)>,
-    /// MLP training loss (first epoch, last epoch).
-    pub loss: Option<(f32, f32)>,
+    /// MLP training record.
+    pub loss: Option<crate::predictor::Training>,
 }
 
 /// Everything the packer needs for a sparse pack.
@@ -143,6 +145,7 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
                 criterion: o.criterion,
                 epochs: o.epochs,
                 seed: o.seed.wrapping_add(l as u64),
+                init: o.init,
             },
         )?;
         layers.push(LayerPlan {
