@@ -100,8 +100,9 @@ def parse_args(argv):
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--llama-from", type=Path,
                     help="with --skip-llama: take llama.cpp's medians per limit from this earlier results.json")
-    ap.add_argument("--convert-extra", default="",
-                    help="extra `prep convert` flags for packs made by this run (e.g. '--epochs 10')")
+    ap.add_argument("--convert-extra", default="--rank 256 --epochs 4",
+                    help="extra `prep convert` flags for packs made by this run (the default predictor, "
+                         "rank 448 and 20 epochs, takes over an hour at 7B on 2 cores)")
     ap.add_argument("--llama-native", type=Path, default=LLAMA_NATIVE_BIN)
     ap.add_argument("--nflash", type=Path, default=REPO / "target/release/nflash")
     ap.add_argument("--prep", type=Path, default=REPO / "target/release/prep")

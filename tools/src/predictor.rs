@@ -267,13 +267,8 @@ fn orthonormalize(y: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 fn top_right_singular_vectors(g: &Tensor, n: usize, h: usize, k: usize, seed: u64) -> Result<Vec<f32>> {
     let p = (k + 16).min(n).min(h);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5344_5649);
-    // Gaussian test matrix Ω [hidden, p] (Box–Muller).
-    let omega: Vec<f32> = (0..h * p)
-        .map(|_| {
-            let (u1, u2): (f64, f64) = (rng.random_range(f64::MIN_POSITIVE..1.0), rng.random());
-            ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-        })
-        .collect();
+    // Gaussian test matrix Ω [hidden, p].
+    let omega: Vec<f32> = (0..h * p).map(|_| rng.sample(rand_distr::StandardNormal)).collect();
     let as_vec = |t: Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1()?) };
     let mut q = orthonormalize(&as_vec(g.matmul(&tensor(&omega, h, p)?)?)?, n, p); // [n, p]
     for _ in 0..2 {
