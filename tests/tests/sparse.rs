@@ -176,6 +176,8 @@ fn bad_sparsity_inputs_are_refused_clearly() {
         let o = base(&["--calib", calib, "--sparsity", s]);
         assert_clean_failure(&format!("--sparsity {s}"), &o, &["--sparsity"], &out);
     }
+    let o = base(&["--calib", calib, "--predictor", "low-rank", "--predictor-init", "random"]);
+    assert_clean_failure("--predictor-init without the MLP", &o, &["--predictor-init", "--predictor mlp"], &out);
     let empty = f.root.join("empty.txt");
     std::fs::write(&empty, "").unwrap();
     assert_clean_failure("empty calib", &base(&["--calib", empty.to_str().unwrap()]), &["empty.txt"], &out);

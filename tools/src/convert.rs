@@ -116,6 +116,9 @@ impl SparseArgs {
                 bail!("--rank {r} must be a positive multiple of 32 (predictor rows are stored in 32-element blocks)");
             }
         }
+        if self.predictor_init.is_some() && self.predictor != PredictorKind::Mlp {
+            bail!("--predictor-init applies to the MLP predictor only; drop it or pass --predictor mlp");
+        }
         if self.epochs == 0 {
             bail!("--epochs 0 would leave the MLP predictor untrained; use at least 1 (default 20)");
         }
