@@ -1,0 +1,61 @@
+//! `nflash plan-sim` (issue 5): its estimates move the right way with the
+//! memory budget and the predictor's precision, name the bounding resource,
+//! and bad arguments are refused.
+
+use nflash_tests::{assert_fails, repo_root, run};
+use serde_json::Value;
+
+/// Runs plan-sim on the OnePlus 12 profile; one JSON object per row.
+fn sim(extra: &[&str]) -> Vec<Value> {
+    let device = repo_root().join("profiles/oneplus-12.toml");
+    let mut a = vec!["plan-sim", "--device", device.to_str().unwrap(), "--json"];
+    a.extend_from_slice(extra);
+    let o = run("nflash", &a);
+    assert!(o.status.success(), "plan-sim failed: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn f(v: &Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+}
+
+#[test]
+fn estimates_follow_the_budget_and_the_precision() {
+    let rows = sim(&["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "1,0.5,0.25"]);
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    // Whole FFN in memory: nothing read, compute-bound.
+    assert_eq!(f(&rows[0], "read_bytes_per_token"), 0.0);
+    assert_eq!(rows[0]["bound"], "compute");
+    for w in rows.windows(2) {
+        assert!(f(&w[1], "memory_budget_bytes") < f(&w[0], "memory_budget_bytes"));
+        assert!(f(&w[1], "tokens_per_s") <= f(&w[0], "tokens_per_s"), "{w:?}");
+        assert!(f(&w[1], "read_bytes_per_token") >= f(&w[0], "read_bytes_per_token"), "{w:?}");
+    }
+    for r in &rows {
+        let ms = f(r, "attention_ms") + f(r, "predictor_ms") + f(r, "ffn_ms") + f(r, "lm_head_ms") + f(r, "io_exposed_ms");
+        assert!((ms - f(r, "token_ms")).abs() < 1e-6 * ms.max(1.0), "parts {ms} vs token {r}");
+        assert!((1000.0 / f(r, "token_ms") - f(r, "tokens_per_s")).abs() < 1e-6, "{r}");
+        assert!(["compute", "compute + I/O", "flash I/O"].contains(&r["bound"].as_str().unwrap()), "{r}");
+    }
+    // A less precise predictor reads and computes more at the same budget.
+    let loose = sim(&["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "0.25", "--precision", "0.2"]);
+    assert!(f(&loose[0], "read_bytes_per_token") > f(&rows[2], "read_bytes_per_token"), "{loose:?} vs {:?}", rows[2]);
+    assert!(f(&loose[0], "tokens_per_s") < f(&rows[2], "tokens_per_s"));
+    // Denser activations read more too.
+    let dense = sim(&["--shape", "llama-7b", "--sparsity", "0.6", "--ffn-share", "0.25"]);
+    assert!(f(&dense[0], "read_bytes_per_token") > f(&rows[2], "read_bytes_per_token"));
+}
+
+#[test]
+fn bad_plan_sim_arguments_are_refused() {
+    let device = repo_root().join("profiles/oneplus-12.toml");
+    let d = device.to_str().unwrap();
+    let o = |extra: &[&str]| {
+        let mut a = vec!["plan-sim", "--device", d];
+        a.extend_from_slice(extra);
+        run("nflash", &a)
+    };
+    assert_fails("unknown shape", &o(&["--shape", "gpt-5"]), &["gpt-5", "llama-7b"]);
+    assert_fails("precision 0", &o(&["--shape", "llama-7b", "--precision", "0"]), &["--precision"]);
+    assert_fails("missing device", &run("nflash", &["plan-sim", "--device", "/nonexistent.toml", "--shape", "llama-7b"]), &["nonexistent.toml"]);
+}
