@@ -92,13 +92,6 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
         PredictorKind::Exact => 0,
         k => o.rank.unwrap_or_else(|| rank_for_budget(k, o.budget, h, n, quant)),
     };
-    let train = profile.n_sample() * 4 / 5;
-    if o.predictor == PredictorKind::Mlp && o.init == crate::predictor::MlpInit::Random && train < h {
-        eprintln!(
-            "warning: the MLP predictor trains on {train} sampled tokens, fewer than hidden_size {h}: its first layer keeps \
-             random weights outside their span, and at decode it may select most neurons; profile more tokens (--tokens, --sample)"
-        );
-    }
     let pb = ProgressBar::new(cfg.num_layers);
     pb.set_style(
         ProgressStyle::with_template("{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}")
