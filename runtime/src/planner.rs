@@ -57,7 +57,8 @@ pub struct PlanRequest {
     pub ctx: u32,
     /// Compute threads.
     pub threads: u32,
-    /// I/O threads; `None` = from the profile (its I/O queues, at most 2).
+    /// I/O threads; `None` = from the profile (its I/O queues, at most 16: each
+    /// thread keeps one read in flight, and the probe measures up to 16).
     pub io_threads: Option<u32>,
     /// The process's resident memory measured with the resident tensors and
     /// tokenizer loaded, bytes (`nflash run` measures itself); replaces the
@@ -287,7 +288,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         (hot_bytes, avail - hot_bytes)
     };
     let est = estimate_with(m, dev, req.threads, &layers, &hot, cold_bytes);
-    let io_threads = req.io_threads.unwrap_or_else(|| dev.flash.io_queues.min(2)).max(1);
+    let io_threads = req.io_threads.unwrap_or_else(|| dev.flash.io_queues.min(16)).max(1);
     let hot_neurons = hot
         .iter()
         .zip(&m.ffn)
