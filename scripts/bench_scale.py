@@ -235,7 +235,8 @@ def validate_sim(a, packs: dict, limits: dict, summary: dict, probe: Path) -> li
     return rows
 
 
-def plot(path: Path, summary: dict, a, llama_key) -> str | None:
+def plot(path: Path, summary: dict, a, llama: dict, llama_label: str) -> str | None:
+    """nflash's medians per sparsity and limit, and llama.cpp's (`llama`: limit -> tok/s or None)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -249,10 +250,10 @@ def plot(path: Path, summary: dict, a, llama_key) -> str | None:
         ys = [summary[f"{s:g}"][n]["nflash"]["decode_tokens_per_s_median"] for n in names]
         ax.plot([x for x, y in zip(xs, ys) if y], [y for y in ys if y], marker="o",
                 label=f"nflash, sparsity {s:g}")
-    if llama_key:
-        ys = [summary[llama_key][n].get(NATIVE, {}).get("decode_tokens_per_s_median") for n in names]
+    ys = [llama.get(n) for n in names]
+    if any(ys):
         ax.plot([x for x, y in zip(xs, ys) if y], [y for y in ys if y], marker="s", color="k",
-                label="llama.cpp (dense)")
+                label=llama_label)
     ax.set_xticks(xs, [f"({n}) {'whole model' if n == 'a' else f'fixed + {LIMIT_FFN_SHARE[n]:.0%} FFN'}"
                        for n in names])
     ax.set_yscale("log")
@@ -450,7 +451,8 @@ def main(argv) -> int:
     if busy_runs:
         print(f"WARNING: {busy_runs} runs started while the CPUs were > {BUSY_LIMIT:.0%} busy")
     png = a.out_dir / "scale.png"
-    err = plot(png, summary, a, llama_key)
+    err = plot(png, summary, a, {n: ll(n) for n in a.limits},
+               "llama.cpp (dense)" if llama_key else f"llama.cpp (dense; from {a.llama_from.name if a.llama_from else '-'})")
     if err:
         log(err)
     wall = time.perf_counter() - t_start
