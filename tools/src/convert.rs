@@ -147,6 +147,8 @@ impl SparseArgs {
             }
         };
         let t = std::time::Instant::now();
+        // ReLU family: exact activity, so a stricter recall target and the gate-SVD start.
+        let relu = ck.config.activation.is_relu_family();
         let plan = sparsify::plan(
             ck,
             &profile,
@@ -156,10 +158,10 @@ impl SparseArgs {
                 predictor: self.predictor,
                 rank: self.rank,
                 budget: self.predictor_budget,
-                recall: self.recall.unwrap_or(if ck.config.activation.is_relu_family() { 0.99 } else { 0.95 }),
+                recall: self.recall.unwrap_or(if relu { 0.99 } else { 0.95 }),
                 epochs: self.epochs,
                 seed: self.seed,
-                init: self.predictor_init.unwrap_or(if ck.config.activation.is_relu_family() { MlpInit::GateSvd } else { MlpInit::Random }),
+                init: self.predictor_init.unwrap_or(if relu { MlpInit::GateSvd } else { MlpInit::Random }),
             },
             quant,
         )?;
@@ -176,7 +178,7 @@ impl SparseArgs {
             100.0 * mean(&|q| q.sparsity),
         );
         stages.mark("predictors");
-        let runs: Vec<crate::predictor::Training> = plan.layers.iter().filter_map(|l| l.loss).collect();
+        let runs: Vec<crate::predictor::Training> = plan.layers.iter().filter_map(|l| l.training).collect();
         if !runs.is_empty() {
             let k = runs.len() as f32;
             let mut kept: Vec<usize> = runs.iter().map(|r| r.kept_epoch).collect();

@@ -82,7 +82,7 @@ pub struct Built {
     /// Held-out quality.
     pub quality: PredictorQuality,
     /// MLP training record.
-    pub loss: Option<Training>,
+    pub training: Option<Training>,
 }
 
 /// What MLP training did.
@@ -178,11 +178,14 @@ pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOption
     let n_train = s * 4 / 5;
     let (train, held) = x.split_at(n_train * h);
     let n_held = s - n_train;
+    // The first half of the held-out tokens sets the threshold (and picks the
+    // MLP's epoch), the second half measures the result.
+    let n_cal = n_held / 2;
     let held_active = labels(w, held, act, o.criterion, t)?;
-    let (tensors, scores, loss) = match o.kind {
+    let (tensors, scores, training) = match o.kind {
         PredictorKind::Exact => {
             let q = quality(&vec![1.0; held_active.len()], &held_active, 0.0, n_held);
-            return Ok(Built { tensors: Vec::new(), threshold: 0.0, quality: q, loss: None });
+            return Ok(Built { tensors: Vec::new(), threshold: 0.0, quality: q, training: None });
         }
         PredictorKind::LowRank => {
             let (tensors, scores) = low_rank(w, train, held, act, o)?;
@@ -190,12 +193,11 @@ pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOption
         }
         PredictorKind::Mlp => {
             let values = criterion_values(w, train, act, o.criterion)?;
-            let cal = Calibration { x: &held[..n_held / 2 * h], active: &held_active[..n_held / 2 * w.n], recall: o.recall };
-            let (tensors, scores, loss) = mlp(w, train, &values, t, held, &cal, o)?;
-            (tensors, scores, Some(loss))
+            let cal = Calibration { x: &held[..n_cal * h], active: &held_active[..n_cal * w.n], recall: o.recall };
+            let (tensors, scores, training) = mlp(w, train, &values, t, held, &cal, o)?;
+            (tensors, scores, Some(training))
         }
     };
-    let n_cal = n_held / 2;
     let (cal_scores, test_scores) = scores.split_at(n_cal * w.n);
     let (cal_active, test_active) = held_active.split_at(n_cal * w.n);
     let tau = calibrate(cal_scores, cal_active, o.recall);
@@ -203,11 +205,16 @@ pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOption
         tensors,
         threshold: tau,
         quality: quality(test_scores, test_active, tau, n_held - n_cal),
-        loss,
+        training,
     })
 }
 
 type Tensors = Vec<(&'static str, Vec<usize>, Vec<f32>)>;
+
+/// `data` (`[rows, cols]` row-major f32) as an f64 nalgebra matrix.
+fn matrix_f64(data: &[f32], rows: usize, cols: usize) -> nalgebra::DMatrix<f64> {
+    nalgebra::DMatrix::from_row_slice(rows, cols, &data.iter().map(|&v| v as f64).collect::<Vec<_>>())
+}
 
 /// Top-`r` principal directions of `train` (`[s, hidden]`), as `Pᵀ` `[r, hidden]`.
 fn principal_directions(train: &[f32], h: usize, r: usize) -> Result<Vec<f32>> {
@@ -215,8 +222,7 @@ fn principal_directions(train: &[f32], h: usize, r: usize) -> Result<Vec<f32>> {
     let xt = tensor(train, s, h)?;
     let c = (xt.t()?.matmul(&xt)? / s as f64)?; // [h, h]
     let c: Vec<f32> = c.flatten_all()?.to_vec1()?;
-    let m = nalgebra::DMatrix::from_row_slice(h, h, &c.iter().map(|&v| v as f64).collect::<Vec<_>>());
-    let eig = nalgebra::SymmetricEigen::new(m);
+    let eig = nalgebra::SymmetricEigen::new(matrix_f64(&c, h, h));
     let mut idx: Vec<usize> = (0..h).collect();
     idx.sort_by(|&a, &b| eig.eigenvalues[b].total_cmp(&eig.eigenvalues[a]).then(a.cmp(&b)));
     let mut p = vec![0f32; r * h];
@@ -249,15 +255,9 @@ fn low_rank(w: &GateUp, train: &[f32], held: &[f32], act: Activation, o: &Predic
 
 /// Orthonormal basis of the columns of `y` (`[rows, cols]` row-major, rows ≥ cols), by Householder QR.
 fn orthonormalize(y: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let m = nalgebra::DMatrix::from_row_slice(rows, cols, &y.iter().map(|&v| v as f64).collect::<Vec<_>>());
-    let q = m.qr().q(); // [rows, cols]
-    let mut out = vec![0f32; rows * cols];
-    for i in 0..rows {
-        for j in 0..cols {
-            out[i * cols + j] = q[(i, j)] as f32;
-        }
-    }
-    out
+    let q = matrix_f64(y, rows, cols).qr().q(); // [rows, cols]
+    // nalgebra stores columns first: Qᵀ's storage is Q row by row.
+    q.transpose().iter().map(|&v| v as f32).collect()
 }
 
 /// Top-`k` right singular vectors of `g` (`[n, hidden]`) as `V_kᵀ` (`[k, hidden]`),
@@ -278,7 +278,7 @@ fn top_right_singular_vectors(g: &Tensor, n: usize, h: usize, k: usize, seed: u6
     // B = Qᵀ G [p, hidden]; B Bᵀ = U S² Uᵀ; V_kᵀ = S⁻¹ Uᵀ B (top k).
     let b = tensor(&q, n, p)?.t()?.matmul(g)?;
     let bbt: Vec<f32> = as_vec(b.matmul(&b.t()?)?)?;
-    let eig = nalgebra::SymmetricEigen::new(nalgebra::DMatrix::from_row_slice(p, p, &bbt.iter().map(|&v| v as f64).collect::<Vec<_>>()));
+    let eig = nalgebra::SymmetricEigen::new(matrix_f64(&bbt, p, p));
     let mut idx: Vec<usize> = (0..p).collect();
     idx.sort_by(|&a, &c| eig.eigenvalues[c].total_cmp(&eig.eigenvalues[a]).then(a.cmp(&c)));
     let bv: Vec<f32> = as_vec(b)?;
@@ -480,7 +480,7 @@ mod tests {
             init: MlpInit::Random,
         };
         let a = build(&w, &x, Activation::Silu, t, &o).unwrap();
-        let Training { first, last, .. } = a.loss.unwrap();
+        let Training { first, last, .. } = a.training.unwrap();
         assert!(last < 0.95 * first, "loss {first} -> {last}");
         let b = build(&w, &x, Activation::Silu, t, &o).unwrap();
         assert_eq!(a.tensors[0].2, b.tensors[0].2);

@@ -41,7 +41,7 @@ pub struct LayerPlan {
     /// Predictor tensors `(suffix, shape, data)`, rows in original neuron order.
     pub tensors: Vec<(&'static str, Vec<usize>, Vec<f32>)>,
     /// MLP training record.
-    pub loss: Option<crate::predictor::Training>,
+    pub training: Option<crate::predictor::Training>,
 }
 
 /// Everything the packer needs for a sparse pack.
@@ -158,7 +158,7 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
                 frequency_curve: curve,
             },
             tensors: built.tensors,
-            loss: built.loss,
+            training: built.training,
         });
         pb.inc(1);
     }
