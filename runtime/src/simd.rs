@@ -190,9 +190,43 @@ mod avx2 {
         [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
     }
 
+    /// Software prefetch distance of `dot4_q4_0`, bytes ahead in each row
+    /// (~35 blocks). Decode reads weights far larger than the caches; on the
+    /// dev host this gave +10–20% Q4_0 matvec speed over hardware prefetch alone
+    /// (kbench A/B, 65 536 × 4 096 matrix; 256 to 1 024 bytes all within noise).
+    const PF: usize = 640;
+    /// Four Q4_0 rows dotted with the Q8_0 vector `y`. The nibbles stay
+    /// unsigned (0..15) for `maddubs` and the −8 offset is applied once per
+    /// block as `8·Σy`, shared by the four rows; each row's scale is
+    /// broadcast and converted in the vector unit (no scalar round trip).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
-        dot4_blocks(cols, rows, y, 18, q4_unpack)
+        let nb = cols / 32;
+        assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * 18));
+        let ones = _mm256_set1_epi16(1);
+        let eights = _mm256_set1_epi8(8);
+        let m4 = _mm_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for b in 0..nb {
+            let yp = y.as_ptr().add(b * 34);
+            let dy = _mm256_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(yp as *const i16)));
+            let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
+            // 8·Σy per group of four lanes, as i32: the correction for x − 8.
+            let corr = _mm256_madd_epi16(_mm256_maddubs_epi16(eights, yq), ones);
+            for r in 0..4 {
+                let xp = rows[r].as_ptr().add(b * 18);
+                _mm_prefetch::<_MM_HINT_T0>(xp.wrapping_add(PF) as *const i8);
+                let dx = _mm256_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(xp as *const i16)));
+                let q = _mm_loadu_si128(xp.add(2) as *const __m128i);
+                let lo = _mm_and_si128(q, m4);
+                let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+                let xu = _mm256_set_m128i(hi, lo);
+                let dot = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(xu, yq), ones), corr);
+                let f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dy);
+                acc[r] = _mm256_fmadd_ps(dx, f, acc[r]);
+            }
+        }
+        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]

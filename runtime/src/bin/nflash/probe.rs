@@ -163,7 +163,9 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             file_bytes,
             seconds,
             mem_bytes: 256 << 20,
-            mat_rows: 4096,
+            // 72 MiB of Q4_0: larger than the last-level cache, as decode's
+            // weights are (a 9 MiB matrix stays cached and read 1.4× faster).
+            mat_rows: 32768,
             mat_cols: 4096,
         }
     };
