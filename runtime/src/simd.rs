@@ -302,6 +302,45 @@ mod tests {
     }
 
     #[test]
+    /// The Q4_0 kernel keeps nibbles unsigned and subtracts 8·Σy per block:
+    /// check it at the extremes (nibbles 0 and 15, activations ±127) where an
+    /// i16 overflow or a wrong correction would show.
+    fn dot4_q4_0_extremes_match_candle() {
+        let cols = 64;
+        let nb = cols / 32;
+        let f16b = |v: f32| f16::from_f32(v).to_le_bytes();
+        // Rows: all nibbles 0 (−8), all 15 (+7), alternating 0/15 bytes, mixed.
+        let fills = [0x00u8, 0xFF, 0xF0, 0x5A];
+        let rows: Vec<Vec<u64>> = fills
+            .iter()
+            .enumerate()
+            .map(|(i, &fill)| {
+                let mut b = Vec::new();
+                for k in 0..nb {
+                    b.extend_from_slice(&f16b(0.5 + i as f32 + k as f32 * 0.25));
+                    b.extend(std::iter::repeat_n(fill, 16));
+                }
+                aligned(&b)
+            })
+            .collect();
+        let r: Vec<&[u8]> = rows.iter().map(|v| view(v, nb * 18)).collect();
+        for ys in [[127i8; 32], [-127i8; 32], std::array::from_fn(|j| if j % 2 == 0 { 127 } else { -127 })] {
+            let mut yb = Vec::new();
+            for k in 0..nb {
+                yb.extend_from_slice(&f16b(0.01 * (k + 1) as f32));
+                yb.extend(ys.iter().map(|&v| v as u8));
+            }
+            let yv = aligned(&yb);
+            let y: &[BlockQ8_0] = as_blocks(view(&yv, nb * 34));
+            let got = dot4(DType::Q4_0, cols, [r[0], r[1], r[2], r[3]], y);
+            for i in 0..4 {
+                let want = BlockQ4_0::vec_dot(cols, as_blocks(r[i]), y);
+                assert!((got[i] - want).abs() <= 1e-5 * want.abs().max(1.0), "row {i}: {} vs {want}", got[i]);
+            }
+        }
+    }
+
+    #[test]
     fn dot4_and_axpy_match_candle_and_portable() {
         let cols = 96;
         let mut seed = 17u32;
