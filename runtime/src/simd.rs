@@ -163,38 +163,13 @@ mod avx2 {
         _mm256_loadu_si256(p as *const __m256i)
     }
 
-    /// Four rows of `block`-byte blocks whose 32 values `load` unpacks to i8,
-    /// dotted with the Q8_0 vector `y`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot4_blocks(
-        cols: usize,
-        rows: [&[u8]; 4],
-        y: &[u8],
-        block: usize,
-        load: unsafe fn(*const u8) -> __m256i,
-    ) -> [f32; 4] {
-        let nb = cols / 32;
-        assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * block));
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for b in 0..nb {
-            let yp = y.as_ptr().add(b * 34);
-            let dy = f16_at(yp);
-            let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
-            for r in 0..4 {
-                let xp = rows[r].as_ptr().add(b * block);
-                let d = _mm256_set1_ps(f16_at(xp) * dy);
-                acc[r] = _mm256_fmadd_ps(d, mul_sum_i8(load(xp.add(2)), yq), acc[r]);
-            }
-        }
-        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
-    }
-
     /// Software prefetch distance of `dot4_q4_0`, bytes ahead in each row
     /// (~35 blocks). Decode reads weights far larger than the caches; on the
     /// dev host this gave +10–20% Q4_0 matvec speed over hardware prefetch alone
-    /// (kbench A/B, 65 536 × 4 096 matrix; 256 to 1 024 bytes all within noise).
+    /// (interleaved A/B runs on a 65 536 × 4 096 matrix; distances from 256 to
+    /// 1 024 bytes were all within the host's noise).
     const PF: usize = 640;
+
     /// Four Q4_0 rows dotted with the Q8_0 vector `y`. The nibbles stay
     /// unsigned (0..15) for `maddubs` and the −8 offset is applied once per
     /// block as `8·Σy`, shared by the four rows; each row's scale is
@@ -229,9 +204,23 @@ mod avx2 {
         [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
     }
 
+    /// Four Q8_0 rows dotted with the Q8_0 vector `y`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot4_q8_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
-        dot4_blocks(cols, rows, y, 34, q8_load)
+        let nb = cols / 32;
+        assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * 34));
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for b in 0..nb {
+            let yp = y.as_ptr().add(b * 34);
+            let dy = f16_at(yp);
+            let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
+            for r in 0..4 {
+                let xp = rows[r].as_ptr().add(b * 34);
+                let d = _mm256_set1_ps(f16_at(xp) * dy);
+                acc[r] = _mm256_fmadd_ps(d, mul_sum_i8(q8_load(xp.add(2)), yq), acc[r]);
+            }
+        }
+        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
     }
 
     /// `out += Σ a[i] · rows[i]` over `N` rows of `block`-byte blocks whose
@@ -301,10 +290,10 @@ mod tests {
         unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, len) }
     }
 
-    #[test]
     /// The Q4_0 kernel keeps nibbles unsigned and subtracts 8·Σy per block:
     /// check it at the extremes (nibbles 0 and 15, activations ±127) where an
     /// i16 overflow or a wrong correction would show.
+    #[test]
     fn dot4_q4_0_extremes_match_candle() {
         let cols = 64;
         let nb = cols / 32;
