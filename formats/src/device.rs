@@ -28,7 +28,29 @@ pub struct DeviceProfile {
     pub cpu: CpuInfo,
     /// Flash storage.
     pub flash: FlashInfo,
+    /// Decode kernel speeds beyond the matvec figures (the TOML's optional
+    /// `[kernels]` table, written by `nflash probe`). Read from TOML files
+    /// only: the profile a pack stores in its plan (SPEC §4.6) leaves it out,
+    /// so packs of format 3.1 stay readable, and a plan re-made from a
+    /// pack's stored profile prices the FFN at the matvec speed.
+    #[serde(skip)]
+    pub kernels: Option<KernelSpeeds>,
 }
+
+/// Decode kernel speeds measured by `nflash probe` (`[kernels]`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelSpeeds {
+    /// Sparse FFN decode through the neuron engine on one thread: bytes of
+    /// the selected neurons' Q4_0 bundles (gate row, up row, down column;
+    /// PowerInfer-2 §4.3) per second, GB/s. The down column is a
+    /// dequantize-and-accumulate (axpy), slower per byte than the dot
+    /// products the matvec figures time.
+    pub q4_0_ffn_gb_s_1t: f64,
+    /// The same on `cpu.threads_measured` threads, GB/s.
+    pub q4_0_ffn_gb_s_mt: f64,
+}
+
 
 /// Memory figures.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -126,14 +148,27 @@ impl DeviceProfile {
 
     /// Parses and checks TOML text; the error says what is wrong.
     pub fn parse(text: &str) -> std::result::Result<Self, String> {
-        let p: DeviceProfile = toml::from_str(text).map_err(|e| e.to_string())?;
+        // `[kernels]` is not a serde field of the profile (packs leave it
+        // out), so it is taken out of the table before the rest is read.
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        let kernels = match table.remove("kernels") {
+            Some(k) => Some(k.try_into::<KernelSpeeds>().map_err(|e| format!("[kernels]: {e}"))?),
+            None => None,
+        };
+        let mut p: DeviceProfile = table.try_into().map_err(|e: toml::de::Error| e.to_string())?;
+        p.kernels = kernels;
         p.check()?;
         Ok(p)
     }
 
-    /// The profile as TOML.
+    /// The profile as TOML (with `[kernels]` when present).
     pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).expect("a profile always serializes")
+        let mut text = toml::to_string_pretty(self).expect("a profile always serializes");
+        if let Some(k) = &self.kernels {
+            text.push_str("\n[kernels]\n");
+            text.push_str(&toml::to_string_pretty(k).expect("kernel speeds always serialize"));
+        }
+        text
     }
 
     fn check(&self) -> std::result::Result<(), String> {
@@ -154,6 +189,11 @@ impl DeviceProfile {
         for v in [self.cpu.q4_0_matvec_gb_s_1t, self.cpu.q4_0_matvec_gb_s_mt].into_iter().flatten() {
             if !pos(v) {
                 return Err("cpu.q4_0_matvec_gb_s_* must be positive numbers".into());
+            }
+        }
+        if let Some(k) = &self.kernels {
+            if !pos(k.q4_0_ffn_gb_s_1t) || !pos(k.q4_0_ffn_gb_s_mt) {
+                return Err("kernels.q4_0_ffn_gb_s_* must be positive numbers".into());
             }
         }
         if self.flash.io_queues == 0 {
@@ -210,17 +250,31 @@ impl DeviceProfile {
     /// decode is bandwidth-bound).
     pub fn matvec_bytes_per_s(&self, threads: u32) -> f64 {
         let mem = self.memory.bandwidth_gb_s * 1e9;
-        match (self.cpu.q4_0_matvec_gb_s_1t, self.cpu.q4_0_matvec_gb_s_mt) {
-            (Some(one), mt) => {
-                let n = self.cpu.threads_measured.unwrap_or(1).max(1) as f64;
-                let all = mt.unwrap_or(one * n);
-                // Linear in threads up to the measured thread count, flat beyond.
-                let t = (threads.max(1) as f64).min(n);
-                let v = if n > 1.0 { one + (all - one) * (t - 1.0) / (n - 1.0) } else { one };
-                (v * 1e9).min(mem)
-            }
-            (None, _) => mem * 0.5 * (threads.max(1) as f64 / self.n_cores().max(1) as f64).min(1.0),
+        match self.cpu.q4_0_matvec_gb_s_1t {
+            Some(one) => self.at_threads(one, self.cpu.q4_0_matvec_gb_s_mt, threads),
+            None => mem * 0.5 * (threads.max(1) as f64 / self.n_cores().max(1) as f64).min(1.0),
         }
+    }
+
+    /// Sparse FFN decode speed with `threads` threads, bundle bytes/s: the
+    /// `[kernels]` figures when present, otherwise [`Self::matvec_bytes_per_s`].
+    pub fn ffn_bytes_per_s(&self, threads: u32) -> f64 {
+        match &self.kernels {
+            Some(k) => self.at_threads(k.q4_0_ffn_gb_s_1t, Some(k.q4_0_ffn_gb_s_mt), threads),
+            None => self.matvec_bytes_per_s(threads),
+        }
+    }
+
+    /// A kernel speed at `threads` threads from its 1-thread figure `one`
+    /// and its figure `all` at `cpu.threads_measured` threads (GB/s): linear
+    /// in threads up to the measured count, flat beyond, capped at the
+    /// memory bandwidth. Bytes/s.
+    fn at_threads(&self, one: f64, all: Option<f64>, threads: u32) -> f64 {
+        let n = self.cpu.threads_measured.unwrap_or(1).max(1) as f64;
+        let all = all.unwrap_or(one * n);
+        let t = (threads.max(1) as f64).min(n);
+        let v = if n > 1.0 { one + (all - one) * (t - 1.0) / (n - 1.0) } else { one };
+        (v * 1e9).min(self.memory.bandwidth_gb_s * 1e9)
     }
 }
 
@@ -247,6 +301,7 @@ mod tests {
                     ReadPoint { block_bytes: 65536, in_flight: 16, random_mb_s: 1300.0, sequential_mb_s: 1400.0 },
                 ],
             },
+            kernels: Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 4.0, q4_0_ffn_gb_s_mt: 7.0 }),
         }
     }
 
@@ -263,6 +318,31 @@ mod tests {
         assert_eq!(p.matvec_bytes_per_s(1), 10e9);
         assert_eq!(p.matvec_bytes_per_s(2), 18e9);
         assert_eq!(p.matvec_bytes_per_s(8), 18e9);
+        assert_eq!(p.ffn_bytes_per_s(1), 4e9);
+        assert_eq!(p.ffn_bytes_per_s(2), 7e9);
+    }
+
+    #[test]
+    fn kernels_are_optional_in_toml_and_left_out_of_packs() {
+        let p = sample();
+        let text = p.to_toml();
+        assert!(text.contains("[kernels]"), "{text}");
+        // A profile without [kernels] (older files, oneplus-12.toml) prices the FFN at the matvec speed.
+        let plain = DeviceProfile { kernels: None, ..p.clone() };
+        let back = DeviceProfile::parse(&plain.to_toml()).unwrap();
+        assert_eq!(back.kernels, None);
+        assert_eq!(back.ffn_bytes_per_s(2), 18e9);
+        // The binary form stored in a pack's plan leaves [kernels] out: same bytes as before it existed.
+        let bin = bincode::serialize(&p).unwrap();
+        assert_eq!(bin, bincode::serialize(&plain).unwrap());
+        assert_eq!(bincode::deserialize::<DeviceProfile>(&bin).unwrap(), plain);
+        // Unknown keys are refused inside [kernels] and at the top level alike.
+        let bad = text.replace("q4_0_ffn_gb_s_mt", "q4_0_ffn_gb_s_typo");
+        assert!(DeviceProfile::parse(&bad).is_err());
+        assert!(DeviceProfile::parse(&format!("colour = 1\n{text}")).unwrap_err().contains("colour"));
+        let mut z = p.clone();
+        z.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 0.0, q4_0_ffn_gb_s_mt: 1.0 });
+        assert!(DeviceProfile::parse(&z.to_toml()).unwrap_err().contains("kernels.q4_0_ffn_gb_s"));
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod reader;
 pub mod writer;
 
 pub use config::{Activation, Architecture, ModelConfig, RopeScaling};
-pub use device::DeviceProfile;
+pub use device::{DeviceProfile, KernelSpeeds};
 pub use dtype::DType;
 pub use plan::Plan;
 pub use error::{Error, Result};

@@ -7,7 +7,11 @@ use serde_json::Value;
 
 /// Runs plan-sim on the OnePlus 12 profile; one JSON object per row.
 fn sim(extra: &[&str]) -> Vec<Value> {
-    let device = repo_root().join("profiles/oneplus-12.toml");
+    sim_on(&repo_root().join("profiles/oneplus-12.toml"), extra)
+}
+
+/// Runs plan-sim on the profile `device`; one JSON object per row.
+fn sim_on(device: &std::path::Path, extra: &[&str]) -> Vec<Value> {
     let mut a = vec!["plan-sim", "--device", device.to_str().unwrap(), "--json"];
     a.extend_from_slice(extra);
     let o = run("nflash", &a);
@@ -44,6 +48,32 @@ fn estimates_follow_the_budget_and_the_precision() {
     // Denser activations read more too.
     let dense = sim(&["--shape", "llama-7b", "--sparsity", "0.6", "--ffn-share", "0.25"]);
     assert!(f(&dense[0], "read_bytes_per_token") > f(&rows[2], "read_bytes_per_token"));
+}
+
+#[test]
+fn the_ffn_is_priced_at_the_profiles_sparse_ffn_speed() {
+    // The OnePlus 12 profile has no [kernels]: the FFN costs as the matvec.
+    // With a measured sparse FFN speed, FFN time is bundle bytes / that speed.
+    let dir = tempfile::tempdir().unwrap();
+    let base = std::fs::read_to_string(repo_root().join("profiles/oneplus-12.toml")).unwrap();
+    let with = |gb_s: f64| {
+        let p = dir.path().join(format!("k{gb_s}.toml"));
+        std::fs::write(&p, format!("{base}\n[kernels]\nq4_0_ffn_gb_s_1t = {gb_s}\nq4_0_ffn_gb_s_mt = {gb_s}\n")).unwrap();
+        sim_on(&p, &["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "1", "--threads", "1"]).remove(0)
+    };
+    let plain = sim(&["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "1", "--threads", "1"]).remove(0);
+    let (slow, fast) = (with(1.0), with(2.0));
+    assert!((f(&slow, "ffn_ms") / f(&fast, "ffn_ms") - 2.0).abs() < 1e-9, "{slow} vs {fast}");
+    assert_ne!(f(&slow, "ffn_ms"), f(&plain, "ffn_ms"));
+    // Everything else is still priced at the matvec speed.
+    for k in ["attention_ms", "predictor_ms", "lm_head_ms"] {
+        assert_eq!(f(&slow, k), f(&plain, k), "{k}");
+    }
+    // An impossible figure is refused with the field named.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, format!("{base}\n[kernels]\nq4_0_ffn_gb_s_1t = 0\nq4_0_ffn_gb_s_mt = 1\n")).unwrap();
+    let o = run("nflash", &["plan-sim", "--device", bad.to_str().unwrap(), "--shape", "llama-7b"]);
+    assert_fails("zero FFN speed", &o, &["kernels.q4_0_ffn_gb_s"]);
 }
 
 #[test]

@@ -55,6 +55,9 @@ fn quick_probe_writes_a_loadable_profile_and_removes_its_scratch_file() {
     );
     assert!(p.memory.available_bytes <= p.memory.total_bytes);
     assert!(p.cpu.q4_0_matvec_gb_s_1t.is_some() && p.cpu.q4_0_matvec_gb_s_mt.is_some());
+    let k = p.kernels.expect("the probe measures the sparse FFN ([kernels])");
+    assert!(k.q4_0_ffn_gb_s_1t > 0.0 && k.q4_0_ffn_gb_s_mt > 0.0, "{k:?}");
+    assert!(stderr.contains("sparse FFN"), "{stderr}");
     assert_eq!(p.cpu.threads_measured, Some(p.n_cores()));
     assert!(stderr.contains(&format!("wrote {}", out.display())), "{stderr}");
 

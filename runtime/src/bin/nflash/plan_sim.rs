@@ -13,7 +13,7 @@ use nflash_runtime::sim::{self, SimOptions};
 /// Arguments of `nflash plan-sim`.
 #[derive(Args)]
 pub struct PlanSimArgs {
-    /// Device profile (TOML): flash bandwidth by read size, matvec speed, cores.
+    /// Device profile (TOML): flash bandwidth by read size, matvec and sparse FFN speeds, cores.
     #[arg(long)]
     device: PathBuf,
     /// Packs to simulate (their frequency curves, predictor quality, clusters).
@@ -218,7 +218,8 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
             Err(why) => println!("{:<26} {:>5} {:>6.2}Gi refused: {why}", c.label, sp, gib(c.budget)),
         }
     }
-    println!("compute: weights touched per token / the profile's Q4_0 matvec speed at {threads} threads; I/O: expected cold misses (Che's LRU approximation) at the profile's random-read bandwidth for the merged read size; I/O exp: the part not hidden behind the layer's FFN compute");
+    let ffn_note = if dev.kernels.is_some() { "the FFN bundles at its sparse FFN speed ([kernels])" } else { "the FFN bundles too (no [kernels] in the profile)" };
+    println!("compute: weights touched per token / the profile's Q4_0 matvec speed at {threads} threads, {ffn_note}; I/O: expected cold misses (Che's LRU approximation) at the profile's random-read bandwidth for the merged read size; I/O exp: the part not hidden behind the layer's FFN compute");
     for n in &notes {
         println!("note: {n}");
     }

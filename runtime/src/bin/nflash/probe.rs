@@ -8,7 +8,8 @@
 //!   flight" is N threads, each doing blocking `pread`s in a loop.
 //! - Memory: a streaming sum over a large f32 buffer on every core.
 //! - CPU: the runtime's own Q4_0 matrix-vector kernel on one thread and on
-//!   every core.
+//!   every core; the sparse FFN decode of the neuron engine (gate/up dot
+//!   products and down axpy over 1/8 of a layer's bundles, `[kernels]`).
 //!
 //! The scratch file is removed at the end, on error and on Ctrl-C; the
 //! profile is written to `<out>.tmp-<pid>` and renamed.
@@ -25,8 +26,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::k_quants::{BlockQ4_0, GgmlType};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use nflash_format::device::{CoreClass, CpuInfo, DeviceProfile, FlashInfo, MemoryInfo, ReadPoint};
-use nflash_format::DType;
+use nflash_format::device::{CoreClass, CpuInfo, DeviceProfile, FlashInfo, KernelSpeeds, MemoryInfo, ReadPoint};
+use nflash_format::{Activation, BundleLayout, DType, FfnLayer, NeuronCluster};
+use nflash_runtime::cache::LayerClusters;
+use nflash_runtime::ffn::{Ffn, FfnScratch, Selection};
 use nflash_runtime::weights::{DotInput, QMatrix};
 use rayon::prelude::*;
 
@@ -99,6 +102,8 @@ struct Plan {
     mem_bytes: usize,
     mat_rows: usize,
     mat_cols: usize,
+    /// FFN bundles (neurons) of the sparse FFN measurement.
+    ffn_neurons: usize,
 }
 
 pub fn run(a: ProbeArgs) -> Result<()> {
@@ -155,6 +160,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             mem_bytes: 64 << 20,
             mat_rows: 1024,
             mat_cols: 4096,
+            ffn_neurons: 1024,
         }
     } else {
         Plan {
@@ -167,6 +173,9 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             // weights are (a 9 MiB matrix stays cached and read 1.4× faster).
             mat_rows: 32768,
             mat_cols: 4096,
+            // 113 MiB of bundles; each pass reads a different 1/8 (14 MiB),
+            // out of the cache as decode's selected bundles are.
+            ffn_neurons: 16384,
         }
     };
     let free = free_bytes(&dir)?;
@@ -193,7 +202,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     let name = a.name.clone().unwrap_or_else(hostname);
     let started = Instant::now();
     let n_points = plan.blocks.len() * plan.in_flight.len();
-    let pb = ProgressBar::new((2 * n_points + 4) as u64);
+    let pb = ProgressBar::new((2 * n_points + 6) as u64);
     pb.set_style(
         ProgressStyle::with_template("{msg:>18} [{elapsed_precise}] {wide_bar} {pos}/{len}").expect("static template"),
     );
@@ -259,6 +268,15 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     pb.set_message(format!("q4_0 matvec {cores} threads"));
     let all = in_threads(cores, || Ok(matvec_speed(&mat, &x, run_secs)))?;
     pb.inc(1);
+    drop(mat);
+    pb.set_message("sparse FFN 1 thread");
+    let bundles = q4_0_matrix(3 * plan.ffn_neurons, plan.mat_cols);
+    let ffn_one = in_threads(1, || ffn_speed(&bundles, plan.ffn_neurons, &x, run_secs))?;
+    pb.inc(1);
+    pb.set_message(format!("sparse FFN {cores} threads"));
+    let ffn_all = in_threads(cores, || ffn_speed(&bundles, plan.ffn_neurons, &x, run_secs))?;
+    pb.inc(1);
+    drop(bundles);
     pb.finish_and_clear();
 
     let dir_abs = std::fs::canonicalize(&dir).unwrap_or(dir.clone());
@@ -290,6 +308,10 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             threads_measured: Some(cores as u32),
         },
         flash: FlashInfo { io_queues, read },
+        kernels: Some(KernelSpeeds {
+            q4_0_ffn_gb_s_1t: round(ffn_one, 2),
+            q4_0_ffn_gb_s_mt: round(ffn_all, 2),
+        }),
     };
     let text = format!(
         "# Measured by `nflash probe` (see profiles/README.md for the fields and units).\n\n{}",
@@ -668,6 +690,66 @@ fn matvec_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> f64 {
     speeds[speeds.len() / 2]
 }
 
+/// Sparse FFN decode speed of the runtime's neuron engine
+/// ([`Ffn::forward_token`]) on the current rayon pool, GB/s of selected
+/// bundle bytes. `bundles` holds `n` Q4_0 bundles (gate row, up row, down
+/// column of `x.len()` elements each, SPEC §4.4), one neuron per cluster;
+/// the neurons are dealt at random into 8 disjoint selections (1/8 ≈ 12%
+/// selected, as decode at sparsity 0.9) taken in turn, so a selection's
+/// bundles have left the caches when it comes round again. Median of 7 runs
+/// of at least `run_secs`.
+///
+/// # Errors
+/// If the engine refuses the layout (a bug: the layout is built here).
+fn ffn_speed(bundles: &QMatrixOwned, n: usize, x: &[f32], run_secs: f64) -> Result<f64> {
+    let cols = x.len();
+    let layout = BundleLayout::new(DType::Q4_0, cols as u64).context("FFN probe: hidden size does not fit Q4_0 blocks")?;
+    let bb = layout.bundle_bytes;
+    let layer = FfnLayer {
+        layer: 0,
+        segment: 0,
+        n_neurons: n as u32,
+        bundle: layout,
+        cluster_align: 1,
+        clusters: (0..n as u32).map(|i| NeuronCluster { offset: i as u64 * bb, first: i, n_neurons: 1 }).collect(),
+        order: (0..n as u32).collect(),
+        sparse: None,
+    };
+    let offsets: Vec<u64> = layer.clusters.iter().map(|c| c.offset).collect();
+    let src = LayerClusters::Segment { data: bundles.bytes(), offsets: &offsets };
+    let ffn = Ffn::new(&layer, Activation::Relu, None, None, None);
+    let mut groups: Vec<Vec<u32>> = vec![Vec::new(); 8];
+    let mut rng = SplitMix(0xFF);
+    for p in 0..n as u32 {
+        groups[(rng.next() % 8) as usize].push(p);
+    }
+    let input = DotInput::from_slice(DType::Q4_0, x);
+    let mut scratch = FfnScratch::default();
+    let mut out = vec![0f32; cols];
+    let mut k = 0usize;
+    let mut pass = |out: &mut [f32]| -> Result<u64> {
+        let sel = &groups[k % groups.len()];
+        k += 1;
+        ffn.forward_token(&src, &input, Selection::List(sel), None, &mut scratch, out)?;
+        Ok(sel.len() as u64 * bb)
+    };
+    for _ in 0..8 {
+        pass(&mut out)?; // warm up
+    }
+    let mut speeds = Vec::with_capacity(7);
+    for _ in 0..7 {
+        let t = Instant::now();
+        let mut bytes = 0u64;
+        while bytes == 0 || t.elapsed().as_secs_f64() < run_secs {
+            bytes += pass(&mut out)?;
+        }
+        std::hint::black_box(&out);
+        speeds.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    speeds.sort_by(f64::total_cmp);
+    Ok(speeds[speeds.len() / 2])
+}
+
 /// `MemTotal` and `MemAvailable` of /proc/meminfo, bytes; the available figure
 /// is capped by the memory limit of this process's cgroup (v1 or v2) when smaller.
 fn memory_sizes() -> Result<(u64, u64)> {
@@ -833,5 +915,13 @@ fn print_table(p: &DeviceProfile, direct: bool, took: Duration) {
         p.cpu.q4_0_matvec_gb_s_mt.unwrap_or(0.0),
         p.cpu.threads_measured.unwrap_or(0)
     );
+    if let Some(k) = &p.kernels {
+        eprintln!(
+            "sparse FFN (q4_0 bundles, 1/8 selected): {:.2} GB/s on 1 thread, {:.2} GB/s on {}",
+            k.q4_0_ffn_gb_s_1t,
+            k.q4_0_ffn_gb_s_mt,
+            p.cpu.threads_measured.unwrap_or(0)
+        );
+    }
     eprintln!("probe took {:.1} s", took.as_secs_f64());
 }
