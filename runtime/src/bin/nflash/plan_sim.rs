@@ -219,7 +219,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         }
     }
     let ffn_note = if dev.kernels.is_some() { "the FFN bundles at its sparse FFN speed ([kernels])" } else { "the FFN bundles too (no [kernels] in the profile)" };
-    println!("compute: weights touched per token / the profile's Q4_0 matvec speed at {threads} threads, {ffn_note}; I/O: expected cold misses (Che's LRU approximation) at the profile's random-read bandwidth for the merged read size; I/O exp: the part not hidden behind the layer's FFN compute");
+    println!("compute: weights touched per token / the profile's Q4_0 matvec speed at {threads} threads, {ffn_note}; I/O: expected cold misses (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part not hidden behind the layer's FFN compute");
     for n in &notes {
         println!("note: {n}");
     }
