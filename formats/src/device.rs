@@ -150,12 +150,12 @@ impl DeviceProfile {
     pub fn parse(text: &str) -> std::result::Result<Self, String> {
         // `[kernels]` is not a serde field of the profile (packs leave it
         // out), so it is taken out of the table before the rest is read.
-        let mut table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_string())?;
         let kernels = match table.remove("kernels") {
-            Some(k) => Some(k.try_into::<KernelSpeeds>().map_err(|e| format!("[kernels]: {e}"))?),
+            Some(k) => Some(k.try_into::<KernelSpeeds>().map_err(|e| format!("[kernels]: {}", e.to_string().trim_end()))?),
             None => None,
         };
-        let mut p: DeviceProfile = table.try_into().map_err(|e: toml::de::Error| e.to_string())?;
+        let mut p: DeviceProfile = table.try_into().map_err(|e: toml::de::Error| e.to_string().trim_end().to_string())?;
         p.kernels = kernels;
         p.check()?;
         Ok(p)
