@@ -14,6 +14,21 @@ use crate::error::{Error, Result};
 /// Largest profile file accepted, bytes.
 const MAX_PROFILE_BYTES: u64 = 1 << 20;
 
+/// An error `reason` cut to a readable length. TOML errors quote the
+/// offending line before saying what is wrong; a long line is cut, the
+/// explanation kept.
+fn shorten(reason: &str) -> String {
+    const MAX: usize = 300;
+    let cut = |l: &str| if l.chars().count() > MAX { format!("{}…", l.chars().take(MAX).collect::<String>()) } else { l.to_string() };
+    let lines: Vec<String> = reason.lines().map(cut).collect();
+    if lines.len() > 12 {
+        // Keep the location and the explanation.
+        format!("{}\n…\n{}", lines[..3].join("\n"), lines[lines.len() - 3..].join("\n"))
+    } else {
+        lines.join("\n")
+    }
+}
+
 /// A device profile (SPEC §4.6).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -131,19 +146,22 @@ impl DeviceProfile {
         if meta.is_dir() {
             return Err(Error::Profile { path: path.to_path_buf(), reason: "is a directory, not a TOML file".into() });
         }
-        let len = meta.len();
-        if len > MAX_PROFILE_BYTES {
-            return Err(Error::Profile {
-                path: path.to_path_buf(),
-                reason: format!("{len} bytes; a device profile is a small TOML file"),
-            });
+        if !meta.is_file() {
+            // A device node or FIFO: no size to check, and reading it may never end.
+            return Err(Error::Profile { path: path.to_path_buf(), reason: "is not a regular file; a device profile is a small TOML file".into() });
         }
-        let text = std::fs::read_to_string(path).map_err(unreadable)?;
-        Self::parse(&text).map_err(|reason| Error::Profile {
-            path: path.to_path_buf(),
-            // TOML errors quote the offending line; keep messages readable.
-            reason: if reason.chars().count() > 600 { format!("{}…", reason.chars().take(600).collect::<String>()) } else { reason },
-        })
+        let too_big = |len: u64| Error::Profile { path: path.to_path_buf(), reason: format!("{len} bytes or more; a device profile is a small TOML file") };
+        if meta.len() > MAX_PROFILE_BYTES {
+            return Err(too_big(meta.len()));
+        }
+        // Read at most one byte past the limit: the file may grow after the check.
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(std::fs::File::open(path).map_err(unreadable)?, MAX_PROFILE_BYTES + 1), &mut bytes).map_err(unreadable)?;
+        if bytes.len() as u64 > MAX_PROFILE_BYTES {
+            return Err(too_big(bytes.len() as u64));
+        }
+        let text = String::from_utf8(bytes).map_err(|e| Error::Profile { path: path.to_path_buf(), reason: format!("is not UTF-8 text ({e})") })?;
+        Self::parse(&text).map_err(|reason| Error::Profile { path: path.to_path_buf(), reason: shorten(&reason) })
     }
 
     /// Parses and checks TOML text; the error says what is wrong.
@@ -151,6 +169,21 @@ impl DeviceProfile {
         // `[kernels]` is not a serde field of the profile (packs leave it
         // out), so it is taken out of the table before the rest is read.
         let mut table: toml::Table = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_string())?;
+        // serde would also take an array for a struct, by position.
+        for key in ["memory", "cpu", "flash", "kernels"] {
+            if let Some(v) = table.get(key) {
+                if !v.is_table() {
+                    return Err(format!("`{key}` must be a table ([{key}]), not a {}", v.type_str()));
+                }
+            }
+        }
+        for (outer, inner) in [("cpu", "cores"), ("flash", "read")] {
+            if let Some(toml::Value::Array(items)) = table.get(outer).and_then(|t| t.get(inner)) {
+                if items.iter().any(|v| !v.is_table()) {
+                    return Err(format!("every `{outer}.{inner}` entry must be a table ([[{outer}.{inner}]])"));
+                }
+            }
+        }
         let kernels = match table.remove("kernels") {
             Some(k) => Some(k.try_into::<KernelSpeeds>().map_err(|e| format!("[kernels]: {}", e.to_string().trim_end()))?),
             None => None,
@@ -172,28 +205,30 @@ impl DeviceProfile {
     }
 
     fn check(&self) -> std::result::Result<(), String> {
-        // Positive and plausible: no device reads or computes at less than 1 kB/s.
-        let pos = |v: f64| v.is_finite() && v >= 1e-6;
+        // Positive and plausible: no device reads or computes at less than
+        // 1 kB/s, nor at more than 1 PB/s (GB/s and MB/s figures alike; larger
+        // values overflow the planner's arithmetic to infinity).
+        let pos = |v: f64| v.is_finite() && (1e-6..=1e6).contains(&v);
         if self.memory.available_bytes == 0 || self.memory.available_bytes > self.memory.total_bytes {
             return Err("memory.available_bytes must be in 1..=memory.total_bytes".into());
         }
         if !pos(self.memory.bandwidth_gb_s) {
-            return Err("memory.bandwidth_gb_s must be a positive number".into());
+            return Err("memory.bandwidth_gb_s must be a positive number up to 1e6".into());
         }
         if self.cpu.cores.is_empty() || self.cpu.cores.iter().any(|c| c.count == 0 || c.count > 4096 || !pos(c.ghz)) {
-            return Err("cpu.cores needs at least one class with count in 1..=4096 and ghz > 0".into());
+            return Err("cpu.cores needs at least one class with count in 1..=4096 and ghz in (0, 1e6]".into());
         }
-        if self.cpu.threads_measured == Some(0) {
-            return Err("cpu.threads_measured must be ≥ 1".into());
+        if self.cpu.threads_measured.is_some_and(|t| t == 0 || t > 4096) {
+            return Err("cpu.threads_measured must be in 1..=4096".into());
         }
         for v in [self.cpu.q4_0_matvec_gb_s_1t, self.cpu.q4_0_matvec_gb_s_mt].into_iter().flatten() {
             if !pos(v) {
-                return Err("cpu.q4_0_matvec_gb_s_* must be positive numbers".into());
+                return Err("cpu.q4_0_matvec_gb_s_* must be positive numbers up to 1e6".into());
             }
         }
         if let Some(k) = &self.kernels {
             if !pos(k.q4_0_ffn_gb_s_1t) || !pos(k.q4_0_ffn_gb_s_mt) {
-                return Err("kernels.q4_0_ffn_gb_s_* must be positive numbers".into());
+                return Err("kernels.q4_0_ffn_gb_s_* must be positive numbers up to 1e6".into());
             }
         }
         if self.flash.io_queues == 0 {
@@ -205,7 +240,7 @@ impl DeviceProfile {
         for r in &self.flash.read {
             if r.block_bytes == 0 || r.in_flight == 0 || !pos(r.random_mb_s) || !pos(r.sequential_mb_s) {
                 return Err(format!(
-                    "flash.read point at {} bytes × {} in flight: block_bytes, in_flight and both bandwidths must be positive (bandwidths ≥ 1e-6 MB/s)",
+                    "flash.read point at {} bytes × {} in flight: block_bytes, in_flight and both bandwidths must be positive (bandwidths 1e-6 ..= 1e6 MB/s)",
                     r.block_bytes, r.in_flight
                 ));
             }
@@ -343,6 +378,33 @@ mod tests {
         let mut z = p.clone();
         z.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 0.0, q4_0_ffn_gb_s_mt: 1.0 });
         assert!(DeviceProfile::parse(&z.to_toml()).unwrap_err().contains("kernels.q4_0_ffn_gb_s"));
+    }
+
+    #[test]
+    fn arrays_for_tables_absurd_speeds_and_special_files_are_refused() {
+        let text = sample().to_toml();
+        // serde alone would read an array as the struct's fields by position.
+        let plain = DeviceProfile { kernels: None, ..sample() }.to_toml();
+        let arr = format!("kernels = [4.0, 7.0]\n{plain}");
+        assert!(DeviceProfile::parse(&arr).unwrap_err().contains("`kernels` must be a table"));
+        // Finite but absurd figures would overflow bytes/s to infinity in the planner.
+        let mut p = sample();
+        p.memory.bandwidth_gb_s = 1e300;
+        assert!(DeviceProfile::parse(&p.to_toml()).unwrap_err().contains("memory.bandwidth_gb_s"));
+        let mut p = sample();
+        p.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 1.0, q4_0_ffn_gb_s_mt: 1e7 });
+        assert!(DeviceProfile::parse(&p.to_toml()).is_err());
+        let mut p = sample();
+        p.cpu.threads_measured = Some(u32::MAX);
+        assert!(DeviceProfile::parse(&p.to_toml()).unwrap_err().contains("threads_measured"));
+        // A device node has no size to check and may never end.
+        let e = DeviceProfile::load("/dev/zero").unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        // A long quoted line is cut; the explanation after it is kept.
+        let long = format!("name = \"{}\" junk\n", "x".repeat(2000));
+        let why = shorten(&DeviceProfile::parse(&long).unwrap_err());
+        assert!(why.chars().count() < 1200 && why.contains('…'), "{why}");
+        assert!(why.lines().last().unwrap().len() < 200 && !why.lines().last().unwrap().contains("xxxx"), "{why}");
     }
 
     #[test]

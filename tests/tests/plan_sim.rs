@@ -77,6 +77,22 @@ fn the_ffn_is_priced_at_the_profiles_sparse_ffn_speed() {
 }
 
 #[test]
+fn a_closed_output_pipe_ends_plan_sim_quietly() {
+    // `nflash plan-sim … | head -1`: the reader is gone before plan-sim prints.
+    let device = repo_root().join("profiles/oneplus-12.toml");
+    let mut child = std::process::Command::new(nflash_tests::bin("nflash"))
+        .args(["plan-sim", "--device", device.to_str().unwrap(), "--shape", "llama-7b,mistral-7b", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
 fn bad_plan_sim_arguments_are_refused() {
     let device = repo_root().join("profiles/oneplus-12.toml");
     let d = device.to_str().unwrap();

@@ -2,6 +2,7 @@
 //! file left behind, clean failures on a bad --out; and every shipped
 //! `profiles/*.toml` parses.
 
+use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 
 use nflash_format::DeviceProfile;
@@ -137,6 +138,13 @@ fn probe_refuses_a_missing_out_directory_and_bad_arguments() {
         &["probe", "--quick", "--out", out.to_str().unwrap(), "--seconds", "0"],
     );
     assert_fails("probe --seconds 0", &o, &["--seconds"]);
+    // Too short to measure anything: refused rather than written as figures.
+    let o = run("nflash", &["probe", "--quick", "--out", out.to_str().unwrap(), "--seconds", "1e-300"]);
+    assert_fails("probe --seconds 1e-300", &o, &["--seconds"]);
+    // Not a regular file (the temporary + rename would replace it): refused before measuring.
+    let o = run("nflash", &["probe", "--quick", "--out", "/dev/null"]);
+    assert_fails("probe --out /dev/null", &o, &["not a regular file"]);
+    assert!(std::fs::metadata("/dev/null").unwrap().file_type().is_char_device());
     assert_eq!(
         others(dir.path(), ""),
         Vec::<String>::new(),

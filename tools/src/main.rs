@@ -85,6 +85,17 @@ fn main() {
         }
         std::process::exit(130);
     });
+    if matches!(cli.command, Command::Inspect(_) | Command::Verify(_)) {
+        // Read-only commands: `prep inspect … | head` ends quietly when the
+        // reader exits instead of panicking on the closed pipe. (Commands that
+        // write files keep Rust's default, so a closed pipe cannot stop them
+        // before they remove their temporary output.)
+        // SAFETY: installs the default action (no handler code runs), before
+        // any work starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let result = match cli.command {
         Command::Convert(a) => convert::run(a),
         Command::Inspect(a) => inspect::run(a),

@@ -23,7 +23,7 @@ enum Command {
     Run(run::RunArgs),
     /// Measure perplexity of the model on a text file.
     Ppl(ppl::PplArgs),
-    /// Measure this device (flash read bandwidth, memory bandwidth, dot-product speed) and write a device profile
+    /// Measure this device (flash read bandwidth, memory bandwidth, Q4_0 matvec and sparse FFN speeds) and write a device profile
     Probe(probe::ProbeArgs),
     /// Predict decode tokens/s of a pack or a model shape (llama-7b, mistral-7b, mixtral-47b) on a device profile
     PlanSim(plan_sim::PlanSimArgs),
@@ -42,7 +42,20 @@ fn tune_allocator() {
     }
 }
 
+/// Restores the default SIGPIPE action, so that `nflash plan-sim … | head`
+/// ends quietly when the reader exits (Rust ignores SIGPIPE, and printing
+/// to the closed pipe would panic). nflash writes files only through
+/// temporary names, so being stopped by it leaves no half file.
+fn default_sigpipe() {
+    // SAFETY: installs the default action (no handler code runs), at start
+    // before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() {
+    default_sigpipe();
     tune_allocator();
     let cli = Cli::parse();
     let result = match cli.command {

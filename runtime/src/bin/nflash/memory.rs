@@ -45,12 +45,9 @@ pub struct MemoryArgs {
 /// then the override flags.
 /// `measured_rss`: the process's resident bytes now (resident tensors and
 /// tokenizer loaded), used instead of the planner's estimate of them.
-pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize, measured_rss: Option<u64>) -> Result<(CacheConfig, Option<Plan>)> {
+/// `device`: the `--device` profile, loaded by the caller.
+pub fn resolve(pack: &Pack, a: &MemoryArgs, device: Option<DeviceProfile>, ctx: usize, threads: usize, measured_rss: Option<u64>) -> Result<(CacheConfig, Option<Plan>)> {
     let m = pack.manifest();
-    let device = match &a.device {
-        Some(p) => Some(DeviceProfile::load(p)?),
-        None => None,
-    };
     let stored = m.plan.as_ref();
     let budget = a.memory_budget.or(stored.map(|p| p.memory_budget_bytes));
     let plan = match (budget, stored) {
@@ -106,10 +103,16 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, ctx: usize, threads: usize, measured
 /// resident tensors and tokenizer are in memory, measured from this
 /// process's footprint at that point; returns the plan too.
 pub fn load_engine<'p>(pack: &'p Pack, a: &MemoryArgs, ctx: usize) -> Result<(Engine<'p>, Option<Plan>)> {
+    // The profile is read before the resident tensors are loaded, so a bad
+    // --device fails at once rather than after seconds of loading.
+    let device = match &a.device {
+        Some(p) => Some(DeviceProfile::load(p)?),
+        None => None,
+    };
     let mut plan = None;
     let engine = Engine::load_planned(pack, || {
         nflash_runtime::stats::trim_heap();
-        let (cache, p) = resolve(pack, a, ctx, rayon::current_num_threads(), nflash_runtime::stats::rss_bytes())
+        let (cache, p) = resolve(pack, a, device, ctx, rayon::current_num_threads(), nflash_runtime::stats::rss_bytes())
             .map_err(|e| nflash_runtime::Error::Usage(format!("{e:#}")))?;
         plan = p;
         Ok(cache)

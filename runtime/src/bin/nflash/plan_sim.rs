@@ -218,9 +218,15 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
             Err(why) => println!("{:<26} {:>5} {:>6.2}Gi refused: {why}", c.label, sp, gib(c.budget)),
         }
     }
+    let speed = if dev.cpu.q4_0_matvec_gb_s_1t.is_some() {
+        format!("the profile's Q4_0 matvec speed at {threads} threads")
+    } else {
+        format!("half the profile's memory bandwidth shared by {threads} of its {} cores (it has no matvec figures)", dev.n_cores())
+    };
     let ffn_note = if dev.kernels.is_some() { "the FFN bundles at its sparse FFN speed ([kernels])" } else { "the FFN bundles too (no [kernels] in the profile)" };
-    println!("compute: weights touched per token / the profile's Q4_0 matvec speed at {threads} threads, {ffn_note}; I/O: expected cold misses (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part not hidden behind the layer's FFN compute");
-    for n in &notes {
+    println!("compute: weights touched per token (attention with the KV cache at half the context) / {speed}, {ffn_note}; I/O: cold misses per token (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part of it not hidden behind the layer's FFN compute; bound: flash I/O when I/O exp is over half the token, compute + I/O over a fifth, else compute");
+    let mut seen = std::collections::HashSet::new();
+    for n in notes.iter().filter(|n| seen.insert(n.as_str())) {
         println!("note: {n}");
     }
     Ok(())

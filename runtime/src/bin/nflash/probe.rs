@@ -134,6 +134,18 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             )
         })?
         .to_os_string();
+    if let Ok(m) = std::fs::symlink_metadata(&a.out) {
+        if !m.is_file() {
+            bail!("--out {} exists and is not a regular file; pass a new or a regular file path", a.out.display());
+        }
+    }
+    // Fail now, not after the measurement, if the profile cannot be written there.
+    {
+        let mut probe_name = out_name.clone();
+        probe_name.push(format!(".tmp-{}", std::process::id()));
+        let t = RemoveOnDrop::new(a.out.with_file_name(probe_name));
+        File::create(&t.0).with_context(|| format!("cannot create files next to --out ({}); pass another --out", t.0.display()))?;
+    }
     let dir = a.dir.clone().unwrap_or_else(|| out_dir.clone());
     if !dir.is_dir() {
         bail!("--dir {} does not exist or is not a directory", dir.display());
@@ -148,8 +160,8 @@ pub fn run(a: ProbeArgs) -> Result<()> {
         .checked_mul(MIB)
         .ok_or_else(|| anyhow!("--file-mib {file_mib} is too large"))?;
     let seconds = a.seconds.unwrap_or(if a.quick { 0.1 } else { 0.5 });
-    if !(seconds.is_finite() && seconds > 0.0 && seconds <= 60.0) {
-        bail!("--seconds {seconds} must be a number in (0, 60]");
+    if !(seconds.is_finite() && (0.01..=60.0).contains(&seconds)) {
+        bail!("--seconds {seconds} must be a number in [0.01, 60]");
     }
     let plan = if a.quick {
         Plan {
@@ -281,9 +293,10 @@ pub fn run(a: ProbeArgs) -> Result<()> {
 
     let dir_abs = std::fs::canonicalize(&dir).unwrap_or(dir.clone());
     let source = format!(
-        "nflash probe {} on {} ({}), file {} MiB in {}; io_queues heuristic: 1 unless 16-in-flight random 4 KiB reads \
+        "nflash probe {}{} on {} ({}), file {} MiB in {}; io_queues heuristic: 1 unless 16-in-flight random 4 KiB reads \
          reach ≥ 2× the 1-in-flight figure, then the in-flight count with the best random 4 KiB figure",
         env!("CARGO_PKG_VERSION"),
+        if a.quick { " --quick (small matrices that stay in cache: CPU figures too high for planning)" } else { "" },
         utc_now(),
         if direct { "O_DIRECT" } else { "buffered" },
         file_mib,
