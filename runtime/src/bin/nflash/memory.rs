@@ -37,6 +37,18 @@ pub struct MemoryArgs {
     pub io_threads: Option<usize>,
 }
 
+impl MemoryArgs {
+    /// The `--device` profile, read and checked. Callers read it before
+    /// opening the pack (which loads the resident tensors), so a bad profile
+    /// fails at once.
+    pub fn device_profile(&self) -> Result<Option<DeviceProfile>> {
+        Ok(match &self.device {
+            Some(p) => Some(DeviceProfile::load(p)?),
+            None => None,
+        })
+    }
+}
+
 /// The cache layout to run with, and the plan it came from (if any).
 ///
 /// Order: no budget and no plan → everything in memory; `--memory-budget`
@@ -102,13 +114,8 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, device: Option<DeviceProfile>, ctx: 
 /// Loads the engine with the cache layout [`resolve`] chooses once the
 /// resident tensors and tokenizer are in memory, measured from this
 /// process's footprint at that point; returns the plan too.
-pub fn load_engine<'p>(pack: &'p Pack, a: &MemoryArgs, ctx: usize) -> Result<(Engine<'p>, Option<Plan>)> {
-    // The profile is read before the resident tensors are loaded, so a bad
-    // --device fails at once rather than after seconds of loading.
-    let device = match &a.device {
-        Some(p) => Some(DeviceProfile::load(p)?),
-        None => None,
-    };
+/// `device`: from [`MemoryArgs::device_profile`].
+pub fn load_engine<'p>(pack: &'p Pack, a: &MemoryArgs, device: Option<DeviceProfile>, ctx: usize) -> Result<(Engine<'p>, Option<Plan>)> {
     let mut plan = None;
     let engine = Engine::load_planned(pack, || {
         nflash_runtime::stats::trim_heap();

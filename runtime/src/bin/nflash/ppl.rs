@@ -47,8 +47,9 @@ pub fn run(a: PplArgs) -> Result<()> {
 
 fn run_in_pool(a: PplArgs) -> Result<()> {
     let text = read_text(&a.file)?;
+    let device = a.memory.device_profile()?;
     let pack = open_pack(&a.model, a.verify)?;
-    let (mut engine, _) = load_engine(&pack, &a.memory, a.ctx)?;
+    let (mut engine, _) = load_engine(&pack, &a.memory, device, a.ctx)?;
     engine.model.set_dense(a.dense);
     let mut tokens = engine.tokenizer.encode(&text, false)?;
     if let Some(m) = a.max_tokens {

@@ -97,11 +97,12 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     if a.system.is_some() && prompt.is_some() && !a.chat {
         bail!("--system only applies to chat; add --chat (or drop --system)");
     }
+    let device = a.memory.device_profile()?;
     let pack = open_pack(&a.model, a.verify)?;
     let max_pos = pack.manifest().config.max_position_embeddings as usize;
     // Default context: the one the pack's plan was made for, else min(4096, the model's).
     let ctx = a.ctx.or(pack.manifest().plan.as_ref().map(|p| p.ctx as usize)).unwrap_or(max_pos.min(4096));
-    let (mut engine, plan) = load_engine(&pack, &a.memory, ctx)?;
+    let (mut engine, plan) = load_engine(&pack, &a.memory, device, ctx)?;
     if a.stats {
         if let Some(p) = &plan {
             eprintln!("{} (planned at start from this process's measured footprint)", nflash_runtime::planner::describe(p, pack.manifest()));
