@@ -221,6 +221,9 @@ impl DeviceProfile {
         if self.cpu.threads_measured.is_some_and(|t| t == 0 || t > 4096) {
             return Err("cpu.threads_measured must be in 1..=4096".into());
         }
+        if self.cpu.threads_measured.is_none() && (self.cpu.q4_0_matvec_gb_s_mt.is_some() || self.kernels.is_some()) {
+            return Err("cpu.threads_measured is needed with the multi-thread figures (cpu.q4_0_matvec_gb_s_mt, [kernels]): how many threads measured them".into());
+        }
         for v in [self.cpu.q4_0_matvec_gb_s_1t, self.cpu.q4_0_matvec_gb_s_mt].into_iter().flatten() {
             if !pos(v) {
                 return Err("cpu.q4_0_matvec_gb_s_* must be positive numbers up to 1e6".into());
@@ -397,6 +400,9 @@ mod tests {
         let mut p = sample();
         p.cpu.threads_measured = Some(u32::MAX);
         assert!(DeviceProfile::parse(&p.to_toml()).unwrap_err().contains("threads_measured"));
+        // Without it the multi-thread figures would be ignored silently.
+        p.cpu.threads_measured = None;
+        assert!(DeviceProfile::parse(&p.to_toml()).unwrap_err().contains("threads_measured is needed"));
         // A device node has no size to check and may never end.
         let e = DeviceProfile::load("/dev/zero").unwrap_err().to_string();
         assert!(e.contains("not a regular file"), "{e}");
