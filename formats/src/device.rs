@@ -206,9 +206,10 @@ impl DeviceProfile {
 
     fn check(&self) -> std::result::Result<(), String> {
         // Positive and plausible: no device reads or computes at less than
-        // 1 kB/s, nor at more than 1 PB/s (GB/s and MB/s figures alike; larger
-        // values overflow the planner's arithmetic to infinity).
+        // 1 kB/s, nor at more than 1 PB/s (1e6 GB/s, 1e9 MB/s; larger values
+        // overflow the planner's arithmetic to infinity).
         let pos = |v: f64| v.is_finite() && (1e-6..=1e6).contains(&v);
+        let pos_mb = |v: f64| v.is_finite() && (1e-6..=1e9).contains(&v);
         if self.memory.available_bytes == 0 || self.memory.available_bytes > self.memory.total_bytes {
             return Err("memory.available_bytes must be in 1..=memory.total_bytes".into());
         }
@@ -241,9 +242,9 @@ impl DeviceProfile {
             return Err("flash.read needs at least one [[flash.read]] point".into());
         }
         for r in &self.flash.read {
-            if r.block_bytes == 0 || r.in_flight == 0 || !pos(r.random_mb_s) || !pos(r.sequential_mb_s) {
+            if r.block_bytes == 0 || r.in_flight == 0 || !pos_mb(r.random_mb_s) || !pos_mb(r.sequential_mb_s) {
                 return Err(format!(
-                    "flash.read point at {} bytes × {} in flight: block_bytes, in_flight and both bandwidths must be positive (bandwidths 1e-6 ..= 1e6 MB/s)",
+                    "flash.read point at {} bytes × {} in flight: block_bytes, in_flight and both bandwidths must be positive (bandwidths 1e-6 ..= 1e9 MB/s)",
                     r.block_bytes, r.in_flight
                 ));
             }

@@ -55,7 +55,9 @@ fn the_ffn_is_priced_at_the_profiles_sparse_ffn_speed() {
     // The OnePlus 12 profile has no [kernels]: the FFN costs as the matvec.
     // With a measured sparse FFN speed, FFN time is bundle bytes / that speed.
     let dir = tempfile::tempdir().unwrap();
-    let base = std::fs::read_to_string(repo_root().join("profiles/oneplus-12.toml")).unwrap();
+    // [kernels] figures need the thread count they were measured with.
+    let base = std::fs::read_to_string(repo_root().join("profiles/oneplus-12.toml")).unwrap().replacen("[cpu]\n", "[cpu]\nthreads_measured = 1\n", 1);
+    assert!(base.contains("threads_measured = 1"));
     let with = |gb_s: f64| {
         let p = dir.path().join(format!("k{gb_s}.toml"));
         std::fs::write(&p, format!("{base}\n[kernels]\nq4_0_ffn_gb_s_1t = {gb_s}\nq4_0_ffn_gb_s_mt = {gb_s}\n")).unwrap();
