@@ -66,6 +66,9 @@ fn sparse_ffn_decode_does_not_allocate_per_token() {
         },
     };
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    // Every worker has started (thread start-up allocates) before anything is counted:
+    // on a busy 2-core host a worker can start late, inside the measured window.
+    pool.broadcast(|_| ());
     pool.install(|| {
         let x = values(6, H);
         let mut xin = DotInput::new(DType::Q8_0);

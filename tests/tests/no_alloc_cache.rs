@@ -35,6 +35,9 @@ fn fetching_cold_clusters_through_the_cache_does_not_allocate_per_token() {
     let ffn = Ffn::new(f, Activation::Silu, None, None, None);
     let h = spec.hidden;
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    // Every worker has started (thread start-up allocates) before anything is counted:
+    // on a busy 2-core host a worker can start late, inside the measured window.
+    pool.broadcast(|_| ());
     pool.install(|| {
         let x = values(9, h);
         let mut xin = DotInput::new(DType::Q8_0);
