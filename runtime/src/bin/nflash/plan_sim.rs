@@ -147,23 +147,31 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         None => dev.n_cores(),
     };
     let mut cases = Vec::new();
+    // Mixtral-sized shapes take seconds per budget; drawn only on a terminal.
+    let pb = indicatif::ProgressBar::new((a.models.len() + a.shape.len() * a.sparsity.len()) as u64);
+    pb.set_style(indicatif::ProgressStyle::with_template("plan-sim {bar:30} {pos}/{len} {msg}").expect("valid template"));
     for path in &a.models {
+        pb.set_message(path.display().to_string());
         let pack = Pack::open(path)?;
         let m = pack.manifest();
         let s = m.sparse.as_ref().map(|s| s.target_sparsity as f64);
         let name = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
         cases.extend(simulate(m, &dev, &a, threads, &name, s, &mut notes));
+        pb.inc(1);
     }
     for name in &a.shape {
         let shape = sim::shape(name).with_context(|| {
             format!("unknown --shape {name:?}; known: {}", sim::SHAPES.iter().map(|s| s.name).collect::<Vec<_>>().join(", "))
         })?;
         for &s in &a.sparsity {
+            pb.set_message(format!("{} at sparsity {s}", shape.name));
             let o = SimOptions { sparsity: s, skew: a.skew, quant: a.quant, recall: a.recall, precision: a.precision, predictor_budget: 0.1 };
             let m = sim::synthetic_manifest(&shape, &o, &dev).with_context(|| format!("{} cannot be stored as {}", shape.name, a.quant))?;
             cases.extend(simulate(&m, &dev, &a, threads, shape.name, Some(s), &mut notes));
+            pb.inc(1);
         }
     }
+    pb.finish_and_clear();
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     if a.json {
         for c in &cases {
