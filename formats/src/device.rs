@@ -386,7 +386,6 @@ mod tests {
 
     #[test]
     fn arrays_for_tables_absurd_speeds_and_special_files_are_refused() {
-        let text = sample().to_toml();
         // serde alone would read an array as the struct's fields by position.
         let plain = DeviceProfile { kernels: None, ..sample() }.to_toml();
         let arr = format!("kernels = [4.0, 7.0]\n{plain}");
