@@ -66,7 +66,6 @@ pub struct KernelSpeeds {
     pub q4_0_ffn_gb_s_mt: f64,
 }
 
-
 /// Memory figures.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -328,14 +328,13 @@ fn cluster_needs(m: &Manifest) -> Vec<Vec<Cl>> {
 }
 
 /// KV cache bytes one layer's attention reads for a decode token at
-/// `position` (f32 keys and values of the positions it attends to, up to the
-/// sliding window; SPEC §4.6 sizes the KV cache the same way). The estimate
-/// takes the token at half the context, the mean over a generation that
-/// fills it.
+/// `position`: the keys and values of the positions it attends to, up to the
+/// sliding window, as [`KvCache`] stores them. The estimate takes the token
+/// at half the context, the mean over a generation that fills it.
 fn kv_read_bytes(m: &Manifest, position: u32) -> u64 {
     let c = &m.config;
     let seen = c.sliding_window.map_or(position as u64, |w| (position as u64).min(w as u64 + 1));
-    2 * seen * c.num_kv_heads as u64 * c.head_dim as u64 * 4
+    KvCache::bytes_at_capacity(1, (c.num_kv_heads * c.head_dim) as usize, seen as usize)
 }
 
 /// Bytes of layer `l`'s attention weights (read once per decode token).
