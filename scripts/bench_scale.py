@@ -98,6 +98,9 @@ def parse_args(argv):
     ap.add_argument("--probe", type=Path, help="reuse this nflash probe profile")
     ap.add_argument("--keep-checkpoints", action="store_true")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="make the packs (and the GGUF) and stop: the slow, noise-tolerant part, which "
+                         "can run at low priority beside other work; measure later on a quiet machine")
     ap.add_argument("--llama-from", type=Path,
                     help="with --skip-llama: take llama.cpp's medians per limit from this earlier results.json")
     ap.add_argument("--convert-extra", default="--rank 256 --epochs 4",
@@ -279,7 +282,7 @@ def main(argv) -> int:
     if not a.calib.exists():
         die(f"calibration text {a.calib} not found: pass --calib FILE (UTF-8 text of >= "
             f"{a.calib_tokens} tokens)", 2)
-    llama = not a.skip_llama and a.llama_native.exists() and a.tokenizer_gguf.exists()
+    llama = not a.skip_llama and a.tokenizer_gguf.exists() and (a.prepare_only or a.llama_native.exists())
     if not a.skip_llama and not llama:
         log(f"note: no llama.cpp rows: {a.llama_native} or {a.tokenizer_gguf} is missing "
             f"(run `make model` and scripts/bench_setup.sh)")
@@ -294,6 +297,10 @@ def main(argv) -> int:
         packs[s], prep_meas[f"{s:g}"] = pack, meas
         gguf = gguf or g
     t_prep = time.perf_counter() - t_start
+    if a.prepare_only:
+        log(f"--prepare-only: packs ready in {t_prep / 60:.0f} min: "
+            + ", ".join(str(p) for p in packs.values()) + (f", {gguf}" if gguf else ""))
+        return 0
 
     text, n_prompt = choose_prompt(a.prompt_tokens, a.tokenizer_gguf if llama else None, 600)
     prompt_file = a.out_dir / "prompt.txt"

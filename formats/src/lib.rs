@@ -10,6 +10,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod header;
+pub mod interleave;
 pub mod manifest;
 pub mod plan;
 pub mod reader;

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::header::{Header, HEADER_BYTES, MAGIC, VERSION_MAJOR, VERSION_MINOR};
 use crate::manifest::{bincode_options, FfnLayer, Manifest, Segment, SegmentKind, TensorEntry};
@@ -38,6 +39,10 @@ pub struct Pack {
     header: Header,
     manifest: Manifest,
     tensor_index: HashMap<String, usize>,
+    /// Per tensor: bytes reordered to the Q4_0×8 layout ([`Pack::interleave_q4_0`]).
+    interleaved: Vec<bool>,
+    /// Per segment: CRC32 checked before its bytes were reordered in memory.
+    checked_before_reorder: Vec<bool>,
 }
 
 impl std::fmt::Debug for Pack {
@@ -218,6 +223,7 @@ impl Pack {
             .enumerate()
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
+        let (n_tensors, n_segments) = (manifest.tensors.len(), manifest.segments.len());
         let storage = if resident {
             let mut segments = Vec::with_capacity(manifest.segments.len());
             for s in &manifest.segments {
@@ -264,6 +270,8 @@ impl Pack {
             header,
             manifest,
             tensor_index,
+            interleaved: vec![false; n_tensors],
+            checked_before_reorder: vec![false; n_segments],
         })
     }
 
@@ -325,7 +333,67 @@ impl Pack {
             })
     }
 
-    /// A resident tensor's entry and bytes.
+    /// Reorders, in memory, every resident Q4_0 matrix whose shape allows it
+    /// ([`crate::interleave::can_interleave`]: rows a multiple of 8) into the
+    /// Q4_0×8 layout (SPEC §5.1), so that decode streams one group of 8 rows
+    /// at a time. Each affected segment's CRC32 is checked first, since the
+    /// reordered bytes no longer match it; [`Self::verify_segment`] then
+    /// reports that earlier check. Returns the bytes reordered. Does nothing
+    /// on a mapped pack ([`Self::open`]): its bytes are read-only.
+    ///
+    /// Callers read [`Self::is_interleaved`] to know a tensor's layout.
+    ///
+    /// # Errors
+    /// [`Error::Checksum`] if an affected segment is damaged.
+    pub fn interleave_q4_0(&mut self) -> Result<u64> {
+        let Storage::Loaded { segments, .. } = &self.storage else {
+            return Ok(0);
+        };
+        let selected: Vec<usize> = (0..self.manifest.tensors.len())
+            .filter(|&i| {
+                let t = &self.manifest.tensors[i];
+                !self.interleaved[i]
+                    && t.dtype == DType::Q4_0
+                    && t.shape.len() == 2
+                    && crate::interleave::can_interleave(t.shape[0], t.shape[1])
+                    && segments[t.segment as usize].is_some()
+            })
+            .collect();
+        for &i in &selected {
+            let seg = self.manifest.tensors[i].segment;
+            if !self.checked_before_reorder[seg as usize] {
+                self.verify_segment(seg)?;
+                self.checked_before_reorder[seg as usize] = true;
+            }
+        }
+        let Storage::Loaded { segments, .. } = &mut self.storage else {
+            unreachable!("checked above");
+        };
+        let (mut scratch, mut total) = (Vec::new(), 0u64);
+        for i in selected {
+            let t = &self.manifest.tensors[i];
+            let Some((words, n)) = segments[t.segment as usize].as_mut() else {
+                unreachable!("selected tensors are resident");
+            };
+            // SAFETY: `words` owns at least `n` initialized bytes; u8 has no alignment or validity requirements.
+            let seg = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, *n) };
+            // In range: validated at open (SPEC §6).
+            let bytes = &mut seg[t.offset as usize..(t.offset + t.bytes) as usize];
+            crate::interleave::interleave_q4_0(bytes, t.shape[1] as usize, &mut scratch);
+            self.interleaved[i] = true;
+            total += t.bytes;
+        }
+        Ok(total)
+    }
+
+    /// Whether tensor `name` was reordered to the Q4_0×8 layout by
+    /// [`Self::interleave_q4_0`] (false for unknown names).
+    pub fn is_interleaved(&self, name: &str) -> bool {
+        self.tensor_index.get(name).is_some_and(|&i| self.interleaved[i])
+    }
+
+    /// A resident tensor's entry and bytes (in the Q4_0×8 layout if
+    /// [`Self::is_interleaved`]).
     ///
     /// # Errors
     /// [`Error::NotFound`] if the pack has no tensor `name`.
@@ -365,6 +433,10 @@ impl Pack {
     /// [`Error::Checksum`] naming the segment.
     pub fn verify_segment(&self, idx: u32) -> Result<()> {
         let s = &self.manifest.segments[idx as usize];
+        if self.checked_before_reorder[idx as usize] {
+            // Checked by `interleave_q4_0` before its bytes were reordered.
+            return Ok(());
+        }
         let computed = match (self.segment(idx), &self.storage) {
             (Some(b), _) => crc32fast::hash(b),
             (None, Storage::Loaded { file, .. }) => {

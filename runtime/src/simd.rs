@@ -59,6 +59,42 @@ pub fn dot4(dtype: DType, cols: usize, rows: [&[u8]; 4], y: &[BlockQ8_0]) -> [f3
     [one(rows[0]), one(rows[1]), one(rows[2]), one(rows[3])]
 }
 
+/// Whether [`dot8_q4_0x8`] has a fast kernel on this CPU (AVX2, FMA, F16C):
+/// only then are Q4_0 matrices worth reordering to the Q4_0×8 layout
+/// (elsewhere, e.g. on ARM, the row layout keeps candle-core's kernels).
+pub fn q4_0x8_available() -> bool {
+    has_avx2()
+}
+
+/// Dots of the 8 rows of one Q4_0×8 group (`cols` elements per row; `group`
+/// is `8 · cols / 32 · 18` bytes in the layout of `nflash_format::interleave`)
+/// with a Q8_0 activation vector `y` (`cols / 32` blocks). Bit-identical to
+/// [`dot4`] on the same rows in the row layout.
+#[inline]
+pub fn dot8_q4_0x8(cols: usize, group: &[u8], y: &[BlockQ8_0]) -> [f32; 8] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths checked inside.
+        return unsafe { avx2::dot8_q4_0x8(cols, group, q8_bytes(y)) };
+    }
+    // Portable: per block, d_x · d_y · Σ (q − 8) · y over the 32 elements.
+    let mut out = [0f32; 8];
+    for (b, yb) in q8_bytes(y).chunks_exact(34).enumerate().take(cols / 32) {
+        let blk = &group[b * 144..(b + 1) * 144];
+        let dy = f16::from_le_bytes([yb[0], yb[1]]).to_f32();
+        let ys = &yb[2..34];
+        for (r, o) in out.iter_mut().enumerate() {
+            let dx = f16::from_le_bytes([blk[2 * r], blk[2 * r + 1]]).to_f32();
+            let q = &blk[16 + 16 * r..32 + 16 * r];
+            let sum: i32 = (0..16)
+                .map(|i| ((q[i] & 0x0F) as i32 - 8) * ys[i] as i8 as i32 + ((q[i] >> 4) as i32 - 8) * ys[i + 16] as i8 as i32)
+                .sum();
+            *o += dx * dy * sum as f32;
+        }
+    }
+    out
+}
+
 /// `out += a · row` for one Q4_0 or Q8_0 row (`out.len()` elements).
 #[inline]
 pub fn axpy(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
@@ -170,10 +206,22 @@ mod avx2 {
     /// 1 024 bytes were all within the host's noise).
     const PF: usize = 640;
 
+    /// Sum of the 4 lanes as `(l0 + l2) + (l1 + l3)`: the one order both
+    /// Q4_0 kernels use, so that their results are bit-identical.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum4(v: __m128) -> f32 {
+        let s = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
     /// Four Q4_0 rows dotted with the Q8_0 vector `y`. The nibbles stay
     /// unsigned (0..15) for `maddubs` and the −8 offset is applied once per
     /// block as `8·Σy`, shared by the four rows; each row's scale is
     /// broadcast and converted in the vector unit (no scalar round trip).
+    /// Lane `j` of a row sums elements `4j..4j+4` and `16+4j..16+4j+4` of each
+    /// block in integers, exactly as [`dot8_q4_0x8`] does, and the float steps
+    /// are the same, so a row gives the same bits in either layout.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
         let nb = cols / 32;
@@ -181,27 +229,79 @@ mod avx2 {
         let ones = _mm256_set1_epi16(1);
         let eights = _mm256_set1_epi8(8);
         let m4 = _mm_set1_epi8(0x0F);
-        let mut acc = [_mm256_setzero_ps(); 4];
+        let halves = |v: __m256i| _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let mut acc = [_mm_setzero_ps(); 4];
         for b in 0..nb {
             let yp = y.as_ptr().add(b * 34);
-            let dy = _mm256_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(yp as *const i16)));
+            let dy = _mm_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(yp as *const i16)));
             let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
-            // 8·Σy per group of four lanes, as i32: the correction for x − 8.
-            let corr = _mm256_madd_epi16(_mm256_maddubs_epi16(eights, yq), ones);
+            // 8·Σy per group of eight lanes, as i32: the correction for x − 8.
+            let corr = halves(_mm256_madd_epi16(_mm256_maddubs_epi16(eights, yq), ones));
             for r in 0..4 {
                 let xp = rows[r].as_ptr().add(b * 18);
                 _mm_prefetch::<_MM_HINT_T0>(xp.wrapping_add(PF) as *const i8);
-                let dx = _mm256_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(xp as *const i16)));
+                let dx = _mm_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(xp as *const i16)));
                 let q = _mm_loadu_si128(xp.add(2) as *const __m128i);
                 let lo = _mm_and_si128(q, m4);
                 let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
                 let xu = _mm256_set_m128i(hi, lo);
-                let dot = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(xu, yq), ones), corr);
-                let f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dy);
-                acc[r] = _mm256_fmadd_ps(dx, f, acc[r]);
+                let dot = _mm_sub_epi32(halves(_mm256_madd_epi16(_mm256_maddubs_epi16(xu, yq), ones)), corr);
+                let f = _mm_mul_ps(_mm_cvtepi32_ps(dot), dy);
+                acc[r] = _mm_fmadd_ps(dx, f, acc[r]);
             }
         }
-        [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+        [hsum4(acc[0]), hsum4(acc[1]), hsum4(acc[2]), hsum4(acc[3])]
+    }
+
+    /// The 8 rows of one Q4_0×8 group (`nflash_format::interleave`: per
+    /// column block, 8 f16 scales then 8 × 16 nibble bytes) dotted with the
+    /// Q8_0 vector `y`. The group is one sequential stream, and each 256-bit
+    /// register holds two rows' nibbles: the low nibbles of both against
+    /// `y[0..16]` twice, the high ones against `y[16..32]` twice.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot8_q4_0x8(cols: usize, group: &[u8], y: &[u8]) -> [f32; 8] {
+        let nb = cols / 32;
+        assert!(y.len() >= nb * 34 && group.len() >= nb * 144);
+        let ones = _mm256_set1_epi16(1);
+        let eights = _mm256_set1_epi8(8);
+        let m4 = _mm256_set1_epi8(0x0F);
+        // Lanes 0–3 take row 2k's scale, lanes 4–7 row 2k+1's.
+        let pick = [
+            _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+            _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+            _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
+            _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7),
+        ];
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut p = group.as_ptr();
+        for b in 0..nb {
+            let yp = y.as_ptr().add(b * 34);
+            let dy = _mm256_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(yp as *const i16)));
+            let ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128(yp.add(2) as *const __m128i));
+            let yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(yp.add(18) as *const __m128i));
+            let corr = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(eights, ylo), _mm256_maddubs_epi16(eights, yhi)),
+                ones,
+            );
+            let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            for k in 0..4 {
+                let q = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+                let lo = _mm256_and_si256(q, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                // i16 sums stay within ±2·2·15·128 = ±7 680.
+                let s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ylo), _mm256_maddubs_epi16(hi, yhi));
+                let dot = _mm256_sub_epi32(_mm256_madd_epi16(s, ones), corr);
+                let f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dy);
+                acc[k] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(dx, pick[k]), f, acc[k]);
+            }
+            p = p.add(144);
+        }
+        let mut out = [0f32; 8];
+        for k in 0..4 {
+            out[2 * k] = hsum4(_mm256_castps256_ps128(acc[k]));
+            out[2 * k + 1] = hsum4(_mm256_extractf128_ps(acc[k], 1));
+        }
+        out
     }
 
     /// Four Q8_0 rows dotted with the Q8_0 vector `y`.

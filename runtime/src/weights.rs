@@ -69,7 +69,9 @@ impl DotInput {
     }
 }
 
-/// A row-major matrix view `[rows, cols]` over packed bytes.
+/// A matrix view `[rows, cols]` over packed bytes: row-major as in the pack
+/// (SPEC §5), or for Q4_0 in the Q4_0×8 layout (SPEC §5.1) that
+/// [`nflash_format::Pack::interleave_q4_0`] makes in memory.
 #[derive(Clone, Copy)]
 pub struct QMatrix<'a> {
     /// Storage type.
@@ -79,6 +81,8 @@ pub struct QMatrix<'a> {
     /// Columns (input features, elements per row).
     pub cols: usize,
     row_bytes: usize,
+    /// Q4_0 rows in groups of 8 (`nflash_format::interleave`).
+    interleaved: bool,
     data: &'a [u8],
 }
 
@@ -93,19 +97,46 @@ impl<'a> QMatrix<'a> {
             rows,
             cols,
             row_bytes,
+            interleaved: false,
             data,
         }
     }
 
-    /// Bytes of row `r`.
+    /// A view of a Q4_0 matrix `[rows, cols]` in the Q4_0×8 layout
+    /// (`nflash_format::interleave`; rows a multiple of 8, same byte size).
+    pub fn q4_0x8(rows: usize, cols: usize, data: &'a [u8]) -> Self {
+        assert!(nflash_format::interleave::can_interleave(rows as u64, cols as u64), "Q4_0×8 shape [{rows}, {cols}]");
+        QMatrix {
+            interleaved: true,
+            ..Self::new(DType::Q4_0, rows, cols, data)
+        }
+    }
+
+    /// Whether the rows are in the Q4_0×8 layout.
+    pub fn is_interleaved(&self) -> bool {
+        self.interleaved
+    }
+
+    /// Bytes of row `r` (row layout only).
     #[inline]
-    pub fn row(&self, r: usize) -> &'a [u8] {
+    fn row(&self, r: usize) -> &'a [u8] {
+        debug_assert!(!self.interleaved);
         &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// Bytes of the 8-row group holding row `r` (Q4_0×8 layout only).
+    #[inline]
+    fn group(&self, r: usize) -> &'a [u8] {
+        let g = r / 8 * 8 * self.row_bytes;
+        &self.data[g..g + 8 * self.row_bytes]
     }
 
     /// Dot product of row `r` with a prepared input.
     #[inline]
     pub fn row_dot(&self, r: usize, x: &DotInput) -> f32 {
+        if self.interleaved {
+            return crate::simd::dot8_q4_0x8(self.cols, self.group(r), q8_input(x))[r % 8];
+        }
         row_dot(self.dtype, self.cols, self.row(r), x)
     }
 
@@ -114,8 +145,18 @@ impl<'a> QMatrix<'a> {
         matvec_many(&[self], x, &mut [out]);
     }
 
-    /// `out[i] = row_{r0+i} · x` for the rows `r0 .. r0 + out.len()`, four at a time for Q8 inputs.
+    /// `out[i] = row_{r0+i} · x` for the rows `r0 .. r0 + out.len()`, four at
+    /// a time for Q8 inputs, eight in the Q4_0×8 layout (`r0` and `out.len()`
+    /// then multiples of 8).
     fn rows_into(&self, x: &DotInput, r0: usize, out: &mut [f32]) {
+        if self.interleaved {
+            debug_assert!(r0 % 8 == 0 && out.len() % 8 == 0);
+            let y = q8_input(x);
+            for (gi, o) in out.chunks_exact_mut(8).enumerate() {
+                o.copy_from_slice(&crate::simd::dot8_q4_0x8(self.cols, self.group(r0 + 8 * gi), y));
+            }
+            return;
+        }
         match x {
             DotInput::Q8(y) => {
                 let done = out.len() / 4 * 4;
@@ -145,10 +186,36 @@ impl<'a> QMatrix<'a> {
         if n == 1 {
             return self.matvec(&xs[0], out);
         }
-        let rb = par_chunk(self.rows, 16);
+        let rb = par_chunk(self.rows, 16).next_multiple_of(8);
         let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
         tmp.par_chunks_mut(rb * n).enumerate().for_each(|(ci, chunk)| {
-            for (i, row_out) in chunk.chunks_mut(n).enumerate() {
+            if self.interleaved {
+                // One 8-row group at a time, for every input while it is in cache.
+                for (gi, g_out) in chunk.chunks_mut(8 * n).enumerate() {
+                    let group = self.group(ci * rb + 8 * gi);
+                    for (t, x) in xs.iter().enumerate() {
+                        let d = crate::simd::dot8_q4_0x8(self.cols, group, q8_input(x));
+                        for (i, v) in d.into_iter().enumerate() {
+                            g_out[i * n + t] = v;
+                        }
+                    }
+                }
+                return;
+            }
+            // Four rows at a time through the same kernel as `matvec`, so a
+            // token's result does not depend on the batch it is in.
+            let quads = if matches!(xs[0], DotInput::Q8(_)) { chunk.len() / n / 4 } else { 0 };
+            for (qi, q_out) in chunk.chunks_mut(4 * n).take(quads).enumerate() {
+                let r = ci * rb + 4 * qi;
+                let rows = [self.row(r), self.row(r + 1), self.row(r + 2), self.row(r + 3)];
+                for (t, x) in xs.iter().enumerate() {
+                    let d = crate::simd::dot4(self.dtype, self.cols, rows, q8_input(x));
+                    for (i, v) in d.into_iter().enumerate() {
+                        q_out[i * n + t] = v;
+                    }
+                }
+            }
+            for (i, row_out) in chunk.chunks_mut(n).enumerate().skip(4 * quads) {
                 let r = ci * rb + i;
                 for (t, o) in row_out.iter_mut().enumerate() {
                     *o = self.row_dot(r, &xs[t]);
@@ -185,7 +252,26 @@ impl<'a> QMatrix<'a> {
 
     /// Dequantizes row `r` into `out` (`[cols]`).
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
-        row_to_f32(self.dtype, self.row(r), out)
+        if !self.interleaved {
+            return row_to_f32(self.dtype, self.row(r), out);
+        }
+        let (g, i) = (self.group(r), r % 8);
+        for (blk, o) in g.chunks_exact(144).zip(out.chunks_exact_mut(32)) {
+            let d = f16::from_le_bytes([blk[2 * i], blk[2 * i + 1]]).to_f32();
+            let (lo, hi) = o.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&blk[16 + 16 * i..32 + 16 * i]) {
+                *l = d * ((q & 0x0F) as i32 - 8) as f32;
+                *h = d * ((q >> 4) as i32 - 8) as f32;
+            }
+        }
+    }
+}
+
+/// The Q8_0 blocks of an input for Q4_0 rows.
+fn q8_input(x: &DotInput) -> &[BlockQ8_0] {
+    match x {
+        DotInput::Q8(y) => y,
+        _ => panic!("dot input prepared for another dtype than Q4_0/Q8_0"),
     }
 }
 
@@ -194,7 +280,8 @@ impl<'a> QMatrix<'a> {
 /// way: one fork–join instead of three).
 pub fn matvec_many(mats: &[&QMatrix], x: &DotInput, outs: &mut [&mut [f32]]) {
     let total: usize = mats.iter().map(|m| m.rows).sum();
-    let chunk = par_chunk(total, 16).next_multiple_of(4);
+    // Multiples of 8: whole groups of the Q4_0×8 layout, whole quads otherwise.
+    let chunk = par_chunk(total, 16).next_multiple_of(8);
     // Nested parallel iterators rather than a task list: no allocation per call.
     outs.par_iter_mut().enumerate().for_each(|(mi, out)| {
         debug_assert_eq!(out.len(), mats[mi].rows);
@@ -326,5 +413,59 @@ mod tests {
             let (got, want) = approx_dot(dt);
             assert!((got - want).abs() <= tol, "{dt}: {got} vs {want}");
         }
+    }
+
+    /// The Q4_0×8 layout gives the same bits as the row layout in every
+    /// batch path: decode matvec (fused Q/K/V), small-batch matmul, and
+    /// dequantized rows (embedding lookups, prefill tiles).
+    #[test]
+    fn interleaved_q4_0_matches_the_row_layout_bit_for_bit() {
+        let (rows, cols) = (40, 96);
+        let mut seed = 5u32;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+            (seed >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+        };
+        let mut bytes = Vec::new();
+        for _ in 0..rows {
+            let w: Vec<f32> = (0..cols).map(|_| rnd()).collect();
+            quantize_row(DType::Q4_0, &w, &mut bytes);
+        }
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        // SAFETY: `words` has at least `bytes.len()` bytes.
+        let rowl = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, bytes.len()) };
+        rowl.copy_from_slice(&bytes);
+        let mut inter = bytes.clone();
+        nflash_format::interleave::interleave_q4_0(&mut inter, cols, &mut Vec::new());
+        let a = QMatrix::new(DType::Q4_0, rows, cols, rowl);
+        let b = QMatrix::q4_0x8(rows, cols, &inter);
+        let xs: Vec<DotInput> = (0..3)
+            .map(|_| DotInput::from_slice(DType::Q4_0, &(0..cols).map(|_| rnd() * 3.0).collect::<Vec<_>>()))
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let (mut oa, mut ob) = (vec![0f32; rows], vec![0f32; rows]);
+        a.matvec(&xs[0], &mut oa);
+        b.matvec(&xs[0], &mut ob);
+        assert_eq!(bits(&oa), bits(&ob), "matvec");
+        let (mut qa, mut ka, mut qb, mut kb) = (vec![0f32; rows], vec![0f32; rows], vec![0f32; rows], vec![0f32; rows]);
+        matvec_many(&[&a, &a], &xs[1], &mut [&mut qa, &mut ka]);
+        matvec_many(&[&b, &b], &xs[1], &mut [&mut qb, &mut kb]);
+        assert_eq!((bits(&qa), bits(&ka)), (bits(&qb), bits(&kb)), "matvec_many");
+        let (mut ma, mut mb) = (vec![0f32; 3 * rows], vec![0f32; 3 * rows]);
+        a.matmul(&xs, &mut ma);
+        b.matmul(&xs, &mut mb);
+        assert_eq!(bits(&ma), bits(&mb), "matmul");
+        let (mut da, mut db) = (vec![0f32; cols], vec![0f32; cols]);
+        for r in [0, 7, 8, 21, 39] {
+            // One row alone goes through candle-core's kernel in the row layout.
+            let (p, q) = (a.row_dot(r, &xs[2]), b.row_dot(r, &xs[2]));
+            assert!((p - q).abs() <= 1e-5 * p.abs().max(1.0), "row_dot {r}: {p} vs {q}");
+            a.row_to_f32(r, &mut da);
+            b.row_to_f32(r, &mut db);
+            assert_eq!(bits(&da), bits(&db), "row_to_f32 {r}");
+        }
+        // And the AVX2 kernel agrees with the portable one (and candle-core) to rounding.
+        let want = BlockQ4_0::vec_dot(cols, cast::<BlockQ4_0>(a.row(9)), q8_input(&xs[0]));
+        assert!((ob[9] - want).abs() <= 1e-4 * want.abs().max(1.0), "{} vs {want}", ob[9]);
     }
 }

@@ -269,7 +269,10 @@ pub fn run(a: ProbeArgs) -> Result<()> {
 
     // CPU.
     pb.set_message("q4_0 matvec 1 thread");
-    let mat = q4_0_matrix(plan.mat_rows, plan.mat_cols);
+    let mut mat = q4_0_matrix(plan.mat_rows, plan.mat_cols);
+    if nflash_runtime::simd::q4_0x8_available() {
+        mat.interleave(); // as `nflash run` lays out resident Q4_0 matrices
+    }
     let x: Vec<f32> = {
         let mut r = SplitMix(7);
         (0..plan.mat_cols).map(|_| r.next_f32()).collect()
@@ -653,7 +656,7 @@ fn q4_0_matrix(rows: usize, cols: usize) -> QMatrixOwned {
         row.iter_mut().for_each(|v| *v = rng.next_f32());
         BlockQ4_0::from_float(&row, &mut blocks[r * per_row..(r + 1) * per_row]);
     }
-    QMatrixOwned { blocks, rows, cols }
+    QMatrixOwned { blocks, rows, cols, interleaved: false }
 }
 
 /// Owned Q4_0 blocks viewed as a [`QMatrix`].
@@ -661,9 +664,25 @@ struct QMatrixOwned {
     blocks: Vec<BlockQ4_0>,
     rows: usize,
     cols: usize,
+    /// In the Q4_0×8 layout (`nflash_format::interleave`).
+    interleaved: bool,
 }
 
 impl QMatrixOwned {
+    /// Reorders the blocks to the Q4_0×8 layout (rows a multiple of 8).
+    fn interleave(&mut self) {
+        // SAFETY: BlockQ4_0 is a plain-old-data repr(C) type for which every
+        // bit pattern is valid; the bytes are borrowed mutably from `self`.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(
+                self.blocks.as_mut_ptr() as *mut u8,
+                self.blocks.len() * std::mem::size_of::<BlockQ4_0>(),
+            )
+        };
+        nflash_format::interleave::interleave_q4_0(bytes, self.cols, &mut Vec::new());
+        self.interleaved = true;
+    }
+
     fn bytes(&self) -> &[u8] {
         // SAFETY: BlockQ4_0 is a plain-old-data repr(C) type; its memory read
         // as bytes is valid for len × size_of bytes while `self` is borrowed.
@@ -675,6 +694,9 @@ impl QMatrixOwned {
         }
     }
     fn view(&self) -> QMatrix<'_> {
+        if self.interleaved {
+            return QMatrix::q4_0x8(self.rows, self.cols, self.bytes());
+        }
         QMatrix::new(DType::Q4_0, self.rows, self.cols, self.bytes())
     }
 }
