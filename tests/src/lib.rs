@@ -386,9 +386,18 @@ unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
 /// Greedy generation from `prompt` for `steps` tokens: every step's logits,
 /// the tokens, and the cache counters.
 pub fn generate(path: &Path, cfg: &CacheConfig, threads: usize, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
+    generate_in(path, cfg, threads, prompt, steps, false)
+}
+
+/// As [`generate`]; with `interleave`, Q4_0 matrices are first reordered to
+/// the Q4_0×8 layout as `nflash run` does (SPEC §5.1).
+pub fn generate_in(path: &Path, cfg: &CacheConfig, threads: usize, prompt: &[u32], steps: usize, interleave: bool) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     pool.install(|| {
-        let pack = Pack::open_resident(path).unwrap();
+        let mut pack = Pack::open_resident(path).unwrap();
+        if interleave {
+            assert!(pack.interleave_q4_0().unwrap() > 0, "nothing was interleaved");
+        }
         let model = Model::load_with(&pack, cfg).unwrap();
         let h = model.cfg.hidden_size as usize;
         let mut kv = model.new_kv_cache(prompt.len() + steps + 1);
