@@ -119,9 +119,9 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     }
     if a.out.is_dir() {
         bail!(
-            "--out {} is a directory; pass a file path such as {}/device.toml",
+            "--out {} is a directory; pass a file path such as {}",
             a.out.display(),
-            a.out.display()
+            a.out.join("device.toml").display()
         );
     }
     let out_name = a
