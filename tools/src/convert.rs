@@ -276,6 +276,13 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         }
     };
     let ctx = a.device.ctx.unwrap_or_else(|| cfg.max_position_embeddings.min(4096) as u32);
+    if let (Some(dev), None) = (&device, a.device.memory_budget) {
+        eprintln!(
+            "memory budget: {:.1} MiB, the available memory of profile {} (--memory-budget to choose another)",
+            dev.memory.available_bytes as f64 / (1 << 20) as f64,
+            dev.name
+        );
+    }
     let planner = device.as_ref().map(|dev| {
         let req = nflash_runtime::planner::PlanRequest {
             budget_bytes: a.device.memory_budget.unwrap_or(dev.memory.available_bytes),
