@@ -70,14 +70,27 @@ fn the_interleaved_q4_0_layout_changes_no_result() {
     assert!(bytes > 0);
     p.verify().expect("segments checked before the reorder still verify");
     let prompt: Vec<u32> = (0..12).map(|i| 3 + (i * 7) % 70).collect();
-    for (name, cfg) in placements(&path).into_iter().take(2) {
-        for threads in [1, 2] {
-            let rows = generate_in(&path, &cfg, threads, &prompt, 8, false);
-            let inter = generate_in(&path, &cfg, threads, &prompt, 8, true);
-            assert_eq!(rows.1, inter.1, "{name}, {threads} threads: tokens differ");
-            assert!(rows.0 == inter.0, "{name}, {threads} threads: logits differ");
+    let same = |path: &Path, cfgs: Vec<(&str, CacheConfig)>| {
+        for (name, cfg) in cfgs {
+            for threads in [1, 2] {
+                let rows = generate_in(path, &cfg, threads, &prompt, 8, false);
+                let inter = generate_in(path, &cfg, threads, &prompt, 8, true);
+                assert_eq!(rows.1, inter.1, "{name}, {threads} threads: tokens differ");
+                assert!(rows.0 == inter.0, "{name}, {threads} threads: logits differ");
+            }
         }
-    }
+    };
+    same(&path, placements(&path).into_iter().take(2).collect());
+    // A vocabulary of 84 rows keeps the (tied) embedding in the row layout
+    // beside interleaved attention: both layouts in one model.
+    let ckpt = dir.path().join("ckpt84");
+    write_tiny_checkpoint(&ckpt, &TinySpec { vocab: 84, ..spec() });
+    let p84 = dir.path().join("v84.nflash");
+    nflash_tests::convert(&ckpt, &p84, "q4_0");
+    let mut p = Pack::open_resident(&p84).unwrap();
+    p.interleave_q4_0().unwrap();
+    assert!(!p.is_interleaved("model.embed_tokens.weight") && p.is_interleaved("model.layers.1.self_attn.k_proj.weight"));
+    same(&p84, placements(&p84).into_iter().take(1).collect());
 }
 
 #[test]
