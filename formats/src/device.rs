@@ -64,6 +64,15 @@ pub struct KernelSpeeds {
     pub q4_0_ffn_gb_s_1t: f64,
     /// The same on `cpu.threads_measured` threads, GB/s.
     pub q4_0_ffn_gb_s_mt: f64,
+    /// The activation predictor's Q8_0 matrix-vector products on one
+    /// thread (a low-rank projection `[r, hidden]` then `[n, r]` gate and up
+    /// factors, SPEC §4.5, in the row layout), weight bytes/s, GB/s. Absent
+    /// in profiles from before 2026-12-01: the matvec figures stand in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub q8_0_predictor_gb_s_1t: Option<f64>,
+    /// The same on `cpu.threads_measured` threads, GB/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub q8_0_predictor_gb_s_mt: Option<f64>,
 }
 
 /// Memory figures.
@@ -233,6 +242,9 @@ impl DeviceProfile {
             if !pos(k.q4_0_ffn_gb_s_1t) || !pos(k.q4_0_ffn_gb_s_mt) {
                 return Err("kernels.q4_0_ffn_gb_s_* must be positive numbers up to 1e6".into());
             }
+            if [k.q8_0_predictor_gb_s_1t, k.q8_0_predictor_gb_s_mt].into_iter().flatten().any(|v| !pos(v)) {
+                return Err("kernels.q8_0_predictor_gb_s_* must be positive numbers up to 1e6".into());
+            }
         }
         if self.flash.io_queues == 0 {
             return Err("flash.io_queues must be ≥ 1".into());
@@ -303,6 +315,16 @@ impl DeviceProfile {
         }
     }
 
+    /// Activation predictor speed with `threads` threads, weight bytes/s:
+    /// the `[kernels]` Q8_0 predictor figures when present, otherwise
+    /// [`Self::matvec_bytes_per_s`].
+    pub fn predictor_bytes_per_s(&self, threads: u32) -> f64 {
+        match self.kernels.as_ref().and_then(|k| k.q8_0_predictor_gb_s_1t.map(|one| (one, k.q8_0_predictor_gb_s_mt))) {
+            Some((one, all)) => self.at_threads(one, all, threads),
+            None => self.matvec_bytes_per_s(threads),
+        }
+    }
+
     /// A kernel speed at `threads` threads from its 1-thread figure `one`
     /// and its figure `all` at `cpu.threads_measured` threads (GB/s): linear
     /// in threads up to the measured count, flat beyond, capped at the
@@ -339,7 +361,7 @@ mod tests {
                     ReadPoint { block_bytes: 65536, in_flight: 16, random_mb_s: 1300.0, sequential_mb_s: 1400.0 },
                 ],
             },
-            kernels: Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 4.0, q4_0_ffn_gb_s_mt: 7.0 }),
+            kernels: Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 4.0, q4_0_ffn_gb_s_mt: 7.0, q8_0_predictor_gb_s_1t: Some(9.0), q8_0_predictor_gb_s_mt: Some(15.0) }),
         }
     }
 
@@ -358,6 +380,8 @@ mod tests {
         assert_eq!(p.matvec_bytes_per_s(8), 18e9);
         assert_eq!(p.ffn_bytes_per_s(1), 4e9);
         assert_eq!(p.ffn_bytes_per_s(2), 7e9);
+        assert_eq!(p.predictor_bytes_per_s(1), 9e9);
+        assert_eq!(p.predictor_bytes_per_s(2), 15e9);
     }
 
     #[test]
@@ -370,6 +394,10 @@ mod tests {
         let back = DeviceProfile::parse(&plain.to_toml()).unwrap();
         assert_eq!(back.kernels, None);
         assert_eq!(back.ffn_bytes_per_s(2), 18e9);
+        // [kernels] from before the predictor figures: the predictor at the matvec speed.
+        let old = DeviceProfile::parse(&text.replace("q8_0_predictor_gb_s_1t = 9.0\n", "").replace("q8_0_predictor_gb_s_mt = 15.0\n", "")).unwrap();
+        assert_eq!(old.kernels.unwrap().q8_0_predictor_gb_s_1t, None);
+        assert_eq!((old.predictor_bytes_per_s(2), old.ffn_bytes_per_s(2)), (18e9, 7e9));
         // The binary form stored in a pack's plan leaves [kernels] out: same bytes as before it existed.
         let bin = bincode::serialize(&p).unwrap();
         assert_eq!(bin, bincode::serialize(&plain).unwrap());
@@ -379,7 +407,7 @@ mod tests {
         assert!(DeviceProfile::parse(&bad).is_err());
         assert!(DeviceProfile::parse(&format!("colour = 1\n{text}")).unwrap_err().contains("colour"));
         let mut z = p.clone();
-        z.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 0.0, q4_0_ffn_gb_s_mt: 1.0 });
+        z.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 0.0, q4_0_ffn_gb_s_mt: 1.0, q8_0_predictor_gb_s_1t: None, q8_0_predictor_gb_s_mt: None });
         assert!(DeviceProfile::parse(&z.to_toml()).unwrap_err().contains("kernels.q4_0_ffn_gb_s"));
     }
 
@@ -394,7 +422,7 @@ mod tests {
         p.memory.bandwidth_gb_s = 1e300;
         assert!(DeviceProfile::parse(&p.to_toml()).unwrap_err().contains("memory.bandwidth_gb_s"));
         let mut p = sample();
-        p.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 1.0, q4_0_ffn_gb_s_mt: 1e7 });
+        p.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 1.0, q4_0_ffn_gb_s_mt: 1e7, q8_0_predictor_gb_s_1t: None, q8_0_predictor_gb_s_mt: None });
         assert!(DeviceProfile::parse(&p.to_toml()).is_err());
         let mut p = sample();
         p.cpu.threads_measured = Some(u32::MAX);

@@ -400,15 +400,16 @@ pub fn estimate(m: &Manifest, dev: &DeviceProfile, p: &Plan) -> Estimate {
 /// [`estimate`] from the planner's per-layer clusters and hot cluster counts.
 ///
 /// Compute: bytes touched per token / the profile's matvec speed at
-/// `threads` (attention, predictor, lm_head); the bundles of the neurons the
-/// predictor selects / its sparse FFN speed (`[kernels]`, the matvec speed
-/// without it). I/O: each cold cluster is needed with its probability
+/// `threads` (attention, lm_head); the predictor's bytes / its Q8_0
+/// predictor speed and the bundles of the neurons the predictor selects /
+/// its sparse FFN speed (both `[kernels]`, the matvec speed without them). I/O: each cold cluster is needed with its probability
 /// `p`; the cold LRU keeps it as [`lru_hit`] says; misses are read at the
 /// profile's random-read bandwidth for the merged read size.
 fn estimate_with(m: &Manifest, dev: &DeviceProfile, threads: u32, ctx: u32, layers: &[Vec<Cl>], hot: &[usize], cold_bytes: u64) -> Estimate {
     let matvec = dev.matvec_bytes_per_s(threads);
     let kv_ms = kv_read_bytes(m, ctx / 2) as f64 / matvec * 1e3;
     let ffn_speed = dev.ffn_bytes_per_s(threads);
+    let predictor = dev.predictor_bytes_per_s(threads);
     let cold: Vec<&Cl> = layers.iter().zip(hot).flat_map(|(cs, &h)| cs[h..].iter()).collect();
     let slot = cold.iter().map(|c| c.bytes).max().unwrap_or(1).max(1);
     let slots = (cold_bytes / slot) as f64;
@@ -420,7 +421,7 @@ fn estimate_with(m: &Manifest, dev: &DeviceProfile, threads: u32, ctx: u32, laye
         let f = &m.ffn[l];
         let q = need_probability(m, l);
         e.attention_ms += attention_bytes(m, l) as f64 / matvec * 1e3 + kv_ms;
-        e.predictor_ms += f.sparse.as_ref().map_or(0, |s| s.predictor_bytes) as f64 / matvec * 1e3;
+        e.predictor_ms += f.sparse.as_ref().map_or(0, |s| s.predictor_bytes) as f64 / predictor * 1e3;
         let ffn_ms = q.iter().sum::<f64>() * f.bundle.bundle_bytes as f64 / ffn_speed * 1e3;
         e.ffn_ms += ffn_ms;
         let mut io_s = 0.0;

@@ -59,6 +59,8 @@ fn quick_probe_writes_a_loadable_profile_and_removes_its_scratch_file() {
     let k = p.kernels.expect("the probe measures the sparse FFN ([kernels])");
     assert!(k.q4_0_ffn_gb_s_1t > 0.0 && k.q4_0_ffn_gb_s_mt > 0.0, "{k:?}");
     assert!(stderr.contains("sparse FFN"), "{stderr}");
+    assert!(k.q8_0_predictor_gb_s_1t.is_some_and(|v| v > 0.0) && k.q8_0_predictor_gb_s_mt.is_some_and(|v| v > 0.0), "{k:?}");
+    assert!(stderr.contains("predictor (q8_0"), "{stderr}");
     assert_eq!(p.cpu.threads_measured, Some(p.n_cores()));
     assert!(stderr.contains(&format!("wrote {}", out.display())), "{stderr}");
 

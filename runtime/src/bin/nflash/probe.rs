@@ -104,6 +104,9 @@ struct Plan {
     mat_cols: usize,
     /// FFN bundles (neurons) of the sparse FFN measurement.
     ffn_neurons: usize,
+    /// Layers of the predictor measurement (each a `[256, mat_cols]`
+    /// projection and two `[mat_cols, 256]` factors, Q8_0: 3.3 MiB at 4096).
+    predictor_layers: usize,
 }
 
 pub fn run(a: ProbeArgs) -> Result<()> {
@@ -173,6 +176,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             mat_rows: 1024,
             mat_cols: 4096,
             ffn_neurons: 1024,
+            predictor_layers: 2,
         }
     } else {
         Plan {
@@ -188,6 +192,8 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             // 113 MiB of bundles; each pass reads a different 1/8 (14 MiB),
             // out of the cache as decode's selected bundles are.
             ffn_neurons: 16384,
+            // 80 MiB: out of the last-level cache, as decode's predictors are.
+            predictor_layers: 24,
         }
     };
     let free = free_bytes(&dir)?;
@@ -214,7 +220,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     let name = a.name.clone().unwrap_or_else(hostname);
     let started = Instant::now();
     let n_points = plan.blocks.len() * plan.in_flight.len();
-    let pb = ProgressBar::new((2 * n_points + 6) as u64);
+    let pb = ProgressBar::new((2 * n_points + 8) as u64);
     pb.set_style(
         ProgressStyle::with_template("{msg:>18} [{elapsed_precise}] {wide_bar} {pos}/{len}").expect("static template"),
     );
@@ -292,6 +298,14 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     let ffn_all = in_threads(cores, || ffn_speed(&bundles, plan.ffn_neurons, &x, run_secs))?;
     pb.inc(1);
     drop(bundles);
+    pb.set_message("predictor 1 thread");
+    let pred = predictor_layers(plan.predictor_layers, plan.mat_cols);
+    let pred_one = in_threads(1, || Ok(predictor_speed(&pred, &x, run_secs)))?;
+    pb.inc(1);
+    pb.set_message(format!("predictor {cores} threads"));
+    let pred_all = in_threads(cores, || Ok(predictor_speed(&pred, &x, run_secs)))?;
+    pb.inc(1);
+    drop(pred);
     pb.finish_and_clear();
 
     let dir_abs = std::fs::canonicalize(&dir).unwrap_or(dir.clone());
@@ -327,6 +341,8 @@ pub fn run(a: ProbeArgs) -> Result<()> {
         kernels: Some(KernelSpeeds {
             q4_0_ffn_gb_s_1t: round(ffn_one, 2),
             q4_0_ffn_gb_s_mt: round(ffn_all, 2),
+            q8_0_predictor_gb_s_1t: Some(round(pred_one, 2)),
+            q8_0_predictor_gb_s_mt: Some(round(pred_all, 2)),
         }),
     };
     let text = format!(
@@ -725,6 +741,66 @@ fn matvec_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> f64 {
     speeds[speeds.len() / 2]
 }
 
+/// One predictor layer as decode runs it (`LayerSparse`, MLP kind): a
+/// Q8_0 projection `[256, cols]`, then gate and up factors `[cols, 256]`.
+struct PredictorLayer {
+    proj: Vec<u8>,
+    gate: Vec<u8>,
+    up: Vec<u8>,
+}
+
+/// `n` predictor layers of random Q8_0 weights for hidden size `cols`.
+fn predictor_layers(n: usize, cols: usize) -> Vec<PredictorLayer> {
+    const R: usize = 256;
+    let mut rng = SplitMix(0x9D);
+    let mut mat = |rows: usize, width: usize| {
+        let mut bytes = Vec::new();
+        let mut row = vec![0f32; width];
+        for _ in 0..rows {
+            row.iter_mut().for_each(|v| *v = rng.next_f32());
+            nflash_runtime::weights::quantize_row(DType::Q8_0, &row, &mut bytes);
+        }
+        bytes
+    };
+    (0..n).map(|_| PredictorLayer { proj: mat(R, cols), gate: mat(cols, R), up: mat(cols, R) }).collect()
+}
+
+/// Predictor speed on the current rayon pool, GB/s of predictor weight
+/// bytes: every layer's projection of `x`, then its gate and up factors in
+/// one parallel region, as `LayerSparse::predict_token` does. Median of 7
+/// runs of at least `run_secs`.
+fn predictor_speed(layers: &[PredictorLayer], x: &[f32], run_secs: f64) -> f64 {
+    const R: usize = 256;
+    let cols = x.len();
+    let xin = DotInput::from_slice(DType::Q8_0, x);
+    let mut zin = DotInput::new(DType::Q8_0);
+    let (mut z, mut g, mut u) = (vec![0f32; R], vec![0f32; cols], vec![0f32; cols]);
+    let bytes: usize = layers.iter().map(|l| l.proj.len() + l.gate.len() + l.up.len()).sum();
+    let mut pass = || {
+        for l in layers {
+            QMatrix::new(DType::Q8_0, R, cols, &l.proj).matvec(&xin, &mut z);
+            zin.set(&z);
+            let (gm, um) = (QMatrix::new(DType::Q8_0, cols, R, &l.gate), QMatrix::new(DType::Q8_0, cols, R, &l.up));
+            nflash_runtime::weights::matvec_many(&[&gm, &um], &zin, &mut [&mut g, &mut u]);
+        }
+        std::hint::black_box((&g, &u));
+    };
+    pass(); // warm up
+    let mut speeds: Vec<f64> = (0..7)
+        .map(|_| {
+            let t = Instant::now();
+            let mut reps = 0u64;
+            while reps == 0 || t.elapsed().as_secs_f64() < run_secs {
+                pass();
+                reps += 1;
+            }
+            bytes as f64 * reps as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    speeds.sort_by(f64::total_cmp);
+    speeds[speeds.len() / 2]
+}
+
 /// Sparse FFN decode speed of the runtime's neuron engine
 /// ([`Ffn::forward_token`]) on the current rayon pool, GB/s of selected
 /// bundle bytes. `bundles` holds `n` Q4_0 bundles (gate row, up row, down
@@ -957,6 +1033,9 @@ fn print_table(p: &DeviceProfile, direct: bool, took: Duration) {
             k.q4_0_ffn_gb_s_mt,
             p.cpu.threads_measured.unwrap_or(0)
         );
+        if let (Some(one), Some(all)) = (k.q8_0_predictor_gb_s_1t, k.q8_0_predictor_gb_s_mt) {
+            eprintln!("predictor (q8_0, rank 256): {one:.2} GB/s on 1 thread, {all:.2} GB/s on {}", p.cpu.threads_measured.unwrap_or(0));
+        }
     }
     eprintln!("probe took {:.1} s", took.as_secs_f64());
 }
