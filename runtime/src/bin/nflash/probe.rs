@@ -274,7 +274,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     let (total_bytes, available_bytes) = memory_sizes()?;
 
     // CPU.
-    pb.set_message("q4_0 matvec 1 thread");
+    pb.set_message("q4_0 matvec");
     let mut mat = q4_0_matrix(plan.mat_rows, plan.mat_cols);
     if nflash_runtime::simd::q4_0x8_available() {
         mat.interleave(); // as `nflash run` lays out resident Q4_0 matrices
@@ -284,27 +284,23 @@ pub fn run(a: ProbeArgs) -> Result<()> {
         (0..plan.mat_cols).map(|_| r.next_f32()).collect()
     };
     let run_secs = (plan.seconds / 5.0).max(0.02);
-    let one = in_threads(1, || Ok(matvec_speed(&mat, &x, run_secs)))?;
-    pb.inc(1);
-    pb.set_message(format!("q4_0 matvec {cores} threads"));
-    let all = in_threads(cores, || Ok(matvec_speed(&mat, &x, run_secs)))?;
-    pb.inc(1);
+    // A kernel's speed on one thread, then on every core.
+    let on_1_and_all = |what: &str, f: &(dyn Fn() -> Result<f64> + Sync)| -> Result<(f64, f64)> {
+        pb.set_message(format!("{what} 1 thread"));
+        let one = in_threads(1, f)?;
+        pb.inc(1);
+        pb.set_message(format!("{what} {cores} threads"));
+        let all = in_threads(cores, f)?;
+        pb.inc(1);
+        Ok((one, all))
+    };
+    let (one, all) = on_1_and_all("q4_0 matvec", &|| Ok(matvec_speed(&mat, &x, run_secs)))?;
     drop(mat);
-    pb.set_message("sparse FFN 1 thread");
     let bundles = q4_0_matrix(3 * plan.ffn_neurons, plan.mat_cols);
-    let ffn_one = in_threads(1, || ffn_speed(&bundles, plan.ffn_neurons, &x, run_secs))?;
-    pb.inc(1);
-    pb.set_message(format!("sparse FFN {cores} threads"));
-    let ffn_all = in_threads(cores, || ffn_speed(&bundles, plan.ffn_neurons, &x, run_secs))?;
-    pb.inc(1);
+    let (ffn_one, ffn_all) = on_1_and_all("sparse FFN", &|| ffn_speed(&bundles, plan.ffn_neurons, &x, run_secs))?;
     drop(bundles);
-    pb.set_message("predictor 1 thread");
     let pred = predictor_layers(plan.predictor_layers, plan.mat_cols);
-    let pred_one = in_threads(1, || Ok(predictor_speed(&pred, &x, run_secs)))?;
-    pb.inc(1);
-    pb.set_message(format!("predictor {cores} threads"));
-    let pred_all = in_threads(cores, || Ok(predictor_speed(&pred, &x, run_secs)))?;
-    pb.inc(1);
+    let (pred_one, pred_all) = on_1_and_all("predictor", &|| Ok(predictor_speed(&pred, &x, run_secs)))?;
     drop(pred);
     pb.finish_and_clear();
 
