@@ -402,9 +402,10 @@ pub fn estimate(m: &Manifest, dev: &DeviceProfile, p: &Plan) -> Estimate {
 /// Compute: bytes touched per token / the profile's matvec speed at
 /// `threads` (attention, lm_head); the predictor's bytes / its Q8_0
 /// predictor speed and the bundles of the neurons the predictor selects /
-/// its sparse FFN speed (both `[kernels]`, the matvec speed without them). I/O: each cold cluster is needed with its probability
-/// `p`; the cold LRU keeps it as [`lru_hit`] says; misses are read at the
-/// profile's random-read bandwidth for the merged read size.
+/// its sparse FFN speed (both `[kernels]`, the matvec speed without them).
+/// I/O: each cold cluster is needed with its probability `p`; the cold LRU
+/// keeps it as [`lru_hit`] says; misses are read at the profile's
+/// random-read bandwidth for the merged read size.
 fn estimate_with(m: &Manifest, dev: &DeviceProfile, threads: u32, ctx: u32, layers: &[Vec<Cl>], hot: &[usize], cold_bytes: u64) -> Estimate {
     let matvec = dev.matvec_bytes_per_s(threads);
     let kv_ms = kv_read_bytes(m, ctx / 2) as f64 / matvec * 1e3;

@@ -10,6 +10,7 @@
 
 use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ8_0, GgmlType};
 use half::f16;
+use nflash_format::interleave::Q4_0X8_GROUP_BLOCK;
 use nflash_format::DType;
 
 /// Whether the AVX2 kernels can run on this CPU (checked once, then cached by std).
@@ -80,7 +81,7 @@ pub fn dot8_q4_0x8(cols: usize, group: &[u8], y: &[BlockQ8_0]) -> [f32; 8] {
     // Portable: per block, d_x · d_y · Σ (q − 8) · y over the 32 elements.
     let mut out = [0f32; 8];
     for (b, yb) in q8_bytes(y).chunks_exact(34).enumerate().take(cols / 32) {
-        let blk = &group[b * 144..(b + 1) * 144];
+        let blk = &group[b * Q4_0X8_GROUP_BLOCK..(b + 1) * Q4_0X8_GROUP_BLOCK];
         let dy = f16::from_le_bytes([yb[0], yb[1]]).to_f32();
         let ys = &yb[2..34];
         for (r, o) in out.iter_mut().enumerate() {
@@ -154,6 +155,7 @@ pub fn portable_axpy(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use nflash_format::interleave::Q4_0X8_GROUP_BLOCK as GROUP_BLOCK;
     use std::arch::x86_64::*;
 
     #[inline]
@@ -206,6 +208,13 @@ mod avx2 {
     /// 1 024 bytes were all within the host's noise).
     const PF: usize = 640;
 
+    /// The two 128-bit halves of `v` added lane by lane (lane `j` + lane `j + 4`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn halves(v: __m256i) -> __m128i {
+        _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1))
+    }
+
     /// Sum of the 4 lanes as `(l0 + l2) + (l1 + l3)`: the one order both
     /// Q4_0 kernels use, so that their results are bit-identical.
     #[inline]
@@ -229,7 +238,6 @@ mod avx2 {
         let ones = _mm256_set1_epi16(1);
         let eights = _mm256_set1_epi8(8);
         let m4 = _mm_set1_epi8(0x0F);
-        let halves = |v: __m256i| _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
         let mut acc = [_mm_setzero_ps(); 4];
         for b in 0..nb {
             let yp = y.as_ptr().add(b * 34);
@@ -261,7 +269,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot8_q4_0x8(cols: usize, group: &[u8], y: &[u8]) -> [f32; 8] {
         let nb = cols / 32;
-        assert!(y.len() >= nb * 34 && group.len() >= nb * 144);
+        assert!(y.len() >= nb * 34 && group.len() >= nb * GROUP_BLOCK);
         let ones = _mm256_set1_epi16(1);
         let eights = _mm256_set1_epi8(8);
         let m4 = _mm256_set1_epi8(0x0F);
@@ -294,7 +302,7 @@ mod avx2 {
                 let f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dy);
                 acc[k] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(dx, pick[k]), f, acc[k]);
             }
-            p = p.add(144);
+            p = p.add(GROUP_BLOCK);
         }
         let mut out = [0f32; 8];
         for k in 0..4 {

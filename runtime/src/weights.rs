@@ -6,6 +6,7 @@
 
 use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ8_0, GgmlType};
 use half::f16;
+use nflash_format::interleave::{Q4_0X8_GROUP_BLOCK, Q4_0X8_ROWS};
 use nflash_format::DType;
 use rayon::prelude::*;
 
@@ -112,11 +113,6 @@ impl<'a> QMatrix<'a> {
         }
     }
 
-    /// Whether the rows are in the Q4_0×8 layout.
-    pub fn is_interleaved(&self) -> bool {
-        self.interleaved
-    }
-
     /// Bytes of row `r` (row layout only).
     #[inline]
     fn row(&self, r: usize) -> &'a [u8] {
@@ -127,8 +123,8 @@ impl<'a> QMatrix<'a> {
     /// Bytes of the 8-row group holding row `r` (Q4_0×8 layout only).
     #[inline]
     fn group(&self, r: usize) -> &'a [u8] {
-        let g = r / 8 * 8 * self.row_bytes;
-        &self.data[g..g + 8 * self.row_bytes]
+        let g = r / Q4_0X8_ROWS * Q4_0X8_ROWS * self.row_bytes;
+        &self.data[g..g + Q4_0X8_ROWS * self.row_bytes]
     }
 
     /// Dot product of row `r` with a prepared input.
@@ -256,7 +252,7 @@ impl<'a> QMatrix<'a> {
             return row_to_f32(self.dtype, self.row(r), out);
         }
         let (g, i) = (self.group(r), r % 8);
-        for (blk, o) in g.chunks_exact(144).zip(out.chunks_exact_mut(32)) {
+        for (blk, o) in g.chunks_exact(Q4_0X8_GROUP_BLOCK).zip(out.chunks_exact_mut(32)) {
             let d = f16::from_le_bytes([blk[2 * i], blk[2 * i + 1]]).to_f32();
             let (lo, hi) = o.split_at_mut(16);
             for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&blk[16 + 16 * i..32 + 16 * i]) {

@@ -713,24 +713,31 @@ impl QMatrixOwned {
     }
 }
 
-/// Q4_0 matrix-vector speed on the current rayon pool, GB/s of weight bytes:
-/// median of 7 runs, each repeating `matvec` for at least `run_secs`.
+/// Q4_0 matrix-vector speed on the current rayon pool, GB/s of weight bytes
+/// ([`median_gb_s`] of `matvec`).
 fn matvec_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> f64 {
     let mat = m.view();
     let input = DotInput::from_slice(DType::Q4_0, x);
     let mut out = vec![0f32; mat.rows];
-    let weight_bytes = m.bytes().len() as f64;
-    mat.matvec(&input, &mut out); // warm up
+    median_gb_s(m.bytes().len(), run_secs, || {
+        mat.matvec(&input, &mut out);
+        std::hint::black_box(&out);
+    })
+}
+
+/// GB/s of `bytes` per call of `pass`: one warm-up call, then the median of
+/// 7 runs, each repeating `pass` for at least `run_secs`.
+fn median_gb_s(bytes: usize, run_secs: f64, mut pass: impl FnMut()) -> f64 {
+    pass();
     let mut speeds: Vec<f64> = (0..7)
         .map(|_| {
             let t = Instant::now();
             let mut reps = 0u64;
             while reps == 0 || t.elapsed().as_secs_f64() < run_secs {
-                mat.matvec(&input, &mut out);
-                std::hint::black_box(&out);
+                pass();
                 reps += 1;
             }
-            weight_bytes * reps as f64 / t.elapsed().as_secs_f64() / 1e9
+            bytes as f64 * reps as f64 / t.elapsed().as_secs_f64() / 1e9
         })
         .collect();
     speeds.sort_by(f64::total_cmp);
@@ -763,8 +770,7 @@ fn predictor_layers(n: usize, cols: usize) -> Vec<PredictorLayer> {
 
 /// Predictor speed on the current rayon pool, GB/s of predictor weight
 /// bytes: every layer's projection of `x`, then its gate and up factors in
-/// one parallel region, as `LayerSparse::predict_token` does. Median of 7
-/// runs of at least `run_secs`.
+/// one parallel region, as `LayerSparse::predict_token` does ([`median_gb_s`]).
 fn predictor_speed(layers: &[PredictorLayer], x: &[f32], run_secs: f64) -> f64 {
     const R: usize = 256;
     let cols = x.len();
@@ -772,7 +778,7 @@ fn predictor_speed(layers: &[PredictorLayer], x: &[f32], run_secs: f64) -> f64 {
     let mut zin = DotInput::new(DType::Q8_0);
     let (mut z, mut g, mut u) = (vec![0f32; R], vec![0f32; cols], vec![0f32; cols]);
     let bytes: usize = layers.iter().map(|l| l.proj.len() + l.gate.len() + l.up.len()).sum();
-    let mut pass = || {
+    median_gb_s(bytes, run_secs, || {
         for l in layers {
             QMatrix::new(DType::Q8_0, R, cols, &l.proj).matvec(&xin, &mut z);
             zin.set(&z);
@@ -780,21 +786,7 @@ fn predictor_speed(layers: &[PredictorLayer], x: &[f32], run_secs: f64) -> f64 {
             nflash_runtime::weights::matvec_many(&[&gm, &um], &zin, &mut [&mut g, &mut u]);
         }
         std::hint::black_box((&g, &u));
-    };
-    pass(); // warm up
-    let mut speeds: Vec<f64> = (0..7)
-        .map(|_| {
-            let t = Instant::now();
-            let mut reps = 0u64;
-            while reps == 0 || t.elapsed().as_secs_f64() < run_secs {
-                pass();
-                reps += 1;
-            }
-            bytes as f64 * reps as f64 / t.elapsed().as_secs_f64() / 1e9
-        })
-        .collect();
-    speeds.sort_by(f64::total_cmp);
-    speeds[speeds.len() / 2]
+    })
 }
 
 /// Sparse FFN decode speed of the runtime's neuron engine
