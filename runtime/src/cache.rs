@@ -109,9 +109,14 @@ struct Lru {
     used: Vec<u64>,
     /// slot → read ahead by a prefetch and not yet used.
     prefetched: Vec<bool>,
-    /// Cluster counters (`needed`, `hot_hits`, `cold_hits`, `misses`) since load.
+    /// slot → read ahead by a speculative prefetch ([`NeuronCache::speculate`]) and not yet used.
+    speculated: Vec<bool>,
+    /// Cluster counters (`needed`, `hot_hits`, `cold_hits`, `misses`, `speculated*`) since load.
     counts: CacheStats,
     epoch: u64,
+    /// The layer of the last [`NeuronCache::speculate`] call, until that layer's fetch
+    /// (which keeps its epoch, so the speculative reads are not evicted by it).
+    spec_layer: u32,
 }
 
 impl Lru {
@@ -125,8 +130,10 @@ impl Lru {
             tail: NONE,
             used: vec![0; n_slots],
             prefetched: vec![false; n_slots],
+            speculated: vec![false; n_slots],
             counts: CacheStats::default(),
             epoch: 0,
+            spec_layer: NONE,
         };
         for s in 0..n_slots as u32 {
             l.push_back(s);
@@ -204,6 +211,10 @@ pub struct CacheStats {
     pub reads: u64,
     /// Time compute threads spent waiting for reads, summed over threads, seconds.
     pub io_wait_s: f64,
+    /// Clusters read by speculative prefetch ([`NeuronCache::speculate`]).
+    pub speculated: u64,
+    /// Of those, clusters the layer's fetch then needed (counted as misses there too).
+    pub speculated_used: u64,
 }
 
 impl CacheStats {
@@ -222,6 +233,8 @@ impl CacheStats {
             bytes_read: self.bytes_read - before.bytes_read,
             reads: self.reads - before.reads,
             io_wait_s: self.io_wait_s - before.io_wait_s,
+            speculated: self.speculated - before.speculated,
+            speculated_used: self.speculated_used - before.speculated_used,
         }
     }
 }
@@ -348,7 +361,10 @@ impl NeuronCache {
         table.clear();
         table.resize(lay.clusters.len(), Loc::None);
         let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
-        lru.epoch += 1;
+        // After a speculative prefetch of this layer, keep its epoch: its slots stay protected.
+        if std::mem::replace(&mut lru.spec_layer, NONE) != layer as u32 {
+            lru.epoch += 1;
+        }
         let mut st = CacheStats::default();
         let mut reads = Merger::default();
         for &c in needed {
@@ -371,6 +387,7 @@ impl NeuronCache {
                 // A prefetched cluster was read for this use: a miss, read ahead of time.
                 if std::mem::take(&mut lru.prefetched[s as usize]) {
                     st.misses += 1;
+                    st.speculated_used += std::mem::take(&mut lru.speculated[s as usize]) as u64;
                 } else {
                     st.cold_hits += 1;
                 }
@@ -402,7 +419,62 @@ impl NeuronCache {
         c.hot_hits += st.hot_hits;
         c.cold_hits += st.cold_hits;
         c.misses += st.misses;
+        c.speculated_used += st.speculated_used;
         Ok(())
+    }
+
+    /// Index of `layer`'s first cold cluster (clusters before it are hot).
+    pub fn first_cold_cluster(&self, layer: usize) -> usize {
+        self.layers[layer].hot
+    }
+
+    /// Time compute threads have waited for reads so far, summed over threads, seconds.
+    pub fn wait_s(&self) -> f64 {
+        self.wait_ns.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    /// Speculative prefetch (cross-layer, the lookahead idea of Deja Vu,
+    /// Liu et al. 2023, applied to the I/O pipeline): queues reads of the cold
+    /// clusters `likely` (ascending indices) of `layer` that are not in
+    /// memory, so the flash keeps reading while the compute threads run the
+    /// layer's attention. The layer's next [`Self::fetch`] finds them (or
+    /// waits for them) like any cold cluster and reads whatever the
+    /// speculation missed; clusters it does not need stay in the LRU. A
+    /// no-op when the cold region is empty.
+    pub fn speculate(&self, layer: usize, likely: &[u32]) {
+        let lay = &self.layers[layer];
+        let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+        if lru.owner.is_empty() {
+            return;
+        }
+        lru.epoch += 1;
+        lru.spec_layer = layer as u32;
+        let mut reads = Merger::default();
+        let mut n = 0u64;
+        for &c in likely {
+            let c = c as usize;
+            if c < lay.hot {
+                continue;
+            }
+            let s = lru.slot_of[layer][c];
+            if s != NONE {
+                if self.shared.state[s as usize].load(Ordering::Acquire) != FAILED {
+                    lru.touch(s);
+                    continue;
+                }
+                // A failed read: forget it; the fetch reads it again.
+                lru.slot_of[layer][c] = NONE;
+                lru.owner[s as usize] = (NONE, NONE);
+                self.shared.state[s as usize].store(EMPTY, Ordering::Relaxed);
+            }
+            let Some(s) = self.claim(&mut lru, layer, c) else { break };
+            lru.prefetched[s as usize] = true;
+            lru.speculated[s as usize] = true;
+            reads.push(&self.io, lay.clusters[c], s);
+            n += 1;
+        }
+        reads.flush(&self.io);
+        lru.counts.speculated += n;
     }
 
     /// Takes the least recently used slot not used by the current fetch for
@@ -424,6 +496,7 @@ impl NeuronCache {
         lru.owner[s as usize] = (layer as u32, c as u32);
         lru.slot_of[layer][c] = s;
         lru.prefetched[s as usize] = false;
+        lru.speculated[s as usize] = false;
         lru.touch(s);
         self.shared.state[s as usize].store(PENDING, Ordering::Relaxed);
         Some(s)

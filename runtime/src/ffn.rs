@@ -181,6 +181,11 @@ impl Ffn {
         self.cluster_of[p]
     }
 
+    /// Packed position of cluster `c`'s first neuron (`n_neurons` for `c == n_clusters`).
+    pub fn first_neuron(&self, c: usize) -> usize {
+        self.clusters.get(c).map_or(self.n_neurons(), |c| c.first as usize)
+    }
+
     /// Number of neuron clusters.
     pub fn n_clusters(&self) -> usize {
         self.clusters.len()

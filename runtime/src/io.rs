@@ -20,7 +20,7 @@ pub const READY: u8 = 2;
 pub const FAILED: u8 = 3;
 
 /// Requests queued before `submit` blocks.
-const QUEUE: usize = 256;
+const QUEUE: usize = 2048;
 
 /// State shared by the cache (compute side) and the I/O threads.
 pub struct Shared {

@@ -87,11 +87,43 @@ struct Work {
     xin: Option<DotInput>,
     /// Per-layer sparse counters.
     counts: Vec<LayerCounts>,
+    /// Speculative prefetch buffers.
+    spec: SpecScratch,
+    /// `[n_layers]` the last decode step's (I/O wait, predictor) wall time of
+    /// each layer's FFN, seconds: whether a speculative prefetch pays.
+    layer_wait: Vec<(f64, f64)>,
     /// Clusters the current layer call needs, ascending.
     needed: Vec<u32>,
     /// `[n_clusters]` where each needed cluster is.
     table: Vec<Loc>,
     timings: Timings,
+}
+
+/// When decode runs a speculative prefetch ([`Model::set_speculation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Speculation {
+    /// For a layer whose last FFN call waited for reads longer than its
+    /// predictor took (the default).
+    #[default]
+    Auto,
+    /// Before every sparse layer that has cold neurons.
+    Always,
+    /// Never.
+    Never,
+}
+
+/// Buffers of a speculative prefetch ([`Model::speculate`]).
+#[derive(Default)]
+struct SpecScratch {
+    /// `[hidden]` the layer's FFN norm of the residual it speculates on.
+    x: Vec<f32>,
+    /// `x` prepared for the predictor.
+    xin: Option<DotInput>,
+    predict: PredictScratch,
+    /// Packed positions selected `[≤ n_neurons]`.
+    list: Vec<u32>,
+    /// Their clusters, ascending.
+    needed: Vec<u32>,
 }
 
 /// A model whose weights are views into an open [`Pack`].
@@ -105,6 +137,8 @@ pub struct Model<'a> {
     rope: Rope,
     /// Use the pack's predictors in [`Pass::Decode`] / [`Pass::Evaluate`].
     sparse_enabled: bool,
+    /// When decode reads the next layer's likely clusters ahead of its attention.
+    speculation: Speculation,
     /// Hot and cold regions of the FFN neuron clusters.
     cache: NeuronCache,
     work: Mutex<Work>,
@@ -222,6 +256,7 @@ impl<'a> Model<'a> {
             embed,
             lm_head,
             sparse_enabled: sparse_info.is_some(),
+            speculation: Speculation::Auto,
             cache: NeuronCache::open(pack, cache)?,
             work: Mutex::new(Work {
                 counts: vec![LayerCounts::default(); layers.len()],
@@ -240,6 +275,12 @@ impl<'a> Model<'a> {
     /// Forces dense FFN evaluation everywhere (`--dense`) or restores the pack's sparsity.
     pub fn set_dense(&mut self, dense: bool) {
         self.sparse_enabled = !dense && self.is_sparse_pack();
+    }
+
+    /// When sparse decode runs a speculative prefetch of the next layer's
+    /// cold clusters (default [`Speculation::Auto`]; `nflash run --speculate`).
+    pub fn set_speculation(&mut self, s: Speculation) {
+        self.speculation = s;
     }
 
     /// Per-layer sparse-FFN counters since load or the last [`Self::reset_counters`].
@@ -446,6 +487,9 @@ impl<'a> Model<'a> {
                 for (xr, outr) in xn.chunks_exact(h).zip(x.chunks_exact_mut(h)) {
                     c.add(&self.ffn_token(l, sparse, xr, work, &mut tm, outr)?);
                 }
+                if n == 1 && sparse.is_some() {
+                    self.speculate(l + 1, &x, &work.layer_wait, &mut work.spec, &mut tm);
+                }
                 c
             };
             if pass != Pass::Prefill {
@@ -493,9 +537,57 @@ impl<'a> Model<'a> {
         self.cache.fetch(l, needed, table)?;
         let src = LayerClusters::Cached { cache: &self.cache, layer: l, table };
         let (sel, read) = if listed { (Selection::List(list), list.len() as u64) } else { (Selection::All, n) };
+        let wait0 = self.cache.wait_s();
         let computed = layer.ffn.forward_token(&src, xin, sel, gate, ffn, out)?;
         tm.ffn_s += t1.elapsed().as_secs_f64();
+        // Compute threads wait side by side: their summed wait over the thread count is wall time.
+        let waited = (self.cache.wait_s() - wait0) / rayon::current_num_threads() as f64;
+        if work.layer_wait.len() <= l {
+            work.layer_wait.resize(l + 1, (0.0, 0.0));
+        }
+        work.layer_wait[l] = (waited, (t1 - t0).as_secs_f64());
         Ok(LayerCounts { neurons: n, read, computed, ..Default::default() })
+    }
+
+    /// Speculative prefetch for layer `l` during decode: its predictor run on
+    /// its FFN norm of `x` (`[hidden]`, the layer's input, before its
+    /// attention adds to it) selects the clusters to read while the attention
+    /// computes ([`NeuronCache::speculate`]). Skipped unless the layer's last
+    /// FFN call waited for reads longer than its predictor took (so it stops
+    /// when the reads are hidden anyway). Time goes to the predictor.
+    fn speculate(&self, l: usize, x: &[f32], layer_wait: &[(f64, f64)], sc: &mut SpecScratch, tm: &mut Timings) {
+        let Some(layer) = self.layers.get(l) else { return };
+        let Some(sp) = layer.sparse.as_ref() else { return };
+        // Worth a predictor evaluation only if the layer's last FFN call
+        // waited longer than that for its reads.
+        let (waited, pred) = layer_wait.get(l).copied().unwrap_or((0.0, 0.0));
+        let go = match self.speculation {
+            Speculation::Auto => waited > pred,
+            Speculation::Always => self.cache.first_cold_cluster(l) < layer.ffn.n_clusters(),
+            Speculation::Never => false,
+        };
+        if !go {
+            return;
+        }
+        let t0 = Instant::now();
+        let SpecScratch { x: xn, xin, predict, list, needed } = sc;
+        xn.resize(x.len(), 0.0);
+        rms_norm(x, &layer.ffn_norm, self.cfg.rms_norm_eps as f32, xn);
+        let xin = xin.get_or_insert_with(|| DotInput::new(layer.ffn.dtype()));
+        xin.set(xn);
+        // Scores for the cold neurons only: the hot ones are always in memory.
+        let first = layer.ffn.first_neuron(self.cache.first_cold_cluster(l));
+        if sp.predict_token_from(self.cfg.activation, xin, xn, first, predict, list) {
+            needed.clear();
+            for &p in list.iter() {
+                let c = layer.ffn.cluster_of(p as usize);
+                if needed.last() != Some(&c) {
+                    needed.push(c);
+                }
+            }
+            self.cache.speculate(l, needed);
+        }
+        tm.predictor_s += t0.elapsed().as_secs_f64();
     }
 
     /// Logits `[vocab]` for one final hidden state `[hidden]`; errors on NaN or

@@ -119,8 +119,16 @@ impl<'a> LayerSparse<'a> {
     /// matrix). Returns `false` for the exact predictor (every neuron; `list`
     /// untouched). No allocation once `s` has grown to size.
     pub fn predict_token(&self, act: Activation, x: &DotInput, x_f32: &[f32], s: &mut PredictScratch, list: &mut Vec<u32>) -> bool {
+        self.predict_token_from(act, x, x_f32, 0, s, list)
+    }
+
+    /// [`Self::predict_token`] over the packed positions `first ..` only
+    /// (rounded down to a multiple of 8): speculative prefetch needs no scores
+    /// for the hot neurons, which are always in memory.
+    pub fn predict_token_from(&self, act: Activation, x: &DotInput, x_f32: &[f32], first: usize, s: &mut PredictScratch, list: &mut Vec<u32>) -> bool {
         list.clear();
         let tau = self.predictor_threshold;
+        let first = first / 8 * 8;
         match &self.predictor {
             Predictor::Exact => return false,
             Predictor::LowRank { proj, gate, up } => {
@@ -128,12 +136,13 @@ impl<'a> LayerSparse<'a> {
                 proj_matvec(proj, x, x_f32, &mut s.z);
                 let z_in = s.z_in.get_or_insert_with(|| DotInput::new(gate.dtype));
                 z_in.set(&s.z);
-                s.scores.resize(gate.rows, 0.0);
-                s.up.resize(up.rows, 0.0);
-                crate::weights::matvec_many(&[gate, up], z_in, &mut [&mut s.scores, &mut s.up]);
+                let first = first.min(gate.rows / 8 * 8);
+                s.scores.resize(gate.rows - first, 0.0);
+                s.up.resize(up.rows - first, 0.0);
+                crate::weights::matvec_many_from(&[gate, up], first, z_in, &mut [&mut s.scores, &mut s.up]);
                 for (p, (&g, &u)) in s.scores.iter().zip(&s.up).enumerate() {
                     if criterion_value(self.criterion, act, g, u) > tau {
-                        list.push(p as u32);
+                        list.push((first + p) as u32);
                     }
                 }
             }
@@ -143,11 +152,12 @@ impl<'a> LayerSparse<'a> {
                 s.z.iter_mut().zip(b1).for_each(|(z, b)| *z = (*z + b).max(0.0));
                 let z_in = s.z_in.get_or_insert_with(|| DotInput::new(w2.dtype));
                 z_in.set(&s.z);
-                s.scores.resize(w2.rows, 0.0);
-                w2.matvec(z_in, &mut s.scores);
-                for (p, (&v, &b)) in s.scores.iter().zip(b2).enumerate() {
+                let first = first.min(w2.rows / 8 * 8);
+                s.scores.resize(w2.rows - first, 0.0);
+                crate::weights::matvec_many_from(&[w2], first, z_in, &mut [&mut s.scores]);
+                for (p, (&v, &b)) in s.scores.iter().zip(&b2[first..]).enumerate() {
                     if v + b > tau {
-                        list.push(p as u32);
+                        list.push((first + p) as u32);
                     }
                 }
             }

@@ -275,15 +275,23 @@ fn q8_input(x: &DotInput) -> &[BlockQ8_0] {
 /// prepared input, as a single parallel region (decode runs Q, K and V this
 /// way: one fork–join instead of three).
 pub fn matvec_many(mats: &[&QMatrix], x: &DotInput, outs: &mut [&mut [f32]]) {
-    let total: usize = mats.iter().map(|m| m.rows).sum();
+    matvec_many_from(mats, 0, x, outs);
+}
+
+/// [`matvec_many`] over the rows `r0 ..` of each matrix only: `outs[i]` is
+/// `[mats[i].rows - r0]`, `outs[i][j] = row_{r0+j} · x`. `r0`: a multiple of 8
+/// (a whole Q4_0×8 group); panics otherwise (a caller bug).
+pub fn matvec_many_from(mats: &[&QMatrix], r0: usize, x: &DotInput, outs: &mut [&mut [f32]]) {
+    assert!(r0 % Q4_0X8_ROWS == 0, "first row {r0} is not a multiple of {Q4_0X8_ROWS}");
+    let total: usize = mats.iter().map(|m| m.rows - r0).sum();
     // Multiples of 8: whole groups of the Q4_0×8 layout, whole quads otherwise.
     let chunk = par_chunk(total, 16).next_multiple_of(8);
     // Nested parallel iterators rather than a task list: no allocation per call.
     outs.par_iter_mut().enumerate().for_each(|(mi, out)| {
-        debug_assert_eq!(out.len(), mats[mi].rows);
+        debug_assert_eq!(out.len(), mats[mi].rows - r0);
         out.par_chunks_mut(chunk)
             .enumerate()
-            .for_each(|(ci, c)| mats[mi].rows_into(x, ci * chunk, c));
+            .for_each(|(ci, c)| mats[mi].rows_into(x, r0 + ci * chunk, c));
     });
 }
 

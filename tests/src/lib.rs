@@ -8,6 +8,7 @@ use std::process::{Command, Output};
 
 use nflash_format::Pack;
 use nflash_runtime::cache::{CacheConfig, CacheStats};
+use nflash_runtime::model::Speculation;
 use nflash_runtime::Model;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -386,19 +387,21 @@ unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
 /// Greedy generation from `prompt` for `steps` tokens: every step's logits,
 /// the tokens, and the cache counters.
 pub fn generate(path: &Path, cfg: &CacheConfig, threads: usize, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
-    generate_in(path, cfg, threads, prompt, steps, false)
+    generate_in(path, cfg, threads, prompt, steps, false, Speculation::Auto)
 }
 
 /// As [`generate`]; with `interleave`, Q4_0 matrices are first reordered to
-/// the Q4_0×8 layout as `nflash run` does (SPEC §5.1).
-pub fn generate_in(path: &Path, cfg: &CacheConfig, threads: usize, prompt: &[u32], steps: usize, interleave: bool) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
+/// the Q4_0×8 layout as `nflash run` does (SPEC §5.1); `spec` says when
+/// decode reads the next layer's likely clusters ahead.
+pub fn generate_in(path: &Path, cfg: &CacheConfig, threads: usize, prompt: &[u32], steps: usize, interleave: bool, spec: Speculation) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     pool.install(|| {
         let mut pack = Pack::open_resident(path).unwrap();
         if interleave {
             assert!(pack.interleave_q4_0().unwrap() > 0, "nothing was interleaved");
         }
-        let model = Model::load_with(&pack, cfg).unwrap();
+        let mut model = Model::load_with(&pack, cfg).unwrap();
+        model.set_speculation(spec);
         let h = model.cfg.hidden_size as usize;
         let mut kv = model.new_kv_cache(prompt.len() + steps + 1);
         let hs = model.forward(&mut kv, prompt).unwrap();
@@ -456,6 +459,18 @@ pub fn check_placement_and_threads(path: &Path) {
             if name.contains("holds the whole") {
                 assert!(st.cold_hits > 0, "{name}: the cold region never hit: {st:?}");
             }
+        }
+        // Speculative prefetch before every layer: reads move earlier, results do not change.
+        let (logits, tokens, st) = generate_in(path, &cfg, 2, &prompt, 10, false, Speculation::Always);
+        assert_eq!(tokens, ref_tokens, "{name}, speculating: tokens differ");
+        assert!(logits == ref_logits, "{name}, speculating: logits differ");
+        assert!(st.speculated_used <= st.speculated, "{st:?}");
+        let sparse = Pack::open_resident(path).unwrap().manifest().sparse.is_some();
+        if sparse && name.contains("minimal cold") {
+            assert!(st.speculated > 0 && st.speculated_used > 0, "{name}: nothing was read speculatively, or none of it used: {st:?}");
+        }
+        if name.starts_with("whole") {
+            assert_eq!(st.speculated, 0, "{name}: speculated with no cold region");
         }
     }
 }

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
 use nflash_runtime::cache::CacheConfig;
+use nflash_runtime::model::Speculation;
 use nflash_runtime::Model;
 use nflash_tests::{assert_fails, check_placement_and_threads, generate_in, placements, repo_root, run, tiny_words, write_tiny_checkpoint, TinySpec};
 
@@ -73,8 +74,8 @@ fn the_interleaved_q4_0_layout_changes_no_result() {
     let same = |path: &Path, cfgs: Vec<(&str, CacheConfig)>| {
         for (name, cfg) in cfgs {
             for threads in [1, 2] {
-                let rows = generate_in(path, &cfg, threads, &prompt, 8, false);
-                let inter = generate_in(path, &cfg, threads, &prompt, 8, true);
+                let rows = generate_in(path, &cfg, threads, &prompt, 8, false, Speculation::Auto);
+                let inter = generate_in(path, &cfg, threads, &prompt, 8, true, Speculation::Auto);
                 assert_eq!(rows.1, inter.1, "{name}, {threads} threads: tokens differ");
                 assert!(rows.0 == inter.0, "{name}, {threads} threads: logits differ");
             }

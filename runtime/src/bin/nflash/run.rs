@@ -10,10 +10,22 @@ use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::stats::{peak_rss_bytes, percentile};
 use nflash_runtime::sparse::SparsitySummary;
+use nflash_runtime::model::Speculation;
 use nflash_runtime::{Engine, Model};
 
 use crate::common::{check_output, in_pool, open_pack, read_text, write_atomic};
 use crate::memory::{load_engine, MemoryArgs};
+
+/// `--speculate` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpeculateArg {
+    /// For layers whose last FFN call waited for reads longer than a predictor evaluation.
+    Auto,
+    /// Before every layer with cold neurons.
+    Always,
+    /// Never.
+    Never,
+}
 
 /// Arguments of `nflash run`.
 #[derive(Args)]
@@ -69,6 +81,10 @@ pub struct RunArgs {
     /// Decode densely (every FFN neuron) even if the pack is sparse, for comparison.
     #[arg(long)]
     dense: bool,
+    /// Speculative prefetch: read the next layer's likely cold neuron clusters
+    /// while its attention runs. auto = for layers that waited for reads.
+    #[arg(long, value_enum, default_value_t = SpeculateArg::Auto)]
+    speculate: SpeculateArg,
     #[command(flatten)]
     memory: MemoryArgs,
 }
@@ -118,6 +134,11 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     }
     let budget = plan.as_ref().map(|p| p.memory_budget_bytes);
     engine.model.set_dense(a.dense);
+    engine.model.set_speculation(match a.speculate {
+        SpeculateArg::Auto => Speculation::Auto,
+        SpeculateArg::Always => Speculation::Always,
+        SpeculateArg::Never => Speculation::Never,
+    });
     if ctx > max_pos {
         eprintln!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); quality past it is not guaranteed");
     }
@@ -231,6 +252,13 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
             c.reads as f64 / steps,
             100.0 * io_wait_share
         );
+        if c.speculated > 0 {
+            eprintln!(
+                "speculative prefetch: {:.1} clusters per token, {:.1}% of them used",
+                c.speculated as f64 / steps,
+                100.0 * c.speculated_used as f64 / c.speculated as f64
+            );
+        }
     }
     if let Some(path) = &a.stats_json {
         let j = serde_json::json!({
@@ -257,6 +285,8 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
             "bytes_read_per_token": bytes_per_token,
             "reads_per_token": c.reads as f64 / steps,
             "io_wait_share": io_wait_share,
+            "speculated_clusters_per_token": c.speculated as f64 / steps,
+            "speculation_precision": (c.speculated > 0).then(|| c.speculated_used as f64 / c.speculated as f64),
             "hot_bytes": hot_b,
             "cold_bytes": cold_b,
             "o_direct": direct,
