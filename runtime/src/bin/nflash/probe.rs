@@ -220,7 +220,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     let name = a.name.clone().unwrap_or_else(hostname);
     let started = Instant::now();
     let n_points = plan.blocks.len() * plan.in_flight.len();
-    let pb = ProgressBar::new((2 * n_points + 8) as u64);
+    let pb = ProgressBar::new((2 * n_points + 10) as u64);
     pb.set_style(
         ProgressStyle::with_template("{msg:>18} [{elapsed_precise}] {wide_bar} {pos}/{len}").expect("static template"),
     );
@@ -245,14 +245,19 @@ pub fn run(a: ProbeArgs) -> Result<()> {
         });
     }
     let mut read = Vec::with_capacity(n_points);
+    let mut read_cpu_us = 0.0;
     for &block in &plan.blocks {
         for &n in &plan.in_flight {
             let label = format!("{} KiB × {n}", block / KIB);
             pb.set_message(format!("random {label}"));
-            let random_mb_s = measure_reads(&file, plan.file_bytes, block, n, true, direct, plan.seconds)?;
+            let (random_mb_s, cpu_us) = measure_reads(&file, plan.file_bytes, block, n, true, direct, plan.seconds)?;
+            // The smallest block at the deepest queue: decode's cluster reads.
+            if block == plan.blocks[0] && n == *plan.in_flight.iter().max().unwrap_or(&1) {
+                read_cpu_us = cpu_us;
+            }
             pb.inc(1);
             pb.set_message(format!("sequential {label}"));
-            let sequential_mb_s = measure_reads(&file, plan.file_bytes, block, n, false, direct, plan.seconds)?;
+            let (sequential_mb_s, _) = measure_reads(&file, plan.file_bytes, block, n, false, direct, plan.seconds)?;
             pb.inc(1);
             read.push(ReadPoint {
                 block_bytes: block,
@@ -295,6 +300,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
         Ok((one, all))
     };
     let (one, all) = on_1_and_all("q4_0 matvec", &|| Ok(matvec_speed(&mat, &x, run_secs)))?;
+    let (attn_one, attn_all) = on_1_and_all("attention", &|| Ok(attention_speed(&mat, &x, run_secs)))?;
     drop(mat);
     let bundles = q4_0_matrix(3 * plan.ffn_neurons, plan.mat_cols);
     let (ffn_one, ffn_all) = on_1_and_all("sparse FFN", &|| ffn_speed(&bundles, plan.ffn_neurons, &x, run_secs))?;
@@ -339,6 +345,9 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             q4_0_ffn_gb_s_mt: round(ffn_all, 2),
             q8_0_predictor_gb_s_1t: Some(round(pred_one, 2)),
             q8_0_predictor_gb_s_mt: Some(round(pred_all, 2)),
+            q4_0_attention_gb_s_1t: Some(round(attn_one, 2)),
+            q4_0_attention_gb_s_mt: Some(round(attn_all, 2)),
+            read_cpu_us: Some(round(read_cpu_us, 1)),
         }),
     };
     let text = format!(
@@ -544,7 +553,7 @@ fn measure_reads(
     random: bool,
     direct: bool,
     seconds: f64,
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
     drop_cache(file, 0, 0);
     // Buffered fallback: no kernel read-ahead for random reads (it would
     // count pages never asked for); normal read-ahead for sequential ones.
@@ -555,11 +564,12 @@ fn measure_reads(
         bail!("the scratch file is too small for {in_flight} readers of {block} bytes");
     }
     let limit = Duration::from_secs_f64(seconds);
+    let cpu0 = process_cpu_s();
     let start = Instant::now();
-    let results: Vec<Result<(u64, Duration)>> = std::thread::scope(|s| {
+    let results: Vec<Result<(u64, u64, Duration)>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..in_flight as u64)
             .map(|t| {
-                s.spawn(move || -> Result<(u64, Duration)> {
+                s.spawn(move || -> Result<(u64, u64, Duration)> {
                     let mut buf = AlignedBuf::new(block as usize)?;
                     let mut rng = SplitMix(0xB10C ^ (t << 32) ^ block);
                     let (mut bytes, mut i) = (0u64, 0u64);
@@ -582,7 +592,7 @@ fn measure_reads(
                         bytes += n as u64;
                         let el = start.elapsed();
                         if el >= limit {
-                            return Ok((bytes, el));
+                            return Ok((bytes, i, el));
                         }
                     }
                 })
@@ -593,13 +603,26 @@ fn measure_reads(
             .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a reader thread panicked"))))
             .collect()
     });
-    let (mut total, mut elapsed) = (0u64, Duration::ZERO);
+    let cpu_s = process_cpu_s() - cpu0;
+    let (mut total, mut reads, mut elapsed) = (0u64, 0u64, Duration::ZERO);
     for r in results {
-        let (b, e) = r?;
+        let (b, n, e) = r?;
         total += b;
+        reads += n;
         elapsed = elapsed.max(e);
     }
-    Ok(total as f64 / elapsed.as_secs_f64() / 1e6)
+    Ok((total as f64 / elapsed.as_secs_f64() / 1e6, cpu_s * 1e6 / reads.max(1) as f64))
+}
+
+/// User + system CPU time of this process so far (all threads), seconds.
+fn process_cpu_s() -> f64 {
+    // SAFETY: getrusage writes one rusage into the zeroed struct we own.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0.0;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
 /// `flash.io_queues` heuristic: a device with one I/O command queue (UFS
@@ -722,6 +745,39 @@ fn matvec_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> f64 {
     median_gb_s(m.bytes().len(), run_secs, || {
         mat.matvec(&input, &mut out);
         std::hint::black_box(&out);
+    })
+}
+
+/// Decode attention projection speed on the current rayon pool, GB/s of
+/// weight bytes: `m`'s rows cut into layers of four square `[cols, cols]`
+/// matrices, each layer run as decode runs it (Q, K and V in one parallel
+/// region, the O projection of the quantized Q output in another); what
+/// the matvec figure leaves out is the per-layer fork–join and the smaller
+/// matrices ([`median_gb_s`]).
+fn attention_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> f64 {
+    let cols = m.cols;
+    let bytes = m.bytes();
+    // [rows, cols] per projection: square, or a quarter of `m` if it is smaller (--quick).
+    let rows = cols.min(m.rows / 4) / 8 * 8;
+    let sq = bytes.len() / m.rows * rows; // bytes of one projection
+    let n_layers = m.rows / (4 * rows);
+    let view = |i: usize| {
+        let b = &bytes[i * sq..(i + 1) * sq];
+        if m.interleaved { QMatrix::q4_0x8(rows, cols, b) } else { QMatrix::new(DType::Q4_0, rows, cols, b) }
+    };
+    let layers: Vec<[QMatrix; 4]> = (0..n_layers).map(|l| [view(4 * l), view(4 * l + 1), view(4 * l + 2), view(4 * l + 3)]).collect();
+    let xin = DotInput::from_slice(DType::Q4_0, x);
+    let mut attn_in = DotInput::new(DType::Q4_0);
+    let (mut q, mut k, mut v, mut o) = (vec![0f32; rows], vec![0f32; rows], vec![0f32; rows], vec![0f32; rows]);
+    let mut q_full = vec![0f32; cols]; // O's input: Q's output, zero-padded when rows < cols
+    median_gb_s(n_layers * 4 * sq, run_secs, || {
+        for [wq, wk, wv, wo] in &layers {
+            nflash_runtime::weights::matvec_many(&[wq, wk, wv], &xin, &mut [&mut q, &mut k, &mut v]);
+            q_full[..rows].copy_from_slice(&q);
+            attn_in.set(&q_full);
+            wo.matvec(&attn_in, &mut o);
+        }
+        std::hint::black_box((&k, &v, &o));
     })
 }
 
@@ -1023,6 +1079,12 @@ fn print_table(p: &DeviceProfile, direct: bool, took: Duration) {
         );
         if let (Some(one), Some(all)) = (k.q8_0_predictor_gb_s_1t, k.q8_0_predictor_gb_s_mt) {
             eprintln!("predictor (q8_0, rank 256): {one:.2} GB/s on 1 thread, {all:.2} GB/s on {}", p.cpu.threads_measured.unwrap_or(0));
+        }
+        if let (Some(one), Some(all)) = (k.q4_0_attention_gb_s_1t, k.q4_0_attention_gb_s_mt) {
+            eprintln!("attention projections (q4_0, per layer): {one:.2} GB/s on 1 thread, {all:.2} GB/s on {}", p.cpu.threads_measured.unwrap_or(0));
+        }
+        if let Some(us) = k.read_cpu_us {
+            eprintln!("CPU time per random read: {us:.1} µs");
         }
     }
     eprintln!("probe took {:.1} s", took.as_secs_f64());
