@@ -185,7 +185,8 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
                         "hot_share": c.hot_share, "hit_rate": e.hit_rate,
                         "read_bytes_per_token": e.read_bytes_per_token, "attention_ms": e.attention_ms,
                         "predictor_ms": e.predictor_ms, "ffn_ms": e.ffn_ms, "lm_head_ms": e.lm_head_ms,
-                        "io_ms": e.io_ms, "io_exposed_ms": e.io_exposed_ms, "token_ms": e.token_ms(),
+                        "io_ms": e.io_ms, "io_exposed_ms": e.io_exposed_ms, "io_cpu_ms": e.io_cpu_ms,
+                        "speculated_layers": e.speculated_layers, "token_ms": e.token_ms(),
                         "tokens_per_s": 1e3 / e.token_ms(), "bound": e.bound(),
                     });
                     j.as_object_mut().expect("object").extend(more.as_object().expect("object").clone());
@@ -232,7 +233,10 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         format!("half the profile's memory bandwidth shared by {threads} of its {} cores (it has no matvec figures)", dev.n_cores())
     };
     let ffn_note = if dev.kernels.is_some() { "the FFN bundles at its sparse FFN speed ([kernels])" } else { "the FFN bundles too (no [kernels] in the profile)" };
-    println!("compute: weights touched per token (attention with the KV cache at half the context) / {speed}, {ffn_note}; I/O: cold misses per token (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part of it not hidden behind the layer's FFN compute; bound: flash I/O when I/O exp is over half the token, compute + I/O over a fifth, else compute");
+    let waste = 100.0 * planner::SPECULATION_WASTE;
+    let attn_note = if dev.kernels.as_ref().is_some_and(|k| k.q4_0_attention_gb_s_1t.is_some()) { ", attention weights at its attention-block speed ([kernels])" } else { "" };
+    let cpu_note = if dev.read_cpu_s() > 0.0 { ", plus each read's CPU time ([kernels] read_cpu_us) shared by the threads" } else { "" };
+    println!("compute: weights touched per token (attention with the KV cache at half the context) / {speed}{attn_note}, {ffn_note}{cpu_note}; I/O: cold misses per token (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part of it not hidden behind the layer's FFN compute (and its attention where a speculative prefetch runs, as `nflash run --speculate auto` decides: {waste:.0}% extra reads); bound: flash I/O when I/O exp is over half the token, compute + I/O over a fifth, else compute");
     let mut seen = std::collections::HashSet::new();
     for n in notes.iter().filter(|n| seen.insert(n.as_str())) {
         println!("note: {n}");
