@@ -84,13 +84,16 @@ pub struct KernelSpeeds {
     /// The same on `cpu.threads_measured` threads, GB/s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub q4_0_attention_gb_s_mt: Option<f64>,
-    /// CPU time (user + system, all threads) per random flash read of the
-    /// probe's smallest block at its deepest queue, µs: what each cluster
-    /// read takes from the compute threads (syscall, block layer,
-    /// completion interrupt, thread wake-ups). Absent in profiles from
-    /// before 2026-12-02: not counted.
+    /// CPU time (user + system, all threads) per random 4 KiB flash read at
+    /// the probe's deepest queue, µs: what each cluster read takes from the
+    /// compute threads (syscall, block layer, completion interrupt, thread
+    /// wake-ups). Absent in profiles from before 2026-12-02: not counted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub read_cpu_us: Option<f64>,
+    /// The extra CPU time per KiB a random read has beyond 4 KiB, µs/KiB
+    /// (from the 4 KiB and 64 KiB figures). Absent: reads of every size cost `read_cpu_us`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_cpu_us_per_kib: Option<f64>,
 }
 
 /// Memory figures.
@@ -266,8 +269,8 @@ impl DeviceProfile {
             if [k.q4_0_attention_gb_s_1t, k.q4_0_attention_gb_s_mt].into_iter().flatten().any(|v| !pos(v)) {
                 return Err("kernels.q4_0_attention_gb_s_* must be positive numbers up to 1e6".into());
             }
-            if k.read_cpu_us.is_some_and(|c| !(c.is_finite() && (0.0..=1e6).contains(&c))) {
-                return Err("kernels.read_cpu_us must be a number in 0 ..= 1e6".into());
+            if [k.read_cpu_us, k.read_cpu_us_per_kib].into_iter().flatten().any(|c| !(c.is_finite() && (0.0..=1e6).contains(&c))) {
+                return Err("kernels.read_cpu_us and read_cpu_us_per_kib must be numbers in 0 ..= 1e6".into());
             }
         }
         if self.flash.io_queues == 0 {
@@ -360,10 +363,13 @@ impl DeviceProfile {
         }
     }
 
-    /// CPU seconds one cluster read costs the compute threads: the
-    /// `[kernels]` `read_cpu_us`; 0 when the profile has none.
-    pub fn read_cpu_s(&self) -> f64 {
-        self.kernels.as_ref().and_then(|k| k.read_cpu_us).map_or(0.0, |us| us * 1e-6)
+    /// CPU seconds one random read of `block_bytes` costs the compute
+    /// threads: `[kernels]` `read_cpu_us` + `read_cpu_us_per_kib` per KiB
+    /// beyond 4 KiB; 0 when the profile has none.
+    pub fn read_cpu_s(&self, block_bytes: u64) -> f64 {
+        let Some(k) = &self.kernels else { return 0.0 };
+        let extra_kib = (block_bytes as f64 / 1024.0 - 4.0).max(0.0);
+        k.read_cpu_us.map_or(0.0, |us| (us + k.read_cpu_us_per_kib.unwrap_or(0.0) * extra_kib) * 1e-6)
     }
 
     /// A kernel speed at `threads` threads from its 1-thread figure `one`
@@ -402,7 +408,7 @@ mod tests {
                     ReadPoint { block_bytes: 65536, in_flight: 16, random_mb_s: 1300.0, sequential_mb_s: 1400.0 },
                 ],
             },
-            kernels: Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 4.0, q4_0_ffn_gb_s_mt: 7.0, q8_0_predictor_gb_s_1t: Some(9.0), q8_0_predictor_gb_s_mt: Some(15.0), q4_0_attention_gb_s_1t: Some(8.0), q4_0_attention_gb_s_mt: Some(14.0), read_cpu_us: Some(12.0) }),
+            kernels: Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 4.0, q4_0_ffn_gb_s_mt: 7.0, q8_0_predictor_gb_s_1t: Some(9.0), q8_0_predictor_gb_s_mt: Some(15.0), q4_0_attention_gb_s_1t: Some(8.0), q4_0_attention_gb_s_mt: Some(14.0), read_cpu_us: Some(12.0), read_cpu_us_per_kib: Some(0.5) }),
         }
     }
 
@@ -425,13 +431,15 @@ mod tests {
         assert_eq!(p.predictor_bytes_per_s(2), 15e9);
         assert_eq!(p.attention_bytes_per_s(1), 8e9);
         assert_eq!(p.attention_bytes_per_s(2), 14e9);
-        assert!((p.read_cpu_s() - 12e-6).abs() < 1e-12);
+        assert!((p.read_cpu_s(4096) - 12e-6).abs() < 1e-12);
+        assert!((p.read_cpu_s(1024) - 12e-6).abs() < 1e-12);
+        assert!((p.read_cpu_s(12288) - 16e-6).abs() < 1e-12);
         // Profiles from before these figures: matvec speed for attention, reads cost no CPU.
         let mut old = p.clone();
         let k = old.kernels.as_mut().unwrap();
         (k.q4_0_attention_gb_s_1t, k.read_cpu_us) = (None, None);
         assert_eq!(old.attention_bytes_per_s(2), 18e9);
-        assert_eq!(old.read_cpu_s(), 0.0);
+        assert_eq!(old.read_cpu_s(8192), 0.0);
         let mut bad = p.clone();
         bad.kernels.as_mut().unwrap().read_cpu_us = Some(-1.0);
         assert!(DeviceProfile::parse(&bad.to_toml()).unwrap_err().contains("read_cpu_us"));
@@ -460,7 +468,7 @@ mod tests {
         assert!(DeviceProfile::parse(&bad).is_err());
         assert!(DeviceProfile::parse(&format!("colour = 1\n{text}")).unwrap_err().contains("colour"));
         let mut z = p.clone();
-        z.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 0.0, q4_0_ffn_gb_s_mt: 1.0, q8_0_predictor_gb_s_1t: None, q8_0_predictor_gb_s_mt: None, q4_0_attention_gb_s_1t: None, q4_0_attention_gb_s_mt: None, read_cpu_us: None });
+        z.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 0.0, q4_0_ffn_gb_s_mt: 1.0, q8_0_predictor_gb_s_1t: None, q8_0_predictor_gb_s_mt: None, q4_0_attention_gb_s_1t: None, q4_0_attention_gb_s_mt: None, read_cpu_us: None, read_cpu_us_per_kib: None });
         assert!(DeviceProfile::parse(&z.to_toml()).unwrap_err().contains("kernels.q4_0_ffn_gb_s"));
     }
 
@@ -475,7 +483,7 @@ mod tests {
         p.memory.bandwidth_gb_s = 1e300;
         assert!(DeviceProfile::parse(&p.to_toml()).unwrap_err().contains("memory.bandwidth_gb_s"));
         let mut p = sample();
-        p.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 1.0, q4_0_ffn_gb_s_mt: 1e7, q8_0_predictor_gb_s_1t: None, q8_0_predictor_gb_s_mt: None, q4_0_attention_gb_s_1t: None, q4_0_attention_gb_s_mt: None, read_cpu_us: None });
+        p.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 1.0, q4_0_ffn_gb_s_mt: 1e7, q8_0_predictor_gb_s_1t: None, q8_0_predictor_gb_s_mt: None, q4_0_attention_gb_s_1t: None, q4_0_attention_gb_s_mt: None, read_cpu_us: None, read_cpu_us_per_kib: None });
         assert!(DeviceProfile::parse(&p.to_toml()).is_err());
         let mut p = sample();
         p.cpu.threads_measured = Some(u32::MAX);

@@ -175,10 +175,16 @@ impl Ffn {
         Ok((&b[..rb], &b[rb..2 * rb], &b[2 * rb..]))
     }
 
-    /// Cluster index of packed position `p`.
-    #[inline]
-    pub fn cluster_of(&self, p: usize) -> u32 {
-        self.cluster_of[p]
+    /// The clusters (ascending, each once) holding the packed positions
+    /// `list` (ascending), into `out` (cleared first).
+    pub fn clusters_of(&self, list: &[u32], out: &mut Vec<u32>) {
+        out.clear();
+        for &p in list {
+            let c = self.cluster_of[p as usize];
+            if out.last() != Some(&c) {
+                out.push(c);
+            }
+        }
     }
 
     /// Packed position of cluster `c`'s first neuron (`n_neurons` for `c == n_clusters`).

@@ -523,15 +523,10 @@ impl<'a> Model<'a> {
         };
         let t1 = Instant::now();
         tm.predictor_s += (t1 - t0).as_secs_f64();
-        needed.clear();
         if listed {
-            for &p in list.iter() {
-                let c = layer.ffn.cluster_of(p as usize);
-                if needed.last() != Some(&c) {
-                    needed.push(c);
-                }
-            }
+            layer.ffn.clusters_of(list, needed);
         } else {
+            needed.clear();
             needed.extend(0..layer.ffn.n_clusters() as u32);
         }
         self.cache.fetch(l, needed, table)?;
@@ -578,13 +573,7 @@ impl<'a> Model<'a> {
         // Scores for the cold neurons only: the hot ones are always in memory.
         let first = layer.ffn.first_neuron(self.cache.first_cold_cluster(l));
         if sp.predict_token_from(self.cfg.activation, xin, xn, first, predict, list) {
-            needed.clear();
-            for &p in list.iter() {
-                let c = layer.ffn.cluster_of(p as usize);
-                if needed.last() != Some(&c) {
-                    needed.push(c);
-                }
-            }
+            layer.ffn.clusters_of(list, needed);
             self.cache.speculate(l, needed);
         }
         tm.predictor_s += t0.elapsed().as_secs_f64();

@@ -362,9 +362,9 @@ pub struct Estimate {
     /// FFN compute, and with its attention when speculated).
     pub io_ms: f64,
     /// Sum over layers of the I/O time compute does not hide, ms:
-    /// `max(0, io − FFN)`, or with a speculative prefetch (layers where that
-    /// exceeds a predictor evaluation, as `nflash run` decides)
-    /// `max(0, io·(1 + SPECULATION_WASTE) − attention − predictor − FFN)`.
+    /// `max(0, io − FFN − read CPU)`, or with a speculative prefetch (layers
+    /// where that exceeds a predictor evaluation, as `nflash run` decides)
+    /// `max(0, io·(1 + SPECULATION_WASTE) − attention − predictor − FFN − read CPU)`.
     pub io_exposed_ms: f64,
     /// Layers that run a speculative prefetch.
     pub speculated_layers: u32,
@@ -421,7 +421,6 @@ pub fn estimate(m: &Manifest, dev: &DeviceProfile, p: &Plan) -> Estimate {
 fn estimate_with(m: &Manifest, dev: &DeviceProfile, threads: u32, ctx: u32, layers: &[Vec<Cl>], hot: &[usize], cold_bytes: u64) -> Estimate {
     let matvec = dev.matvec_bytes_per_s(threads);
     let attention = dev.attention_bytes_per_s(threads);
-    let read_cpu_s = dev.read_cpu_s() / threads.max(1) as f64;
     let kv_ms = kv_read_bytes(m, ctx / 2) as f64 / matvec * 1e3;
     let ffn_speed = dev.ffn_bytes_per_s(threads);
     let predictor = dev.predictor_bytes_per_s(threads);
@@ -441,7 +440,8 @@ fn estimate_with(m: &Manifest, dev: &DeviceProfile, threads: u32, ctx: u32, laye
         e.predictor_ms += pred_ms;
         let ffn_ms = q.iter().sum::<f64>() * f.bundle.bundle_bytes as f64 / ffn_speed * 1e3;
         e.ffn_ms += ffn_ms;
-        let (mut io_s, mut reads, mut bytes) = (0.0, 0.0, 0.0);
+        // read_cpu_ms: the reads' CPU time per compute thread.
+        let (mut io_s, mut read_cpu_ms, mut bytes) = (0.0, 0.0, 0.0);
         for (i, c) in cs.iter().enumerate() {
             needed += c.p;
             if i < hot[l] {
@@ -451,32 +451,54 @@ fn estimate_with(m: &Manifest, dev: &DeviceProfile, threads: u32, ctx: u32, laye
             let k = keep(c.p);
             found += c.p * k;
             bytes += c.p * (1.0 - k) * c.bytes as f64;
-            reads += c.p * (1.0 - k);
+            read_cpu_ms += c.p * (1.0 - k) * dev.read_cpu_s(c.bytes) / threads.max(1) as f64 * 1e3;
             io_s += io_term(dev, c) * (1.0 - k);
         }
-        let (io_ms, exposed) = (io_s * 1e3, (io_s * 1e3 - ffn_ms).max(0.0));
+        // The reads' CPU time runs on the compute threads, alongside the FFN.
+        let io_ms = io_s * 1e3;
+        let exposed = overlap_exposed(ffn_ms + read_cpu_ms, io_ms);
         // Speculative prefetch (`nflash run --speculate auto`): when the layer
         // would wait longer than a predictor evaluation, one more (over the
         // cold neurons' rows) starts the reads before the attention.
         let spec = f.sparse.is_some() && exposed > pred_ms;
         let extra = if spec { 1.0 + SPECULATION_WASTE } else { 1.0 };
+        let cpu_ms = read_cpu_ms * extra;
         if spec {
             let (h, n) = (m.config.hidden_size as f64, f.n_neurons as f64);
             let cold_n = cs[hot[l]..].len() as f64 / cs.len().max(1) as f64 * n;
             e.predictor_ms += pred_ms * (h + cold_n) / (h + n);
-            e.io_exposed_ms += (io_ms * extra - attn_ms - pred_ms - ffn_ms).max(0.0);
+            e.io_exposed_ms += overlap_exposed(attn_ms + pred_ms + ffn_ms + cpu_ms, io_ms * extra);
             e.speculated_layers += 1;
         } else {
             e.io_exposed_ms += exposed;
         }
         e.io_ms += io_ms * extra;
         e.read_bytes_per_token += bytes * extra;
-        e.io_cpu_ms += reads * extra * read_cpu_s * 1e3;
+        e.io_cpu_ms += cpu_ms;
     }
     let head: u64 = m.tensors.iter().filter(|t| t.name == "lm_head.weight" || (m.config.tie_word_embeddings && t.name == "model.embed_tokens.weight")).map(|t| t.bytes).sum();
     e.lm_head_ms = head as f64 / matvec * 1e3;
     e.hit_rate = if needed > 0.0 { found / needed } else { 1.0 };
     e
+}
+
+/// Share of the shorter of a layer's overlapping compute and reads that is
+/// not hidden: a layer takes `max(c, r) + OVERLAP_LOSS · min(c, r)`. The I/O
+/// threads issue and complete reads on the compute threads' cores, so the
+/// queue is not kept full while the cores compute, and the last reads of a
+/// layer land after its resident neurons are done. Fitted on the dev host
+/// (2026-12-02, 2 cores, 16 I/O threads) to the points of `make bench-scale`
+/// where reads and compute are of similar size (0.3: 0.8 at half the FFN
+/// took 187 ms per token, with 144 ms of compute and 143 ms of reads).
+pub const OVERLAP_LOSS: f64 = 0.3;
+
+/// The part of a layer's `io` ms that its overlapping `compute` ms does not
+/// hide ([`OVERLAP_LOSS`]).
+fn overlap_exposed(compute: f64, io: f64) -> f64 {
+    if io <= 0.0 {
+        return 0.0;
+    }
+    compute.max(io) + OVERLAP_LOSS * compute.min(io) - compute
 }
 
 /// Extra reads of a speculative prefetch, as a fraction of the layer's
@@ -593,6 +615,16 @@ pub fn cache_config(p: &Plan) -> crate::cache::CacheConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overlap_hides_all_but_a_share_of_the_shorter_side() {
+        assert_eq!(overlap_exposed(5.0, 0.0), 0.0);
+        assert_eq!(overlap_exposed(0.0, 4.0), 4.0);
+        // Reads shorter than compute: OVERLAP_LOSS of them shows.
+        assert!((overlap_exposed(10.0, 4.0) - OVERLAP_LOSS * 4.0).abs() < 1e-12);
+        // Reads longer: they show beyond the compute, plus OVERLAP_LOSS of the compute.
+        assert!((overlap_exposed(4.0, 10.0) - (6.0 + OVERLAP_LOSS * 4.0)).abs() < 1e-12);
+    }
 
     #[test]
     fn lru_window_counts_whole_tokens() {

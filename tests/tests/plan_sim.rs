@@ -36,7 +36,7 @@ fn estimates_follow_the_budget_and_the_precision() {
         assert!(f(&w[1], "read_bytes_per_token") >= f(&w[0], "read_bytes_per_token"), "{w:?}");
     }
     for r in &rows {
-        let ms = f(r, "attention_ms") + f(r, "predictor_ms") + f(r, "ffn_ms") + f(r, "lm_head_ms") + f(r, "io_exposed_ms");
+        let ms = f(r, "attention_ms") + f(r, "predictor_ms") + f(r, "ffn_ms") + f(r, "lm_head_ms") + f(r, "io_cpu_ms") + f(r, "io_exposed_ms");
         assert!((ms - f(r, "token_ms")).abs() < 1e-6 * ms.max(1.0), "parts {ms} vs token {r}");
         assert!((1000.0 / f(r, "token_ms") - f(r, "tokens_per_s")).abs() < 1e-6, "{r}");
         assert!(["compute", "compute + I/O", "flash I/O"].contains(&r["bound"].as_str().unwrap()), "{r}");
@@ -76,6 +76,43 @@ fn the_ffn_is_priced_at_the_profiles_sparse_ffn_speed() {
     std::fs::write(&bad, format!("{base}\n[kernels]\nq4_0_ffn_gb_s_1t = 0\nq4_0_ffn_gb_s_mt = 1\n")).unwrap();
     let o = run("nflash", &["plan-sim", "--device", bad.to_str().unwrap(), "--shape", "llama-7b"]);
     assert_fails("zero FFN speed", &o, &["kernels.q4_0_ffn_gb_s"]);
+}
+
+#[test]
+fn attention_speed_read_cpu_and_speculation_enter_the_estimate() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = std::fs::read_to_string(repo_root().join("profiles/oneplus-12.toml")).unwrap().replacen("[cpu]\n", "[cpu]\nthreads_measured = 1\n", 1);
+    let with = |name: &str, kernels: &str, extra: &[&str]| {
+        let p = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&p, format!("{base}\n[kernels]\nq4_0_ffn_gb_s_1t = 10\nq4_0_ffn_gb_s_mt = 10\n{kernels}")).unwrap();
+        let mut a = vec!["--shape", "llama-7b", "--threads", "1"];
+        a.extend_from_slice(extra);
+        sim_on(&p, &a)
+    };
+    let tight = ["--sparsity", "0.8", "--ffn-share", "0.25"];
+    let plain = with("plain", "", &tight).remove(0);
+    // Attention weights at the attention-block speed; the KV cache and lm_head stay at the matvec speed.
+    let slow_attn = with("attn", "q4_0_attention_gb_s_1t = 1\nq4_0_attention_gb_s_mt = 1\n", &tight).remove(0);
+    assert!(f(&slow_attn, "attention_ms") > 2.0 * f(&plain, "attention_ms"), "{slow_attn} vs {plain}");
+    assert_eq!(f(&slow_attn, "lm_head_ms"), f(&plain, "lm_head_ms"));
+    // Each read's CPU time adds to compute, in proportion.
+    assert_eq!(f(&plain, "io_cpu_ms"), 0.0);
+    let cpu10 = with("cpu10", "read_cpu_us = 10\n", &tight).remove(0);
+    let cpu20 = with("cpu20", "read_cpu_us = 20\n", &tight).remove(0);
+    assert!(f(&cpu10, "io_cpu_ms") > 0.0);
+    assert!((f(&cpu20, "io_cpu_ms") / f(&cpu10, "io_cpu_ms") - 2.0).abs() < 1e-9, "{cpu10} vs {cpu20}");
+    assert!(f(&cpu20, "token_ms") > f(&cpu10, "token_ms"));
+    // Speculative prefetch where reads stick out of the FFN: none with the FFN in memory.
+    let all = with("all", "", &["--sparsity", "0.8", "--ffn-share", "1"]).remove(0);
+    assert_eq!(f(&all, "speculated_layers"), 0.0);
+    assert!(f(&plain, "speculated_layers") > 0.0, "{plain}");
+    for r in [&plain, &slow_attn, &cpu10, &cpu20, &all] {
+        let ms = f(r, "attention_ms") + f(r, "predictor_ms") + f(r, "ffn_ms") + f(r, "lm_head_ms") + f(r, "io_cpu_ms") + f(r, "io_exposed_ms");
+        assert!((ms - f(r, "token_ms")).abs() < 1e-6 * ms.max(1.0), "parts {ms} vs token {r}");
+        assert!(f(r, "io_exposed_ms") <= f(r, "io_ms"), "{r}");
+    }
+    // A slower attention hides as much of the speculated reads or more.
+    assert!(f(&slow_attn, "io_exposed_ms") <= f(&plain, "io_exposed_ms"), "{slow_attn} vs {plain}");
 }
 
 #[test]

@@ -102,7 +102,8 @@ struct Plan {
     mem_bytes: usize,
     mat_rows: usize,
     mat_cols: usize,
-    /// FFN bundles (neurons) of the sparse FFN measurement.
+    /// Neurons per FFN layer of the sparse FFN measurement (its bundles are
+    /// the matvec matrix's bytes, 3 rows per neuron).
     ffn_neurons: usize,
     /// Layers of the predictor measurement (each a `[256, mat_cols]`
     /// projection and two `[mat_cols, 256]` factors, Q8_0: 3.3 MiB at 4096).
@@ -173,9 +174,9 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             file_bytes,
             seconds,
             mem_bytes: 64 << 20,
-            mat_rows: 1024,
+            mat_rows: 3072,
             mat_cols: 4096,
-            ffn_neurons: 1024,
+            ffn_neurons: 256,
             predictor_layers: 2,
         }
     } else {
@@ -187,11 +188,16 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             mem_bytes: 256 << 20,
             // 72 MiB of Q4_0: larger than the last-level cache, as decode's
             // weights are (a 9 MiB matrix stays cached and read 1.4× faster).
-            mat_rows: 32768,
+            // 1008 MiB of Q4_0, the size of a 7B model's attention weights:
+            // decode's weights are out of the last-level cache and spread
+            // over many pages. At 72 MiB (before 2026-12-02) the matvec,
+            // attention and FFN figures were 15–30% above what decode reached
+            // (page walks over gigabytes of 4 KiB pages); at 9 MiB the matrix
+            // stays cached and ran 1.4× faster still. Fewer rows if memory is short.
+            mat_rows: 28 * 4 * 4096,
             mat_cols: 4096,
-            // 113 MiB of bundles; each pass reads a different 1/8 (14 MiB),
-            // out of the cache as decode's selected bundles are.
-            ffn_neurons: 16384,
+            // FFN layers of 11008 neurons (llama-7b) dealt over the same bytes.
+            ffn_neurons: 11008,
             // 80 MiB: out of the last-level cache, as decode's predictors are.
             predictor_layers: 24,
         }
@@ -245,15 +251,19 @@ pub fn run(a: ProbeArgs) -> Result<()> {
         });
     }
     let mut read = Vec::with_capacity(n_points);
-    let mut read_cpu_us = 0.0;
+    let (mut cpu_4k, mut cpu_64k) = (None, None);
     for &block in &plan.blocks {
         for &n in &plan.in_flight {
             let label = format!("{} KiB × {n}", block / KIB);
             pb.set_message(format!("random {label}"));
             let (random_mb_s, cpu_us) = measure_reads(&file, plan.file_bytes, block, n, true, direct, plan.seconds)?;
-            // The smallest block at the deepest queue: decode's cluster reads.
-            if block == plan.blocks[0] && n == *plan.in_flight.iter().max().unwrap_or(&1) {
-                read_cpu_us = cpu_us;
+            // 4 and 64 KiB at the deepest queue: CPU per cluster read, by size.
+            if n == *plan.in_flight.iter().max().unwrap_or(&1) {
+                if block == 4 * KIB {
+                    cpu_4k = Some(cpu_us);
+                } else if block == 64 * KIB {
+                    cpu_64k = Some(cpu_us);
+                }
             }
             pb.inc(1);
             pb.set_message(format!("sequential {label}"));
@@ -280,7 +290,11 @@ pub fn run(a: ProbeArgs) -> Result<()> {
 
     // CPU.
     pb.set_message("q4_0 matvec");
-    let mut mat = q4_0_matrix(plan.mat_rows, plan.mat_cols);
+    // At most a quarter of the available memory, in whole attention layers (4 × 4096 rows).
+    let row_bytes = (plan.mat_cols / BlockQ4_0::BLCK_SIZE * std::mem::size_of::<BlockQ4_0>()) as u64;
+    let unit = 4 * plan.mat_cols.min(plan.mat_rows / 4) as u64;
+    let rows = (plan.mat_rows as u64).min(available_bytes / 4 / row_bytes / unit * unit).max(unit) as usize;
+    let mut mat = q4_0_matrix(rows, plan.mat_cols);
     if nflash_runtime::simd::q4_0x8_available() {
         mat.interleave(); // as `nflash run` lays out resident Q4_0 matrices
     }
@@ -301,10 +315,8 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     };
     let (one, all) = on_1_and_all("q4_0 matvec", &|| Ok(matvec_speed(&mat, &x, run_secs)))?;
     let (attn_one, attn_all) = on_1_and_all("attention", &|| Ok(attention_speed(&mat, &x, run_secs)))?;
+    let (ffn_one, ffn_all) = on_1_and_all("sparse FFN", &|| ffn_speed(&mat, plan.ffn_neurons, &x, run_secs))?;
     drop(mat);
-    let bundles = q4_0_matrix(3 * plan.ffn_neurons, plan.mat_cols);
-    let (ffn_one, ffn_all) = on_1_and_all("sparse FFN", &|| ffn_speed(&bundles, plan.ffn_neurons, &x, run_secs))?;
-    drop(bundles);
     let pred = predictor_layers(plan.predictor_layers, plan.mat_cols);
     let (pred_one, pred_all) = on_1_and_all("predictor", &|| Ok(predictor_speed(&pred, &x, run_secs)))?;
     drop(pred);
@@ -347,7 +359,8 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             q8_0_predictor_gb_s_mt: Some(round(pred_all, 2)),
             q4_0_attention_gb_s_1t: Some(round(attn_one, 2)),
             q4_0_attention_gb_s_mt: Some(round(attn_all, 2)),
-            read_cpu_us: Some(round(read_cpu_us, 1)),
+            read_cpu_us: cpu_4k.map(|c| round(c, 1)),
+            read_cpu_us_per_kib: cpu_4k.zip(cpu_64k).map(|(a, b)| round(((b - a) / 60.0).max(0.0), 3)),
         }),
     };
     let text = format!(
@@ -847,17 +860,21 @@ fn predictor_speed(layers: &[PredictorLayer], x: &[f32], run_secs: f64) -> f64 {
 
 /// Sparse FFN decode speed of the runtime's neuron engine
 /// ([`Ffn::forward_token`]) on the current rayon pool, GB/s of selected
-/// bundle bytes. `bundles` holds `n` Q4_0 bundles (gate row, up row, down
-/// column of `x.len()` elements each, SPEC §4.4), one neuron per cluster;
-/// the neurons are dealt at random into 8 disjoint selections (1/8 ≈ 12%
-/// selected, as decode at sparsity 0.9) taken in turn, so a selection's
-/// bundles have left the caches when it comes round again. Median of 7 runs
-/// of at least `run_secs`.
+/// bundle bytes. `bundles`' bytes are read as Q4_0 bundles (gate row, up
+/// row, down column of `x.len()` elements each, SPEC §4.4), one neuron per
+/// cluster, cut into layers of `layer_neurons`; each layer's neurons are
+/// dealt at random into 8 disjoint selections (1/8 ≈ 12% selected, as
+/// decode at sparsity 0.9). A pass runs one selection of every layer, one
+/// `forward_token` call per layer as decode does, the next pass the next
+/// selection, so a selection's bundles have left the caches when it comes
+/// round again. Median of 7 runs of at least `run_secs`.
 ///
 /// # Errors
 /// If the engine refuses the layout (a bug: the layout is built here).
-fn ffn_speed(bundles: &QMatrixOwned, n: usize, x: &[f32], run_secs: f64) -> Result<f64> {
+fn ffn_speed(bundles: &QMatrixOwned, layer_neurons: usize, x: &[f32], run_secs: f64) -> Result<f64> {
     let cols = x.len();
+    let n = bundles.rows / 3;
+    let layer_neurons = layer_neurons.clamp(1, n.max(1));
     let layout = BundleLayout::new(DType::Q4_0, cols as u64).context("FFN probe: hidden size does not fit Q4_0 blocks")?;
     let bb = layout.bundle_bytes;
     let layer = FfnLayer {
@@ -873,20 +890,26 @@ fn ffn_speed(bundles: &QMatrixOwned, n: usize, x: &[f32], run_secs: f64) -> Resu
     let offsets: Vec<u64> = layer.clusters.iter().map(|c| c.offset).collect();
     let src = LayerClusters::Segment { data: bundles.bytes(), offsets: &offsets };
     let ffn = Ffn::new(&layer, Activation::Relu, None, None, None);
-    let mut groups: Vec<Vec<u32>> = vec![Vec::new(); 8];
+    // groups[g][layer]: selection g of each layer, ascending packed positions.
+    let n_layers = n / layer_neurons;
+    let mut groups: Vec<Vec<Vec<u32>>> = vec![vec![Vec::new(); n_layers]; 8];
     let mut rng = SplitMix(0xFF);
-    for p in 0..n as u32 {
-        groups[(rng.next() % 8) as usize].push(p);
+    for p in 0..(n_layers * layer_neurons) as u32 {
+        groups[(rng.next() % 8) as usize][p as usize / layer_neurons].push(p);
     }
     let input = DotInput::from_slice(DType::Q4_0, x);
     let mut scratch = FfnScratch::default();
     let mut out = vec![0f32; cols];
     let mut k = 0usize;
     let mut pass = |out: &mut [f32]| -> Result<u64> {
-        let sel = &groups[k % groups.len()];
+        let sels = &groups[k % groups.len()];
         k += 1;
-        ffn.forward_token(&src, &input, Selection::List(sel), None, &mut scratch, out)?;
-        Ok(sel.len() as u64 * bb)
+        let mut bytes = 0u64;
+        for sel in sels {
+            ffn.forward_token(&src, &input, Selection::List(sel), None, &mut scratch, out)?;
+            bytes += sel.len() as u64 * bb;
+        }
+        Ok(bytes)
     };
     for _ in 0..8 {
         pass(&mut out)?; // warm up
@@ -1084,7 +1107,7 @@ fn print_table(p: &DeviceProfile, direct: bool, took: Duration) {
             eprintln!("attention projections (q4_0, per layer): {one:.2} GB/s on 1 thread, {all:.2} GB/s on {}", p.cpu.threads_measured.unwrap_or(0));
         }
         if let Some(us) = k.read_cpu_us {
-            eprintln!("CPU time per random read: {us:.1} µs");
+            eprintln!("CPU time per random read: {us:.1} µs at 4 KiB, +{:.3} µs per KiB beyond", k.read_cpu_us_per_kib.unwrap_or(0.0));
         }
     }
     eprintln!("probe took {:.1} s", took.as_secs_f64());
