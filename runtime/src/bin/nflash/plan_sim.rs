@@ -233,10 +233,10 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         format!("half the profile's memory bandwidth shared by {threads} of its {} cores (it has no matvec figures)", dev.n_cores())
     };
     let ffn_note = if dev.kernels.is_some() { "the FFN bundles at its sparse FFN speed ([kernels])" } else { "the FFN bundles too (no [kernels] in the profile)" };
-    let waste = 100.0 * planner::SPECULATION_WASTE;
+    let (waste, loss) = (100.0 * planner::SPECULATION_WASTE, planner::OVERLAP_LOSS);
     let attn_note = if dev.kernels.as_ref().is_some_and(|k| k.q4_0_attention_gb_s_1t.is_some()) { ", attention weights at its attention-block speed ([kernels])" } else { "" };
     let cpu_note = if dev.read_cpu_s(4096) > 0.0 { ", plus each read's CPU time ([kernels] read_cpu_us*) shared by the threads" } else { "" };
-    println!("compute: weights touched per token (attention with the KV cache at half the context) / {speed}{attn_note}, {ffn_note}{cpu_note}; I/O: cold misses per token (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part of it not hidden behind the layer's FFN compute (and its attention where a speculative prefetch runs, as `nflash run --speculate auto` decides: {waste:.0}% extra reads); bound: flash I/O when I/O exp is over half the token, compute + I/O over a fifth, else compute");
+    println!("compute: weights touched per token (attention with the KV cache at half the context) / {speed}{attn_note}, {ffn_note}{cpu_note}; I/O: cold misses per token (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part of it not hidden behind the layer's FFN compute (and its attention where a speculative prefetch runs, as `nflash run --speculate auto` decides: {waste:.0}% extra reads), a layer taking max(compute, reads) + {loss} × the smaller (the I/O threads share the cores); bound: flash I/O when I/O exp is over half the token, compute + I/O over a fifth, else compute");
     let mut seen = std::collections::HashSet::new();
     for n in notes.iter().filter(|n| seen.insert(n.as_str())) {
         println!("note: {n}");
