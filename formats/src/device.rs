@@ -286,7 +286,6 @@ impl DeviceProfile {
                     r.block_bytes, r.in_flight
                 ));
             }
-
         }
         Ok(())
     }
@@ -337,27 +336,28 @@ impl DeviceProfile {
     /// Sparse FFN decode speed with `threads` threads, bundle bytes/s: the
     /// `[kernels]` figures when present, otherwise [`Self::matvec_bytes_per_s`].
     pub fn ffn_bytes_per_s(&self, threads: u32) -> f64 {
-        match &self.kernels {
-            Some(k) => self.at_threads(k.q4_0_ffn_gb_s_1t, Some(k.q4_0_ffn_gb_s_mt), threads),
-            None => self.matvec_bytes_per_s(threads),
-        }
+        self.kernel_or_matvec(|k| Some((k.q4_0_ffn_gb_s_1t, Some(k.q4_0_ffn_gb_s_mt))), threads)
     }
 
     /// Activation predictor speed with `threads` threads, weight bytes/s:
     /// the `[kernels]` Q8_0 predictor figures when present, otherwise
     /// [`Self::matvec_bytes_per_s`].
     pub fn predictor_bytes_per_s(&self, threads: u32) -> f64 {
-        match self.kernels.as_ref().and_then(|k| k.q8_0_predictor_gb_s_1t.map(|one| (one, k.q8_0_predictor_gb_s_mt))) {
-            Some((one, all)) => self.at_threads(one, all, threads),
-            None => self.matvec_bytes_per_s(threads),
-        }
+        self.kernel_or_matvec(|k| k.q8_0_predictor_gb_s_1t.map(|one| (one, k.q8_0_predictor_gb_s_mt)), threads)
     }
 
     /// Decode attention projections with `threads` threads, weight bytes/s:
     /// the `[kernels]` attention figures when present, otherwise
     /// [`Self::matvec_bytes_per_s`].
     pub fn attention_bytes_per_s(&self, threads: u32) -> f64 {
-        match self.kernels.as_ref().and_then(|k| k.q4_0_attention_gb_s_1t.map(|one| (one, k.q4_0_attention_gb_s_mt))) {
+        self.kernel_or_matvec(|k| k.q4_0_attention_gb_s_1t.map(|one| (one, k.q4_0_attention_gb_s_mt)), threads)
+    }
+
+    /// A `[kernels]` speed at `threads` threads from its (1-thread,
+    /// multi-thread) figures that `pick` finds, bytes/s; the matvec speed
+    /// when the profile has no `[kernels]` or `pick` finds none.
+    fn kernel_or_matvec(&self, pick: impl Fn(&KernelSpeeds) -> Option<(f64, Option<f64>)>, threads: u32) -> f64 {
+        match self.kernels.as_ref().and_then(pick) {
             Some((one, all)) => self.at_threads(one, all, threads),
             None => self.matvec_bytes_per_s(threads),
         }

@@ -375,13 +375,8 @@ impl NeuronCache {
                 st.hot_hits += 1;
                 continue;
             }
-            let s = lru.slot_of[layer][c];
-            if s != NONE && self.shared.state[s as usize].load(Ordering::Acquire) == FAILED {
-                // A failed read: forget it and read again.
-                lru.slot_of[layer][c] = NONE;
-                lru.owner[s as usize] = (NONE, NONE);
-                self.shared.state[s as usize].store(EMPTY, Ordering::Relaxed);
-            } else if s != NONE {
+            let s = self.slot_held(&mut lru, layer, c);
+            if s != NONE {
                 lru.touch(s);
                 table[c] = Loc::Slot(s);
                 // A prefetched cluster was read for this use: a miss, read ahead of time.
@@ -456,16 +451,10 @@ impl NeuronCache {
             if c < lay.hot {
                 continue;
             }
-            let s = lru.slot_of[layer][c];
+            let s = self.slot_held(&mut lru, layer, c);
             if s != NONE {
-                if self.shared.state[s as usize].load(Ordering::Acquire) != FAILED {
-                    lru.touch(s);
-                    continue;
-                }
-                // A failed read: forget it; the fetch reads it again.
-                lru.slot_of[layer][c] = NONE;
-                lru.owner[s as usize] = (NONE, NONE);
-                self.shared.state[s as usize].store(EMPTY, Ordering::Relaxed);
+                lru.touch(s);
+                continue;
             }
             let Some(s) = self.claim(&mut lru, layer, c) else { break };
             lru.prefetched[s as usize] = true;
@@ -475,6 +464,20 @@ impl NeuronCache {
         }
         reads.flush(&self.io);
         lru.counts.speculated += n;
+    }
+
+    /// The cold slot holding cluster `c` of `layer` (ready or being read),
+    /// or [`NONE`]. A slot whose read failed is forgotten (so the cluster is
+    /// read again) and [`NONE`] returned.
+    fn slot_held(&self, lru: &mut Lru, layer: usize, c: usize) -> u32 {
+        let s = lru.slot_of[layer][c];
+        if s != NONE && self.shared.state[s as usize].load(Ordering::Acquire) == FAILED {
+            lru.slot_of[layer][c] = NONE;
+            lru.owner[s as usize] = (NONE, NONE);
+            self.shared.state[s as usize].store(EMPTY, Ordering::Relaxed);
+            return NONE;
+        }
+        s
     }
 
     /// Takes the least recently used slot not used by the current fetch for

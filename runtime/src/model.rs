@@ -99,8 +99,9 @@ struct Work {
     timings: Timings,
 }
 
-/// When decode runs a speculative prefetch ([`Model::set_speculation`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// When decode runs a speculative prefetch ([`Model::set_speculation`];
+/// `nflash run --speculate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Speculation {
     /// For a layer whose last FFN call waited for reads longer than its
     /// predictor took (the default).
@@ -260,6 +261,7 @@ impl<'a> Model<'a> {
             cache: NeuronCache::open(pack, cache)?,
             work: Mutex::new(Work {
                 counts: vec![LayerCounts::default(); layers.len()],
+                layer_wait: vec![(0.0, 0.0); layers.len()],
                 ..Default::default()
             }),
             layers,
@@ -537,9 +539,6 @@ impl<'a> Model<'a> {
         tm.ffn_s += t1.elapsed().as_secs_f64();
         // Compute threads wait side by side: their summed wait over the thread count is wall time.
         let waited = (self.cache.wait_s() - wait0) / rayon::current_num_threads() as f64;
-        if work.layer_wait.len() <= l {
-            work.layer_wait.resize(l + 1, (0.0, 0.0));
-        }
         work.layer_wait[l] = (waited, (t1 - t0).as_secs_f64());
         Ok(LayerCounts { neurons: n, read, computed, ..Default::default() })
     }
@@ -555,7 +554,7 @@ impl<'a> Model<'a> {
         let Some(sp) = layer.sparse.as_ref() else { return };
         // Worth a predictor evaluation only if the layer's last FFN call
         // waited longer than that for its reads.
-        let (waited, pred) = layer_wait.get(l).copied().unwrap_or((0.0, 0.0));
+        let (waited, pred) = layer_wait[l];
         let go = match self.speculation {
             Speculation::Auto => waited > pred,
             Speculation::Always => self.cache.first_cold_cluster(l) < layer.ffn.n_clusters(),

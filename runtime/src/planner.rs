@@ -356,15 +356,17 @@ pub struct Estimate {
     /// Output projection (lm_head), ms.
     pub lm_head_ms: f64,
     /// CPU time the reads take from the compute threads (syscalls,
-    /// completions: `[kernels] read_cpu_us` per read ÷ threads), ms.
+    /// completions: [`DeviceProfile::read_cpu_s`] per read ÷ threads), ms.
     pub io_cpu_ms: f64,
     /// Flash reads of missed cold clusters, ms (overlapped with the layer's
     /// FFN compute, and with its attention when speculated).
     pub io_ms: f64,
-    /// Sum over layers of the I/O time compute does not hide, ms:
-    /// `max(0, io − FFN − read CPU)`, or with a speculative prefetch (layers
-    /// where that exceeds a predictor evaluation, as `nflash run` decides)
-    /// `max(0, io·(1 + SPECULATION_WASTE) − attention − predictor − FFN − read CPU)`.
+    /// Sum over layers of the I/O time compute does not hide, ms
+    /// ([`OVERLAP_LOSS`]): reads overlapping the FFN and the reads' CPU
+    /// time, or with a speculative prefetch (layers where that leaves more
+    /// than a predictor evaluation exposed, as `nflash run` decides) reads
+    /// `× (1 + SPECULATION_WASTE)` overlapping attention, predictor, FFN and
+    /// the reads' CPU time.
     pub io_exposed_ms: f64,
     /// Layers that run a speculative prefetch.
     pub speculated_layers: u32,
@@ -412,8 +414,8 @@ pub fn estimate(m: &Manifest, dev: &DeviceProfile, p: &Plan) -> Estimate {
 /// the KV cache and lm_head / its matvec speed at `threads`; the
 /// predictor's bytes / its Q8_0 predictor speed and the bundles of the
 /// neurons the predictor selects / its sparse FFN speed (`[kernels]`, the
-/// matvec speed without them); each read's CPU time (`[kernels]
-/// read_cpu_us`) shared by the threads. I/O: each cold cluster is needed
+/// matvec speed without them); each read's CPU time
+/// ([`DeviceProfile::read_cpu_s`]) shared by the threads. I/O: each cold cluster is needed
 /// with its probability `p`; the cold LRU keeps it as [`lru_hit`] says;
 /// misses are read at the profile's random-read bandwidth for the merged
 /// read size, hidden behind the layer's FFN (and, speculated, its

@@ -23,6 +23,12 @@ fn f(v: &Value, k: &str) -> f64 {
     v[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {v}"))
 }
 
+/// A row's time per token is the sum of its parts.
+fn assert_parts_add_up(r: &Value) {
+    let ms = f(r, "attention_ms") + f(r, "predictor_ms") + f(r, "ffn_ms") + f(r, "lm_head_ms") + f(r, "io_cpu_ms") + f(r, "io_exposed_ms");
+    assert!((ms - f(r, "token_ms")).abs() < 1e-6 * ms.max(1.0), "parts {ms} vs token {r}");
+}
+
 #[test]
 fn estimates_follow_the_budget_and_the_precision() {
     let rows = sim(&["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "1,0.5,0.25"]);
@@ -36,8 +42,7 @@ fn estimates_follow_the_budget_and_the_precision() {
         assert!(f(&w[1], "read_bytes_per_token") >= f(&w[0], "read_bytes_per_token"), "{w:?}");
     }
     for r in &rows {
-        let ms = f(r, "attention_ms") + f(r, "predictor_ms") + f(r, "ffn_ms") + f(r, "lm_head_ms") + f(r, "io_cpu_ms") + f(r, "io_exposed_ms");
-        assert!((ms - f(r, "token_ms")).abs() < 1e-6 * ms.max(1.0), "parts {ms} vs token {r}");
+        assert_parts_add_up(r);
         assert!((1000.0 / f(r, "token_ms") - f(r, "tokens_per_s")).abs() < 1e-6, "{r}");
         assert!(["compute", "compute + I/O", "flash I/O"].contains(&r["bound"].as_str().unwrap()), "{r}");
     }
@@ -107,8 +112,7 @@ fn attention_speed_read_cpu_and_speculation_enter_the_estimate() {
     assert_eq!(f(&all, "speculated_layers"), 0.0);
     assert!(f(&plain, "speculated_layers") > 0.0, "{plain}");
     for r in [&plain, &slow_attn, &cpu10, &cpu20, &all] {
-        let ms = f(r, "attention_ms") + f(r, "predictor_ms") + f(r, "ffn_ms") + f(r, "lm_head_ms") + f(r, "io_cpu_ms") + f(r, "io_exposed_ms");
-        assert!((ms - f(r, "token_ms")).abs() < 1e-6 * ms.max(1.0), "parts {ms} vs token {r}");
+        assert_parts_add_up(r);
         assert!(f(r, "io_exposed_ms") <= f(r, "io_ms"), "{r}");
     }
     // A slower attention hides as much of the speculated reads or more.

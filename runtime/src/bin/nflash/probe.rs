@@ -186,8 +186,6 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             file_bytes,
             seconds,
             mem_bytes: 256 << 20,
-            // 72 MiB of Q4_0: larger than the last-level cache, as decode's
-            // weights are (a 9 MiB matrix stays cached and read 1.4× faster).
             // 1008 MiB of Q4_0, the size of a 7B model's attention weights:
             // decode's weights are out of the last-level cache and spread
             // over many pages. At 72 MiB (before 2026-12-02) the matvec,
@@ -313,12 +311,12 @@ pub fn run(a: ProbeArgs) -> Result<()> {
         pb.inc(1);
         Ok((one, all))
     };
-    let (one, all) = on_1_and_all("q4_0 matvec", &|| Ok(matvec_speed(&mat, &x, run_secs)))?;
-    let (attn_one, attn_all) = on_1_and_all("attention", &|| Ok(attention_speed(&mat, &x, run_secs)))?;
+    let (one, all) = on_1_and_all("q4_0 matvec", &|| matvec_speed(&mat, &x, run_secs))?;
+    let (attn_one, attn_all) = on_1_and_all("attention", &|| attention_speed(&mat, &x, run_secs))?;
     let (ffn_one, ffn_all) = on_1_and_all("sparse FFN", &|| ffn_speed(&mat, plan.ffn_neurons, &x, run_secs))?;
     drop(mat);
     let pred = predictor_layers(plan.predictor_layers, plan.mat_cols);
-    let (pred_one, pred_all) = on_1_and_all("predictor", &|| Ok(predictor_speed(&pred, &x, run_secs)))?;
+    let (pred_one, pred_all) = on_1_and_all("predictor", &|| predictor_speed(&pred, &x, run_secs))?;
     drop(pred);
     pb.finish_and_clear();
 
@@ -751,13 +749,14 @@ impl QMatrixOwned {
 
 /// Q4_0 matrix-vector speed on the current rayon pool, GB/s of weight bytes
 /// ([`median_gb_s`] of `matvec`).
-fn matvec_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> f64 {
+fn matvec_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> Result<f64> {
     let mat = m.view();
     let input = DotInput::from_slice(DType::Q4_0, x);
     let mut out = vec![0f32; mat.rows];
-    median_gb_s(m.bytes().len(), run_secs, || {
+    median_gb_s(1, run_secs, || {
         mat.matvec(&input, &mut out);
         std::hint::black_box(&out);
+        Ok(m.bytes().len() as u64)
     })
 }
 
@@ -767,7 +766,7 @@ fn matvec_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> f64 {
 /// region, the O projection of the quantized Q output in another); what
 /// the matvec figure leaves out is the per-layer fork–join and the smaller
 /// matrices ([`median_gb_s`]).
-fn attention_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> f64 {
+fn attention_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> Result<f64> {
     let cols = m.cols;
     let bytes = m.bytes();
     // [rows, cols] per projection: square, or a quarter of `m` if it is smaller (--quick).
@@ -783,7 +782,7 @@ fn attention_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> f64 {
     let mut attn_in = DotInput::new(DType::Q4_0);
     let (mut q, mut k, mut v, mut o) = (vec![0f32; rows], vec![0f32; rows], vec![0f32; rows], vec![0f32; rows]);
     let mut q_full = vec![0f32; cols]; // O's input: Q's output, zero-padded when rows < cols
-    median_gb_s(n_layers * 4 * sq, run_secs, || {
+    median_gb_s(1, run_secs, || {
         for [wq, wk, wv, wo] in &layers {
             nflash_runtime::weights::matvec_many(&[wq, wk, wv], &xin, &mut [&mut q, &mut k, &mut v]);
             q_full[..rows].copy_from_slice(&q);
@@ -791,26 +790,32 @@ fn attention_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> f64 {
             wo.matvec(&attn_in, &mut o);
         }
         std::hint::black_box((&k, &v, &o));
+        Ok((n_layers * 4 * sq) as u64)
     })
 }
 
-/// GB/s of `bytes` per call of `pass`: one warm-up call, then the median of
-/// 7 runs, each repeating `pass` for at least `run_secs`.
-fn median_gb_s(bytes: usize, run_secs: f64, mut pass: impl FnMut()) -> f64 {
-    pass();
-    let mut speeds: Vec<f64> = (0..7)
-        .map(|_| {
-            let t = Instant::now();
-            let mut reps = 0u64;
-            while reps == 0 || t.elapsed().as_secs_f64() < run_secs {
-                pass();
-                reps += 1;
-            }
-            bytes as f64 * reps as f64 / t.elapsed().as_secs_f64() / 1e9
-        })
-        .collect();
+/// GB/s of the bytes each call of `pass` returns: `warmup` calls, then the
+/// median of 7 runs, each repeating `pass` for at least `run_secs`.
+///
+/// # Errors
+/// The first error `pass` returns.
+fn median_gb_s(warmup: usize, run_secs: f64, mut pass: impl FnMut() -> Result<u64>) -> Result<f64> {
+    for _ in 0..warmup {
+        pass()?;
+    }
+    let mut speeds = Vec::with_capacity(7);
+    for _ in 0..7 {
+        let t = Instant::now();
+        let mut bytes = 0u64;
+        let mut reps = 0u64;
+        while reps == 0 || t.elapsed().as_secs_f64() < run_secs {
+            bytes += pass()?;
+            reps += 1;
+        }
+        speeds.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
     speeds.sort_by(f64::total_cmp);
-    speeds[speeds.len() / 2]
+    Ok(speeds[speeds.len() / 2])
 }
 
 /// One predictor layer as decode runs it (`LayerSparse`, MLP kind): a
@@ -840,14 +845,14 @@ fn predictor_layers(n: usize, cols: usize) -> Vec<PredictorLayer> {
 /// Predictor speed on the current rayon pool, GB/s of predictor weight
 /// bytes: every layer's projection of `x`, then its gate and up factors in
 /// one parallel region, as `LayerSparse::predict_token` does ([`median_gb_s`]).
-fn predictor_speed(layers: &[PredictorLayer], x: &[f32], run_secs: f64) -> f64 {
+fn predictor_speed(layers: &[PredictorLayer], x: &[f32], run_secs: f64) -> Result<f64> {
     const R: usize = 256;
     let cols = x.len();
     let xin = DotInput::from_slice(DType::Q8_0, x);
     let mut zin = DotInput::new(DType::Q8_0);
     let (mut z, mut g, mut u) = (vec![0f32; R], vec![0f32; cols], vec![0f32; cols]);
     let bytes: usize = layers.iter().map(|l| l.proj.len() + l.gate.len() + l.up.len()).sum();
-    median_gb_s(bytes, run_secs, || {
+    median_gb_s(1, run_secs, || {
         for l in layers {
             QMatrix::new(DType::Q8_0, R, cols, &l.proj).matvec(&xin, &mut z);
             zin.set(&z);
@@ -855,6 +860,7 @@ fn predictor_speed(layers: &[PredictorLayer], x: &[f32], run_secs: f64) -> f64 {
             nflash_runtime::weights::matvec_many(&[&gm, &um], &zin, &mut [&mut g, &mut u]);
         }
         std::hint::black_box((&g, &u));
+        Ok(bytes as u64)
     })
 }
 
@@ -901,31 +907,18 @@ fn ffn_speed(bundles: &QMatrixOwned, layer_neurons: usize, x: &[f32], run_secs: 
     let mut scratch = FfnScratch::default();
     let mut out = vec![0f32; cols];
     let mut k = 0usize;
-    let mut pass = |out: &mut [f32]| -> Result<u64> {
+    // Eight warm-up passes: every selection once.
+    median_gb_s(8, run_secs, || {
         let sels = &groups[k % groups.len()];
         k += 1;
         let mut bytes = 0u64;
         for sel in sels {
-            ffn.forward_token(&src, &input, Selection::List(sel), None, &mut scratch, out)?;
+            ffn.forward_token(&src, &input, Selection::List(sel), None, &mut scratch, &mut out)?;
             bytes += sel.len() as u64 * bb;
         }
-        Ok(bytes)
-    };
-    for _ in 0..8 {
-        pass(&mut out)?; // warm up
-    }
-    let mut speeds = Vec::with_capacity(7);
-    for _ in 0..7 {
-        let t = Instant::now();
-        let mut bytes = 0u64;
-        while bytes == 0 || t.elapsed().as_secs_f64() < run_secs {
-            bytes += pass(&mut out)?;
-        }
         std::hint::black_box(&out);
-        speeds.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
-    }
-    speeds.sort_by(f64::total_cmp);
-    Ok(speeds[speeds.len() / 2])
+        Ok(bytes)
+    })
 }
 
 /// `MemTotal` and `MemAvailable` of /proc/meminfo, bytes; the available figure

@@ -16,17 +16,6 @@ use nflash_runtime::{Engine, Model};
 use crate::common::{check_output, in_pool, open_pack, read_text, write_atomic};
 use crate::memory::{load_engine, MemoryArgs};
 
-/// `--speculate` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum SpeculateArg {
-    /// For layers whose last FFN call waited for reads longer than a predictor evaluation.
-    Auto,
-    /// Before every layer with cold neurons.
-    Always,
-    /// Never.
-    Never,
-}
-
 /// Arguments of `nflash run`.
 #[derive(Args)]
 pub struct RunArgs {
@@ -83,8 +72,8 @@ pub struct RunArgs {
     dense: bool,
     /// Speculative prefetch: read the next layer's likely cold neuron clusters
     /// while its attention runs. auto = for layers that waited for reads.
-    #[arg(long, value_enum, default_value_t = SpeculateArg::Auto)]
-    speculate: SpeculateArg,
+    #[arg(long, value_enum, default_value_t = Speculation::Auto)]
+    speculate: Speculation,
     #[command(flatten)]
     memory: MemoryArgs,
 }
@@ -134,11 +123,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     }
     let budget = plan.as_ref().map(|p| p.memory_budget_bytes);
     engine.model.set_dense(a.dense);
-    engine.model.set_speculation(match a.speculate {
-        SpeculateArg::Auto => Speculation::Auto,
-        SpeculateArg::Always => Speculation::Always,
-        SpeculateArg::Never => Speculation::Never,
-    });
+    engine.model.set_speculation(a.speculate);
     if ctx > max_pos {
         eprintln!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); quality past it is not guaranteed");
     }
