@@ -223,6 +223,11 @@ impl CacheStats {
         if self.needed == 0 { 1.0 } else { (self.hot_hits + self.cold_hits) as f64 / self.needed as f64 }
     }
 
+    /// Fraction of requested clusters served from the hot region.
+    pub fn hot_hit_rate(&self) -> f64 {
+        if self.needed == 0 { 1.0 } else { self.hot_hits as f64 / self.needed as f64 }
+    }
+
     /// `self - before`, for a span of work.
     pub fn since(&self, before: &CacheStats) -> CacheStats {
         CacheStats {

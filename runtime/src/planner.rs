@@ -374,6 +374,8 @@ pub struct Estimate {
     pub read_bytes_per_token: f64,
     /// Expected share of needed clusters found in memory (hot or cold region).
     pub hit_rate: f64,
+    /// Of those, the share found in the hot region (the rest: cold LRU hits).
+    pub hot_hit_rate: f64,
 }
 
 impl Estimate {
@@ -432,7 +434,7 @@ fn estimate_with(m: &Manifest, dev: &DeviceProfile, threads: u32, ctx: u32, laye
     let k_tokens = lru_window_tokens(&cold.iter().map(|c| c.p).collect::<Vec<_>>(), slots);
     let keep = |p: f64| lru_hit(p, k_tokens);
     let mut e = Estimate::default();
-    let (mut needed, mut found) = (0.0, 0.0);
+    let (mut needed, mut found, mut found_hot) = (0.0, 0.0, 0.0);
     for (l, cs) in layers.iter().enumerate() {
         let f = &m.ffn[l];
         let q = need_probability(m, l);
@@ -448,6 +450,7 @@ fn estimate_with(m: &Manifest, dev: &DeviceProfile, threads: u32, ctx: u32, laye
             needed += c.p;
             if i < hot[l] {
                 found += c.p;
+                found_hot += c.p;
                 continue;
             }
             let k = keep(c.p);
@@ -481,6 +484,7 @@ fn estimate_with(m: &Manifest, dev: &DeviceProfile, threads: u32, ctx: u32, laye
     let head: u64 = m.tensors.iter().filter(|t| t.name == "lm_head.weight" || (m.config.tie_word_embeddings && t.name == "model.embed_tokens.weight")).map(|t| t.bytes).sum();
     e.lm_head_ms = head as f64 / matvec * 1e3;
     e.hit_rate = if needed > 0.0 { found / needed } else { 1.0 };
+    e.hot_hit_rate = if needed > 0.0 { found_hot / needed } else { 1.0 };
     e
 }
 

@@ -182,7 +182,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
             match &c.est {
                 Ok(e) => {
                     let more = serde_json::json!({
-                        "hot_share": c.hot_share, "hit_rate": e.hit_rate,
+                        "hot_share": c.hot_share, "hit_rate": e.hit_rate, "hot_hit_rate": e.hot_hit_rate,
                         "read_bytes_per_token": e.read_bytes_per_token, "attention_ms": e.attention_ms,
                         "predictor_ms": e.predictor_ms, "ffn_ms": e.ffn_ms, "lm_head_ms": e.lm_head_ms,
                         "io_ms": e.io_ms, "io_exposed_ms": e.io_exposed_ms, "io_cpu_ms": e.io_cpu_ms,

@@ -267,6 +267,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
             "latency_ms_p90": p90,
             "latency_ms_p99": p99,
             "cache_hit_rate": c.hit_rate(),
+            "hot_hit_rate": c.hot_hit_rate(),
             "bytes_read_per_token": bytes_per_token,
             "reads_per_token": c.reads as f64 / steps,
             "io_wait_share": io_wait_share,
