@@ -323,6 +323,8 @@ class Runner:
                "--ctx", str(a.ctx), "--threads", str(a.threads), "--stats-json", str(j)]
         if limit is not None:
             cmd += ["--memory-budget", str(limit)]
+        if getattr(a, "nflash_device", None):
+            cmd += ["--device", str(a.nflash_device)]
         for attempt in range(3):
             self._check_binary()
             j.unlink(missing_ok=True)

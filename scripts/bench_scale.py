@@ -31,7 +31,10 @@ at --ctx, scratch, runtime). M = GGUF bytes, H = max(llama.cpp peak RSS - M)
     b = fixed + 0.50 F           (the targets' setting)
     c = fixed + 0.25 F
 llama.cpp runs at the first sparsity's limits (native llama-completion,
-weights mmapped in place, its cgroup limited to exactly the limit). Cold runs:
+weights mmapped in place, its cgroup limited to exactly the limit). nflash
+runs with `--device` the profile `nflash probe` measured at the start, so it
+plans hot set and cold cache for this machine as it is (the pack holds the
+plan for --device at prep), and plan-sim prices that same plan. Cold runs:
 page cache dropped before each; engines alternate; the limits run round by
 round (run i of every limit and sparsity, then run i + 1); medians of --runs.
 
@@ -315,6 +318,9 @@ def main(argv) -> int:
     prompt_file.write_text(text, encoding="utf-8")
     probe_path = bo.run_probe(a, a.out_dir)
     points = tomllib.loads(probe_path.read_text()).get("flash", {}).get("read", [])
+    # nflash plans its hot set and cold cache for this machine as measured
+    # now (not the profile stored in the pack at prep), as plan-sim does below.
+    a.nflash_device = probe_path
 
     a.llama_native_ok = llama
     runners = {s: bo.Runner(a, packs[s], gguf or packs[s], prompt_file, tmpdir) for s in a.sparsities}
