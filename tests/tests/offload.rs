@@ -165,6 +165,16 @@ fn stats_json_reports_latency_percentiles_and_cache_figures() {
     assert!((0.0..1.0).contains(&f("cache_hit_rate")), "nothing hot: some clusters must miss");
     assert!(f("bytes_read_per_token") > 0.0);
     assert!((0.0..=1.0).contains(&f("io_wait_share")));
+    // Nothing hot but room for every cluster: the cold LRU serves the hits.
+    let o = run(
+        "nflash",
+        &["run", "--model", path.to_str().unwrap(), "--prompt", "a b c", "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--hot-fraction", "0", "--cold-cache", "64MiB", "--ctx", "64", "--stats-json", json.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("missing {k} in {v}"));
+    assert!(f("cache_hit_rate") > 0.5, "the cold region holds every cluster: {v}");
+    assert_eq!(f("hot_hit_rate"), 0.0, "--hot-fraction 0: no cluster is served by the hot region: {v}");
 }
 
 /// A profile with the given random-read bandwidth at every block size, MB/s.

@@ -41,8 +41,13 @@ fn estimates_follow_the_budget_and_the_precision() {
         assert!(f(&w[1], "tokens_per_s") <= f(&w[0], "tokens_per_s"), "{w:?}");
         assert!(f(&w[1], "read_bytes_per_token") >= f(&w[0], "read_bytes_per_token"), "{w:?}");
     }
+    // Whole FFN hot: every hit is a hot-region hit; with less memory the hot
+    // region serves part of the hits and the cold LRU may add to them.
+    assert_eq!(f(&rows[0], "hot_hit_rate"), 1.0, "{:?}", rows[0]);
+    assert!(f(&rows[2], "hot_hit_rate") < f(&rows[0], "hot_hit_rate"), "{rows:?}");
     for r in &rows {
         assert_parts_add_up(r);
+        assert!(f(r, "hot_hit_rate") <= f(r, "hit_rate") + 1e-12, "{r}");
         assert!((1000.0 / f(r, "token_ms") - f(r, "tokens_per_s")).abs() < 1e-6, "{r}");
         assert!(["compute", "compute + I/O", "flash I/O"].contains(&r["bound"].as_str().unwrap()), "{r}");
     }
