@@ -39,6 +39,10 @@ pub const TOKENIZER_FACTOR: u64 = 6;
 /// regions, the KV cache in use and the scratch estimate: about 4 MiB.
 pub const RUNTIME_MARGIN_BYTES: u64 = 4 << 20;
 
+/// Most I/O threads a plan starts (and `--io-threads` accepts): one per
+/// read in flight, up to the deepest queue `nflash probe` measures.
+pub const MAX_IO_THREADS: u32 = 64;
+
 /// Parses a byte size for the command line: `96MiB`, `1.5GiB`, `100MB`
 /// (10⁸), or plain bytes (the `parse-size` crate's syntax).
 ///
@@ -288,7 +292,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         (hot_bytes, avail - hot_bytes)
     };
     let est = estimate_with(m, dev, req.threads, req.ctx, &layers, &hot, cold_bytes);
-    let io_threads = req.io_threads.unwrap_or_else(|| dev.flash.io_queues.min(16)).max(1);
+    let io_threads = req.io_threads.unwrap_or_else(|| dev.flash.io_queues.min(MAX_IO_THREADS)).max(1);
     let hot_neurons = hot
         .iter()
         .zip(&m.ffn)

@@ -89,8 +89,9 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, device: Option<DeviceProfile>, ctx: 
         cfg.cold_bytes = c;
     }
     if let Some(n) = a.io_threads {
-        if n == 0 || n > 64 {
-            bail!("--io-threads must be between 1 and 64");
+        let max = planner::MAX_IO_THREADS as usize;
+        if n == 0 || n > max {
+            bail!("--io-threads must be between 1 and {max}");
         }
         cfg.io_threads = n;
     }
