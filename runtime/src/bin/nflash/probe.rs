@@ -1111,3 +1111,25 @@ fn print_table(p: &DeviceProfile, direct: bool, took: Duration) {
     }
     eprintln!("probe took {:.1} s", took.as_secs_f64());
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn points(mb_s: &[(u32, f64)]) -> Vec<ReadPoint> {
+        mb_s.iter()
+            .map(|&(n, mb)| ReadPoint { block_bytes: 4 * KIB, in_flight: n, random_mb_s: mb, sequential_mb_s: mb })
+            .collect()
+    }
+
+    #[test]
+    fn io_queues_is_one_unless_parallel_reads_double_the_rate() {
+        // A UFS-like single queue: 16 in flight gain less than 2×.
+        assert_eq!(io_queues(&points(&[(1, 40.0), (4, 55.0), (16, 70.0), (64, 72.0)])), 1);
+        // Many queues: the in-flight count with the best figure, 64 included.
+        assert_eq!(io_queues(&points(&[(1, 40.0), (4, 90.0), (16, 220.0), (64, 320.0)])), 64);
+        assert_eq!(io_queues(&points(&[(1, 40.0), (4, 90.0), (16, 220.0), (64, 200.0)])), 16);
+        // Without both the 1- and 16-in-flight points: 1.
+        assert_eq!(io_queues(&points(&[(4, 90.0), (64, 320.0)])), 1);
+    }
+}
