@@ -154,24 +154,23 @@ fn stats_json_reports_latency_percentiles_and_cache_figures() {
     let dir = tempfile::tempdir().unwrap();
     let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
     let json = dir.path().join("stats.json");
-    let o = run(
-        "nflash",
-        &["run", "--model", path.to_str().unwrap(), "--prompt", "a b c", "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--hot-fraction", "0", "--memory-budget", "64MiB", "--ctx", "64", "--stats-json", json.to_str().unwrap()],
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // Runs 12 tokens with nothing hot and `memory` (a flag and a size); returns the stats JSON.
+    let stats = |memory: [&str; 2]| -> serde_json::Value {
+        let mut args = vec!["run", "--model", path.to_str().unwrap(), "--prompt", "a b c", "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--hot-fraction", "0"];
+        args.extend(memory);
+        args.extend(["--ctx", "64", "--stats-json", json.to_str().unwrap()]);
+        let o = run("nflash", &args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+    };
+    let v = stats(["--memory-budget", "64MiB"]);
     let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("missing {k} in {v}"));
     assert!(f("latency_ms_p50") > 0.0 && f("latency_ms_p50") <= f("latency_ms_p90") && f("latency_ms_p90") <= f("latency_ms_p99"));
     assert!((0.0..1.0).contains(&f("cache_hit_rate")), "nothing hot: some clusters must miss");
     assert!(f("bytes_read_per_token") > 0.0);
     assert!((0.0..=1.0).contains(&f("io_wait_share")));
     // Nothing hot but room for every cluster: the cold LRU serves the hits.
-    let o = run(
-        "nflash",
-        &["run", "--model", path.to_str().unwrap(), "--prompt", "a b c", "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--hot-fraction", "0", "--cold-cache", "64MiB", "--ctx", "64", "--stats-json", json.to_str().unwrap()],
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let v = stats(["--cold-cache", "64MiB"]);
     let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("missing {k} in {v}"));
     assert!(f("cache_hit_rate") > 0.5, "the cold region holds every cluster: {v}");
     assert_eq!(f("hot_hit_rate"), 0.0, "--hot-fraction 0: no cluster is served by the hot region: {v}");
