@@ -424,13 +424,14 @@ def read_ahead_kb(path: Path) -> int | None:
     return None
 
 
-def run_probe(a, out: Path) -> Path:
+def run_probe(a, out: Path, name: str = "probe.toml") -> Path:
+    """`nflash probe` into out/name, or a.probe when given."""
     if a.probe:
         if not a.probe.exists():
             die(f"--probe {a.probe} does not exist")
         log(f"using the disk profile {a.probe} (no new measurement)")
         return a.probe
-    dst = out / "probe.toml"
+    dst = out / name
     cmd = [str(a.nflash), "probe", "--out", str(dst), "--dir", str(a.cache_dir)]
     log("measuring the disk: " + " ".join(cmd))
     t0 = time.perf_counter()
