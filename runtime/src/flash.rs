@@ -8,6 +8,8 @@ use std::alloc::Layout;
 use std::fs::File;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
+
+use crate::message;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -221,7 +223,7 @@ impl FlashFile {
 fn warn_buffered(path: &Path) {
     static WARNED: AtomicBool = AtomicBool::new(false);
     if !WARNED.swap(true, Ordering::Relaxed) {
-        eprintln!(
+        message!(
             "warning: {} does not support O_DIRECT; reading neuron clusters through the page cache (dropped after each read), so memory limits may see extra page-cache use",
             path.display()
         );

@@ -16,6 +16,7 @@ pub mod generate;
 pub mod io;
 pub mod kv_cache;
 pub mod matmul;
+pub mod message;
 pub mod model;
 pub mod ops;
 pub mod planner;

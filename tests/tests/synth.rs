@@ -150,3 +150,43 @@ fn bad_synth_arguments_are_refused() {
     std::fs::create_dir_all(&out).unwrap();
     assert_fails("existing out", &o(&t), &["must name a new directory"]);
 }
+
+/// SIGTERM while `prep synth` writes, after whoever read its stderr has gone
+/// (a benchmark driver killed first): prep removes its temporary directory
+/// and exits 130. prep used to panic at its first message to the closed
+/// pipe, leaving the temporary directory behind, and its interrupt handler
+/// panicked the same way, leaving prep running without it.
+#[test]
+fn interrupted_synth_with_a_closed_stderr_exits_and_leaves_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("big");
+    let tok = tokenizer_dir(tmp.path());
+    // llama-7b layers: calibration takes seconds, so the signal arrives mid-way.
+    let mut child = std::process::Command::new(nflash_tests::bin("prep"))
+        .args(["synth", "--shape", "llama-7b", "--layers", "2", "--out", out.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap()])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let has_tmp = || std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-"));
+    let started = std::time::Instant::now();
+    while !has_tmp() && started.elapsed().as_secs() < 60 && child.try_wait().unwrap().is_none() {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(child.try_wait().unwrap().is_none(), "prep synth ended before it could be interrupted");
+    let _ = std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("prep synth still running 30 s after SIGTERM");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(130));
+    assert!(!out.exists(), "partial output at the final path");
+    assert!(!has_tmp(), "a temporary directory was left behind");
+}

@@ -11,6 +11,7 @@ use crate::pack::{check_tensors, write_pack, PackOptions};
 use crate::predictor::MlpInit;
 use crate::profile::{CalibArgs, Profile};
 use crate::sparsify::{self, SparseOptions, SparsePlan};
+use nflash_runtime::message;
 
 /// Arguments of `prep convert`.
 #[derive(Args)]
@@ -141,7 +142,7 @@ impl SparseArgs {
                     c,
                     &self.calib_run.options(),
                 )?;
-                eprintln!("profiled {} tokens in {:.1} s", pr.calib.n_tokens, t.elapsed().as_secs_f64());
+                message!("profiled {} tokens in {:.1} s", pr.calib.n_tokens, t.elapsed().as_secs_f64());
                 stages.mark("profile");
                 pr
             }
@@ -167,7 +168,7 @@ impl SparseArgs {
         )?;
         let n = plan.layers.len().max(1) as f32;
         let mean = |f: &dyn Fn(&nflash_format::PredictorQuality) -> f32| plan.layers.iter().map(|l| f(&l.sparse.quality)).sum::<f32>() / n;
-        eprintln!(
+        message!(
             "{} predictor (rank {}) built in {:.1} s: held-out recall {:.3}, precision {:.3}, bundles skipped {:.1}%, sparsity {:.1}% (layer means)",
             plan.info.predictor.name(),
             plan.info.rank,
@@ -183,7 +184,7 @@ impl SparseArgs {
             let k = runs.len() as f32;
             let mut kept: Vec<usize> = runs.iter().map(|r| r.kept_epoch).collect();
             kept.sort_unstable();
-            eprintln!(
+            message!(
                 "MLP training loss (binary cross-entropy, layer mean): first epoch {:.4}, last epoch {:.4}; weights kept after epoch {}..{} (median {}; 0 = initialisation), chosen on held-out tokens",
                 runs.iter().map(|r| r.first).sum::<f32>() / k,
                 runs.iter().map(|r| r.last).sum::<f32>() / k,
@@ -246,7 +247,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         })?;
     }
     let cfg = &ck.config;
-    eprintln!(
+    message!(
         "converting {} ({}, {} layers, hidden {}, FFN {}, {} tensors) to {} as {}",
         a.model.display(),
         cfg.architecture.hf_name(),
@@ -271,13 +272,13 @@ pub fn run(a: ConvertArgs) -> Result<()> {
                 None => vec![1.0; n],
             };
             let c = nflash_runtime::planner::choose_cluster_bytes(dev, bundle, &p);
-            eprintln!("neuron cluster size for {}: {} KiB ({} neurons of {bundle} bytes)", dev.name, c / 1024, (c / bundle).max(1));
+            message!("neuron cluster size for {}: {} KiB ({} neurons of {bundle} bytes)", dev.name, c / 1024, (c / bundle).max(1));
             c
         }
     };
     let ctx = a.device.ctx.unwrap_or_else(|| cfg.max_position_embeddings.min(4096) as u32);
     if let (Some(dev), None) = (&device, a.device.memory_budget) {
-        eprintln!(
+        message!(
             "memory budget: {:.1} MiB, the available memory of profile {} (--memory-budget to choose another)",
             dev.memory.available_bytes as f64 / (1 << 20) as f64,
             dev.name
@@ -308,7 +309,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     stages.mark("plan + quantize + pack");
     stages.print();
     let size = std::fs::metadata(&a.out).map(|m| m.len()).unwrap_or(0);
-    eprintln!(
+    message!(
         "wrote {} ({:.1} MiB) in {:.1} s",
         a.out.display(),
         size as f64 / (1 << 20) as f64,
@@ -344,13 +345,13 @@ impl Stages {
     }
 
     fn print(&self) {
-        eprintln!("{:<24} {:>9} {:>14}", "stage", "wall s", "peak RSS MiB");
+        message!("{:<24} {:>9} {:>14}", "stage", "wall s", "peak RSS MiB");
         for (name, s, peak) in &self.rows {
             let p = peak.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64));
-            eprintln!("{name:<24} {s:>9.1} {p:>14}");
+            message!("{name:<24} {s:>9.1} {p:>14}");
         }
         let total: f64 = self.rows.iter().map(|r| r.1).sum();
         let peak = self.rows.iter().filter_map(|r| r.2).max();
-        eprintln!("{:<24} {total:>9.1} {:>14}", "total", peak.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64)));
+        message!("{:<24} {total:>9.1} {:>14}", "total", peak.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64)));
     }
 }

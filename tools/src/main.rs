@@ -16,6 +16,7 @@ mod synth;
 mod verify;
 
 use clap::{Parser, Subcommand};
+use nflash_runtime::message;
 
 /// Prepare models for nflash: convert Hugging Face checkpoints into
 /// flash-friendly `.nflash` packs.
@@ -75,13 +76,16 @@ fn main() {
                 }
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
+            // message!, not eprintln!, which panics when stderr is a closed
+            // pipe (the parent that read it was killed first): a panic here
+            // would end this thread and leave prep running without its handler.
             if p.symlink_metadata().is_err() {
-                eprintln!("\ninterrupted: removed the partial {}", p.display());
+                message!("\ninterrupted: removed the partial {}", p.display());
             } else {
-                eprintln!("\ninterrupted: could not remove the partial {}; delete it", p.display());
+                message!("\ninterrupted: could not remove the partial {}; delete it", p.display());
             }
         } else {
-            eprintln!("\ninterrupted");
+            message!("\ninterrupted");
         }
         std::process::exit(130);
     });
@@ -104,7 +108,7 @@ fn main() {
         Command::Synth(a) => synth::run(a),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        message!("error: {e:#}");
         std::process::exit(1);
     }
 }

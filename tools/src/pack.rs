@@ -15,6 +15,7 @@ use rayon::prelude::*;
 
 use crate::checkpoint::Checkpoint;
 use crate::sparsify::SparsePlan;
+use nflash_runtime::message;
 
 /// Layout choices for a pack.
 pub struct PackOptions {
@@ -270,7 +271,7 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, pl
         let mut full = manifest.clone();
         full.segments = w.segments().to_vec();
         let p = planner(&full)?;
-        eprintln!("{}", nflash_runtime::planner::describe(&p, &full));
+        message!("{}", nflash_runtime::planner::describe(&p, &full));
         manifest.plan = Some(p);
     }
     let result = w.finish(manifest);

@@ -16,6 +16,7 @@ use nflash_runtime::ppl::{score, Scored};
 use nflash_runtime::sparse::SparsitySummary;
 use nflash_runtime::Engine;
 use serde::Serialize;
+use nflash_runtime::{message, message_part};
 
 /// What to score.
 pub struct QualityOptions {
@@ -68,11 +69,11 @@ fn run_scored(engine: &Engine, tokens: &[u32], o: &QualityOptions, what: &str) -
     let t = std::time::Instant::now();
     let s = score(&engine.model, tokens, o.ctx, |done, total| {
         if !o.quiet {
-            eprint!("\r{what}: window {done}/{total}   ");
+            message_part!("\r{what}: window {done}/{total}   ");
         }
     })?;
     if !o.quiet {
-        eprintln!("\r{what}: perplexity {:.4} in {:.1} s   ", s.ppl.perplexity, t.elapsed().as_secs_f64());
+        message!("\r{what}: perplexity {:.4} in {:.1} s   ", s.ppl.perplexity, t.elapsed().as_secs_f64());
     }
     Ok(s)
 }

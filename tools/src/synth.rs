@@ -46,6 +46,7 @@ use nflash_runtime::sim::power_law;
 
 use crate::checkpoint::{read_json, token_ids};
 use crate::forward::{split_windows, Forward, WeightSource};
+use nflash_runtime::message;
 
 /// Model shapes `prep synth` can generate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -402,7 +403,7 @@ impl View for Lazy<'_> {
     fn data(&self) -> Cow<'_, [u8]> {
         // Generation cannot fail for names from `tensor_list` once calibrated.
         let b = self.bytes().unwrap_or_else(|e| {
-            eprintln!("error: generating {}: {e:#}", self.name);
+            message!("error: generating {}: {e:#}", self.name);
             std::process::exit(1)
         });
         self.pb.inc(b.len() as u64);
@@ -463,7 +464,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
     drop(guard);
     let t0 = result?;
     let peak = nflash_runtime::stats::peak_rss_bytes().unwrap_or(0);
-    eprintln!("wrote {} in {:.1} s (peak RSS {:.0} MiB)", a.out.display(), t0.elapsed().as_secs_f64(), peak as f64 / (1 << 20) as f64);
+    message!("wrote {} in {:.1} s (peak RSS {:.0} MiB)", a.out.display(), t0.elapsed().as_secs_f64(), peak as f64 / (1 << 20) as f64);
     Ok(())
 }
 
@@ -486,11 +487,11 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
     let src_cfg = if cfg_path.exists() {
         read_json(&cfg_path).with_context(|| format!("{} is not valid JSON; fix it or remove it (it only supplies BOS/EOS ids and vocab_size)", cfg_path.display()))?
     } else {
-        eprintln!("note: {} has no config.json: no BOS/EOS token ids in the synthetic config", a.tokenizer.display());
+        message!("note: {} has no config.json: no BOS/EOS token ids in the synthetic config", a.tokenizer.display());
         Value::Null
     };
     if !a.tokenizer.join("tokenizer_config.json").exists() {
-        eprintln!("note: {} has no tokenizer_config.json: the checkpoint will have no chat template", a.tokenizer.display());
+        message!("note: {} has no tokenizer_config.json: the checkpoint will have no chat template", a.tokenizer.display());
     }
     let n_tok = tok.vocab_size() as u64;
     let vocab = src_cfg.get("vocab_size").and_then(Value::as_u64).unwrap_or(n_tok).max(n_tok);
@@ -532,7 +533,7 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
     };
     let synth = Synth { cfg: cfg.clone(), seed: a.seed, rank, biases: Mutex::new(HashMap::new()) };
     let t0 = std::time::Instant::now();
-    eprintln!(
+    message!(
         "synthesizing {:?} ({} layers, hidden {hidden}, FFN {inter}, {} KV heads, {:?}) with target sparsity {} and skew {} into {}",
         a.shape, layers, kv_heads, a.act, a.sparsity, a.skew, a.out.display()
     );
@@ -544,7 +545,7 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
     pb.finish_and_clear();
     let curve = power_law(inter as usize, 1.0 - a.sparsity, a.skew);
     let top20: f64 = curve[..inter as usize / 5].iter().sum::<f64>() / curve.iter().sum::<f64>();
-    eprintln!(
+    message!(
         "calibrated biases in {:.1} s on {} tokens: sparsity {:.3} (layer mean; target {}), hottest 20% of neurons give {:.0}% of activations, hottest neuron p={:.3}, coldest p={:.4}",
         t0.elapsed().as_secs_f64(),
         a.calib_tokens,
@@ -581,7 +582,7 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
         size += b;
         shards.last_mut().expect("non-empty").push((name, shape));
     }
-    eprintln!("writing {:.2} GiB of {} weights in {} shard(s)", total as f64 / (1u64 << 30) as f64, match a.dtype { SynthDtype::Bf16 => "BF16", SynthDtype::F16 => "F16", SynthDtype::F32 => "F32" }, shards.len());
+    message!("writing {:.2} GiB of {} weights in {} shard(s)", total as f64 / (1u64 << 30) as f64, match a.dtype { SynthDtype::Bf16 => "BF16", SynthDtype::F16 => "F16", SynthDtype::F32 => "F32" }, shards.len());
     let pb = bar(total, "{msg:>10} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}");
     let n_shards = shards.len();
     let mut weight_map = serde_json::Map::new();

@@ -8,6 +8,7 @@ use clap::Args;
 use nflash_format::Pack;
 
 use crate::quality::{evaluate, print_table, QualityOptions};
+use nflash_runtime::message;
 
 /// Arguments of `prep verify`.
 #[derive(Args)]
@@ -49,7 +50,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         for (i, s) in segs.iter().enumerate() {
             pack.verify_segment(i as u32)?;
             if !a.json {
-                eprintln!("ok  {:<12} {:>12} bytes  crc32 {:08x}", s.name, s.bytes, s.crc32);
+                message!("ok  {:<12} {:>12} bytes  crc32 {:08x}", s.name, s.bytes, s.crc32);
             }
         }
         if !a.json {

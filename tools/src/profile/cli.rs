@@ -1,5 +1,6 @@
 //! `prep profile`: FFN neuron activity of a checkpoint on calibration text.
 
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -8,6 +9,7 @@ use nflash_format::Criterion;
 
 use super::{profile, Profile, ProfileOptions};
 use crate::checkpoint::Checkpoint;
+use nflash_runtime::message;
 
 /// Arguments of `prep profile`.
 #[derive(Args)]
@@ -60,7 +62,7 @@ pub fn run(a: ProfileArgs) -> Result<()> {
     let ck = Checkpoint::open(&a.model)?;
     let cfg = &ck.config;
     if a.run.window as u64 > cfg.max_position_embeddings {
-        eprintln!(
+        message!(
             "warning: --window {} is beyond the model's trained context ({} tokens)",
             a.run.window, cfg.max_position_embeddings
         );
@@ -70,7 +72,7 @@ pub fn run(a: ProfileArgs) -> Result<()> {
             format!("cannot create the output directory {} for --out; choose another --out path", dir.display())
         })?;
     }
-    eprintln!(
+    message!(
         "profiling {} ({}, {} layers, FFN {}) on {}",
         a.model.display(),
         cfg.architecture.hf_name(),
@@ -88,7 +90,7 @@ pub fn run(a: ProfileArgs) -> Result<()> {
 fn summary(p: &Profile, out: &std::path::Path, secs: f64) {
     let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
     let c = &p.calib;
-    eprintln!(
+    message!(
         "profiled {} tokens ({} window{} of ≤ {} tokens) in {secs:.1} s, {:.0} tokens/s; sample of {} tokens per layer",
         c.n_tokens,
         c.n_windows,
@@ -102,7 +104,7 @@ fn summary(p: &Profile, out: &std::path::Path, secs: f64) {
         if i == 0 || i == mid || i + 1 == p.layers.len() {
             let f = l.frequency(Criterion::GateUp, 0.5);
             let hot = f.iter().filter(|&&v| v > 0.8).count();
-            eprintln!(
+            message!(
                 "layer {i:>3}: |act(gate)| zero {:.1}%, |act(gate)·up| zero {:.1}%, gate-up threshold at 50% sparsity {:.4}, neurons active > 80% of tokens there: {hot}/{}",
                 100.0 * l.gate.zero_fraction(),
                 100.0 * l.gate_up.zero_fraction(),
@@ -111,5 +113,6 @@ fn summary(p: &Profile, out: &std::path::Path, secs: f64) {
             );
         }
     }
-    println!("wrote {} ({:.1} MiB)", out.display(), bytes as f64 / (1 << 20) as f64);
+    // Not println!: a closed stdout must not turn a finished profile into a panic.
+    let _ = writeln!(std::io::stdout(), "wrote {} ({:.1} MiB)", out.display(), bytes as f64 / (1 << 20) as f64);
 }

@@ -15,6 +15,7 @@ use super::{sparsity_grid, CalibInfo, LayerProfile, Profile, ProfileModel};
 use crate::checkpoint::Checkpoint;
 use crate::forward::{split_windows, Activations, Ffn, Forward};
 use crate::histogram::Histogram;
+use nflash_runtime::message;
 
 /// Tokens per FFN chunk: bounds the activations held at once (`[chunk, n_neurons]`).
 const FFN_CHUNK: usize = 512;
@@ -99,7 +100,7 @@ fn calib_tokens(ck: &Checkpoint, path: &Path, opts: &ProfileOptions) -> Result<V
         );
     }
     if whole && available < opts.tokens {
-        eprintln!("note: {} has only {available} tokens; profiling all of them", path.display());
+        message!("note: {} has only {available} tokens; profiling all of them", path.display());
     }
     ids.truncate(opts.tokens);
     Ok(ids)

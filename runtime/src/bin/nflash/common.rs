@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result};
 use std::path::Path;
+use nflash_runtime::message;
 
 /// Runs `f` on a worker of a rayon pool of `threads` threads (`None`: one
 /// per core). Running the whole command inside the pool keeps the many small
@@ -16,7 +17,7 @@ pub fn in_pool<T: Send>(threads: Option<usize>, f: impl FnOnce() -> Result<T> + 
         anyhow::bail!("--threads {t} is more than 1024; use at most the number of cores ({cores})");
     }
     if let Some(t) = threads.filter(|&t| t > 4 * cores) {
-        eprintln!("warning: --threads {t} is far more than the {cores} cores here; decode will be slow");
+        message!("warning: --threads {t} is far more than the {cores} cores here; decode will be slow");
     }
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.unwrap_or(0))

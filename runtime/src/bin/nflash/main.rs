@@ -8,6 +8,7 @@ mod probe;
 mod run;
 
 use clap::{Parser, Subcommand};
+use nflash_runtime::message;
 
 /// Run large language models packed by `prep` from a single `.nflash` file.
 #[derive(Parser)]
@@ -45,7 +46,8 @@ fn tune_allocator() {
 /// Restores the default SIGPIPE action, so that `nflash plan-sim … | head`
 /// ends quietly when the reader exits (Rust ignores SIGPIPE, and printing
 /// to the closed pipe would panic). nflash writes files only through
-/// temporary names, so being stopped by it leaves no half file.
+/// temporary names, so being stopped by it leaves no half file (all but
+/// `nflash probe`, see `main`).
 fn default_sigpipe() {
     // SAFETY: installs the default action (no handler code runs), at start
     // before any other thread exists.
@@ -55,9 +57,14 @@ fn default_sigpipe() {
 }
 
 fn main() {
-    default_sigpipe();
     tune_allocator();
     let cli = Cli::parse();
+    // `nflash probe` writes a scratch file: SIGPIPE on a closed stderr would
+    // end it before it removes that file, so it keeps Rust's default
+    // (ignored) and reports through message!, which drops write errors.
+    if !matches!(cli.command, Command::Probe(_)) {
+        default_sigpipe();
+    }
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Ppl(a) => ppl::run(a),
@@ -65,7 +72,7 @@ fn main() {
         Command::PlanSim(a) => plan_sim::run(a),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        message!("error: {e:#}");
         std::process::exit(1);
     }
 }

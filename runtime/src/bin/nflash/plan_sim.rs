@@ -9,6 +9,7 @@ use nflash_format::{DType, DeviceProfile, Manifest, Pack};
 use nflash_runtime::cache::cluster_read_bytes;
 use nflash_runtime::planner::{self, Estimate, PlanRequest};
 use nflash_runtime::sim::{self, SimOptions};
+use nflash_runtime::message;
 
 /// Arguments of `nflash plan-sim`.
 #[derive(Args)]
@@ -196,7 +197,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
             println!("{j}");
         }
         for n in &notes {
-            eprintln!("note: {n}");
+            message!("note: {n}");
         }
         return Ok(());
     }

@@ -9,6 +9,7 @@ use nflash_runtime::ppl;
 
 use crate::common::{in_pool, open_pack, read_text};
 use crate::memory::{load_engine, MemoryArgs};
+use nflash_runtime::{message, message_part};
 
 /// Arguments of `nflash ppl`.
 #[derive(Args)]
@@ -67,7 +68,7 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
     let started = std::time::Instant::now();
     let n_tokens = tokens.len();
     if !quiet {
-        eprintln!("scoring {n_tokens} tokens in windows of {} tokens", a.ctx);
+        message!("scoring {n_tokens} tokens in windows of {} tokens", a.ctx);
     }
     let r = ppl::perplexity(&engine.model, &tokens, a.ctx, |done, total| {
         if !quiet {
@@ -75,7 +76,7 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
             let done_tokens = (done * a.ctx).min(n_tokens);
             let rate = done_tokens as f64 / secs.max(1e-9);
             let eta = (n_tokens - done_tokens) as f64 / rate.max(1e-9);
-            eprint!("\rwindow {done}/{total}, {rate:.0} tokens/s, {secs:.0} s elapsed, about {eta:.0} s left   ");
+            message_part!("\rwindow {done}/{total}, {rate:.0} tokens/s, {secs:.0} s elapsed, about {eta:.0} s left   ");
         }
     })?;
     let sparsity = SparsitySummary::new(&engine.model.counters().0);
@@ -101,7 +102,7 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
         }
         println!("{j}");
     } else {
-        eprintln!();
+        message!();
         println!(
             "perplexity {:.4} over {} scored tokens ({} window{} of at most {} tokens)",
             r.perplexity,

@@ -223,7 +223,9 @@ pub fn run(a: ProbeArgs) -> Result<()> {
         for p in &paths {
             let _ = std::fs::remove_file(p);
         }
-        eprintln!("\ninterrupted: removed the scratch file");
+        // message!, not eprintln!, which panics when stderr is a closed pipe:
+        // a panic here would end this thread without exiting the process.
+        message!("\ninterrupted: removed the scratch file");
         std::process::exit(130);
     });
 
@@ -243,7 +245,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     let (file, direct) = open_for_reads(&scratch.0, !a.buffered)?;
     if !direct {
         pb.suspend(|| {
-            eprintln!(
+            message!(
                 "warning: {}; using buffered reads with posix_fadvise(DONTNEED) after each read \
                  (figures may include some caching)",
                 if a.buffered {
@@ -388,7 +390,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     drop(tmp);
 
     print_table(&profile, direct, started.elapsed());
-    eprintln!("wrote {}", a.out.display());
+    message!("wrote {}", a.out.display());
     Ok(())
 }
 
@@ -487,6 +489,7 @@ fn fadvise(file: &File, off: u64, len: u64, advice: i32) {
 
 #[cfg(any(target_os = "linux", target_os = "android"))]
 use libc::{POSIX_FADV_DONTNEED, POSIX_FADV_NORMAL, POSIX_FADV_RANDOM};
+use nflash_runtime::message;
 #[cfg(not(any(target_os = "linux", target_os = "android")))]
 const POSIX_FADV_DONTNEED: i32 = 0;
 #[cfg(not(any(target_os = "linux", target_os = "android")))]
@@ -1049,13 +1052,13 @@ fn print_table(p: &DeviceProfile, direct: bool, took: Duration) {
     let cols: Vec<String> = in_flight.iter().map(|n| format!("×{n}")).collect();
     let w = 8;
     let pad = |v: &[String]| v.iter().map(|s| format!("{s:>w$}")).collect::<String>();
-    eprintln!(
+    message!(
         "{} — flash read, MB/s ({}), reads in flight:",
         p.name,
         if direct { "O_DIRECT" } else { "buffered" }
     );
-    eprintln!("{:>8}  {:<w2$} | sequential", "block", "random", w2 = w * cols.len());
-    eprintln!("{:>8}  {} | {}", "", pad(&cols), pad(&cols));
+    message!("{:>8}  {:<w2$} | sequential", "block", "random", w2 = w * cols.len());
+    message!("{:>8}  {} | {}", "", pad(&cols), pad(&cols));
     for b in blocks {
         let get = |f: fn(&ReadPoint) -> f64| -> Vec<String> {
             in_flight
@@ -1069,22 +1072,22 @@ fn print_table(p: &DeviceProfile, direct: bool, took: Duration) {
                 })
                 .collect()
         };
-        eprintln!(
+        message!(
             "{:>8}  {} | {}",
             format!("{} KiB", b / KIB),
             pad(&get(|r| r.random_mb_s)),
             pad(&get(|r| r.sequential_mb_s))
         );
     }
-    eprintln!("io_queues {}", p.flash.io_queues);
-    eprintln!(
+    message!("io_queues {}", p.flash.io_queues);
+    message!(
         "memory: {:.1} GiB total, {:.1} GiB available, {:.1} GB/s read",
         p.memory.total_bytes as f64 / (1u64 << 30) as f64,
         p.memory.available_bytes as f64 / (1u64 << 30) as f64,
         p.memory.bandwidth_gb_s
     );
     let c = &p.cpu.cores[0];
-    eprintln!(
+    message!(
         "cpu: {} cores at {:.2} GHz; q4_0 matvec {:.2} GB/s on 1 thread, {:.2} GB/s on {}",
         c.count,
         c.ghz,
@@ -1093,23 +1096,23 @@ fn print_table(p: &DeviceProfile, direct: bool, took: Duration) {
         p.cpu.threads_measured.unwrap_or(0)
     );
     if let Some(k) = &p.kernels {
-        eprintln!(
+        message!(
             "sparse FFN (q4_0 bundles, 1/8 selected): {:.2} GB/s on 1 thread, {:.2} GB/s on {}",
             k.q4_0_ffn_gb_s_1t,
             k.q4_0_ffn_gb_s_mt,
             p.cpu.threads_measured.unwrap_or(0)
         );
         if let (Some(one), Some(all)) = (k.q8_0_predictor_gb_s_1t, k.q8_0_predictor_gb_s_mt) {
-            eprintln!("predictor (q8_0, rank 256): {one:.2} GB/s on 1 thread, {all:.2} GB/s on {}", p.cpu.threads_measured.unwrap_or(0));
+            message!("predictor (q8_0, rank 256): {one:.2} GB/s on 1 thread, {all:.2} GB/s on {}", p.cpu.threads_measured.unwrap_or(0));
         }
         if let (Some(one), Some(all)) = (k.q4_0_attention_gb_s_1t, k.q4_0_attention_gb_s_mt) {
-            eprintln!("attention projections (q4_0, per layer): {one:.2} GB/s on 1 thread, {all:.2} GB/s on {}", p.cpu.threads_measured.unwrap_or(0));
+            message!("attention projections (q4_0, per layer): {one:.2} GB/s on 1 thread, {all:.2} GB/s on {}", p.cpu.threads_measured.unwrap_or(0));
         }
         if let Some(us) = k.read_cpu_us {
-            eprintln!("CPU time per random read: {us:.1} µs at 4 KiB, +{:.3} µs per KiB beyond", k.read_cpu_us_per_kib.unwrap_or(0.0));
+            message!("CPU time per random read: {us:.1} µs at 4 KiB, +{:.3} µs per KiB beyond", k.read_cpu_us_per_kib.unwrap_or(0.0));
         }
     }
-    eprintln!("probe took {:.1} s", took.as_secs_f64());
+    message!("probe took {:.1} s", took.as_secs_f64());
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use nflash_runtime::{Engine, Model};
 
 use crate::common::{check_output, in_pool, open_pack, read_text, write_atomic};
 use crate::memory::{load_engine, MemoryArgs};
+use nflash_runtime::{message, message_part};
 
 /// Arguments of `nflash run`.
 #[derive(Args)]
@@ -110,12 +111,12 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     let (mut engine, plan) = load_engine(&pack, &a.memory, device, ctx)?;
     if a.stats {
         if let Some(p) = &plan {
-            eprintln!("{} (planned at start from this process's measured footprint)", nflash_runtime::planner::describe(p, pack.manifest()));
+            message!("{} (planned at start from this process's measured footprint)", nflash_runtime::planner::describe(p, pack.manifest()));
         }
     }
     if a.stats && (a.memory.hot_fraction.is_some() || a.memory.cold_cache.is_some()) {
         let (hot, cold, _) = engine.model.cache_regions();
-        eprintln!(
+        message!(
             "flags override the plan: hot region {:.1} MiB, cold region {:.1} MiB in force",
             hot as f64 / (1u64 << 20) as f64,
             cold as f64 / (1u64 << 20) as f64
@@ -125,7 +126,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     engine.model.set_dense(a.dense);
     engine.model.set_speculation(a.speculate);
     if ctx > max_pos {
-        eprintln!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); quality past it is not guaranteed");
+        message!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); quality past it is not guaranteed");
     }
     if ctx < 2 {
         bail!("--ctx must be at least 2");
@@ -191,7 +192,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
     // Per decode step, milliseconds.
     let per = |s: f64| 1e3 * s / st.decode_steps.max(1) as f64;
     if let Some(ctx) = st.context_full {
-        eprintln!("note: stopped because the context ({ctx} tokens) is full; raise --ctx for longer output");
+        message!("note: stopped because the context ({ctx} tokens) is full; raise --ctx for longer output");
     }
     let rss = peak_rss_bytes().unwrap_or(0);
     let ms: Vec<f64> = st.step_s.iter().map(|s| s * 1e3).collect();
@@ -204,7 +205,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
     let io_wait_share = if st.decode_s > 0.0 { (c.io_wait_s / rayon::current_num_threads() as f64 / st.decode_s).min(1.0) } else { 0.0 };
     let (hot_b, cold_b, direct) = model.cache_regions();
     if a.stats {
-        eprintln!(
+        message!(
             "prefill: {} tokens in {:.3} s, {:.1} tokens/s | decode: {} tokens generated, {} forward passes in {:.3} s, {:.1} tokens/s | peak RSS {:.1} MiB",
             st.prompt_tokens,
             st.prefill_s,
@@ -215,7 +216,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
             st.decode_tokens_per_s(),
             rss as f64 / (1 << 20) as f64
         );
-        eprintln!(
+        message!(
             "decode per token: attention {:.2} ms, predictor {:.2} ms, FFN {:.2} ms, lm_head {:.2} ms{}",
             per(tm.attention_s),
             per(tm.predictor_s),
@@ -227,7 +228,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
                 100.0 * s.bundles_skipped
             ))
         );
-        eprintln!(
+        message!(
             "decode latency: mean {mean_ms:.2} ms, P50 {p50:.2} ms, P90 {p90:.2} ms, P99 {p99:.2} ms | neuron cache: hot {:.1} MiB, cold {:.1} MiB ({}), hit rate {:.1}% (hot region {:.1}%), {:.1} KiB read per token in {:.1} reads, I/O wait {:.1}% of decode",
             hot_b as f64 / (1 << 20) as f64,
             cold_b as f64 / (1 << 20) as f64,
@@ -239,7 +240,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
             100.0 * io_wait_share
         );
         if c.speculated > 0 {
-            eprintln!(
+            message!(
                 "speculative prefetch: {:.1} clusters per token, {:.1}% of them used",
                 c.speculated as f64 / steps,
                 100.0 * c.speculated_used as f64 / c.speculated as f64
@@ -304,11 +305,11 @@ fn interactive(
         msgs.push(Message::new("system", s));
     }
     let mut cached: Vec<u32> = Vec::new();
-    eprintln!("nflash chat — type a message, an empty line or Ctrl-D to quit.");
+    message!("nflash chat — type a message, an empty line or Ctrl-D to quit.");
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     loop {
-        eprint!("> ");
+        message_part!("> ");
         let mut line = String::new();
         if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
             break;
@@ -328,7 +329,7 @@ fn interactive(
         let (out, st) = match result {
             Ok(r) => r,
             Err(e) => {
-                eprintln!("error: {e}");
+                message!("error: {e}");
                 msgs.pop();
                 kv.truncate(cached.len());
                 continue;
