@@ -150,6 +150,7 @@ impl SparseArgs {
         let t = std::time::Instant::now();
         // ReLU family: exact activity, so a stricter recall target and the gate-SVD start.
         let relu = ck.config.activation.is_relu_family();
+        let recall = self.recall.unwrap_or(if relu { 0.99 } else { 0.95 });
         let plan = sparsify::plan(
             ck,
             &profile,
@@ -159,7 +160,7 @@ impl SparseArgs {
                 predictor: self.predictor,
                 rank: self.rank,
                 budget: self.predictor_budget,
-                recall: self.recall.unwrap_or(if relu { 0.99 } else { 0.95 }),
+                recall,
                 epochs: self.epochs,
                 seed: self.seed,
                 init: self.predictor_init.unwrap_or(if relu { MlpInit::GateSvd } else { MlpInit::Random }),
@@ -178,6 +179,17 @@ impl SparseArgs {
             100.0 * mean(&|q| q.bundles_skipped),
             100.0 * mean(&|q| q.sparsity),
         );
+        // The decision threshold is set on held-out tokens for the target; a
+        // predictor too weak to rank the neurons still falls short of it.
+        let achieved = f64::from(mean(&|q| q.recall));
+        if plan.info.predictor != PredictorKind::Exact && achieved < recall - RECALL_SHORTFALL {
+            message!(
+                "warning: the {} predictor reaches held-out recall {achieved:.3}, short of the target {recall}: \
+                 it misses active neurons, which costs quality (check with `prep verify --quality`); \
+                 raise --rank (or --predictor-budget), or use --predictor mlp or exact",
+                plan.info.predictor.name()
+            );
+        }
         stages.mark("predictors");
         let runs: Vec<crate::predictor::Training> = plan.layers.iter().filter_map(|l| l.training).collect();
         if !runs.is_empty() {
@@ -196,6 +208,11 @@ impl SparseArgs {
         Ok(Some(plan))
     }
 }
+
+/// How far below the recall target (`--recall`) the held-out recall may fall
+/// before `prep convert` warns; the threshold is set on other tokens than
+/// those it is measured on, so a few thousandths either way are noise.
+const RECALL_SHORTFALL: f64 = 0.02;
 
 pub fn run(a: ConvertArgs) -> Result<()> {
     a.sparse.check()?;
