@@ -233,6 +233,8 @@ def validate_sim(a, packs: dict, limits: dict, summary: dict, probe: Path, when:
                          "measured_hit_rate": summary[k][n]["nflash"].get("cache_hit_rate_median"),
                          "predicted_hot_hit_rate": p.get("hot_hit_rate"),
                          "measured_hot_hit_rate": summary[k][n]["nflash"].get("hot_hit_rate_median")})
+            rows[-1]["within_30pct"] = bool(rows[-1]["predicted_over_measured"]
+                                            and abs(rows[-1]["predicted_over_measured"] - 1) <= 0.3)
     if rows:
         print()
         print(f"nflash plan-sim (this benchmark's probe profile, taken {when} the runs: {probe.name}) "
@@ -243,13 +245,12 @@ def validate_sim(a, packs: dict, limits: dict, summary: dict, probe: Path, when:
                        fmt((r["measured_read_bytes_per_token"] or 0) / MIB, 1),
                        fmt(r["predicted_hit_rate"], 3), fmt(r["measured_hit_rate"], 3),
                        fmt(r["predicted_hot_hit_rate"], 3), fmt(r["measured_hot_hit_rate"], 3), r["bound"] or "-",
-                       "yes" if r["predicted_over_measured"] and abs(r["predicted_over_measured"] - 1) <= 0.3 else "no"]
+                       "yes" if r["within_30pct"] else "no"]
                       for r in rows]
         bo.print_table(print_rows, ["sparsity", "limit", "predicted tok/s", "measured tok/s", "pred/meas",
                                     "pred MiB/tok", "meas MiB/tok", "pred hit", "meas hit", "pred hot", "meas hot", "bound",
                                     "within 30%"], left=2)
-        ok = sum(1 for r in rows if r["predicted_over_measured"] and abs(r["predicted_over_measured"] - 1) <= 0.3)
-        print(f"  within +-30%: {ok} of {len(rows)}")
+        print(f"  within +-30%: {sum(r['within_30pct'] for r in rows)} of {len(rows)}")
     return rows
 
 
