@@ -64,10 +64,21 @@ pub struct PlanRequest {
     /// I/O threads; `None` = from the profile (its I/O queues, at most 16: each
     /// thread keeps one read in flight, and the probe measures up to 16).
     pub io_threads: Option<u32>,
-    /// The process's resident memory measured with the resident tensors and
-    /// tokenizer loaded, bytes (`nflash run` measures itself); replaces the
-    /// estimate of the resident + runtime part of the fixed region.
-    pub measured_rss_bytes: Option<u64>,
+    /// The process's memory measured with the resident tensors and tokenizer
+    /// loaded (`nflash run` measures itself); replaces the estimate of the
+    /// resident + runtime part of the fixed region.
+    pub measured: Option<Footprint>,
+}
+
+/// What a process measured of itself once loaded, bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    /// Resident set now (`VmRSS`, after returning freed heap to the kernel).
+    pub rss: u64,
+    /// Peak resident set so far (`VmHWM`): loading has transients (the
+    /// tokenizer's JSON parse) that are freed by now but were resident, and
+    /// count against the budget (a cgroup limit, the peak RSS reported).
+    pub peak: u64,
 }
 
 /// The fixed region of a pack at a context length, bytes, with its parts.
@@ -102,10 +113,13 @@ impl FixedRegion {
     }
 }
 
-/// The fixed region of `m` at context `ctx` (see the module docs); with
-/// `measured_rss` (bytes, resident tensors and tokenizer loaded) the runtime
-/// part is that measurement less the resident segments, plus [`RUNTIME_MARGIN_BYTES`].
-pub fn fixed_region(m: &Manifest, ctx: u32, measured_rss: Option<u64>) -> FixedRegion {
+/// The fixed region of `m` at context `ctx` (see the module docs); with a
+/// `measured` footprint (resident tensors and tokenizer loaded) the runtime
+/// part is its resident set less the resident segments, plus
+/// [`RUNTIME_MARGIN_BYTES`], and at least enough that the whole fixed region
+/// covers the load peak: the transient and the KV cache, scratch and neuron
+/// cache allocated later never coexist, but both must fit the budget.
+pub fn fixed_region(m: &Manifest, ctx: u32, measured: Option<Footprint>) -> FixedRegion {
     let c = &m.config;
     let (h, qd, kvd) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     let resident = m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn).map(|s| s.bytes).sum();
@@ -118,8 +132,8 @@ pub fn fixed_region(m: &Manifest, ctx: u32, measured_rss: Option<u64>) -> FixedR
     let tile = 3 * tile_rows * h * 4 + 4 * n * tile_rows * 4 + 2 * n * h * 4;
     let scores = n * ctx as u64 * 4;
     let scratch = activations + tile + scores + 2 * c.vocab_size * 4 + n * c.intermediate_size;
-    let runtime = match measured_rss {
-        Some(rss) => rss.saturating_sub(resident) + RUNTIME_MARGIN_BYTES,
+    let runtime = match measured {
+        Some(f) => (f.rss.saturating_sub(resident) + RUNTIME_MARGIN_BYTES).max(f.peak.saturating_sub(resident + kv + scratch)),
         None => RUNTIME_BASE_BYTES + TOKENIZER_FACTOR * m.tokenizer.json_bytes,
     };
     FixedRegion { resident, kv, scratch, runtime }
@@ -219,7 +233,7 @@ pub fn choose_cluster_bytes(dev: &DeviceProfile, bundle_bytes: u64, p: &[f64]) -
 /// [`nflash_format::Error::Budget`] (wrapped) if the fixed region alone
 /// exceeds the budget, saying by how much.
 pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan> {
-    let fixed = fixed_region(m, req.ctx, req.measured_rss_bytes);
+    let fixed = fixed_region(m, req.ctx, req.measured);
     let budget = req.budget_bytes;
     // The minimum: the fixed region and one layer's FFN clusters, which stage reads.
     let max_layer: u64 = m.ffn.iter().map(|f| f.clusters.iter().map(|c| cluster_read_bytes(f, c)).sum::<u64>()).max().unwrap_or(0);
@@ -232,7 +246,14 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         let per_token = (fixed.kv + scores) / req.ctx.max(1) as u64;
         let rest = need - fixed.kv - scores.min(fixed.scratch);
         let ctx_fit = if per_token > 0 && budget > rest { (budget - rest) / per_token * 98 / 100 } else { 0 };
-        let ctx_hint = if ctx_fit >= 16 && ctx_fit < req.ctx as u64 { format!(", or lower --ctx to {ctx_fit} or less") } else { String::new() };
+        // Only when that context really fits: a load peak larger than the
+        // steady state does not shrink with the KV cache.
+        let fits = |c: u64| fixed_region(m, c as u32, req.measured).total() + max_layer <= budget;
+        let ctx_hint = if ctx_fit >= 16 && ctx_fit < req.ctx as u64 && fits(ctx_fit) {
+            format!(", or lower --ctx to {ctx_fit} or less")
+        } else {
+            String::new()
+        };
         return Err(Error::Format(nflash_format::Error::Budget {
             budget,
             budget_mib: mib(budget),

@@ -204,7 +204,7 @@ fn the_planner_fills_the_budget_hot_first_and_bounds_the_hot_set_by_io_time() {
     let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
     let p = Pack::open(&path).unwrap();
     let m = p.manifest();
-    let req = |budget: u64| PlanRequest { budget_bytes: budget, ctx: 64, threads: 2, io_threads: None, measured_rss_bytes: None };
+    let req = |budget: u64| PlanRequest { budget_bytes: budget, ctx: 64, threads: 2, io_threads: None, measured: None };
     let fixed = fixed_region(m, 64, None).total();
     let ffn: u64 = m.segments.iter().filter(|s| s.kind == nflash_format::SegmentKind::Ffn).map(|s| s.bytes).sum();
     let slow = profile(1.0);

@@ -307,7 +307,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
             ctx,
             threads: a.device.threads.unwrap_or_else(|| dev.n_cores()),
             io_threads: None,
-            measured_rss_bytes: None,
+            measured: None,
         };
         move |m: &nflash_format::Manifest| -> Result<nflash_format::Plan> { Ok(nflash_runtime::planner::plan(m, dev, &req)?) }
     });

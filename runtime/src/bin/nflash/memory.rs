@@ -4,7 +4,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use nflash_format::{DeviceProfile, Pack, Plan};
 use nflash_runtime::cache::CacheConfig;
-use nflash_runtime::planner::{self, parse_bytes, PlanRequest};
+use nflash_runtime::planner::{self, parse_bytes, Footprint, PlanRequest};
 use nflash_runtime::Engine;
 
 /// The profile used when the pack has no plan and no --device is given:
@@ -55,17 +55,17 @@ impl MemoryArgs {
 /// → plan now with `--device` / the pack's device / dev-host; no flag but a
 /// stored plan → the stored plan (re-planned if `ctx` or `threads` differ);
 /// then the override flags.
-/// `measured_rss`: the process's resident bytes now (resident tensors and
-/// tokenizer loaded), used instead of the planner's estimate of them.
+/// `measured`: the process's footprint with the resident tensors and
+/// tokenizer loaded, used instead of the planner's estimate of them.
 /// `device`: the `--device` profile, loaded by the caller.
-pub fn resolve(pack: &Pack, a: &MemoryArgs, device: Option<DeviceProfile>, ctx: usize, threads: usize, measured_rss: Option<u64>) -> Result<(CacheConfig, Option<Plan>)> {
+pub fn resolve(pack: &Pack, a: &MemoryArgs, device: Option<DeviceProfile>, ctx: usize, threads: usize, measured: Option<Footprint>) -> Result<(CacheConfig, Option<Plan>)> {
     let m = pack.manifest();
     let stored = m.plan.as_ref();
     let budget = a.memory_budget.or(stored.map(|p| p.memory_budget_bytes));
     let plan = match (budget, stored) {
         (None, _) => None,
         // The stored plan as is, when nothing it depends on changed.
-        (Some(_), Some(p)) if a.memory_budget.is_none() && p.ctx as usize == ctx && p.threads as usize == threads && device.is_none() && measured_rss.is_none() => {
+        (Some(_), Some(p)) if a.memory_budget.is_none() && p.ctx as usize == ctx && p.threads as usize == threads && device.is_none() && measured.is_none() => {
             Some(p.clone())
         }
         (Some(budget_bytes), _) => {
@@ -74,7 +74,7 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, device: Option<DeviceProfile>, ctx: 
                 (None, Some(p)) => p.device.clone(),
                 (None, None) => DeviceProfile::parse(DEFAULT_PROFILE).map_err(anyhow::Error::msg).context("built-in dev-host profile")?,
             };
-            let req = PlanRequest { budget_bytes, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32), measured_rss_bytes: measured_rss };
+            let req = PlanRequest { budget_bytes, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32), measured };
             Some(planner::plan(m, &dev, &req)?)
         }
     };
@@ -120,7 +120,8 @@ pub fn load_engine<'p>(pack: &'p Pack, a: &MemoryArgs, device: Option<DeviceProf
     let mut plan = None;
     let engine = Engine::load_planned(pack, || {
         nflash_runtime::stats::trim_heap();
-        let (cache, p) = resolve(pack, a, device, ctx, rayon::current_num_threads(), nflash_runtime::stats::rss_bytes())
+        let footprint = nflash_runtime::stats::rss_bytes().map(|rss| Footprint { rss, peak: nflash_runtime::stats::peak_rss_bytes().unwrap_or(rss) });
+        let (cache, p) = resolve(pack, a, device, ctx, rayon::current_num_threads(), footprint)
             .map_err(|e| nflash_runtime::Error::Usage(format!("{e:#}")))?;
         plan = p;
         Ok(cache)

@@ -118,7 +118,7 @@ fn simulate(m: &Manifest, dev: &DeviceProfile, a: &PlanSimArgs, threads: u32, la
                     dev.memory.available_bytes as f64 / (1u64 << 30) as f64
                 ));
             }
-            let req = PlanRequest { budget_bytes: budget, ctx: a.ctx, threads, io_threads: None, measured_rss_bytes: None };
+            let req = PlanRequest { budget_bytes: budget, ctx: a.ctx, threads, io_threads: None, measured: None };
             match planner::plan(m, dev, &req) {
                 Ok(p) => Case {
                     label: label.to_string(),
