@@ -61,8 +61,8 @@ pub struct PlanRequest {
     pub ctx: u32,
     /// Compute threads.
     pub threads: u32,
-    /// I/O threads; `None` = from the profile (its I/O queues, at most 16: each
-    /// thread keeps one read in flight, and the probe measures up to 16).
+    /// I/O threads; `None` = from the profile (its I/O queues, at most [`MAX_IO_THREADS`]: each
+    /// thread keeps one read in flight, and the probe measures up to 64).
     pub io_threads: Option<u32>,
     /// The process's memory measured with the resident tensors and tokenizer
     /// loaded (`nflash run` measures itself); replaces the estimate of the
