@@ -83,19 +83,26 @@ fn synth_hits_its_target_sparsity_and_its_skew_shows_in_the_profile() {
     }
 }
 
+/// The tiny synthetic ReLU model converted to a q8_0 sparse pack `root/name`
+/// (1 KiB clusters, calibrated on other random text), with `extra` flags;
+/// returns the pack's path and prep's output.
+fn relu_pack(root: &Path, name: &str, extra: &[&str]) -> (PathBuf, std::process::Output) {
+    let m = synth(root, "relu", &[]);
+    let calib = text(root, 5);
+    let pack = root.join(name);
+    let mut args = vec![
+        "convert", "--model", m.to_str().unwrap(), "--out", pack.to_str().unwrap(), "--quant", "q8_0", "--cluster-bytes", "1024",
+        "--calib", calib.to_str().unwrap(), "--tokens", "4000", "--window", "200",
+    ];
+    args.extend_from_slice(extra);
+    let o = run("prep", &args);
+    (pack, o)
+}
+
 #[test]
 fn synthetic_relu_model_predictor_recall_and_offload_exactness() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = synth(tmp.path(), "relu", &[]);
-    let calib = text(tmp.path(), 5);
-    let pack = tmp.path().join("relu.nflash");
-    let o = run(
-        "prep",
-        &[
-            "convert", "--model", m.to_str().unwrap(), "--out", pack.to_str().unwrap(), "--quant", "q8_0", "--cluster-bytes", "1024",
-            "--calib", calib.to_str().unwrap(), "--tokens", "4000", "--window", "200",
-        ],
-    );
+    let (pack, o) = relu_pack(tmp.path(), "relu.nflash", &[]);
     assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
     assert!(!String::from_utf8_lossy(&o.stderr).contains("short of the target"), "{}", String::from_utf8_lossy(&o.stderr));
     let p = Pack::open(&pack).unwrap();
@@ -133,16 +140,7 @@ fn synthetic_relu_model_predictor_recall_and_offload_exactness() {
 #[test]
 fn a_predictor_short_of_its_recall_target_is_reported() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = synth(tmp.path(), "relu", &[]);
-    let calib = text(tmp.path(), 5);
-    let pack = tmp.path().join("lr.nflash");
-    let o = run(
-        "prep",
-        &[
-            "convert", "--model", m.to_str().unwrap(), "--out", pack.to_str().unwrap(), "--quant", "q8_0", "--cluster-bytes", "1024",
-            "--calib", calib.to_str().unwrap(), "--tokens", "4000", "--window", "200", "--predictor", "low-rank",
-        ],
-    );
+    let (pack, o) = relu_pack(tmp.path(), "lr.nflash", &["--predictor", "low-rank"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "prep convert failed: {err}");
     let p = Pack::open(&pack).unwrap();
