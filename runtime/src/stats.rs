@@ -25,10 +25,7 @@ fn status_kib(key: &str) -> Option<u64> {
 /// Peak resident set size of this process, bytes (`VmHWM` in
 /// `/proc/self/status`); `None` where that file does not exist.
 pub fn peak_rss_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    status_kib("VmHWM:").map(|k| k * 1024)
 }
 
 /// The `q`-quantile (0–1) of `values` by nearest rank on a sorted copy;
