@@ -48,27 +48,15 @@ Timing definitions (the same for both engines):
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import (BUSY_LIMIT, REPO, choose_prompt, die, fmt, run_info,  # noqa: E402
-                      gguf_tensor_types, loadavg, log, median, prepare_llama, prepare_nflash,
-                      prepare_sparse, run_measured, wait_idle, worker_cmd)
+from nflash_bench import baseline  # noqa: E402
+from nflash_bench.baseline import QUANTS, SPARSE, SPARSE_DENSE  # noqa: E402
+from nflash_bench.common import REPO  # noqa: E402
+from nflash_bench.proc import BUSY_LIMIT, warn_if_loaded  # noqa: E402
 
-QUANTS = ("q4_0", "q8_0")
-# Engine names of the sparse pack's two modes.
-SPARSE_DENSE = "nflash-sp --dense"
-SPARSE = "nflash-sp sparse"
-
-
-# --------------------------------------------------------------------------
-# Driver
-# --------------------------------------------------------------------------
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(
@@ -111,227 +99,27 @@ def parse_args(argv):
         ap.error("need --runs >= 1, --warmup >= 0, --threads >= 1, --gen-tokens >= 2, --prompt-tokens >= 2")
     if a.skip_nflash and a.skip_llama:
         ap.error("--skip-nflash and --skip-llama together leave nothing to run")
+    if a.skip_nflash:
+        a.skip_sparse = True
     return a
-
-
-def run_nflash(a, pack: Path, prompt_file: Path, tmpdir: Path, extra: tuple = ()) -> dict:
-    j = tmpdir / "nflash-stats.json"
-    j.unlink(missing_ok=True)
-    cmd = [str(a.nflash), "run", "--model", str(pack), "--prompt-file", str(prompt_file),
-           "--max-tokens", str(a.gen_tokens), "--temperature", "0", "--threads", str(a.threads),
-           "--ctx", str(a.ctx), "--ignore-eos", "--stats-json", str(j), *extra]
-    code, maxrss, so, se, wall = run_measured(cmd, a.timeout)
-    if code != 0 or not j.exists():
-        die(f"nflash run failed (exit {code}): {' '.join(cmd)}\n{se[-3000:]}")
-    s = json.loads(j.read_text())
-    return run_result(s, maxrss, s.get("peak_rss_bytes"), wall, so)
-
-
-def run_result(s: dict, maxrss: int, self_rss, wall: float, text: str) -> dict:
-    """One run's figures in the common shape of both engines."""
-    return {
-        "prompt_tokens": s["prompt_tokens"],
-        "generated_tokens": s["generated_tokens"],
-        "prefill_tokens_per_s": s["prefill_tokens_per_s"],
-        "decode_tokens_per_s": s["decode_tokens_per_s"],
-        "peak_rss_bytes": maxrss,
-        "self_reported_peak_rss_bytes": self_rss,
-        "wall_s": wall,
-        "stats": s,
-        "text": text[:400],
-    }
-
-
-def run_llama(a, gguf: Path, prompt_file: Path, tmpdir: Path) -> dict:
-    j = tmpdir / "llama-stats.json"
-    j.unlink(missing_ok=True)
-    cmd = worker_cmd("_llama-run", gguf, prompt_file, a.gen_tokens, a.threads, a.ctx, j)
-    code, maxrss, so, se, wall = run_measured(cmd, a.timeout)
-    if code != 0 or not j.exists():
-        die(f"llama.cpp run failed (exit {code}):\n{se[-3000:]}")
-    s = json.loads(j.read_text())
-    if s["n_p_eval"] != s["prompt_tokens"] or s["n_eval"] != a.gen_tokens - 1:
-        log(f"warning: llama.cpp perf counters n_p_eval={s['n_p_eval']} n_eval={s['n_eval']}, "
-            f"expected {s['prompt_tokens']} and {a.gen_tokens - 1}")
-    text = s.pop("text")
-    return run_result(s, maxrss, s["vm_hwm_bytes"], wall, text)
 
 
 def main(argv) -> int:
     a = parse_args(argv)
-    engines = [e for e in ("nflash", "llama.cpp")
-               if not (e == "nflash" and a.skip_nflash) and not (e == "llama.cpp" and a.skip_llama)]
-    if a.skip_nflash:
-        a.skip_sparse = True
-
-    if "nflash" in engines and not a.nflash.exists():
-        die(f"{a.nflash} not found: run `cargo build --release` first "
-            f"(or pass --nflash PATH, or --skip-nflash for the llama.cpp half only)", 2)
-    if "llama.cpp" in engines:
-        r = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
-        if r.returncode != 0:
-            die(f"{sys.executable} cannot import llama_cpp: run scripts/bench_setup.sh and use "
-                f"{REPO / '.venv-bench/bin/python'} scripts/bench.py", 2)
-
-    la = loadavg()
-    if la > 0.5 * (os.cpu_count() or 1):
-        log(f"warning: 1-min load average is {la:.2f} on {os.cpu_count()} CPUs before starting: "
-            f"something else is running, the numbers will be noisy")
+    engines = baseline.engines_to_run(a)
+    baseline.check_engines(a, engines)
+    warn_if_loaded("something else is running, the numbers will be noisy")
     out = a.out
-    out.mkdir(parents=True, exist_ok=True)
-    tmpdir = out / "tmp"
-    tmpdir.mkdir(exist_ok=True)
-
-    ggufs = prepare_llama(a, out) if "llama.cpp" in engines else {}
-    packs = prepare_nflash(a, out) if "nflash" in engines else {}
-    sparse_packs = prepare_sparse(a, out) if "nflash" in engines else {}
-    if sparse_packs:
+    tmpdir = baseline.make_dirs(out)
+    models = baseline.prepare_models(a, out, engines)
+    if models.sparse:
         engines += [SPARSE_DENSE, SPARSE]
-
-    text, llama_prompt_tokens = choose_prompt(
-        a.prompt_tokens, next(iter(ggufs.values()), None), a.timeout)
-    prompt_file = out / "prompt.txt"
-    prompt_file.write_text(text, encoding="utf-8")
-    log(f"prompt: {len(text.split())} words"
-        + (f", {llama_prompt_tokens} tokens by llama.cpp's tokenizer" if llama_prompt_tokens else "")
-        + f" -> {prompt_file}")
-
-    runners = {"nflash": lambda q: run_nflash(a, packs[q], prompt_file, tmpdir),
-               "llama.cpp": lambda q: run_llama(a, ggufs[q], prompt_file, tmpdir),
-               SPARSE_DENSE: lambda q: run_nflash(a, sparse_packs[q], prompt_file, tmpdir, ("--dense",)),
-               SPARSE: lambda q: run_nflash(a, sparse_packs[q], prompt_file, tmpdir)}
-    results: dict = {q: {e: [] for e in engines} for q in a.quant}
-    for q in a.quant:
-        for w in range(a.warmup):
-            for e in engines:
-                log(f"{q} {e}: warm-up {w + 1}/{a.warmup}")
-                runners[e](q)
-        for i in range(a.runs):
-            order = engines if i % 2 == 0 else engines[::-1]  # alternate to spread drift
-            for e in order:
-                la = loadavg()
-                busy = wait_idle(a.wait_idle)
-                r = runners[e](q)
-                r["run"] = i
-                r["loadavg_1m_before"] = la
-                r["cpu_busy_before"] = busy
-                results[q][e].append(r)
-                log(f"{q} {e:9s} run {i + 1}/{a.runs}: prompt {r['prompt_tokens']} tok, "
-                    f"prefill {r['prefill_tokens_per_s']:.1f} tok/s, decode "
-                    f"{r['decode_tokens_per_s']:.1f} tok/s, peak RSS "
-                    f"{r['peak_rss_bytes'] / 2**20:.1f} MiB (CPU {busy:.0%} busy before)"
-                    + ("  [CONTENDED]" if busy > BUSY_LIMIT else ""))
-
-    # Summary
-    summary: dict = {}
-    for q in a.quant:
-        summary[q] = {}
-        for e in engines:
-            rs = results[q][e]
-            summary[q][e] = {
-                "runs": len(rs),
-                "prompt_tokens": median([r["prompt_tokens"] for r in rs]),
-                "generated_tokens": median([r["generated_tokens"] for r in rs]),
-                "prefill_tokens_per_s_median": median([r["prefill_tokens_per_s"] for r in rs]),
-                "decode_tokens_per_s_median": median([r["decode_tokens_per_s"] for r in rs]),
-                "prefill_tokens_per_s_min_max": [min(r["prefill_tokens_per_s"] for r in rs),
-                                                 max(r["prefill_tokens_per_s"] for r in rs)],
-                "decode_tokens_per_s_min_max": [min(r["decode_tokens_per_s"] for r in rs),
-                                                max(r["decode_tokens_per_s"] for r in rs)],
-                "peak_rss_mib_median": median([r["peak_rss_bytes"] for r in rs]) / 2**20,
-            }
-        for e in (SPARSE_DENSE, SPARSE):
-            if e in engines:
-                rs = results[q][e]
-                for k in ("attention", "predictor", "ffn", "lm_head"):
-                    summary[q][e][f"{k}_ms_per_token_median"] = median(
-                        [r["stats"].get(f"{k}_ms_per_token") for r in rs])
-                summary[q][e]["ffn_sparsity"] = median([r["stats"].get("ffn_sparsity") for r in rs])
-                summary[q][e]["bundles_skipped"] = median([r["stats"].get("bundles_skipped") for r in rs])
-        if SPARSE in engines:
-            summary[q]["ratio_sparse_over_dense"] = {
-                k: summary[q][SPARSE][f"{k}_tokens_per_s_median"] / summary[q][SPARSE_DENSE][f"{k}_tokens_per_s_median"]
-                for k in ("prefill", "decode")}
-        if "nflash" in engines and "llama.cpp" in engines:
-            n, l = summary[q]["nflash"], summary[q]["llama.cpp"]
-            summary[q]["ratio_nflash_over_llama"] = {
-                "prefill": n["prefill_tokens_per_s_median"] / l["prefill_tokens_per_s_median"],
-                "decode": n["decode_tokens_per_s_median"] / l["decode_tokens_per_s_median"],
-            }
-            if n["prompt_tokens"] != l["prompt_tokens"]:
-                log(f"note: {q}: prompt token counts differ (nflash {n['prompt_tokens']}, "
-                    f"llama.cpp {l['prompt_tokens']}): tokenizers or BOS handling disagree")
-
-    hdr = ["quant", "engine", "prompt tok", "prefill tok/s", "decode tok/s", "peak RSS MiB",
-           "prefill ratio", "decode ratio"]
-    rows = []
-    for q in a.quant:
-        for e in engines:
-            s = summary[q][e]
-            ratio = None
-            if e != "llama.cpp" and "llama.cpp" in engines:
-                l = summary[q]["llama.cpp"]
-                ratio = {k: s[f"{k}_tokens_per_s_median"] / l[f"{k}_tokens_per_s_median"]
-                         for k in ("prefill", "decode")}
-            rows.append([q, e, str(int(s["prompt_tokens"])), fmt(s["prefill_tokens_per_s_median"]),
-                         fmt(s["decode_tokens_per_s_median"]), fmt(s["peak_rss_mib_median"]),
-                         fmt(ratio["prefill"], 2) if ratio else "", fmt(ratio["decode"], 2) if ratio else ""])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(hdr)]
-    line = lambda cells: " | ".join(c.rjust(w) if i >= 2 else c.ljust(w)
-                                    for i, (c, w) in enumerate(zip(cells, widths)))
-    print()
-    print(f"medians of {a.runs} runs, {a.threads} threads, {a.gen_tokens} generated tokens, "
-          f"ctx {a.ctx}; ratio = nflash / llama.cpp")
-    print(line(hdr))
-    print("-+-".join("-" * w for w in widths))
-    for r in rows:
-        print(line(r))
-    if any(SPARSE in summary[q] for q in a.quant):
-        print()
-        print("sparse decode vs dense decode of the same sparse pack (medians); per-token decode time, ms")
-        print("quant | mode   | decode tok/s | sparse/dense | FFN sparsity | bundles skipped | attention | predictor |   FFN | lm_head")
-        for q in a.quant:
-            for e, name in ((SPARSE_DENSE, "dense"), (SPARSE, "sparse")):
-                s = summary[q].get(e)
-                if not s:
-                    continue
-                r = summary[q]["ratio_sparse_over_dense"]["decode"] if e == SPARSE else 1.0
-                sp = s.get("ffn_sparsity")
-                bs = s.get("bundles_skipped")
-                print(f"{q:5} | {name:6} | {fmt(s['decode_tokens_per_s_median']):>12} | {fmt(r, 2):>12} | "
-                      f"{'-' if sp is None else f'{100 * sp:.1f}%':>12} | {'-' if bs is None else f'{100 * bs:.1f}%':>15} | "
-                      f"{fmt(s['attention_ms_per_token_median'], 2):>9} | {fmt(s['predictor_ms_per_token_median'], 2):>9} | "
-                      f"{fmt(s['ffn_ms_per_token_median'], 2):>5} | {fmt(s['lm_head_ms_per_token_median'], 2):>7}")
-    contended = sum(r["cpu_busy_before"] > BUSY_LIMIT
-                    for q in a.quant for e in engines for r in results[q][e])
-    if contended:
-        print(f"WARNING: {contended} of {a.runs * len(a.quant) * len(engines)} runs started while "
-              f"other work kept the CPUs > {BUSY_LIMIT:.0%} busy: these numbers are not reliable; "
-              f"rerun on an idle machine")
-    if "llama.cpp" in engines:
-        base = median([r["stats"]["python_baseline_rss_bytes"]
-                       for q in a.quant for r in results[q]["llama.cpp"]])
-        print(f"(llama.cpp runs in a Python process: {base / 2**20:.0f} MiB of its peak RSS "
-              f"is the interpreter + llama_cpp before the model loads)")
-
-    info = {
-        **run_info(a),
-        "prompt_text": text,
-        "models": {"gguf": {q: str(p) for q, p in ggufs.items()},
-                   "gguf_tensor_types": {q: gguf_tensor_types(p) for q, p in ggufs.items()},
-                   "nflash": {q: str(p) for q, p in packs.items()},
-                   "nflash_sparse": {q: str(p) for q, p in sparse_packs.items()}},
-        "summary": summary,
-        "runs": results,
-    }
-    if "llama.cpp" in engines:
-        r = subprocess.run([sys.executable, "-c",
-                            "import llama_cpp as L; print(L.__version__); "
-                            "print(L.llama_print_system_info().decode())"],
-                           capture_output=True, text=True)
-        info["llama_cpp_python"] = r.stdout.strip()
-    (out / "bench.json").write_text(json.dumps(info, indent=1) + "\n")
-    log(f"wrote {out / 'bench.json'}")
+    text, prompt_file = baseline.prompt_file_for(a, out, models.ggufs)
+    runners = baseline.make_runners(a, models, prompt_file, tmpdir)
+    results = baseline.run_all(a, engines, runners)
+    summary = baseline.summarize(a, engines, results)
+    baseline.print_report(a, engines, summary, results)
+    baseline.write_results(a, out, engines, text, models, summary, results)
     return 0
 
 
