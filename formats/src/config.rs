@@ -17,8 +17,7 @@ pub enum Architecture {
 
 impl Architecture {
     /// The HF class names accepted, in the order they map to variants.
-    pub const SUPPORTED: [&'static str; 3] =
-        ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+    pub const SUPPORTED: [&'static str; 3] = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
 
     /// Parses an HF `architectures` entry.
     pub fn from_hf(name: &str) -> Option<Self> {
@@ -91,12 +90,7 @@ pub enum RopeScaling {
     /// `linear`: positions divided by `factor`.
     Linear { factor: f64 },
     /// `llama3`: per-frequency interpolation (Llama 3.1).
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: u64,
-    },
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: u64 },
 }
 
 /// Model hyper-parameters (SPEC §4.1). Sizes are element counts.
@@ -175,13 +169,13 @@ impl ModelConfig {
                 return Err(format!("{k} = {v} exceeds the supported maximum {cap}"));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(format!("head_dim {} is odd; RoPE needs an even head_dim", self.head_dim));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {

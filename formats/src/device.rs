@@ -19,7 +19,13 @@ const MAX_PROFILE_BYTES: u64 = 1 << 20;
 /// explanation kept.
 fn shorten(reason: &str) -> String {
     const MAX: usize = 300;
-    let cut = |l: &str| if l.chars().count() > MAX { format!("{}…", l.chars().take(MAX).collect::<String>()) } else { l.to_string() };
+    let cut = |l: &str| {
+        if l.chars().count() > MAX {
+            format!("{}…", l.chars().take(MAX).collect::<String>())
+        } else {
+            l.to_string()
+        }
+    };
     let lines: Vec<String> = reason.lines().map(cut).collect();
     if lines.len() > 12 {
         // Keep the location and the explanation.
@@ -170,26 +176,38 @@ impl DeviceProfile {
     /// too large, not valid TOML, misses a field, or has impossible values.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let unreadable = |e: std::io::Error| Error::Profile { path: path.to_path_buf(), reason: format!("cannot read it ({e})") };
+        let unreadable =
+            |e: std::io::Error| Error::Profile { path: path.to_path_buf(), reason: format!("cannot read it ({e})") };
         let meta = std::fs::metadata(path).map_err(unreadable)?;
         if meta.is_dir() {
             return Err(Error::Profile { path: path.to_path_buf(), reason: "is a directory, not a TOML file".into() });
         }
         if !meta.is_file() {
             // A device node or FIFO: no size to check, and reading it may never end.
-            return Err(Error::Profile { path: path.to_path_buf(), reason: "is not a regular file; a device profile is a small TOML file".into() });
+            return Err(Error::Profile {
+                path: path.to_path_buf(),
+                reason: "is not a regular file; a device profile is a small TOML file".into(),
+            });
         }
-        let too_big = |len: u64| Error::Profile { path: path.to_path_buf(), reason: format!("{len} bytes or more; a device profile is a small TOML file") };
+        let too_big = |len: u64| Error::Profile {
+            path: path.to_path_buf(),
+            reason: format!("{len} bytes or more; a device profile is a small TOML file"),
+        };
         if meta.len() > MAX_PROFILE_BYTES {
             return Err(too_big(meta.len()));
         }
         // Read at most one byte past the limit: the file may grow after the check.
         let mut bytes = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::Read::take(std::fs::File::open(path).map_err(unreadable)?, MAX_PROFILE_BYTES + 1), &mut bytes).map_err(unreadable)?;
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(std::fs::File::open(path).map_err(unreadable)?, MAX_PROFILE_BYTES + 1),
+            &mut bytes,
+        )
+        .map_err(unreadable)?;
         if bytes.len() as u64 > MAX_PROFILE_BYTES {
             return Err(too_big(bytes.len() as u64));
         }
-        let text = String::from_utf8(bytes).map_err(|e| Error::Profile { path: path.to_path_buf(), reason: format!("is not UTF-8 text ({e})") })?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| Error::Profile { path: path.to_path_buf(), reason: format!("is not UTF-8 text ({e})") })?;
         Self::parse(&text).map_err(|reason| Error::Profile { path: path.to_path_buf(), reason: shorten(&reason) })
     }
 
@@ -214,10 +232,13 @@ impl DeviceProfile {
             }
         }
         let kernels = match table.remove("kernels") {
-            Some(k) => Some(k.try_into::<KernelSpeeds>().map_err(|e| format!("[kernels]: {}", e.to_string().trim_end()))?),
+            Some(k) => {
+                Some(k.try_into::<KernelSpeeds>().map_err(|e| format!("[kernels]: {}", e.to_string().trim_end()))?)
+            }
             None => None,
         };
-        let mut p: DeviceProfile = table.try_into().map_err(|e: toml::de::Error| e.to_string().trim_end().to_string())?;
+        let mut p: DeviceProfile =
+            table.try_into().map_err(|e: toml::de::Error| e.to_string().trim_end().to_string())?;
         p.kernels = kernels;
         p.check()?;
         Ok(p)
@@ -269,7 +290,11 @@ impl DeviceProfile {
             if [k.q4_0_attention_gb_s_1t, k.q4_0_attention_gb_s_mt].into_iter().flatten().any(|v| !pos(v)) {
                 return Err("kernels.q4_0_attention_gb_s_* must be positive numbers up to 1e6".into());
             }
-            if [k.read_cpu_us, k.read_cpu_us_per_kib].into_iter().flatten().any(|c| !(c.is_finite() && (0.0..=1e6).contains(&c))) {
+            if [k.read_cpu_us, k.read_cpu_us_per_kib]
+                .into_iter()
+                .flatten()
+                .any(|c| !(c.is_finite() && (0.0..=1e6).contains(&c)))
+            {
                 return Err("kernels.read_cpu_us and read_cpu_us_per_kib must be numbers in 0 ..= 1e6".into());
             }
         }
@@ -408,7 +433,16 @@ mod tests {
                     ReadPoint { block_bytes: 65536, in_flight: 16, random_mb_s: 1300.0, sequential_mb_s: 1400.0 },
                 ],
             },
-            kernels: Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 4.0, q4_0_ffn_gb_s_mt: 7.0, q8_0_predictor_gb_s_1t: Some(9.0), q8_0_predictor_gb_s_mt: Some(15.0), q4_0_attention_gb_s_1t: Some(8.0), q4_0_attention_gb_s_mt: Some(14.0), read_cpu_us: Some(12.0), read_cpu_us_per_kib: Some(0.5) }),
+            kernels: Some(KernelSpeeds {
+                q4_0_ffn_gb_s_1t: 4.0,
+                q4_0_ffn_gb_s_mt: 7.0,
+                q8_0_predictor_gb_s_1t: Some(9.0),
+                q8_0_predictor_gb_s_mt: Some(15.0),
+                q4_0_attention_gb_s_1t: Some(8.0),
+                q4_0_attention_gb_s_mt: Some(14.0),
+                read_cpu_us: Some(12.0),
+                read_cpu_us_per_kib: Some(0.5),
+            }),
         }
     }
 
@@ -456,7 +490,10 @@ mod tests {
         assert_eq!(back.kernels, None);
         assert_eq!(back.ffn_bytes_per_s(2), 18e9);
         // [kernels] from before the predictor figures: the predictor at the matvec speed.
-        let old = DeviceProfile::parse(&text.replace("q8_0_predictor_gb_s_1t = 9.0\n", "").replace("q8_0_predictor_gb_s_mt = 15.0\n", "")).unwrap();
+        let old = DeviceProfile::parse(
+            &text.replace("q8_0_predictor_gb_s_1t = 9.0\n", "").replace("q8_0_predictor_gb_s_mt = 15.0\n", ""),
+        )
+        .unwrap();
         assert_eq!(old.kernels.unwrap().q8_0_predictor_gb_s_1t, None);
         assert_eq!((old.predictor_bytes_per_s(2), old.ffn_bytes_per_s(2)), (18e9, 7e9));
         // The binary form stored in a pack's plan leaves [kernels] out: same bytes as before it existed.
@@ -468,7 +505,16 @@ mod tests {
         assert!(DeviceProfile::parse(&bad).is_err());
         assert!(DeviceProfile::parse(&format!("colour = 1\n{text}")).unwrap_err().contains("colour"));
         let mut z = p.clone();
-        z.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 0.0, q4_0_ffn_gb_s_mt: 1.0, q8_0_predictor_gb_s_1t: None, q8_0_predictor_gb_s_mt: None, q4_0_attention_gb_s_1t: None, q4_0_attention_gb_s_mt: None, read_cpu_us: None, read_cpu_us_per_kib: None });
+        z.kernels = Some(KernelSpeeds {
+            q4_0_ffn_gb_s_1t: 0.0,
+            q4_0_ffn_gb_s_mt: 1.0,
+            q8_0_predictor_gb_s_1t: None,
+            q8_0_predictor_gb_s_mt: None,
+            q4_0_attention_gb_s_1t: None,
+            q4_0_attention_gb_s_mt: None,
+            read_cpu_us: None,
+            read_cpu_us_per_kib: None,
+        });
         assert!(DeviceProfile::parse(&z.to_toml()).unwrap_err().contains("kernels.q4_0_ffn_gb_s"));
     }
 
@@ -483,7 +529,16 @@ mod tests {
         p.memory.bandwidth_gb_s = 1e300;
         assert!(DeviceProfile::parse(&p.to_toml()).unwrap_err().contains("memory.bandwidth_gb_s"));
         let mut p = sample();
-        p.kernels = Some(KernelSpeeds { q4_0_ffn_gb_s_1t: 1.0, q4_0_ffn_gb_s_mt: 1e7, q8_0_predictor_gb_s_1t: None, q8_0_predictor_gb_s_mt: None, q4_0_attention_gb_s_1t: None, q4_0_attention_gb_s_mt: None, read_cpu_us: None, read_cpu_us_per_kib: None });
+        p.kernels = Some(KernelSpeeds {
+            q4_0_ffn_gb_s_1t: 1.0,
+            q4_0_ffn_gb_s_mt: 1e7,
+            q8_0_predictor_gb_s_1t: None,
+            q8_0_predictor_gb_s_mt: None,
+            q4_0_attention_gb_s_1t: None,
+            q4_0_attention_gb_s_mt: None,
+            read_cpu_us: None,
+            read_cpu_us_per_kib: None,
+        });
         assert!(DeviceProfile::parse(&p.to_toml()).is_err());
         let mut p = sample();
         p.cpu.threads_measured = Some(u32::MAX);

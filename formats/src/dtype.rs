@@ -49,7 +49,7 @@ impl DType {
     /// Bytes of a row of `n_elems` elements, or `None` when `n_elems` is not
     /// a multiple of [`Self::block_elems`] or the product overflows.
     pub fn row_bytes(self, n_elems: u64) -> Option<u64> {
-        if n_elems % self.block_elems() != 0 {
+        if !n_elems.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n_elems / self.block_elems()).checked_mul(self.block_bytes())

@@ -25,71 +25,28 @@ pub enum Error {
     BadMagic { path: PathBuf, found: [u8; 8] },
     /// The pack was written by a newer format version than this build reads.
     #[error("{path}: pack format version {major}.{minor} is newer than this build supports ({sup_major}.{sup_minor}); use nflash/prep {need} or newer, or re-create the pack with this prep")]
-    NewerVersion {
-        path: PathBuf,
-        major: u16,
-        minor: u16,
-        sup_major: u16,
-        sup_minor: u16,
-        need: String,
-    },
+    NewerVersion { path: PathBuf, major: u16, minor: u16, sup_major: u16, sup_minor: u16, need: String },
     /// The pack was written by an older, incompatible format major version.
     #[error("{path}: pack format version {major}.{minor} is older than this build reads ({sup_major}.{sup_minor}); re-create the pack from the checkpoint with this build's `prep convert`")]
-    OlderVersion {
-        path: PathBuf,
-        major: u16,
-        minor: u16,
-        sup_major: u16,
-        sup_minor: u16,
-    },
+    OlderVersion { path: PathBuf, major: u16, minor: u16, sup_major: u16, sup_minor: u16 },
     /// A stored CRC32 does not match the bytes (SPEC §6).
     #[error("{path}: checksum mismatch in {what}: stored {stored:#010x}, computed {computed:#010x}; the file is corrupt, copy or convert it again")]
-    Checksum {
-        path: PathBuf,
-        what: String,
-        stored: u32,
-        computed: u32,
-    },
+    Checksum { path: PathBuf, what: String, stored: u32, computed: u32 },
     /// The file is shorter than its header says (the manifest ends past EOF).
     #[error("{path}: file is {len} bytes but its header records {expected} bytes (manifest at offset {manifest_offset}): the file is truncated, e.g. by an interrupted copy or conversion; copy or convert it again")]
-    Truncated {
-        path: PathBuf,
-        len: u64,
-        expected: u64,
-        manifest_offset: u64,
-    },
+    Truncated { path: PathBuf, len: u64, expected: u64, manifest_offset: u64 },
     /// A range `[offset, offset+len)` lies outside the region holding it.
     #[error("{path}: {what} at offset {offset} length {len} extends past the end of its {region} ({limit} bytes): the file is truncated or corrupt; copy or convert it again")]
-    OutOfRange {
-        path: PathBuf,
-        what: String,
-        offset: u64,
-        len: u64,
-        region: &'static str,
-        limit: u64,
-    },
+    OutOfRange { path: PathBuf, what: String, offset: u64, len: u64, region: &'static str, limit: u64 },
     /// A structurally invalid field (bad alignment, bad dtype for a shape, …).
     #[error("{path}: invalid {what}: {why}")]
-    Invalid {
-        path: PathBuf,
-        what: String,
-        why: String,
-    },
+    Invalid { path: PathBuf, what: String, why: String },
     /// The manifest could not be decoded.
     #[error("{path}: manifest ({len} bytes at offset {offset}) cannot be decoded: {why}")]
-    Manifest {
-        path: PathBuf,
-        offset: u64,
-        len: u64,
-        why: String,
-    },
+    Manifest { path: PathBuf, offset: u64, len: u64, why: String },
     /// A lookup by name found nothing.
     #[error("{path}: no {kind} named {name:?} in the pack")]
-    NotFound {
-        path: PathBuf,
-        kind: &'static str,
-        name: String,
-    },
+    NotFound { path: PathBuf, kind: &'static str, name: String },
     /// A device profile that cannot be used (SPEC §4.6).
     #[error("device profile {path}: {reason}; fix the file or measure one with `nflash probe --out FILE`")]
     Profile { path: PathBuf, reason: String },
@@ -120,9 +77,6 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            err: source,
-        }
+        Error::Io { path: path.into(), err: source }
     }
 }

@@ -95,6 +95,14 @@ impl Header {
 mod tests {
     use super::*;
 
+    /// SPEC.md describes the version this crate writes (its title and §2).
+    #[test]
+    fn the_spec_states_this_version() {
+        let spec = include_str!("../SPEC.md");
+        let title = spec.lines().next().unwrap_or_default();
+        assert!(title.ends_with(&format!("version {VERSION_MAJOR}.{VERSION_MINOR}")), "SPEC.md title: {title}");
+    }
+
     #[test]
     fn header_roundtrip() {
         let h = Header {

@@ -18,7 +18,7 @@ pub const Q4_0X8_GROUP_BLOCK: usize = Q4_0X8_ROWS * BLOCK;
 
 /// Whether a Q4_0 matrix `[rows, cols]` can take the Q4_0×8 layout.
 pub fn can_interleave(rows: u64, cols: u64) -> bool {
-    rows > 0 && rows % Q4_0X8_ROWS as u64 == 0 && cols > 0 && cols % 32 == 0
+    rows > 0 && rows.is_multiple_of(Q4_0X8_ROWS as u64) && cols > 0 && cols.is_multiple_of(32)
 }
 
 /// Reorders a Q4_0 matrix of `cols` elements per row from the row layout to
@@ -30,7 +30,11 @@ pub fn can_interleave(rows: u64, cols: u64) -> bool {
 pub fn interleave_q4_0(data: &mut [u8], cols: usize, scratch: &mut Vec<u8>) {
     let nb = cols / 32;
     let group = Q4_0X8_ROWS * nb * BLOCK;
-    assert!(cols % 32 == 0 && data.len() % group == 0, "Q4_0×8: {} bytes is not a whole number of 8-row groups of {cols} columns", data.len());
+    assert!(
+        cols.is_multiple_of(32) && data.len().is_multiple_of(group),
+        "Q4_0×8: {} bytes is not a whole number of 8-row groups of {cols} columns",
+        data.len()
+    );
     scratch.clear();
     scratch.resize(group, 0);
     for g in data.chunks_exact_mut(group) {

@@ -19,12 +19,12 @@ pub mod writer;
 pub use config::{Activation, Architecture, ModelConfig, RopeScaling};
 pub use device::{DeviceProfile, KernelSpeeds};
 pub use dtype::DType;
-pub use plan::Plan;
 pub use error::{Error, Result};
 pub use header::{Header, DEFAULT_ALIGNMENT, HEADER_BYTES, MAGIC, VERSION_MAJOR, VERSION_MINOR};
 pub use manifest::{
-    BundleLayout, Criterion, FfnLayer, LayerSparsity, Manifest, NeuronCluster, PredictorKind,
-    PredictorQuality, Segment, SegmentKind, SparseInfo, TensorEntry, TokenizerInfo,
+    BundleLayout, Criterion, FfnLayer, LayerSparsity, Manifest, NeuronCluster, PredictorKind, PredictorQuality,
+    Segment, SegmentKind, SparseInfo, TensorEntry, TokenizerInfo,
 };
+pub use plan::Plan;
 pub use reader::Pack;
 pub use writer::PackWriter;

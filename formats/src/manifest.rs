@@ -71,12 +71,7 @@ impl BundleLayout {
     /// Layout for `hidden` elements per part; `None` if `hidden` does not fit `dtype`'s blocks.
     pub fn new(dtype: DType, hidden: u64) -> Option<Self> {
         let row_bytes = dtype.row_bytes(hidden)?;
-        Some(BundleLayout {
-            dtype,
-            row_elems: hidden,
-            row_bytes,
-            bundle_bytes: row_bytes.checked_mul(3)?,
-        })
+        Some(BundleLayout { dtype, row_elems: hidden, row_bytes, bundle_bytes: row_bytes.checked_mul(3)? })
     }
 }
 
@@ -190,7 +185,8 @@ pub struct SparseInfo {
     pub predictor: PredictorKind,
     /// Predictor rank r (0 for [`PredictorKind::Exact`]).
     pub rank: u32,
-    /// Target fraction of inactive neurons per layer (0 for ReLU-family models: natural sparsity).
+    /// Target fraction of inactive neurons per layer; for ReLU-family models
+    /// (natural sparsity) the mean measured fraction on the calibration text.
     pub target_sparsity: f32,
     /// Target fraction of truly active neurons the predictor keeps.
     pub recall_target: f32,
@@ -272,9 +268,5 @@ pub struct Manifest {
 /// bincode options used for the manifest (SPEC §4).
 pub(crate) fn bincode_options(limit: u64) -> impl bincode::Options {
     use bincode::Options;
-    bincode::DefaultOptions::new()
-        .with_fixint_encoding()
-        .with_little_endian()
-        .with_limit(limit)
-        .reject_trailing_bytes()
+    bincode::DefaultOptions::new().with_fixint_encoding().with_little_endian().with_limit(limit).reject_trailing_bytes()
 }

@@ -61,14 +61,7 @@ fn range_check(
 ) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= limit => Ok(()),
-        _ => Err(Error::OutOfRange {
-            path: path.to_path_buf(),
-            what: what(),
-            offset,
-            len,
-            region,
-            limit,
-        }),
+        _ => Err(Error::OutOfRange { path: path.to_path_buf(), what: what(), offset, len, region, limit }),
     }
 }
 
@@ -111,11 +104,7 @@ impl Pack {
         }
         let len = meta.len();
         if len < HEADER_BYTES as u64 {
-            return Err(Error::TruncatedHeader {
-                path,
-                len,
-                need: HEADER_BYTES as u64,
-            });
+            return Err(Error::TruncatedHeader { path, len, need: HEADER_BYTES as u64 });
         }
         let file_len = len;
         let read_at = |offset: u64, n: usize| -> Result<Vec<u8>> {
@@ -127,10 +116,7 @@ impl Pack {
         let hb: &[u8; HEADER_BYTES] = hbuf[..].try_into().expect("length checked");
         let header = Header::from_bytes(hb);
         if header.magic != MAGIC {
-            return Err(Error::BadMagic {
-                path,
-                found: header.magic,
-            });
+            return Err(Error::BadMagic { path, found: header.magic });
         }
         if header.major < VERSION_MAJOR {
             return Err(Error::OlderVersion {
@@ -153,12 +139,7 @@ impl Pack {
         }
         let computed = Header::computed_crc32(hb);
         if computed != header.header_crc32 {
-            return Err(Error::Checksum {
-                path,
-                what: "header".into(),
-                stored: header.header_crc32,
-                computed,
-            });
+            return Err(Error::Checksum { path, what: "header".into(), stored: header.header_crc32, computed });
         }
         if !header.alignment.is_power_of_two() || header.alignment < 4096 {
             return Err(Error::Invalid {
@@ -177,52 +158,29 @@ impl Pack {
                 });
             }
         }
-        range_check(
-            &path,
-            || "manifest".into(),
-            header.manifest_offset,
-            header.manifest_bytes,
-            "file",
-            file_len,
-        )?;
+        range_check(&path, || "manifest".into(), header.manifest_offset, header.manifest_bytes, "file", file_len)?;
         if header.manifest_bytes > MAX_MANIFEST_BYTES {
             return Err(Error::Invalid {
                 path,
                 what: "manifest length".into(),
-                why: format!(
-                    "{} bytes exceeds the {} byte maximum",
-                    header.manifest_bytes, MAX_MANIFEST_BYTES
-                ),
+                why: format!("{} bytes exceeds the {} byte maximum", header.manifest_bytes, MAX_MANIFEST_BYTES),
             });
         }
         let mbuf = read_at(header.manifest_offset, header.manifest_bytes as usize)?;
         let mb = &mbuf[..];
         let computed = crc32fast::hash(mb);
         if computed != header.manifest_crc32 {
-            return Err(Error::Checksum {
-                path,
-                what: "manifest".into(),
-                stored: header.manifest_crc32,
-                computed,
-            });
+            return Err(Error::Checksum { path, what: "manifest".into(), stored: header.manifest_crc32, computed });
         }
-        let manifest: Manifest = bincode::Options::deserialize(
-            bincode_options(header.manifest_bytes),
-            mb,
-        )
-        .map_err(|e| Error::Manifest {
-            path: path.clone(),
-            offset: header.manifest_offset,
-            len: header.manifest_bytes,
-            why: e.to_string(),
-        })?;
+        let manifest: Manifest =
+            bincode::Options::deserialize(bincode_options(header.manifest_bytes), mb).map_err(|e| Error::Manifest {
+                path: path.clone(),
+                offset: header.manifest_offset,
+                len: header.manifest_bytes,
+                why: e.to_string(),
+            })?;
         validate(&path, file_len, &header, &manifest)?;
-        let tensor_index = manifest
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
+        let tensor_index = manifest.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         let (n_tensors, n_segments) = (manifest.tensors.len(), manifest.segments.len());
         let storage = if resident {
             let mut segments = Vec::with_capacity(manifest.segments.len());
@@ -326,11 +284,7 @@ impl Pack {
             .enumerate()
             .find(|(_, s)| s.name == name)
             .map(|(i, s)| (i as u32, s))
-            .ok_or_else(|| Error::NotFound {
-                path: self.path.clone(),
-                kind: "segment",
-                name: name.to_string(),
-            })
+            .ok_or_else(|| Error::NotFound { path: self.path.clone(), kind: "segment", name: name.to_string() })
     }
 
     /// Reorders, in memory, every resident Q4_0 matrix whose shape allows it
@@ -479,25 +433,15 @@ impl Pack {
     pub fn tokenizer_json(&self) -> Result<Vec<u8>> {
         let info = &self.manifest.tokenizer;
         let (idx, _) = self.segment_by_name(&info.segment)?;
-        let invalid = |why: String| Error::Invalid {
-            path: self.path.clone(),
-            what: format!("segment {:?}", info.segment),
-            why,
-        };
+        let invalid =
+            |why: String| Error::Invalid { path: self.path.clone(), what: format!("segment {:?}", info.segment), why };
         if info.json_bytes > MAX_TOKENIZER_BYTES {
-            return Err(invalid(format!(
-                "tokenizer.json size {} exceeds {MAX_TOKENIZER_BYTES}",
-                info.json_bytes
-            )));
+            return Err(invalid(format!("tokenizer.json size {} exceeds {MAX_TOKENIZER_BYTES}", info.json_bytes)));
         }
         let out = zstd::bulk::decompress(self.segment_in_memory(idx)?, info.json_bytes as usize)
             .map_err(|e| invalid(format!("zstd: {e}")))?;
         if out.len() as u64 != info.json_bytes {
-            return Err(invalid(format!(
-                "decompressed to {} bytes, manifest says {}",
-                out.len(),
-                info.json_bytes
-            )));
+            return Err(invalid(format!("decompressed to {} bytes, manifest says {}", out.len(), info.json_bytes)));
         }
         Ok(out)
     }
@@ -506,14 +450,8 @@ impl Pack {
 /// Validates every range and index in `manifest` against a file of
 /// `file_len` bytes (SPEC §6).
 pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Result<()> {
-    let invalid = |what: String, why: String| Error::Invalid {
-        path: path.to_path_buf(),
-        what,
-        why,
-    };
-    m.config
-        .check()
-        .map_err(|why| invalid("model config".into(), why))?;
+    let invalid = |what: String, why: String| Error::Invalid { path: path.to_path_buf(), what, why };
+    m.config.check().map_err(|why| invalid("model config".into(), why))?;
     let align = header.alignment as u64;
     let mut prev_end = HEADER_BYTES as u64;
     for s in &m.segments {
@@ -534,9 +472,7 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
         prev_end = s.offset + s.bytes;
     }
     let seg = |idx: u32, what: &dyn Fn() -> String| -> Result<&Segment> {
-        m.segments
-            .get(idx as usize)
-            .ok_or_else(|| invalid(what(), format!("segment index {idx} out of range")))
+        m.segments.get(idx as usize).ok_or_else(|| invalid(what(), format!("segment index {idx} out of range")))
     };
     for t in &m.tensors {
         let what = || format!("tensor {:?}", t.name);
@@ -544,12 +480,10 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
         if t.shape.is_empty() || t.shape.len() > 4 {
             return Err(invalid(what(), format!("rank {} not in 1..=4", t.shape.len())));
         }
-        let need = t.dtype.tensor_bytes(&t.shape).ok_or_else(|| {
-            invalid(
-                what(),
-                format!("shape {:?} does not fit {} blocks", t.shape, t.dtype),
-            )
-        })?;
+        let need = t
+            .dtype
+            .tensor_bytes(&t.shape)
+            .ok_or_else(|| invalid(what(), format!("shape {:?} does not fit {} blocks", t.shape, t.dtype)))?;
         if need != t.bytes {
             return Err(invalid(
                 what(),
@@ -562,10 +496,7 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
         }
     }
     if m.ffn.len() as u64 != m.config.num_layers {
-        return Err(invalid(
-            "FFN index".into(),
-            format!("{} layers, config has {}", m.ffn.len(), m.config.num_layers),
-        ));
+        return Err(invalid("FFN index".into(), format!("{} layers, config has {}", m.ffn.len(), m.config.num_layers)));
     }
     for (l, f) in m.ffn.iter().enumerate() {
         let what = || format!("FFN layer {l}");
@@ -574,10 +505,7 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             return Err(invalid(what(), "wrong segment kind or layer number".into()));
         }
         if f.n_neurons as u64 != m.config.intermediate_size {
-            return Err(invalid(
-                what(),
-                format!("{} neurons, config has {}", f.n_neurons, m.config.intermediate_size),
-            ));
+            return Err(invalid(what(), format!("{} neurons, config has {}", f.n_neurons, m.config.intermediate_size)));
         }
         let b = f.bundle;
         let expect = crate::manifest::BundleLayout::new(b.dtype, m.config.hidden_size);
@@ -592,11 +520,21 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             if c.first != next || c.n_neurons == 0 || c.offset % f.cluster_align != 0 {
                 return Err(invalid(
                     what(),
-                    format!("cluster at offset {} (first {}, {} neurons) is out of order or misaligned", c.offset, c.first, c.n_neurons),
+                    format!(
+                        "cluster at offset {} (first {}, {} neurons) is out of order or misaligned",
+                        c.offset, c.first, c.n_neurons
+                    ),
                 ));
             }
-            let len = (c.n_neurons as u64).checked_mul(b.bundle_bytes).unwrap_or(u64::MAX);
-            range_check(path, || format!("neuron cluster of {} at neuron {}", what(), c.first), c.offset, len, "segment", s.bytes)?;
+            let len = (c.n_neurons as u64).saturating_mul(b.bundle_bytes);
+            range_check(
+                path,
+                || format!("neuron cluster of {} at neuron {}", what(), c.first),
+                c.offset,
+                len,
+                "segment",
+                s.bytes,
+            )?;
             next = next.checked_add(c.n_neurons).ok_or_else(|| invalid(what(), "neuron count overflow".into()))?;
         }
         if next != f.n_neurons {
@@ -619,18 +557,29 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             if !sp.threshold.is_finite() || !sp.predictor_threshold.is_finite() || sp.frequency_curve.len() > 33 {
                 return Err(invalid(
                     what(),
-                    format!("sparsity threshold {} / predictor threshold {} / {}-point frequency curve", sp.threshold, sp.predictor_threshold, sp.frequency_curve.len()),
+                    format!(
+                        "sparsity threshold {} / predictor threshold {} / {}-point frequency curve",
+                        sp.threshold,
+                        sp.predictor_threshold,
+                        sp.frequency_curve.len()
+                    ),
                 ));
             }
         }
     }
     if let Some(p) = &m.plan {
         if p.hot_neurons.len() != m.ffn.len() {
-            return Err(invalid("plan".into(), format!("{} hot-set sizes for {} layers", p.hot_neurons.len(), m.ffn.len())));
+            return Err(invalid(
+                "plan".into(),
+                format!("{} hot-set sizes for {} layers", p.hot_neurons.len(), m.ffn.len()),
+            ));
         }
         for (f, &h) in m.ffn.iter().zip(&p.hot_neurons) {
             if h != f.n_neurons && !f.clusters.iter().any(|c| c.first == h) {
-                return Err(invalid("plan".into(), format!("layer {} hot set of {h} neurons does not end on a neuron-cluster boundary", f.layer)));
+                return Err(invalid(
+                    "plan".into(),
+                    format!("layer {} hot set of {h} neurons does not end on a neuron-cluster boundary", f.layer),
+                ));
             }
         }
         if p.io_threads == 0 || p.io_threads > 64 || p.threads == 0 {

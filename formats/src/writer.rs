@@ -40,13 +40,10 @@ impl PackWriter {
     /// [`Error::Write`] for a bad alignment, [`Error::Io`] if the file cannot be created.
     pub fn create(path: &Path, alignment: u32) -> Result<Self> {
         if !alignment.is_power_of_two() || alignment < 4096 {
-            return Err(Error::Write(format!(
-                "alignment {alignment} must be a power of two ≥ 4096"
-            )));
+            return Err(Error::Write(format!("alignment {alignment} must be a power of two ≥ 4096")));
         }
-        let file_name = path
-            .file_name()
-            .ok_or_else(|| Error::Write(format!("{} is not a file path", path.display())))?;
+        let file_name =
+            path.file_name().ok_or_else(|| Error::Write(format!("{} is not a file path", path.display())))?;
         let mut tmp_name = file_name.to_os_string();
         tmp_name.push(format!(".tmp-{}", std::process::id()));
         let tmp_path = path.with_file_name(tmp_name);
@@ -89,30 +86,20 @@ impl PackWriter {
     /// [`Error::Write`] if a segment is already open or the name is taken.
     pub fn begin_segment(&mut self, name: &str, kind: SegmentKind) -> Result<()> {
         if let Some(cur) = &self.current {
-            return Err(Error::Write(format!(
-                "segment {:?} still open when starting {name:?}",
-                cur.name
-            )));
+            return Err(Error::Write(format!("segment {:?} still open when starting {name:?}", cur.name)));
         }
         if self.segments.iter().any(|s| s.name == name) {
             return Err(Error::Write(format!("duplicate segment name {name:?}")));
         }
         self.raw_pad_to(self.alignment)?;
-        self.current = Some(OpenSegment {
-            name: name.to_string(),
-            kind,
-            start: self.pos,
-            hasher: crc32fast::Hasher::new(),
-        });
+        self.current =
+            Some(OpenSegment { name: name.to_string(), kind, start: self.pos, hasher: crc32fast::Hasher::new() });
         Ok(())
     }
 
     /// Appends bytes to the open segment.
     pub fn write(&mut self, bytes: &[u8]) -> Result<()> {
-        let cur = self
-            .current
-            .as_mut()
-            .ok_or_else(|| Error::Write("write outside a segment".into()))?;
+        let cur = self.current.as_mut().ok_or_else(|| Error::Write("write outside a segment".into()))?;
         cur.hasher.update(bytes);
         self.raw_write(bytes)
     }
@@ -134,10 +121,7 @@ impl PackWriter {
 
     /// Closes the open segment and returns its index in the segment table.
     pub fn end_segment(&mut self) -> Result<u32> {
-        let cur = self
-            .current
-            .take()
-            .ok_or_else(|| Error::Write("end_segment without begin_segment".into()))?;
+        let cur = self.current.take().ok_or_else(|| Error::Write("end_segment without begin_segment".into()))?;
         self.segments.push(Segment {
             name: cur.name,
             kind: cur.kind,
@@ -193,9 +177,7 @@ impl PackWriter {
             file.sync_all()
         })()
         .map_err(|e| Error::io(&tmp, e))
-        .and_then(|()| {
-            std::fs::rename(&tmp, &self.final_path).map_err(|e| Error::io(&self.final_path, e))
-        });
+        .and_then(|()| std::fs::rename(&tmp, &self.final_path).map_err(|e| Error::io(&self.final_path, e)));
         if result.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }

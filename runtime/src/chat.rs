@@ -17,10 +17,7 @@ pub struct Message {
 impl Message {
     /// A message with `role` and `content`.
     pub fn new(role: &str, content: &str) -> Self {
-        Message {
-            role: role.into(),
-            content: content.into(),
-        }
+        Message { role: role.into(), content: content.into() }
     }
 }
 
@@ -43,21 +40,13 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
-        env.add_template_owned("chat", source.to_string())
-            .map_err(|e| Error::Template(e.to_string()))?;
-        Ok(ChatTemplate {
-            env,
-            bos: bos.unwrap_or_default().to_string(),
-            eos: eos.unwrap_or_default().to_string(),
-        })
+        env.add_template_owned("chat", source.to_string()).map_err(|e| Error::Template(e.to_string()))?;
+        Ok(ChatTemplate { env, bos: bos.unwrap_or_default().to_string(), eos: eos.unwrap_or_default().to_string() })
     }
 
     /// Renders `messages` with `add_generation_prompt = true`.
     pub fn render(&self, messages: &[Message]) -> Result<String> {
-        let tmpl = self
-            .env
-            .get_template("chat")
-            .map_err(|e| Error::Template(e.to_string()))?;
+        let tmpl = self.env.get_template("chat").map_err(|e| Error::Template(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => minijinja::Value::from(minijinja::value::Serde(messages)),
             add_generation_prompt => true,
@@ -82,7 +71,12 @@ mod tests {
 
     #[test]
     fn python_methods_and_raise() {
-        let t = ChatTemplate::new("{{ messages[0]['content'].strip() }}{% if false %}{{ raise_exception('x') }}{% endif %}", None, None).unwrap();
+        let t = ChatTemplate::new(
+            "{{ messages[0]['content'].strip() }}{% if false %}{{ raise_exception('x') }}{% endif %}",
+            None,
+            None,
+        )
+        .unwrap();
         assert_eq!(t.render(&[Message::new("user", "  a ")]).unwrap(), "a");
         let bad = ChatTemplate::new("{{ raise_exception('no system') }}", None, None).unwrap();
         assert!(bad.render(&[]).is_err());

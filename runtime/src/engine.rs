@@ -1,10 +1,12 @@
 //! Everything `nflash` loads from a pack: model views, tokenizer, chat template, stop set.
 
 use nflash_format::Pack;
+use nflash_plan::CacheConfig;
 
 use crate::chat::ChatTemplate;
 use crate::error::{Error, Result};
 use crate::model::Model;
+use crate::offload::NeuronCache;
 use crate::tokenizer::Tokenizer;
 
 /// A loaded pack, ready to generate.
@@ -27,7 +29,7 @@ impl<'a> Engine<'a> {
     /// A checksum mismatch naming the segment, missing/misshaped tensors, a bad tokenizer or template, or a tokenizer
     /// with more tokens than embedding rows ([`Error::TokenOutOfRange`]).
     pub fn load(pack: &'a Pack) -> Result<Self> {
-        Self::load_with(pack, &crate::cache::CacheConfig::all_hot(pack))
+        Self::load_with(pack, &CacheConfig::all_hot(pack))
     }
 
     /// As [`Self::load`], with the FFN neuron clusters split between memory
@@ -35,7 +37,7 @@ impl<'a> Engine<'a> {
     ///
     /// # Errors
     /// As [`Self::load`].
-    pub fn load_with(pack: &'a Pack, cache: &crate::cache::CacheConfig) -> Result<Self> {
+    pub fn load_with(pack: &'a Pack, cache: &CacheConfig) -> Result<Self> {
         Self::load_planned(pack, || Ok(cache.clone()))
     }
 
@@ -45,7 +47,7 @@ impl<'a> Engine<'a> {
     ///
     /// # Errors
     /// As [`Self::load`], and `plan`'s error.
-    pub fn load_planned(pack: &'a Pack, plan: impl FnOnce() -> Result<crate::cache::CacheConfig>) -> Result<Self> {
+    pub fn load_planned(pack: &'a Pack, plan: impl FnOnce() -> Result<CacheConfig>) -> Result<Self> {
         // The tokenizer and resident segments are read whole at start anyway,
         // so their checksums are always checked (cheap next to the read);
         // FFN segments are checked by `nflash run --verify` / `prep verify`.
@@ -55,13 +57,10 @@ impl<'a> Engine<'a> {
             }
         }
         let tokenizer = Tokenizer::from_json(&pack.tokenizer_json()?)?;
-        let model = Model::load_with(pack, &plan()?)?;
+        let model = load_model(pack, &plan()?)?;
         let vocab = model.cfg.vocab_size;
         if tokenizer.vocab_size() as u64 > vocab {
-            return Err(Error::TokenOutOfRange {
-                id: tokenizer.vocab_size() as u32 - 1,
-                vocab,
-            });
+            return Err(Error::TokenOutOfRange { id: tokenizer.vocab_size() as u32 - 1, vocab });
         }
         let info = &pack.manifest().tokenizer;
         let template = info
@@ -69,11 +68,17 @@ impl<'a> Engine<'a> {
             .as_deref()
             .map(|src| ChatTemplate::new(src, info.bos_token.as_deref(), info.eos_token.as_deref()))
             .transpose()?;
-        Ok(Engine {
-            stop_ids: model.cfg.eos_token_ids.clone(),
-            model,
-            tokenizer,
-            template,
-        })
+        Ok(Engine { stop_ids: model.cfg.eos_token_ids.clone(), model, tokenizer, template })
     }
+}
+
+/// The model of `pack` with its FFN neuron clusters served by a
+/// [`NeuronCache`] laid out as `cache` says (all hot: every cluster read
+/// into memory at load; see [`CacheConfig::all_hot`]).
+///
+/// # Errors
+/// As [`NeuronCache::open`] and [`Model::load`].
+pub fn load_model<'a>(pack: &'a Pack, cache: &CacheConfig) -> Result<Model<'a>> {
+    let source = NeuronCache::open(pack, cache)?;
+    Model::load(pack, Box::new(source))
 }

@@ -11,12 +11,7 @@ pub enum Error {
     MissingTensor { name: String },
     /// A tensor's shape or type does not match the model config.
     #[error("tensor {name:?} has shape {found:?} and type {dtype}, expected shape {expected:?}")]
-    Shape {
-        name: String,
-        expected: Vec<u64>,
-        found: Vec<u64>,
-        dtype: nflash_format::DType,
-    },
+    Shape { name: String, expected: Vec<u64>, found: Vec<u64>, dtype: nflash_format::DType },
     /// The packed tokenizer cannot be loaded or used.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
@@ -28,11 +23,7 @@ pub enum Error {
     Template(String),
     /// The prompt does not fit the context.
     #[error("the prompt is {prompt} tokens but the context holds {context} (with {reserve} reserved for generation); shorten the prompt or raise --ctx")]
-    PromptTooLong {
-        prompt: usize,
-        context: usize,
-        reserve: usize,
-    },
+    PromptTooLong { prompt: usize, context: usize, reserve: usize },
     /// The KV cache is full.
     #[error("context full: {context} tokens; raise --ctx")]
     ContextFull { context: usize },
@@ -48,6 +39,21 @@ pub enum Error {
     /// Invalid user setting (names the flag).
     #[error("{0}")]
     Usage(String),
+    /// Memory could not be allocated (names what for and how much).
+    #[error("cannot allocate {bytes} bytes for {what}; lower --memory-budget or --ctx, or free memory")]
+    Alloc { what: &'static str, bytes: u64 },
+    /// The KV cache for a context could not be reserved.
+    #[error("cannot reserve the KV cache for a context of {ctx} tokens ({mib:.1} MiB); lower --ctx")]
+    KvCache { ctx: usize, mib: f64 },
+    /// A thread could not be started.
+    #[error("cannot start an {what}: {err}")]
+    Thread { what: &'static str, err: std::io::Error },
+    /// A plan could not be made (names the budget and its parts).
+    #[error(transparent)]
+    Plan(#[from] nflash_plan::Error),
+    /// A bug in nflash rather than in its input (please report it).
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The model produced NaN or infinite logits.
     #[error("the model produced non-finite logits (NaN or infinity) at position {position}: the pack's weights are probably damaged; check every segment with `nflash run --verify` or `prep verify`")]
     NonFinite { position: usize },

@@ -4,13 +4,12 @@
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::kv_cache::KvCache;
+use crate::model::kv_cache::KvCache;
 use crate::model::Model;
 use crate::sampler::Sampler;
 use crate::tokenizer::{TextStream, Tokenizer};
 
-/// Tokens per prefill forward pass; bounds prefill scratch memory.
-pub const PREFILL_CHUNK: usize = 64;
+pub use nflash_plan::layout::PREFILL_CHUNK;
 
 /// Counters of one generation.
 #[derive(Debug, Clone, Default)]
@@ -31,7 +30,7 @@ pub struct GenStats {
     /// Wall time of each decode step (forward pass + sampling), seconds `[decode_steps]`.
     pub step_s: Vec<f64>,
     /// Neuron-cache counters over decode only.
-    pub decode_cache: crate::cache::CacheStats,
+    pub decode_cache: crate::model::CacheStats,
 }
 
 impl GenStats {
@@ -84,16 +83,9 @@ pub fn generate(
         return Err(Error::EmptyPrompt);
     }
     if kv.len() + prompt.len() >= kv.capacity() {
-        return Err(Error::PromptTooLong {
-            prompt: kv.len() + prompt.len(),
-            context: kv.capacity(),
-            reserve: 1,
-        });
+        return Err(Error::PromptTooLong { prompt: kv.len() + prompt.len(), context: kv.capacity(), reserve: 1 });
     }
-    let mut stats = GenStats {
-        prompt_tokens: prompt.len(),
-        ..Default::default()
-    };
+    let mut stats = GenStats { prompt_tokens: prompt.len(), ..Default::default() };
     let t0 = Instant::now();
     let mut last_hidden = Vec::new();
     for chunk in prompt.chunks(PREFILL_CHUNK) {

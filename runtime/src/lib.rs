@@ -1,34 +1,35 @@
 //! `nflash-runtime`: run a `.nflash` pack within a memory budget — read the
 //! resident tensors, pin hot FFN neuron clusters, fetch cold ones from flash
-//! through the neuron cache ([`cache`]) and the I/O pipeline ([`io`]), and
-//! generate text.
+//! through the neuron cache and the I/O pipeline, and generate text.
 //!
-//! Entry points: [`nflash_format::Pack::open_resident`], [`planner::plan`],
-//! [`Engine::load_with`], [`generate::generate`], [`ppl::perplexity`].
+//! Layers, each using only the ones above it in this list:
+//! - [`kernels`]: all quantized and SIMD arithmetic (portable reference,
+//!   x86 AVX2, run-time dispatch);
+//! - [`model`]: the transformer over a pack; the FFN takes its neuron
+//!   clusters from a [`model::ClusterSource`] and knows nothing of I/O;
+//! - [`offload`]: the segmented neuron cache, the aligned slots and the I/O
+//!   pipeline — the [`model::ClusterSource`] that reads from flash;
+//! - [`engine`], [`generate`], [`ppl`]: a loaded pack with its tokenizer
+//!   and chat template, the generation loop, perplexity.
+//!
+//! Planning (how much is hot, how big the cold cache is) is the
+//! `nflash-plan` crate. Entry points: [`nflash_format::Pack::open_resident`],
+//! `nflash_plan::planner::plan`, [`Engine::load_with`],
+//! [`generate::generate`], [`ppl::perplexity`].
 
-pub mod cache;
 pub mod chat;
 pub mod engine;
 pub mod error;
-pub mod ffn;
-pub mod flash;
 pub mod generate;
-pub mod io;
-pub mod kv_cache;
-pub mod matmul;
+pub mod kernels;
 pub mod message;
 pub mod model;
-pub mod ops;
-pub mod planner;
+pub mod offload;
 pub mod ppl;
 pub mod sampler;
-pub mod sim;
-pub mod simd;
-pub mod sparse;
 pub mod stats;
 pub mod tokenizer;
-pub mod weights;
 
-pub use engine::Engine;
+pub use engine::{load_model, Engine};
 pub use error::{Error, Result};
 pub use model::Model;

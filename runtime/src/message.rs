@@ -25,4 +25,3 @@ macro_rules! message_part {
         let _ = ::std::write!(::std::io::stderr(), $($arg)*);
     }};
 }
-

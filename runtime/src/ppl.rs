@@ -29,7 +29,12 @@ pub struct Scored {
 ///
 /// # Errors
 /// [`Error::Usage`] for `ctx < 2` or fewer than 2 tokens; model errors.
-pub fn perplexity(model: &Model, tokens: &[u32], ctx: usize, on_window: impl FnMut(usize, usize)) -> Result<Perplexity> {
+pub fn perplexity(
+    model: &Model,
+    tokens: &[u32],
+    ctx: usize,
+    on_window: impl FnMut(usize, usize),
+) -> Result<Perplexity> {
     score(model, tokens, ctx, on_window).map(|s| s.ppl)
 }
 
@@ -42,10 +47,7 @@ pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMu
         return Err(Error::Usage(format!("--ctx {ctx} must be at least 2")));
     }
     if tokens.len() < 2 {
-        return Err(Error::Usage(format!(
-            "the text has {} tokens; perplexity needs at least 2",
-            tokens.len()
-        )));
+        return Err(Error::Usage(format!("the text has {} tokens; perplexity needs at least 2", tokens.len())));
     }
     let h = model.cfg.hidden_size as usize;
     let vocab = model.cfg.vocab_size as usize;
@@ -57,7 +59,7 @@ pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMu
         let mut kv = model.new_kv_cache(w.len());
         // The window in nearly equal parts of at most PREFILL_CHUNK tokens
         // (scratch bounded as in generation, each part batched).
-        let parts = w.len().div_ceil(crate::generate::PREFILL_CHUNK);
+        let parts = w.len().div_ceil(nflash_plan::layout::PREFILL_CHUNK);
         let mut hidden = Vec::with_capacity(w.len() * h);
         for p in 0..parts {
             let (lo, hi) = (p * w.len() / parts, (p + 1) * w.len() / parts);
@@ -71,11 +73,8 @@ pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMu
             let logits = model.logits_batch(hs);
             for (j, row) in logits.chunks_exact(vocab).enumerate() {
                 let target = w[ci * 32 + j + 1] as usize;
-                let (arg, &mx) = row
-                    .iter()
-                    .enumerate()
-                    .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
-                    .expect("vocab > 0");
+                let (arg, &mx) =
+                    row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0))).expect("vocab > 0");
                 top1.push(arg as u32);
                 if !row.iter().all(|v| v.is_finite()) {
                     return Err(Error::NonFinite { position: ci * 32 + j });
@@ -89,11 +88,7 @@ pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMu
         on_window(wi + 1, windows.len());
     }
     Ok(Scored {
-        ppl: Perplexity {
-            perplexity: (nll / count as f64).exp(),
-            tokens: count,
-            windows: windows.len(),
-        },
+        ppl: Perplexity { perplexity: (nll / count as f64).exp(), tokens: count, windows: windows.len() },
         top1,
     })
 }

@@ -29,12 +29,7 @@ pub struct Sampler {
 impl Sampler {
     /// A sampler seeded with `cfg.seed`.
     pub fn new(cfg: SamplerConfig) -> Self {
-        Sampler {
-            cfg,
-            rng: StdRng::seed_from_u64(cfg.seed),
-            idx: Vec::new(),
-            probs: Vec::new(),
-        }
+        Sampler { cfg, rng: StdRng::seed_from_u64(cfg.seed), idx: Vec::new(), probs: Vec::new() }
     }
 
     /// Chooses a token id from `logits` (`[vocab]`).
@@ -47,8 +42,7 @@ impl Sampler {
         self.idx.extend(0..logits.len());
         let k = if self.cfg.top_k == 0 { logits.len() } else { self.cfg.top_k.min(logits.len()) };
         if k < logits.len() {
-            self.idx
-                .select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+            self.idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
             self.idx.truncate(k);
         }
         self.idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]));
@@ -94,8 +88,14 @@ mod tests {
         let mut g = Sampler::new(SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 1 });
         assert_eq!(g.sample(&logits), 1);
         let cfg = SamplerConfig { temperature: 1.0, top_k: 2, top_p: 1.0, seed: 7 };
-        let a: Vec<u32> = { let mut s = Sampler::new(cfg); (0..20).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(cfg); (0..20).map(|_| s.sample(&logits)).collect() };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(cfg);
+            (0..20).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(cfg);
+            (0..20).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b);
         assert!(a.iter().all(|&t| t == 1 || t == 3));
         let mut p = Sampler::new(SamplerConfig { temperature: 1.0, top_k: 0, top_p: 0.1, seed: 3 });

@@ -48,9 +48,7 @@ impl Tokenizer {
 
     /// Decodes `ids`, skipping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, true)
-            .map_err(|e| Error::Tokenizer(format!("decoding failed: {e}")))
+        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer(format!("decoding failed: {e}")))
     }
 
     /// The id of a token string, if any.

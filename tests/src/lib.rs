@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use nflash_format::Pack;
-use nflash_runtime::cache::{CacheConfig, CacheStats};
+use nflash_plan::CacheConfig;
+use nflash_runtime::model::CacheStats;
 use nflash_runtime::model::Speculation;
-use nflash_runtime::Model;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::{json, Value};
@@ -22,9 +22,7 @@ pub fn repo_root() -> PathBuf {
 /// Path of a release binary (`prep`, `nflash`) built by `cargo build --release`
 /// (`make test` builds them first). `CARGO_TARGET_DIR` is honoured.
 pub fn bin(name: &str) -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("target"));
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo_root().join("target"));
     let p = target.join("release").join(name);
     assert!(p.exists(), "{} not found: run `cargo build --release` (or `make test`) first", p.display());
     p
@@ -268,10 +266,8 @@ pub fn write_tiny_checkpoint(dir: &Path, spec: &TinySpec) {
         } else {
             format!("model-{:05}-of-{:05}.safetensors", si + 1, spec.shards)
         };
-        let views: HashMap<String, TensorView> = chunk
-            .iter()
-            .map(|(n, s, b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap()))
-            .collect();
+        let views: HashMap<String, TensorView> =
+            chunk.iter().map(|(n, s, b)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap())).collect();
         for (n, _, _) in chunk {
             weight_map.insert(n.clone(), json!(file));
         }
@@ -288,12 +284,17 @@ pub fn write_tiny_checkpoint(dir: &Path, spec: &TinySpec) {
         "chat_template": "{% for message in messages %}{{'<|im_start|>' + message['role'] + ' ' + message['content'] + '<|im_end|>' + ' '}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}",
     });
     std::fs::write(dir.join("tokenizer_config.json"), serde_json::to_vec_pretty(&tc).unwrap()).unwrap();
-    std::fs::write(dir.join("generation_config.json"), serde_json::to_vec(&json!({"bos_token_id": 0, "eos_token_id": [1]})).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("generation_config.json"),
+        serde_json::to_vec(&json!({"bos_token_id": 0, "eos_token_id": [1]})).unwrap(),
+    )
+    .unwrap();
 }
 
 /// Converts checkpoint `dir` to `out` with `prep convert --quant quant`, panicking with prep's stderr on failure.
 pub fn convert(dir: &Path, out: &Path, quant: &str) {
-    let o = run("prep", &["convert", "--model", dir.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", quant]);
+    let o =
+        run("prep", &["convert", "--model", dir.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", quant]);
     assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
 }
 
@@ -321,17 +322,10 @@ pub fn tiny_words(n: usize, vocab: usize, seed: u64) -> String {
 pub fn assert_fails(what: &str, o: &Output, needles: &[&str]) -> String {
     let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     eprintln!("--- {what}:\n{stderr}");
-    assert!(
-        o.status.signal().is_none(),
-        "{what}: killed by signal {:?}; stderr:\n{stderr}",
-        o.status.signal()
-    );
+    assert!(o.status.signal().is_none(), "{what}: killed by signal {:?}; stderr:\n{stderr}", o.status.signal());
     assert!(!o.status.success(), "{what}: exited 0; stderr:\n{stderr}");
     assert!(o.status.code().is_some_and(|c| c != 0), "{what}: status {:?}", o.status);
-    assert!(
-        !stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"),
-        "{what}: panicked:\n{stderr}"
-    );
+    assert!(!stderr.contains("panicked") && !stderr.contains("RUST_BACKTRACE"), "{what}: panicked:\n{stderr}");
     for n in needles {
         assert!(stderr.contains(n), "{what}: stderr does not mention {n:?}:\n{stderr}");
     }
@@ -358,9 +352,9 @@ pub fn assert_no_output(out: &Path) {
 }
 
 /// A global allocator that counts allocations (for the no-allocation tests):
-/// install with `#[global_allocator] static A: CountingAlloc = CountingAlloc;`
-/// in a test binary with one test, so that no sibling test allocates
-/// during its measurement.
+/// installed with `#[global_allocator]` in the test binary; a measurement
+/// runs alone in a child process ([`run_alone`]), so that no sibling test
+/// allocates during it.
 pub struct CountingAlloc;
 
 /// Allocations (and reallocations) made through [`CountingAlloc`].
@@ -384,23 +378,54 @@ unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
     }
 }
 
+/// Runs test `name` (`module::test`, marked `#[ignore]`) of the current
+/// test binary alone in a child process, and fails if it fails or did not
+/// run: for measurements of the whole process, such as [`ALLOCS`].
+pub fn run_alone(name: &str) {
+    let exe = std::env::current_exe().expect("test binary path");
+    let out = Command::new(exe)
+        .args([name, "--exact", "--ignored", "--test-threads=1", "--nocapture"])
+        .output()
+        .expect("test binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{name} failed or did not run:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Greedy generation from `prompt` for `steps` tokens: every step's logits,
 /// the tokens, and the cache counters.
-pub fn generate(path: &Path, cfg: &CacheConfig, threads: usize, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
+pub fn generate(
+    path: &Path,
+    cfg: &CacheConfig,
+    threads: usize,
+    prompt: &[u32],
+    steps: usize,
+) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
     generate_in(path, cfg, threads, prompt, steps, false, Speculation::Auto)
 }
 
 /// As [`generate`]; with `interleave`, Q4_0 matrices are first reordered to
 /// the Q4_0×8 layout as `nflash run` does (SPEC §5.1); `spec` says when
 /// decode reads the next layer's likely clusters ahead.
-pub fn generate_in(path: &Path, cfg: &CacheConfig, threads: usize, prompt: &[u32], steps: usize, interleave: bool, spec: Speculation) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
+pub fn generate_in(
+    path: &Path,
+    cfg: &CacheConfig,
+    threads: usize,
+    prompt: &[u32],
+    steps: usize,
+    interleave: bool,
+    spec: Speculation,
+) -> (Vec<Vec<f32>>, Vec<u32>, CacheStats) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     pool.install(|| {
         let mut pack = Pack::open_resident(path).unwrap();
         if interleave {
             assert!(pack.interleave_q4_0().unwrap() > 0, "nothing was interleaved");
         }
-        let mut model = Model::load_with(&pack, cfg).unwrap();
+        let mut model = nflash_runtime::load_model(&pack, cfg).unwrap();
         model.set_speculation(spec);
         let h = model.cfg.hidden_size as usize;
         let mut kv = model.new_kv_cache(prompt.len() + steps + 1);
@@ -467,11 +492,13 @@ pub fn check_placement_and_threads(path: &Path) {
         assert!(st.speculated_used <= st.speculated, "{st:?}");
         let sparse = Pack::open_resident(path).unwrap().manifest().sparse.is_some();
         if sparse && name.contains("minimal cold") {
-            assert!(st.speculated > 0 && st.speculated_used > 0, "{name}: nothing was read speculatively, or none of it used: {st:?}");
+            assert!(
+                st.speculated > 0 && st.speculated_used > 0,
+                "{name}: nothing was read speculatively, or none of it used: {st:?}"
+            );
         }
         if name.starts_with("whole") {
             assert_eq!(st.speculated, 0, "{name}: speculated with no cold region");
         }
     }
 }
-

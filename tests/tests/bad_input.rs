@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use nflash_tests::{assert_fails, assert_no_output, convert, run, tiny_tokenizer_json, write_tiny_checkpoint, TinySpec};
+use nflash_tests::{
+    assert_fails, assert_no_output, convert, run, tiny_tokenizer_json, write_tiny_checkpoint, TinySpec,
+};
 use serde_json::{json, Value};
 
 // ---------------------------------------------------------------- helpers
@@ -69,7 +71,8 @@ fn segment(pack: &Path, name: &str) -> (u64, u64) {
 
 /// Arguments for a short greedy `nflash run` of `pack`.
 fn run_args<'a>(pack: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut v = vec!["run", "--model", s(pack), "--max-tokens", "2", "--temperature", "0", "--seed", "1", "--threads", "1"];
+    let mut v =
+        vec!["run", "--model", s(pack), "--max-tokens", "2", "--temperature", "0", "--seed", "1", "--threads", "1"];
     v.extend_from_slice(extra);
     v
 }
@@ -274,7 +277,10 @@ fn pack_with_older_major_version() {
     set_major(&pack, nflash_format::VERSION_MAJOR - 1);
     let o = run("prep", &["inspect", s(&pack)]);
     let minor = nflash_format::VERSION_MINOR;
-    let (found, ours) = (format!("version {}.{minor}", nflash_format::VERSION_MAJOR - 1), format!("{}.{minor}", nflash_format::VERSION_MAJOR));
+    let (found, ours) = (
+        format!("version {}.{minor}", nflash_format::VERSION_MAJOR - 1),
+        format!("{}.{minor}", nflash_format::VERSION_MAJOR),
+    );
     let e = assert_fails("older major", &o, &[&found, &ours, "prep convert"]);
     assert!(!e.contains("newer than"), "an older version is not newer:\n{e}");
 }
@@ -490,7 +496,10 @@ fn ppl_on_empty_and_too_short_text() {
 fn max_tokens_zero_generates_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let pack = tiny_pack(tmp.path());
-    let o = run("nflash", &["run", "--model", s(&pack), "--prompt", "w3 w4", "--max-tokens", "0", "--ignore-eos", "--temperature", "0"]);
+    let o = run(
+        "nflash",
+        &["run", "--model", s(&pack), "--prompt", "w3 w4", "--max-tokens", "0", "--ignore-eos", "--temperature", "0"],
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "", "--max-tokens 0 printed text");
 }
@@ -507,7 +516,6 @@ fn chat_without_template() {
     let o = run("nflash", &run_args(&pack, &["--chat", "--prompt", "w3"]));
     assert_fails("--chat without template", &o, &["no chat template", "without --chat"]);
 }
-
 
 #[test]
 fn system_without_chat_is_refused() {

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::{llama, mistral, qwen2};
 use nflash_format::Pack;
-use nflash_runtime::Model;
+use nflash_plan::CacheConfig;
 
 /// Per-position logits `[n][vocab]` from candle-transformers run in f32 on the
 /// HF checkpoint in `dir`, one token at a time through its KV cache.
@@ -65,7 +65,7 @@ pub fn reference_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
 /// Our logits per position, from one batched prefill and from token-by-token decode.
 pub fn our_logits(pack: &Path, tokens: &[u32]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let pack = Pack::open(pack).unwrap();
-    let model = Model::load(&pack).unwrap();
+    let model = nflash_runtime::load_model(&pack, &CacheConfig::all_hot(&pack)).unwrap();
     let vocab = model.cfg.vocab_size as usize;
     let mut kv = model.new_kv_cache(tokens.len() + 1);
     let h = model.forward(&mut kv, tokens).unwrap();

@@ -1,19 +1,16 @@
 //! Sparse decode's FFN hot loop allocates nothing once its scratch buffers
-//! have grown (issue 3): counted with a global allocator wrapper. One test
-//! per binary (see `no_alloc_cache.rs`), so no sibling test allocates
-//! during the measurement.
+//! have grown: counted with the test binary's global allocator wrapper, in
+//! a child process of its own, so no sibling test allocates during the
+//! measurement.
 
 use std::sync::atomic::Ordering;
 
 use nflash_format::{Activation, BundleLayout, Criterion, DType, FfnLayer, NeuronCluster};
-use nflash_runtime::cache::LayerClusters;
-use nflash_runtime::ffn::{Ffn, FfnScratch, Selection};
-use nflash_runtime::sparse::{LayerSparse, PredictScratch, Predictor};
-use nflash_runtime::weights::{quantize_row, DotInput, QMatrix};
-use nflash_tests::{CountingAlloc, ALLOCS};
-
-#[global_allocator]
-static A: CountingAlloc = CountingAlloc;
+use nflash_runtime::kernels::{quantize_row, DotInput, QMatrix};
+use nflash_runtime::model::ffn::{Ffn, FfnScratch, Selection};
+use nflash_runtime::model::predictor::{LayerSparse, PredictScratch, Predictor};
+use nflash_runtime::model::SegmentClusters;
+use nflash_tests::ALLOCS;
 
 fn values(seed: u64, n: usize) -> Vec<f32> {
     let mut r = nflash_tests::Rng::new(seed);
@@ -30,6 +27,14 @@ fn q8(rows: &[f32], cols: usize) -> Vec<u8> {
 
 #[test]
 fn sparse_ffn_decode_does_not_allocate_per_token() {
+    nflash_tests::run_alone("no_alloc::sparse_ffn_decode_does_not_allocate_per_token_alone");
+}
+
+/// The measurement itself, run in a process of its own by
+/// [`sparse_ffn_decode_does_not_allocate_per_token`] (the allocation counter is process-wide).
+#[test]
+#[ignore = "run alone by sparse_ffn_decode_does_not_allocate_per_token"]
+fn sparse_ffn_decode_does_not_allocate_per_token_alone() {
     const H: usize = 64;
     const N: usize = 256;
     const R: usize = 32;
@@ -52,7 +57,8 @@ fn sparse_ffn_decode_does_not_allocate_per_token() {
         sparse: None,
     };
     let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
-    let src = LayerClusters::Segment { data: &data, offsets: &[0] };
+    let seg = SegmentClusters::new(&data, &[0]);
+    let src = seg.view();
     let (w1, w2) = (q8(&values(4, R * H), H), q8(&values(5, N * R), R));
     let sp = LayerSparse {
         criterion: Criterion::GateUp,
@@ -77,7 +83,8 @@ fn sparse_ffn_decode_does_not_allocate_per_token() {
         let mut step = |xin: &mut DotInput, out: &mut Vec<f32>| {
             xin.set(&x);
             assert!(sp.predict_token(Activation::Silu, xin, &x, &mut ps, &mut list));
-            ffn.forward_token(&src, xin, Selection::List(&list), Some((sp.criterion, sp.threshold)), &mut fs, out).unwrap()
+            ffn.forward_token(&src, xin, Selection::List(&list), Some((sp.criterion, sp.threshold)), &mut fs, out)
+                .unwrap()
         };
         step(&mut xin, &mut out); // grows the scratch buffers
         let before = ALLOCS.load(Ordering::SeqCst);

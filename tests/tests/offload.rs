@@ -1,4 +1,4 @@
-//! The segmented neuron cache and flash reads (issue 4): results do not
+//! The segmented neuron cache and flash reads: results do not
 //! depend on where FFN weights live or on the thread count; bad budgets are
 //! refused up front; a pack shrunk while running gives an error, not a
 //! crash; a device plan is stored and used.
@@ -6,10 +6,12 @@
 use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
-use nflash_runtime::cache::CacheConfig;
+use nflash_plan::CacheConfig;
 use nflash_runtime::model::Speculation;
-use nflash_runtime::Model;
-use nflash_tests::{assert_fails, check_placement_and_threads, generate_in, placements, repo_root, run, tiny_words, write_tiny_checkpoint, TinySpec};
+use nflash_tests::{
+    assert_fails, check_placement_and_threads, generate_in, placements, repo_root, run, tiny_words,
+    write_tiny_checkpoint, TinySpec,
+};
 
 fn spec() -> TinySpec {
     TinySpec { inter: 256, layers: 3, ..TinySpec::default() }
@@ -24,7 +26,17 @@ fn pack(dir: &Path, name: &str, quant: &str, extra: &[&str]) -> PathBuf {
         std::fs::write(dir.join("calib.txt"), tiny_words(1200, spec().vocab, 7)).unwrap();
     }
     let out = dir.join(name);
-    let mut args = vec!["convert", "--model", ckpt.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", quant, "--cluster-bytes", "1024"];
+    let mut args = vec![
+        "convert",
+        "--model",
+        ckpt.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--quant",
+        quant,
+        "--cluster-bytes",
+        "1024",
+    ];
     args.extend_from_slice(extra);
     let o = run("prep", &args);
     assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
@@ -47,7 +59,20 @@ fn sparse_results_do_not_depend_on_where_weights_live_or_threads() {
         dir.path(),
         "sparse.nflash",
         "q8_0",
-        &["--calib", calib.to_str().unwrap(), "--tokens", "1000", "--window", "50", "--sample", "400", "--epochs", "3", "--sparsity", "0.5"],
+        &[
+            "--calib",
+            calib.to_str().unwrap(),
+            "--tokens",
+            "1000",
+            "--window",
+            "50",
+            "--sample",
+            "400",
+            "--epochs",
+            "3",
+            "--sparsity",
+            "0.5",
+        ],
     );
     check_placement_and_threads(&p);
 }
@@ -57,7 +82,7 @@ fn sparse_results_do_not_depend_on_where_weights_live_or_threads() {
 /// with the FFN in memory or on flash, on 1 or 2 threads.
 #[test]
 fn the_interleaved_q4_0_layout_changes_no_result() {
-    if !nflash_runtime::simd::q4_0x8_available() {
+    if !nflash_runtime::kernels::q4_0x8_available() {
         eprintln!("skipped: this CPU has no Q4_0×8 kernel, so nothing is interleaved");
         return;
     }
@@ -65,7 +90,11 @@ fn the_interleaved_q4_0_layout_changes_no_result() {
     let path = pack(dir.path(), "q4.nflash", "q4_0", &[]);
     let mut p = Pack::open_resident(&path).unwrap();
     let bytes = p.interleave_q4_0().unwrap();
-    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.2.self_attn.o_proj.weight", "model.embed_tokens.weight"] {
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.2.self_attn.o_proj.weight",
+        "model.embed_tokens.weight",
+    ] {
         assert!(p.is_interleaved(name), "{name} was not interleaved");
     }
     assert!(bytes > 0);
@@ -90,7 +119,9 @@ fn the_interleaved_q4_0_layout_changes_no_result() {
     nflash_tests::convert(&ckpt, &p84, "q4_0");
     let mut p = Pack::open_resident(&p84).unwrap();
     p.interleave_q4_0().unwrap();
-    assert!(!p.is_interleaved("model.embed_tokens.weight") && p.is_interleaved("model.layers.1.self_attn.k_proj.weight"));
+    assert!(
+        !p.is_interleaved("model.embed_tokens.weight") && p.is_interleaved("model.layers.1.self_attn.k_proj.weight")
+    );
     same(&p84, placements(&p84).into_iter().take(1).collect());
 }
 
@@ -101,7 +132,7 @@ fn a_pack_shrunk_while_running_gives_an_error_not_a_crash() {
     let p = Pack::open_resident(&path).unwrap();
     let n = p.manifest().ffn.len();
     let cfg = CacheConfig { hot_neurons: vec![0; n], cold_bytes: 0, io_threads: 1 };
-    let model = Model::load_with(&p, &cfg).unwrap();
+    let model = nflash_runtime::load_model(&p, &cfg).unwrap();
     let mut kv = model.new_kv_cache(16);
     model.forward(&mut kv, &[5]).expect("reads work before the truncation");
     // Cut the file inside layer 0's FFN segment, after open.
@@ -118,13 +149,23 @@ fn budgets_below_the_fixed_region_or_the_kv_cache_are_refused_up_front() {
     let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
     let m = path.to_str().unwrap();
     let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "1MiB"]);
-    assert_fails("budget below the fixed region", &o, &["memory budget 1.0 MiB", "short of the minimum", "fixed region", "--memory-budget"]);
+    assert_fails(
+        "budget below the fixed region",
+        &o,
+        &["memory budget 1.0 MiB", "short of the minimum", "fixed region", "--memory-budget"],
+    );
     // Enough for the weights at a small context, not for the KV cache at a huge one.
-    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "64MiB", "--ctx", "400000"]);
+    let o = run(
+        "nflash",
+        &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "64MiB", "--ctx", "400000"],
+    );
     assert_fails("KV cache larger than the budget", &o, &["KV cache at ctx 400000", "short", "or lower --ctx to"]);
     let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "lots"]);
     assert_fails("unparsable budget", &o, &["--memory-budget", "96MiB"]);
-    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "64MiB", "--ctx", "64"]);
+    let o = run(
+        "nflash",
+        &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "64MiB", "--ctx", "64"],
+    );
     assert!(o.status.success(), "a sufficient budget must run: {}", String::from_utf8_lossy(&o.stderr));
 }
 
@@ -132,7 +173,12 @@ fn budgets_below_the_fixed_region_or_the_kv_cache_are_refused_up_front() {
 fn a_device_plan_is_stored_in_the_pack_and_used_by_run() {
     let dir = tempfile::tempdir().unwrap();
     let profile = repo_root().join("profiles/oneplus-12.toml");
-    let path = pack(dir.path(), "planned.nflash", "q8_0", &["--device", profile.to_str().unwrap(), "--memory-budget", "40MiB", "--ctx", "64", "--threads", "2"]);
+    let path = pack(
+        dir.path(),
+        "planned.nflash",
+        "q8_0",
+        &["--device", profile.to_str().unwrap(), "--memory-budget", "40MiB", "--ctx", "64", "--threads", "2"],
+    );
     let p = Pack::open(&path).unwrap();
     let plan = p.manifest().plan.as_ref().expect("the pack carries a plan");
     assert_eq!(plan.memory_budget_bytes, 40 << 20);
@@ -140,12 +186,50 @@ fn a_device_plan_is_stored_in_the_pack_and_used_by_run() {
     assert_eq!(plan.device.name, nflash_format::DeviceProfile::load(&profile).unwrap().name);
     assert!(plan.fixed_bytes + plan.hot_bytes + plan.cold_bytes <= plan.memory_budget_bytes);
     let m = path.to_str().unwrap();
-    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "4", "--temperature", "0", "--ctx", "64", "--threads", "2", "--stats"]);
+    let o = run(
+        "nflash",
+        &[
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            "a b",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--ctx",
+            "64",
+            "--threads",
+            "2",
+            "--stats",
+        ],
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("plan for") && err.contains("40.0 MiB"), "the stored plan is not reported: {err}");
     // The run flags override it.
-    let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "4", "--temperature", "0", "--ctx", "64", "--threads", "2", "--stats", "--memory-budget", "48MiB"]);
+    let o = run(
+        "nflash",
+        &[
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            "a b",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--ctx",
+            "64",
+            "--threads",
+            "2",
+            "--stats",
+            "--memory-budget",
+            "48MiB",
+        ],
+    );
     assert!(String::from_utf8_lossy(&o.stderr).contains("48.0 MiB"));
 }
 
@@ -156,7 +240,20 @@ fn stats_json_reports_latency_percentiles_and_cache_figures() {
     let json = dir.path().join("stats.json");
     // Runs 12 tokens with nothing hot and `memory` (a flag and a size); returns the stats JSON.
     let stats = |memory: [&str; 2]| -> serde_json::Value {
-        let mut args = vec!["run", "--model", path.to_str().unwrap(), "--prompt", "a b c", "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--hot-fraction", "0"];
+        let mut args = vec![
+            "run",
+            "--model",
+            path.to_str().unwrap(),
+            "--prompt",
+            "a b c",
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--hot-fraction",
+            "0",
+        ];
         args.extend(memory);
         args.extend(["--ctx", "64", "--stats-json", json.to_str().unwrap()]);
         let o = run("nflash", &args);
@@ -165,7 +262,11 @@ fn stats_json_reports_latency_percentiles_and_cache_figures() {
     };
     let v = stats(["--memory-budget", "64MiB"]);
     let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("missing {k} in {v}"));
-    assert!(f("latency_ms_p50") > 0.0 && f("latency_ms_p50") <= f("latency_ms_p90") && f("latency_ms_p90") <= f("latency_ms_p99"));
+    assert!(
+        f("latency_ms_p50") > 0.0
+            && f("latency_ms_p50") <= f("latency_ms_p90")
+            && f("latency_ms_p90") <= f("latency_ms_p99")
+    );
     assert!((0.0..1.0).contains(&f("cache_hit_rate")), "nothing hot: some clusters must miss");
     assert!(f("bytes_read_per_token") > 0.0);
     assert!((0.0..=1.0).contains(&f("io_wait_share")));
@@ -199,7 +300,7 @@ read = [{{ block_bytes = 4096, in_flight = 1, random_mb_s = {read_mb_s}, sequent
 
 #[test]
 fn the_planner_fills_the_budget_hot_first_and_bounds_the_hot_set_by_io_time() {
-    use nflash_runtime::planner::{fixed_region, plan, PlanRequest};
+    use nflash_plan::planner::{fixed_region, plan, PlanRequest};
     let dir = tempfile::tempdir().unwrap();
     let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
     let p = Pack::open(&path).unwrap();
@@ -247,7 +348,10 @@ fn damaged_weights_huge_contexts_and_clobbering_outputs_are_refused() {
     let mut bytes = std::fs::read(&bad).unwrap();
     bytes[seg.offset as usize..(seg.offset + seg.bytes) as usize].fill(0xFF);
     std::fs::write(&bad, &bytes).unwrap();
-    let o = run("nflash", &["run", "--model", bad.to_str().unwrap(), "--prompt", "a b", "--max-tokens", "3", "--temperature", "0"]);
+    let o = run(
+        "nflash",
+        &["run", "--model", bad.to_str().unwrap(), "--prompt", "a b", "--max-tokens", "3", "--temperature", "0"],
+    );
     assert_fails("NaN weights", &o, &["non-finite", "--verify"]);
     // A context whose KV cache cannot be reserved: an error, not an abort.
     let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--ctx", "4000000000000"]);
@@ -260,7 +364,8 @@ fn damaged_weights_huge_contexts_and_clobbering_outputs_are_refused() {
     // prep convert --out onto a checkpoint file: refused, checkpoint intact.
     let st = dir.path().join("ckpt/model.safetensors");
     let before = std::fs::read(&st).unwrap();
-    let o = run("prep", &["convert", "--model", dir.path().join("ckpt").to_str().unwrap(), "--out", st.to_str().unwrap()]);
+    let o =
+        run("prep", &["convert", "--model", dir.path().join("ckpt").to_str().unwrap(), "--out", st.to_str().unwrap()]);
     assert_fails("--out inside the checkpoint", &o, &["checkpoint", "choose another path"]);
     assert_eq!(std::fs::read(&st).unwrap(), before, "the checkpoint was modified");
     // Plans that could never run are not written.
@@ -268,7 +373,20 @@ fn damaged_weights_huge_contexts_and_clobbering_outputs_are_refused() {
     for bad in [["--threads", "0"], ["--ctx", "1"]] {
         let out = dir.path().join("never.nflash");
         let ck = dir.path().join("ckpt");
-        let o = run("prep", &["convert", "--model", ck.to_str().unwrap(), "--out", out.to_str().unwrap(), "--device", profile.to_str().unwrap(), bad[0], bad[1]]);
+        let o = run(
+            "prep",
+            &[
+                "convert",
+                "--model",
+                ck.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+                "--device",
+                profile.to_str().unwrap(),
+                bad[0],
+                bad[1],
+            ],
+        );
         assert_fails(&format!("prep convert {} {}", bad[0], bad[1]), &o, &[bad[0]]);
         assert!(!out.exists());
     }

@@ -1,4 +1,4 @@
-//! `nflash plan-sim` (issue 5): its estimates move the right way with the
+//! `nflash plan-sim`: its estimates move the right way with the
 //! memory budget and the predictor's precision, name the bounding resource,
 //! and bad arguments are refused.
 
@@ -25,7 +25,12 @@ fn f(v: &Value, k: &str) -> f64 {
 
 /// A row's time per token is the sum of its parts.
 fn assert_parts_add_up(r: &Value) {
-    let ms = f(r, "attention_ms") + f(r, "predictor_ms") + f(r, "ffn_ms") + f(r, "lm_head_ms") + f(r, "io_cpu_ms") + f(r, "io_exposed_ms");
+    let ms = f(r, "attention_ms")
+        + f(r, "predictor_ms")
+        + f(r, "ffn_ms")
+        + f(r, "lm_head_ms")
+        + f(r, "io_cpu_ms")
+        + f(r, "io_exposed_ms");
     assert!((ms - f(r, "token_ms")).abs() < 1e-6 * ms.max(1.0), "parts {ms} vs token {r}");
 }
 
@@ -66,11 +71,16 @@ fn the_ffn_is_priced_at_the_profiles_sparse_ffn_speed() {
     // With a measured sparse FFN speed, FFN time is bundle bytes / that speed.
     let dir = tempfile::tempdir().unwrap();
     // [kernels] figures need the thread count they were measured with.
-    let base = std::fs::read_to_string(repo_root().join("profiles/oneplus-12.toml")).unwrap().replacen("[cpu]\n", "[cpu]\nthreads_measured = 1\n", 1);
+    let base = std::fs::read_to_string(repo_root().join("profiles/oneplus-12.toml")).unwrap().replacen(
+        "[cpu]\n",
+        "[cpu]\nthreads_measured = 1\n",
+        1,
+    );
     assert!(base.contains("threads_measured = 1"));
     let with = |gb_s: f64| {
         let p = dir.path().join(format!("k{gb_s}.toml"));
-        std::fs::write(&p, format!("{base}\n[kernels]\nq4_0_ffn_gb_s_1t = {gb_s}\nq4_0_ffn_gb_s_mt = {gb_s}\n")).unwrap();
+        std::fs::write(&p, format!("{base}\n[kernels]\nq4_0_ffn_gb_s_1t = {gb_s}\nq4_0_ffn_gb_s_mt = {gb_s}\n"))
+            .unwrap();
         sim_on(&p, &["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "1", "--threads", "1"]).remove(0)
     };
     let plain = sim(&["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "1", "--threads", "1"]).remove(0);
@@ -91,10 +101,15 @@ fn the_ffn_is_priced_at_the_profiles_sparse_ffn_speed() {
 #[test]
 fn attention_speed_read_cpu_and_speculation_enter_the_estimate() {
     let dir = tempfile::tempdir().unwrap();
-    let base = std::fs::read_to_string(repo_root().join("profiles/oneplus-12.toml")).unwrap().replacen("[cpu]\n", "[cpu]\nthreads_measured = 1\n", 1);
+    let base = std::fs::read_to_string(repo_root().join("profiles/oneplus-12.toml")).unwrap().replacen(
+        "[cpu]\n",
+        "[cpu]\nthreads_measured = 1\n",
+        1,
+    );
     let with = |name: &str, kernels: &str, extra: &[&str]| {
         let p = dir.path().join(format!("{name}.toml"));
-        std::fs::write(&p, format!("{base}\n[kernels]\nq4_0_ffn_gb_s_1t = 10\nq4_0_ffn_gb_s_mt = 10\n{kernels}")).unwrap();
+        std::fs::write(&p, format!("{base}\n[kernels]\nq4_0_ffn_gb_s_1t = 10\nq4_0_ffn_gb_s_mt = 10\n{kernels}"))
+            .unwrap();
         let mut a = vec!["--shape", "llama-7b", "--threads", "1"];
         a.extend_from_slice(extra);
         sim_on(&p, &a)
@@ -151,5 +166,9 @@ fn bad_plan_sim_arguments_are_refused() {
     };
     assert_fails("unknown shape", &o(&["--shape", "gpt-5"]), &["gpt-5", "llama-7b"]);
     assert_fails("precision 0", &o(&["--shape", "llama-7b", "--precision", "0"]), &["--precision"]);
-    assert_fails("missing device", &run("nflash", &["plan-sim", "--device", "/nonexistent.toml", "--shape", "llama-7b"]), &["nonexistent.toml"]);
+    assert_fails(
+        "missing device",
+        &run("nflash", &["plan-sim", "--device", "/nonexistent.toml", "--shape", "llama-7b"]),
+        &["nonexistent.toml"],
+    );
 }

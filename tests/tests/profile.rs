@@ -163,9 +163,22 @@ fn profile_is_deterministic_and_consistent() {
 #[test]
 fn profile_of_other_architectures() {
     let cases = [
-        TinySpec { arch: "MistralForCausalLM", sliding_window: Some(5), dtype: "BF16", shards: 2, ..TinySpec::default() },
+        TinySpec {
+            arch: "MistralForCausalLM",
+            sliding_window: Some(5),
+            dtype: "BF16",
+            shards: 2,
+            ..TinySpec::default()
+        },
         TinySpec { arch: "Qwen2ForCausalLM", act: "relu", layers: 3, kv_heads: 1, ..TinySpec::default() },
-        TinySpec { act: "gelu_pytorch_tanh", llama3_scaling: true, heads: 2, kv_heads: 2, head_dim: Some(16), ..TinySpec::default() },
+        TinySpec {
+            act: "gelu_pytorch_tanh",
+            llama3_scaling: true,
+            heads: 2,
+            kv_heads: 2,
+            head_dim: Some(16),
+            ..TinySpec::default()
+        },
     ];
     for spec in cases {
         let tmp = tempfile::tempdir().unwrap();

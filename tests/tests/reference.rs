@@ -1,9 +1,7 @@
 //! Tiny random checkpoints of each supported variant, converted to f32 packs,
 //! must match candle-transformers run on the same checkpoint.
 
-mod common;
-
-use common::{assert_matches_reference, our_logits, reference_logits, tiny_f32_pack};
+use crate::common::{assert_matches_reference, our_logits, reference_logits, tiny_f32_pack};
 use nflash_tests::TinySpec;
 
 fn check(name: &str, spec: TinySpec) {

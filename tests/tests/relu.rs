@@ -1,15 +1,13 @@
-//! ReLU-family FFNs (issue 5): `hidden_act: relu` with and without `mlp_bias`
+//! ReLU-family FFNs: `hidden_act: relu` with and without `mlp_bias`
 //! and dReLU (TurboSparse, `BambooForCausalLM`) on tiny random checkpoints
 //! match a straightforward f32 implementation written here (candle-transformers
 //! has no FFN bias and no dReLU), and candle-transformers' Mistral where it
 //! applies (ReLU without bias).
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::Path;
 
-use common::{assert_matches_reference, our_logits, reference_logits, tiny_f32_pack};
+use crate::common::{assert_matches_reference, our_logits, reference_logits, tiny_f32_pack};
 use nflash_tests::{write_tiny_checkpoint, TinySpec};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
@@ -69,7 +67,8 @@ fn f32_reference(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
     let cfg: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let w = load_tensors(dir);
     let u = |k: &str| cfg[k].as_u64().unwrap() as usize;
-    let (h, nh, nkv, layers) = (u("hidden_size"), u("num_attention_heads"), u("num_key_value_heads"), u("num_hidden_layers"));
+    let (h, nh, nkv, layers) =
+        (u("hidden_size"), u("num_attention_heads"), u("num_key_value_heads"), u("num_hidden_layers"));
     let hd = cfg["head_dim"].as_u64().map_or(h / nh, |v| v as usize);
     let eps = cfg["rms_norm_eps"].as_f64().unwrap() as f32;
     let theta = cfg["rope_theta"].as_f64().unwrap() as f32;
@@ -84,7 +83,10 @@ fn f32_reference(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
         let (mut ks, mut vs, mut qs) = (Vec::new(), Vec::new(), Vec::new());
         for (pos, x) in xs.iter().enumerate() {
             let xn = rms_norm(x, g(&format!("{p}.input_layernorm.weight")), eps);
-            let (mut q, mut k) = (matvec(g(&format!("{p}.self_attn.q_proj.weight")), &xn), matvec(g(&format!("{p}.self_attn.k_proj.weight")), &xn));
+            let (mut q, mut k) = (
+                matvec(g(&format!("{p}.self_attn.q_proj.weight")), &xn),
+                matvec(g(&format!("{p}.self_attn.k_proj.weight")), &xn),
+            );
             q.chunks_exact_mut(hd).for_each(|hq| rope(hq, pos, theta));
             k.chunks_exact_mut(hd).for_each(|hk| rope(hk, pos, theta));
             qs.push(q);
@@ -97,7 +99,10 @@ fn f32_reference(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
                 let kvh = head / (nh / nkv);
                 let q = &qs[t][head * hd..(head + 1) * hd];
                 let scores: Vec<f32> = (0..=t)
-                    .map(|s| q.iter().zip(&ks[s][kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt())
+                    .map(|s| {
+                        q.iter().zip(&ks[s][kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f32>()
+                            / (hd as f32).sqrt()
+                    })
                     .collect();
                 let m = scores.iter().cloned().fold(f32::MIN, f32::max);
                 let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
@@ -117,7 +122,8 @@ fn f32_reference(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
                 gate.iter_mut().zip(g(&format!("{p}.mlp.gate_proj.bias"))).for_each(|(a, b)| *a += b);
                 up.iter_mut().zip(g(&format!("{p}.mlp.up_proj.bias"))).for_each(|(a, b)| *a += b);
             }
-            let act: Vec<f32> = gate.iter().zip(&up).map(|(&gv, &uv)| gv.max(0.0) * if drelu { uv.max(0.0) } else { uv }).collect();
+            let act: Vec<f32> =
+                gate.iter().zip(&up).map(|(&gv, &uv)| gv.max(0.0) * if drelu { uv.max(0.0) } else { uv }).collect();
             let mut down = matvec(g(&format!("{p}.mlp.down_proj.weight")), &act);
             if bias {
                 down.iter_mut().zip(g(&format!("{p}.mlp.down_proj.bias"))).for_each(|(a, b)| *a += b);
@@ -135,7 +141,11 @@ fn check(name: &str, spec: TinySpec) -> Vec<Vec<f32>> {
     assert_matches_reference(name, &our_logits(&pack, &tokens), &reference);
     if spec.arch == "MistralForCausalLM" && !spec.mlp_bias {
         // The transcription agrees with candle-transformers where both apply.
-        assert_matches_reference(&format!("{name} (f32 reference vs candle)"), &(reference.clone(), reference.clone()), &reference_logits(&dir, &tokens));
+        assert_matches_reference(
+            &format!("{name} (f32 reference vs candle)"),
+            &(reference.clone(), reference.clone()),
+            &reference_logits(&dir, &tokens),
+        );
     }
     reference
 }
@@ -147,12 +157,22 @@ fn relu_llama_with_mlp_bias() {
 
 #[test]
 fn relu_mistral_gqa_matches_candle_too() {
-    check("relu mistral", TinySpec { arch: "MistralForCausalLM", act: "relu", tied: false, seed: 32, ..Default::default() });
+    check(
+        "relu mistral",
+        TinySpec { arch: "MistralForCausalLM", act: "relu", tied: false, seed: 32, ..Default::default() },
+    );
 }
 
 #[test]
 fn drelu_bamboo_with_mlp_bias() {
-    let spec = TinySpec { arch: "BambooForCausalLM", act: "relu", mlp_bias: true, dtype: "BF16", seed: 33, ..Default::default() };
+    let spec = TinySpec {
+        arch: "BambooForCausalLM",
+        act: "relu",
+        mlp_bias: true,
+        dtype: "BF16",
+        seed: 33,
+        ..Default::default()
+    };
     let drelu = check("drelu bamboo mlp_bias", spec.clone());
     // The same weights read as plain ReLU give other logits: dReLU is really applied.
     let relu = {
@@ -162,5 +182,8 @@ fn drelu_bamboo_with_mlp_bias() {
         let tokens: Vec<u32> = (0..24).map(|i| ((i * 7 + 3) % 80) as u32).collect();
         f32_reference(&dir, &tokens)
     };
-    assert!(common::rel_error(&relu, &drelu) > 1e-2, "dReLU and ReLU logits are the same: the up ReLU had no effect");
+    assert!(
+        crate::common::rel_error(&relu, &drelu) > 1e-2,
+        "dReLU and ReLU logits are the same: the up ReLU had no effect"
+    );
 }

@@ -1,14 +1,13 @@
 //! End-to-end checks on the real SmolLM2-135M-Instruct checkpoint made by `make model`.
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
-use common::{assert_matches_reference, our_logits, reference_logits, top1_agreement};
+use crate::common::{assert_matches_reference, our_logits, reference_logits, top1_agreement};
 use nflash_format::Pack;
-use nflash_runtime::{ppl, Engine, Model};
+use nflash_plan::CacheConfig;
+use nflash_runtime::{ppl, Engine};
 use nflash_tests::{convert, eval_text, repo_root, run, smollm2_dir};
 
 const CHATML_PROMPT: &str = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
@@ -63,7 +62,8 @@ fn make_model_output_is_a_valid_hf_checkpoint() {
     assert!(st.tensors().iter().all(|(_, t)| t.dtype() == safetensors::Dtype::BF16));
     let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
     assert_eq!(tok.encode(CHATML_PROMPT, false).unwrap().get_ids(), CHATML_IDS);
-    let tc: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap();
+    let tc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap();
     assert!(tc["chat_template"].as_str().unwrap().contains("<|im_start|>"));
 }
 
@@ -76,7 +76,10 @@ fn packed_chat_template_and_tokenizer_reproduce_the_chatml_ids() {
         .as_ref()
         .unwrap()
         .render(&[
-            nflash_runtime::chat::Message::new("system", "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
+            nflash_runtime::chat::Message::new(
+                "system",
+                "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+            ),
             nflash_runtime::chat::Message::new("user", "What is the capital of France?"),
         ])
         .unwrap();
@@ -94,7 +97,7 @@ fn f32_pack_matches_candle_reference_on_64_tokens() {
 
 fn prefill_logits(quant: &str, tokens: &[u32]) -> Vec<Vec<f32>> {
     let p = Pack::open(pack(quant)).unwrap();
-    let m = Model::load(&p).unwrap();
+    let m = nflash_runtime::load_model(&p, &CacheConfig::all_hot(&p)).unwrap();
     let mut kv = m.new_kv_cache(tokens.len());
     let h = m.forward(&mut kv, tokens).unwrap();
     m.logits_batch(&h).chunks(m.cfg.vocab_size as usize).map(|c| c.to_vec()).collect()
@@ -114,7 +117,7 @@ fn q4_0_perplexity_is_reported_and_close_to_f32() {
     let mut r = Vec::new();
     for q in ["f32", "q4_0"] {
         let p = Pack::open(pack(q)).unwrap();
-        let m = Model::load(&p).unwrap();
+        let m = nflash_runtime::load_model(&p, &CacheConfig::all_hot(&p)).unwrap();
         r.push(ppl::perplexity(&m, &tokens, 512, |_, _| {}).unwrap().perplexity);
     }
     eprintln!("perplexity over 1024 tokens of {} (ctx 512): f32 {:.3}, q4_0 {:.3}", eval_text().1, r[0], r[1]);
@@ -126,7 +129,21 @@ fn q4_0_perplexity_is_reported_and_close_to_f32() {
 fn greedy_chat_answers_paris_in_q8_0_and_q4_0() {
     for q in ["q8_0", "q4_0"] {
         let p = pack(q);
-        let o = run("nflash", &["run", "--model", p.to_str().unwrap(), "--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--max-tokens", "32"]);
+        let o = run(
+            "nflash",
+            &[
+                "run",
+                "--model",
+                p.to_str().unwrap(),
+                "--chat",
+                "--prompt",
+                "What is the capital of France?",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "32",
+            ],
+        );
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "{q}: {}", String::from_utf8_lossy(&o.stderr));
         eprintln!("{q}: {out}");
@@ -140,13 +157,43 @@ fn ppl_cli_json_and_stats_json() {
     let tmp = tempfile::tempdir().unwrap();
     let text = tmp.path().join("t.txt");
     std::fs::write(&text, eval_text().0.chars().take(4000).collect::<String>()).unwrap();
-    let o = run("nflash", &["ppl", "--model", p.to_str().unwrap(), "--file", text.to_str().unwrap(), "--ctx", "128", "--max-tokens", "300", "--json"]);
+    let o = run(
+        "nflash",
+        &[
+            "ppl",
+            "--model",
+            p.to_str().unwrap(),
+            "--file",
+            text.to_str().unwrap(),
+            "--ctx",
+            "128",
+            "--max-tokens",
+            "300",
+            "--json",
+        ],
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(j["perplexity"].as_f64().unwrap() > 1.0);
     assert_eq!(j["tokens"], 300 - 3); // 3 windows (128, 128, 44); the first token of each is not scored
     let stats = tmp.path().join("s.json");
-    let o = run("nflash", &["run", "--model", p.to_str().unwrap(), "--prompt", "Once upon a time", "--max-tokens", "8", "--ignore-eos", "--seed", "3", "--stats-json", stats.to_str().unwrap()]);
+    let o = run(
+        "nflash",
+        &[
+            "run",
+            "--model",
+            p.to_str().unwrap(),
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--seed",
+            "3",
+            "--stats-json",
+            stats.to_str().unwrap(),
+        ],
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
     assert_eq!(s["generated_tokens"], 8);
@@ -167,14 +214,16 @@ fn interrupted_convert_leaves_no_partial_file() {
         .unwrap();
     // Wait until the temporary file exists, i.e. writing is under way.
     let started = std::time::Instant::now();
-    let has_tmp = || std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-"));
+    let has_tmp =
+        || std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-"));
     while !has_tmp() && started.elapsed().as_secs() < 60 && child.try_wait().unwrap().is_none() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let interrupted = child.try_wait().unwrap().is_none();
     let _ = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status();
     let status = child.wait().unwrap();
-    let names: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let names: Vec<String> =
+        std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert!(names.iter().all(|n| !n.contains(".tmp-")), "temporary file left: {names:?}");
     if interrupted && !status.success() {
         assert!(!out.exists(), "partial output left at the final path");

@@ -1,10 +1,10 @@
 //! Sparse packs end to end on tiny random checkpoints: `prep convert --calib`
-//! → sparse decode in the runtime (issue 3).
+//! → sparse decode in the runtime.
 
 use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
-use nflash_runtime::Model;
+use nflash_plan::CacheConfig;
 use nflash_tests::{assert_fails, assert_no_output, rel_error_flat, run, tiny_words, write_tiny_checkpoint, TinySpec};
 
 struct Fixture {
@@ -27,8 +27,23 @@ fn fixture(spec: &TinySpec) -> Fixture {
 fn convert_sparse(f: &Fixture, name: &str, quant: &str, extra: &[&str]) -> PathBuf {
     let out = f.root.join(name);
     let mut args = vec![
-        "convert", "--model", f.ckpt.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", quant,
-        "--calib", f.calib.to_str().unwrap(), "--tokens", "1000", "--window", "50", "--sample", "400", "--epochs", "3",
+        "convert",
+        "--model",
+        f.ckpt.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--quant",
+        quant,
+        "--calib",
+        f.calib.to_str().unwrap(),
+        "--tokens",
+        "1000",
+        "--window",
+        "50",
+        "--sample",
+        "400",
+        "--epochs",
+        "3",
     ];
     args.extend_from_slice(extra);
     let o = run("prep", &args);
@@ -39,7 +54,7 @@ fn convert_sparse(f: &Fixture, name: &str, quant: &str, extra: &[&str]) -> PathB
 /// Logits of token-by-token decode (the sparse path unless `dense`).
 fn decode_logits(pack: &Path, tokens: &[u32], dense: bool) -> Vec<f32> {
     let pack = Pack::open(pack).unwrap();
-    let mut model = Model::load(&pack).unwrap();
+    let mut model = nflash_runtime::load_model(&pack, &CacheConfig::all_hot(&pack)).unwrap();
     model.set_dense(dense);
     let mut kv = model.new_kv_cache(tokens.len() + 1);
     tokens
@@ -78,7 +93,10 @@ fn relu_model_with_threshold_zero_gives_exactly_the_dense_result() {
     let (sparse, dense) = (decode_logits(&p, &t, false), decode_logits(&p, &t, true));
     assert_eq!(sparse, dense);
     // And neurons really were skipped (ReLU zeros about half of them).
-    let o = run("nflash", &["ppl", "--model", p.to_str().unwrap(), "--file", f.calib.to_str().unwrap(), "--json", "--ctx", "40"]);
+    let o = run(
+        "nflash",
+        &["ppl", "--model", p.to_str().unwrap(), "--file", f.calib.to_str().unwrap(), "--json", "--ctx", "40"],
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let s = j["ffn_sparsity"].as_f64().unwrap();
@@ -108,17 +126,42 @@ fn predictors_report_sparsity_and_recall() {
     let spec = TinySpec { hidden: 64, inter: 192, ..TinySpec::default() };
     let f = fixture(&spec);
     for pred in ["low-rank", "mlp"] {
-        let p = convert_sparse(&f, &format!("{pred}.nflash"), "q8_0", &["--sparsity", "0.5", "--predictor", pred, "--rank", "32"]);
-        let o = run("nflash", &["ppl", "--model", p.to_str().unwrap(), "--file", f.calib.to_str().unwrap(), "--json", "--ctx", "40"]);
+        let p = convert_sparse(
+            &f,
+            &format!("{pred}.nflash"),
+            "q8_0",
+            &["--sparsity", "0.5", "--predictor", pred, "--rank", "32"],
+        );
+        let o = run(
+            "nflash",
+            &["ppl", "--model", p.to_str().unwrap(), "--file", f.calib.to_str().unwrap(), "--json", "--ctx", "40"],
+        );
         assert!(o.status.success(), "{pred}: {}", String::from_utf8_lossy(&o.stderr));
         let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        let (s, b, r) = (j["ffn_sparsity"].as_f64().unwrap(), j["bundles_skipped"].as_f64().unwrap(), j["recall"].as_f64().unwrap());
+        let (s, b, r) = (
+            j["ffn_sparsity"].as_f64().unwrap(),
+            j["bundles_skipped"].as_f64().unwrap(),
+            j["recall"].as_f64().unwrap(),
+        );
         assert!(s > 0.3 && s < 0.9, "{pred}: ffn_sparsity {s}");
         assert!(b > 0.0 && b <= s, "{pred}: bundles_skipped {b} (sparsity {s})");
         assert!(r > 0.5 && r <= 1.0, "{pred}: recall {r}");
         assert_eq!(j["layers"].as_array().unwrap().len(), spec.layers);
         // --dense evaluates every neuron.
-        let o = run("nflash", &["ppl", "--model", p.to_str().unwrap(), "--file", f.calib.to_str().unwrap(), "--json", "--ctx", "40", "--dense"]);
+        let o = run(
+            "nflash",
+            &[
+                "ppl",
+                "--model",
+                p.to_str().unwrap(),
+                "--file",
+                f.calib.to_str().unwrap(),
+                "--json",
+                "--ctx",
+                "40",
+                "--dense",
+            ],
+        );
         let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(j["ffn_sparsity"].as_f64().unwrap(), 0.0);
         // The summary is in the manifest and shown by prep inspect.
@@ -127,7 +170,21 @@ fn predictors_report_sparsity_and_recall() {
         assert_eq!(j["sparse"]["predictor"], pred);
         assert_eq!(j["sparse"]["layers"][0]["frequency_curve"].as_array().unwrap().len(), 33);
         // Sparse decode runs.
-        let o = run("nflash", &["run", "--model", p.to_str().unwrap(), "--prompt", "w5 w6 w7", "--max-tokens", "8", "--temperature", "0", "--stats"]);
+        let o = run(
+            "nflash",
+            &[
+                "run",
+                "--model",
+                p.to_str().unwrap(),
+                "--prompt",
+                "w5 w6 w7",
+                "--max-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--stats",
+            ],
+        );
         assert!(o.status.success(), "{pred}: {}", String::from_utf8_lossy(&o.stderr));
         assert!(String::from_utf8_lossy(&o.stderr).contains("bundles skipped"));
     }
@@ -141,7 +198,18 @@ fn quality_report_compares_sparse_and_dense() {
     let plot = f.root.join("q.png");
     let o = run(
         "prep",
-        &["verify", p.to_str().unwrap(), "--quality", "--text", f.calib.to_str().unwrap(), "--ctx", "40", "--json", "--plot", plot.to_str().unwrap()],
+        &[
+            "verify",
+            p.to_str().unwrap(),
+            "--quality",
+            "--text",
+            f.calib.to_str().unwrap(),
+            "--ctx",
+            "40",
+            "--json",
+            "--plot",
+            plot.to_str().unwrap(),
+        ],
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -167,7 +235,8 @@ fn bad_sparsity_inputs_are_refused_clearly() {
     let f = fixture(&spec);
     let out = f.root.join("bad.nflash");
     let base = |extra: &[&str]| {
-        let mut a = vec!["convert", "--model", f.ckpt.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", "f32"];
+        let mut a =
+            vec!["convert", "--model", f.ckpt.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", "f32"];
         a.extend_from_slice(extra);
         run("prep", &a)
     };
@@ -186,14 +255,31 @@ fn bad_sparsity_inputs_are_refused_clearly() {
     assert_clean_failure("non-UTF-8 calib", &base(&["--calib", binary.to_str().unwrap()]), &["UTF-8"], &out);
     let short = f.root.join("short.txt");
     std::fs::write(&short, tiny_words(20, spec.vocab, 1)).unwrap();
-    assert_clean_failure("fewer tokens than a window", &base(&["--calib", short.to_str().unwrap(), "--window", "64"]), &["window"], &out);
+    assert_clean_failure(
+        "fewer tokens than a window",
+        &base(&["--calib", short.to_str().unwrap(), "--window", "64"]),
+        &["window"],
+        &out,
+    );
     // A profile of a differently shaped model.
     let other = TinySpec { inter: 128, ..TinySpec::default() };
     let g = fixture(&other);
     let prof = f.root.join("other.profile");
     let o = run(
         "prep",
-        &["profile", "--model", g.ckpt.to_str().unwrap(), "--calib", g.calib.to_str().unwrap(), "--tokens", "200", "--window", "50", "--out", prof.to_str().unwrap()],
+        &[
+            "profile",
+            "--model",
+            g.ckpt.to_str().unwrap(),
+            "--calib",
+            g.calib.to_str().unwrap(),
+            "--tokens",
+            "200",
+            "--window",
+            "50",
+            "--out",
+            prof.to_str().unwrap(),
+        ],
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let o = base(&["--profile", prof.to_str().unwrap()]);
@@ -216,8 +302,23 @@ fn quality_plot_path_is_checked_before_scoring_and_leaves_nothing() {
     let p = convert_sparse(&f, "p.nflash", "f32", &["--sparsity", "0.3", "--predictor", "exact"]);
     let dir = f.root.join("adir");
     std::fs::create_dir(&dir).unwrap();
-    let o = run("prep", &["verify", p.to_str().unwrap(), "--quality", "--text", f.calib.to_str().unwrap(), "--plot", dir.to_str().unwrap()]);
+    let o = run(
+        "prep",
+        &[
+            "verify",
+            p.to_str().unwrap(),
+            "--quality",
+            "--text",
+            f.calib.to_str().unwrap(),
+            "--plot",
+            dir.to_str().unwrap(),
+        ],
+    );
     assert_clean_failure("--plot a directory", &o, &["--plot", "directory"], &f.root.join("never"));
-    let leftovers: Vec<_> = std::fs::read_dir(&f.root).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().contains("tmp")).collect();
+    let leftovers: Vec<_> = std::fs::read_dir(&f.root)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("tmp"))
+        .collect();
     assert!(leftovers.is_empty(), "left {leftovers:?}");
 }

@@ -1,4 +1,4 @@
-//! `prep synth` (issue 5): the synthetic checkpoint hits its target sparsity
+//! `prep synth`: the synthetic checkpoint hits its target sparsity
 //! (±0.02) when profiled on other text, its hotness skew shows in the
 //! profile, its predictors reach the ReLU recall target, and its offloaded
 //! and in-memory outputs are identical.
@@ -23,7 +23,17 @@ fn tokenizer_dir(root: &Path) -> PathBuf {
 fn synth(root: &Path, name: &str, extra: &[&str]) -> PathBuf {
     let out = root.join(name);
     let tok = tokenizer_dir(root);
-    let mut args = vec!["synth", "--shape", "tiny", "--out", out.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--dtype", "f32"];
+    let mut args = vec![
+        "synth",
+        "--shape",
+        "tiny",
+        "--out",
+        out.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--dtype",
+        "f32",
+    ];
     args.extend_from_slice(extra);
     let o = run("prep", &args);
     assert!(o.status.success(), "prep synth failed: {}", String::from_utf8_lossy(&o.stderr));
@@ -43,7 +53,19 @@ fn profile(root: &Path, model: &Path) -> Vec<(f64, usize)> {
     let calib = text(root, 99);
     let o = run(
         "prep",
-        &["profile", "--model", model.to_str().unwrap(), "--calib", calib.to_str().unwrap(), "--tokens", "4000", "--window", "200", "--out", out.to_str().unwrap()],
+        &[
+            "profile",
+            "--model",
+            model.to_str().unwrap(),
+            "--calib",
+            calib.to_str().unwrap(),
+            "--tokens",
+            "4000",
+            "--window",
+            "200",
+            "--out",
+            out.to_str().unwrap(),
+        ],
     );
     assert!(o.status.success(), "prep profile failed: {}", String::from_utf8_lossy(&o.stderr));
     let all = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
@@ -91,8 +113,21 @@ fn relu_pack(root: &Path, name: &str, extra: &[&str]) -> (PathBuf, std::process:
     let calib = text(root, 5);
     let pack = root.join(name);
     let mut args = vec![
-        "convert", "--model", m.to_str().unwrap(), "--out", pack.to_str().unwrap(), "--quant", "q8_0", "--cluster-bytes", "1024",
-        "--calib", calib.to_str().unwrap(), "--tokens", "4000", "--window", "200",
+        "convert",
+        "--model",
+        m.to_str().unwrap(),
+        "--out",
+        pack.to_str().unwrap(),
+        "--quant",
+        "q8_0",
+        "--cluster-bytes",
+        "1024",
+        "--calib",
+        calib.to_str().unwrap(),
+        "--tokens",
+        "4000",
+        "--window",
+        "200",
     ];
     args.extend_from_slice(extra);
     let o = run("prep", &args);
@@ -104,7 +139,11 @@ fn synthetic_relu_model_predictor_recall_and_offload_exactness() {
     let tmp = tempfile::tempdir().unwrap();
     let (pack, o) = relu_pack(tmp.path(), "relu.nflash", &[]);
     assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
-    assert!(!String::from_utf8_lossy(&o.stderr).contains("short of the target"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        !String::from_utf8_lossy(&o.stderr).contains("short of the target"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let p = Pack::open(&pack).unwrap();
     let sp = p.manifest().sparse.as_ref().expect("a sparse pack");
     assert!((sp.recall_target - 0.99).abs() < 1e-6, "ReLU default recall target is 0.99, got {}", sp.recall_target);
@@ -124,13 +163,31 @@ fn synthetic_relu_model_predictor_recall_and_offload_exactness() {
     let stats = tmp.path().join("stats.json");
     let o = run(
         "nflash",
-        &["run", "--model", pack.to_str().unwrap(), "--prompt", "The history of the city", "--max-tokens", "24", "--temperature", "0", "--ignore-eos", "--ctx", "64", "--stats-json", stats.to_str().unwrap()],
+        &[
+            "run",
+            "--model",
+            pack.to_str().unwrap(),
+            "--prompt",
+            "The history of the city",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--ctx",
+            "64",
+            "--stats-json",
+            stats.to_str().unwrap(),
+        ],
     );
     assert!(o.status.success(), "nflash run failed: {}", String::from_utf8_lossy(&o.stderr));
     let st: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
     let (skipped, sparsity) = (st["bundles_skipped"].as_f64().unwrap(), st["ffn_sparsity"].as_f64().unwrap());
     eprintln!("decode: bundles skipped {skipped:.3}, FFN sparsity {sparsity:.3}");
-    assert!(skipped > 0.8 && skipped > sparsity - 0.05, "decode skipped {skipped} of bundles at FFN sparsity {sparsity}");
+    assert!(
+        skipped > 0.8 && skipped > sparsity - 0.05,
+        "decode skipped {skipped} of bundles at FFN sparsity {sparsity}"
+    );
     check_placement_and_threads(&pack);
 }
 
@@ -144,10 +201,14 @@ fn a_predictor_short_of_its_recall_target_is_reported() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "prep convert failed: {err}");
     let p = Pack::open(&pack).unwrap();
-    let recalls: Vec<f32> = p.manifest().ffn.iter().filter_map(|f| f.sparse.as_ref()).map(|s| s.quality.recall).collect();
+    let recalls: Vec<f32> =
+        p.manifest().ffn.iter().filter_map(|f| f.sparse.as_ref()).map(|s| s.quality.recall).collect();
     let mean = recalls.iter().sum::<f32>() / recalls.len() as f32;
     assert!(mean < 0.97, "low-rank reached held-out recall {mean} here: this test needs a predictor short of 0.99");
-    assert!(err.contains("short of the target 0.99") && err.contains(&format!("{mean:.3}")), "no shortfall warning:\n{err}");
+    assert!(
+        err.contains("short of the target 0.99") && err.contains(&format!("{mean:.3}")),
+        "no shortfall warning:\n{err}"
+    );
 }
 
 /// Peak RSS stays within `--memory-budget` just above the minimum nflash
@@ -160,30 +221,80 @@ fn peak_rss_stays_within_a_budget_just_above_the_minimum() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("tiny-smol-tok");
     let tok = nflash_tests::smollm2_dir();
-    let o = run("prep", &["synth", "--shape", "tiny", "--out", m.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--dtype", "f32"]);
+    let o = run(
+        "prep",
+        &[
+            "synth",
+            "--shape",
+            "tiny",
+            "--out",
+            m.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--dtype",
+            "f32",
+        ],
+    );
     assert!(o.status.success(), "prep synth failed: {}", String::from_utf8_lossy(&o.stderr));
     let calib = tmp.path().join("calib.txt");
-    std::fs::write(&calib, "The cat sat on the mat. It was a sunny day and the birds sang in the trees. ".repeat(200)).unwrap();
+    std::fs::write(&calib, "The cat sat on the mat. It was a sunny day and the birds sang in the trees. ".repeat(200))
+        .unwrap();
     let pack = tmp.path().join("t.nflash");
     let o = run(
         "prep",
-        &["convert", "--model", m.to_str().unwrap(), "--out", pack.to_str().unwrap(), "--quant", "q4_0", "--calib", calib.to_str().unwrap(), "--tokens", "2000", "--window", "200"],
+        &[
+            "convert",
+            "--model",
+            m.to_str().unwrap(),
+            "--out",
+            pack.to_str().unwrap(),
+            "--quant",
+            "q4_0",
+            "--calib",
+            calib.to_str().unwrap(),
+            "--tokens",
+            "2000",
+            "--window",
+            "200",
+        ],
     );
     assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
     let p = pack.to_str().unwrap();
-    let err = assert_fails("1 MiB budget", &run("nflash", &["run", "--model", p, "--prompt", "the cat", "--memory-budget", "1MiB"]), &["short of the minimum"]);
-    let min_mib: f64 = err.split("short of the minimum ").nth(1).unwrap().split(" MiB").next().unwrap().parse().unwrap();
+    let err = assert_fails(
+        "1 MiB budget",
+        &run("nflash", &["run", "--model", p, "--prompt", "the cat", "--memory-budget", "1MiB"]),
+        &["short of the minimum"],
+    );
+    let min_mib: f64 =
+        err.split("short of the minimum ").nth(1).unwrap().split(" MiB").next().unwrap().parse().unwrap();
     let mut ran = 0;
     for extra in [0.3, 0.6, 0.9, 1.2] {
         let budget = format!("{}KiB", ((min_mib + extra) * 1024.0) as u64);
         let stats = tmp.path().join("stats.json");
         let o = run(
             "nflash",
-            &["run", "--model", p, "--prompt", "the cat", "--max-tokens", "8", "--ignore-eos", "--memory-budget", &budget, "--stats-json", stats.to_str().unwrap()],
+            &[
+                "run",
+                "--model",
+                p,
+                "--prompt",
+                "the cat",
+                "--max-tokens",
+                "8",
+                "--ignore-eos",
+                "--memory-budget",
+                &budget,
+                "--stats-json",
+                stats.to_str().unwrap(),
+            ],
         );
         if !o.status.success() {
             // This run's load peak may be a little higher: refused, not exceeded.
-            assert!(String::from_utf8_lossy(&o.stderr).contains("short of the minimum"), "{}", String::from_utf8_lossy(&o.stderr));
+            assert!(
+                String::from_utf8_lossy(&o.stderr).contains("short of the minimum"),
+                "{}",
+                String::from_utf8_lossy(&o.stderr)
+            );
             continue;
         }
         let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
@@ -209,7 +320,10 @@ fn bad_synth_arguments_are_refused() {
     assert_fails("skew -1", &o(&[&t[..], &["--skew=-1"]].concat()), &["--skew"]);
     assert_fails("no tokenizer", &o(&["--tokenizer", "/nonexistent"]), &["tokenizer.json", "--tokenizer"]);
     assert!(!out.exists());
-    assert!(std::fs::read_dir(tmp.path()).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp-")), "a temporary directory was left behind");
+    assert!(
+        std::fs::read_dir(tmp.path()).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp-")),
+        "a temporary directory was left behind"
+    );
     let dangling = tmp.path().join("dangling");
     std::os::unix::fs::symlink(tmp.path().join("nowhere"), &dangling).unwrap();
     let mut a = vec!["synth", "--shape", "tiny", "--out", dangling.to_str().unwrap()];
@@ -231,12 +345,23 @@ fn interrupted_synth_with_a_closed_stderr_exits_and_leaves_nothing() {
     let tok = tokenizer_dir(tmp.path());
     // llama-7b layers: calibration takes seconds, so the signal arrives mid-way.
     let mut child = std::process::Command::new(nflash_tests::bin("prep"))
-        .args(["synth", "--shape", "llama-7b", "--layers", "2", "--out", out.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap()])
+        .args([
+            "synth",
+            "--shape",
+            "llama-7b",
+            "--layers",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+        ])
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     drop(child.stderr.take());
-    let has_tmp = || std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-"));
+    let has_tmp =
+        || std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-"));
     let started = std::time::Instant::now();
     while !has_tmp() && started.elapsed().as_secs() < 60 && child.try_wait().unwrap().is_none() {
         std::thread::sleep(std::time::Duration::from_millis(20));

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
 use nflash_format::{Activation, Architecture, ModelConfig, RopeScaling};
-use safetensors::tensor::Metadata;
 use rayon::prelude::*;
+use safetensors::tensor::Metadata;
 use safetensors::Dtype;
 use serde_json::Value;
 
@@ -47,10 +47,9 @@ pub fn read_json(path: &Path) -> Result<Value> {
 fn get_u64(cfg: &Value, key: &str) -> Result<Option<u64>> {
     match cfg.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| anyhow!("config.json: {key} = {v} is not a non-negative integer")),
+        Some(v) => {
+            v.as_u64().map(Some).ok_or_else(|| anyhow!("config.json: {key} = {v} is not a non-negative integer"))
+        }
     }
 }
 
@@ -61,10 +60,7 @@ fn req_u64(cfg: &Value, key: &str) -> Result<u64> {
 fn get_f64(cfg: &Value, key: &str) -> Result<Option<f64>> {
     match cfg.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| anyhow!("config.json: {key} = {v} is not a number")),
+        Some(v) => v.as_f64().map(Some).ok_or_else(|| anyhow!("config.json: {key} = {v} is not a number")),
     }
 }
 
@@ -113,9 +109,7 @@ fn rope_scaling(cfg: &Value) -> Result<Option<RopeScaling>> {
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")? as u64,
         })),
-        other => bail!(
-            "config.json: rope_scaling type {other:?} is not supported; supported: linear, llama3"
-        ),
+        other => bail!("config.json: rope_scaling type {other:?} is not supported; supported: linear, llama3"),
     }
 }
 
@@ -132,12 +126,13 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         .ok_or_else(|| anyhow!("config.json has no \"architectures\" list"))?;
     // TurboSparse (dReLU) checkpoints are Mistral-shaped "Bamboo" models.
     let bamboo = arch_name == BAMBOO;
-    let architecture = if bamboo { Some(Architecture::Mistral) } else { Architecture::from_hf(arch_name) }.ok_or_else(|| {
-        anyhow!(
-            "unsupported architecture {arch_name:?}; supported: {}, {BAMBOO} (dReLU)",
-            Architecture::SUPPORTED.join(", ")
-        )
-    })?;
+    let architecture =
+        if bamboo { Some(Architecture::Mistral) } else { Architecture::from_hf(arch_name) }.ok_or_else(|| {
+            anyhow!(
+                "unsupported architecture {arch_name:?}; supported: {}, {BAMBOO} (dReLU)",
+                Architecture::SUPPORTED.join(", ")
+            )
+        })?;
     let hidden_size = req_u64(cfg, "hidden_size")?;
     let num_heads = req_u64(cfg, "num_attention_heads")?;
     if num_heads == 0 {
@@ -229,7 +224,11 @@ impl Checkpoint {
                 .ok_or_else(|| anyhow!("{} has no weight_map object", index_path.display()))?;
             let mut names: Vec<String> = map
                 .values()
-                .map(|v| v.as_str().map(str::to_string).ok_or_else(|| anyhow!("{}: weight_map value {v} is not a file name", index_path.display())))
+                .map(|v| {
+                    v.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| anyhow!("{}: weight_map value {v} is not a file name", index_path.display()))
+                })
                 .collect::<Result<_>>()?;
             names.sort();
             names.dedup();
@@ -247,19 +246,21 @@ impl Checkpoint {
             }
             let path = dir.join(&name);
             let file = File::open(&path).with_context(|| {
-                format!("shard {} is named in the index but cannot be opened; re-download the checkpoint", path.display())
+                format!(
+                    "shard {} is named in the index but cannot be opened; re-download the checkpoint",
+                    path.display()
+                )
             })?;
             // SAFETY: read-only map of a checkpoint file that is not modified
             // while prep runs; every access goes through ranges validated
             // by safetensors' header parser and checked below.
             let mmap = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
-            let (n, meta) = safetensors::SafeTensors::read_metadata(&mmap)
-                .map_err(|e| {
-                    anyhow!(
-                        "{}: invalid safetensors header ({e:?}): the file is truncated or corrupt; re-download it",
-                        path.display()
-                    )
-                })?;
+            let (n, meta) = safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| {
+                anyhow!(
+                    "{}: invalid safetensors header ({e:?}): the file is truncated or corrupt; re-download it",
+                    path.display()
+                )
+            })?;
             let data_start = 8 + n;
             let data_len = mmap.len() - data_start;
             for (tname, info) in meta.tensors() {
@@ -271,14 +272,7 @@ impl Checkpoint {
             drop(mmap); // only its header pages were touched
             shards.push(Shard { path, file, data_start, meta });
         }
-        Ok(Checkpoint {
-            dir: dir.to_path_buf(),
-            config,
-            tokenizer_json,
-            tokenizer_config,
-            shards,
-            index,
-        })
+        Ok(Checkpoint { dir: dir.to_path_buf(), config, tokenizer_json, tokenizer_config, shards, index })
     }
 
     /// Whether the checkpoint has tensor `name`.
@@ -361,7 +355,10 @@ impl Checkpoint {
 
 fn read_at(s: &Shard, name: &str, buf: &mut [u8], off: u64) -> Result<()> {
     s.file.read_exact_at(buf, off).with_context(|| {
-        format!("cannot read tensor {name} from {} (truncated or unreadable); re-download the checkpoint", s.path.display())
+        format!(
+            "cannot read tensor {name} from {} (truncated or unreadable); re-download the checkpoint",
+            s.path.display()
+        )
     })
 }
 

@@ -44,7 +44,7 @@ pub struct DeviceArgs {
     #[arg(long)]
     device: Option<PathBuf>,
     /// Whole-process memory budget on the device (e.g. 96MiB, 4GiB); default: the profile's available memory.
-    #[arg(long, requires = "device", value_parser = nflash_runtime::planner::parse_bytes)]
+    #[arg(long, requires = "device", value_parser = nflash_plan::planner::parse_bytes)]
     memory_budget: Option<u64>,
     /// Context length (tokens) the KV cache is planned for; default min(4096, the model's maximum), as `nflash run`.
     #[arg(long, requires = "device", value_parser = clap::value_parser!(u32).range(2..=1 << 24))]
@@ -53,7 +53,6 @@ pub struct DeviceArgs {
     #[arg(long, requires = "device", value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
 }
-
 
 /// Sparse-pack options: without `--calib` or `--profile` the pack is dense.
 #[derive(Args)]
@@ -104,7 +103,10 @@ pub struct SparseArgs {
 impl SparseArgs {
     fn check(&self) -> Result<()> {
         if !(0.0..1.0).contains(&self.sparsity) {
-            bail!("--sparsity {} is outside [0, 1): it is the fraction of FFN neurons skipped per token, e.g. 0.5", self.sparsity);
+            bail!(
+                "--sparsity {} is outside [0, 1): it is the fraction of FFN neurons skipped per token, e.g. 0.5",
+                self.sparsity
+            );
         }
         if let Some(r) = self.recall.filter(|r| !(*r > 0.0 && *r <= 1.0)) {
             bail!("--recall {r} is outside (0, 1]");
@@ -127,7 +129,13 @@ impl SparseArgs {
     }
 
     /// The sparse plan, or `None` for a dense pack.
-    fn plan(&self, ck: &Checkpoint, model_dir: &std::path::Path, quant: DType, stages: &mut Stages) -> Result<Option<SparsePlan>> {
+    fn plan(
+        &self,
+        ck: &Checkpoint,
+        model_dir: &std::path::Path,
+        quant: DType,
+        stages: &mut Stages,
+    ) -> Result<Option<SparsePlan>> {
         let profile = match (&self.calib, &self.profile) {
             (None, None) => return Ok(None),
             (_, Some(p)) => {
@@ -137,11 +145,7 @@ impl SparseArgs {
             }
             (Some(c), None) => {
                 let t = std::time::Instant::now();
-                let pr = crate::profile::profile(
-                    ck,
-                    c,
-                    &self.calib_run.options(),
-                )?;
+                let pr = crate::profile::profile(ck, c, &self.calib_run.options())?;
                 message!("profiled {} tokens in {:.1} s", pr.calib.n_tokens, t.elapsed().as_secs_f64());
                 stages.mark("profile");
                 pr
@@ -168,7 +172,9 @@ impl SparseArgs {
             quant,
         )?;
         let n = plan.layers.len().max(1) as f32;
-        let mean = |f: &dyn Fn(&nflash_format::PredictorQuality) -> f32| plan.layers.iter().map(|l| f(&l.sparse.quality)).sum::<f32>() / n;
+        let mean = |f: &dyn Fn(&nflash_format::PredictorQuality) -> f32| {
+            plan.layers.iter().map(|l| f(&l.sparse.quality)).sum::<f32>() / n
+        };
         message!(
             "{} predictor (rank {}) built in {:.1} s: held-out recall {:.3}, precision {:.3}, bundles skipped {:.1}%, sparsity {:.1}% (layer means)",
             plan.info.predictor.name(),
@@ -285,11 +291,18 @@ pub fn run(a: ConvertArgs) -> Result<()> {
             let bundle = nflash_format::BundleLayout::new(a.quant, cfg.hidden_size).map_or(1, |b| b.bundle_bytes);
             let n = cfg.intermediate_size as usize;
             let p = match &plan {
-                Some(sp) => nflash_runtime::planner::neuron_need_probability(Some(&sp.info), sp.layers.first().map(|l| &l.sparse), n),
+                Some(sp) => {
+                    nflash_plan::cost::neuron_need_probability(Some(&sp.info), sp.layers.first().map(|l| &l.sparse), n)
+                }
                 None => vec![1.0; n],
             };
-            let c = nflash_runtime::planner::choose_cluster_bytes(dev, bundle, &p);
-            message!("neuron cluster size for {}: {} KiB ({} neurons of {bundle} bytes)", dev.name, c / 1024, (c / bundle).max(1));
+            let c = nflash_plan::planner::choose_cluster_bytes(dev, bundle, &p);
+            message!(
+                "neuron cluster size for {}: {} KiB ({} neurons of {bundle} bytes)",
+                dev.name,
+                c / 1024,
+                (c / bundle).max(1)
+            );
             c
         }
     };
@@ -302,14 +315,16 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         );
     }
     let planner = device.as_ref().map(|dev| {
-        let req = nflash_runtime::planner::PlanRequest {
+        let req = nflash_plan::planner::PlanRequest {
             budget_bytes: a.device.memory_budget.unwrap_or(dev.memory.available_bytes),
             ctx,
             threads: a.device.threads.unwrap_or_else(|| dev.n_cores()),
             io_threads: None,
             measured: None,
         };
-        move |m: &nflash_format::Manifest| -> Result<nflash_format::Plan> { Ok(nflash_runtime::planner::plan(m, dev, &req)?) }
+        move |m: &nflash_format::Manifest| -> Result<nflash_format::Plan> {
+            Ok(nflash_plan::planner::plan(m, dev, &req)?)
+        }
     });
     write_pack(
         &ck,
@@ -335,8 +350,8 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     Ok(())
 }
 
-/// Wall time and peak resident memory of each conversion stage (issue 5:
-/// streaming prep reports both). The peak is reset between stages through
+/// Wall time and peak resident memory of each conversion stage (streaming
+/// prep reports both). The peak is reset between stages through
 /// `/proc/self/clear_refs` where Linux allows it, so each row is that
 /// stage's own peak; elsewhere it is the running peak.
 struct Stages {
@@ -369,6 +384,10 @@ impl Stages {
         }
         let total: f64 = self.rows.iter().map(|r| r.1).sum();
         let peak = self.rows.iter().filter_map(|r| r.2).max();
-        message!("{:<24} {total:>9.1} {:>14}", "total", peak.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64)));
+        message!(
+            "{:<24} {total:>9.1} {:>14}",
+            "total",
+            peak.map_or("-".into(), |b| format!("{:.0}", b as f64 / (1 << 20) as f64))
+        );
     }
 }

@@ -14,7 +14,7 @@ use anyhow::{bail, Result};
 use candle_core::quantized::GgmlType;
 use candle_core::{Device, Tensor, D};
 use nflash_format::{Activation, Architecture, ModelConfig};
-use nflash_runtime::ops::{activate, activate_up, rms_norm, softmax, Rope};
+use nflash_runtime::model::ops::{activate, activate_up, rms_norm, softmax, Rope};
 use rayon::prelude::*;
 
 /// Where the forward pass gets its weights: a checkpoint on disk
@@ -110,9 +110,7 @@ fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 /// RMSNorms every row of `x` (`[n, hidden]`) with `weight` (`[hidden]`).
 fn norm_rows(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(weight.len())
-        .zip(x.par_chunks(weight.len()))
-        .for_each(|(o, r)| rms_norm(r, weight, eps, o));
+    out.par_chunks_mut(weight.len()).zip(x.par_chunks(weight.len())).for_each(|(o, r)| rms_norm(r, weight, eps, o));
     out
 }
 
@@ -182,11 +180,7 @@ fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &Heads) -> Vec<f32> {
 /// Splits `n_tokens` into windows of `window` tokens; a final partial
 /// window is kept when it has at least 2 tokens (as `nflash ppl`).
 pub fn split_windows(n_tokens: usize, window: usize) -> Vec<Range<usize>> {
-    (0..n_tokens)
-        .step_by(window.max(1))
-        .map(|s| s..(s + window).min(n_tokens))
-        .filter(|r| r.len() >= 2)
-        .collect()
+    (0..n_tokens).step_by(window.max(1)).map(|s| s..(s + window).min(n_tokens)).filter(|r| r.len() >= 2).collect()
 }
 
 impl<'a> Forward<'a> {
@@ -292,10 +286,7 @@ impl<'a> Forward<'a> {
     /// Adds `delta` (`[rows.len(), hidden]`) to the residual stream of `rows`.
     pub fn add_residual(&mut self, rows: Range<usize>, delta: &[f32]) {
         let h = self.cfg.hidden_size as usize;
-        self.x[rows.start * h..rows.end * h]
-            .iter_mut()
-            .zip(delta)
-            .for_each(|(a, d)| *a += d);
+        self.x[rows.start * h..rows.end * h].iter_mut().zip(delta).for_each(|(a, d)| *a += d);
     }
 }
 
@@ -385,7 +376,10 @@ mod tests {
         let rope = Rope::new(c);
         let (cos, sin) = rope.tables(0, len);
         let mv = |m: &[f32], b: &[f32], v: &[f32]| -> Vec<f32> {
-            b.iter().enumerate().map(|(r, bb)| bb + (0..v.len()).map(|j| m[r * v.len() + j] * v[j]).sum::<f32>()).collect()
+            b.iter()
+                .enumerate()
+                .map(|(r, bb)| bb + (0..v.len()).map(|j| m[r * v.len() + j] * v[j]).sum::<f32>())
+                .collect()
         };
         let mut out = vec![0f32; x.len()];
         for (wx, wo) in x.chunks(len * h).zip(out.chunks_mut(len * h)) {
@@ -409,7 +403,7 @@ mod tests {
                     let mut sc: Vec<f32> = (start..=t)
                         .map(|j| (0..hd).map(|i| qv[i] * k[j * kvd + kvh * hd + i]).sum::<f32>() / (hd as f32).sqrt())
                         .collect();
-                    nflash_runtime::ops::softmax(&mut sc);
+                    nflash_runtime::model::ops::softmax(&mut sc);
                     for (j, s) in (start..=t).zip(&sc) {
                         for i in 0..hd {
                             attn[head * hd + i] += s * v[j * kvd + kvh * hd + i];

@@ -53,9 +53,7 @@ fn tables() -> &'static Tables {
             let v = (2f64.powf(k as f64 / BINS_PER_OCTAVE as f64) - 1.0) * (1u64 << 23) as f64;
             *b = v.ceil() as u32;
         }
-        let coarse = (0..1u32 << 12)
-            .map(|j| (bounds.iter().rposition(|&b| j << 11 >= b).unwrap_or(0)) as u8)
-            .collect();
+        let coarse = (0..1u32 << 12).map(|j| (bounds.iter().rposition(|&b| j << 11 >= b).unwrap_or(0)) as u8).collect();
         Tables { bounds, coarse }
     })
 }
@@ -84,12 +82,7 @@ fn bin_of(t: &Tables, a: f32, min_exp: i32, n_bins: usize) -> usize {
 impl Histogram {
     /// An empty histogram covering `[2^-64, 2^64)` (4096 bins).
     pub fn new() -> Self {
-        Histogram {
-            zeros: 0,
-            counts: vec![0; OCTAVES * BINS_PER_OCTAVE],
-            min_exp: MIN_EXP,
-            total: 0,
-        }
+        Histogram { zeros: 0, counts: vec![0; OCTAVES * BINS_PER_OCTAVE], min_exp: MIN_EXP, total: 0 }
     }
 
     /// Adds `|v|`. Non-finite values are counted in the top bin.
@@ -180,11 +173,7 @@ impl Histogram {
         if !(-1000..=1000).contains(&self.min_exp) {
             return Err(format!("min_exp {} out of range", self.min_exp));
         }
-        let sum = self
-            .counts
-            .iter()
-            .try_fold(self.zeros, |a, &c| a.checked_add(c))
-            .ok_or("counts overflow")?;
+        let sum = self.counts.iter().try_fold(self.zeros, |a, &c| a.checked_add(c)).ok_or("counts overflow")?;
         if sum != self.total {
             return Err(format!("total {} but zeros + counts = {sum}", self.total));
         }
@@ -258,7 +247,11 @@ mod tests {
         let vals: Vec<f32> = (0..200_000).map(|_| -(1.0 - rng.next()).ln() as f32).collect();
         let (mut a, mut b) = (Histogram::new(), Histogram::new());
         for (i, &v) in vals.iter().enumerate() {
-            if i % 3 == 0 { a.add(-v) } else { b.add(v) }
+            if i % 3 == 0 {
+                a.add(-v)
+            } else {
+                b.add(v)
+            }
         }
         a.merge(&b);
         assert_eq!(a.total, 200_000);

@@ -22,12 +22,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
     let h = pack.header();
     let m = pack.manifest();
     let resident_bytes: u64 = m.tensors.iter().map(|t| t.bytes).sum();
-    let ffn_bytes: u64 = m
-        .segments
-        .iter()
-        .filter(|s| s.kind == SegmentKind::Ffn)
-        .map(|s| s.bytes)
-        .sum();
+    let ffn_bytes: u64 = m.segments.iter().filter(|s| s.kind == SegmentKind::Ffn).map(|s| s.bytes).sum();
     let mut types: BTreeMap<String, (usize, u64)> = BTreeMap::new();
     for t in &m.tensors {
         let e = types.entry(t.dtype.to_string()).or_default();
@@ -56,14 +51,22 @@ pub fn run(a: InspectArgs) -> Result<()> {
             "ffn_dtype": ffn_dtype,
             "ffn_clusters": clusters,
             "sparse": sparse_json(m),
-            "plan": m.plan.as_ref().map(|p| serde_json::to_value(p)).transpose()?,
+            "plan": m.plan.as_ref().map(serde_json::to_value).transpose()?,
             "tensor_types": types.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
         return Ok(());
     }
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
-    println!("{}: nflash pack v{}.{}, {:.1} MiB, alignment {} bytes, by {}", a.file.display(), h.major, h.minor, mib(pack.file_len()), h.alignment, m.producer);
+    println!(
+        "{}: nflash pack v{}.{}, {:.1} MiB, alignment {} bytes, by {}",
+        a.file.display(),
+        h.major,
+        h.minor,
+        mib(pack.file_len()),
+        h.alignment,
+        m.producer
+    );
     let c = &m.config;
     let act = c.activation.name();
     let rope = match c.rope_scaling {
@@ -73,8 +76,14 @@ pub fn run(a: InspectArgs) -> Result<()> {
     };
     println!(
         "model: {}, {} layers, hidden {}, FFN {} ({act}), {} heads / {} KV heads, head_dim {}, vocab {}",
-        c.architecture.hf_name(), c.num_layers, c.hidden_size, c.intermediate_size,
-        c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+        c.architecture.hf_name(),
+        c.num_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
     );
     println!(
         "       RoPE theta {}, scaling {rope}, context {} tokens{}, embeddings {}",
@@ -97,13 +106,20 @@ pub fn run(a: InspectArgs) -> Result<()> {
     if let Some(f) = m.ffn.first() {
         println!(
             "FFN: {} layers × {} neurons as {} bundles of {} bytes, {} neuron clusters in all, {:.2} MiB",
-            m.ffn.len(), f.n_neurons, f.bundle.dtype, f.bundle.bundle_bytes, clusters, mib(ffn_bytes)
+            m.ffn.len(),
+            f.n_neurons,
+            f.bundle.dtype,
+            f.bundle.bundle_bytes,
+            clusters,
+            mib(ffn_bytes)
         );
     }
     print_sparse(m);
     match &m.plan {
-        Some(p) => println!("{}", nflash_runtime::planner::describe(p, m)),
-        None => println!("plan: none (convert with --device PROFILE [--memory-budget SIZE] to plan memory for a device)"),
+        Some(p) => println!("{}", nflash_plan::planner::describe(p, m)),
+        None => {
+            println!("plan: none (convert with --device PROFILE [--memory-budget SIZE] to plan memory for a device)")
+        }
     }
     println!("segments:");
     let ffn_segs: Vec<_> = m.segments.iter().filter(|s| s.kind == SegmentKind::Ffn).collect();
@@ -113,7 +129,12 @@ pub fn run(a: InspectArgs) -> Result<()> {
     if let (Some(first), Some(last)) = (ffn_segs.first(), ffn_segs.last()) {
         println!(
             "  {:<12} offset {:>12}  {:>12} bytes  ({} FFN segments {}..{}, --json lists each)",
-            "ffn.*", first.offset, ffn_bytes, ffn_segs.len(), first.name, last.name
+            "ffn.*",
+            first.offset,
+            ffn_bytes,
+            ffn_segs.len(),
+            first.name,
+            last.name
         );
     }
     Ok(())

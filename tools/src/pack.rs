@@ -10,7 +10,7 @@ use nflash_format::{
     BundleLayout, DType, FfnLayer, LayerSparsity, Manifest, ModelConfig, NeuronCluster, PackWriter, SegmentKind,
     TensorEntry, TokenizerInfo,
 };
-use nflash_runtime::weights::quantize_row;
+use nflash_runtime::kernels::quantize_row;
 use rayon::prelude::*;
 
 use crate::checkpoint::Checkpoint;
@@ -56,11 +56,7 @@ fn resident_list(cfg: &ModelConfig, quant: DType) -> Vec<Resident> {
         shape: vec![rows, cols],
         dtype: matrix_dtype(quant, cols),
     };
-    let vec32 = |name: String, n: usize| Resident {
-        name,
-        shape: vec![n],
-        dtype: DType::F32,
-    };
+    let vec32 = |name: String, n: usize| Resident { name, shape: vec![n], dtype: DType::F32 };
     let mut out = vec![mat("model.embed_tokens.weight".into(), v, h)];
     let qkv_bias = cfg.attention_bias || cfg.architecture == nflash_format::Architecture::Qwen2;
     let o_bias = cfg.attention_bias && cfg.architecture != nflash_format::Architecture::Qwen2;
@@ -101,10 +97,8 @@ pub fn check_tensors(ck: &Checkpoint) -> Result<()> {
     if !cfg.tie_word_embeddings && !ck.has("lm_head.weight") {
         bail!("config.json says tie_word_embeddings: false but the checkpoint has no lm_head.weight; fix the config (set it to true if the output layer shares the embedding) or supply the missing shard");
     }
-    let mut need: Vec<(String, Vec<usize>)> = resident_list(cfg, DType::F32)
-        .into_iter()
-        .map(|r| (r.name, r.shape))
-        .collect();
+    let mut need: Vec<(String, Vec<usize>)> =
+        resident_list(cfg, DType::F32).into_iter().map(|r| (r.name, r.shape)).collect();
     for l in 0..cfg.num_layers {
         let p = format!("model.layers.{l}.mlp");
         need.push((format!("{p}.gate_proj.weight"), vec![inter, h]));
@@ -139,11 +133,20 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
 /// Plans memory for a finished manifest (segments filled in); see `nflash_runtime::planner`.
 pub type Planner<'p> = &'p dyn Fn(&Manifest) -> Result<nflash_format::Plan>;
 
-pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, plan: Option<&SparsePlan>, planner: Option<Planner>) -> Result<()> {
+pub fn write_pack(
+    ck: &Checkpoint,
+    out: &std::path::Path,
+    opts: &PackOptions,
+    plan: Option<&SparsePlan>,
+    planner: Option<Planner>,
+) -> Result<()> {
     let cfg = ck.config.clone();
     let (h, inter) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
     let layout = BundleLayout::new(opts.quant, h as u64).ok_or_else(|| {
-        anyhow!("hidden_size {h} is not a multiple of 32, so FFN bundles cannot be stored as {}; use --quant f16 or f32", opts.quant)
+        anyhow!(
+            "hidden_size {h} is not a multiple of 32, so FFN bundles cannot be stored as {}; use --quant f16 or f32",
+            opts.quant
+        )
     })?;
     let mut w = PackWriter::create(out, opts.alignment)?;
     *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(w.temp_path().to_path_buf());
@@ -193,12 +196,15 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, pl
     // FFN neuron clusters, one segment per layer.
     let per_cluster = (opts.cluster_bytes / layout.bundle_bytes).clamp(1, inter as u64) as usize;
     let mut ffn = Vec::with_capacity(cfg.num_layers as usize);
+    // `l` names the layer's tensors and indexes the plan's layers as well.
+    #[allow(clippy::needless_range_loop)]
     for l in 0..cfg.num_layers as usize {
         let p = format!("model.layers.{l}.mlp");
         pb.set_message(format!("ffn.{l}"));
         let gate = ck.tensor_f32(&format!("{p}.gate_proj.weight"), &[inter, h])?; // [inter, hidden]
         let up = ck.tensor_f32(&format!("{p}.up_proj.weight"), &[inter, h])?; // [inter, hidden]
         let down = ck.tensor_f32(&format!("{p}.down_proj.weight"), &[h, inter])?; // [hidden, inter]
+
         // Packed order: hot first for a sparse pack, original order for a dense one.
         let order: Vec<u32> = plan.map_or_else(|| (0..inter as u32).collect(), |p| p.layers[l].order.clone());
         let bundles: Vec<Vec<u8>> = order
@@ -223,11 +229,7 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, pl
             for b in chunk {
                 w.write(b)?;
             }
-            clusters.push(NeuronCluster {
-                offset,
-                first: (ci * per_cluster) as u32,
-                n_neurons: chunk.len() as u32,
-            });
+            clusters.push(NeuronCluster { offset, first: (ci * per_cluster) as u32, n_neurons: chunk.len() as u32 });
         }
         w.end_segment()?;
         ffn.push(FfnLayer {
@@ -238,10 +240,7 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, pl
             cluster_align: opts.cluster_align,
             clusters,
             order,
-            sparse: plan.map(|p| LayerSparsity {
-                predictor_bytes: predictor_bytes[l],
-                ..p.layers[l].sparse.clone()
-            }),
+            sparse: plan.map(|p| LayerSparsity { predictor_bytes: predictor_bytes[l], ..p.layers[l].sparse.clone() }),
         });
         pb.inc(1);
     }
@@ -271,7 +270,7 @@ pub fn write_pack(ck: &Checkpoint, out: &std::path::Path, opts: &PackOptions, pl
         let mut full = manifest.clone();
         full.segments = w.segments().to_vec();
         let p = planner(&full)?;
-        message!("{}", nflash_runtime::planner::describe(&p, &full));
+        message!("{}", nflash_plan::planner::describe(&p, &full));
         manifest.plan = Some(p);
     }
     let result = w.finish(manifest);
@@ -289,11 +288,7 @@ fn ffn_bias_layer(name: &str) -> Option<usize> {
 
 /// Rows of `data` (`[n, cols]`) in `order`: row `p` of the result is row `order[p]`.
 fn permute_rows(data: &[f32], cols: usize, order: &[u32]) -> Vec<f32> {
-    order
-        .iter()
-        .flat_map(|&i| &data[i as usize * cols..(i as usize + 1) * cols])
-        .copied()
-        .collect()
+    order.iter().flat_map(|&i| &data[i as usize * cols..(i as usize + 1) * cols]).copied().collect()
 }
 
 /// Quantizes `data` (`[rows, cols]`, row-major) as `dtype` and appends it to

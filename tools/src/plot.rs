@@ -74,14 +74,21 @@ pub fn check_path(out: &Path) -> Result<()> {
         bail!("--plot {} should end in .png (the plot is a PNG image)", out.display());
     }
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| anyhow!("cannot create the directory {} for --plot: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow!("cannot create the directory {} for --plot: {e}", dir.display()))?;
     }
     Ok(())
 }
 
 type Lines = BTreeMap<String, Vec<(f64, f64)>>;
 
-fn draw(lines: &Lines, denses: &[(String, f64)], (x0, x1, dense, ymax): (f64, f64, f64, f64), tmp: &Path, out: &Path) -> Result<()> {
+fn draw(
+    lines: &Lines,
+    denses: &[(String, f64)],
+    (x0, x1, dense, ymax): (f64, f64, f64, f64),
+    tmp: &Path,
+    out: &Path,
+) -> Result<()> {
     {
         let root = BitMapBackend::new(tmp, (960, 640)).into_drawing_area();
         let err = |e: &dyn std::fmt::Display| anyhow!("plot {}: {e}", out.display());
@@ -113,9 +120,7 @@ fn draw(lines: &Lines, denses: &[(String, f64)], (x0, x1, dense, ymax): (f64, f6
                 .map_err(|e| err(&e))?
                 .label(name.clone())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-            chart
-                .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
-                .map_err(|e| err(&e))?;
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled()))).map_err(|e| err(&e))?;
         }
         chart
             .configure_series_labels()

@@ -1,4 +1,4 @@
-//! Activation predictors for sparse decode (issue 3; SPEC §4.5): built from
+//! Activation predictors for sparse decode (SPEC §4.5): built from
 //! the profile's sample of FFN inputs, calibrated on held-out sample tokens
 //! for a recall target.
 //!
@@ -18,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use nflash_format::{Activation, Criterion, PredictorKind, PredictorQuality};
-use nflash_runtime::sparse::criterion_value;
+use nflash_runtime::model::predictor::criterion_value;
 use rand::{Rng, SeedableRng};
 
 /// One layer's FFN gate and up weights in f32 (original neuron order).
@@ -201,12 +201,7 @@ pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOption
     let (cal_scores, test_scores) = scores.split_at(n_cal * w.n);
     let (cal_active, test_active) = held_active.split_at(n_cal * w.n);
     let tau = calibrate(cal_scores, cal_active, o.recall);
-    Ok(Built {
-        tensors,
-        threshold: tau,
-        quality: quality(test_scores, test_active, tau, n_held - n_cal),
-        training,
-    })
+    Ok(Built { tensors, threshold: tau, quality: quality(test_scores, test_active, tau, n_held - n_cal), training })
 }
 
 type Tensors = Vec<(&'static str, Vec<usize>, Vec<f32>)>;
@@ -229,7 +224,8 @@ fn principal_directions(train: &[f32], h: usize, r: usize) -> Result<Vec<f32>> {
     for (k, &i) in idx.iter().take(r).enumerate() {
         let col = eig.eigenvectors.column(i);
         // Fix the sign so the result is deterministic across eigensolver runs.
-        let sign = if col.iter().fold(0.0, |a: f64, &v| if v.abs() > a.abs() { v } else { a }) < 0.0 { -1.0 } else { 1.0 };
+        let sign =
+            if col.iter().fold(0.0, |a: f64, &v| if v.abs() > a.abs() { v } else { a }) < 0.0 { -1.0 } else { 1.0 };
         for j in 0..h {
             p[k * h + j] = (sign * col[j]) as f32;
         }
@@ -237,13 +233,20 @@ fn principal_directions(train: &[f32], h: usize, r: usize) -> Result<Vec<f32>> {
     Ok(p)
 }
 
-fn low_rank(w: &GateUp, train: &[f32], held: &[f32], act: Activation, o: &PredictorOptions) -> Result<(Tensors, Vec<f32>)> {
+fn low_rank(
+    w: &GateUp,
+    train: &[f32],
+    held: &[f32],
+    act: Activation,
+    o: &PredictorOptions,
+) -> Result<(Tensors, Vec<f32>)> {
     let (h, n) = (w.hidden, w.n);
     let r = o.rank.min(h);
     let pt = principal_directions(train, h, r)?; // [r, h]
     let ptt = tensor(&pt, r, h)?;
     let proj = |m: &[f32]| -> Result<Vec<f32>> { Ok(tensor(m, n, h)?.matmul(&ptt.t()?)?.flatten_all()?.to_vec1()?) };
     let (ga, ua) = (proj(w.gate)?, proj(w.up)?); // [n, r] each
+
     // Held-out scores.
     let s = held.len() / h;
     let z = tensor(held, s, h)?.matmul(&ptt.t()?)?; // [s, r]
@@ -256,6 +259,7 @@ fn low_rank(w: &GateUp, train: &[f32], held: &[f32], act: Activation, o: &Predic
 /// Orthonormal basis of the columns of `y` (`[rows, cols]` row-major, rows ≥ cols), by Householder QR.
 fn orthonormalize(y: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let q = matrix_f64(y, rows, cols).qr().q(); // [rows, cols]
+
     // nalgebra stores columns first: Qᵀ's storage is Q row by row.
     q.transpose().iter().map(|&v| v as f32).collect()
 }
@@ -363,7 +367,15 @@ impl Calibration<'_> {
 /// weights kept are those (initial or after an epoch) that select the fewest
 /// neurons at the recall target on the calibration split, so training never
 /// makes a good initialisation worse on tokens it did not see.
-fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], cal: &Calibration, o: &PredictorOptions) -> Result<(Tensors, Vec<f32>, Training)> {
+fn mlp(
+    w: &GateUp,
+    train: &[f32],
+    values: &[f32],
+    t: f32,
+    held: &[f32],
+    cal: &Calibration,
+    o: &PredictorOptions,
+) -> Result<(Tensors, Vec<f32>, Training)> {
     let (h, n, r) = (w.hidden, w.n, o.rank);
     let s = train.len() / h;
     let dev = Device::Cpu;
@@ -401,7 +413,9 @@ fn mlp(w: &GateUp, train: &[f32], values: &[f32], t: f32, held: &[f32], cal: &Ca
     let (mut first, mut last) = (f32::NAN, f32::NAN);
     let xc = tensor(cal.x, cal.x.len() / h, h)?;
     let params = [&w1, &b1, &w2, &b2];
-    let snapshot = || -> Result<Vec<Tensor>> { Ok(params.iter().map(|v| v.as_tensor().copy()).collect::<candle_core::Result<_>>()?) };
+    let snapshot = || -> Result<Vec<Tensor>> {
+        Ok(params.iter().map(|v| v.as_tensor().copy()).collect::<candle_core::Result<_>>()?)
+    };
     let selected = || -> Result<f64> { Ok(cal.selected(&forward(&xc)?.flatten_all()?.to_vec1()?)) };
     let mut best = (selected()?, snapshot()?, 0);
     for epoch in 0..o.epochs.max(1) {
@@ -494,7 +508,8 @@ mod tests {
         // G = U diag(2^-i) Vᵀ [80, 40] with random orthonormal U, V.
         let (n, h, k) = (80, 40, 5);
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        let mut rand_mat = |r: usize, c: usize| nalgebra::DMatrix::<f64>::from_fn(r, c, |_, _| rng.random_range(-1.0..1.0));
+        let mut rand_mat =
+            |r: usize, c: usize| nalgebra::DMatrix::<f64>::from_fn(r, c, |_, _| rng.random_range(-1.0..1.0));
         let (u, v) = (rand_mat(n, h).qr().q(), rand_mat(h, h).qr().q());
         let s = nalgebra::DMatrix::from_diagonal(&nalgebra::DVector::from_fn(h, |i, _| 0.5f64.powi(i as i32)));
         let g = &u * s * v.transpose();

@@ -126,10 +126,7 @@ pub struct Profile {
 }
 
 fn bincode_options() -> impl Options {
-    bincode::DefaultOptions::new()
-        .with_fixint_encoding()
-        .with_little_endian()
-        .with_limit(MAX_PROFILE_BYTES)
+    bincode::DefaultOptions::new().with_fixint_encoding().with_little_endian().with_limit(MAX_PROFILE_BYTES)
 }
 
 /// `<path>.tmp-<pid>`, beside `path`.
@@ -158,9 +155,10 @@ impl Profile {
         }
         let tmp = temp_path(path)?;
         set_in_progress(Some(tmp.clone()));
-        let result = self
-            .write_file(&tmp)
-            .and_then(|()| std::fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display())));
+        let result = self.write_file(&tmp).and_then(|()| {
+            std::fs::rename(&tmp, path)
+                .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+        });
         if result.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
@@ -187,9 +185,8 @@ impl Profile {
     /// Missing file; not a profile (bad magic); another format version;
     /// corrupt or truncated data (zstd, bincode or consistency failure).
     pub fn load(path: &Path) -> Result<Profile> {
-        let file = File::open(path).with_context(|| {
-            format!("cannot open the profile {}; make one with `prep profile`", path.display())
-        })?;
+        let file = File::open(path)
+            .with_context(|| format!("cannot open the profile {}; make one with `prep profile`", path.display()))?;
         let mut r = BufReader::new(file);
         let mut head = [0u8; 12];
         if r.read_exact(&mut head).is_err() || head[..8] != PROFILE_MAGIC {
@@ -225,7 +222,7 @@ impl Profile {
         }
         let pairs = self.calib.n_tokens.checked_mul(inter as u64).ok_or("sizes overflow")?;
         let sample_len = self.layers.first().map_or(0, |l| l.sample.len());
-        if h == 0 || sample_len % h != 0 || sample_len / h > self.calib.n_tokens as usize {
+        if h == 0 || !sample_len.is_multiple_of(h) || sample_len / h > self.calib.n_tokens as usize {
             return Err(format!("sample of {sample_len} values for hidden size {h}"));
         }
         for (i, l) in self.layers.iter().enumerate() {
@@ -333,11 +330,7 @@ impl LayerProfile {
         let k = g.iter().rposition(|&v| v <= s).unwrap_or(0).min(last.saturating_sub(1));
         let t = if last == 0 { 0.0 } else { ((s - g[k]) / (g[k + 1] - g[k])).clamp(0.0, 1.0) };
         let hi = &counts[(k + 1).min(last)];
-        counts[k]
-            .iter()
-            .zip(hi)
-            .map(|(&a, &b)| (((1.0 - t) * a as f64 + t * b as f64) / n) as f32)
-            .collect()
+        counts[k].iter().zip(hi).map(|(&a, &b)| (((1.0 - t) * a as f64 + t * b as f64) / n) as f32).collect()
     }
 }
 

@@ -1,5 +1,5 @@
-//! Quality of sparse decode against the dense model on held-out text
-//! (issue 3 §7): perplexity, Δ%, top-1 agreement, achieved sparsity, recall.
+//! Quality of sparse decode against the dense model on held-out text:
+//! perplexity, Δ%, top-1 agreement, achieved sparsity, recall.
 //!
 //! Each sparse pack is scored twice by the runtime's batched evaluation:
 //! densely (every neuron) and as sparse decode would compute it (neurons the
@@ -12,11 +12,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use nflash_format::Pack;
+use nflash_runtime::model::predictor::SparsitySummary;
 use nflash_runtime::ppl::{score, Scored};
-use nflash_runtime::sparse::SparsitySummary;
 use nflash_runtime::Engine;
-use serde::Serialize;
 use nflash_runtime::{message, message_part};
+use serde::Serialize;
 
 /// What to score.
 pub struct QualityOptions {
@@ -85,7 +85,11 @@ fn run_scored(engine: &Engine, tokens: &[u32], o: &QualityOptions, what: &str) -
 pub fn evaluate(files: &[PathBuf], o: &QualityOptions) -> Result<Vec<QualityRow>> {
     let bytes = std::fs::read(&o.text).with_context(|| format!("cannot read --text {}", o.text.display()))?;
     let text = String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!("--text {} is not UTF-8 (invalid byte at offset {}); pass a UTF-8 text file", o.text.display(), e.utf8_error().valid_up_to())
+        anyhow::anyhow!(
+            "--text {} is not UTF-8 (invalid byte at offset {}); pass a UTF-8 text file",
+            o.text.display(),
+            e.utf8_error().valid_up_to()
+        )
     })?;
     let mut dense_cache: Vec<(String, Scored)> = Vec::new();
     let mut rows = Vec::new();
@@ -98,7 +102,12 @@ pub fn evaluate(files: &[PathBuf], o: &QualityOptions) -> Result<Vec<QualityRow>
             bail!("--text {} gives {} tokens; quality needs at least 2", o.text.display(), tokens.len());
         }
         let m = pack.manifest();
-        let key = format!("{:?}|{}|{}", m.config, m.ffn.first().map_or(String::new(), |f| f.bundle.dtype.to_string()), tokens.len());
+        let key = format!(
+            "{:?}|{}|{}",
+            m.config,
+            m.ffn.first().map_or(String::new(), |f| f.bundle.dtype.to_string()),
+            tokens.len()
+        );
         let name = short(f);
         let quant = m.ffn.first().map_or(String::new(), |f| f.bundle.dtype.to_string());
         let dense = match dense_cache.iter().find(|(k, _)| *k == key) {
@@ -176,7 +185,20 @@ fn short(p: &Path) -> String {
 pub fn print_table(rows: &[QualityRow]) {
     println!(
         "{:<28} {:<5} {:<8} {:<9} {:>4} {:>6} {:>9} {:>9} {:>7} {:>6} {:>8} {:>8} {:>6} {:>9}",
-        "pack", "quant", "criterion", "predictor", "rank", "target", "dense ppl", "sparse ppl", "Δ%", "top-1", "ffn spar", "skipped", "recall", "pred KiB"
+        "pack",
+        "quant",
+        "criterion",
+        "predictor",
+        "rank",
+        "target",
+        "dense ppl",
+        "sparse ppl",
+        "Δ%",
+        "top-1",
+        "ffn spar",
+        "skipped",
+        "recall",
+        "pred KiB"
     );
     for r in rows {
         println!(

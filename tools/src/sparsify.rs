@@ -1,5 +1,5 @@
 //! From a profile to a sparse pack's contents: per-layer activity thresholds,
-//! hot-first neuron order, and calibrated predictors (issue 3; SPEC §4.5).
+//! hot-first neuron order, and calibrated predictors (SPEC §4.5).
 
 use anyhow::{bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -125,14 +125,7 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
         } else {
             (None, None)
         };
-        let w = GateUp {
-            gate: &gate,
-            up: &up,
-            gate_bias: gb.as_deref(),
-            up_bias: ub.as_deref(),
-            n,
-            hidden: h,
-        };
+        let w = GateUp { gate: &gate, up: &up, gate_bias: gb.as_deref(), up_bias: ub.as_deref(), n, hidden: h };
         let built = build(
             &w,
             &profile.sample(l),

@@ -1,5 +1,5 @@
 //! `prep synth`: a synthetic Hugging Face checkpoint of a chosen shape whose
-//! FFN activation statistics are controlled (issue 5).
+//! FFN activation statistics are controlled.
 //!
 //! No ReLU-family checkpoint can be fetched here, so the sparse, skewed regime
 //! of ReluLLaMA / ProSparse / TurboSparse models is generated instead:
@@ -42,7 +42,7 @@ use safetensors::Dtype;
 use serde_json::{json, Value};
 use statrs::distribution::{ContinuousCDF, Normal};
 
-use nflash_runtime::sim::power_law;
+use nflash_plan::sim::power_law;
 
 use crate::checkpoint::{read_json, token_ids};
 use crate::forward::{split_windows, Forward, WeightSource};
@@ -114,7 +114,7 @@ pub struct SynthArgs {
     #[arg(long, default_value = "models/SmolLM2-135M-Instruct")]
     tokenizer: PathBuf,
     /// Largest shard, bytes (e.g. 2GiB).
-    #[arg(long, default_value = "2GiB", value_parser = nflash_runtime::planner::parse_bytes)]
+    #[arg(long, default_value = "2GiB", value_parser = nflash_plan::planner::parse_bytes)]
     shard_bytes: u64,
     /// Calibration tokens (uniformly random ids) whose statistics set the biases, 16 to 65536.
     #[arg(long, default_value_t = 512)]
@@ -163,7 +163,8 @@ fn fill_row(seed: u64, name_key: u64, row: u64, std: f32, out: &mut [f32]) {
 impl Synth {
     /// Whether `name` is a low-rank projection (gate; dReLU: up too).
     fn is_low_rank(&self, name: &str) -> bool {
-        name.ends_with("mlp.gate_proj.weight") || (self.cfg.activation == Activation::DRelu && name.ends_with("mlp.up_proj.weight"))
+        name.ends_with("mlp.gate_proj.weight")
+            || (self.cfg.activation == Activation::DRelu && name.ends_with("mlp.up_proj.weight"))
     }
 
     /// Standard deviation of a full-rank random tensor of `shape` named `name`:
@@ -185,11 +186,14 @@ impl Synth {
             return Ok(vec![1.0; n * cols]);
         }
         if name.ends_with(".bias") {
-            if name.ends_with("down_proj.bias") || (name.ends_with("up_proj.bias") && self.cfg.activation != Activation::DRelu) {
+            if name.ends_with("down_proj.bias")
+                || (name.ends_with("up_proj.bias") && self.cfg.activation != Activation::DRelu)
+            {
                 return Ok(vec![0.0; n * cols]);
             }
             let b = self.biases.lock().unwrap_or_else(|e| e.into_inner());
-            let v = b.get(name).with_context(|| format!("internal: bias {name} used before its layer was calibrated"))?;
+            let v =
+                b.get(name).with_context(|| format!("internal: bias {name} used before its layer was calibrated"))?;
             return Ok(v[rows].to_vec());
         }
         let mut out = vec![0f32; n * cols];
@@ -197,8 +201,11 @@ impl Synth {
             // Row i = g_i · P: g_i `[rank]` (std 1/√rank), P `[rank, hidden]` (std 1/√hidden).
             let p = self.basis(name, cols);
             let g = self.coefficients(name, rows.clone());
-            let w = Tensor::from_vec(g, (n, self.rank), &Device::Cpu)?
-                .matmul(&Tensor::from_vec(p, (self.rank, cols), &Device::Cpu)?)?;
+            let w = Tensor::from_vec(g, (n, self.rank), &Device::Cpu)?.matmul(&Tensor::from_vec(
+                p,
+                (self.rank, cols),
+                &Device::Cpu,
+            )?)?;
             return Ok(w.flatten_all()?.to_vec1::<f32>()?);
         }
         let (k, std) = (key(name), Self::std_of(name, shape));
@@ -352,7 +359,10 @@ fn calibrate(s: &Synth, a: &SynthArgs, pb: &ProgressBar) -> Result<Vec<f64>> {
                     *a &= zi + bi > 0.0;
                 }
             }
-            s.biases.lock().unwrap_or_else(|e| e.into_inner()).insert(format!("model.layers.{l}.mlp.{}", proj.replace("_proj", "_proj.bias")), b);
+            s.biases
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(format!("model.layers.{l}.mlp.{}", proj.replace("_proj", "_proj.bias")), b);
         }
         achieved.push(1.0 - active.iter().filter(|&&v| v).count() as f64 / active.len() as f64);
         let ffn = fwd.ffn(l)?;
@@ -422,7 +432,10 @@ fn bar(len: u64, template: &str) -> ProgressBar {
 
 pub fn run(a: SynthArgs) -> Result<()> {
     if !(a.sparsity > 0.0 && a.sparsity < 1.0) {
-        bail!("--sparsity {} is outside (0, 1): it is the mean fraction of FFN neurons inactive per token, e.g. 0.9", a.sparsity);
+        bail!(
+            "--sparsity {} is outside (0, 1): it is the mean fraction of FFN neurons inactive per token, e.g. 0.9",
+            a.sparsity
+        );
     }
     if !(0.0..=8.0).contains(&a.skew) {
         bail!("--skew {} is outside [0, 8]: 0 means no hot neurons, 1.5 is the default", a.skew);
@@ -439,22 +452,32 @@ pub fn run(a: SynthArgs) -> Result<()> {
     // The output must be a new directory: not an existing path (a dangling symlink included), not `..`.
     let name_ok = a.out.file_name().is_some_and(|n| n != "." && n != "..");
     if a.out.symlink_metadata().is_ok() || !name_ok {
-        bail!("--out {} must name a new directory (it exists, or is `.`/`..`): remove it or choose another --out", a.out.display());
+        bail!(
+            "--out {} must name a new directory (it exists, or is `.`/`..`): remove it or choose another --out",
+            a.out.display()
+        );
     }
     // Create the temporary output directory now, so a bad location fails before any heavy work.
     let parent = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if parent.exists() && !parent.is_dir() {
         bail!("--out {}: {} is a file, not a directory", a.out.display(), parent.display());
     }
-    std::fs::create_dir_all(parent).with_context(|| format!("cannot create the directory {} for --out", parent.display()))?;
-    let tmp = parent.join(format!(".{}.tmp-{}", a.out.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(), std::process::id()));
-    std::fs::create_dir(&tmp).with_context(|| format!("cannot create {} (is {} writable?)", tmp.display(), parent.display()))?;
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("cannot create the directory {} for --out", parent.display()))?;
+    let tmp = parent.join(format!(
+        ".{}.tmp-{}",
+        a.out.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+        std::process::id()
+    ));
+    std::fs::create_dir(&tmp)
+        .with_context(|| format!("cannot create {} (is {} writable?)", tmp.display(), parent.display()))?;
     *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(tmp.clone());
     let result = synthesize(&a, &tmp);
     let mut guard = crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner());
     // Holding the lock: an interrupt now waits for this to finish, then exits.
     let result = result.and_then(|t0| {
-        std::fs::rename(&tmp, &a.out).with_context(|| format!("cannot rename {} to {}", tmp.display(), a.out.display()))?;
+        std::fs::rename(&tmp, &a.out)
+            .with_context(|| format!("cannot rename {} to {}", tmp.display(), a.out.display()))?;
         Ok(t0)
     });
     if result.is_err() {
@@ -464,7 +487,12 @@ pub fn run(a: SynthArgs) -> Result<()> {
     drop(guard);
     let t0 = result?;
     let peak = nflash_runtime::stats::peak_rss_bytes().unwrap_or(0);
-    message!("wrote {} in {:.1} s (peak RSS {:.0} MiB)", a.out.display(), t0.elapsed().as_secs_f64(), peak as f64 / (1 << 20) as f64);
+    message!(
+        "wrote {} in {:.1} s (peak RSS {:.0} MiB)",
+        a.out.display(),
+        t0.elapsed().as_secs_f64(),
+        peak as f64 / (1 << 20) as f64
+    );
     Ok(())
 }
 
@@ -485,18 +513,29 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
         .map_err(|e| anyhow::anyhow!("{} cannot be loaded: {e}", tok_json.display()))?;
     let cfg_path = a.tokenizer.join("config.json");
     let src_cfg = if cfg_path.exists() {
-        read_json(&cfg_path).with_context(|| format!("{} is not valid JSON; fix it or remove it (it only supplies BOS/EOS ids and vocab_size)", cfg_path.display()))?
+        read_json(&cfg_path).with_context(|| {
+            format!(
+                "{} is not valid JSON; fix it or remove it (it only supplies BOS/EOS ids and vocab_size)",
+                cfg_path.display()
+            )
+        })?
     } else {
         message!("note: {} has no config.json: no BOS/EOS token ids in the synthetic config", a.tokenizer.display());
         Value::Null
     };
     if !a.tokenizer.join("tokenizer_config.json").exists() {
-        message!("note: {} has no tokenizer_config.json: the checkpoint will have no chat template", a.tokenizer.display());
+        message!(
+            "note: {} has no tokenizer_config.json: the checkpoint will have no chat template",
+            a.tokenizer.display()
+        );
     }
     let n_tok = tok.vocab_size() as u64;
     let vocab = src_cfg.get("vocab_size").and_then(Value::as_u64).unwrap_or(n_tok).max(n_tok);
-    if vocab < 8 || vocab > MAX_VOCAB {
-        bail!("vocabulary of {vocab} tokens ({} and its config.json vocab_size) is outside 8..={MAX_VOCAB}", tok_json.display());
+    if !(8..=MAX_VOCAB).contains(&vocab) {
+        bail!(
+            "vocabulary of {vocab} tokens ({} and its config.json vocab_size) is outside 8..={MAX_VOCAB}",
+            tok_json.display()
+        );
     }
     let (arch, hidden, inter, layers, heads, kv_heads, theta, max_pos) = dims(a.shape);
     let layers = a.layers.map_or(layers, |l| l as u64);
@@ -541,7 +580,7 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
     // 1. Biases from calibration statistics.
     let pb = bar(layers, "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}");
     pb.set_message("calibrate");
-    let achieved = calibrate(&synth, &a, &pb)?;
+    let achieved = calibrate(&synth, a, &pb)?;
     pb.finish_and_clear();
     let curve = power_law(inter as usize, 1.0 - a.sparsity, a.skew);
     let top20: f64 = curve[..inter as usize / 5].iter().sum::<f64>() / curve.iter().sum::<f64>();
@@ -582,7 +621,16 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
         size += b;
         shards.last_mut().expect("non-empty").push((name, shape));
     }
-    message!("writing {:.2} GiB of {} weights in {} shard(s)", total as f64 / (1u64 << 30) as f64, match a.dtype { SynthDtype::Bf16 => "BF16", SynthDtype::F16 => "F16", SynthDtype::F32 => "F32" }, shards.len());
+    message!(
+        "writing {:.2} GiB of {} weights in {} shard(s)",
+        total as f64 / (1u64 << 30) as f64,
+        match a.dtype {
+            SynthDtype::Bf16 => "BF16",
+            SynthDtype::F16 => "F16",
+            SynthDtype::F32 => "F32",
+        },
+        shards.len()
+    );
     let pb = bar(total, "{msg:>10} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}");
     let n_shards = shards.len();
     let mut weight_map = serde_json::Map::new();
@@ -594,7 +642,8 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
         }
         let views = shard.into_iter().map(|(name, shape)| (name.clone(), Lazy { s, name, shape, dtype, pb: &pb }));
         let path = dir.join(&file);
-        safetensors::serialize_to_file(views, None, &path).with_context(|| format!("cannot write {}", path.display()))?;
+        safetensors::serialize_to_file(views, None, &path)
+            .with_context(|| format!("cannot write {}", path.display()))?;
         // safetensors creates the file 0600; checkpoints are shared like the other files.
         std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
     }

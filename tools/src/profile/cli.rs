@@ -64,7 +64,8 @@ pub fn run(a: ProfileArgs) -> Result<()> {
     if a.run.window as u64 > cfg.max_position_embeddings {
         message!(
             "warning: --window {} is beyond the model's trained context ({} tokens)",
-            a.run.window, cfg.max_position_embeddings
+            a.run.window,
+            cfg.max_position_embeddings
         );
     }
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {

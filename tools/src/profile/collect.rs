@@ -61,7 +61,11 @@ impl ProfileOptions {
             bail!("--sample {} is too small: predictors are trained and calibrated on at least {MIN_SAMPLE} sampled FFN inputs (default 8192)", self.sample);
         }
         if self.tokens < self.window {
-            bail!("--tokens {} is less than one window (--window {}): raise --tokens or lower --window", self.tokens, self.window);
+            bail!(
+                "--tokens {} is less than one window (--window {}): raise --tokens or lower --window",
+                self.tokens,
+                self.window
+            );
         }
         Ok(())
     }
@@ -136,14 +140,13 @@ fn sample_indices(n_tokens: usize, n_sample: usize) -> Vec<usize> {
 
 fn progress_bar(len: u64, layers: u64) -> ProgressBar {
     let pb = ProgressBar::new(len);
-    let style = ProgressStyle::with_template(
-        "{msg:>12} [{elapsed_precise}] {wide_bar} {percent:>3}% {tps} tokens/s eta {eta}",
-    )
-    .expect("static template")
-    .with_key("tps", move |s: &ProgressState, w: &mut dyn std::fmt::Write| {
-        let secs = s.elapsed().as_secs_f64().max(1e-9);
-        let _ = write!(w, "{:.0}", s.pos() as f64 / (STAGES * layers) as f64 / secs);
-    });
+    let style =
+        ProgressStyle::with_template("{msg:>12} [{elapsed_precise}] {wide_bar} {percent:>3}% {tps} tokens/s eta {eta}")
+            .expect("static template")
+            .with_key("tps", move |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                let secs = s.elapsed().as_secs_f64().max(1e-9);
+                let _ = write!(w, "{:.0}", s.pos() as f64 / (STAGES * layers) as f64 / secs);
+            });
     pb.set_style(style);
     pb
 }

@@ -1,8 +1,8 @@
 //! Helpers shared by the subcommands.
 
 use anyhow::{Context, Result};
-use std::path::Path;
 use nflash_runtime::message;
+use std::path::Path;
 
 /// Runs `f` on a worker of a rayon pool of `threads` threads (`None`: one
 /// per core). Running the whole command inside the pool keeps the many small
@@ -46,7 +46,7 @@ pub fn open_pack(path: &Path, verify: bool) -> Result<nflash_format::Pack> {
     if verify {
         pack.verify()?;
     }
-    if nflash_runtime::simd::q4_0x8_available() {
+    if nflash_runtime::kernels::q4_0x8_available() {
         // Q4_0 matrices in groups of 8 rows: one stream per group in decode.
         pack.interleave_q4_0()?;
     }
@@ -61,7 +61,11 @@ pub fn check_output(out: &Path, flag: &str, inputs: &[&Path]) -> Result<()> {
     }
     let dir = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if !dir.is_dir() {
-        anyhow::bail!("{flag} {}: the directory {} does not exist; create it or choose another path", out.display(), dir.display());
+        anyhow::bail!(
+            "{flag} {}: the directory {} does not exist; create it or choose another path",
+            out.display(),
+            dir.display()
+        );
     }
     if let Ok(o) = out.canonicalize() {
         for i in inputs {
@@ -78,7 +82,8 @@ pub fn check_output(out: &Path, flag: &str, inputs: &[&Path]) -> Result<()> {
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).with_context(|| format!("cannot create a temporary file in {}", dir.display()))?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)
+        .with_context(|| format!("cannot create a temporary file in {}", dir.display()))?;
     tmp.write_all(bytes).with_context(|| format!("cannot write {}", path.display()))?;
     tmp.persist(path).map_err(|e| anyhow::anyhow!("cannot write {}: {}", path.display(), e.error))?;
     Ok(())

@@ -3,14 +3,13 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use nflash_format::{DeviceProfile, Pack, Plan};
-use nflash_runtime::cache::CacheConfig;
-use nflash_runtime::planner::{self, parse_bytes, Footprint, PlanRequest};
+use nflash_plan::planner::{self, parse_bytes, Footprint, PlanRequest};
+use nflash_plan::CacheConfig;
 use nflash_runtime::Engine;
 
 /// The profile used when the pack has no plan and no --device is given:
 /// this repository's `profiles/dev-host.toml`, measured by `nflash probe`.
 const DEFAULT_PROFILE: &str = include_str!("../../../../profiles/dev-host.toml");
-
 
 /// Memory options (PowerInfer-2's segmented neuron cache; SPEC §4.6).
 #[derive(Args, Clone, Debug)]
@@ -58,27 +57,48 @@ impl MemoryArgs {
 /// `measured`: the process's footprint with the resident tensors and
 /// tokenizer loaded, used instead of the planner's estimate of them.
 /// `device`: the `--device` profile, loaded by the caller.
-pub fn resolve(pack: &Pack, a: &MemoryArgs, device: Option<DeviceProfile>, ctx: usize, threads: usize, measured: Option<Footprint>) -> Result<(CacheConfig, Option<Plan>)> {
+pub fn resolve(
+    pack: &Pack,
+    a: &MemoryArgs,
+    device: Option<DeviceProfile>,
+    ctx: usize,
+    threads: usize,
+    measured: Option<Footprint>,
+) -> Result<(CacheConfig, Option<Plan>)> {
     let m = pack.manifest();
     let stored = m.plan.as_ref();
     let budget = a.memory_budget.or(stored.map(|p| p.memory_budget_bytes));
     let plan = match (budget, stored) {
         (None, _) => None,
         // The stored plan as is, when nothing it depends on changed.
-        (Some(_), Some(p)) if a.memory_budget.is_none() && p.ctx as usize == ctx && p.threads as usize == threads && device.is_none() && measured.is_none() => {
+        (Some(_), Some(p))
+            if a.memory_budget.is_none()
+                && p.ctx as usize == ctx
+                && p.threads as usize == threads
+                && device.is_none()
+                && measured.is_none() =>
+        {
             Some(p.clone())
         }
         (Some(budget_bytes), _) => {
             let dev = match (device, stored) {
                 (Some(d), _) => d,
                 (None, Some(p)) => p.device.clone(),
-                (None, None) => DeviceProfile::parse(DEFAULT_PROFILE).map_err(anyhow::Error::msg).context("built-in dev-host profile")?,
+                (None, None) => DeviceProfile::parse(DEFAULT_PROFILE)
+                    .map_err(anyhow::Error::msg)
+                    .context("built-in dev-host profile")?,
             };
-            let req = PlanRequest { budget_bytes, ctx: ctx as u32, threads: threads as u32, io_threads: a.io_threads.map(|n| n as u32), measured };
+            let req = PlanRequest {
+                budget_bytes,
+                ctx: ctx as u32,
+                threads: threads as u32,
+                io_threads: a.io_threads.map(|n| n as u32),
+                measured,
+            };
             Some(planner::plan(m, &dev, &req)?)
         }
     };
-    let mut cfg = plan.as_ref().map_or_else(|| CacheConfig::all_hot(pack), planner::cache_config);
+    let mut cfg = plan.as_ref().map_or_else(|| CacheConfig::all_hot(pack), CacheConfig::from_plan);
     if let Some(f) = a.hot_fraction {
         if !(0.0..=1.0).contains(&f) || f.is_nan() {
             bail!("--hot-fraction {f} is outside [0, 1]");
@@ -116,11 +136,17 @@ pub fn resolve(pack: &Pack, a: &MemoryArgs, device: Option<DeviceProfile>, ctx: 
 /// resident tensors and tokenizer are in memory, measured from this
 /// process's footprint at that point; returns the plan too.
 /// `device`: from [`MemoryArgs::device_profile`].
-pub fn load_engine<'p>(pack: &'p Pack, a: &MemoryArgs, device: Option<DeviceProfile>, ctx: usize) -> Result<(Engine<'p>, Option<Plan>)> {
+pub fn load_engine<'p>(
+    pack: &'p Pack,
+    a: &MemoryArgs,
+    device: Option<DeviceProfile>,
+    ctx: usize,
+) -> Result<(Engine<'p>, Option<Plan>)> {
     let mut plan = None;
     let engine = Engine::load_planned(pack, || {
         nflash_runtime::stats::trim_heap();
-        let footprint = nflash_runtime::stats::rss_bytes().map(|rss| Footprint { rss, peak: nflash_runtime::stats::peak_rss_bytes().unwrap_or(rss) });
+        let footprint = nflash_runtime::stats::rss_bytes()
+            .map(|rss| Footprint { rss, peak: nflash_runtime::stats::peak_rss_bytes().unwrap_or(rss) });
         let (cache, p) = resolve(pack, a, device, ctx, rayon::current_num_threads(), footprint)
             .map_err(|e| nflash_runtime::Error::Usage(format!("{e:#}")))?;
         plan = p;

@@ -1,14 +1,15 @@
 //! `nflash plan-sim`: predict decode tokens/s of a pack or a model shape on a
-//! device profile, without running it (issue 5; PowerInfer-2 §4.4 cost model).
+//! device profile, without running it (PowerInfer-2 §4.4 cost model).
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use nflash_format::{DType, DeviceProfile, Manifest, Pack};
-use nflash_runtime::cache::cluster_read_bytes;
-use nflash_runtime::planner::{self, Estimate, PlanRequest};
-use nflash_runtime::sim::{self, SimOptions};
+use nflash_plan::cost::{self, Estimate};
+use nflash_plan::layout::cluster_read_bytes;
+use nflash_plan::planner::{self, PlanRequest};
+use nflash_plan::sim::{self, SimOptions};
 use nflash_runtime::message;
 
 /// Arguments of `nflash plan-sim`.
@@ -41,7 +42,7 @@ pub struct PlanSimArgs {
     quant: DType,
     /// Memory budgets, comma-separated (e.g. 3GiB,4GiB); default: the fixed
     /// region plus each of --ffn-share of the FFN bytes.
-    #[arg(long, value_delimiter = ',', value_parser = nflash_runtime::planner::parse_bytes)]
+    #[arg(long, value_delimiter = ',', value_parser = nflash_plan::planner::parse_bytes)]
     memory_budget: Vec<u64>,
     /// Shares of the FFN bytes kept in memory beside the fixed region, used without --memory-budget.
     #[arg(long, value_delimiter = ',', default_value = "1,0.5,0.25")]
@@ -89,14 +90,23 @@ struct Case {
     est: std::result::Result<Estimate, String>,
 }
 
-fn simulate(m: &Manifest, dev: &DeviceProfile, a: &PlanSimArgs, threads: u32, label: &str, sparsity: Option<f64>, notes: &mut Vec<String>) -> Vec<Case> {
+fn simulate(
+    m: &Manifest,
+    dev: &DeviceProfile,
+    a: &PlanSimArgs,
+    threads: u32,
+    label: &str,
+    sparsity: Option<f64>,
+    notes: &mut Vec<String>,
+) -> Vec<Case> {
     // FFN bytes as read (whole aligned clusters), the unit hot_bytes is counted in.
     let ffn_bytes: u64 = m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| cluster_read_bytes(f, c))).sum();
     let fixed = planner::fixed_region(m, a.ctx, None).total();
     let budgets: Vec<u64> = if a.memory_budget.is_empty() {
         // The planner also needs one layer's clusters to stage reads beyond the fixed region.
         let stage = ffn_bytes / m.ffn.len().max(1) as u64;
-        let b: Vec<u64> = a.ffn_share.iter().map(|f| fixed + ((*f * ffn_bytes as f64) as u64).max(stage) + (1 << 20)).collect();
+        let b: Vec<u64> =
+            a.ffn_share.iter().map(|f| fixed + ((*f * ffn_bytes as f64) as u64).max(stage) + (1 << 20)).collect();
         if a.ffn_share.iter().any(|f| ((*f * ffn_bytes as f64) as u64) < stage) {
             notes.push(format!("{label}: an --ffn-share below one layer's FFN ({:.1}% of it) is raised to that minimum (the cold region stages one layer's reads)", 100.0 / m.ffn.len().max(1) as f64));
         }
@@ -105,7 +115,10 @@ fn simulate(m: &Manifest, dev: &DeviceProfile, a: &PlanSimArgs, threads: u32, la
         a.memory_budget.clone()
     };
     if a.ctx as u64 > m.config.max_position_embeddings {
-        notes.push(format!("{label}: --ctx {} is beyond the model's context of {} tokens", a.ctx, m.config.max_position_embeddings));
+        notes.push(format!(
+            "{label}: --ctx {} is beyond the model's context of {} tokens",
+            a.ctx, m.config.max_position_embeddings
+        ));
     }
     budgets
         .into_iter()
@@ -127,7 +140,7 @@ fn simulate(m: &Manifest, dev: &DeviceProfile, a: &PlanSimArgs, threads: u32, la
                     ffn_bytes,
                     fixed: p.fixed_bytes,
                     hot_share: p.hot_bytes as f64 / ffn_bytes.max(1) as f64,
-                    est: Ok(planner::estimate(m, dev, &p)),
+                    est: Ok(cost::estimate(m, dev, &p)),
                 },
                 Err(e) => Case { label: label.to_string(), sparsity, budget, ffn_bytes, fixed, hot_share: 0.0, est: Err(e.to_string()) },
             }
@@ -141,7 +154,12 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     let mut notes = Vec::new();
     let threads = match a.threads {
         Some(t) if t > dev.n_cores() => {
-            notes.push(format!("--threads {t} is more than {}'s {} cores: simulated with {}", dev.name, dev.n_cores(), dev.n_cores()));
+            notes.push(format!(
+                "--threads {t} is more than {}'s {} cores: simulated with {}",
+                dev.name,
+                dev.n_cores(),
+                dev.n_cores()
+            ));
             dev.n_cores()
         }
         Some(t) => t,
@@ -150,7 +168,9 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     let mut cases = Vec::new();
     // Mixtral-sized shapes take seconds per budget; drawn only on a terminal.
     let pb = indicatif::ProgressBar::new((a.models.len() + a.shape.len() * a.sparsity.len()) as u64);
-    pb.set_style(indicatif::ProgressStyle::with_template("plan-sim {bar:30} {pos}/{len} {msg}").expect("valid template"));
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("plan-sim {bar:30} {pos}/{len} {msg}").expect("valid template"),
+    );
     for path in &a.models {
         pb.set_message(path.display().to_string());
         let pack = Pack::open(path)?;
@@ -162,12 +182,23 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     }
     for name in &a.shape {
         let shape = sim::shape(name).with_context(|| {
-            format!("unknown --shape {name:?}; known: {}", sim::SHAPES.iter().map(|s| s.name).collect::<Vec<_>>().join(", "))
+            format!(
+                "unknown --shape {name:?}; known: {}",
+                sim::SHAPES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+            )
         })?;
         for &s in &a.sparsity {
             pb.set_message(format!("{} at sparsity {s}", shape.name));
-            let o = SimOptions { sparsity: s, skew: a.skew, quant: a.quant, recall: a.recall, precision: a.precision, predictor_budget: 0.1 };
-            let m = sim::synthetic_manifest(&shape, &o, &dev).with_context(|| format!("{} cannot be stored as {}", shape.name, a.quant))?;
+            let o = SimOptions {
+                sparsity: s,
+                skew: a.skew,
+                quant: a.quant,
+                recall: a.recall,
+                precision: a.precision,
+                predictor_budget: 0.1,
+            };
+            let m = sim::synthetic_manifest(&shape, &o, &dev)
+                .with_context(|| format!("{} cannot be stored as {}", shape.name, a.quant))?;
             cases.extend(simulate(&m, &dev, &a, threads, shape.name, Some(s), &mut notes));
             pb.inc(1);
         }
@@ -231,12 +262,27 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     let speed = if dev.cpu.q4_0_matvec_gb_s_1t.is_some() {
         format!("the profile's Q4_0 matvec speed at {threads} threads")
     } else {
-        format!("half the profile's memory bandwidth shared by {threads} of its {} cores (it has no matvec figures)", dev.n_cores())
+        format!(
+            "half the profile's memory bandwidth shared by {threads} of its {} cores (it has no matvec figures)",
+            dev.n_cores()
+        )
     };
-    let ffn_note = if dev.kernels.is_some() { "the FFN bundles at its sparse FFN speed ([kernels])" } else { "the FFN bundles too (no [kernels] in the profile)" };
-    let (waste, loss) = (100.0 * planner::SPECULATION_WASTE, planner::OVERLAP_LOSS);
-    let attn_note = if dev.kernels.as_ref().is_some_and(|k| k.q4_0_attention_gb_s_1t.is_some()) { ", attention weights at its attention-block speed ([kernels])" } else { "" };
-    let cpu_note = if dev.read_cpu_s(4096) > 0.0 { ", plus each read's CPU time ([kernels] read_cpu_us*) shared by the threads" } else { "" };
+    let ffn_note = if dev.kernels.is_some() {
+        "the FFN bundles at its sparse FFN speed ([kernels])"
+    } else {
+        "the FFN bundles too (no [kernels] in the profile)"
+    };
+    let (waste, loss) = (100.0 * cost::SPECULATION_WASTE, cost::OVERLAP_LOSS);
+    let attn_note = if dev.kernels.as_ref().is_some_and(|k| k.q4_0_attention_gb_s_1t.is_some()) {
+        ", attention weights at its attention-block speed ([kernels])"
+    } else {
+        ""
+    };
+    let cpu_note = if dev.read_cpu_s(4096) > 0.0 {
+        ", plus each read's CPU time ([kernels] read_cpu_us*) shared by the threads"
+    } else {
+        ""
+    };
     println!("compute: weights touched per token (attention with the KV cache at half the context) / {speed}{attn_note}, {ffn_note}{cpu_note}; I/O: cold misses per token (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part of it not hidden behind the layer's FFN compute (and its attention where a speculative prefetch runs, as `nflash run --speculate auto` decides: {waste:.0}% extra reads), a layer taking max(compute, reads) + {loss} × the smaller (the I/O threads share the cores); bound: flash I/O when I/O exp is over half the token, compute + I/O over a fifth, else compute");
     let mut seen = std::collections::HashSet::new();
     for n in notes.iter().filter(|n| seen.insert(n.as_str())) {

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use nflash_runtime::sparse::SparsitySummary;
+use nflash_runtime::model::predictor::SparsitySummary;
 use nflash_runtime::ppl;
 
 use crate::common::{in_pool, open_pack, read_text};

@@ -4,13 +4,14 @@ use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use clap::builder::TypedValueParser;
 use clap::Args;
 use nflash_runtime::chat::Message;
 use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
+use nflash_runtime::model::predictor::SparsitySummary;
+use nflash_runtime::model::Speculation;
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::stats::{peak_rss_bytes, percentile};
-use nflash_runtime::sparse::SparsitySummary;
-use nflash_runtime::model::Speculation;
 use nflash_runtime::{Engine, Model};
 
 use crate::common::{check_output, in_pool, open_pack, read_text, write_atomic};
@@ -73,7 +74,11 @@ pub struct RunArgs {
     dense: bool,
     /// Speculative prefetch: read the next layer's likely cold neuron clusters
     /// while its attention runs. auto = for layers that waited for reads.
-    #[arg(long, value_enum, default_value_t = Speculation::Auto)]
+    #[arg(
+        long,
+        default_value = "auto",
+        value_parser = clap::builder::PossibleValuesParser::new(Speculation::ALL.map(|(_, name)| name)).try_map(|s| s.parse::<Speculation>())
+    )]
     speculate: Speculation,
     #[command(flatten)]
     memory: MemoryArgs,
@@ -111,11 +116,15 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     let (mut engine, plan) = load_engine(&pack, &a.memory, device, ctx)?;
     if a.stats {
         if let Some(p) = &plan {
-            message!("{} (planned at start from this process's measured footprint)", nflash_runtime::planner::describe(p, pack.manifest()));
+            message!(
+                "{} (planned at start from this process's measured footprint)",
+                nflash_plan::planner::describe(p, pack.manifest())
+            );
         }
     }
     if a.stats && (a.memory.hot_fraction.is_some() || a.memory.cold_cache.is_some()) {
-        let (hot, cold, _) = engine.model.cache_regions();
+        let r = engine.model.cache_regions();
+        let (hot, cold) = (r.hot_bytes, r.cold_bytes);
         message!(
             "flags override the plan: hot region {:.1} MiB, cold region {:.1} MiB in force",
             hot as f64 / (1u64 << 20) as f64,
@@ -132,32 +141,20 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         bail!("--ctx must be at least 2");
     }
     let seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
     });
-    let mut sampler = Sampler::new(SamplerConfig {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        seed,
-    });
-    let opts = GenerateOptions {
-        max_tokens: a.max_tokens,
-        stop_ids: engine.stop_ids.clone(),
-        ignore_eos: a.ignore_eos,
-    };
+    let mut sampler = Sampler::new(SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed });
+    let opts =
+        GenerateOptions { max_tokens: a.max_tokens, stop_ids: engine.stop_ids.clone(), ignore_eos: a.ignore_eos };
     let mut kv = engine.model.try_new_kv_cache(ctx)?;
     let Some(prompt) = prompt else {
         return interactive(&engine, &mut kv, &mut sampler, &opts, &a, budget);
     };
     if prompt.trim().is_empty() {
         match &a.prompt_file {
-            Some(f) if a.prompt.is_none() => bail!(
-                "the prompt is empty: {} holds no text; put the prompt in it, or pass --prompt TEXT",
-                f.display()
-            ),
+            Some(f) if a.prompt.is_none() => {
+                bail!("the prompt is empty: {} holds no text; put the prompt in it, or pass --prompt TEXT", f.display())
+            }
             _ => bail!("the prompt is empty; pass text with --prompt or --prompt-file"),
         }
     }
@@ -197,13 +194,22 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
     let rss = peak_rss_bytes().unwrap_or(0);
     let ms: Vec<f64> = st.step_s.iter().map(|s| s * 1e3).collect();
     let mean_ms = if ms.is_empty() { 0.0 } else { ms.iter().sum::<f64>() / ms.len() as f64 };
-    let (p50, p90, p99) = (percentile(&ms, 0.5).unwrap_or(0.0), percentile(&ms, 0.9).unwrap_or(0.0), percentile(&ms, 0.99).unwrap_or(0.0));
+    let (p50, p90, p99) = (
+        percentile(&ms, 0.5).unwrap_or(0.0),
+        percentile(&ms, 0.9).unwrap_or(0.0),
+        percentile(&ms, 0.99).unwrap_or(0.0),
+    );
     let c = &st.decode_cache;
     let steps = st.decode_steps.max(1) as f64;
     let bytes_per_token = c.bytes_read as f64 / steps;
     // Compute threads wait in parallel: their summed wait over the thread count is wall time.
-    let io_wait_share = if st.decode_s > 0.0 { (c.io_wait_s / rayon::current_num_threads() as f64 / st.decode_s).min(1.0) } else { 0.0 };
-    let (hot_b, cold_b, direct) = model.cache_regions();
+    let io_wait_share = if st.decode_s > 0.0 {
+        (c.io_wait_s / rayon::current_num_threads() as f64 / st.decode_s).min(1.0)
+    } else {
+        0.0
+    };
+    let r = model.cache_regions();
+    let (hot_b, cold_b, direct) = (r.hot_bytes, r.cold_bytes, r.direct);
     if a.stats {
         message!(
             "prefill: {} tokens in {:.3} s, {:.1} tokens/s | decode: {} tokens generated, {} forward passes in {:.3} s, {:.1} tokens/s | peak RSS {:.1} MiB",
@@ -289,7 +295,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
 /// and only the tokens past the prefix already in the KV cache are run.
 fn interactive(
     engine: &Engine,
-    kv: &mut nflash_runtime::kv_cache::KvCache,
+    kv: &mut nflash_runtime::model::kv_cache::KvCache,
     sampler: &mut Sampler,
     opts: &GenerateOptions,
     a: &RunArgs,

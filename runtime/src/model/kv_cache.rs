@@ -16,18 +16,12 @@ impl KvCache {
     /// elements per position and `capacity` positions (tokens).
     pub fn new(n_layers: usize, kv_dim: usize, capacity: usize) -> Self {
         let mk = || (0..n_layers).map(|_| Vec::with_capacity(capacity * kv_dim)).collect();
-        KvCache {
-            k: mk(),
-            v: mk(),
-            kv_dim,
-            capacity,
-            len: 0,
-        }
+        KvCache { k: mk(), v: mk(), kv_dim, capacity, len: 0 }
     }
 
     /// Bytes the cache holds when full: `2 * layers * capacity * kv_dim * 4`.
     pub fn bytes_at_capacity(n_layers: usize, kv_dim: usize, capacity: usize) -> u64 {
-        2 * n_layers as u64 * capacity as u64 * kv_dim as u64 * 4
+        nflash_plan::layout::kv_cache_bytes(n_layers, kv_dim, capacity)
     }
 
     /// Positions filled (tokens).

@@ -4,16 +4,17 @@
 //! elements each. For a token x, neuron i contributes
 //! `act(gate_i · x + bg_i) * (up_i · x + bu_i) * down_i` to the output.
 //! Sparse decode computes only the neurons the predictor selects. Bundle
-//! bytes come from the neuron cache ([`LayerClusters`]), wherever they live.
+//! bytes come from a [`super::source::ClusterSource`] ([`LayerClusters`]),
+//! wherever they live.
 
 use nflash_format::{Activation, BundleLayout, Criterion, FfnLayer, NeuronCluster};
 use rayon::prelude::*;
 
-use crate::cache::LayerClusters;
+use super::ops::neuron_output;
+use super::predictor::{criterion_value, LayerCounts};
+use super::source::LayerClusters;
 use crate::error::Result;
-use crate::ops::neuron_output;
-use crate::sparse::{criterion_value, LayerCounts};
-use crate::weights::{axpy_row, row_dot, row_to_f32, DotInput};
+use crate::kernels::{axpy_row, row_dot, row_to_f32, DotInput};
 
 /// Element `p` of an optional bias vector (0 without bias).
 #[inline]
@@ -88,7 +89,15 @@ impl Ffn {
     ///
     /// # Errors
     /// A failed cluster read ([`crate::Error::ClusterRead`]).
-    pub fn forward_token(&self, src: &LayerClusters, x: &DotInput, sel: Selection, gate: Option<(Criterion, f32)>, s: &mut FfnScratch, out: &mut [f32]) -> Result<u64> {
+    pub fn forward_token(
+        &self,
+        src: &LayerClusters,
+        x: &DotInput,
+        sel: Selection,
+        gate: Option<(Criterion, f32)>,
+        s: &mut FfnScratch,
+        out: &mut [f32],
+    ) -> Result<u64> {
         let h = self.hidden;
         let n_sel = sel.len(self.n_neurons());
         let n_chunks = n_sel.div_ceil(CHUNK);
@@ -118,7 +127,16 @@ impl Ffn {
 
     /// Selected neurons `lo..hi` of `sel` into `acc` (`[hidden]`); returns how many were active.
     #[allow(clippy::too_many_arguments)]
-    fn run_chunk(&self, src: &LayerClusters, x: &DotInput, sel: &Selection, lo: usize, hi: usize, gate: Option<(Criterion, f32)>, acc: &mut [f32]) -> Result<u32> {
+    fn run_chunk(
+        &self,
+        src: &LayerClusters,
+        x: &DotInput,
+        sel: &Selection,
+        lo: usize,
+        hi: usize,
+        gate: Option<(Criterion, f32)>,
+        acc: &mut [f32],
+    ) -> Result<u32> {
         let (h, dt, act) = (self.hidden, self.layout.dtype, self.act);
         let value = |p: usize, g: f32, u: f32| -> f32 {
             neuron_output(act, g + bias(&self.gate_bias, p), u + bias(&self.up_bias, p))
@@ -127,16 +145,17 @@ impl Ffn {
         let keep = |a: f32| -> bool { !matches!(gate, Some((Criterion::GateUp, t)) if a.abs() <= t) };
         let mut done = 0u32;
         let mut i = lo;
+        let mut cur = None;
         if let (DotInput::Q8(y), false) = (x, matches!(gate, Some((Criterion::Gate, _)))) {
             // Two neurons per pass: gate and up rows of both in one 4-row kernel.
             while i + 1 < hi {
                 let (p0, p1) = (sel.get(i), sel.get(i + 1));
-                let (g0, u0, d0) = self.bundle_at(src, p0)?;
-                let (g1, u1, d1) = self.bundle_at(src, p1)?;
-                let [g0v, u0v, g1v, u1v] = crate::simd::dot4(dt, h, [g0, u0, g1, u1], y);
+                let (g0, u0, d0) = self.bundle_at(src, &mut cur, p0)?;
+                let (g1, u1, d1) = self.bundle_at(src, &mut cur, p1)?;
+                let [g0v, u0v, g1v, u1v] = crate::kernels::dot4(dt, h, [g0, u0, g1, u1], y);
                 let (a0, a1) = (value(p0, g0v, u0v), value(p1, g1v, u1v));
                 match (keep(a0), keep(a1)) {
-                    (true, true) => crate::simd::axpy2(dt, [d0, d1], [a0, a1], acc),
+                    (true, true) => crate::kernels::axpy2(dt, [d0, d1], [a0, a1], acc),
                     (true, false) => axpy_row(dt, d0, a0, acc),
                     (false, true) => axpy_row(dt, d1, a1, acc),
                     (false, false) => {}
@@ -147,7 +166,7 @@ impl Ffn {
         }
         for i in i..hi {
             let p = sel.get(i);
-            let (g_row, u_row, d_row) = self.bundle_at(src, p)?;
+            let (g_row, u_row, d_row) = self.bundle_at(src, &mut cur, p)?;
             let g = row_dot(dt, h, g_row, x);
             if let Some((Criterion::Gate, t)) = gate {
                 // The gate alone decides: skip the up row of inactive neurons.
@@ -166,12 +185,28 @@ impl Ffn {
     }
 
     /// Bundle bytes (gate row, up row, down column) of the neuron at packed
-    /// position `p`, waiting for its cluster's read if needed.
+    /// position `p`, waiting for its cluster's read if needed. `cur` keeps
+    /// the last cluster looked up, so a run of neurons of one cluster asks
+    /// the source once.
     #[inline]
-    fn bundle_at<'c>(&self, src: &LayerClusters<'c>, p: usize) -> Result<(&'c [u8], &'c [u8], &'c [u8])> {
+    fn bundle_at<'c>(
+        &self,
+        src: &LayerClusters<'c>,
+        cur: &mut Option<(u32, &'c [u8])>,
+        p: usize,
+    ) -> Result<(&'c [u8], &'c [u8], &'c [u8])> {
         let rb = self.layout.row_bytes as usize;
         let start = self.offsets[p] as usize;
-        let b = &src.get(self.cluster_of[p] as usize)?[start..start + 3 * rb];
+        let c = self.cluster_of[p];
+        let bytes = match *cur {
+            Some((cc, b)) if cc == c => b,
+            _ => {
+                let b = src.get(c as usize)?;
+                *cur = Some((c, b));
+                b
+            }
+        };
+        let b = &bytes[start..start + 3 * rb];
         Ok((&b[..rb], &b[rb..2 * rb], &b[2 * rb..]))
     }
 
@@ -261,12 +296,19 @@ impl Ffn {
     /// value is above the threshold; the returned counters say how much was
     /// kept (and, since every gate and up value is known here, the recall).
     /// `tile_elems` bounds the dequantized weight tile (elements per matrix).
-    pub fn forward_batch(&self, src: &LayerClusters, x: &[f32], mask: Option<&BatchMask>, tile_elems: usize, out: &mut [f32]) -> crate::error::Result<LayerCounts> {
+    pub fn forward_batch(
+        &self,
+        src: &LayerClusters,
+        x: &[f32],
+        mask: Option<&BatchMask>,
+        tile_elems: usize,
+        out: &mut [f32],
+    ) -> crate::error::Result<LayerCounts> {
         let mut counts = LayerCounts::default();
         let h = self.hidden;
         let n = x.len() / h;
         let dt = self.layout.dtype;
-        let xt = crate::matmul::input(x, n, h)?;
+        let xt = crate::kernels::gemm::input(x, n, h)?;
         let tile = (tile_elems / h).max(1);
         let mut group: Vec<&NeuronCluster> = Vec::new();
         let mut acc = vec![0f32; n * h];
@@ -278,19 +320,17 @@ impl Ffn {
             // The group's clusters are consecutive: packed positions p0 .. p0 + m.
             let m: usize = group.iter().map(|c| c.n_neurons as usize).sum();
             let (mut wg, mut wu, mut wd) = (vec![0f32; m * h], vec![0f32; m * h], vec![0f32; m * h]);
-            wg.par_chunks_mut(h)
-                .zip(wu.par_chunks_mut(h))
-                .zip(wd.par_chunks_mut(h))
-                .enumerate()
-                .try_for_each(|(j, ((g, u), d))| -> Result<()> {
-                    let (gr, ur, dr) = self.bundle_at(src, p0 + j)?;
+            wg.par_chunks_mut(h).zip(wu.par_chunks_mut(h)).zip(wd.par_chunks_mut(h)).enumerate().try_for_each(
+                |(j, ((g, u), d))| -> Result<()> {
+                    let (gr, ur, dr) = self.bundle_at(src, &mut None, p0 + j)?;
                     row_to_f32(dt, gr, g);
                     row_to_f32(dt, ur, u);
                     row_to_f32(dt, dr, d);
                     Ok(())
-                })?;
-            let g = crate::matmul::matmul_xwt(&xt, wg, m, h)?; // [n, m]
-            let u = crate::matmul::matmul_xwt(&xt, wu, m, h)?; // [n, m]
+                },
+            )?;
+            let g = crate::kernels::gemm::matmul_xwt(&xt, wg, m, h)?; // [n, m]
+            let u = crate::kernels::gemm::matmul_xwt(&xt, wu, m, h)?; // [n, m]
             let mut a = g;
             for (t, (row_a, row_u)) in a.chunks_exact_mut(m).zip(u.chunks_exact(m)).enumerate() {
                 for (j, (av, uv)) in row_a.iter_mut().zip(row_u).enumerate() {
@@ -311,7 +351,7 @@ impl Ffn {
                     }
                 }
             }
-            let y = crate::matmul::matmul_aw(a, n, wd, m, h)?; // [n, hidden]
+            let y = crate::kernels::gemm::matmul_aw(a, n, wd, m, h)?; // [n, hidden]
             acc.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
             group.clear();
             Ok(())
@@ -348,9 +388,10 @@ impl Ffn {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::activate;
-    use crate::sparse::{LayerSparse, Predictor};
-    use crate::weights::QMatrix;
+    use crate::kernels::QMatrix;
+    use crate::model::ops::activate;
+    use crate::model::predictor::{LayerSparse, Predictor};
+    use crate::model::source::SegmentClusters;
     use nflash_format::DType;
 
     /// Deterministic values in [-1, 1).
@@ -398,7 +439,8 @@ mod tests {
         let (gate, up, down_t) = (values(1, N * H), values(2, N * H), values(3, N * H));
         let (f, data) = layer(&gate, &up, &down_t);
         let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
-        let src = LayerClusters::Segment { data: &data, offsets: &[0] };
+        let seg = SegmentClusters::new(&data, &[0]);
+        let src = seg.view();
         let r = 8;
         let (proj, pg, pu) = (values(4, r * H), values(5, N * r), values(6, N * r));
         let (bp, bg, bu) = (bytes(&proj), bytes(&pg), bytes(&pu));
@@ -420,7 +462,7 @@ mod tests {
             predicted: sp.predict_batch(Activation::Silu, &x, H).unwrap(),
         };
         let mut out = vec![0f32; n_tok * H];
-        let c = ffn.forward_batch(&src, &x, Some(&mask), crate::matmul::TILE_ELEMS, &mut out).unwrap();
+        let c = ffn.forward_batch(&src, &x, Some(&mask), crate::kernels::gemm::TILE_ELEMS, &mut out).unwrap();
         // Brute force, straight from the f32 weights.
         let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
         let (mut active, mut read, mut hit) = (0u64, 0u64, 0u64);
@@ -453,18 +495,23 @@ mod tests {
         let (gate, up, down_t) = (values(11, N * H), values(12, N * H), values(13, N * H));
         let (f, data) = layer(&gate, &up, &down_t);
         let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
-        let src = LayerClusters::Segment { data: &data, offsets: &[0] };
+        let seg = SegmentClusters::new(&data, &[0]);
+        let src = seg.view();
         let x = DotInput::from_slice(DType::F32, &values(14, H));
         let mut s = FfnScratch::default();
         let (mut dense, mut sparse) = (vec![0.5f32; H], vec![0.5f32; H]);
         ffn.forward_token(&src, &x, Selection::All, None, &mut s, &mut dense).unwrap();
         let all: Vec<u32> = (0..N as u32).collect();
-        let n = ffn.forward_token(&src, &x, Selection::List(&all), Some((Criterion::GateUp, -1.0)), &mut s, &mut sparse).unwrap();
+        let n = ffn
+            .forward_token(&src, &x, Selection::List(&all), Some((Criterion::GateUp, -1.0)), &mut s, &mut sparse)
+            .unwrap();
         assert_eq!(n, N as u64);
         assert_eq!(dense, sparse);
         // A real threshold skips neurons and changes the result.
         let mut skipped = vec![0.5f32; H];
-        let n = ffn.forward_token(&src, &x, Selection::List(&all), Some((Criterion::GateUp, 0.3)), &mut s, &mut skipped).unwrap();
+        let n = ffn
+            .forward_token(&src, &x, Selection::List(&all), Some((Criterion::GateUp, 0.3)), &mut s, &mut skipped)
+            .unwrap();
         assert!(n < N as u64);
         assert_ne!(dense, skipped);
     }
@@ -474,7 +521,8 @@ mod tests {
         let (gate, up, down_t) = (values(21, N * H), values(22, N * H), values(23, N * H));
         let (f, data) = layer(&gate, &up, &down_t);
         let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
-        let src = LayerClusters::Segment { data: &data, offsets: &[0] };
+        let seg = SegmentClusters::new(&data, &[0]);
+        let src = seg.view();
         let x = DotInput::from_slice(DType::F32, &values(24, H));
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();

@@ -1,8 +1,8 @@
-//! Decode-speed simulation beyond this machine (`nflash plan-sim`, issue 5):
+//! Decode-speed simulation beyond this machine (`nflash plan-sim`):
 //! a synthetic manifest of a model shape whose FFN activation statistics are
 //! those `prep synth` generates (mean sparsity, power-law hotness), so the
 //! planner ([`crate::planner::plan`]) and its cost model
-//! ([`crate::planner::estimate`]) can be applied to any device profile.
+//! ([`crate::cost::estimate`]) can be applied to any device profile.
 //!
 //! Mixture-of-experts shapes are approximated as one FFN pool of
 //! `experts × intermediate` neurons per layer whose mean activation is
@@ -11,11 +11,12 @@
 //! treated as independent, so clustering gains from routing are not counted.
 
 use nflash_format::{
-    Activation, Architecture, BundleLayout, Criterion, DType, DeviceProfile, FfnLayer, LayerSparsity, Manifest, ModelConfig, NeuronCluster,
-    PredictorKind, PredictorQuality, Segment, SegmentKind, SparseInfo, TensorEntry, TokenizerInfo,
+    Activation, Architecture, BundleLayout, Criterion, DType, DeviceProfile, FfnLayer, LayerSparsity, Manifest,
+    ModelConfig, NeuronCluster, PredictorKind, PredictorQuality, Segment, SegmentKind, SparseInfo, TensorEntry,
+    TokenizerInfo,
 };
 
-use crate::flash::align_up;
+use crate::layout::align_up;
 
 /// A model shape (HF config values).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,9 +44,39 @@ pub struct Shape {
 /// Shapes `plan-sim` knows: Llama-2-7B, Mistral-7B (the shapes `prep synth`
 /// writes, with Llama's 32000-token vocabulary) and Mixtral-8x7B (47B, top-2).
 pub const SHAPES: [Shape; 3] = [
-    Shape { name: "llama-7b", hidden: 4096, inter: 11008, layers: 32, heads: 32, kv_heads: 32, vocab: 32000, experts: 1, active_experts: 1 },
-    Shape { name: "mistral-7b", hidden: 4096, inter: 14336, layers: 32, heads: 32, kv_heads: 8, vocab: 32000, experts: 1, active_experts: 1 },
-    Shape { name: "mixtral-47b", hidden: 4096, inter: 14336, layers: 32, heads: 32, kv_heads: 8, vocab: 32000, experts: 8, active_experts: 2 },
+    Shape {
+        name: "llama-7b",
+        hidden: 4096,
+        inter: 11008,
+        layers: 32,
+        heads: 32,
+        kv_heads: 32,
+        vocab: 32000,
+        experts: 1,
+        active_experts: 1,
+    },
+    Shape {
+        name: "mistral-7b",
+        hidden: 4096,
+        inter: 14336,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        vocab: 32000,
+        experts: 1,
+        active_experts: 1,
+    },
+    Shape {
+        name: "mixtral-47b",
+        hidden: 4096,
+        inter: 14336,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        vocab: 32000,
+        experts: 8,
+        active_experts: 2,
+    },
 ];
 
 /// Looks up a shape by name.
@@ -120,7 +151,14 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
     let predictor_run_bytes = predictor_bytes * shape.active_experts / shape.experts;
     let mut tensors = Vec::new();
     let mut tensor = |name: String, rows: u64, bytes_per_row: u64| {
-        tensors.push(TensorEntry { name, segment: 1, offset: 0, bytes: rows * bytes_per_row, dtype: o.quant, shape: vec![rows, h] });
+        tensors.push(TensorEntry {
+            name,
+            segment: 1,
+            offset: 0,
+            bytes: rows * bytes_per_row,
+            dtype: o.quant,
+            shape: vec![rows, h],
+        });
     };
     tensor("model.embed_tokens.weight".into(), shape.vocab, row);
     tensor("lm_head.weight".into(), shape.vocab, row);
@@ -150,7 +188,13 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
     };
     let ffn = (0..l as u32)
         .map(|i| {
-            segments.push(Segment { name: format!("ffn.{i}"), kind: SegmentKind::Ffn, offset: 0, bytes: layer_bytes, crc32: 0 });
+            segments.push(Segment {
+                name: format!("ffn.{i}"),
+                kind: SegmentKind::Ffn,
+                offset: 0,
+                bytes: layer_bytes,
+                crc32: 0,
+            });
             FfnLayer {
                 layer: i,
                 segment: segments.len() as u32 - 1,

@@ -17,7 +17,7 @@ fn tensor(data: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
 }
 
 fn candle_err(e: candle_core::Error) -> Error {
-    Error::Usage(format!("internal matmul error: {e}"))
+    Error::Internal(format!("matmul: {e}"))
 }
 
 /// `x · wᵀ`: `x` `[n, k]`, `w` `[m, k]` (rows are output features) → `[n, m]`.

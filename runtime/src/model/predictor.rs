@@ -12,10 +12,10 @@
 
 use nflash_format::{Activation, Criterion, DType, LayerSparsity, Pack, PredictorKind};
 
+use super::load::{matrix, vector};
+use super::ops::{activate, neuron_output};
 use crate::error::Result;
-use crate::model::{matrix, vector};
-use crate::ops::{activate, neuron_output};
-use crate::weights::{DotInput, QMatrix};
+use crate::kernels::{DotInput, QMatrix};
 
 /// Criterion value of one neuron from its gate and up pre-activations.
 #[inline]
@@ -81,7 +81,13 @@ impl<'a> LayerSparse<'a> {
     ///
     /// # Errors
     /// [`Error::MissingTensor`], [`Error::Shape`] (the rank must agree between tensors).
-    pub fn load(pack: &'a Pack, l: usize, kind: PredictorKind, criterion: Criterion, s: &LayerSparsity) -> Result<Self> {
+    pub fn load(
+        pack: &'a Pack,
+        l: usize,
+        kind: PredictorKind,
+        criterion: Criterion,
+        s: &LayerSparsity,
+    ) -> Result<Self> {
         let cfg = &pack.manifest().config;
         let (h, n) = (cfg.hidden_size, cfg.intermediate_size);
         let name = |t: &str| format!("nflash.predictor.{l}.{t}");
@@ -106,26 +112,36 @@ impl<'a> LayerSparse<'a> {
                 }
             }
         };
-        Ok(LayerSparse {
-            criterion,
-            threshold: s.threshold,
-            predictor_threshold: s.predictor_threshold,
-            predictor,
-        })
+        Ok(LayerSparse { criterion, threshold: s.threshold, predictor_threshold: s.predictor_threshold, predictor })
     }
 
     /// Decode: appends to `list` the packed positions the predictor selects
     /// for one token (`x`: the FFN input prepared for the predictor's first
     /// matrix). Returns `false` for the exact predictor (every neuron; `list`
     /// untouched). No allocation once `s` has grown to size.
-    pub fn predict_token(&self, act: Activation, x: &DotInput, x_f32: &[f32], s: &mut PredictScratch, list: &mut Vec<u32>) -> bool {
+    pub fn predict_token(
+        &self,
+        act: Activation,
+        x: &DotInput,
+        x_f32: &[f32],
+        s: &mut PredictScratch,
+        list: &mut Vec<u32>,
+    ) -> bool {
         self.predict_token_from(act, x, x_f32, 0, s, list)
     }
 
     /// [`Self::predict_token`] over the packed positions `first ..` only
     /// (rounded down to a multiple of 8): speculative prefetch needs no scores
     /// for the hot neurons, which are always in memory.
-    pub fn predict_token_from(&self, act: Activation, x: &DotInput, x_f32: &[f32], first: usize, s: &mut PredictScratch, list: &mut Vec<u32>) -> bool {
+    pub fn predict_token_from(
+        &self,
+        act: Activation,
+        x: &DotInput,
+        x_f32: &[f32],
+        first: usize,
+        s: &mut PredictScratch,
+        list: &mut Vec<u32>,
+    ) -> bool {
         list.clear();
         let tau = self.predictor_threshold;
         let first = first / 8 * 8;
@@ -139,7 +155,7 @@ impl<'a> LayerSparse<'a> {
                 let first = first.min(gate.rows / 8 * 8);
                 s.scores.resize(gate.rows - first, 0.0);
                 s.up.resize(up.rows - first, 0.0);
-                crate::weights::matvec_many_from(&[gate, up], first, z_in, &mut [&mut s.scores, &mut s.up]);
+                crate::kernels::matvec_many_from(&[gate, up], first, z_in, &mut [&mut s.scores, &mut s.up]);
                 for (p, (&g, &u)) in s.scores.iter().zip(&s.up).enumerate() {
                     if criterion_value(self.criterion, act, g, u) > tau {
                         list.push((first + p) as u32);
@@ -154,7 +170,7 @@ impl<'a> LayerSparse<'a> {
                 z_in.set(&s.z);
                 let first = first.min(w2.rows / 8 * 8);
                 s.scores.resize(w2.rows - first, 0.0);
-                crate::weights::matvec_many_from(&[w2], first, z_in, &mut [&mut s.scores]);
+                crate::kernels::matvec_many_from(&[w2], first, z_in, &mut [&mut s.scores]);
                 for (p, (&v, &b)) in s.scores.iter().zip(&b2[first..]).enumerate() {
                     if v + b > tau {
                         list.push((first + p) as u32);
@@ -192,9 +208,7 @@ impl<'a> LayerSparse<'a> {
                 }
                 let mut s = vec![0f32; n * w2.rows];
                 w2.matmul_f32(&z, &mut s)?;
-                s.chunks_exact(w2.rows)
-                    .flat_map(|row| row.iter().zip(b2).map(|(&v, &b)| v + b > tau))
-                    .collect()
+                s.chunks_exact(w2.rows).flat_map(|row| row.iter().zip(b2).map(|(&v, &b)| v + b > tau)).collect()
             }
         }))
     }

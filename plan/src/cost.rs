@@ -1,0 +1,400 @@
+//! The decode cost model (PowerInfer-2 §4.4): how likely decode needs each
+//! neuron and neuron cluster, what the flash reads of the misses cost, and
+//! the expected time per decode token of a plan ([`estimate`]), which
+//! [`crate::planner::plan`] stores in the pack and `nflash plan-sim` prints.
+
+use nflash_format::{DeviceProfile, Manifest, Plan, PredictorKind};
+
+use crate::layout::{hot_clusters, kv_cache_bytes, MAX_MERGE_BYTES};
+
+/// Probability that decode needs each neuron of layer `l` (packed order):
+/// the profiled activation frequency scaled by the predictor's
+/// recall / precision (1 for a dense pack or the exact predictor, which read every bundle).
+pub(crate) fn need_probability(m: &Manifest, l: usize) -> Vec<f64> {
+    neuron_need_probability(m.sparse.as_ref(), m.ffn[l].sparse.as_ref(), m.ffn[l].n_neurons as usize)
+}
+
+/// Probability that decode needs each of a layer's `n` neurons (packed
+/// order), from the pack-wide `info` and the layer's `sp` sparsity settings
+/// (SPEC §4.5): `recall·f + fpr·(1 − f)` for the profiled frequency `f`,
+/// with the predictor's false-positive rate from its recall and precision;
+/// all 1 for a dense layer or the exact predictor.
+pub fn neuron_need_probability(
+    info: Option<&nflash_format::SparseInfo>,
+    sp: Option<&nflash_format::LayerSparsity>,
+    n: usize,
+) -> Vec<f64> {
+    let (Some(info), Some(sp)) = (info, sp) else { return vec![1.0; n] };
+    if info.predictor == PredictorKind::Exact || sp.frequency_curve.len() < 2 {
+        return vec![1.0; n];
+    }
+    let q = &sp.quality;
+    let curve = &sp.frequency_curve;
+    let k = (curve.len() - 1) as f64;
+    let freq: Vec<f64> = (0..n)
+        .map(|p| {
+            // Linear interpolation in the curve sampled at round(k·(n-1)/32).
+            let x = if n > 1 { p as f64 * k / (n - 1) as f64 } else { 0.0 };
+            let i = (x.floor() as usize).min(curve.len() - 2);
+            (curve[i] as f64 + (curve[i + 1] - curve[i]) as f64 * (x - i as f64)).clamp(0.0, 1.0)
+        })
+        .collect();
+    // A neuron is selected when it is active and caught (recall), or inactive
+    // and a false positive: the predictor selects recall·f̄/precision of the
+    // neurons, recall·f̄ of them rightly, so its false-positive rate among
+    // inactive neurons is (recall·f̄/precision − recall·f̄)/(1 − f̄). False
+    // positives fall on cold neurons as much as on hot ones.
+    let recall = (q.recall as f64).clamp(0.0, 1.0);
+    let mean = freq.iter().sum::<f64>() / n.max(1) as f64;
+    let selected = if q.precision > 0.0 { (recall * mean / q.precision as f64).min(1.0) } else { 1.0 };
+    let fpr = if mean < 1.0 { ((selected - recall * mean) / (1.0 - mean)).clamp(0.0, 1.0) } else { 0.0 };
+    freq.iter().map(|&f| (recall * f + fpr * (1.0 - f)).clamp(0.0, 1.0)).collect()
+}
+
+/// Probability that decode needs a cluster whose neurons are needed with
+/// probabilities `p` (independently): `1 − Π(1 − pᵢ)`.
+pub fn cluster_need(p: &[f64]) -> f64 {
+    1.0 - p.iter().map(|q| 1.0 - q).product::<f64>()
+}
+
+/// One cluster as the planner sees it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cl {
+    /// Bytes read (aligned).
+    pub(crate) bytes: u64,
+    /// Probability that a decode token needs it.
+    pub(crate) p: f64,
+}
+
+/// Expected decode I/O seconds per token for clusters `cs` (all cold):
+/// each is read with probability `p`; adjacent needed clusters merge, so a
+/// read is about `bytes / (1 − p)` long (capped at the merge limit).
+pub(crate) fn io_seconds(dev: &DeviceProfile, cs: &[Cl]) -> f64 {
+    cs.iter().map(|c| io_term(dev, c)).sum()
+}
+
+/// One cluster's share of [`io_seconds`].
+pub(crate) fn io_term(dev: &DeviceProfile, c: &Cl) -> f64 {
+    let run = (c.bytes as f64 / (1.0 - c.p).max(1e-3)).min(MAX_MERGE_BYTES as f64);
+    c.p * c.bytes as f64 / dev.random_read_bytes_per_s(run as u64)
+}
+
+/// Every layer's clusters with their read size and need probability.
+pub(crate) fn cluster_needs(m: &Manifest) -> Vec<Vec<Cl>> {
+    (0..m.ffn.len())
+        .map(|l| {
+            let f = &m.ffn[l];
+            let p = need_probability(m, l);
+            f.clusters
+                .iter()
+                .map(|c| Cl {
+                    bytes: crate::layout::cluster_read_bytes(f, c),
+                    p: cluster_need(&p[c.first as usize..(c.first + c.n_neurons) as usize]),
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// KV cache bytes one layer's attention reads for a decode token at
+/// `position`: the keys and values of the positions it attends to, up to the
+/// sliding window, as the KV cache stores them. The estimate takes the token
+/// at half the context, the mean over a generation that fills it.
+fn kv_read_bytes(m: &Manifest, position: u32) -> u64 {
+    let c = &m.config;
+    let seen = c.sliding_window.map_or(position as u64, |w| (position as u64).min(w + 1));
+    kv_cache_bytes(1, (c.num_kv_heads * c.head_dim) as usize, seen as usize)
+}
+
+/// Bytes of layer `l`'s attention weights (read once per decode token).
+pub(crate) fn attention_bytes(m: &Manifest, l: usize) -> u64 {
+    let prefix = format!("model.layers.{l}.self_attn.");
+    m.tensors.iter().filter(|t| t.name.starts_with(&prefix)).map(|t| t.bytes).sum()
+}
+
+/// Expected decode cost per token of a plan, split by resource (what
+/// `nflash plan-sim` prints; the planner stores its total in the plan).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Estimate {
+    /// Attention (dense): its projections and the KV cache at half the context, ms.
+    pub attention_ms: f64,
+    /// Predictors, ms.
+    pub predictor_ms: f64,
+    /// FFN of the predicted neurons (their gate/up/down bundles), ms.
+    pub ffn_ms: f64,
+    /// Output projection (lm_head), ms.
+    pub lm_head_ms: f64,
+    /// CPU time the reads take from the compute threads (syscalls,
+    /// completions: [`DeviceProfile::read_cpu_s`] per read ÷ threads), ms.
+    pub io_cpu_ms: f64,
+    /// Flash reads of missed cold clusters, ms (overlapped with the layer's
+    /// FFN compute, and with its attention when speculated).
+    pub io_ms: f64,
+    /// Sum over layers of the I/O time compute does not hide, ms
+    /// ([`OVERLAP_LOSS`]): reads overlapping the FFN and the reads' CPU
+    /// time, or with a speculative prefetch (layers where that leaves more
+    /// than a predictor evaluation exposed, as `nflash run` decides) reads
+    /// `× (1 + SPECULATION_WASTE)` overlapping attention, predictor, FFN and
+    /// the reads' CPU time.
+    pub io_exposed_ms: f64,
+    /// Layers that run a speculative prefetch.
+    pub speculated_layers: u32,
+    /// Expected flash bytes read per token.
+    pub read_bytes_per_token: f64,
+    /// Expected share of needed clusters found in memory (hot or cold region).
+    pub hit_rate: f64,
+    /// Of those, the share found in the hot region (the rest: cold LRU hits).
+    pub hot_hit_rate: f64,
+}
+
+impl Estimate {
+    /// Time per decode token, ms: compute plus the I/O it does not hide.
+    pub fn token_ms(&self) -> f64 {
+        self.compute_ms() + self.io_exposed_ms
+    }
+
+    /// Compute alone (with the CPU side of the reads), ms.
+    pub fn compute_ms(&self) -> f64 {
+        self.attention_ms + self.predictor_ms + self.ffn_ms + self.lm_head_ms + self.io_cpu_ms
+    }
+
+    /// Which resource bounds decode: `"flash I/O"` when un-hidden I/O is
+    /// more than half the time, `"compute + I/O"` when it is a fifth to a
+    /// half, else `"compute"`.
+    pub fn bound(&self) -> &'static str {
+        let share = self.io_exposed_ms / self.token_ms().max(1e-12);
+        if share > 0.5 {
+            "flash I/O"
+        } else if share > 0.2 {
+            "compute + I/O"
+        } else {
+            "compute"
+        }
+    }
+}
+
+/// The expected decode cost of plan `p` for `m` on `dev` (see [`Estimate`]).
+pub fn estimate(m: &Manifest, dev: &DeviceProfile, p: &Plan) -> Estimate {
+    let hot: Vec<usize> = m.ffn.iter().zip(&p.hot_neurons).map(|(f, &h)| hot_clusters(f, h)).collect();
+    estimate_with(m, dev, p.threads, p.ctx, &cluster_needs(m), &hot, p.cold_bytes)
+}
+
+/// [`estimate`] from the planner's per-layer clusters and hot cluster counts.
+///
+/// Compute: attention weights / the profile's attention-block speed and
+/// the KV cache and lm_head / its matvec speed at `threads`; the
+/// predictor's bytes / its Q8_0 predictor speed and the bundles of the
+/// neurons the predictor selects / its sparse FFN speed (`[kernels]`, the
+/// matvec speed without them); each read's CPU time
+/// ([`DeviceProfile::read_cpu_s`]) shared by the threads. I/O: each cold cluster is needed
+/// with its probability `p`; the cold LRU keeps it as [`lru_hit`] says;
+/// misses are read at the profile's random-read bandwidth for the merged
+/// read size, hidden behind the layer's FFN (and, speculated, its
+/// attention and predictor: [`Estimate::io_exposed_ms`]).
+pub(crate) fn estimate_with(
+    m: &Manifest,
+    dev: &DeviceProfile,
+    threads: u32,
+    ctx: u32,
+    layers: &[Vec<Cl>],
+    hot: &[usize],
+    cold_bytes: u64,
+) -> Estimate {
+    let matvec = dev.matvec_bytes_per_s(threads);
+    let attention = dev.attention_bytes_per_s(threads);
+    let kv_ms = kv_read_bytes(m, ctx / 2) as f64 / matvec * 1e3;
+    let ffn_speed = dev.ffn_bytes_per_s(threads);
+    let predictor = dev.predictor_bytes_per_s(threads);
+    let cold: Vec<&Cl> = layers.iter().zip(hot).flat_map(|(cs, &h)| cs[h..].iter()).collect();
+    let slot = cold.iter().map(|c| c.bytes).max().unwrap_or(1).max(1);
+    let slots = (cold_bytes / slot) as f64;
+    let k_tokens = lru_window_tokens(&cold.iter().map(|c| c.p).collect::<Vec<_>>(), slots);
+    let keep = |p: f64| lru_hit(p, k_tokens);
+    let mut e = Estimate::default();
+    let (mut needed, mut found, mut found_hot) = (0.0, 0.0, 0.0);
+    for (l, cs) in layers.iter().enumerate() {
+        let f = &m.ffn[l];
+        let q = need_probability(m, l);
+        let attn_ms = attention_bytes(m, l) as f64 / attention * 1e3 + kv_ms;
+        e.attention_ms += attn_ms;
+        let pred_ms = f.sparse.as_ref().map_or(0, |s| s.predictor_bytes) as f64 / predictor * 1e3;
+        e.predictor_ms += pred_ms;
+        let ffn_ms = q.iter().sum::<f64>() * f.bundle.bundle_bytes as f64 / ffn_speed * 1e3;
+        e.ffn_ms += ffn_ms;
+        // read_cpu_ms: the reads' CPU time per compute thread.
+        let (mut io_s, mut read_cpu_ms, mut bytes) = (0.0, 0.0, 0.0);
+        for (i, c) in cs.iter().enumerate() {
+            needed += c.p;
+            if i < hot[l] {
+                found += c.p;
+                found_hot += c.p;
+                continue;
+            }
+            let k = keep(c.p);
+            found += c.p * k;
+            bytes += c.p * (1.0 - k) * c.bytes as f64;
+            read_cpu_ms += c.p * (1.0 - k) * dev.read_cpu_s(c.bytes) / threads.max(1) as f64 * 1e3;
+            io_s += io_term(dev, c) * (1.0 - k);
+        }
+        // The reads' CPU time runs on the compute threads, alongside the FFN.
+        let io_ms = io_s * 1e3;
+        let exposed = overlap_exposed(ffn_ms + read_cpu_ms, io_ms);
+        // Speculative prefetch (`nflash run --speculate auto`): when the layer
+        // would wait longer than a predictor evaluation, one more (over the
+        // cold neurons' rows) starts the reads before the attention.
+        let spec = f.sparse.is_some() && exposed > pred_ms;
+        let extra = if spec { 1.0 + SPECULATION_WASTE } else { 1.0 };
+        let cpu_ms = read_cpu_ms * extra;
+        if spec {
+            let (h, n) = (m.config.hidden_size as f64, f.n_neurons as f64);
+            let cold_n = cs[hot[l]..].len() as f64 / cs.len().max(1) as f64 * n;
+            e.predictor_ms += pred_ms * (h + cold_n) / (h + n);
+            e.io_exposed_ms += overlap_exposed(attn_ms + pred_ms + ffn_ms + cpu_ms, io_ms * extra);
+            e.speculated_layers += 1;
+        } else {
+            e.io_exposed_ms += exposed;
+        }
+        e.io_ms += io_ms * extra;
+        e.read_bytes_per_token += bytes * extra;
+        e.io_cpu_ms += cpu_ms;
+    }
+    let head: u64 = m
+        .tensors
+        .iter()
+        .filter(|t| {
+            t.name == "lm_head.weight" || (m.config.tie_word_embeddings && t.name == "model.embed_tokens.weight")
+        })
+        .map(|t| t.bytes)
+        .sum();
+    e.lm_head_ms = head as f64 / matvec * 1e3;
+    e.hit_rate = if needed > 0.0 { found / needed } else { 1.0 };
+    e.hot_hit_rate = if needed > 0.0 { found_hot / needed } else { 1.0 };
+    e
+}
+
+/// Share of the shorter of a layer's overlapping compute and reads that is
+/// not hidden: a layer takes `max(c, r) + OVERLAP_LOSS · min(c, r)`. The I/O
+/// threads issue and complete reads on the compute threads' cores, so the
+/// queue is not kept full while the cores compute, and the last reads of a
+/// layer land after its resident neurons are done. Fitted on the dev host
+/// (2026-12-02, 2 cores, 16 I/O threads) to the points of `make bench-scale`
+/// where reads and compute are of similar size (0.3: 0.8 at half the FFN
+/// took 187 ms per token, with 144 ms of compute and 143 ms of reads).
+pub const OVERLAP_LOSS: f64 = 0.3;
+
+/// The part of a layer's `io` ms that its overlapping `compute` ms does not
+/// hide ([`OVERLAP_LOSS`]).
+fn overlap_exposed(compute: f64, io: f64) -> f64 {
+    if io <= 0.0 {
+        return 0.0;
+    }
+    compute.max(io) + OVERLAP_LOSS * compute.min(io) - compute
+}
+
+/// Extra reads of a speculative prefetch, as a fraction of the layer's
+/// misses: clusters the speculation reads that the layer then does not
+/// need. Measured precision 0.84–0.95 on the synthetic 7B at sparsity
+/// 0.9–0.6 and half the FFN in memory (2026-12-02).
+pub const SPECULATION_WASTE: f64 = 0.12;
+
+/// How many tokens back the cold LRU reaches: `K` such that the clusters
+/// used in the last `K` decode tokens fill its `slots`, for clusters needed
+/// independently with probabilities `p` per token. A window of `K` tokens
+/// holds cluster `i` with probability `1 − (1 − pᵢ)^⌊K⌋ · (1 − frac(K)·pᵢ)`
+/// (its `⌊K⌋` last tokens, and the layer-ordered part of one more).
+/// `f64::INFINITY` when every cluster fits; 0 without slots.
+pub fn lru_window_tokens(p: &[f64], slots: f64) -> f64 {
+    if slots < 1.0 {
+        return 0.0;
+    }
+    if p.iter().filter(|&&q| q > 0.0).count() as f64 <= slots {
+        return f64::INFINITY;
+    }
+    let held = |k: f64| -> f64 {
+        let (whole, part) = (k.floor() as i32, k.fract());
+        p.iter().map(|&q| 1.0 - (1.0 - q).powi(whole) * (1.0 - part * q)).sum()
+    };
+    let (mut lo, mut hi) = (0.0, 1.0);
+    while held(hi) < slots {
+        hi *= 2.0;
+        if hi > 1e12 {
+            return f64::INFINITY;
+        }
+    }
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if held(mid) < slots {
+            lo = mid
+        } else {
+            hi = mid
+        }
+    }
+    // A window of whole tokens (up to rounding in the sum) keeps that many.
+    if hi.ceil() - hi < 1e-9 {
+        hi.ceil()
+    } else {
+        hi
+    }
+}
+
+/// Probability that a cold cluster needed with probability `p` per token is
+/// found in the LRU whose window is `k_tokens` ([`lru_window_tokens`]).
+///
+/// Decode asks for clusters layer by layer in the same order every token,
+/// so a cluster needed again `j` tokens later has seen about `j` tokens'
+/// worth of other clusters pass through the LRU since: it is still there iff
+/// `j ≤ K`, which happens with probability `1 − (1 − p)^⌊K⌋`. A window under
+/// one token (cold region smaller than one token's cold clusters, as when
+/// the region is little more than the staging of two layers' reads) keeps
+/// nothing from one token to the next, whatever `p`. Che's approximation
+/// for independent requests (`1 − e^{−pT}`) instead gave hot-ish cold
+/// clusters hits there and put the synthetic 7B's hit rate 0.03–0.07 too
+/// high at the tight limits of `make bench-scale`; with a cold region of 69
+/// or 140 MiB the measured hit rate was the same (0.672 / 0.671, sparsity 0.8).
+pub fn lru_hit(p: f64, k_tokens: f64) -> f64 {
+    if k_tokens.is_infinite() {
+        return 1.0;
+    }
+    let whole = k_tokens.floor().min(1e9) as i32;
+    1.0 - (1.0 - p.clamp(0.0, 1.0)).powi(whole)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_hides_all_but_a_share_of_the_shorter_side() {
+        assert_eq!(overlap_exposed(5.0, 0.0), 0.0);
+        assert_eq!(overlap_exposed(0.0, 4.0), 4.0);
+        // Reads shorter than compute: OVERLAP_LOSS of them shows.
+        assert!((overlap_exposed(10.0, 4.0) - OVERLAP_LOSS * 4.0).abs() < 1e-12);
+        // Reads longer: they show beyond the compute, plus OVERLAP_LOSS of the compute.
+        assert!((overlap_exposed(4.0, 10.0) - (6.0 + OVERLAP_LOSS * 4.0)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn lru_window_counts_whole_tokens() {
+        // 1 000 clusters each needed half the time: one token's window holds
+        // 500 of them, two tokens' 750.
+        let p = vec![0.5; 1000];
+        let k = lru_window_tokens(&p, 750.0);
+        assert!((k - 2.0).abs() < 1e-9, "{k}");
+        assert!((lru_hit(0.5, k) - 0.75).abs() < 1e-9, "{k} {}", lru_hit(0.5, k));
+        // 1.5 tokens: 500 + half of the next token's new 250.
+        assert!((lru_window_tokens(&p, 625.0) - 1.5).abs() < 1e-9);
+        // Less than one token's clusters fit: nothing survives to the next
+        // token, however often a cluster is needed.
+        let k = lru_window_tokens(&p, 400.0);
+        assert!(k < 1.0);
+        assert_eq!(lru_hit(0.999, k), 0.0);
+        // Everything fits; no slots at all.
+        assert!(lru_window_tokens(&p, 1000.0).is_infinite());
+        assert_eq!(lru_hit(0.01, f64::INFINITY), 1.0);
+        assert_eq!(lru_window_tokens(&p, 0.0), 0.0);
+        // Clusters never needed take no slot.
+        let mut q = vec![0.0; 5000];
+        q[..1000].fill(0.5);
+        assert!((lru_window_tokens(&q, 750.0) - 2.0).abs() < 1e-9);
+    }
+}

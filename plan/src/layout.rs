@@ -1,0 +1,78 @@
+//! Sizes shared by the planner and the runtime: how neuron clusters are read
+//! (direct-I/O alignment, merged reads), what the hot set holds, the KV
+//! cache and the prefill scratch, and the cache layout a plan describes. One
+//! definition each, so the plan's memory model and what `nflash run`
+//! allocates cannot drift apart.
+
+use nflash_format::{FfnLayer, NeuronCluster, Pack, Plan};
+
+/// Alignment of buffers, offsets and lengths of direct (`O_DIRECT`) reads, bytes.
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// Rounds `n` bytes up to a multiple of [`DIRECT_ALIGN`].
+pub fn align_up(n: u64) -> u64 {
+    n.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64
+}
+
+/// Largest merged read, bytes (PowerInfer-2 reads clusters, not neurons;
+/// beyond ~512 KiB flash bandwidth no longer grows: `nflash probe`'s read
+/// table, profiles/dev-host.toml).
+pub const MAX_MERGE_BYTES: u64 = 512 << 10;
+
+/// Tokens per prefill forward pass; bounds prefill scratch memory.
+pub const PREFILL_CHUNK: usize = 64;
+
+/// Elements of one dequantized FFN weight tile (per gate / up / down
+/// matrix, f32) in batched passes: bounds prefill scratch, so the planner's
+/// fixed region holds whatever the FFN's placement (results do not depend
+/// on the memory budget).
+pub const FFN_TILE_ELEMS: usize = 1 << 18;
+
+/// Bytes read for cluster `c` of layer `f`: its bundles rounded up to the
+/// direct-I/O alignment (the cluster's size in the hot or cold region).
+pub fn cluster_read_bytes(f: &FfnLayer, c: &NeuronCluster) -> u64 {
+    align_up(c.n_neurons as u64 * f.bundle.bundle_bytes)
+}
+
+/// How many of `f`'s clusters lie wholly in the hot prefix of `hot_neurons`
+/// packed positions (the hot set holds whole clusters only).
+pub fn hot_clusters(f: &FfnLayer, hot_neurons: u32) -> usize {
+    f.clusters.iter().take_while(|c| c.first as u64 + c.n_neurons as u64 <= hot_neurons as u64).count()
+}
+
+/// Bytes of an f32 KV cache of `n_layers` layers, `kv_dim`
+/// (`num_kv_heads · head_dim`) elements per position and `capacity`
+/// positions, when full: `2 · layers · capacity · kv_dim · 4`.
+pub fn kv_cache_bytes(n_layers: usize, kv_dim: usize, capacity: usize) -> u64 {
+    2 * n_layers as u64 * capacity as u64 * kv_dim as u64 * 4
+}
+
+/// How the FFN is split between memory and flash (what a [`Plan`] decides
+/// and the runtime's neuron cache is opened with).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheConfig {
+    /// Hot neurons pinned per layer `[n_layers]` (packed positions `0..hot[l]`,
+    /// rounded down to a neuron-cluster boundary).
+    pub hot_neurons: Vec<u32>,
+    /// Cold region, bytes; raised to one layer's cold clusters if smaller
+    /// (they also stage the reads of one layer).
+    pub cold_bytes: u64,
+    /// I/O threads.
+    pub io_threads: usize,
+}
+
+impl CacheConfig {
+    /// Every FFN neuron pinned in memory (no budget).
+    pub fn all_hot(pack: &Pack) -> Self {
+        CacheConfig {
+            hot_neurons: pack.manifest().ffn.iter().map(|f| f.n_neurons).collect(),
+            cold_bytes: 0,
+            io_threads: 1,
+        }
+    }
+
+    /// The cache layout plan `p` describes.
+    pub fn from_plan(p: &Plan) -> Self {
+        CacheConfig { hot_neurons: p.hot_neurons.clone(), cold_bytes: p.cold_bytes, io_threads: p.io_threads as usize }
+    }
+}

@@ -1,0 +1,228 @@
+//! [`QMatrix`]: a typed view `[rows, cols]` of packed weights, and the
+//! matrix-vector and small-batch products over it, parallel over row
+//! blocks (rayon) and four or eight rows per kernel call.
+
+use candle_core::quantized::k_quants::BlockQ8_0;
+use half::f16;
+use nflash_format::interleave::{Q4_0X8_GROUP_BLOCK, Q4_0X8_ROWS};
+use nflash_format::DType;
+use rayon::prelude::*;
+
+use super::DotInput;
+
+/// A matrix view `[rows, cols]` over packed bytes: row-major as in the pack
+/// (SPEC §5), or for Q4_0 in the Q4_0×8 layout (SPEC §5.1) that
+/// [`nflash_format::Pack::interleave_q4_0`] makes in memory.
+#[derive(Clone, Copy)]
+pub struct QMatrix<'a> {
+    /// Storage type.
+    pub dtype: DType,
+    /// Rows (output features).
+    pub rows: usize,
+    /// Columns (input features, elements per row).
+    pub cols: usize,
+    row_bytes: usize,
+    /// Q4_0 rows in groups of 8 (`nflash_format::interleave`).
+    interleaved: bool,
+    data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    /// A view of `rows × cols` elements of `dtype` in `data`
+    /// (`data.len() == rows * row_bytes(cols)`, checked by the caller's shape validation).
+    pub fn new(dtype: DType, rows: usize, cols: usize, data: &'a [u8]) -> Self {
+        let row_bytes = dtype.row_bytes(cols as u64).expect("validated row length") as usize;
+        assert_eq!(data.len(), rows * row_bytes, "weight view size");
+        QMatrix { dtype, rows, cols, row_bytes, interleaved: false, data }
+    }
+
+    /// A view of a Q4_0 matrix `[rows, cols]` in the Q4_0×8 layout
+    /// (`nflash_format::interleave`; rows a multiple of 8, same byte size).
+    pub fn q4_0x8(rows: usize, cols: usize, data: &'a [u8]) -> Self {
+        assert!(nflash_format::interleave::can_interleave(rows as u64, cols as u64), "Q4_0×8 shape [{rows}, {cols}]");
+        QMatrix { interleaved: true, ..Self::new(DType::Q4_0, rows, cols, data) }
+    }
+
+    /// Bytes of row `r` (row layout only).
+    #[inline]
+    pub(crate) fn row(&self, r: usize) -> &'a [u8] {
+        debug_assert!(!self.interleaved);
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// Bytes of the 8-row group holding row `r` (Q4_0×8 layout only).
+    #[inline]
+    fn group(&self, r: usize) -> &'a [u8] {
+        let g = r / Q4_0X8_ROWS * Q4_0X8_ROWS * self.row_bytes;
+        &self.data[g..g + Q4_0X8_ROWS * self.row_bytes]
+    }
+
+    /// Dot product of row `r` with a prepared input.
+    #[inline]
+    pub fn row_dot(&self, r: usize, x: &DotInput) -> f32 {
+        if self.interleaved {
+            return super::dot8_q4_0x8(self.cols, self.group(r), q8_input(x))[r % 8];
+        }
+        super::row_dot(self.dtype, self.cols, self.row(r), x)
+    }
+
+    /// `out[r] = row_r · x` for all rows, in parallel. `out`: `[rows]`.
+    pub fn matvec(&self, x: &DotInput, out: &mut [f32]) {
+        matvec_many(&[self], x, &mut [out]);
+    }
+
+    /// `out[i] = row_{r0+i} · x` for the rows `r0 .. r0 + out.len()`, four at
+    /// a time for Q8 inputs, eight in the Q4_0×8 layout (`r0` and `out.len()`
+    /// then multiples of 8).
+    fn rows_into(&self, x: &DotInput, r0: usize, out: &mut [f32]) {
+        if self.interleaved {
+            debug_assert!(r0.is_multiple_of(8) && out.len().is_multiple_of(8));
+            let y = q8_input(x);
+            for (gi, o) in out.chunks_exact_mut(8).enumerate() {
+                o.copy_from_slice(&super::dot8_q4_0x8(self.cols, self.group(r0 + 8 * gi), y));
+            }
+            return;
+        }
+        match x {
+            DotInput::Q8(y) => {
+                let done = out.len() / 4 * 4;
+                let mut quads = out.chunks_exact_mut(4);
+                for (qi, o) in (&mut quads).enumerate() {
+                    let r = r0 + 4 * qi;
+                    let rows = [self.row(r), self.row(r + 1), self.row(r + 2), self.row(r + 3)];
+                    o.copy_from_slice(&super::dot4(self.dtype, self.cols, rows, y));
+                }
+                for (i, o) in quads.into_remainder().iter_mut().enumerate() {
+                    *o = self.row_dot(r0 + done + i, x);
+                }
+            }
+            _ => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = self.row_dot(r0 + i, x);
+                }
+            }
+        }
+    }
+
+    /// `out[t, r] = row_r · xs[t]` for `n = xs.len()` inputs. `out`: `[n, rows]`.
+    /// Rows are the outer loop so each weight row is read once for all inputs.
+    pub fn matmul(&self, xs: &[DotInput], out: &mut [f32]) {
+        let n = xs.len();
+        debug_assert_eq!(out.len(), n * self.rows);
+        if n == 1 {
+            return self.matvec(&xs[0], out);
+        }
+        let rb = par_chunk(self.rows, 16).next_multiple_of(8);
+        let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
+        tmp.par_chunks_mut(rb * n).enumerate().for_each(|(ci, chunk)| {
+            if self.interleaved {
+                // One 8-row group at a time, for every input while it is in cache.
+                for (gi, g_out) in chunk.chunks_mut(8 * n).enumerate() {
+                    let group = self.group(ci * rb + 8 * gi);
+                    for (t, x) in xs.iter().enumerate() {
+                        let d = super::dot8_q4_0x8(self.cols, group, q8_input(x));
+                        for (i, v) in d.into_iter().enumerate() {
+                            g_out[i * n + t] = v;
+                        }
+                    }
+                }
+                return;
+            }
+            // Four rows at a time through the same kernel as `matvec`, so a
+            // token's result does not depend on the batch it is in.
+            let quads = if matches!(xs[0], DotInput::Q8(_)) { chunk.len() / n / 4 } else { 0 };
+            for (qi, q_out) in chunk.chunks_mut(4 * n).take(quads).enumerate() {
+                let r = ci * rb + 4 * qi;
+                let rows = [self.row(r), self.row(r + 1), self.row(r + 2), self.row(r + 3)];
+                for (t, x) in xs.iter().enumerate() {
+                    let d = super::dot4(self.dtype, self.cols, rows, q8_input(x));
+                    for (i, v) in d.into_iter().enumerate() {
+                        q_out[i * n + t] = v;
+                    }
+                }
+            }
+            for (i, row_out) in chunk.chunks_mut(n).enumerate().skip(4 * quads) {
+                let r = ci * rb + i;
+                for (t, o) in row_out.iter_mut().enumerate() {
+                    *o = self.row_dot(r, &xs[t]);
+                }
+            }
+        });
+        for r in 0..self.rows {
+            for t in 0..n {
+                out[t * self.rows + r] = tmp[r * n + t];
+            }
+        }
+    }
+
+    /// `out[t, r] = row_r · x[t]` for `n` f32 inputs `x` (`[n, cols]`), by
+    /// dequantizing row tiles and multiplying with candle-core's matmul.
+    /// `out`: `[n, rows]`. Used for batches of at least [`super::gemm::MIN_BATCH`].
+    pub fn matmul_f32(&self, x: &[f32], out: &mut [f32]) -> crate::error::Result<()> {
+        let n = x.len() / self.cols;
+        let xt = super::gemm::input(x, n, self.cols)?;
+        let tile = (super::gemm::TILE_ELEMS / self.cols).clamp(1, self.rows);
+        for r0 in (0..self.rows).step_by(tile) {
+            let m = tile.min(self.rows - r0);
+            let mut w = vec![0f32; m * self.cols];
+            w.par_chunks_mut(self.cols).enumerate().for_each(|(i, row)| self.row_to_f32(r0 + i, row));
+            let y = super::gemm::matmul_xwt(&xt, w, m, self.cols)?; // [n, m]
+            for t in 0..n {
+                out[t * self.rows + r0..t * self.rows + r0 + m].copy_from_slice(&y[t * m..(t + 1) * m]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Dequantizes row `r` into `out` (`[cols]`).
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        if !self.interleaved {
+            return super::row_to_f32(self.dtype, self.row(r), out);
+        }
+        let (g, i) = (self.group(r), r % 8);
+        for (blk, o) in g.chunks_exact(Q4_0X8_GROUP_BLOCK).zip(out.chunks_exact_mut(32)) {
+            let d = f16::from_le_bytes([blk[2 * i], blk[2 * i + 1]]).to_f32();
+            let (lo, hi) = o.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&blk[16 + 16 * i..32 + 16 * i]) {
+                *l = d * ((q & 0x0F) as i32 - 8) as f32;
+                *h = d * ((q >> 4) as i32 - 8) as f32;
+            }
+        }
+    }
+}
+
+/// The Q8_0 blocks of an input for Q4_0 rows.
+pub(crate) fn q8_input(x: &DotInput) -> &[BlockQ8_0] {
+    match x {
+        DotInput::Q8(y) => y,
+        _ => panic!("dot input prepared for another dtype than Q4_0/Q8_0"),
+    }
+}
+
+/// `outs[i] = mats[i] · x` (`[mats[i].rows]` each) for matrices sharing one
+/// prepared input, as a single parallel region (decode runs Q, K and V this
+/// way: one fork–join instead of three).
+pub fn matvec_many(mats: &[&QMatrix], x: &DotInput, outs: &mut [&mut [f32]]) {
+    matvec_many_from(mats, 0, x, outs);
+}
+
+/// [`matvec_many`] over the rows `r0 ..` of each matrix only: `outs[i]` is
+/// `[mats[i].rows - r0]`, `outs[i][j] = row_{r0+j} · x`. `r0`: a multiple of 8
+/// (a whole Q4_0×8 group); panics otherwise (a caller bug).
+pub fn matvec_many_from(mats: &[&QMatrix], r0: usize, x: &DotInput, outs: &mut [&mut [f32]]) {
+    assert!(r0.is_multiple_of(Q4_0X8_ROWS), "first row {r0} is not a multiple of {Q4_0X8_ROWS}");
+    let total: usize = mats.iter().map(|m| m.rows - r0).sum();
+    // Multiples of 8: whole groups of the Q4_0×8 layout, whole quads otherwise.
+    let chunk = par_chunk(total, 16).next_multiple_of(8);
+    // Nested parallel iterators rather than a task list: no allocation per call.
+    outs.par_iter_mut().enumerate().for_each(|(mi, out)| {
+        debug_assert_eq!(out.len(), mats[mi].rows - r0);
+        out.par_chunks_mut(chunk).enumerate().for_each(|(ci, c)| mats[mi].rows_into(x, r0 + ci * chunk, c));
+    });
+}
+
+/// Rows per parallel task: about four tasks per thread, at least `min`,
+/// so small matrices are not split into tasks that cost more than they do.
+pub fn par_chunk(rows: usize, min: usize) -> usize {
+    rows.div_ceil(4 * rayon::current_num_threads()).max(min)
+}

@@ -1,0 +1,272 @@
+//! All quantized and SIMD arithmetic of nflash, behind one portable API.
+//!
+//! - [`portable`]: plain Rust, the reference every other kernel is tested
+//!   against (bit for bit where the arithmetic allows, which it does for
+//!   every kernel here) and what runs on CPUs without a faster one;
+//! - [`x86`] (x86-64): AVX2 + FMA + F16C kernels;
+//! - [`matrix`]: [`QMatrix`], a typed view of packed weights, and the
+//!   parallel matrix-vector products over it;
+//! - [`gemm`]: f32 matrix products of batches (prefill), through
+//!   candle-core.
+//!
+//! The functions in this file pick a kernel at run time from the CPU's
+//! features (`is_x86_feature_detected!`, cached by std), as candle's
+//! `k_quants` and llama.cpp's `ggml-cpu/arch/` do. Row layouts are GGML's
+//! (formats/SPEC.md §5): packed bytes are reinterpreted as candle-core's
+//! `BlockQ4_0` / `BlockQ8_0` where its `vec_dot` is used.
+
+pub mod gemm;
+pub mod matrix;
+pub mod portable;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
+
+use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ8_0, GgmlType};
+use half::f16;
+use nflash_format::DType;
+
+pub use matrix::{matvec_many, matvec_many_from, par_chunk, QMatrix};
+
+/// Whether the AVX2 kernels can run on this CPU (checked once, then cached by std).
+#[inline]
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The name of the kernel set [`dot4`], [`dot8_q4_0x8`] and [`axpy`] use on
+/// this CPU: `"avx2"` or `"portable"` (for `nflash probe` and `--stats`).
+pub fn isa() -> &'static str {
+    if has_avx2() {
+        "avx2"
+    } else {
+        "portable"
+    }
+}
+
+/// The bytes of Q8_0 blocks.
+fn q8_bytes(y: &[BlockQ8_0]) -> &[u8] {
+    // SAFETY: BlockQ8_0 is repr(C), 34 bytes with no padding (asserted by candle-core).
+    unsafe { std::slice::from_raw_parts(y.as_ptr() as *const u8, std::mem::size_of_val(y)) }
+}
+
+/// Dots of four rows of `dtype` (Q4_0 or Q8_0; `cols` elements each) with a
+/// Q8_0 activation vector `y` (`cols / 32` blocks). Four rows per pass share
+/// the activation loads and keep four independent chains in flight, which
+/// is what decode (one token, many rows) needs.
+///
+/// Panics on another dtype or on rows shorter than `cols` (caller bugs).
+#[inline]
+pub fn dot4(dtype: DType, cols: usize, rows: [&[u8]; 4], y: &[BlockQ8_0]) -> [f32; 4] {
+    let yb = q8_bytes(y);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; row and vector lengths
+        // are checked inside against `cols`.
+        return unsafe {
+            match dtype {
+                DType::Q4_0 => x86::dot4_q4_0(cols, rows, yb),
+                DType::Q8_0 => x86::dot4_q8_0(cols, rows, yb),
+                _ => unreachable!("dot4 on {dtype}"),
+            }
+        };
+    }
+    match dtype {
+        DType::Q4_0 => portable::dot4_q4_0(cols, rows, yb),
+        DType::Q8_0 => portable::dot4_q8_0(cols, rows, yb),
+        _ => unreachable!("dot4 on {dtype}"),
+    }
+}
+
+/// Whether [`dot8_q4_0x8`] has a fast kernel on this CPU (AVX2, FMA, F16C):
+/// only then are Q4_0 matrices worth reordering to the Q4_0×8 layout
+/// (elsewhere the row layout keeps four-row kernels).
+pub fn q4_0x8_available() -> bool {
+    has_avx2()
+}
+
+/// Dots of the 8 rows of one Q4_0×8 group (`cols` elements per row; `group`
+/// is `8 · cols / 32 · 18` bytes in the layout of `nflash_format::interleave`)
+/// with a Q8_0 activation vector `y` (`cols / 32` blocks). Bit-identical to
+/// [`dot4`] on the same rows in the row layout.
+#[inline]
+pub fn dot8_q4_0x8(cols: usize, group: &[u8], y: &[BlockQ8_0]) -> [f32; 8] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths checked inside.
+        return unsafe { x86::dot8_q4_0x8(cols, group, q8_bytes(y)) };
+    }
+    portable::dot8_q4_0x8(cols, group, q8_bytes(y))
+}
+
+/// `out += a · row` for one Q4_0 or Q8_0 row (`out.len()` elements).
+#[inline]
+pub fn axpy(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
+    axpy_n(dtype, [row], [a], out)
+}
+
+/// `out += a[0] · rows[0] + a[1] · rows[1]`: two neurons' down columns with
+/// one pass over `out`.
+#[inline]
+pub fn axpy2(dtype: DType, rows: [&[u8]; 2], a: [f32; 2], out: &mut [f32]) {
+    axpy_n(dtype, rows, a, out)
+}
+
+#[inline]
+fn axpy_n<const N: usize>(dtype: DType, rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: features checked above; lengths checked inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => x86::axpy_q4_0(rows, a, out),
+                DType::Q8_0 => x86::axpy_q8_0(rows, a, out),
+                _ => unreachable!("axpy on {dtype}"),
+            }
+        }
+        return;
+    }
+    for (r, a) in rows.into_iter().zip(a) {
+        match dtype {
+            DType::Q4_0 => portable::axpy_q4_0(r, a, out),
+            DType::Q8_0 => portable::axpy_q8_0(r, a, out),
+            _ => unreachable!("axpy on {dtype}"),
+        }
+    }
+}
+
+/// Reinterprets `bytes` as a slice of `T`.
+///
+/// Panics if `bytes` is misaligned for `T` or not a whole number of `T`s;
+/// pack offsets are aligned by construction (SPEC §3–4), so this is a bug.
+pub(crate) fn cast<T>(bytes: &[u8]) -> &[T] {
+    let size = std::mem::size_of::<T>();
+    assert!(
+        (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) && bytes.len().is_multiple_of(size),
+        "misaligned weight view"
+    );
+    // SAFETY: alignment and length were checked above; T is one of f32, f16,
+    // BlockQ8_0, BlockQ4_0, all plain-old-data `repr(C)` types for which every
+    // bit pattern is valid, and the borrow keeps the bytes alive.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / size) }
+}
+
+/// A vector prepared as the right-hand side of a dot with rows of one dtype:
+/// f32 rows dot f32, f16 rows dot f16, Q8_0/Q4_0 rows dot Q8_0 blocks.
+pub enum DotInput {
+    /// For f32 rows: the values `[n]`.
+    F32(Vec<f32>),
+    /// For f16 rows: the values rounded to f16 `[n]`.
+    F16(Vec<f16>),
+    /// For Q4_0 and Q8_0 rows: Q8_0 blocks `[n / 32]`.
+    Q8(Vec<BlockQ8_0>),
+}
+
+impl DotInput {
+    /// An empty input for rows of `dtype`, to be filled by [`Self::set`].
+    pub fn new(dtype: DType) -> Self {
+        match dtype {
+            DType::F32 => DotInput::F32(Vec::new()),
+            DType::F16 => DotInput::F16(Vec::new()),
+            DType::Q8_0 | DType::Q4_0 => DotInput::Q8(Vec::new()),
+        }
+    }
+
+    /// Prepares `x` (`[n]`, n a multiple of 32 for quantized rows), reusing the buffer.
+    pub fn set(&mut self, x: &[f32]) {
+        match self {
+            DotInput::F32(v) => {
+                v.clear();
+                v.extend_from_slice(x);
+            }
+            DotInput::F16(v) => {
+                v.clear();
+                v.extend(x.iter().map(|&a| f16::from_f32(a)));
+            }
+            DotInput::Q8(v) => {
+                v.resize(x.len() / 32, BlockQ8_0::zeros());
+                BlockQ8_0::from_float(x, v);
+            }
+        }
+    }
+
+    /// Convenience: a new input for `dtype` holding `x`.
+    pub fn from_slice(dtype: DType, x: &[f32]) -> Self {
+        let mut d = Self::new(dtype);
+        d.set(x);
+        d
+    }
+}
+
+/// Dot of one packed row (`cols` elements of `dtype`) with a prepared input.
+#[inline]
+pub fn row_dot(dtype: DType, cols: usize, row: &[u8], x: &DotInput) -> f32 {
+    match (dtype, x) {
+        (DType::F32, DotInput::F32(v)) => f32::vec_dot(cols, cast::<f32>(row), v),
+        (DType::F16, DotInput::F16(v)) => f16::vec_dot(cols, cast::<f16>(row), v),
+        (DType::Q8_0, DotInput::Q8(v)) => BlockQ8_0::vec_dot(cols, cast::<BlockQ8_0>(row), v),
+        (DType::Q4_0, DotInput::Q8(v)) => BlockQ4_0::vec_dot(cols, cast::<BlockQ4_0>(row), v),
+        _ => panic!("dot input prepared for another dtype than {dtype}"),
+    }
+}
+
+/// Dequantizes one packed row into `out`.
+pub fn row_to_f32(dtype: DType, row: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => out.copy_from_slice(cast::<f32>(row)),
+        DType::F16 => f16::to_float(cast::<f16>(row), out),
+        DType::Q8_0 => BlockQ8_0::to_float(cast::<BlockQ8_0>(row), out),
+        DType::Q4_0 => BlockQ4_0::to_float(cast::<BlockQ4_0>(row), out),
+    }
+}
+
+/// `out += a · row`, dequantizing one packed row block by block.
+/// `row`: `cols` elements of `dtype`; `out`: `[cols]`.
+#[inline]
+pub fn axpy_row(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {
+    match dtype {
+        DType::F32 => {
+            for (o, w) in out.iter_mut().zip(cast::<f32>(row)) {
+                *o += a * w;
+            }
+        }
+        DType::F16 => {
+            for (o, w) in out.iter_mut().zip(cast::<f16>(row)) {
+                *o += a * w.to_f32();
+            }
+        }
+        DType::Q8_0 | DType::Q4_0 => axpy(dtype, row, a, out),
+    }
+}
+
+/// Quantizes `x` (`[n]`) into packed row bytes of `dtype` (used by `prep` and tests).
+/// `n` must be a multiple of 32 for quantized types.
+pub fn quantize_row(dtype: DType, x: &[f32], out: &mut Vec<u8>) {
+    fn push<T: GgmlType>(x: &[f32], out: &mut Vec<u8>) {
+        let mut blocks = vec![T::zeros(); x.len() / T::BLCK_SIZE];
+        T::from_float(x, &mut blocks);
+        // SAFETY: T is a plain-old-data repr(C) type; viewing its memory as
+        // bytes for `len * size_of::<T>()` bytes is valid.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(blocks.as_ptr() as *const u8, blocks.len() * std::mem::size_of::<T>())
+        };
+        out.extend_from_slice(bytes);
+    }
+    match dtype {
+        DType::F32 => x.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        DType::F16 => x.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+        DType::Q8_0 => push::<BlockQ8_0>(x, out),
+        DType::Q4_0 => push::<BlockQ4_0>(x, out),
+    }
+}
+
+#[cfg(test)]
+mod tests;

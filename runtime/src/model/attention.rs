@@ -1,0 +1,196 @@
+//! The attention block: Q/K/V projections, RoPE, the KV cache, scaled
+//! dot-product attention with GQA (and an optional sliding window), and the
+//! output projection. Tensor names are the Hugging Face ones
+//! (`model.layers.{l}.self_attn.*`, formats/SPEC.md §4.3).
+
+use candle_core::quantized::GgmlType;
+use rayon::prelude::*;
+
+use super::kv_cache::KvCache;
+use super::ops::{softmax, Rope};
+use crate::error::Result;
+use crate::kernels::{matvec_many, DotInput, QMatrix};
+
+/// One layer's attention weights, views into the pack.
+pub(crate) struct Attention<'a> {
+    /// `[n_heads · head_dim, hidden]`.
+    pub q: QMatrix<'a>,
+    /// `[n_kv_heads · head_dim, hidden]`.
+    pub k: QMatrix<'a>,
+    /// `[n_kv_heads · head_dim, hidden]`.
+    pub v: QMatrix<'a>,
+    /// `[hidden, n_heads · head_dim]`.
+    pub o: QMatrix<'a>,
+    /// Biases `[n_heads · head_dim]`, `[n_kv_heads · head_dim]` ×2, `[hidden]` (Qwen2: q/k/v).
+    pub q_bias: Option<Vec<f32>>,
+    pub k_bias: Option<Vec<f32>>,
+    pub v_bias: Option<Vec<f32>>,
+    pub o_bias: Option<Vec<f32>>,
+}
+
+/// Head geometry (HF config `num_attention_heads`, `num_key_value_heads`,
+/// `head_dim`, `sliding_window`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Heads {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (GQA: each serves `n_heads / n_kv_heads` query heads).
+    pub n_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Sliding window, positions before the current one; `None` = full causal.
+    pub window: Option<usize>,
+}
+
+/// Buffers of one forward pass over `n` tokens, reused by every layer.
+pub(crate) struct AttnScratch {
+    /// `[n, n_heads · head_dim]`.
+    q: Vec<f32>,
+    /// `[n, n_kv_heads · head_dim]`.
+    k: Vec<f32>,
+    /// `[n, n_kv_heads · head_dim]`.
+    v: Vec<f32>,
+    /// `[n, n_heads · head_dim]`: attention output before `o_proj`.
+    attn: Vec<f32>,
+    /// `[n, hidden]`: the block's output, to add to the residual.
+    pub out: Vec<f32>,
+}
+
+impl AttnScratch {
+    /// Buffers for `n` tokens.
+    pub fn new(n: usize, hidden: usize, h: &Heads) -> Self {
+        let (qd, kvd) = (h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim);
+        AttnScratch {
+            q: vec![0f32; n * qd],
+            k: vec![0f32; n * kvd],
+            v: vec![0f32; n * kvd],
+            attn: vec![0f32; n * qd],
+            out: vec![0f32; n * hidden],
+        }
+    }
+}
+
+/// RoPE rotations of one forward pass: `(cos, sin)`, each `[n, head_dim / 2]`.
+pub(crate) struct RopeTables<'r> {
+    pub rope: &'r Rope,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+impl Attention<'_> {
+    /// Attention of layer `l` for `n` tokens at positions `p0 ..`: `xn`
+    /// (`[n, hidden]`, RMSNormed) → `s.out` (`[n, hidden]`). Appends the
+    /// tokens' keys and values to `kv` (committed by the caller after the
+    /// last layer). `batched`: project with the prefill matmul.
+    ///
+    /// # Errors
+    /// Matmul failures ([`crate::Error::Internal`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        l: usize,
+        xn: &[f32],
+        p0: usize,
+        h: &Heads,
+        rope: &RopeTables,
+        kv: &mut KvCache,
+        batched: bool,
+        s: &mut AttnScratch,
+    ) -> Result<()> {
+        let hidden = self.q.cols;
+        let n = xn.len() / hidden;
+        let (qd, kvd) = (h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim);
+        // Q, K, V projections.
+        let same = self.k.dtype == self.q.dtype && self.v.dtype == self.q.dtype;
+        if batched || !same {
+            project(&self.q, xn, batched, &mut s.q)?;
+            project(&self.k, xn, batched, &mut s.k)?;
+            project(&self.v, xn, batched, &mut s.v)?;
+        } else {
+            // Decode: Q, K and V in one parallel region per token.
+            for t in 0..n {
+                let xin = DotInput::from_slice(self.q.dtype, &xn[t * hidden..(t + 1) * hidden]);
+                matvec_many(
+                    &[&self.q, &self.k, &self.v],
+                    &xin,
+                    &mut [
+                        &mut s.q[t * qd..(t + 1) * qd],
+                        &mut s.k[t * kvd..(t + 1) * kvd],
+                        &mut s.v[t * kvd..(t + 1) * kvd],
+                    ],
+                );
+            }
+        }
+        add_bias(&mut s.q, self.q_bias.as_deref());
+        add_bias(&mut s.k, self.k_bias.as_deref());
+        add_bias(&mut s.v, self.v_bias.as_deref());
+        // RoPE on queries and keys.
+        let half = h.head_dim / 2;
+        for t in 0..n {
+            let (c, sn) = (&rope.cos[t * half..(t + 1) * half], &rope.sin[t * half..(t + 1) * half]);
+            rope.rope.rotate(&mut s.q[t * qd..(t + 1) * qd], c, sn);
+            rope.rope.rotate(&mut s.k[t * kvd..(t + 1) * kvd], c, sn);
+        }
+        // KV cache, then softmax(q·kᵀ / √d)·v per (token, head).
+        kv.append(l, &s.k, &s.v);
+        let (kc, vc) = kv.layer(l);
+        attend(&s.q, kc, vc, p0, h, &mut s.attn);
+        // Output projection.
+        project(&self.o, &s.attn, batched, &mut s.out)?;
+        add_bias(&mut s.out, self.o_bias.as_deref());
+        Ok(())
+    }
+}
+
+/// Scaled dot-product attention of queries `q` (`[n, n_heads · head_dim]`,
+/// positions `p0 ..`) over the cached keys and values `kc`, `vc`
+/// (`[positions, n_kv_heads · head_dim]`) into `out` (`[n, n_heads ·
+/// head_dim]`), causal, one rayon task per (token, head).
+fn attend(q: &[f32], kc: &[f32], vc: &[f32], p0: usize, h: &Heads, out: &mut [f32]) {
+    let (nh, hd) = (h.n_heads, h.head_dim);
+    let (qd, kvd) = (nh * hd, h.n_kv_heads * hd);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let group = nh / h.n_kv_heads;
+    out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, out)| {
+        let (t, head) = (idx / nh, idx % nh);
+        let pos = p0 + t;
+        // Sliding window: the current token and the `w` before it, as
+        // flash-attention's window (w, 0) and candle-transformers' Mistral.
+        let start = h.window.map_or(0, |w| pos.saturating_sub(w));
+        let kvh = head / group;
+        let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+        scores.clear();
+        for j in start..=pos {
+            let kr = &kc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
+            scores.push(f32::vec_dot(hd, qv, kr) * scale);
+        }
+        softmax(scores);
+        out.fill(0.0);
+        for (j, &s) in (start..=pos).zip(scores.iter()) {
+            let vr = &vc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
+            for (o, b) in out.iter_mut().zip(vr) {
+                *o += s * b;
+            }
+        }
+    });
+}
+
+/// `out = x · mᵀ` for `x` `[n, cols]`: candle-core matmul over dequantized
+/// tiles for batches, per-row quantized dot products otherwise.
+pub(crate) fn project(m: &QMatrix, x: &[f32], batched: bool, out: &mut [f32]) -> Result<()> {
+    if batched {
+        return m.matmul_f32(x, out);
+    }
+    let xs: Vec<DotInput> = x.chunks_exact(m.cols).map(|r| DotInput::from_slice(m.dtype, r)).collect();
+    m.matmul(&xs, out);
+    Ok(())
+}
+
+/// Adds `bias` (`[d]`) to every row of `x` (`[n, d]`).
+fn add_bias(x: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            row.iter_mut().zip(b).for_each(|(a, c)| *a += c);
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! The forward pass, top to bottom: embed → per layer (attention norm,
+//! attention, residual, FFN norm, FFN + residual) → final norm; then
+//! logits. Decode (one token) runs the FFN sparse through the predictor
+//! and may start the next layer's cold reads early (speculative prefetch).
+
+use std::time::Instant;
+
+use nflash_plan::layout::FFN_TILE_ELEMS;
+
+use super::attention::{AttnScratch, Heads, RopeTables};
+use super::ffn::{BatchMask, Selection};
+use super::kv_cache::KvCache;
+use super::ops::rms_norm;
+use super::predictor::{LayerCounts, LayerSparse};
+use super::source::LayerClusters;
+use super::{Model, Pass, SpecScratch, Speculation, Timings, Work};
+use crate::error::{Error, Result};
+use crate::kernels::gemm::MIN_BATCH;
+use crate::kernels::DotInput;
+
+impl Model<'_> {
+    /// Runs `tokens` at positions `kv.len()..` and returns the final-normed
+    /// hidden states `[n, hidden]`; the KV cache grows by `n`. One token is a
+    /// [`Pass::Decode`], more a [`Pass::Prefill`].
+    ///
+    /// # Errors
+    /// [`Error::ContextFull`] if the tokens do not fit, [`Error::TokenOutOfRange`],
+    /// a failed cluster read ([`Error::ClusterRead`]).
+    pub fn forward(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
+        let pass = if tokens.len() == 1 { Pass::Decode } else { Pass::Prefill };
+        self.forward_with(kv, tokens, pass)
+    }
+
+    /// [`Self::forward`] with an explicit pass: batches of at least
+    /// `MIN_BATCH` tokens use dense matmuls (masked for [`Pass::Evaluate`]),
+    /// smaller ones run token by token (sparse unless [`Pass::Prefill`]).
+    ///
+    /// # Errors
+    /// As [`Self::forward`].
+    pub fn forward_with(&self, kv: &mut KvCache, tokens: &[u32], pass: Pass) -> Result<Vec<f32>> {
+        let mut guard = self.work.lock().unwrap_or_else(|e| e.into_inner());
+        let work = &mut *guard;
+        let (n, h, p0) = (tokens.len(), self.cfg.hidden_size as usize, kv.len());
+        if p0 + n > kv.capacity() {
+            return Err(Error::ContextFull { context: kv.capacity() });
+        }
+        let eps = self.cfg.rms_norm_eps as f32;
+        let heads = Heads {
+            n_heads: self.cfg.num_heads as usize,
+            n_kv_heads: self.cfg.num_kv_heads as usize,
+            head_dim: self.cfg.head_dim as usize,
+            window: self.cfg.sliding_window.map(|w| w as usize),
+        };
+        let batched = n >= MIN_BATCH;
+        let sparse_on = self.sparse_enabled && pass != Pass::Prefill;
+        let (cos, sin) = self.rope.tables(p0, n);
+        let rope = RopeTables { rope: &self.rope, cos, sin };
+        let mut attn = AttnScratch::new(n, h, &heads);
+        let mut xn = vec![0f32; n * h]; // [n, hidden], RMSNormed
+
+        // Counters and timings describe decode / evaluation only: kept here,
+        // added to `work` at the end unless this is a prefill.
+        let mut tm = Timings::default();
+
+        // 1. Embed: x [n, hidden].
+        let mut x = self.embed(tokens)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let t_attn = Instant::now();
+            // 2. Attention norm, attention, residual.
+            norm_rows(&x, &layer.attn_norm, eps, &mut xn);
+            layer.attn.forward(l, &xn, p0, &heads, &rope, kv, batched, &mut attn)?;
+            x.iter_mut().zip(&attn.out).for_each(|(a, b)| *a += b);
+            // 3. FFN norm.
+            norm_rows(&x, &layer.ffn_norm, eps, &mut xn);
+            tm.attention_s += t_attn.elapsed().as_secs_f64();
+            // 4. FFN through the neuron engine, added to the residual.
+            let sparse = layer.sparse.as_ref().filter(|_| sparse_on);
+            let counts = if batched {
+                self.ffn_batch(l, sparse, &xn, work, &mut tm, &mut x)?
+            } else {
+                let mut c = LayerCounts::default();
+                for (xr, outr) in xn.chunks_exact(h).zip(x.chunks_exact_mut(h)) {
+                    c.add(&self.ffn_token(l, sparse, xr, work, &mut tm, outr)?);
+                }
+                // Decode: start the next layer's cold reads before its attention.
+                if n == 1 && sparse.is_some() {
+                    self.speculate(l + 1, &x, &work.layer_wait, &mut work.spec, &mut tm);
+                }
+                c
+            };
+            if pass != Pass::Prefill {
+                work.counts[l].add(&counts);
+            }
+        }
+        if pass != Pass::Prefill {
+            work.timings.add(&tm);
+        }
+        kv.commit(n);
+        // 5. Final norm.
+        let mut row_in = vec![0f32; h];
+        for row in x.chunks_exact_mut(h) {
+            row_in.copy_from_slice(row);
+            rms_norm(&row_in, &self.final_norm, eps, row);
+        }
+        Ok(x)
+    }
+
+    /// The embedding rows of `tokens`: `[n, hidden]`.
+    ///
+    /// # Errors
+    /// [`Error::TokenOutOfRange`].
+    fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let h = self.cfg.hidden_size as usize;
+        let mut x = vec![0f32; tokens.len() * h];
+        for (t, &id) in tokens.iter().enumerate() {
+            if id as u64 >= self.cfg.vocab_size {
+                return Err(Error::TokenOutOfRange { id, vocab: self.cfg.vocab_size });
+            }
+            self.embed.row_to_f32(id as usize, &mut x[t * h..(t + 1) * h]);
+        }
+        Ok(x)
+    }
+
+    /// A batch's FFN (prefill or evaluation): `xn` `[n, hidden]` normed,
+    /// `out` `[n, hidden]` the residual it adds to. Every cluster is
+    /// fetched (cold ones streamed in large merged reads); with `sparse`,
+    /// the neurons decode would skip are dropped and counted.
+    fn ffn_batch(
+        &self,
+        l: usize,
+        sparse: Option<&LayerSparse>,
+        xn: &[f32],
+        work: &mut Work,
+        tm: &mut Timings,
+        out: &mut [f32],
+    ) -> Result<LayerCounts> {
+        let layer = &self.layers[l];
+        let t_pred = Instant::now();
+        let mask = match sparse {
+            Some(sp) => Some(BatchMask {
+                criterion: sp.criterion,
+                threshold: sp.threshold,
+                predicted: sp.predict_batch(self.cfg.activation, xn, self.cfg.hidden_size as usize)?,
+            }),
+            None => None,
+        };
+        let t_ffn = Instant::now();
+        tm.predictor_s += (t_ffn - t_pred).as_secs_f64();
+        work.needed.clear();
+        work.needed.extend(0..layer.ffn.n_clusters() as u32);
+        self.source.fetch(l, &work.needed, &mut work.table)?;
+        let src = LayerClusters::new(self.source.as_ref(), l, &work.table);
+        let c = layer.ffn.forward_batch(&src, xn, mask.as_ref(), FFN_TILE_ELEMS, out)?;
+        tm.ffn_s += t_ffn.elapsed().as_secs_f64();
+        Ok(c)
+    }
+
+    /// One token's FFN (`x`: normed input `[hidden]`, `out`: residual `[hidden]`), sparse when `sparse` is given:
+    /// predict, fetch the clusters of the selected neurons, compute. Time spent goes to `tm`.
+    fn ffn_token(
+        &self,
+        l: usize,
+        sparse: Option<&LayerSparse>,
+        x: &[f32],
+        work: &mut Work,
+        tm: &mut Timings,
+        out: &mut [f32],
+    ) -> Result<LayerCounts> {
+        let layer = &self.layers[l];
+        let n = layer.ffn.n_neurons() as u64;
+        let t0 = Instant::now();
+        let Work { ffn, predict, list, xin, needed, table, .. } = work;
+        let xin = xin.get_or_insert_with(|| DotInput::new(layer.ffn.dtype()));
+        xin.set(x);
+        // Predict, then fetch the clusters holding the selected neurons.
+        let (listed, gate) = match sparse {
+            Some(sp) => {
+                (sp.predict_token(self.cfg.activation, xin, x, predict, list), Some((sp.criterion, sp.threshold)))
+            }
+            None => (false, None),
+        };
+        let t1 = Instant::now();
+        tm.predictor_s += (t1 - t0).as_secs_f64();
+        if listed {
+            layer.ffn.clusters_of(list, needed);
+        } else {
+            needed.clear();
+            needed.extend(0..layer.ffn.n_clusters() as u32);
+        }
+        self.source.fetch(l, needed, table)?;
+        let src = LayerClusters::new(self.source.as_ref(), l, table);
+        let (sel, read) = if listed { (Selection::List(list), list.len() as u64) } else { (Selection::All, n) };
+        let wait0 = self.source.wait_s();
+        let computed = layer.ffn.forward_token(&src, xin, sel, gate, ffn, out)?;
+        tm.ffn_s += t1.elapsed().as_secs_f64();
+        // Compute threads wait side by side: their summed wait over the thread count is wall time.
+        let waited = (self.source.wait_s() - wait0) / rayon::current_num_threads() as f64;
+        work.layer_wait[l] = (waited, (t1 - t0).as_secs_f64());
+        Ok(LayerCounts { neurons: n, read, computed, ..Default::default() })
+    }
+
+    /// Speculative prefetch for layer `l` during decode: its predictor run on
+    /// its FFN norm of `x` (`[hidden]`, the layer's input, before its
+    /// attention adds to it) selects the clusters to read while the attention
+    /// computes ([`super::ClusterSource::speculate`]). Skipped unless the layer's last
+    /// FFN call waited for reads longer than its predictor took (so it stops
+    /// when the reads are hidden anyway). Time goes to the predictor.
+    fn speculate(&self, l: usize, x: &[f32], layer_wait: &[(f64, f64)], sc: &mut SpecScratch, tm: &mut Timings) {
+        let Some(layer) = self.layers.get(l) else { return };
+        let Some(sp) = layer.sparse.as_ref() else { return };
+        // Worth a predictor evaluation only if the layer's last FFN call
+        // waited longer than that for its reads.
+        let (waited, pred) = layer_wait[l];
+        let go = match self.speculation {
+            Speculation::Auto => waited > pred,
+            Speculation::Always => self.source.first_cold_cluster(l) < layer.ffn.n_clusters(),
+            Speculation::Never => false,
+        };
+        if !go {
+            return;
+        }
+        let t0 = Instant::now();
+        let SpecScratch { x: xn, xin, predict, list, needed } = sc;
+        xn.resize(x.len(), 0.0);
+        rms_norm(x, &layer.ffn_norm, self.cfg.rms_norm_eps as f32, xn);
+        let xin = xin.get_or_insert_with(|| DotInput::new(layer.ffn.dtype()));
+        xin.set(xn);
+        // Scores for the cold neurons only: the hot ones are always in memory.
+        let first = layer.ffn.first_neuron(self.source.first_cold_cluster(l));
+        if sp.predict_token_from(self.cfg.activation, xin, xn, first, predict, list) {
+            layer.ffn.clusters_of(list, needed);
+            self.source.speculate(l, needed);
+        }
+        tm.predictor_s += t0.elapsed().as_secs_f64();
+    }
+
+    /// Logits `[vocab]` for one final hidden state `[hidden]`; errors on NaN or
+    /// infinite values (damaged weights), naming `position`.
+    ///
+    /// # Errors
+    /// [`Error::NonFinite`].
+    pub fn checked_logits(&self, hidden: &[f32], position: usize) -> Result<Vec<f32>> {
+        // Checked before the output projection: quantizing its input for the
+        // Q8_0 dot turns NaN into 0, which would give finite, flat logits.
+        if !hidden.iter().all(|v| v.is_finite()) {
+            return Err(Error::NonFinite { position });
+        }
+        let l = self.logits(hidden);
+        if l.iter().all(|v| v.is_finite()) {
+            Ok(l)
+        } else {
+            Err(Error::NonFinite { position })
+        }
+    }
+
+    /// Logits `[vocab]` for one final hidden state `[hidden]`.
+    pub fn logits(&self, hidden: &[f32]) -> Vec<f32> {
+        let t0 = Instant::now();
+        let mut out = vec![0f32; self.cfg.vocab_size as usize];
+        self.lm_head.matvec(&DotInput::from_slice(self.lm_head.dtype, hidden), &mut out);
+        self.work.lock().unwrap_or_else(|e| e.into_inner()).timings.lm_head_s += t0.elapsed().as_secs_f64();
+        out
+    }
+
+    /// Logits `[n, vocab]` for `n` final hidden states `[n, hidden]`.
+    pub fn logits_batch(&self, hidden: &[f32]) -> Vec<f32> {
+        let h = self.cfg.hidden_size as usize;
+        let xs: Vec<DotInput> = hidden.chunks_exact(h).map(|r| DotInput::from_slice(self.lm_head.dtype, r)).collect();
+        let mut out = vec![0f32; xs.len() * self.cfg.vocab_size as usize];
+        self.lm_head.matmul(&xs, &mut out);
+        out
+    }
+}
+
+/// RMSNorms each row of `x` (`[n, hidden]`) into `out`.
+fn norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    for (row, o) in x.chunks_exact(weight.len()).zip(out.chunks_exact_mut(weight.len())) {
+        rms_norm(row, weight, eps, o);
+    }
+}

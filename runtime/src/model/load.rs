@@ -1,0 +1,142 @@
+//! Pack → model: views of every resident tensor, checked by name and shape
+//! against the config (formats/SPEC.md §4.3), the FFN layers' neuron
+//! cluster tables (§4.4) and predictors (§4.5).
+
+use std::sync::Mutex;
+
+use nflash_format::{Architecture, DType, Pack};
+
+use super::attention::Attention;
+use super::ffn::Ffn;
+use super::ops::Rope;
+use super::predictor::{LayerCounts, LayerSparse};
+use super::source::ClusterSource;
+use super::{Layer, Model, Speculation, Work};
+use crate::error::{Error, Result};
+use crate::kernels::QMatrix;
+
+/// Tensor `name` of `pack` with its dtype and bytes, its shape checked.
+///
+/// # Errors
+/// [`Error::MissingTensor`], [`Error::Shape`].
+fn tensor<'a>(pack: &'a Pack, name: &str, shape: &[u64]) -> Result<(DType, &'a [u8])> {
+    let (t, bytes) = pack.tensor(name).map_err(|e| match e {
+        nflash_format::Error::NotFound { .. } => Error::MissingTensor { name: name.to_string() },
+        e => e.into(),
+    })?;
+    if t.shape != shape {
+        return Err(Error::Shape {
+            name: name.into(),
+            expected: shape.to_vec(),
+            found: t.shape.clone(),
+            dtype: t.dtype,
+        });
+    }
+    Ok((t.dtype, bytes))
+}
+
+/// A view of matrix `name` `[rows, cols]` (in the Q4_0×8 layout if the pack
+/// reordered it in memory, formats/SPEC.md §5.1).
+///
+/// # Errors
+/// As [`tensor`].
+pub(crate) fn matrix<'a>(pack: &'a Pack, name: &str, rows: u64, cols: u64) -> Result<QMatrix<'a>> {
+    let (dt, bytes) = tensor(pack, name, &[rows, cols])?;
+    if pack.is_interleaved(name) {
+        return Ok(QMatrix::q4_0x8(rows as usize, cols as usize, bytes));
+    }
+    Ok(QMatrix::new(dt, rows as usize, cols as usize, bytes))
+}
+
+/// Vector `name` `[len]` as f32.
+///
+/// # Errors
+/// As [`tensor`].
+pub(crate) fn vector(pack: &Pack, name: &str, len: u64) -> Result<Vec<f32>> {
+    let (dt, bytes) = tensor(pack, name, &[len])?;
+    let mut out = vec![0f32; len as usize];
+    crate::kernels::row_to_f32(dt, bytes, &mut out);
+    Ok(out)
+}
+
+/// [`vector`] when `present`, else `None`.
+fn opt_vector(pack: &Pack, name: &str, len: u64, present: bool) -> Result<Option<Vec<f32>>> {
+    if present {
+        vector(pack, name, len).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+impl<'a> Model<'a> {
+    /// Builds views of every tensor of `pack`, checking names and shapes
+    /// against the config; the FFN's neuron clusters come from `source`.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::Shape`], [`Error::Format`].
+    pub fn load(pack: &'a Pack, source: Box<dyn ClusterSource + 'a>) -> Result<Self> {
+        let cfg = pack.manifest().config.clone();
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let qd = cfg.num_heads * cfg.head_dim;
+        let kvd = cfg.num_kv_heads * cfg.head_dim;
+        let inter = cfg.intermediate_size;
+        let embed = matrix(pack, "model.embed_tokens.weight", v, h)?;
+        let lm_head = if cfg.tie_word_embeddings { embed } else { matrix(pack, "lm_head.weight", v, h)? };
+        let sparse_info = pack.manifest().sparse.clone();
+        let qkv_bias = cfg.attention_bias || cfg.architecture == Architecture::Qwen2;
+        let mut layers = Vec::with_capacity(cfg.num_layers as usize);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let f = pack.ffn_layer(l as usize)?;
+            let sparse = match (&sparse_info, &f.sparse) {
+                (Some(si), Some(ls)) => Some(LayerSparse::load(pack, l as usize, si.predictor, si.criterion, ls)?),
+                _ => None,
+            };
+            let ffn = Ffn::new(
+                f,
+                cfg.activation,
+                opt_vector(pack, &format!("{p}.mlp.gate_proj.bias"), inter, cfg.mlp_bias)?,
+                opt_vector(pack, &format!("{p}.mlp.up_proj.bias"), inter, cfg.mlp_bias)?,
+                opt_vector(pack, &format!("{p}.mlp.down_proj.bias"), h, cfg.mlp_bias)?,
+            );
+            let attn = Attention {
+                q: matrix(pack, &format!("{p}.self_attn.q_proj.weight"), qd, h)?,
+                k: matrix(pack, &format!("{p}.self_attn.k_proj.weight"), kvd, h)?,
+                v: matrix(pack, &format!("{p}.self_attn.v_proj.weight"), kvd, h)?,
+                o: matrix(pack, &format!("{p}.self_attn.o_proj.weight"), h, qd)?,
+                q_bias: opt_vector(pack, &format!("{p}.self_attn.q_proj.bias"), qd, qkv_bias)?,
+                k_bias: opt_vector(pack, &format!("{p}.self_attn.k_proj.bias"), kvd, qkv_bias)?,
+                v_bias: opt_vector(pack, &format!("{p}.self_attn.v_proj.bias"), kvd, qkv_bias)?,
+                o_bias: opt_vector(
+                    pack,
+                    &format!("{p}.self_attn.o_proj.bias"),
+                    h,
+                    cfg.attention_bias && cfg.architecture != Architecture::Qwen2,
+                )?,
+            };
+            layers.push(Layer {
+                attn_norm: vector(pack, &format!("{p}.input_layernorm.weight"), h)?,
+                ffn_norm: vector(pack, &format!("{p}.post_attention_layernorm.weight"), h)?,
+                attn,
+                ffn,
+                sparse,
+            });
+        }
+        Ok(Model {
+            rope: Rope::new(&cfg),
+            final_norm: vector(pack, "model.norm.weight", h)?,
+            embed,
+            lm_head,
+            sparse_enabled: sparse_info.is_some(),
+            speculation: Speculation::Auto,
+            source,
+            work: Mutex::new(Work {
+                counts: vec![LayerCounts::default(); layers.len()],
+                layer_wait: vec![(0.0, 0.0); layers.len()],
+                ..Default::default()
+            }),
+            layers,
+            cfg,
+        })
+    }
+}

@@ -1,0 +1,239 @@
+//! The decoder-only transformer (Llama / Mistral / Qwen2) over a pack.
+//!
+//! Per layer: `x += Wo · attn(RoPE(Wq·norm(x)), RoPE(Wk·norm(x)), Wv·norm(x))`,
+//! then `x += FFN(norm(x))` through the neuron engine, whose neuron clusters
+//! come from a [`ClusterSource`]: the model knows nothing of flash or I/O.
+//! Tensor names are the Hugging Face ones (formats/SPEC.md §4.3).
+//!
+//! - [`load`](Model::load): pack → tensors;
+//! - `attention`: the attention block;
+//! - [`ffn`]: the FFN neuron engine (dense and sparse);
+//! - [`predictor`]: activation predictors and sparsity counters;
+//! - `forward`: the forward pass, as named steps;
+//! - [`source`]: the [`ClusterSource`] trait;
+//! - [`ops`], [`kv_cache`]: RMSNorm, RoPE, softmax, activations; the KV cache.
+
+mod attention;
+pub mod ffn;
+mod forward;
+pub mod kv_cache;
+mod load;
+pub mod ops;
+pub mod predictor;
+pub mod source;
+
+use std::sync::Mutex;
+
+use nflash_format::ModelConfig;
+
+use crate::error::{Error, Result};
+use crate::kernels::{DotInput, QMatrix};
+use attention::Attention;
+use ffn::{Ffn, FfnScratch};
+use kv_cache::KvCache;
+use ops::Rope;
+use predictor::{LayerCounts, LayerSparse, PredictScratch};
+use source::Loc;
+
+pub use source::{CacheStats, ClusterSource, LayerClusters, Regions, SegmentClusters};
+
+/// One decoder layer's weights.
+struct Layer<'a> {
+    /// RMSNorm weight before attention `[hidden]`.
+    attn_norm: Vec<f32>,
+    /// RMSNorm weight before the FFN `[hidden]`.
+    ffn_norm: Vec<f32>,
+    attn: Attention<'a>,
+    ffn: Ffn,
+    /// Sparse-decode settings; `None` for a dense pack.
+    sparse: Option<LayerSparse<'a>>,
+}
+
+/// How a forward pass computes the FFN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// Prompt processing: every neuron (PowerInfer-2 runs prefill dense).
+    Prefill,
+    /// Token generation: the pack's predictor and thresholds, unless dense is forced.
+    Decode,
+    /// Quality evaluation of sparse decode over a batch: dense matmuls with
+    /// the neurons decode would skip dropped, and recall counted.
+    Evaluate,
+}
+
+/// Time spent per part of the forward pass, seconds, summed over calls.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Timings {
+    /// Norms, Q/K/V/O projections, RoPE, attention.
+    pub attention_s: f64,
+    /// Predictor evaluation (sparse decode).
+    pub predictor_s: f64,
+    /// FFN neuron engine.
+    pub ffn_s: f64,
+    /// Output projection to logits.
+    pub lm_head_s: f64,
+}
+
+impl Timings {
+    fn add(&mut self, o: &Timings) {
+        self.attention_s += o.attention_s;
+        self.predictor_s += o.predictor_s;
+        self.ffn_s += o.ffn_s;
+        self.lm_head_s += o.lm_head_s;
+    }
+}
+
+/// Per-call scratch and counters, behind a lock so `forward` takes `&self`.
+#[derive(Default)]
+struct Work {
+    ffn: FfnScratch,
+    predict: PredictScratch,
+    /// Packed positions selected by the predictor `[≤ n_neurons]`.
+    list: Vec<u32>,
+    /// The FFN input prepared for the bundle dtype.
+    xin: Option<DotInput>,
+    /// Per-layer sparse counters.
+    counts: Vec<LayerCounts>,
+    /// Speculative prefetch buffers.
+    spec: SpecScratch,
+    /// `[n_layers]` the last decode step's (I/O wait, predictor) wall time of
+    /// each layer's FFN, seconds: whether a speculative prefetch pays.
+    layer_wait: Vec<(f64, f64)>,
+    /// Clusters the current layer call needs, ascending.
+    needed: Vec<u32>,
+    /// `[n_clusters]` where each needed cluster is.
+    table: Vec<Loc>,
+    timings: Timings,
+}
+
+/// When decode runs a speculative prefetch ([`Model::set_speculation`];
+/// `nflash run --speculate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Speculation {
+    /// For a layer whose last FFN call waited for reads longer than its
+    /// predictor took (the default).
+    #[default]
+    Auto,
+    /// Before every sparse layer that has cold neurons.
+    Always,
+    /// Never.
+    Never,
+}
+
+impl Speculation {
+    /// Every value, with its command-line name.
+    pub const ALL: [(Speculation, &'static str); 3] =
+        [(Speculation::Auto, "auto"), (Speculation::Always, "always"), (Speculation::Never, "never")];
+}
+
+impl std::str::FromStr for Speculation {
+    type Err = Error;
+
+    /// `auto`, `always` or `never`.
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .iter()
+            .find(|(_, name)| *name == s)
+            .map(|(v, _)| *v)
+            .ok_or_else(|| Error::Usage(format!("unknown speculation {s:?}: expected auto, always or never")))
+    }
+}
+
+/// Buffers of a speculative prefetch (`Model::speculate`).
+#[derive(Default)]
+struct SpecScratch {
+    /// `[hidden]` the layer's FFN norm of the residual it speculates on.
+    x: Vec<f32>,
+    /// `x` prepared for the predictor.
+    xin: Option<DotInput>,
+    predict: PredictScratch,
+    /// Packed positions selected `[≤ n_neurons]`.
+    list: Vec<u32>,
+    /// Their clusters, ascending.
+    needed: Vec<u32>,
+}
+
+/// A model whose weights are views into an open pack, and whose FFN neuron
+/// clusters come from a [`ClusterSource`].
+pub struct Model<'a> {
+    /// Hyper-parameters from the manifest.
+    pub cfg: ModelConfig,
+    /// `[vocab, hidden]`.
+    embed: QMatrix<'a>,
+    /// `[vocab, hidden]`; the embedding when tied.
+    lm_head: QMatrix<'a>,
+    /// `[hidden]`.
+    final_norm: Vec<f32>,
+    layers: Vec<Layer<'a>>,
+    rope: Rope,
+    /// Use the pack's predictors in [`Pass::Decode`] / [`Pass::Evaluate`].
+    sparse_enabled: bool,
+    /// When decode reads the next layer's likely clusters ahead of its attention.
+    speculation: Speculation,
+    /// Where the FFN's neuron clusters come from.
+    source: Box<dyn ClusterSource + 'a>,
+    work: Mutex<Work>,
+}
+
+impl Model<'_> {
+    /// Whether the pack has sparse-decode settings.
+    pub fn is_sparse_pack(&self) -> bool {
+        self.layers.iter().any(|l| l.sparse.is_some())
+    }
+
+    /// Forces dense FFN evaluation everywhere (`--dense`) or restores the pack's sparsity.
+    pub fn set_dense(&mut self, dense: bool) {
+        self.sparse_enabled = !dense && self.is_sparse_pack();
+    }
+
+    /// When sparse decode runs a speculative prefetch of the next layer's
+    /// cold clusters (default [`Speculation::Auto`]; `nflash run --speculate`).
+    pub fn set_speculation(&mut self, s: Speculation) {
+        self.speculation = s;
+    }
+
+    /// Per-layer sparse-FFN counters since load or the last [`Self::reset_counters`].
+    pub fn counters(&self) -> (Vec<LayerCounts>, Timings) {
+        let w = self.work.lock().unwrap_or_else(|e| e.into_inner());
+        (w.counts.clone(), w.timings)
+    }
+
+    /// Neuron-cluster counters of the source (cumulative since load).
+    pub fn cache_stats(&self) -> CacheStats {
+        self.source.stats()
+    }
+
+    /// The source's hot and cold regions, bytes, and whether reads bypass the page cache.
+    pub fn cache_regions(&self) -> Regions {
+        self.source.regions()
+    }
+
+    /// Zeroes the counters and timings.
+    pub fn reset_counters(&self) {
+        let mut w = self.work.lock().unwrap_or_else(|e| e.into_inner());
+        w.counts.iter_mut().for_each(|c| *c = LayerCounts::default());
+        w.timings = Timings::default();
+    }
+
+    /// A KV cache for `capacity` tokens, or an error if its memory cannot be reserved.
+    ///
+    /// # Errors
+    /// [`Error::KvCache`] naming the size and `--ctx`.
+    pub fn try_new_kv_cache(&self, capacity: usize) -> Result<KvCache> {
+        let kvd = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
+        let bytes = KvCache::bytes_at_capacity(self.layers.len(), kvd, capacity);
+        // Reserve once to see whether the system grants it (pages are only touched as tokens fill).
+        let elems = capacity.checked_mul(kvd).and_then(|e| e.checked_mul(2 * self.layers.len()));
+        let ok = elems.is_some_and(|e| Vec::<f32>::new().try_reserve_exact(e).is_ok());
+        if !ok {
+            return Err(Error::KvCache { ctx: capacity, mib: bytes as f64 / (1u64 << 20) as f64 });
+        }
+        Ok(self.new_kv_cache(capacity))
+    }
+
+    /// A KV cache for `capacity` tokens (aborts if the memory cannot be
+    /// reserved; see [`Self::try_new_kv_cache`]).
+    pub fn new_kv_cache(&self, capacity: usize) -> KvCache {
+        KvCache::new(self.layers.len(), (self.cfg.num_kv_heads * self.cfg.head_dim) as usize, capacity)
+    }
+}

@@ -1,0 +1,208 @@
+//! How the FFN gets its neuron clusters: the [`ClusterSource`] trait, so the
+//! model knows nothing of flash, caches or I/O threads.
+//!
+//! A source is asked, once per layer call, to make some clusters of a layer
+//! available ([`ClusterSource::fetch`]), then for each cluster's bytes
+//! ([`ClusterSource::cluster`]), which may wait for a read in flight. The
+//! offload cache (`crate::offload::NeuronCache`) is the source `nflash run`
+//! uses; [`SegmentClusters`] serves one FFN segment already in memory (unit
+//! tests, `nflash probe`).
+
+use crate::error::{Error, Result};
+
+/// Where a fetched cluster is, as the source that fetched it put it (its
+/// meaning is the source's own; the model only hands it back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loc {
+    /// Not fetched for the current call.
+    None,
+    /// Resident, at this byte offset of the source's memory.
+    Hot(usize),
+    /// In this slot of the source's cold region (possibly still being read).
+    Slot(u32),
+}
+
+/// Counters of a source since it was opened (cumulative; subtract with
+/// [`CacheStats::since`]). Units: clusters, bytes, seconds.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct CacheStats {
+    /// Clusters requested.
+    pub needed: u64,
+    /// Requested clusters found in the hot region.
+    pub hot_hits: u64,
+    /// Requested clusters found in the cold region.
+    pub cold_hits: u64,
+    /// Requested clusters read from flash.
+    pub misses: u64,
+    /// Bytes read from flash (cluster reads, aligned).
+    pub bytes_read: u64,
+    /// `preadv` calls (merged reads).
+    pub reads: u64,
+    /// Time compute threads spent waiting for reads, summed over threads, seconds.
+    pub io_wait_s: f64,
+    /// Clusters read by speculative prefetch ([`ClusterSource::speculate`]).
+    pub speculated: u64,
+    /// Of those, clusters the layer's fetch then needed (counted as misses there too).
+    pub speculated_used: u64,
+}
+
+impl CacheStats {
+    /// Fraction of requested clusters served from memory (hot or cold region).
+    pub fn hit_rate(&self) -> f64 {
+        if self.needed == 0 {
+            1.0
+        } else {
+            (self.hot_hits + self.cold_hits) as f64 / self.needed as f64
+        }
+    }
+
+    /// Fraction of requested clusters served from the hot region.
+    pub fn hot_hit_rate(&self) -> f64 {
+        if self.needed == 0 {
+            1.0
+        } else {
+            self.hot_hits as f64 / self.needed as f64
+        }
+    }
+
+    /// `self - before`, for a span of work.
+    pub fn since(&self, before: &CacheStats) -> CacheStats {
+        CacheStats {
+            needed: self.needed - before.needed,
+            hot_hits: self.hot_hits - before.hot_hits,
+            cold_hits: self.cold_hits - before.cold_hits,
+            misses: self.misses - before.misses,
+            bytes_read: self.bytes_read - before.bytes_read,
+            reads: self.reads - before.reads,
+            io_wait_s: self.io_wait_s - before.io_wait_s,
+            speculated: self.speculated - before.speculated,
+            speculated_used: self.speculated_used - before.speculated_used,
+        }
+    }
+}
+
+/// Memory a source holds, bytes, and how it reads.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Regions {
+    /// Hot region (pinned clusters), bytes.
+    pub hot_bytes: u64,
+    /// Cold region (clusters cached after a read), bytes.
+    pub cold_bytes: u64,
+    /// Whether reads bypass the page cache (`O_DIRECT`).
+    pub direct: bool,
+}
+
+/// Gives the FFN the neuron clusters of a layer, resident.
+///
+/// Clusters are numbered per layer in packed order (formats/SPEC.md §4.4);
+/// their bytes are `n_neurons × bundle_bytes` of bundles.
+pub trait ClusterSource: Send + Sync {
+    /// Makes the clusters `needed` (ascending indices) of `layer` available:
+    /// fills `table` (`[n_clusters]`, cleared first) with each one's
+    /// location; reads may still be in flight when this returns.
+    ///
+    /// # Errors
+    /// The source's, e.g. a cold region too small for one layer's clusters.
+    fn fetch(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) -> Result<()>;
+
+    /// The bytes (at least `n_neurons × bundle_bytes`) of cluster `c` of
+    /// `layer` at `loc` (from [`Self::fetch`]), waiting for its read if needed.
+    ///
+    /// # Errors
+    /// [`Error::ClusterRead`] if its read failed; [`Error::Internal`] if it
+    /// was not fetched.
+    fn cluster(&self, layer: usize, c: usize, loc: Loc) -> Result<&[u8]>;
+
+    /// A hint: clusters `likely` (ascending) of `layer` will be fetched soon
+    /// (speculative prefetch). Sources without I/O ignore it.
+    fn speculate(&self, _layer: usize, _likely: &[u32]) {}
+
+    /// Index of `layer`'s first cluster that is not always resident
+    /// (`usize::MAX` when every cluster is).
+    fn first_cold_cluster(&self, _layer: usize) -> usize {
+        usize::MAX
+    }
+
+    /// Seconds compute threads have waited for reads so far, summed over threads.
+    fn wait_s(&self) -> f64 {
+        0.0
+    }
+
+    /// Counters since the source was opened.
+    fn stats(&self) -> CacheStats;
+
+    /// Memory held and how reads are made.
+    fn regions(&self) -> Regions;
+}
+
+/// One layer's clusters as the FFN sees them for one call: a source, the
+/// layer and the locations its fetch returned.
+#[derive(Clone, Copy)]
+pub struct LayerClusters<'c> {
+    source: &'c dyn ClusterSource,
+    layer: usize,
+    table: &'c [Loc],
+}
+
+impl<'c> LayerClusters<'c> {
+    /// Clusters of `layer` at the locations `table` (`[n_clusters]`) from `source`'s fetch.
+    pub fn new(source: &'c dyn ClusterSource, layer: usize, table: &'c [Loc]) -> Self {
+        LayerClusters { source, layer, table }
+    }
+
+    /// Bytes from the start of cluster `c` (at least its bundles), waiting
+    /// for its read if needed.
+    ///
+    /// # Errors
+    /// As [`ClusterSource::cluster`].
+    #[inline]
+    pub fn get(&self, c: usize) -> Result<&'c [u8]> {
+        let loc = self.table.get(c).copied().unwrap_or(Loc::None);
+        self.source.cluster(self.layer, c, loc)
+    }
+}
+
+/// A whole FFN segment in memory, for any layer: cluster `c` starts at
+/// `offsets[c]` (`NeuronCluster::offset`). Every cluster is hot.
+pub struct SegmentClusters<'d> {
+    data: &'d [u8],
+    table: Vec<Loc>,
+}
+
+impl<'d> SegmentClusters<'d> {
+    /// The segment `data` with cluster offsets `offsets` (`[n_clusters]`, bytes).
+    pub fn new(data: &'d [u8], offsets: &[u64]) -> Self {
+        SegmentClusters { data, table: offsets.iter().map(|&o| Loc::Hot(o as usize)).collect() }
+    }
+
+    /// Every cluster, as the FFN takes them.
+    pub fn view(&self) -> LayerClusters<'_> {
+        LayerClusters::new(self, 0, &self.table)
+    }
+}
+
+impl ClusterSource for SegmentClusters<'_> {
+    fn fetch(&self, _layer: usize, needed: &[u32], table: &mut Vec<Loc>) -> Result<()> {
+        table.clear();
+        table.resize(self.table.len(), Loc::None);
+        for &c in needed {
+            table[c as usize] = self.table[c as usize];
+        }
+        Ok(())
+    }
+
+    fn cluster(&self, layer: usize, c: usize, loc: Loc) -> Result<&[u8]> {
+        match loc {
+            Loc::Hot(off) if off <= self.data.len() => Ok(&self.data[off..]),
+            _ => Err(Error::Internal(format!("layer {layer} cluster {c} used but not fetched"))),
+        }
+    }
+
+    fn stats(&self) -> CacheStats {
+        CacheStats::default()
+    }
+
+    fn regions(&self) -> Regions {
+        Regions { hot_bytes: self.data.len() as u64, cold_bytes: 0, direct: false }
+    }
+}

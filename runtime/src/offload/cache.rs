@@ -1,0 +1,617 @@
+//! The segmented neuron cache (PowerInfer-2 §4.2; docs/DESIGN.md, one
+//! token's path, steps 5–7): FFN neuron clusters live either in the **hot region** (a
+//! prefix of each layer's packed, hot-first clusters, read once at load and
+//! pinned) or in the **cold region** (an LRU of fixed-size slots filled on
+//! demand by the I/O pipeline). The fixed region (resident tensors, KV
+//! cache, scratch) is outside this type; `nflash_plan::planner` sizes all
+//! three. [`NeuronCache`] is the model's [`ClusterSource`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use nflash_format::Pack;
+use nflash_plan::layout::{cluster_read_bytes, hot_clusters, MAX_MERGE_BYTES};
+use nflash_plan::CacheConfig;
+
+use super::io::{FlashFile, IoPipeline, Shared};
+use super::slots::{AlignedBuf, Claim, ReadRequest, Slots, FAILED, READY};
+use crate::error::{Error, Result};
+use crate::model::source::{CacheStats, ClusterSource, Loc, Regions};
+
+/// Clusters that decode needs with at least this probability are read ahead
+/// while the previous layer computes.
+pub const PREFETCH_MIN_P: f64 = 0.9;
+
+/// Sentinel for "no slot" / "no owner".
+const NONE: u32 = u32::MAX;
+
+/// One cluster on flash.
+#[derive(Debug, Clone, Copy)]
+struct ClusterSpan {
+    /// Absolute file offset (direct-I/O aligned).
+    offset: u64,
+    /// Bytes of bundles (`n_neurons × bundle_bytes`).
+    need: u64,
+    /// Bytes read: `need` rounded up to the direct-I/O alignment.
+    read: u64,
+}
+
+struct LayerLayout {
+    clusters: Vec<ClusterSpan>,
+    /// Clusters `0..hot` are pinned.
+    hot: usize,
+    /// `[n_clusters]` whether decode usually needs the cluster (read ahead while the previous layer computes).
+    prefetch: Vec<bool>,
+    /// Offset of cluster 0 in the hot region.
+    hot_base: usize,
+}
+
+/// LRU bookkeeping of the cold region, touched only by the compute side.
+struct Lru {
+    /// `[layer][cluster]` → slot, or [`NONE`].
+    slot_of: Vec<Vec<u32>>,
+    /// slot → (layer, cluster) it holds, or ([`NONE`], _).
+    owner: Vec<(u32, u32)>,
+    /// Doubly linked list over slots: `head` least recently used.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+    /// slot → the fetch (epoch) that last needed it; slots of the current fetch are never evicted.
+    used: Vec<u64>,
+    /// slot → read ahead by a prefetch and not yet used.
+    prefetched: Vec<bool>,
+    /// slot → read ahead by a speculative prefetch ([`NeuronCache::speculate`]) and not yet used.
+    speculated: Vec<bool>,
+    /// Cluster counters (`needed`, `hot_hits`, `cold_hits`, `misses`, `speculated*`) since load.
+    counts: CacheStats,
+    epoch: u64,
+    /// The layer of the last [`NeuronCache::speculate`] call, until that layer's fetch
+    /// (which keeps its epoch, so the speculative reads are not evicted by it).
+    spec_layer: u32,
+}
+
+impl Lru {
+    fn new(layers: &[LayerLayout], n_slots: usize) -> Self {
+        let mut l = Lru {
+            slot_of: layers.iter().map(|l| vec![NONE; l.clusters.len()]).collect(),
+            owner: vec![(NONE, NONE); n_slots],
+            prev: vec![NONE; n_slots],
+            next: vec![NONE; n_slots],
+            head: NONE,
+            tail: NONE,
+            used: vec![0; n_slots],
+            prefetched: vec![false; n_slots],
+            speculated: vec![false; n_slots],
+            counts: CacheStats::default(),
+            epoch: 0,
+            spec_layer: NONE,
+        };
+        for s in 0..n_slots as u32 {
+            l.push_back(s);
+        }
+        l
+    }
+
+    fn unlink(&mut self, s: u32) {
+        let (p, n) = (self.prev[s as usize], self.next[s as usize]);
+        if p == NONE {
+            self.head = n
+        } else {
+            self.next[p as usize] = n
+        }
+        if n == NONE {
+            self.tail = p
+        } else {
+            self.prev[n as usize] = p
+        }
+    }
+
+    fn push_back(&mut self, s: u32) {
+        self.prev[s as usize] = self.tail;
+        self.next[s as usize] = NONE;
+        if self.tail == NONE {
+            self.head = s
+        } else {
+            self.next[self.tail as usize] = s
+        }
+        self.tail = s;
+    }
+
+    fn touch(&mut self, s: u32) {
+        self.unlink(s);
+        self.push_back(s);
+        self.used[s as usize] = self.epoch;
+    }
+
+    /// Reassigns the least recently used slot to cluster `c` of `layer`
+    /// (forgetting what it held) and marks it used by the current epoch;
+    /// `None` if that slot is used by the current epoch, i.e. every slot is.
+    fn evict(&mut self, layer: usize, c: usize) -> Option<u32> {
+        let s = self.head;
+        if s == NONE || self.used[s as usize] == self.epoch {
+            return None;
+        }
+        let (ol, oc) = self.owner[s as usize];
+        if ol != NONE {
+            self.slot_of[ol as usize][oc as usize] = NONE;
+        }
+        self.owner[s as usize] = (layer as u32, c as u32);
+        self.slot_of[layer][c] = s;
+        self.prefetched[s as usize] = false;
+        self.speculated[s as usize] = false;
+        self.touch(s);
+        Some(s)
+    }
+}
+
+/// Builds merged reads: consecutive clusters whose file ranges touch go
+/// into one `preadv` of at most [`MAX_MERGE_BYTES`].
+#[derive(Default)]
+struct Merger {
+    req: Option<ReadRequest>,
+}
+
+impl Merger {
+    fn push(&mut self, io: &IoPipeline, span: ClusterSpan, claim: Claim) {
+        let claim = match &mut self.req {
+            Some(r) => match r.try_append(span.offset, span.need, claim, span.read as u32, MAX_MERGE_BYTES) {
+                Ok(()) => return,
+                Err(claim) => claim,
+            },
+            None => claim,
+        };
+        if let Some(r) = self.req.take() {
+            io.submit(r);
+        }
+        self.req = Some(ReadRequest::new(span.offset, span.need, claim, span.read as u32));
+    }
+
+    fn flush(&mut self, io: &IoPipeline) {
+        if let Some(r) = self.req.take() {
+            io.submit(r);
+        }
+    }
+}
+
+/// The hot and cold regions plus the I/O pipeline feeding the cold one.
+pub struct NeuronCache {
+    layers: Vec<LayerLayout>,
+    hot: AlignedBuf,
+    shared: Arc<Shared>,
+    lru: Mutex<Lru>,
+    io: IoPipeline,
+    wait_ns: AtomicU64,
+}
+
+impl NeuronCache {
+    /// Reads the hot clusters of every layer of `pack` (large sequential
+    /// reads) and sets up a cold region of `cfg.cold_bytes` (at least one
+    /// layer's cold clusters) with `cfg.io_threads` I/O threads.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the pack cannot be reopened or read,
+    /// [`Error::Usage`] if the hot-set list does not match the layers,
+    /// [`Error::Alloc`] if the regions cannot be allocated,
+    /// [`Error::Thread`] if the I/O threads cannot be started.
+    pub fn open(pack: &Pack, cfg: &CacheConfig) -> Result<Self> {
+        let m = pack.manifest();
+        if cfg.hot_neurons.len() != m.ffn.len() {
+            return Err(Error::Usage(format!("{} hot-set sizes for {} layers", cfg.hot_neurons.len(), m.ffn.len())));
+        }
+        let meta = std::fs::metadata(pack.path()).map_err(|e| Error::Io { path: pack.path().to_path_buf(), err: e })?;
+        let flash = FlashFile::open(pack.path(), &meta)?;
+        let (layers, hot_total) = layouts(pack, cfg);
+        let mut hot = AlignedBuf::zeroed(hot_total, "the hot region")?;
+        read_hot(&flash, &layers, hot.as_mut_slice())?;
+        let (n_slots, slot_bytes) = cold_slots(&layers, cfg.cold_bytes);
+        let shared = Arc::new(Shared {
+            flash,
+            slots: Slots::new(n_slots, slot_bytes as usize)?,
+            error: Mutex::new(None),
+            bytes_read: AtomicU64::new(0),
+            reads: AtomicU64::new(0),
+        });
+        let io = IoPipeline::start(Arc::clone(&shared), if n_slots == 0 { 0 } else { cfg.io_threads })?;
+        Ok(NeuronCache {
+            lru: Mutex::new(Lru::new(&layers, n_slots)),
+            layers,
+            hot,
+            shared,
+            io,
+            wait_ns: AtomicU64::new(0),
+        })
+    }
+
+    /// Hot region, bytes.
+    pub fn hot_bytes(&self) -> u64 {
+        self.hot.len() as u64
+    }
+
+    /// Cold region, bytes.
+    pub fn cold_bytes(&self) -> u64 {
+        self.shared.slots.region_bytes() as u64
+    }
+
+    /// Whether cluster reads bypass the page cache (`O_DIRECT`).
+    pub fn is_direct(&self) -> bool {
+        self.shared.flash.is_direct()
+    }
+
+    /// Makes the clusters `needed` (ascending indices) of `layer` available:
+    /// fills `table` (`[n_clusters]`) with each one's location and queues
+    /// merged reads for the misses, which complete in the background. Then
+    /// queues reads of the next layer's likely-needed cold clusters
+    /// (prefetch), so the disk keeps working while this layer computes.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] if the cold region cannot hold this layer's misses
+    /// (a sizing bug: it is always at least one layer's cold clusters).
+    pub fn fetch(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) -> Result<()> {
+        let lay = &self.layers[layer];
+        table.clear();
+        table.resize(lay.clusters.len(), Loc::None);
+        let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+        // After a speculative prefetch of this layer, keep its epoch: its slots stay protected.
+        if std::mem::replace(&mut lru.spec_layer, NONE) != layer as u32 {
+            lru.epoch += 1;
+        }
+        let mut st = CacheStats::default();
+        let mut reads = Merger::default();
+        for &c in needed {
+            let c = c as usize;
+            st.needed += 1;
+            if c < lay.hot {
+                table[c] = Loc::Hot(lay.hot_base + (lay.clusters[c].offset - lay.clusters[0].offset) as usize);
+                st.hot_hits += 1;
+                continue;
+            }
+            let s = self.slot_held(&mut lru, layer, c);
+            if s != NONE {
+                lru.touch(s);
+                table[c] = Loc::Slot(s);
+                // A prefetched cluster was read for this use: a miss, read ahead of time.
+                if std::mem::take(&mut lru.prefetched[s as usize]) {
+                    st.misses += 1;
+                    st.speculated_used += std::mem::take(&mut lru.speculated[s as usize]) as u64;
+                } else {
+                    st.cold_hits += 1;
+                }
+                continue;
+            }
+            let Some(claim) = self.claim(&mut lru, layer, c) else {
+                return Err(Error::Internal(format!(
+                    "the cold region ({} bytes) cannot hold layer {layer}'s cold clusters",
+                    self.cold_bytes()
+                )));
+            };
+            table[c] = Loc::Slot(claim.slot());
+            st.misses += 1;
+            reads.push(&self.io, lay.clusters[c], claim);
+        }
+        reads.flush(&self.io);
+        // Prefetch: the next layer's (or the next token's first layer's) cold
+        // clusters that are usually needed, into slots not used by this layer.
+        let next = (layer + 1) % self.layers.len();
+        let nl = &self.layers[next];
+        for c in nl.hot..nl.clusters.len() {
+            if !nl.prefetch[c] || lru.slot_of[next][c] != NONE {
+                continue;
+            }
+            let Some(claim) = self.claim(&mut lru, next, c) else { break };
+            lru.prefetched[claim.slot() as usize] = true;
+            reads.push(&self.io, nl.clusters[c], claim);
+        }
+        reads.flush(&self.io);
+        let c = &mut lru.counts;
+        c.needed += st.needed;
+        c.hot_hits += st.hot_hits;
+        c.cold_hits += st.cold_hits;
+        c.misses += st.misses;
+        c.speculated_used += st.speculated_used;
+        Ok(())
+    }
+
+    /// Index of `layer`'s first cold cluster (clusters before it are hot).
+    pub fn first_cold_cluster(&self, layer: usize) -> usize {
+        self.layers[layer].hot
+    }
+
+    /// Time compute threads have waited for reads so far, summed over threads, seconds.
+    pub fn wait_s(&self) -> f64 {
+        self.wait_ns.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    /// Speculative prefetch (cross-layer, the lookahead idea of Deja Vu,
+    /// Liu et al. 2023, applied to the I/O pipeline): queues reads of the cold
+    /// clusters `likely` (ascending indices) of `layer` that are not in
+    /// memory, so the flash keeps reading while the compute threads run the
+    /// layer's attention. The layer's next [`Self::fetch`] finds them (or
+    /// waits for them) like any cold cluster and reads whatever the
+    /// speculation missed; clusters it does not need stay in the LRU. A
+    /// no-op when the cold region is empty.
+    pub fn speculate(&self, layer: usize, likely: &[u32]) {
+        let lay = &self.layers[layer];
+        let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+        if lru.owner.is_empty() {
+            return;
+        }
+        lru.epoch += 1;
+        lru.spec_layer = layer as u32;
+        let mut reads = Merger::default();
+        let mut n = 0u64;
+        for &c in likely {
+            let c = c as usize;
+            if c < lay.hot {
+                continue;
+            }
+            let s = self.slot_held(&mut lru, layer, c);
+            if s != NONE {
+                lru.touch(s);
+                continue;
+            }
+            let Some(claim) = self.claim(&mut lru, layer, c) else { break };
+            lru.prefetched[claim.slot() as usize] = true;
+            lru.speculated[claim.slot() as usize] = true;
+            reads.push(&self.io, lay.clusters[c], claim);
+            n += 1;
+        }
+        reads.flush(&self.io);
+        lru.counts.speculated += n;
+    }
+
+    /// The cold slot holding cluster `c` of `layer` (ready or being read),
+    /// or [`NONE`]. A slot whose read failed is forgotten (so the cluster is
+    /// read again) and [`NONE`] returned.
+    fn slot_held(&self, lru: &mut Lru, layer: usize, c: usize) -> u32 {
+        let s = lru.slot_of[layer][c];
+        if s != NONE && self.shared.slots.forget_failed(s) {
+            lru.slot_of[layer][c] = NONE;
+            lru.owner[s as usize] = (NONE, NONE);
+            return NONE;
+        }
+        s
+    }
+
+    /// Takes the least recently used slot not used by the current fetch for
+    /// cluster `c` of `layer` (marked pending); `None` if every slot is in use.
+    fn claim(&self, lru: &mut Lru, layer: usize, c: usize) -> Option<Claim> {
+        let s = lru.evict(layer, c)?;
+        Some(self.shared.slots.claim(s))
+    }
+
+    /// The bytes (`n_neurons × bundle_bytes`) of cluster `c` of `layer` at
+    /// `loc` (from [`Self::fetch`]), waiting for its read if needed.
+    ///
+    /// # Errors
+    /// [`Error::ClusterRead`] if its read failed (e.g. the file shrank while
+    /// running); [`Error::Internal`] if it was not fetched.
+    pub fn cluster(&self, layer: usize, c: usize, loc: Loc) -> Result<&[u8]> {
+        let span = self.layers[layer].clusters[c];
+        match loc {
+            Loc::Hot(off) => self
+                .hot
+                .as_slice()
+                .get(off..off + span.need as usize)
+                .ok_or_else(|| Error::Internal(format!("layer {layer} cluster {c} outside the hot region"))),
+            Loc::Slot(s) => {
+                let (state, waited) = self.shared.slots.wait(s);
+                if waited > 0 {
+                    self.wait_ns.fetch_add(waited, Ordering::Relaxed);
+                }
+                match state {
+                    READY => self
+                        .shared
+                        .slots
+                        .ready_bytes(s, span.need as usize)
+                        .ok_or_else(|| Error::Internal(format!("cold slot {s} reassigned while in use"))),
+                    FAILED => {
+                        // The next fetch of this cluster reads it again.
+                        let msg = self
+                            .shared
+                            .error
+                            .lock()
+                            .map(|g| g.clone())
+                            .ok()
+                            .flatten()
+                            .unwrap_or_else(|| "read failed".into());
+                        Err(Error::ClusterRead { layer, cluster: c, offset: span.offset, len: span.need, msg })
+                    }
+                    _ => Err(Error::Internal(format!("cold slot {s} used before it was fetched"))),
+                }
+            }
+            Loc::None => Err(Error::Internal(format!("layer {layer} cluster {c} used but not fetched"))),
+        }
+    }
+
+    /// Counters since load (cumulative; subtract with [`CacheStats::since`]).
+    pub fn stats(&self) -> CacheStats {
+        let mut c = self.lru.lock().unwrap_or_else(|e| e.into_inner()).counts;
+        c.bytes_read = self.shared.bytes_read.load(Ordering::Relaxed);
+        c.reads = self.shared.reads.load(Ordering::Relaxed);
+        c.io_wait_s = self.wait_ns.load(Ordering::Relaxed) as f64 * 1e-9;
+        c
+    }
+}
+
+impl ClusterSource for NeuronCache {
+    fn fetch(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) -> Result<()> {
+        NeuronCache::fetch(self, layer, needed, table)
+    }
+
+    fn cluster(&self, layer: usize, c: usize, loc: Loc) -> Result<&[u8]> {
+        NeuronCache::cluster(self, layer, c, loc)
+    }
+
+    fn speculate(&self, layer: usize, likely: &[u32]) {
+        NeuronCache::speculate(self, layer, likely)
+    }
+
+    fn first_cold_cluster(&self, layer: usize) -> usize {
+        NeuronCache::first_cold_cluster(self, layer)
+    }
+
+    fn wait_s(&self) -> f64 {
+        NeuronCache::wait_s(self)
+    }
+
+    fn stats(&self) -> CacheStats {
+        NeuronCache::stats(self)
+    }
+
+    fn regions(&self) -> Regions {
+        Regions { hot_bytes: self.hot_bytes(), cold_bytes: self.cold_bytes(), direct: self.is_direct() }
+    }
+}
+
+/// Every layer's clusters on flash, hot prefix and prefetch flags (from
+/// the pack's activation statistics), and the hot region's total size, bytes.
+fn layouts(pack: &Pack, cfg: &CacheConfig) -> (Vec<LayerLayout>, usize) {
+    let m = pack.manifest();
+    let mut layers = Vec::with_capacity(m.ffn.len());
+    let mut hot_total = 0usize;
+    for (f, &hot_n) in m.ffn.iter().zip(&cfg.hot_neurons) {
+        let base = pack.segment_file_offset(f.segment);
+        let clusters: Vec<ClusterSpan> = f
+            .clusters
+            .iter()
+            .map(|c| ClusterSpan {
+                offset: base + c.offset,
+                need: c.n_neurons as u64 * f.bundle.bundle_bytes,
+                read: cluster_read_bytes(f, c),
+            })
+            .collect();
+        let hot = hot_clusters(f, hot_n);
+        let hot_len = if hot == 0 {
+            0
+        } else {
+            (clusters[hot - 1].offset + clusters[hot - 1].read - clusters[0].offset) as usize
+        };
+        // Read ahead the clusters needed by most tokens (PREFETCH_MIN_P).
+        let p = nflash_plan::cost::neuron_need_probability(m.sparse.as_ref(), f.sparse.as_ref(), f.n_neurons as usize);
+        let prefetch = f
+            .clusters
+            .iter()
+            .map(|c| {
+                nflash_plan::cost::cluster_need(&p[c.first as usize..(c.first + c.n_neurons) as usize])
+                    >= PREFETCH_MIN_P
+            })
+            .collect();
+        layers.push(LayerLayout { clusters, hot, prefetch, hot_base: hot_total });
+        hot_total += hot_len;
+    }
+    (layers, hot_total)
+}
+
+/// The cold region for `layers` and a requested size of `cold_bytes`:
+/// `(slots, bytes per slot)`. A slot holds the largest cluster read; there
+/// are at least as many as one layer's cold clusters (they also stage that
+/// layer's reads) and at most as many as all cold clusters (more is never
+/// used); none when every cluster is hot.
+fn cold_slots(layers: &[LayerLayout], cold_bytes: u64) -> (usize, u64) {
+    let max_cold = layers.iter().map(|l| l.clusters[l.hot..].iter().map(|c| c.read).sum::<u64>()).max().unwrap_or(0);
+    let slot_bytes = layers.iter().flat_map(|l| l.clusters.iter().map(|c| c.read)).max().unwrap_or(0);
+    let all_cold: usize = layers.iter().map(|l| l.clusters.len() - l.hot).sum();
+    let n_slots = if max_cold == 0 { 0 } else { (cold_bytes.max(max_cold) / slot_bytes).min(all_cold as u64) as usize };
+    (n_slots.max(layers.iter().map(|l| l.clusters.len() - l.hot).max().unwrap_or(0)), slot_bytes)
+}
+
+/// Reads every layer's hot prefix into `hot` (laid out as [`layouts`] says).
+/// Each prefix is one contiguous file range, read in 8 MiB pieces.
+fn read_hot(flash: &FlashFile, layers: &[LayerLayout], hot: &mut [u8]) -> Result<()> {
+    for l in layers.iter().filter(|l| l.hot > 0) {
+        let (start, end) = (l.clusters[0].offset, l.clusters[l.hot - 1].offset + l.clusters[l.hot - 1].read);
+        let need_end = l.clusters[l.hot - 1].offset + l.clusters[l.hot - 1].need;
+        let mut at = start;
+        while at < end {
+            let n = (end - at).min(8 << 20);
+            let off = l.hot_base + (at - start) as usize;
+            flash.read_into(at, &mut [&mut hot[off..off + n as usize]], need_end.saturating_sub(at).min(n))?;
+            at += n;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(n_clusters: usize, hot: usize) -> LayerLayout {
+        LayerLayout {
+            clusters: (0..n_clusters as u64)
+                .map(|c| ClusterSpan { offset: c * 4096, need: 4000, read: 4096 })
+                .collect(),
+            hot,
+            prefetch: vec![false; n_clusters],
+            hot_base: 0,
+        }
+    }
+
+    /// The slot order from least to most recently used.
+    fn order(l: &Lru) -> Vec<u32> {
+        let mut v = Vec::new();
+        let mut s = l.head;
+        while s != NONE {
+            v.push(s);
+            s = l.next[s as usize];
+        }
+        v
+    }
+
+    #[test]
+    fn eviction_takes_the_least_recently_used_slot_and_forgets_its_cluster() {
+        let mut l = Lru::new(&[layout(8, 0), layout(8, 0)], 3);
+        assert_eq!(order(&l), [0, 1, 2]);
+        l.epoch = 1;
+        assert_eq!(l.evict(0, 5), Some(0));
+        assert_eq!(l.evict(0, 6), Some(1));
+        assert_eq!(order(&l), [2, 0, 1]);
+        assert_eq!((l.slot_of[0][5], l.owner[0]), (0, (0, 5)));
+        // A new fetch: slot 0 is touched again, so slot 2 then slot 1 go first.
+        l.epoch = 2;
+        l.touch(0);
+        assert_eq!(l.evict(1, 3), Some(2));
+        assert_eq!(l.evict(1, 4), Some(1));
+        assert_eq!(l.slot_of[0][6], NONE, "cluster 6 lost its slot");
+        assert_eq!((l.slot_of[1][4], l.owner[1]), (1, (1, 4)));
+        // Every slot is used by the current epoch: nothing to evict.
+        assert_eq!(l.evict(1, 5), None);
+        assert_eq!(l.slot_of[1][5], NONE);
+    }
+
+    #[test]
+    fn eviction_clears_the_prefetch_marks_of_the_slot() {
+        let mut l = Lru::new(&[layout(4, 0)], 1);
+        l.epoch = 1;
+        let s = l.evict(0, 1).unwrap();
+        l.prefetched[s as usize] = true;
+        l.speculated[s as usize] = true;
+        l.epoch = 2;
+        assert_eq!(l.evict(0, 2), Some(s));
+        assert!(!l.prefetched[s as usize] && !l.speculated[s as usize]);
+        assert_eq!(l.slot_of[0][1], NONE);
+    }
+
+    #[test]
+    fn the_cold_region_holds_one_layer_at_least_and_every_cold_cluster_at_most() {
+        // Layer 0: 1 of 4 clusters hot (3 cold); layer 1: 2 of 4 hot (2 cold).
+        let layers = [layout(4, 1), layout(4, 2)];
+        assert_eq!(cold_slots(&layers, 0), (3, 4096), "one layer's cold clusters");
+        assert_eq!(cold_slots(&layers, 4 * 4096 + 100), (4, 4096), "whole slots of the request");
+        assert_eq!(cold_slots(&layers, 1 << 30), (5, 4096), "never more than every cold cluster");
+        // Everything hot: no cold region.
+        assert_eq!(cold_slots(&[layout(4, 4), layout(2, 2)], 1 << 30).0, 0);
+        // Slots are as large as the largest cluster read.
+        let mut big = layout(3, 0);
+        big.clusters[1].read = 3 * 4096;
+        assert_eq!(cold_slots(&[big], 0), (3, 3 * 4096));
+    }
+
+    #[test]
+    fn no_slots_means_nothing_to_evict() {
+        let mut l = Lru::new(&[layout(4, 4)], 0);
+        l.epoch = 1;
+        assert_eq!(l.evict(0, 0), None);
+    }
+}

@@ -1,0 +1,14 @@
+//! Flash offload: the FFN neuron clusters that do not fit the memory budget
+//! stay in the pack file and are read on demand.
+//!
+//! - [`cache`]: [`NeuronCache`], the segmented neuron cache (hot region,
+//!   cold LRU) and the model's [`crate::model::ClusterSource`];
+//! - [`io`]: the pack file opened for direct reads and the I/O threads;
+//! - [`slots`]: the aligned buffers and who may write them (all of the
+//!   slot-ownership `unsafe`).
+
+pub mod cache;
+pub mod io;
+pub mod slots;
+
+pub use cache::NeuronCache;

@@ -1,0 +1,431 @@
+//! The aligned buffers of the neuron cache and who owns them: every `unsafe`
+//! that hands a byte range to one thread lives in this file.
+//!
+//! - [`AlignedBuf`]: a zeroed heap buffer aligned for direct I/O. Its own
+//!   API is safe (`&` to read, `&mut` to write): the hot region is filled
+//!   through `&mut` at load and only read after.
+//! - [`Slots`]: the cold region, `n` fixed-size slots shared by the compute
+//!   threads and the I/O threads. Each slot has a state: [`EMPTY`] →
+//!   [`PENDING`] (claimed for a read by the compute side, [`Slots::claim`])
+//!   → [`READY`] or [`FAILED`] (published by the I/O thread that read it,
+//!   release ordering) → read by the compute side (acquire ordering). A
+//!   [`Claim`] is the only way to put a slot into a [`ReadRequest`], and
+//!   neither can be copied, so a pending slot is written by exactly one
+//!   request and read by nobody until it is published.
+
+use std::alloc::Layout;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Instant;
+
+use nflash_plan::layout::DIRECT_ALIGN;
+
+use crate::error::{Error, Result};
+
+/// Most buffers one read may scatter into (one per merged cluster).
+pub const MAX_IOVECS: usize = 64;
+
+/// Slot state: holds nothing (or a cluster no longer wanted).
+pub const EMPTY: u8 = 0;
+/// Slot state: a read into it is queued or running.
+pub const PENDING: u8 = 1;
+/// Slot state: holds its cluster's bytes.
+pub const READY: u8 = 2;
+/// Slot state: the read failed.
+pub const FAILED: u8 = 3;
+
+/// A zeroed heap buffer aligned to [`DIRECT_ALIGN`] (pages are only
+/// committed when touched).
+pub struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain bytes owned by this value; shared access goes
+// through `&self` (read-only) or, for the cold region, through `Slots`,
+// whose slot states order every write before the reads.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: as above.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// `len` zero bytes.
+    ///
+    /// # Errors
+    /// [`Error::Alloc`] naming `what` and the size if the allocation fails.
+    pub fn zeroed(len: usize, what: &'static str) -> Result<Self> {
+        if len == 0 {
+            return Ok(AlignedBuf { ptr: std::ptr::null_mut(), len: 0 });
+        }
+        let layout =
+            Layout::from_size_align(len, DIRECT_ALIGN).map_err(|_| Error::Alloc { what, bytes: len as u64 })?;
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(Error::Alloc { what, bytes: len as u64 });
+        }
+        Ok(AlignedBuf { ptr, len })
+    }
+
+    /// Length, bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The whole buffer, read-only.
+    pub fn as_slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: a live allocation of `len` initialized (zeroed) bytes; no
+        // `&mut` to it can coexist with this borrow of `self`, and `Slots`
+        // never lends its buffer out as a whole.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The whole buffer, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as `as_slice`, borrowed exclusively through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Bytes `off .. off + n`, read-only, through the raw pointer (for
+    /// [`Slots`], which shares the buffer between threads).
+    ///
+    /// # Safety
+    /// No thread may be writing this range.
+    unsafe fn range(&self, off: usize, n: usize) -> &[u8] {
+        assert!(off.checked_add(n).is_some_and(|e| e <= self.len), "slot range {off}+{n} of {}", self.len);
+        if n == 0 {
+            return &[];
+        }
+        // SAFETY: in bounds (checked); no concurrent writer (caller's contract).
+        unsafe { std::slice::from_raw_parts(self.ptr.add(off), n) }
+    }
+
+    /// Bytes `off .. off + n`, writable, through the raw pointer.
+    ///
+    /// # Safety
+    /// The caller has exclusive access to this range.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range_mut(&self, off: usize, n: usize) -> &mut [u8] {
+        assert!(off.checked_add(n).is_some_and(|e| e <= self.len), "slot range {off}+{n} of {}", self.len);
+        if n == 0 {
+            return &mut [];
+        }
+        // SAFETY: in bounds (checked); exclusive (caller's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), n) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: allocated in `zeroed` with this exact layout.
+            unsafe { std::alloc::dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, DIRECT_ALIGN)) }
+        }
+    }
+}
+
+/// The right to fill one slot: made by [`Slots::claim`] (the slot is then
+/// [`PENDING`]) and used up by [`ReadRequest`]. Neither `Clone` nor `Copy`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Claim(u32);
+
+impl Claim {
+    /// The claimed slot's index.
+    pub fn slot(&self) -> u32 {
+        self.0
+    }
+}
+
+/// One merged read: file bytes `offset ..` into the claimed slots back to
+/// back, `lens[i]` bytes each; the first `need` bytes must arrive (the rest
+/// is direct-I/O padding, possibly past the end of the file).
+pub struct ReadRequest {
+    /// Absolute file offset (direct-I/O aligned).
+    pub offset: u64,
+    /// Bytes that must be read.
+    pub need: u64,
+    /// Number of slots used.
+    n: usize,
+    /// Destination slots (claimed).
+    slots: [u32; MAX_IOVECS],
+    /// Bytes read into each slot (aligned).
+    lens: [u32; MAX_IOVECS],
+}
+
+impl ReadRequest {
+    /// A read of `need` bytes at `offset` into the claimed slot, `len` bytes
+    /// (`need` rounded up to the direct-I/O alignment).
+    pub fn new(offset: u64, need: u64, claim: Claim, len: u32) -> Self {
+        let mut r = ReadRequest { offset, need, n: 1, slots: [0; MAX_IOVECS], lens: [0; MAX_IOVECS] };
+        r.slots[0] = claim.0;
+        r.lens[0] = len;
+        r
+    }
+
+    /// End of the bytes read (offset + every slot's length).
+    pub fn end(&self) -> u64 {
+        self.offset + self.lens[..self.n].iter().map(|&l| l as u64).sum::<u64>()
+    }
+
+    /// Appends the cluster at `offset` (`need` bytes, read as `len`) if it
+    /// starts where this read ends, a slot is left, and the read stays
+    /// within `max_bytes`; otherwise gives the claim back.
+    ///
+    /// # Errors
+    /// The claim, when the cluster does not fit.
+    pub fn try_append(
+        &mut self,
+        offset: u64,
+        need: u64,
+        claim: Claim,
+        len: u32,
+        max_bytes: u64,
+    ) -> std::result::Result<(), Claim> {
+        let end = self.end();
+        if end != offset || self.n >= MAX_IOVECS || end + len as u64 - self.offset > max_bytes {
+            return Err(claim);
+        }
+        self.slots[self.n] = claim.0;
+        self.lens[self.n] = len;
+        self.n += 1;
+        self.need = offset + need - self.offset;
+        Ok(())
+    }
+
+    /// The destination slots.
+    pub fn slots(&self) -> &[u32] {
+        &self.slots[..self.n]
+    }
+
+    /// Bytes of every slot, summed.
+    pub fn bytes(&self) -> u64 {
+        self.lens[..self.n].iter().map(|&l| l as u64).sum()
+    }
+}
+
+/// The cold region: `n` slots of `slot_bytes` each, with their states.
+pub struct Slots {
+    buf: AlignedBuf,
+    slot_bytes: usize,
+    state: Vec<AtomicU8>,
+}
+
+impl Slots {
+    /// `n` empty slots of `slot_bytes` bytes (a multiple of the direct-I/O alignment).
+    ///
+    /// # Errors
+    /// [`Error::Alloc`] if the region cannot be allocated (or its size overflows).
+    pub fn new(n: usize, slot_bytes: usize) -> Result<Self> {
+        let bytes = n.checked_mul(slot_bytes).ok_or(Error::Alloc { what: "the cold region", bytes: u64::MAX })?;
+        Ok(Slots {
+            buf: AlignedBuf::zeroed(bytes, "the cold region")?,
+            slot_bytes,
+            state: (0..n).map(|_| AtomicU8::new(EMPTY)).collect(),
+        })
+    }
+
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        self.state.len()
+    }
+
+    /// Whether there are no slots.
+    pub fn is_empty(&self) -> bool {
+        self.state.is_empty()
+    }
+
+    /// Bytes of the whole region.
+    pub fn region_bytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Slot `s`'s state now (acquire).
+    pub fn state(&self, s: u32) -> u8 {
+        self.state[s as usize].load(Ordering::Acquire)
+    }
+
+    /// Takes slot `s` for a new read: waits until a read still running into
+    /// it (from a request nobody waits for any more) has landed, then marks
+    /// it [`PENDING`]. The caller (the cache's LRU, under its lock) makes sure
+    /// no reader uses the slot's old contents any more.
+    pub fn claim(&self, s: u32) -> Claim {
+        while self.state[s as usize].load(Ordering::Acquire) == PENDING {
+            std::thread::yield_now();
+        }
+        self.state[s as usize].store(PENDING, Ordering::Relaxed);
+        Claim(s)
+    }
+
+    /// Marks a slot whose read failed as [`EMPTY`]; returns whether it had failed.
+    pub fn forget_failed(&self, s: u32) -> bool {
+        self.state[s as usize].compare_exchange(FAILED, EMPTY, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
+    /// Runs `read` on the buffers of `req`'s slots (back to back, `lens[i]`
+    /// bytes each) and publishes each slot as [`READY`] if it returns `Ok`,
+    /// [`FAILED`] otherwise (release: the bytes written are visible to
+    /// whoever sees the state). Called by the I/O thread that took `req`.
+    ///
+    /// # Errors
+    /// `read`'s error, after the slots are marked [`FAILED`].
+    pub fn fill(&self, req: ReadRequest, read: impl FnOnce(&mut [&mut [u8]]) -> Result<()>) -> Result<()> {
+        let mut bufs: [&mut [u8]; MAX_IOVECS] = std::array::from_fn(|_| <&mut [u8]>::default());
+        for (buf, (&s, &len)) in bufs.iter_mut().zip(req.slots[..req.n].iter().zip(&req.lens[..req.n])) {
+            let (s, len) = (s as usize, len as usize);
+            debug_assert_eq!(self.state[s].load(Ordering::Relaxed), PENDING);
+            assert!(len <= self.slot_bytes, "read of {len} bytes into a {}-byte slot", self.slot_bytes);
+            // SAFETY: slot `s` was claimed (PENDING) and its one `Claim` moved
+            // into `req`, which this call consumes: no other request writes
+            // it, and no reader touches it until it is published below.
+            // Slots are disjoint `slot_bytes` ranges and `len` fits one.
+            *buf = unsafe { self.buf.range_mut(s * self.slot_bytes, len) };
+        }
+        let res = read(&mut bufs[..req.n]);
+        let state = if res.is_ok() { READY } else { FAILED };
+        for &s in req.slots() {
+            self.state[s as usize].store(state, Ordering::Release);
+        }
+        res
+    }
+
+    /// Waits until slot `s` is no longer [`PENDING`] (spinning briefly, then
+    /// yielding). Returns its state and the nanoseconds waited.
+    pub fn wait(&self, s: u32) -> (u8, u64) {
+        let st = &self.state[s as usize];
+        let mut state = st.load(Ordering::Acquire);
+        if state != PENDING {
+            return (state, 0);
+        }
+        let t0 = Instant::now();
+        let mut spins = 0u32;
+        while state == PENDING {
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+            spins += 1;
+            state = st.load(Ordering::Acquire);
+        }
+        (state, t0.elapsed().as_nanos() as u64)
+    }
+
+    /// The first `n` bytes of slot `s` if it is [`READY`] (acquire), else `None`.
+    /// The cache does not reassign a slot while the layer call that fetched it uses it.
+    pub fn ready_bytes(&self, s: u32, n: usize) -> Option<&[u8]> {
+        if self.state[s as usize].load(Ordering::Acquire) != READY {
+            return None;
+        }
+        assert!(n <= self.slot_bytes, "{n} bytes of a {}-byte slot", self.slot_bytes);
+        // SAFETY: READY (acquired): the I/O thread finished writing this slot
+        // and published it with release ordering; it is written again only
+        // after a new `claim`, which the cache makes only for slots the
+        // current layer call does not use.
+        Some(unsafe { self.buf.range(s as usize * self.slot_bytes, n) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_goes_empty_pending_ready_and_its_bytes_arrive() {
+        let slots = Slots::new(3, 4096).unwrap();
+        assert_eq!((slots.len(), slots.region_bytes()), (3, 3 * 4096));
+        assert_eq!(slots.state(1), EMPTY);
+        assert!(slots.ready_bytes(1, 8).is_none());
+        let c = slots.claim(1);
+        assert_eq!((c.slot(), slots.state(1)), (1, PENDING));
+        let req = ReadRequest::new(0, 8, c, 4096);
+        slots
+            .fill(req, |bufs| {
+                assert_eq!(bufs.len(), 1);
+                bufs[0][..8].copy_from_slice(b"clusters");
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(slots.wait(1), (READY, 0));
+        assert_eq!(slots.ready_bytes(1, 8), Some(&b"clusters"[..]));
+        // Neighbours untouched.
+        assert_eq!(slots.state(0), EMPTY);
+        assert_eq!(slots.state(2), EMPTY);
+    }
+
+    #[test]
+    fn a_failed_read_marks_every_slot_of_the_request_failed_until_forgotten() {
+        let slots = Slots::new(4, 4096).unwrap();
+        let mut req = ReadRequest::new(8192, 4096, slots.claim(2), 4096);
+        req.try_append(12288, 100, slots.claim(3), 4096, 1 << 20).unwrap();
+        assert_eq!(req.slots(), &[2, 3]);
+        assert_eq!((req.need, req.bytes(), req.end()), (4096 + 100, 8192, 16384));
+        let err = slots.fill(req, |_| Err(Error::Internal("disk gone".into())));
+        assert!(err.is_err());
+        assert_eq!((slots.state(2), slots.state(3)), (FAILED, FAILED));
+        assert!(slots.ready_bytes(2, 1).is_none());
+        assert!(slots.forget_failed(2));
+        assert!(!slots.forget_failed(2), "already empty");
+        assert_eq!(slots.state(2), EMPTY);
+    }
+
+    #[test]
+    fn requests_merge_only_adjacent_reads_within_the_limits() {
+        let slots = Slots::new(MAX_IOVECS + 2, 4096).unwrap();
+        let mut req = ReadRequest::new(0, 4096, slots.claim(0), 4096);
+        // Not adjacent: the claim comes back.
+        let c = req.try_append(8192, 4096, slots.claim(1), 4096, 1 << 20).unwrap_err();
+        assert_eq!(c.slot(), 1);
+        // Over the byte limit.
+        let c = req.try_append(4096, 4096, c, 4096, 4096).unwrap_err();
+        // Adjacent and within: merged, up to MAX_IOVECS slots.
+        req.try_append(4096, 4096, c, 4096, 1 << 30).unwrap();
+        for s in 2..MAX_IOVECS as u32 {
+            req.try_append(s as u64 * 4096, 4096, slots.claim(s), 4096, 1 << 30).unwrap();
+        }
+        assert_eq!(req.slots().len(), MAX_IOVECS);
+        let full = req.try_append(MAX_IOVECS as u64 * 4096, 4096, slots.claim(MAX_IOVECS as u32), 4096, 1 << 30);
+        assert!(full.is_err(), "no slot left in the request");
+    }
+
+    #[test]
+    fn a_waiting_reader_sees_the_bytes_written_before_ready() {
+        let slots = std::sync::Arc::new(Slots::new(1, 4096).unwrap());
+        let req = ReadRequest::new(0, 4096, slots.claim(0), 4096);
+        let writer = {
+            let slots = std::sync::Arc::clone(&slots);
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                slots.fill(req, |b| {
+                    b[0].fill(7);
+                    Ok(())
+                })
+            })
+        };
+        let (state, waited) = slots.wait(0);
+        assert_eq!(state, READY);
+        assert!(waited > 0);
+        assert!(slots.ready_bytes(0, 4096).unwrap().iter().all(|&b| b == 7));
+        writer.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn aligned_buffers_are_aligned_zeroed_and_writable() {
+        let mut b = AlignedBuf::zeroed(3 * DIRECT_ALIGN, "test").unwrap();
+        assert_eq!(b.as_slice().as_ptr() as usize % DIRECT_ALIGN, 0);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        b.as_mut_slice()[5] = 1;
+        assert_eq!(b.as_slice()[5], 1);
+        assert!(AlignedBuf::zeroed(0, "test").unwrap().is_empty());
+        assert!(matches!(AlignedBuf::zeroed(usize::MAX - 10, "test"), Err(Error::Alloc { .. })));
+    }
+}

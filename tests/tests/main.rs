@@ -1,0 +1,24 @@
+//! The end-to-end tests of prep and the nflash runtime: one test binary
+//! (as ripgrep has), one module per area. Fixtures come from the
+//! `nflash-tests` library (`tests/src/lib.rs`).
+//!
+//! Allocation tests (`no_alloc*`) count every allocation of the process
+//! through [`nflash_tests::CountingAlloc`], so each runs alone in a child
+//! process of this binary ([`nflash_tests::run_alone`]).
+
+#[global_allocator]
+static A: nflash_tests::CountingAlloc = nflash_tests::CountingAlloc;
+
+mod bad_input;
+mod common;
+mod no_alloc;
+mod no_alloc_cache;
+mod offload;
+mod plan_sim;
+mod probe;
+mod profile;
+mod reference;
+mod relu;
+mod smollm2;
+mod sparse;
+mod synth;
