@@ -1,5 +1,5 @@
 # nflash — build, fetch the demo model, test, benchmark.
-# Needs: cargo (Rust ≥ 1.80) and python3 (≥ 3.11, with venv and pip).
+# Needs: cargo (Rust ≥ 1.89) and python3 (≥ 3.11, with venv and pip).
 
 CARGO    ?= cargo
 PYTHON   ?= python3

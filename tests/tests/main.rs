@@ -21,4 +21,5 @@ mod reference;
 mod relu;
 mod smollm2;
 mod sparse;
+mod spec;
 mod synth;

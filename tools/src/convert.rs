@@ -68,7 +68,7 @@ pub struct SparseArgs {
     #[command(flatten)]
     calib_run: CalibArgs,
     /// Target fraction of FFN neurons inactive per token, in [0, 1); ReLU-family models use their natural sparsity.
-    /// The default, 0.3 with the MLP predictor, is the knee measured on SmolLM2-135M (README).
+    /// The default, 0.3 with the MLP predictor, is the knee measured on SmolLM2-135M (docs/benchmarks.md, quality).
     #[arg(long, default_value_t = 0.3, allow_negative_numbers = true, requires = "source")]
     sparsity: f64,
     /// What decides that a neuron is active: |act(gate)| (gate) or |act(gate)·up| (gate-up).

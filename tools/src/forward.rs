@@ -4,9 +4,10 @@
 //! The residual stream of every calibration token (`[n_tokens, hidden]`)
 //! stays in memory; a layer's attention weights are loaded, applied to all
 //! windows and dropped, then its FFN weights. Windows are independent causal
-//! sequences starting at position 0. Semantics follow `runtime/src/model.rs`
-//! (GQA, RMSNorm, RoPE with scaling, Mistral sliding window, biases, FFN
-//! activations), so the statistics describe what the runtime computes.
+//! sequences starting at position 0. Semantics follow `runtime/src/model/`
+//! (`attention.rs`, `forward.rs`: GQA, RMSNorm, RoPE with scaling, Mistral
+//! sliding window, biases, FFN activations), so the statistics describe
+//! what the runtime computes.
 
 use std::ops::Range;
 
@@ -154,7 +155,7 @@ struct Heads {
 /// up to itself (and within the sliding window), query head `h` reading kv
 /// head `h / (nh / nkv)`: q `[b, len, nh, hd]` (after RoPE), k (after RoPE)
 /// and v `[b, len, nkv, hd]` → `[b, len, nh * hd]`. The same arithmetic as
-/// runtime/src/model.rs.
+/// runtime/src/model/attention.rs.
 fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &Heads) -> Vec<f32> {
     let (len, nh, nkv, hd) = (s.len, s.nh, s.nkv, s.hd);
     let (qd, kvd, group) = (nh * hd, nkv * hd, nh / nkv);
@@ -369,7 +370,7 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
-    /// The runtime's per-token attention (runtime/src/model.rs) on plain vectors.
+    /// The runtime's per-token attention (runtime/src/model/attention.rs) on plain vectors.
     fn reference(c: &ModelConfig, raw: &[Vec<f32>], x: &[f32], len: usize) -> Vec<f32> {
         let (h, nh, nkv, hd) = (16, 4, 2, 8);
         let (qd, kvd) = (nh * hd, nkv * hd);

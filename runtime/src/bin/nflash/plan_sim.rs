@@ -34,7 +34,7 @@ pub struct PlanSimArgs {
     #[arg(long, default_value_t = 0.99)]
     recall: f64,
     /// Predictor precision of the shapes: prep's MLP predictor reached 1.00 on the synthetic
-    /// llama-7b, whose gate has rank 128 (0.21 from a random start; README). Pass a real model's value.
+    /// llama-7b, whose gate has rank 128 (0.21 from a random start; docs/benchmarks.md). Pass a real model's value.
     #[arg(long, default_value_t = 1.0)]
     precision: f64,
     /// Weight type of the shapes.

@@ -54,7 +54,7 @@ pub struct RunArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Context length in tokens (KV cache size); default min(4096, model maximum).
+    /// Context length in tokens (KV cache size); default: the pack plan's, else min(4096, model maximum).
     #[arg(long)]
     ctx: Option<usize>,
     /// Print speed and memory figures to stderr.

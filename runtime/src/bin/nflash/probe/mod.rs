@@ -24,7 +24,6 @@ mod memory;
 mod report;
 
 use std::fs::File;
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -39,7 +38,7 @@ use nflash_runtime::message;
 use disk::{free_bytes, io_queues, measure_reads, open_for_reads, write_scratch};
 use kernels::{attention_speed, ffn_speed, matvec_speed, predictor_layers, predictor_speed, q4_0_matrix};
 use memory::{memory_bandwidth, memory_sizes};
-use report::{hostname, max_ghz, print_table, utc_now};
+use report::{hostname, max_ghz, print_table, utc_now, write_profile};
 
 /// Arguments of `nflash probe`.
 #[derive(Args)]
@@ -355,26 +354,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
             read_cpu_us_per_kib: cpu_4k.zip(cpu_64k).map(|(a, b)| round(((b - a) / 60.0).max(0.0), 3)),
         }),
     };
-    let text = format!(
-        "# Measured by `nflash probe` (see profiles/README.md for the fields and units).\n\n{}",
-        profile.to_toml()
-    );
-    DeviceProfile::parse(&text)
-        .map_err(|e| anyhow!("the measured profile is invalid ({e}); a measurement returned nothing"))?;
-
-    let mut tmp_name = out_name;
-    tmp_name.push(format!(".tmp-{}", std::process::id()));
-    let tmp = RemoveOnDrop::new(a.out.with_file_name(tmp_name));
-    {
-        let mut f = File::create(&tmp.0).with_context(|| format!("cannot create {}", tmp.0.display()))?;
-        f.write_all(text.as_bytes())
-            .and_then(|_| f.sync_all())
-            .with_context(|| format!("cannot write {}", tmp.0.display()))?;
-    }
-    std::fs::rename(&tmp.0, &a.out)
-        .with_context(|| format!("cannot rename {} to {}", tmp.0.display(), a.out.display()))?;
-    drop(tmp);
-
+    write_profile(&a.out, out_name, &profile)?;
     print_table(&profile, direct, started.elapsed());
     message!("wrote {}", a.out.display());
     Ok(())

@@ -1,12 +1,18 @@
 //! The profile's report: CPU clock, host name, time stamp, and the table
 //! `nflash probe` prints.
 
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{anyhow, Context, Result};
 
 use nflash_format::device::{DeviceProfile, ReadPoint};
 use nflash_runtime::message;
 
-use super::KIB;
+use super::{RemoveOnDrop, KIB};
 
 /// Highest core clock, GHz: cpufreq's `cpuinfo_max_freq`, else the largest
 /// "cpu MHz" of /proc/cpuinfo, else 1.0.
@@ -140,4 +146,34 @@ pub(super) fn print_table(p: &DeviceProfile, direct: bool, took: Duration) {
         }
     }
     message!("probe took {:.1} s", took.as_secs_f64());
+}
+
+/// Writes `profile` as TOML to `out` (file name `out_name`) through a
+/// temporary file in the same directory, renamed into place, after checking
+/// that it parses back.
+///
+/// # Errors
+/// An invalid profile (a measurement returned nothing), or the file cannot
+/// be written or renamed.
+pub(super) fn write_profile(out: &Path, out_name: OsString, profile: &DeviceProfile) -> Result<()> {
+    let text = format!(
+        "# Measured by `nflash probe` (see profiles/README.md for the fields and units).\n\n{}",
+        profile.to_toml()
+    );
+    DeviceProfile::parse(&text)
+        .map_err(|e| anyhow!("the measured profile is invalid ({e}); a measurement returned nothing"))?;
+
+    let mut tmp_name = out_name;
+    tmp_name.push(format!(".tmp-{}", std::process::id()));
+    let tmp = RemoveOnDrop::new(out.with_file_name(tmp_name));
+    {
+        let mut f = File::create(&tmp.0).with_context(|| format!("cannot create {}", tmp.0.display()))?;
+        f.write_all(text.as_bytes())
+            .and_then(|_| f.sync_all())
+            .with_context(|| format!("cannot write {}", tmp.0.display()))?;
+    }
+    std::fs::rename(&tmp.0, out).with_context(|| format!("cannot rename {} to {}", tmp.0.display(), out.display()))?;
+    drop(tmp);
+
+    Ok(())
 }

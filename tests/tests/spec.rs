@@ -1,0 +1,74 @@
+//! formats/SPEC.md held to the bytes `prep` writes: `formats/python/`
+//! holds a second reader written from the SPEC alone (Python, standard
+//! library only). On a dense and a sparse, planned tiny pack it must read
+//! every value `prep inspect --json` prints, re-encode the manifest to the
+//! stored bytes, and dequantize the weights to the checkpoint's.
+
+use std::path::Path;
+use std::process::Command;
+
+use nflash_tests::{bin, repo_root, run, tiny_words, write_tiny_checkpoint, TinySpec};
+
+/// Runs `formats/python/check_pack.py` with `args`; fails with its output.
+fn check_pack(args: &[&str]) {
+    let script = repo_root().join("formats/python/check_pack.py");
+    let o = Command::new("python3").arg(&script).args(args).output().expect("python3 runs (the Makefile needs it too)");
+    assert!(
+        o.status.success(),
+        "check_pack.py {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn convert(ckpt: &Path, out: &Path, extra: &[&str]) {
+    let mut args = vec!["convert", "--model", ckpt.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = run("prep", &args);
+    assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec { inter: 256, layers: 2, ..TinySpec::default() };
+    let ckpt = dir.path().join("ckpt");
+    write_tiny_checkpoint(&ckpt, &spec);
+    let calib = dir.path().join("calib.txt");
+    std::fs::write(&calib, tiny_words(1200, spec.vocab, 7)).unwrap();
+    let profile = repo_root().join("profiles/dev-host.toml");
+    let dense = dir.path().join("dense.nflash");
+    convert(&ckpt, &dense, &["--quant", "q8_0"]);
+    let sparse = dir.path().join("sparse.nflash");
+    convert(
+        &ckpt,
+        &sparse,
+        &[
+            "--quant",
+            "q4_0",
+            "--cluster-bytes",
+            "1024",
+            "--calib",
+            calib.to_str().unwrap(),
+            "--tokens",
+            "1000",
+            "--window",
+            "50",
+            "--sample",
+            "400",
+            "--epochs",
+            "3",
+            "--device",
+            profile.to_str().unwrap(),
+            "--memory-budget",
+            "64MiB",
+            "--ctx",
+            "64",
+        ],
+    );
+    let prep = bin("prep");
+    for p in [&dense, &sparse] {
+        check_pack(&["compare", p.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
+        check_pack(&["weights", p.to_str().unwrap(), "--model", ckpt.to_str().unwrap()]);
+    }
+}
