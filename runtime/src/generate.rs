@@ -9,7 +9,7 @@ use crate::model::Model;
 use crate::sampler::Sampler;
 use crate::tokenizer::{TextStream, Tokenizer};
 
-pub use nflash_plan::layout::PREFILL_CHUNK;
+use nflash_plan::layout::PREFILL_CHUNK;
 
 /// Counters of one generation.
 #[derive(Debug, Clone, Default)]

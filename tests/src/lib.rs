@@ -291,10 +291,21 @@ pub fn write_tiny_checkpoint(dir: &Path, spec: &TinySpec) {
     .unwrap();
 }
 
+/// `prep convert` calibration flags small enough for a tiny checkpoint and
+/// a test's time: 1000 tokens in windows of 50, 400 samples, 3 epochs.
+pub const QUICK_CALIB: [&str; 8] = ["--tokens", "1000", "--window", "50", "--sample", "400", "--epochs", "3"];
+
 /// Converts checkpoint `dir` to `out` with `prep convert --quant quant`, panicking with prep's stderr on failure.
 pub fn convert(dir: &Path, out: &Path, quant: &str) {
-    let o =
-        run("prep", &["convert", "--model", dir.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", quant]);
+    convert_with(dir, out, &["--quant", quant]);
+}
+
+/// Converts checkpoint `dir` to `out` with `prep convert` and the flags
+/// `extra`, panicking with prep's stderr on failure.
+pub fn convert_with(dir: &Path, out: &Path, extra: &[&str]) {
+    let mut args = vec!["convert", "--model", dir.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = run("prep", &args);
     assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
 }
 

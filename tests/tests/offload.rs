@@ -55,25 +55,9 @@ fn sparse_results_do_not_depend_on_where_weights_live_or_threads() {
     let calib = dir.path().join("calib.txt");
     let p = pack(dir.path(), "sparse.nflash", "q8_0", &[]);
     drop(p);
-    let p = pack(
-        dir.path(),
-        "sparse.nflash",
-        "q8_0",
-        &[
-            "--calib",
-            calib.to_str().unwrap(),
-            "--tokens",
-            "1000",
-            "--window",
-            "50",
-            "--sample",
-            "400",
-            "--epochs",
-            "3",
-            "--sparsity",
-            "0.5",
-        ],
-    );
+    let mut flags = vec!["--calib", calib.to_str().unwrap(), "--sparsity", "0.5"];
+    flags.extend(nflash_tests::QUICK_CALIB);
+    let p = pack(dir.path(), "sparse.nflash", "q8_0", &flags);
     check_placement_and_threads(&p);
 }
 

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
 use nflash_plan::CacheConfig;
-use nflash_tests::{assert_fails, assert_no_output, rel_error_flat, run, tiny_words, write_tiny_checkpoint, TinySpec};
+use nflash_tests::{
+    assert_fails, assert_no_output, rel_error_flat, run, tiny_words, write_tiny_checkpoint, TinySpec, QUICK_CALIB,
+};
 
 struct Fixture {
     _dir: tempfile::TempDir,
@@ -36,15 +38,8 @@ fn convert_sparse(f: &Fixture, name: &str, quant: &str, extra: &[&str]) -> PathB
         quant,
         "--calib",
         f.calib.to_str().unwrap(),
-        "--tokens",
-        "1000",
-        "--window",
-        "50",
-        "--sample",
-        "400",
-        "--epochs",
-        "3",
     ];
+    args.extend(QUICK_CALIB);
     args.extend_from_slice(extra);
     let o = run("prep", &args);
     assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));

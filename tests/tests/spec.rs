@@ -4,10 +4,9 @@
 //! every value `prep inspect --json` prints, re-encode the manifest to the
 //! stored bytes, and dequantize the weights to the checkpoint's.
 
-use std::path::Path;
 use std::process::Command;
 
-use nflash_tests::{bin, repo_root, run, tiny_words, write_tiny_checkpoint, TinySpec};
+use nflash_tests::{bin, convert_with, repo_root, tiny_words, write_tiny_checkpoint, TinySpec, QUICK_CALIB};
 
 /// Runs `formats/python/check_pack.py` with `args`; fails with its output.
 fn check_pack(args: &[&str]) {
@@ -21,13 +20,6 @@ fn check_pack(args: &[&str]) {
     );
 }
 
-fn convert(ckpt: &Path, out: &Path, extra: &[&str]) {
-    let mut args = vec!["convert", "--model", ckpt.to_str().unwrap(), "--out", out.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let o = run("prep", &args);
-    assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
-}
-
 #[test]
 fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
     let dir = tempfile::tempdir().unwrap();
@@ -38,34 +30,14 @@ fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
     std::fs::write(&calib, tiny_words(1200, spec.vocab, 7)).unwrap();
     let profile = repo_root().join("profiles/dev-host.toml");
     let dense = dir.path().join("dense.nflash");
-    convert(&ckpt, &dense, &["--quant", "q8_0"]);
+    convert_with(&ckpt, &dense, &["--quant", "q8_0"]);
     let sparse = dir.path().join("sparse.nflash");
-    convert(
-        &ckpt,
-        &sparse,
-        &[
-            "--quant",
-            "q4_0",
-            "--cluster-bytes",
-            "1024",
-            "--calib",
-            calib.to_str().unwrap(),
-            "--tokens",
-            "1000",
-            "--window",
-            "50",
-            "--sample",
-            "400",
-            "--epochs",
-            "3",
-            "--device",
-            profile.to_str().unwrap(),
-            "--memory-budget",
-            "64MiB",
-            "--ctx",
-            "64",
-        ],
-    );
+    let calib = calib.to_str().unwrap();
+    let mut flags = vec!["--quant", "q4_0", "--cluster-bytes", "1024", "--calib", calib];
+    flags.extend(QUICK_CALIB);
+    let profile = profile.to_str().unwrap();
+    flags.extend(["--device", profile, "--memory-budget", "64MiB", "--ctx", "64"]);
+    convert_with(&ckpt, &sparse, &flags);
     let prep = bin("prep");
     for p in [&dense, &sparse] {
         check_pack(&["compare", p.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
