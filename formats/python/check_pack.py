@@ -110,6 +110,16 @@ def prep_view(pack: nf.Pack) -> dict:
             "predictor_bytes": sum(f["sparse"]["predictor_bytes"] for f in m["ffn"]),
             "layers": layers,
         }
+    # Matrices stored as F16 in a Q4_0/Q8_0 pack (rows not whole 32-element blocks).
+    fallback = {}
+    if m["ffn"] and m["ffn"][0]["bundle"]["dtype"] in ("Q4_0", "Q8_0"):
+        for t in m["tensors"]:
+            if len(t["shape"]) == 2 and t["dtype"] == "F16":
+                parts = t["name"].split(".")
+                if t["name"].startswith("model.layers.") and parts[2].isdigit():
+                    parts[2] = "*"
+                e = fallback.setdefault(".".join(parts), [0, t["shape"][1]])
+                e[0] += 1
     return {
         "file": pack.path,
         "file_bytes": pack.file_len,
@@ -127,6 +137,9 @@ def prep_view(pack: nf.Pack) -> dict:
         "ffn_clusters": sum(len(f["clusters"]) for f in m["ffn"]),
         "sparse": sparse,
         "plan": m["plan"],
+        "f16_fallback": [
+            {"tensors": k, "count": n, "row_elements": c} for k, (n, c) in sorted(fallback.items())
+        ],
         "tensor_types": types,
     }
 

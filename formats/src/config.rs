@@ -138,6 +138,27 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// How tools name the model family: the HF class, except `drelu` for
+    /// dReLU (TurboSparse / Bamboo) models, which are stored with Mistral
+    /// attention but are not Mistral models to their users.
+    pub fn family(&self) -> &'static str {
+        if self.activation == Activation::DRelu {
+            "drelu"
+        } else {
+            self.architecture.hf_name()
+        }
+    }
+
+    /// [`Self::family`] with the FFN activation, e.g. `LlamaForCausalLM (silu)`;
+    /// just `drelu` for dReLU models.
+    pub fn family_and_activation(&self) -> String {
+        if self.activation == Activation::DRelu {
+            "drelu".to_string()
+        } else {
+            format!("{} ({})", self.architecture.hf_name(), self.activation.name())
+        }
+    }
+
     /// Checks internal consistency; returns a description of the first problem.
     pub fn check(&self) -> std::result::Result<(), String> {
         let nz = [

@@ -19,6 +19,7 @@ mod probe;
 mod profile;
 mod reference;
 mod relu;
+mod rough_edges;
 mod smollm2;
 mod sparse;
 mod spec;

@@ -55,6 +55,8 @@ struct LayerProfile {
 #[derive(Deserialize, Debug)]
 struct Profile {
     model: ProfileModel,
+    #[allow(dead_code)]
+    checkpoint: String,
     calib: CalibInfo,
     layers: Vec<LayerProfile>,
 }
@@ -62,7 +64,7 @@ struct Profile {
 fn load(path: &Path) -> Profile {
     let bytes = std::fs::read(path).unwrap();
     assert_eq!(&bytes[..8], b"NFPROFIL");
-    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 1, "profile version");
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 2, "profile version");
     let raw = zstd::decode_all(&bytes[12..]).unwrap();
     use bincode::Options;
     bincode::DefaultOptions::new()

@@ -90,6 +90,10 @@ fn synth_hits_its_target_sparsity_and_its_skew_shows_in_the_profile() {
     for (act, target, skew) in [("relu", 0.9, "1.5"), ("relu", 0.7, "1.5"), ("drelu", 0.9, "1.5"), ("relu", 0.9, "0")] {
         let name = format!("{act}-{target}-{skew}");
         let m = synth(tmp.path(), &name, &["--act", act, "--sparsity", &target.to_string(), "--skew", skew]);
+        // The stored options use the command-line spelling.
+        let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(m.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["nflash_synth"]["shape"], "tiny", "{name}");
+        assert_eq!(cfg["nflash_synth"]["act"], act, "{name}");
         let layers = profile(tmp.path(), &m);
         let mean = layers.iter().map(|l| l.0).sum::<f64>() / layers.len() as f64;
         assert!((mean - target).abs() <= 0.02, "{name}: mean sparsity {mean:.4}, target {target}");

@@ -182,6 +182,30 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         eos_token_ids: eos,
     };
     config.check().map_err(|e| anyhow!("config.json: {e}"))?;
+    // Special token ids index the embedding: one past it is a broken config.
+    let vocab = config.vocab_size;
+    let mut ids: Vec<(&str, Vec<u32>)> = vec![
+        ("config.json bos_token_id", token_ids(cfg.get("bos_token_id"), "config.json bos_token_id")?),
+        ("config.json eos_token_id", token_ids(cfg.get("eos_token_id"), "config.json eos_token_id")?),
+    ];
+    if let Some(g) = gen {
+        ids.push((
+            "generation_config.json bos_token_id",
+            token_ids(g.get("bos_token_id"), "generation_config.json bos_token_id")?,
+        ));
+        ids.push((
+            "generation_config.json eos_token_id",
+            token_ids(g.get("eos_token_id"), "generation_config.json eos_token_id")?,
+        ));
+    }
+    for (key, list) in ids {
+        if let Some(bad) = list.iter().find(|&&id| u64::from(id) >= vocab) {
+            bail!(
+                "{key} {bad} is not a token of this model: vocab_size is {vocab} (ids 0..={}); fix the id in the file (the tokenizer's tokenizer.json names the right one)",
+                vocab.saturating_sub(1)
+            );
+        }
+    }
     Ok(config)
 }
 
@@ -216,30 +240,35 @@ impl Checkpoint {
 
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
-        let shard_names: Vec<String> = if index_path.exists() {
+        // Sharded: tensor name → shard file, as the index's weight_map says.
+        let weight_map: Option<HashMap<String, String>> = if index_path.exists() {
             let idx = read_json(&index_path)?;
             let map = idx
                 .get("weight_map")
                 .and_then(Value::as_object)
                 .ok_or_else(|| anyhow!("{} has no weight_map object", index_path.display()))?;
-            let mut names: Vec<String> = map
-                .values()
-                .map(|v| {
-                    v.as_str()
-                        .map(str::to_string)
-                        .ok_or_else(|| anyhow!("{}: weight_map value {v} is not a file name", index_path.display()))
-                })
-                .collect::<Result<_>>()?;
-            names.sort();
-            names.dedup();
-            names
+            Some(
+                map.iter()
+                    .map(|(k, v)| {
+                        v.as_str().map(|f| (k.clone(), f.to_string())).ok_or_else(|| {
+                            anyhow!("{}: weight_map value {v} of {k} is not a file name", index_path.display())
+                        })
+                    })
+                    .collect::<Result<_>>()?,
+            )
         } else if single.exists() {
-            vec!["model.safetensors".into()]
+            None
         } else {
             bail!("{} has neither model.safetensors nor model.safetensors.index.json", dir.display());
         };
-        let mut shards = Vec::new();
-        let mut index = HashMap::new();
+        let mut shard_names: Vec<String> = match &weight_map {
+            Some(m) => m.values().cloned().collect(),
+            None => vec!["model.safetensors".into()],
+        };
+        shard_names.sort();
+        shard_names.dedup();
+        let mut shards: Vec<Shard> = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
         for name in shard_names {
             if name.contains('/') || name.contains("..") {
                 bail!("shard name {name:?} in the index is not a plain file name");
@@ -267,12 +296,69 @@ impl Checkpoint {
                 if info.data_offsets.1 > data_len {
                     bail!("{}: tensor {tname} extends past the end of the file (truncated download?)", path.display());
                 }
+                // A tensor stored twice is ambiguous whatever the index says.
+                if let Some(&other) = index.get(&tname) {
+                    bail!(
+                        "tensor {tname} is stored in two shards, {} and {}; the checkpoint is inconsistent: re-download it",
+                        shards[other].path.display(),
+                        path.display()
+                    );
+                }
                 index.insert(tname.clone(), shards.len());
             }
             drop(mmap); // only its header pages were touched
             shards.push(Shard { path, file, data_start, meta });
         }
+        if let Some(m) = &weight_map {
+            // Every tensor is read from the shard the index names for it.
+            for (tname, file) in m {
+                match index.get(tname) {
+                    Some(&i) if shards[i].path.file_name().is_some_and(|f| f == file.as_str()) => {}
+                    Some(&i) => bail!(
+                        "{}: weight_map puts {tname} in {file}, but it is stored in {}; the index does not match the shards: re-download the checkpoint",
+                        index_path.display(),
+                        shards[i].path.display()
+                    ),
+                    None => bail!(
+                        "{}: weight_map puts {tname} in {file}, but that shard does not contain it; re-download the checkpoint",
+                        index_path.display()
+                    ),
+                }
+            }
+            // Tensors the index does not list are not part of the model.
+            index.retain(|t, _| m.contains_key(t));
+        }
         Ok(Checkpoint { dir: dir.to_path_buf(), config, tokenizer_json, tokenizer_config, shards, index })
+    }
+
+    /// A fingerprint of the weights, 16 hex digits: CRC-32 (two seeds) over
+    /// every tensor's name, dtype, shape and three 64-byte samples of its data
+    /// (start, middle, end). It tells two checkpoints of one shape apart (a
+    /// fine-tune from its base) without reading gigabytes; profiles store it.
+    ///
+    /// # Errors
+    /// Read failures, naming the shard.
+    pub fn fingerprint(&self) -> Result<String> {
+        let mut names: Vec<&String> = self.index.keys().collect();
+        names.sort();
+        let (mut a, mut b) = (crc32fast::Hasher::new(), crc32fast::Hasher::new_with_initial(0x9E37_79B9));
+        let mut buf = [0u8; 64];
+        for name in names {
+            let s = &self.shards[self.index[name]];
+            let info = s.meta.info(name).expect("indexed");
+            let head = format!("{name}|{:?}|{:?}|", info.dtype, info.shape);
+            a.update(head.as_bytes());
+            b.update(head.as_bytes());
+            let (lo, hi) = info.data_offsets;
+            let len = hi - lo;
+            for at in [0, len / 2, len.saturating_sub(64)] {
+                let n = 64.min(len - at.min(len));
+                read_at(s, name, &mut buf[..n], (s.data_start + lo + at) as u64)?;
+                a.update(&buf[..n]);
+                b.update(&buf[..n]);
+            }
+        }
+        Ok(format!("{:08x}{:08x}", a.finalize(), b.finalize()))
     }
 
     /// Whether the checkpoint has tensor `name`.
@@ -324,12 +410,15 @@ impl Checkpoint {
     /// Reads tensor `name` as f32, checking it has `shape`.
     ///
     /// # Errors
-    /// Missing tensor, wrong shape, dtype other than BF16/F16/F32, read failures.
+    /// Missing tensor, wrong shape, dtype other than BF16/F16/F32, read
+    /// failures, a NaN or infinite element (named by index).
     pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (s, dtype, off, len) = self.locate(name, shape)?;
         let mut bytes = vec![0u8; len];
         read_at(s, name, &mut bytes, off)?;
-        Ok(decode(dtype, &bytes))
+        let v = decode(dtype, &bytes);
+        check_finite(name, shape, &v, 0, &s.path)?;
+        Ok(v)
     }
 
     /// Rows `rows` of the 2-D tensor `name` (`[rows.len(), shape[1]]`), read one by one.
@@ -347,7 +436,9 @@ impl Checkpoint {
                 bail!("row {r} of {name} is out of range: it has {n_rows} rows");
             }
             read_at(s, name, &mut bytes, off + (r as usize * row_bytes) as u64)?;
-            out.extend(decode(dtype, &bytes));
+            let v = decode(dtype, &bytes);
+            check_finite(name, shape, &v, r as usize * cols, &s.path)?;
+            out.extend(v);
         }
         Ok(out)
     }
@@ -360,6 +451,36 @@ fn read_at(s: &Shard, name: &str, buf: &mut [u8], off: u64) -> Result<()> {
             s.path.display()
         )
     })
+}
+
+/// Refuses NaN and ±infinity in `values`, elements `first..` of tensor
+/// `name` (`shape`): nothing computed from them would mean anything, and
+/// quantizing to Q4_0/Q8_0 would silently turn them into finite numbers.
+///
+/// # Errors
+/// The tensor, the file and the first bad element, by flat index and by
+/// coordinates.
+pub fn check_finite(name: &str, shape: &[usize], values: &[f32], first: usize, file: &Path) -> Result<()> {
+    let Some(i) = values.iter().position(|v| !v.is_finite()) else {
+        return Ok(());
+    };
+    let flat = first + i;
+    bail!(
+        "tensor {name} in {} holds {} at element {flat} (index {:?} of shape {shape:?}); a checkpoint with non-finite weights cannot be converted: re-download it, or fix the training run that wrote it",
+        file.display(),
+        values[i],
+        unravel(flat, shape)
+    )
+}
+
+/// Coordinates of flat row-major index `i` in `shape`.
+pub fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for (d, &n) in shape.iter().enumerate().rev() {
+        idx[d] = i % n.max(1);
+        i /= n.max(1);
+    }
+    idx
 }
 
 /// Little-endian BF16/F16/F32 bytes to f32.

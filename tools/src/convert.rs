@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use nflash_format::{Criterion, DType, PredictorKind};
 
@@ -140,7 +140,7 @@ impl SparseArgs {
             (None, None) => return Ok(None),
             (_, Some(p)) => {
                 let pr = Profile::load(p)?;
-                pr.check_matches(&ck.config, model_dir)?;
+                pr.check_matches(ck, model_dir)?;
                 pr
             }
             (Some(c), None) => {
@@ -248,6 +248,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
             a.out.join("model.nflash").display()
         );
     }
+    crate::output::check_out_dir(&a.out, "--out")?;
     let t0 = std::time::Instant::now();
     let mut stages = Stages::start();
     let ck = Checkpoint::open(&a.model)?;
@@ -264,16 +265,11 @@ pub fn run(a: ConvertArgs) -> Result<()> {
             ck.config.vocab_size
         );
     }
-    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| {
-            format!("cannot create the output directory {} for --out; choose another --out path", dir.display())
-        })?;
-    }
     let cfg = &ck.config;
     message!(
         "converting {} ({}, {} layers, hidden {}, FFN {}, {} tensors) to {} as {}",
         a.model.display(),
-        cfg.architecture.hf_name(),
+        cfg.family_and_activation(),
         cfg.num_layers,
         cfg.hidden_size,
         cfg.intermediate_size,
@@ -297,11 +293,13 @@ pub fn run(a: ConvertArgs) -> Result<()> {
                 None => vec![1.0; n],
             };
             let c = nflash_plan::planner::choose_cluster_bytes(dev, bundle, &p);
+            // What the pack and its plan use: whole neurons, read in 4 KiB-aligned units.
+            let k = (c / bundle).clamp(1, cfg.intermediate_size.max(1));
             message!(
-                "neuron cluster size for {}: {} KiB ({} neurons of {bundle} bytes)",
+                "neuron cluster size for {}: {k} neurons of {bundle} bytes, {:.1} KiB ({} KiB per read, 4 KiB-aligned); chosen for the device's reads",
                 dev.name,
-                c / 1024,
-                (c / bundle).max(1)
+                (k * bundle) as f64 / 1024.0,
+                nflash_plan::layout::align_up(k * bundle) / 1024
             );
             c
         }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use nflash_format::{Manifest, Pack, SegmentKind};
+use nflash_format::{DType, Manifest, Pack, SegmentKind};
 
 /// Arguments of `prep inspect`.
 #[derive(Args)]
@@ -30,6 +30,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
         e.1 += t.bytes;
     }
     let ffn_dtype = m.ffn.first().map(|f| f.bundle.dtype.to_string());
+    let fallback = f16_fallback(m);
     let clusters: usize = m.ffn.iter().map(|f| f.clusters.len()).sum();
     if a.json {
         let segs: Vec<_> = m
@@ -52,6 +53,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             "ffn_clusters": clusters,
             "sparse": sparse_json(m),
             "plan": m.plan.as_ref().map(serde_json::to_value).transpose()?,
+            "f16_fallback": fallback.iter().map(|(name, n, cols)| serde_json::json!({"tensors": name, "count": n, "row_elements": cols})).collect::<Vec<_>>(),
             "tensor_types": types.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
@@ -68,15 +70,14 @@ pub fn run(a: InspectArgs) -> Result<()> {
         m.producer
     );
     let c = &m.config;
-    let act = c.activation.name();
     let rope = match c.rope_scaling {
         None => "none".to_string(),
         Some(nflash_format::RopeScaling::Linear { factor }) => format!("linear ×{factor}"),
         Some(nflash_format::RopeScaling::Llama3 { factor, .. }) => format!("llama3 ×{factor}"),
     };
     println!(
-        "model: {}, {} layers, hidden {}, FFN {} ({act}), {} heads / {} KV heads, head_dim {}, vocab {}",
-        c.architecture.hf_name(),
+        "model: {}, {} layers, hidden {}, FFN {}, {} heads / {} KV heads, head_dim {}, vocab {}",
+        c.family_and_activation(),
         c.num_layers,
         c.hidden_size,
         c.intermediate_size,
@@ -104,6 +105,13 @@ pub fn run(a: InspectArgs) -> Result<()> {
         println!("  {k:>5}: {n} tensors, {:.2} MiB", mib(*b));
     }
     if let Some(f) = m.ffn.first() {
+        for (name, n, cols) in &fallback {
+            println!(
+                "  f16 fallback: {name} ({n} tensor{}): rows of {cols} elements are not whole 32-element {} blocks",
+                if *n == 1 { "" } else { "s" },
+                f.bundle.dtype
+            );
+        }
         println!(
             "FFN: {} layers × {} neurons as {} bundles of {} bytes, {} neuron clusters in all, {:.2} MiB",
             m.ffn.len(),
@@ -138,6 +146,22 @@ pub fn run(a: InspectArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Matrices stored as F16 in a Q4_0/Q8_0 pack because their rows are not
+/// whole 32-element blocks (`prep convert` says so too): `(name pattern with
+/// the layer as *, tensors, row elements)`.
+fn f16_fallback(m: &Manifest) -> Vec<(String, usize, u64)> {
+    let Some(quant) = m.ffn.first().map(|f| f.bundle.dtype) else { return Vec::new() };
+    if !matches!(quant, DType::Q4_0 | DType::Q8_0) {
+        return Vec::new();
+    }
+    let mut groups: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    for t in m.tensors.iter().filter(|t| t.shape.len() == 2 && t.dtype == DType::F16) {
+        let e = groups.entry(crate::pack::layer_pattern(&t.name)).or_insert((0, t.shape[1]));
+        e.0 += 1;
+    }
+    groups.into_iter().map(|(k, (n, c))| (k, n, c)).collect()
 }
 
 /// The sparsity settings and per-layer profile summary (SPEC §4.5), or null.

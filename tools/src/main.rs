@@ -6,6 +6,7 @@ mod convert;
 mod forward;
 mod histogram;
 mod inspect;
+mod output;
 mod pack;
 mod plot;
 mod predictor;

@@ -159,6 +159,7 @@ pub fn write_pack(
 
     // Resident tensors.
     let residents = resident_list(&cfg, opts.quant);
+    report_f16_fallback(&residents, opts.quant);
     let pb = bar((residents.len() + cfg.num_layers as usize) as u64, "convert");
     w.begin_segment("resident", SegmentKind::Resident)?;
     let seg_idx = w.segments().len() as u32;
@@ -167,6 +168,7 @@ pub fn write_pack(
     for r in &residents {
         pb.set_message(short(&r.name));
         let mut data = ck.tensor_f32(&r.name, &r.shape)?;
+        check_range(&r.name, &r.shape, &data, r.dtype)?;
         if let (Some(plan), Some(l)) = (plan, ffn_bias_layer(&r.name)) {
             data = permute_rows(&data, 1, &plan.layers[l].order);
         }
@@ -186,6 +188,7 @@ pub fn write_pack(
                 };
                 let dtype = if shape.len() == 1 { DType::F32 } else { matrix_dtype(pd, shape[1]) };
                 let name = format!("nflash.predictor.{l}.{suffix}");
+                check_range(&name, shape, &data, dtype)?;
                 write_tensor(&mut w, seg_idx, &name, shape, dtype, &data, &mut buf, &mut tensors)?;
                 predictor_bytes[l] += tensors.last().map_or(0, |t| t.bytes);
             }
@@ -204,6 +207,9 @@ pub fn write_pack(
         let gate = ck.tensor_f32(&format!("{p}.gate_proj.weight"), &[inter, h])?; // [inter, hidden]
         let up = ck.tensor_f32(&format!("{p}.up_proj.weight"), &[inter, h])?; // [inter, hidden]
         let down = ck.tensor_f32(&format!("{p}.down_proj.weight"), &[h, inter])?; // [hidden, inter]
+        for (part, t, shape) in [("gate", &gate, [inter, h]), ("up", &up, [inter, h]), ("down", &down, [h, inter])] {
+            check_range(&format!("{p}.{part}_proj.weight"), &shape, t, opts.quant)?;
+        }
 
         // Packed order: hot first for a sparse pack, original order for a dense one.
         let order: Vec<u32> = plan.map_or_else(|| (0..inter as u32).collect(), |p| p.layers[l].order.clone());
@@ -277,6 +283,63 @@ pub fn write_pack(
     *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = None;
     result?;
     Ok(())
+}
+
+/// Largest magnitude `dtype` can store: F16's largest finite value, and for
+/// Q8_0/Q4_0 the block maximum whose F16 scale (`max/127`, `max/8`) stays finite.
+fn max_storable(dtype: DType) -> f32 {
+    let f16_max = f32::from(half::f16::MAX);
+    match dtype {
+        DType::F32 => f32::MAX,
+        DType::F16 => f16_max,
+        DType::Q8_0 => f16_max * 127.0,
+        DType::Q4_0 => f16_max * 8.0,
+    }
+}
+
+/// Refuses a value of tensor `name` (`shape`) that `dtype` cannot store
+/// (it would become infinite), naming the first one.
+///
+/// # Errors
+/// The tensor, the element (flat and by coordinates), the value and the limit.
+fn check_range(name: &str, shape: &[usize], data: &[f32], dtype: DType) -> Result<()> {
+    let max = max_storable(dtype);
+    let Some(i) = data.iter().position(|v| v.is_nan() || v.abs() > max) else { return Ok(()) };
+    bail!(
+        "tensor {name} holds {} at element {i} (index {:?} of shape {shape:?}), beyond what {dtype} can store (|x| ≤ {max}); the checkpoint is damaged, or convert with --quant f32",
+        data[i],
+        crate::checkpoint::unravel(i, shape)
+    )
+}
+
+/// Says which matrices are stored as F16 although `quant` was asked for
+/// (their rows are not whole 32-element blocks, e.g. `o_proj` with head_dim 20),
+/// grouped by name with the layer index as `*`.
+fn report_f16_fallback(residents: &[Resident], quant: DType) {
+    if !matches!(quant, DType::Q4_0 | DType::Q8_0) {
+        return;
+    }
+    let mut groups: std::collections::BTreeMap<String, (usize, usize, u64)> = Default::default();
+    for r in residents.iter().filter(|r| r.shape.len() == 2 && r.dtype != quant) {
+        let e = groups.entry(layer_pattern(&r.name)).or_insert((0, r.shape[1], 0));
+        e.0 += 1;
+        e.2 += DType::F16.tensor_bytes(&[r.shape[0] as u64, r.shape[1] as u64]).unwrap_or(0);
+    }
+    for (name, (n, cols, bytes)) in groups {
+        message!(
+            "{name} ({n} tensor{}, {:.2} MiB) stored as f16, not {quant}: its rows of {cols} elements are not whole 32-element blocks",
+            if n == 1 { "" } else { "s" },
+            bytes as f64 / (1 << 20) as f64
+        );
+    }
+}
+
+/// `model.layers.7.self_attn.o_proj.weight` → `model.layers.*.self_attn.o_proj.weight`.
+pub fn layer_pattern(name: &str) -> String {
+    match name.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) {
+        Some((l, rest)) if l.parse::<u32>().is_ok() => format!("model.layers.*.{rest}"),
+        _ => name.to_string(),
+    }
 }
 
 /// Layer of an FFN gate/up bias tensor name (those follow the neuron order).

@@ -73,10 +73,7 @@ pub fn check_path(out: &Path) -> Result<()> {
     if out.extension().is_none_or(|e| !e.eq_ignore_ascii_case("png")) {
         bail!("--plot {} should end in .png (the plot is a PNG image)", out.display());
     }
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| anyhow!("cannot create the directory {} for --plot: {e}", dir.display()))?;
-    }
+    crate::output::check_out_dir(out, "--plot")?;
     Ok(())
 }
 

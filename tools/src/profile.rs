@@ -28,7 +28,7 @@ pub use collect::{profile, ProfileOptions};
 /// First bytes of a profile file.
 pub const PROFILE_MAGIC: [u8; 8] = *b"NFPROFIL";
 /// Version of the encoding after the magic; bumped on any change of [`Profile`].
-pub const PROFILE_VERSION: u32 = 1;
+pub const PROFILE_VERSION: u32 = 2;
 /// Largest decoded profile accepted or written, bytes (a 7B model with the
 /// default 8192-token sample is about 2 GiB).
 pub const MAX_PROFILE_BYTES: u64 = 16 << 30;
@@ -119,6 +119,8 @@ pub struct LayerProfile {
 pub struct Profile {
     /// Shape of the profiled model.
     pub model: ProfileModel,
+    /// [`crate::checkpoint::Checkpoint::fingerprint`] of the profiled checkpoint.
+    pub checkpoint: String,
     /// Calibration run.
     pub calib: CalibInfo,
     /// One per decoder layer.
@@ -251,12 +253,14 @@ impl Profile {
         Ok(())
     }
 
-    /// Checks that the profile was made from a model shaped like `cfg` (the
-    /// checkpoint in `model_dir`).
+    /// Checks that the profile was made from the checkpoint `ck` (in
+    /// `model_dir`): the same shape and the same weights fingerprint.
     ///
     /// # Errors
-    /// Any difference in architecture, sizes, layer count or activation.
-    pub fn check_matches(&self, cfg: &ModelConfig, model_dir: &Path) -> Result<()> {
+    /// Any difference in architecture, sizes, layer count or activation; a
+    /// checkpoint of the same shape with other weights.
+    pub fn check_matches(&self, ck: &crate::checkpoint::Checkpoint, model_dir: &Path) -> Result<()> {
+        let cfg: &ModelConfig = &ck.config;
         let want = ProfileModel::of(cfg);
         if self.model != want {
             bail!(
@@ -264,6 +268,15 @@ impl Profile {
                 self.model,
                 model_dir.display(),
                 want,
+                model_dir.display()
+            );
+        }
+        let fp = ck.fingerprint()?;
+        if self.checkpoint != fp {
+            bail!(
+                "the profile was made from another checkpoint of the same shape (weights fingerprint {}, but {} has {fp}): its activity statistics do not apply; re-run `prep profile --model {}`",
+                self.checkpoint,
+                model_dir.display(),
                 model_dir.display()
             );
         }
@@ -384,6 +397,7 @@ mod tests {
                 num_layers: 1,
                 activation: "silu".into(),
             },
+            checkpoint: "0123456789abcdef".into(),
             calib: CalibInfo { source: "a.txt".into(), n_tokens: 100, window: 50, n_windows: 2 },
             layers: vec![l],
         }

@@ -121,6 +121,11 @@ pub struct SynthArgs {
     calib_tokens: usize,
 }
 
+/// The command-line spelling of a `--shape`/`--act` value (`llama-7b`, `drelu`).
+fn cli_name(v: impl ValueEnum) -> String {
+    v.to_possible_value().map_or_else(String::new, |p| p.get_name().to_string())
+}
+
 /// Shape parameters: (architecture, hidden, FFN, layers, heads, KV heads, rope θ, max positions).
 fn dims(shape: Shape) -> (Architecture, u64, u64, u64, u64, u64, f64, u64) {
     match shape {
@@ -459,11 +464,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
     }
     // Create the temporary output directory now, so a bad location fails before any heavy work.
     let parent = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    if parent.exists() && !parent.is_dir() {
-        bail!("--out {}: {} is a file, not a directory", a.out.display(), parent.display());
-    }
-    std::fs::create_dir_all(parent)
-        .with_context(|| format!("cannot create the directory {} for --out", parent.display()))?;
+    crate::output::check_out_dir(&a.out, "--out")?;
     let tmp = parent.join(format!(
         ".{}.tmp-{}",
         a.out.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
@@ -676,7 +677,7 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
         "eos_token_id": if eos.len() == 1 { json!(eos[0]) } else { json!(eos) },
         "torch_dtype": match a.dtype { SynthDtype::Bf16 => "bfloat16", SynthDtype::F16 => "float16", SynthDtype::F32 => "float32" },
         "nflash_synth": {
-            "shape": format!("{:?}", a.shape), "sparsity": a.sparsity, "skew": a.skew, "act": format!("{:?}", a.act),
+            "shape": cli_name(a.shape), "sparsity": a.sparsity, "skew": a.skew, "act": cli_name(a.act),
             "active_rank": s.rank, "seed": a.seed, "calib_tokens": a.calib_tokens,
         },
     });

@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use nflash_format::Criterion;
 
@@ -68,15 +68,11 @@ pub fn run(a: ProfileArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
-    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| {
-            format!("cannot create the output directory {} for --out; choose another --out path", dir.display())
-        })?;
-    }
+    crate::output::check_out_dir(&a.out, "--out")?;
     message!(
         "profiling {} ({}, {} layers, FFN {}) on {}",
         a.model.display(),
-        cfg.architecture.hf_name(),
+        cfg.family(),
         cfg.num_layers,
         cfg.intermediate_size,
         a.calib.display()

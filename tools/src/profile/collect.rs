@@ -182,6 +182,7 @@ pub fn profile(ck: &Checkpoint, calib: &Path, opts: &ProfileOptions) -> Result<P
     pb.finish_and_clear();
     Ok(Profile {
         model: ProfileModel::of(&ck.config),
+        checkpoint: ck.fingerprint()?,
         calib: CalibInfo {
             source: calib.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
             n_tokens: n as u64,
