@@ -141,6 +141,7 @@ def prep_view(pack: nf.Pack) -> dict:
             {"tensors": k, "count": n, "row_elements": c} for k, (n, c) in sorted(fallback.items())
         ],
         "tensor_types": types,
+        "metadata": pack.metadata,
     }
 
 

@@ -31,9 +31,11 @@ import zlib
 MAGIC = b"NFLASHPK"
 HEADER_BYTES = 64
 VERSION_MAJOR = 3  # the version this reader implements (SPEC title)
-VERSION_MINOR = 1
+VERSION_MINOR = 2
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_TOKENIZER_BYTES = 256 << 20
+MAX_METADATA_BYTES = 1 << 20
+MAX_CONTEXT = 1 << 20
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 # --- SPEC §4: the manifest schema, field by field ---------------------------
@@ -192,7 +194,7 @@ STRUCTS: dict[str, list[tuple[str, object]]] = {
 }
 
 ENUMS: dict[str, list[tuple[str, object]]] = {
-    "SegmentKind": [("Tokenizer", None), ("Resident", None), ("Ffn", None)],
+    "SegmentKind": [("Tokenizer", None), ("Resident", None), ("Ffn", None), ("Metadata", None)],
     "DType": [("F32", None), ("F16", None), ("Q8_0", None), ("Q4_0", None)],
     "Architecture": [("Llama", None), ("Mistral", None), ("Qwen2", None)],
     "Activation": [("Silu", None), ("Relu", None), ("Gelu", None), ("GeluTanh", None), ("DRelu", None)],
@@ -484,6 +486,7 @@ def check_config(c: dict) -> None:
     caps = {
         "vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 19,
         "num_layers": 1 << 10, "num_heads": 1 << 10, "head_dim": 1 << 12,
+        "max_position_embeddings": MAX_CONTEXT,
     }
     for k, cap in caps.items():
         if c[k] > cap:
@@ -514,6 +517,10 @@ def validate(m: dict, h: dict, file_len: int) -> None:
         if s["offset"] % align or s["offset"] < prev_end:
             raise PackError(f"{what} (SPEC §3): not aligned to {align} or overlaps the previous segment (ends {prev_end})")
         prev_end = s["offset"] + s["bytes"]
+        if s["kind"] == "Metadata" and s["bytes"] > MAX_METADATA_BYTES:
+            raise PackError(f"{what} (SPEC §4.9): metadata exceeds {MAX_METADATA_BYTES} bytes")
+    if sum(s["kind"] == "Metadata" for s in segs) > 1:
+        raise PackError("segments (SPEC §4.9): more than one metadata segment")
 
     def seg(idx: int, what: str) -> dict:
         if idx >= len(segs):
@@ -579,6 +586,8 @@ def validate(m: dict, h: dict, file_len: int) -> None:
         for f, hot in zip(m["ffn"], p["hot_neurons"]):
             if hot != f["n_neurons"] and not any(cl["first"] == hot for cl in f["clusters"]):
                 raise PackError(f"plan (SPEC §4.6): layer {f['layer']} hot set of {hot} neurons does not end on a cluster boundary")
+        if not 2 <= p["ctx"] <= MAX_CONTEXT:
+            raise PackError(f"plan (SPEC §4.6): context of {p['ctx']} tokens (supported: 2 to {MAX_CONTEXT})")
         if not 1 <= p["io_threads"] <= 64 or p["threads"] == 0:
             raise PackError(f"plan (SPEC §4.6): {p['io_threads']} I/O threads, {p['threads']} compute threads")
 
@@ -640,6 +649,7 @@ class Pack:
         validate(self.manifest, h, self.file_len)
         self.checks.append("config, segments, tensors, FFN clusters, sparsity and plan valid (SPEC §6)")
         self._check_tokenizer(f)
+        self.metadata = self._read_metadata(f)
         if segment_crcs:
             for s in self.manifest["segments"]:
                 crc = crc_of_range(f, s["offset"], s["bytes"])
@@ -671,6 +681,38 @@ class Pack:
             )
         self.checks.append("tokenizer zstd frame header" + ("" if size is None else f" (content size {size} = json_bytes)"))
 
+    def _read_metadata(self, f) -> dict:
+        """SPEC §4.9: the metadata JSON object ({} without the segment); its CRC is checked here."""
+        segs = [s for s in self.manifest["segments"] if s["kind"] == "Metadata"]
+        if not segs:
+            return {}
+        s = segs[0]
+        f.seek(s["offset"])
+        raw = f.read(s["bytes"])
+        crc = zlib.crc32(raw)
+        if crc != s["crc32"]:
+            raise PackError(
+                f"segment {s['name']!r} (offset {s['offset']}, {s['bytes']} bytes) checksum mismatch: "
+                f"stored {s['crc32']:#010x}, computed {crc:#010x} (SPEC §3)"
+            )
+        try:
+            meta = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise PackError(f"segment {s['name']!r}: not the metadata JSON object: {e} (SPEC §4.9)") from None
+        if not isinstance(meta, dict):
+            raise PackError(f"segment {s['name']!r}: metadata is not a JSON object (SPEC §4.9)")
+        g = meta.get("generation")
+        if g is not None:
+            t, p, k = g.get("temperature"), g.get("top_p"), g.get("top_k")
+            if t is not None and not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+                raise PackError(f"metadata generation defaults: temperature {t} (SPEC §4.9)")
+            if p is not None and not (isinstance(p, (int, float)) and 0 < p <= 1):
+                raise PackError(f"metadata generation defaults: top_p {p} (SPEC §4.9)")
+            if k is not None and not (isinstance(k, int) and 0 <= k < 1 << 32):
+                raise PackError(f"metadata generation defaults: top_k {k} (SPEC §4.9)")
+        self.checks.append("metadata JSON object (SPEC §4.9)")
+        return meta
+
     def tensor(self, name: str) -> tuple[dict, bytes]:
         """A resident tensor's entry and bytes."""
         for t in self.manifest["tensors"]:
@@ -699,6 +741,7 @@ class Pack:
             "version": f"{self.header['major']}.{self.header['minor']}",
             "header": self.header,
             "manifest": self.manifest,
+            "metadata": self.metadata,
             "checks": self.checks,
         }
 

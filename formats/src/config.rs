@@ -4,6 +4,11 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Largest context a pack may declare or a run may ask for, tokens (1 Mi):
+/// far above the models nflash targets, low enough that nothing is sized
+/// from an absurd number (SPEC §4.1, §6).
+pub const MAX_CONTEXT: u64 = 1 << 20;
+
 /// Supported model architectures (HF `architectures[0]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
@@ -184,6 +189,7 @@ impl ModelConfig {
             ("num_hidden_layers", self.num_layers, 1 << 10),
             ("num_attention_heads", self.num_heads, 1 << 10),
             ("head_dim", self.head_dim, 1 << 12),
+            ("max_position_embeddings", self.max_position_embeddings, MAX_CONTEXT),
         ];
         for (k, v, cap) in caps {
             if v > cap {

@@ -12,11 +12,12 @@ pub mod error;
 pub mod header;
 pub mod interleave;
 pub mod manifest;
+pub mod metadata;
 pub mod plan;
 pub mod reader;
 pub mod writer;
 
-pub use config::{Activation, Architecture, ModelConfig, RopeScaling};
+pub use config::{Activation, Architecture, ModelConfig, RopeScaling, MAX_CONTEXT};
 pub use device::{DeviceProfile, KernelSpeeds};
 pub use dtype::DType;
 pub use error::{Error, Result};
@@ -25,6 +26,7 @@ pub use manifest::{
     BundleLayout, Criterion, FfnLayer, LayerSparsity, Manifest, NeuronCluster, PredictorKind, PredictorQuality,
     Segment, SegmentKind, SparseInfo, TensorEntry, TokenizerInfo,
 };
+pub use metadata::{GenerationDefaults, Metadata};
 pub use plan::Plan;
 pub use reader::Pack;
 pub use writer::PackWriter;

@@ -18,6 +18,8 @@ pub enum SegmentKind {
     Resident,
     /// One layer's FFN neuron clusters.
     Ffn,
+    /// A UTF-8 JSON object of optional settings (SPEC §4.9; format 3.2).
+    Metadata,
 }
 
 /// One aligned byte range of the file (SPEC §3).

@@ -177,7 +177,7 @@ impl Pack {
                 path: path.clone(),
                 offset: header.manifest_offset,
                 len: header.manifest_bytes,
-                why: e.to_string(),
+                why: decode_error(&e),
             })?;
         validate(&path, file_len, &header, &manifest)?;
         let tensor_index = manifest.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
@@ -425,6 +425,44 @@ impl Pack {
         (0..self.manifest.segments.len() as u32).try_for_each(|i| self.verify_segment(i))
     }
 
+    /// The metadata object (SPEC §4.9): the default (nothing set) when the
+    /// pack has no metadata segment (packs before 3.2). Its CRC is checked.
+    ///
+    /// # Errors
+    /// [`Error::Checksum`]; [`Error::Invalid`] if it is not a JSON object or a
+    /// defined key has the wrong type or range.
+    pub fn metadata(&self) -> Result<crate::Metadata> {
+        let Some(idx) = self.manifest.segments.iter().position(|s| s.kind == SegmentKind::Metadata) else {
+            return Ok(crate::Metadata::default());
+        };
+        let idx = idx as u32;
+        self.verify_segment(idx)?;
+        let invalid = |why: String| Error::Invalid {
+            path: self.path.clone(),
+            what: format!("segment {:?}", self.manifest.segments[idx as usize].name),
+            why,
+        };
+        let bytes = match self.segment(idx) {
+            Some(b) => b.to_vec(),
+            None => {
+                let s = &self.manifest.segments[idx as usize];
+                let Storage::Loaded { file, .. } = &self.storage else {
+                    unreachable!("a mapped pack has every segment")
+                };
+                let mut b = vec![0u8; s.bytes as usize];
+                std::os::unix::fs::FileExt::read_exact_at(file, &mut b, s.offset)
+                    .map_err(|e| Error::io(&self.path, e))?;
+                b
+            }
+        };
+        let m: crate::Metadata =
+            serde_json::from_slice(&bytes).map_err(|e| invalid(format!("not the metadata JSON object: {e}")))?;
+        if let Some(g) = &m.generation {
+            g.check().map_err(|why| invalid(format!("generation defaults: {why}")))?;
+        }
+        Ok(m)
+    }
+
     /// Decompressed `tokenizer.json` bytes.
     ///
     /// # Errors
@@ -444,6 +482,21 @@ impl Pack {
             return Err(invalid(format!("decompressed to {} bytes, manifest says {}", out.len(), info.json_bytes)));
         }
         Ok(out)
+    }
+}
+
+/// Says why bincode could not decode the manifest; its I/O errors (the
+/// manifest ends inside a field) carry no message of their own.
+fn decode_error(e: &bincode::Error) -> String {
+    match &**e {
+        bincode::ErrorKind::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+            "it ends inside a field (a length or count in it is wrong, or bytes are missing): the pack is damaged or was written by another program; convert the checkpoint again".into()
+        }
+        bincode::ErrorKind::Io(io) => format!("read error: {io} ({:?})", io.kind()),
+        bincode::ErrorKind::SizeLimit => {
+            "a length or count in it asks for more bytes than the manifest holds: the pack is damaged; convert the checkpoint again".into()
+        }
+        other => format!("{other}: the pack is damaged or was written by another program; convert the checkpoint again"),
     }
 }
 
@@ -470,6 +523,15 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             ));
         }
         prev_end = s.offset + s.bytes;
+        if s.kind == SegmentKind::Metadata && s.bytes > crate::metadata::MAX_METADATA_BYTES {
+            return Err(invalid(
+                format!("segment {:?}", s.name),
+                format!("metadata of {} bytes exceeds {}", s.bytes, crate::metadata::MAX_METADATA_BYTES),
+            ));
+        }
+    }
+    if m.segments.iter().filter(|s| s.kind == SegmentKind::Metadata).count() > 1 {
+        return Err(invalid("segments".into(), "more than one metadata segment".into()));
     }
     let seg = |idx: u32, what: &dyn Fn() -> String| -> Result<&Segment> {
         m.segments.get(idx as usize).ok_or_else(|| invalid(what(), format!("segment index {idx} out of range")))
@@ -581,6 +643,12 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
                     format!("layer {} hot set of {h} neurons does not end on a neuron-cluster boundary", f.layer),
                 ));
             }
+        }
+        if p.ctx < 2 || u64::from(p.ctx) > crate::config::MAX_CONTEXT {
+            return Err(invalid(
+                "plan".into(),
+                format!("context of {} tokens (supported: 2 to {})", p.ctx, crate::config::MAX_CONTEXT),
+            ));
         }
         if p.io_threads == 0 || p.io_threads > 64 || p.threads == 0 {
             return Err(invalid("plan".into(), format!("{} I/O threads, {} compute threads", p.io_threads, p.threads)));

@@ -19,6 +19,18 @@ pub struct Engine<'a> {
     pub template: Option<ChatTemplate>,
     /// Token ids that end generation (every EOS of the config).
     pub stop_ids: Vec<u32>,
+    /// How a raw (non-chat) prompt gets its BOS token.
+    raw_bos: RawBos,
+    /// Sampling defaults stored in the pack (SPEC §4.9).
+    pub generation: nflash_format::GenerationDefaults,
+}
+
+/// How a raw prompt starts (SPEC §4.2 `add_bos_token`).
+enum RawBos {
+    /// Packs before 3.2: the tokenizer's post-processor decides.
+    PostProcessor,
+    /// The pack's `add_bos_token` decides: this id first, or nothing.
+    Prepend(Option<u32>),
 }
 
 impl<'a> Engine<'a> {
@@ -68,7 +80,30 @@ impl<'a> Engine<'a> {
             .as_deref()
             .map(|src| ChatTemplate::new(src, info.bos_token.as_deref(), info.eos_token.as_deref()))
             .transpose()?;
-        Ok(Engine { stop_ids: model.cfg.eos_token_ids.clone(), model, tokenizer, template })
+        let raw_bos = if pack.header().minor < 2 {
+            RawBos::PostProcessor
+        } else {
+            RawBos::Prepend(model.cfg.bos_token_id.filter(|_| info.add_bos_token))
+        };
+        let generation = pack.metadata()?.generation.unwrap_or_default();
+        Ok(Engine { stop_ids: model.cfg.eos_token_ids.clone(), model, tokenizer, template, raw_bos, generation })
+    }
+
+    /// Token ids of a raw prompt (no chat template): the tokenizer's tokens,
+    /// with the BOS token first when the pack's `add_bos_token` says so
+    /// (from `tokenizer_config.json`; SPEC §4.2).
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`].
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
+        match self.raw_bos {
+            RawBos::PostProcessor => self.tokenizer.encode(text, true),
+            RawBos::Prepend(bos) => {
+                let mut ids: Vec<u32> = bos.into_iter().collect();
+                ids.extend(self.tokenizer.encode(text, false)?);
+                Ok(ids)
+            }
+        }
     }
 }
 

@@ -352,7 +352,7 @@ fn prompt_longer_than_context() {
     let pack = tiny_pack(tmp.path());
     let prompt: Vec<String> = (0..40).map(|i| format!("w{}", 3 + i)).collect();
     let prompt = prompt.join(" ");
-    let o = run("nflash", &run_args(&pack, &["--ctx", "16", "--prompt", &prompt]));
+    let o = run("nflash", &run_args(&pack, &["--ctx", "16", "--raw", "--prompt", &prompt]));
     assert_fails("long prompt", &o, &["40 tokens", "16", "--ctx"]);
 }
 
@@ -514,15 +514,20 @@ fn chat_without_template() {
     let pack = tmp.path().join("notemplate.nflash");
     convert(&dir, &pack, "q8_0");
     let o = run("nflash", &run_args(&pack, &["--chat", "--prompt", "w3"]));
-    assert_fails("--chat without template", &o, &["no chat template", "without --chat"]);
+    assert_fails("--chat without template", &o, &["no chat template", "--chat", "drop it"]);
+    let o = run("nflash", &run_args(&pack, &["--system", "be brief", "--prompt", "w3"]));
+    assert_fails("--system without template", &o, &["no chat template", "--system", "drop it"]);
+    // Without a flag the prompt is sent as is.
+    let o = run("nflash", &run_args(&pack, &["--prompt", "w3"]));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
 #[test]
-fn system_without_chat_is_refused() {
+fn system_with_raw_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let pack = tiny_pack(tmp.path());
-    let o = run("nflash", &run_args(&pack, &["--prompt", "w3 w4", "--system", "be brief"]));
-    assert_fails("--system without --chat", &o, &["--system", "--chat"]);
+    let o = run("nflash", &run_args(&pack, &["--prompt", "w3 w4", "--raw", "--system", "be brief"]));
+    assert_fails("--system with --raw", &o, &["--system", "--raw"]);
 }
 
 #[test]
@@ -530,7 +535,7 @@ fn full_context_stops_with_a_note() {
     let tmp = tempfile::tempdir().unwrap();
     let pack = tiny_pack(tmp.path());
     // 2 prompt tokens in a 3-token context: room for one generated token of the 2 asked.
-    let o = run("nflash", &run_args(&pack, &["--ctx", "3", "--prompt", "w3 w4", "--ignore-eos"]));
+    let o = run("nflash", &run_args(&pack, &["--ctx", "3", "--raw", "--prompt", "w3 w4", "--ignore-eos"]));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("context (3 tokens) is full"), "{err}");

@@ -290,3 +290,246 @@ fn convert_reports_the_cluster_size_the_plan_uses() {
     let neurons: u64 = said.split(": ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
     assert_eq!(neurons, f.clusters[0].n_neurons as u64, "{said}");
 }
+
+// --------------------------------------------------------------- the runtime
+
+/// `nflash run` of `pack` with `extra`, greedy, one thread; its output.
+fn nflash_run(pack: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["run", "--model", s(pack), "--max-tokens", "2", "--seed", "1", "--threads", "1"];
+    args.extend_from_slice(extra);
+    run("nflash", &args)
+}
+
+/// Prompt tokens of `nflash run` with `extra`, from --stats-json.
+fn prompt_tokens(pack: &Path, extra: &[&str]) -> u64 {
+    let stats = pack.with_extension("stats.json");
+    let mut args = vec!["--temperature", "0", "--stats-json", s(&stats)];
+    args.extend_from_slice(extra);
+    let o = nflash_run(pack, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    read_json(&stats)["prompt_tokens"].as_u64().unwrap()
+}
+
+#[test]
+fn non_finite_activations_name_the_layer_and_sparse_ppl_fails_as_dense() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "ckpt", &TinySpec::default());
+    let calib = tmp.path().join("calib.txt");
+    std::fs::write(&calib, tiny_words(1500, 80, 5)).unwrap();
+    let pack = tmp.path().join("sparse.nflash");
+    let mut args = vec!["--quant", "q8_0", "--calib", s(&calib), "--predictor", "exact"];
+    args.extend_from_slice(&nflash_tests::QUICK_CALIB);
+    convert_with(&dir, &pack, &args);
+    // A NaN scale (f16 0x7E00) in the first gate block of layer 1's hottest neuron.
+    let p = nflash_format::Pack::open(&pack).unwrap();
+    let (_, seg) = p.segment_by_name("ffn.1").unwrap();
+    let at = (seg.offset + p.manifest().ffn[1].clusters[0].offset) as usize;
+    drop(p);
+    let mut bytes = std::fs::read(&pack).unwrap();
+    bytes[at..at + 2].copy_from_slice(&0x7E00u16.to_le_bytes());
+    std::fs::write(&pack, bytes).unwrap();
+    let o = nflash_run(&pack, &["--raw", "--prompt", "w3 w4", "--temperature", "0"]);
+    assert_fails("run", &o, &["non-finite activations", "in layer 1", "prep verify"]);
+    let text = tmp.path().join("eval.txt");
+    std::fs::write(&text, tiny_words(300, 80, 9)).unwrap();
+    for extra in [&[][..], &["--dense"][..]] {
+        let mut a = vec!["ppl", "--model", s(&pack), "--file", s(&text), "--ctx", "32", "--threads", "1"];
+        a.extend_from_slice(extra);
+        let o = run("nflash", &a);
+        assert_fails(&format!("ppl {extra:?}"), &o, &["non-finite activations", "in layer 1"]);
+        assert!(!String::from_utf8_lossy(&o.stdout).contains("perplexity"), "{extra:?} printed a perplexity");
+    }
+}
+
+#[test]
+fn add_bos_token_is_honoured_for_raw_prompts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack_with = |name: &str, add_bos: Option<bool>, post_processor: Value| -> PathBuf {
+        let dir = checkpoint(tmp.path(), name, &TinySpec::default());
+        let mut tc = read_json(&dir.join("tokenizer_config.json"));
+        if let Some(b) = add_bos {
+            tc["add_bos_token"] = json!(b);
+        }
+        write_json(&dir.join("tokenizer_config.json"), &tc);
+        let mut tok = read_json(&dir.join("tokenizer.json"));
+        tok["post_processor"] = post_processor;
+        write_json(&dir.join("tokenizer.json"), &tok);
+        let pack = tmp.path().join(format!("{name}.nflash"));
+        convert(&dir, &pack, "q8_0");
+        pack
+    };
+    // A post-processor that puts BOS (<|im_start|>, id 0 = bos_token_id) first, as Llama's does.
+    let bos_first = json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [0], "tokens": ["<|im_start|>"]}}
+    });
+    let raw = ["--raw", "--prompt", "w3 w4"];
+    // add_bos_token: true with a post-processor that adds nothing: BOS is prepended.
+    assert_eq!(prompt_tokens(&pack_with("yes", Some(true), Value::Null), &raw), 3);
+    // add_bos_token: false with a post-processor that adds BOS: none.
+    assert_eq!(prompt_tokens(&pack_with("no", Some(false), bos_first.clone()), &raw), 2);
+    // Not said: the post-processor decides, as Hugging Face does.
+    assert_eq!(prompt_tokens(&pack_with("pp", None, bos_first), &raw), 3);
+    assert_eq!(prompt_tokens(&pack_with("none", None, Value::Null), &raw), 2);
+}
+
+#[test]
+fn instruct_packs_chat_by_default_and_raw_sends_the_prompt_as_is() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "ckpt", &TinySpec::default());
+    let pack = tmp.path().join("t.nflash");
+    convert(&dir, &pack, "q8_0");
+    let chat = prompt_tokens(&pack, &["--chat", "--prompt", "w3"]);
+    assert_eq!(prompt_tokens(&pack, &["--prompt", "w3"]), chat, "the template is not applied by default");
+    assert_eq!(prompt_tokens(&pack, &["--raw", "--prompt", "w3"]), 1);
+    assert!(chat > 1);
+    // A prompt file's final newline is not part of the user message.
+    let f = tmp.path().join("p.txt");
+    std::fs::write(&f, "w3\n").unwrap();
+    assert_eq!(prompt_tokens(&pack, &["--prompt-file", s(&f)]), chat);
+    // --help says so.
+    let help = String::from_utf8_lossy(&run("nflash", &["run", "--help"]).stdout).into_owned();
+    assert!(help.contains("--raw") && help.contains("the default when the pack has a template"), "{help}");
+}
+
+#[test]
+fn sampling_defaults_come_from_generation_config_and_stats_say_which() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "gen", &TinySpec::default());
+    write_json(
+        &dir.join("generation_config.json"),
+        &json!({"bos_token_id": 0, "eos_token_id": [1], "do_sample": true, "temperature": 0.0, "top_k": 7, "top_p": 0.5}),
+    );
+    let pack = tmp.path().join("gen.nflash");
+    convert(&dir, &pack, "q8_0");
+    let j: Value = serde_json::from_slice(&run("prep", &["inspect", "--json", s(&pack)]).stdout).unwrap();
+    assert_eq!(j["metadata"]["generation"], json!({"temperature": 0.0, "top_p": 0.5, "top_k": 7}));
+    let text = String::from_utf8_lossy(&run("prep", &["inspect", s(&pack)]).stdout).into_owned();
+    assert!(
+        text.contains("sampling defaults: temperature 0, top-p 0.5, top-k 7 (from generation_config.json"),
+        "{text}"
+    );
+    let o = nflash_run(&pack, &["--prompt", "w3", "--stats"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("sampling: temperature 0 (pack: generation_config.json), top-k 7 (pack: generation_config.json), top-p 0.5 (pack: generation_config.json)"), "{e}");
+    // Temperature 0 from the pack is greedy: the seed does not matter.
+    let out = |seed: &str| {
+        let o = run(
+            "nflash",
+            &["run", "--model", s(&pack), "--prompt", "w3", "--max-tokens", "6", "--ignore-eos", "--seed", seed],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        o.stdout
+    };
+    assert_eq!(out("1"), out("2"));
+    // A flag wins over the pack.
+    let o = nflash_run(&pack, &["--prompt", "w3", "--stats", "--temperature", "0.3"]);
+    assert!(stderr(&o).contains("temperature 0.3 (flag)"), "{}", stderr(&o));
+    // do_sample: false is greedy, as in Hugging Face generate; nothing set: nflash's defaults.
+    let dir2 = checkpoint(tmp.path(), "greedy", &TinySpec::default());
+    write_json(&dir2.join("generation_config.json"), &json!({"do_sample": false, "temperature": 0.9}));
+    let pack2 = tmp.path().join("greedy.nflash");
+    convert(&dir2, &pack2, "q8_0");
+    let o = nflash_run(&pack2, &["--prompt", "w3", "--stats"]);
+    assert!(
+        stderr(&o).contains("temperature 0 (pack: generation_config.json), top-k 40 (nflash default)"),
+        "{}",
+        stderr(&o)
+    );
+    let dir3 = checkpoint(tmp.path(), "plain", &TinySpec::default());
+    let pack3 = tmp.path().join("plain.nflash");
+    convert(&dir3, &pack3, "q8_0");
+    let o = nflash_run(&pack3, &["--prompt", "w3", "--stats"]);
+    assert!(stderr(&o).contains("sampling: temperature 0.8 (nflash default)"), "{}", stderr(&o));
+    // Out-of-range values are refused at convert.
+    write_json(&dir3.join("generation_config.json"), &json!({"top_p": 2.0}));
+    convert_fails(&dir3, &["--quant", "q8_0"], &["generation_config.json", "top_p 2"]);
+    let help = String::from_utf8_lossy(&run("nflash", &["run", "--help"]).stdout).into_owned();
+    assert!(help.contains("generation_config.json"), "{help}");
+}
+
+#[test]
+fn sampling_flags_out_of_range_get_range_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "ckpt", &TinySpec::default());
+    let pack = tmp.path().join("t.nflash");
+    convert(&dir, &pack, "q8_0");
+    for (flag, value, needle) in [
+        ("--top-p", "-1", "(0, 1]"),
+        ("--top-p", "0", "(0, 1]"),
+        ("--top-p", "1.5", "(0, 1]"),
+        ("--temperature", "inf", "finite number ≥ 0"),
+        ("--temperature", "-1", "finite number ≥ 0"),
+        ("--temperature", "NaN", "finite number ≥ 0"),
+    ] {
+        let o = nflash_run(&pack, &["--prompt", "w3", flag, value]);
+        assert_fails(&format!("{flag} {value}"), &o, &[flag, value, needle]);
+    }
+}
+
+/// Rewrites the manifest of `pack` through `edit` (same encoded length) and
+/// fixes both CRCs, so only the reader's own checks can refuse it.
+fn edit_manifest(pack: &Path, edit: impl FnOnce(&mut nflash_format::Manifest)) {
+    use bincode::Options;
+    let p = nflash_format::Pack::open(pack).unwrap();
+    let mut m = p.manifest().clone();
+    let h = *p.header();
+    drop(p);
+    edit(&mut m);
+    let enc = bincode::DefaultOptions::new().with_fixint_encoding().with_little_endian().serialize(&m).unwrap();
+    assert_eq!(enc.len() as u64, h.manifest_bytes);
+    let mut bytes = std::fs::read(pack).unwrap();
+    let off = h.manifest_offset as usize;
+    bytes[off..off + enc.len()].copy_from_slice(&enc);
+    bytes[32..36].copy_from_slice(&crc32fast::hash(&enc).to_le_bytes());
+    let hc = crc32fast::hash(&bytes[..60]);
+    bytes[60..64].copy_from_slice(&hc.to_le_bytes());
+    std::fs::write(pack, bytes).unwrap();
+}
+
+#[test]
+fn contexts_past_the_cap_are_refused_before_allocating() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "ckpt", &TinySpec::default());
+    let pack = tmp.path().join("t.nflash");
+    convert(&dir, &pack, "q8_0");
+    // From the manifest.
+    let bad = tmp.path().join("bad.nflash");
+    std::fs::copy(&pack, &bad).unwrap();
+    edit_manifest(&bad, |m| m.config.max_position_embeddings = 1 << 40);
+    let o = nflash_run(&bad, &["--prompt", "w3"]);
+    assert_fails("manifest context", &o, &["max_position_embeddings", "1099511627776", "1048576"]);
+    // From config.json at convert.
+    let mut c = read_json(&dir.join("config.json"));
+    c["max_position_embeddings"] = json!(1u64 << 21);
+    write_json(&dir.join("config.json"), &c);
+    convert_fails(&dir, &["--quant", "q8_0"], &["max_position_embeddings", "2097152"]);
+    // From the command line.
+    let o = nflash_run(&pack, &["--prompt", "w3", "--ctx", "2000000"]);
+    assert_fails("--ctx", &o, &["--ctx 2000000", "supported maximum of 1048576"]);
+}
+
+#[test]
+fn manifest_decode_errors_carry_their_cause() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "ckpt", &TinySpec::default());
+    let pack = tmp.path().join("t.nflash");
+    convert(&dir, &pack, "q8_0");
+    // The manifest framed 16 bytes short, CRCs fixed: decoding runs off its end.
+    let mut bytes = std::fs::read(&pack).unwrap();
+    let off = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    let len = u64::from_le_bytes(bytes[24..32].try_into().unwrap()) as usize - 16;
+    bytes[24..32].copy_from_slice(&(len as u64).to_le_bytes());
+    let mc = crc32fast::hash(&bytes[off..off + len]);
+    bytes[32..36].copy_from_slice(&mc.to_le_bytes());
+    let hc = crc32fast::hash(&bytes[..60]);
+    bytes[60..64].copy_from_slice(&hc.to_le_bytes());
+    std::fs::write(&pack, bytes).unwrap();
+    for o in [run("prep", &["inspect", s(&pack)]), nflash_run(&pack, &["--prompt", "w3"])] {
+        let e = assert_fails("short manifest", &o, &["cannot be decoded", "ends inside a field"]);
+        assert!(!e.contains("io error: \n") && !e.trim_end().ends_with("io error:"), "{e}");
+    }
+}

@@ -34,6 +34,8 @@ pub struct Checkpoint {
     pub tokenizer_json: Vec<u8>,
     /// `tokenizer_config.json`, or `Null` when absent.
     pub tokenizer_config: Value,
+    /// Sampling defaults from `generation_config.json` (SPEC §4.9).
+    pub generation: nflash_format::GenerationDefaults,
     shards: Vec<Shard>,
     index: HashMap<String, usize>,
 }
@@ -111,6 +113,39 @@ fn rope_scaling(cfg: &Value) -> Result<Option<RopeScaling>> {
         })),
         other => bail!("config.json: rope_scaling type {other:?} is not supported; supported: linear, llama3"),
     }
+}
+
+/// Sampling defaults from `generation_config.json`: `temperature`, `top_p`
+/// and `top_k` where set; `do_sample: false` means greedy (temperature 0),
+/// as Hugging Face `generate` does.
+///
+/// # Errors
+/// A value of the wrong type or out of range, naming the key.
+pub fn generation_defaults(g: &Value) -> Result<nflash_format::GenerationDefaults> {
+    let num = |k: &str| -> Result<Option<f64>> {
+        match g.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| anyhow!("generation_config.json: {k} = {v} is not a number")),
+        }
+    };
+    let mut d = nflash_format::GenerationDefaults {
+        temperature: num("temperature")?.map(|t| t as f32),
+        top_p: num("top_p")?.map(|p| p as f32),
+        top_k: match g.get("top_k") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .filter(|&k| k <= u32::MAX as u64)
+                    .ok_or_else(|| anyhow!("generation_config.json: top_k = {v} is not a non-negative integer"))?
+                    as u32,
+            ),
+        },
+    };
+    if g.get("do_sample").and_then(Value::as_bool) == Some(false) {
+        d.temperature = Some(0.0);
+    }
+    d.check().map_err(|e| anyhow!("generation_config.json: {e}; fix or remove the key"))?;
+    Ok(d)
 }
 
 /// HF class of TurboSparse / Bamboo checkpoints: Mistral attention, dReLU FFN
@@ -328,7 +363,8 @@ impl Checkpoint {
             // Tensors the index does not list are not part of the model.
             index.retain(|t, _| m.contains_key(t));
         }
-        Ok(Checkpoint { dir: dir.to_path_buf(), config, tokenizer_json, tokenizer_config, shards, index })
+        let generation = gen.as_ref().map(generation_defaults).transpose()?.unwrap_or_default();
+        Ok(Checkpoint { dir: dir.to_path_buf(), config, tokenizer_json, tokenizer_config, generation, shards, index })
     }
 
     /// A fingerprint of the weights, 16 hex digits: CRC-32 (two seeds) over

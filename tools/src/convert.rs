@@ -47,7 +47,7 @@ pub struct DeviceArgs {
     #[arg(long, requires = "device", value_parser = nflash_plan::planner::parse_bytes)]
     memory_budget: Option<u64>,
     /// Context length (tokens) the KV cache is planned for; default min(4096, the model's maximum), as `nflash run`.
-    #[arg(long, requires = "device", value_parser = clap::value_parser!(u32).range(2..=1 << 24))]
+    #[arg(long, requires = "device", value_parser = clap::value_parser!(u32).range(2..=nflash_format::MAX_CONTEXT as i64))]
     ctx: Option<u32>,
     /// Compute threads on the device; default: its core count.
     #[arg(long, requires = "device", value_parser = clap::value_parser!(u32).range(1..=1024))]

@@ -31,6 +31,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
     }
     let ffn_dtype = m.ffn.first().map(|f| f.bundle.dtype.to_string());
     let fallback = f16_fallback(m);
+    let meta = pack.metadata()?;
     let clusters: usize = m.ffn.iter().map(|f| f.clusters.len()).sum();
     if a.json {
         let segs: Vec<_> = m
@@ -54,6 +55,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             "sparse": sparse_json(m),
             "plan": m.plan.as_ref().map(serde_json::to_value).transpose()?,
             "f16_fallback": fallback.iter().map(|(name, n, cols)| serde_json::json!({"tensors": name, "count": n, "row_elements": cols})).collect::<Vec<_>>(),
+            "metadata": serde_json::to_value(&meta)?,
             "tensor_types": types.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
@@ -92,6 +94,23 @@ pub fn run(a: InspectArgs) -> Result<()> {
         c.max_position_embeddings,
         c.sliding_window.map_or(String::new(), |w| format!(", sliding window {w}")),
         if c.tie_word_embeddings { "tied" } else { "untied" }
+    );
+    let g = meta.generation.clone().unwrap_or_default();
+    let set: Vec<String> = [
+        g.temperature.map(|t| format!("temperature {t}")),
+        g.top_p.map(|p| format!("top-p {p}")),
+        g.top_k.map(|k| format!("top-k {k}")),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    println!(
+        "sampling defaults: {}",
+        if set.is_empty() {
+            "none in the checkpoint (nflash run uses temperature 0.8, top-k 40, top-p 0.95)".to_string()
+        } else {
+            format!("{} (from generation_config.json; nflash run flags override them)", set.join(", "))
+        }
     );
     let bos = c.bos_token_id.map_or("none".to_string(), |b| b.to_string());
     let eos: Vec<String> = c.eos_token_ids.iter().map(|e| e.to_string()).collect();

@@ -157,6 +157,12 @@ pub fn write_pack(
     w.write(&tok_z)?;
     w.end_segment()?;
 
+    // Metadata (SPEC §4.9): the checkpoint's sampling defaults.
+    let meta = nflash_format::Metadata { generation: Some(ck.generation.clone()).filter(|g| !g.is_empty()) };
+    w.begin_segment("metadata", SegmentKind::Metadata)?;
+    w.write(&serde_json::to_vec(&meta)?)?;
+    w.end_segment()?;
+
     // Resident tensors.
     let residents = resident_list(&cfg, opts.quant);
     report_f16_fallback(&residents, opts.quant);
@@ -262,7 +268,10 @@ pub fn write_pack(
             chat_template: chat_template(tc),
             bos_token: special_token(tc, "bos_token"),
             eos_token: special_token(tc, "eos_token"),
-            add_bos_token: tc.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+            add_bos_token: match tc.get("add_bos_token").and_then(|v| v.as_bool()) {
+                Some(b) => b,
+                None => post_processor_adds_bos(ck)?,
+            },
         },
         segments: Vec::new(),
         tensors,
@@ -393,6 +402,16 @@ fn write_tensor(
 
 fn short(name: &str) -> String {
     name.trim_start_matches("model.").chars().take(28).collect()
+}
+
+/// Whether the tokenizer's own post-processor puts the BOS token first (the
+/// `add_bos_token` of a tokenizer_config.json that does not say): the
+/// runtime then prepends it to raw prompts itself (SPEC §4.2).
+fn post_processor_adds_bos(ck: &Checkpoint) -> Result<bool> {
+    let Some(bos) = ck.config.bos_token_id else { return Ok(false) };
+    let tok = nflash_runtime::tokenizer::Tokenizer::from_json(&ck.tokenizer_json)?;
+    let (with, without) = (tok.encode("a", true)?, tok.encode("a", false)?);
+    Ok(with.first() == Some(&bos) && with.len() == without.len() + 1)
 }
 
 /// `chat_template` from tokenizer_config.json: a string, or a list of

@@ -421,7 +421,7 @@ mod tests {
         assert!(err(&bytes[..bytes.len() - 5]).contains("corrupt or truncated"));
         assert!(err(b"hello world, not a profile").contains("bad magic"));
         let mut v2 = bytes.clone();
-        v2[8] = 2;
+        v2[8] = 3;
         assert!(err(&v2).contains("re-run `prep profile`"));
         let mut flipped = bytes.clone();
         let mid = 12 + (bytes.len() - 12) / 2;

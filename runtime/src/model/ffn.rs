@@ -338,7 +338,9 @@ impl Ffn {
                     let (gv, uv) = (*av + bg, uv + bu);
                     *av = neuron_output(self.act, gv, uv);
                     if let Some(mk) = mask {
-                        let active = criterion_value(mk.criterion, self.act, gv, uv) > mk.threshold;
+                        // NaN counts as active, so damaged weights reach the output and are reported.
+                        let v = criterion_value(mk.criterion, self.act, gv, uv);
+                        let active = v > mk.threshold || v.is_nan();
                         let read = mk.predicted.as_ref().is_none_or(|p| p[t * self.n_neurons() + p0 + j]);
                         counts.neurons += 1;
                         counts.read += read as u64;

@@ -25,7 +25,8 @@ impl Model<'_> {
     ///
     /// # Errors
     /// [`Error::ContextFull`] if the tokens do not fit, [`Error::TokenOutOfRange`],
-    /// a failed cluster read ([`Error::ClusterRead`]).
+    /// a failed cluster read ([`Error::ClusterRead`]), NaN or infinity in a
+    /// layer's output ([`Error::NonFiniteActivations`]).
     pub fn forward(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
         let pass = if tokens.len() == 1 { Pass::Decode } else { Pass::Prefill };
         self.forward_with(kv, tokens, pass)
@@ -91,12 +92,17 @@ impl Model<'_> {
             if pass != Pass::Prefill {
                 work.counts[l].add(&counts);
             }
+            // 5. Non-finite activations end the pass here, naming the layer
+            //    (later layers, norms and quantized dots would hide them).
+            if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+                return Err(Error::NonFiniteActivations { layer: l, position: p0 + i / h });
+            }
         }
         if pass != Pass::Prefill {
             work.timings.add(&tm);
         }
         kv.commit(n);
-        // 5. Final norm.
+        // 6. Final norm.
         let mut row_in = vec![0f32; h];
         for row in x.chunks_exact_mut(h) {
             row_in.copy_from_slice(row);

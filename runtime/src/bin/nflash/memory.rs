@@ -142,6 +142,16 @@ pub fn load_engine<'p>(
     device: Option<DeviceProfile>,
     ctx: usize,
 ) -> Result<(Engine<'p>, Option<Plan>)> {
+    if ctx as u64 > nflash_format::MAX_CONTEXT {
+        let m = &pack.manifest().config;
+        let kv =
+            nflash_plan::layout::kv_cache_bytes(m.num_layers as usize, (m.num_kv_heads * m.head_dim) as usize, ctx);
+        anyhow::bail!(
+            "--ctx {ctx} exceeds the supported maximum of {} tokens (its KV cache alone would take {:.1} GiB); use a smaller --ctx",
+            nflash_format::MAX_CONTEXT,
+            kv as f64 / (1u64 << 30) as f64
+        );
+    }
     let mut plan = None;
     let engine = Engine::load_planned(pack, || {
         nflash_runtime::stats::trim_heap();

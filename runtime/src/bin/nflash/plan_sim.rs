@@ -48,7 +48,7 @@ pub struct PlanSimArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,0.5,0.25")]
     ffn_share: Vec<f64>,
     /// Context length the KV cache is sized for, tokens.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(2..=1 << 24))]
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(2..=nflash_format::MAX_CONTEXT as i64))]
     ctx: u32,
     /// Compute threads; default: the device's cores.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]

@@ -30,24 +30,33 @@ pub struct RunArgs {
     /// Read the prompt from a UTF-8 file.
     #[arg(long)]
     prompt_file: Option<PathBuf>,
-    /// Wrap the prompt in the model's chat template (as a user message).
-    #[arg(long)]
+    /// Wrap the prompt in the pack's chat template as a user message. This is
+    /// the default when the pack has a template (instruct models); with the
+    /// flag, a pack without one is an error.
+    #[arg(long, conflicts_with = "raw")]
     chat: bool,
-    /// System message for --chat and interactive chat.
+    /// Send the prompt as is, without the chat template (a BOS token first if
+    /// the tokenizer asks for one).
     #[arg(long)]
+    raw: bool,
+    /// System message for the chat template (not with --raw).
+    #[arg(long, conflicts_with = "raw")]
     system: Option<String>,
     /// Maximum tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
-    /// Sampling temperature; 0 = greedy (deterministic).
-    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
-    temperature: f32,
-    /// Sample from the k most likely tokens (0 = all).
-    #[arg(long, default_value_t = 40)]
-    top_k: usize,
-    /// Nucleus sampling mass (1.0 = off).
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
+    /// Sampling temperature, a finite number ≥ 0; 0 = greedy (deterministic)
+    /// [default: the checkpoint's generation_config.json value stored in the pack, else 0.8].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_temperature)]
+    temperature: Option<f32>,
+    /// Sample from the k most likely tokens, 0 = all
+    /// [default: the checkpoint's generation_config.json value stored in the pack, else 40].
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Nucleus sampling mass in (0, 1], 1 = off
+    /// [default: the checkpoint's generation_config.json value stored in the pack, else 0.95].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_top_p)]
+    top_p: Option<f32>,
     /// RNG seed (default: from the clock).
     #[arg(long)]
     seed: Option<u64>,
@@ -94,20 +103,11 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         inputs.extend(a.prompt_file.as_deref());
         check_output(p, "--stats-json", &inputs)?;
     }
-    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
-        bail!("--temperature must be ≥ 0, got {}", a.temperature);
-    }
-    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
-        bail!("--top-p must be in (0, 1], got {}", a.top_p);
-    }
     let prompt = match (&a.prompt, &a.prompt_file) {
         (Some(p), _) => Some(p.clone()),
         (None, Some(f)) => Some(read_text(f)?),
         (None, None) => None,
     };
-    if a.system.is_some() && prompt.is_some() && !a.chat {
-        bail!("--system only applies to chat; add --chat (or drop --system)");
-    }
     let device = a.memory.device_profile()?;
     let pack = open_pack(&a.model, a.verify)?;
     let max_pos = pack.manifest().config.max_position_embeddings as usize;
@@ -143,7 +143,19 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
     });
-    let mut sampler = Sampler::new(SamplerConfig { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed });
+    let (sampling, sources) = sampling(&a, &engine.generation, seed);
+    if a.stats {
+        message!(
+            "sampling: temperature {} ({}), top-k {} ({}), top-p {} ({})",
+            sampling.temperature,
+            sources[0],
+            sampling.top_k,
+            sources[1],
+            sampling.top_p,
+            sources[2]
+        );
+    }
+    let mut sampler = Sampler::new(sampling);
     let opts =
         GenerateOptions { max_tokens: a.max_tokens, stop_ids: engine.stop_ids.clone(), ignore_eos: a.ignore_eos };
     let mut kv = engine.model.try_new_kv_cache(ctx)?;
@@ -158,18 +170,24 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
             _ => bail!("the prompt is empty; pass text with --prompt or --prompt-file"),
         }
     }
-    let ids = if a.chat {
-        let template = engine.template.as_ref().context(
-            "this pack has no chat template; run without --chat, or convert a model whose tokenizer_config.json has chat_template",
-        )?;
+    // Instruct packs (a chat template) chat by default; --raw sends the text as is.
+    let chat = !a.raw && (a.chat || engine.template.is_some() || a.system.is_some());
+    let ids = if chat {
+        let template = engine.template.as_ref().with_context(|| {
+            format!(
+                "this pack has no chat template, so {} cannot apply one; drop it (the prompt is then sent as is), or convert a model whose tokenizer_config.json has chat_template",
+                if a.chat { "--chat" } else { "--system" }
+            )
+        })?;
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
             msgs.push(Message::new("system", s));
         }
-        msgs.push(Message::new("user", &prompt));
+        // A message ends where its text does: a prompt file's final newline is not part of it.
+        msgs.push(Message::new("user", prompt.trim_end()));
         engine.tokenizer.encode(&template.render(&msgs)?, false)?
     } else {
-        engine.tokenizer.encode(&prompt, true)?
+        engine.encode_raw(&prompt)?
     };
     let mut stdout = std::io::stdout().lock();
     let (_, st) = generate(&engine.model, &mut kv, &engine.tokenizer, &ids, &mut sampler, &opts, |piece| {
@@ -178,6 +196,38 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     })?;
     let _ = writeln!(stdout);
     report(&a, &st, &engine.model, budget)
+}
+
+/// `--temperature`: a finite number ≥ 0.
+fn parse_temperature(s: &str) -> std::result::Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err("must be a finite number ≥ 0 (0 = greedy), e.g. 0.7".into()),
+    }
+}
+
+/// `--top-p`: a number in (0, 1].
+fn parse_top_p(s: &str) -> std::result::Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err("must be a number in (0, 1] (1 = off), e.g. 0.9".into()),
+    }
+}
+
+/// The sampler settings in force and where each came from: the flag, the
+/// pack (the checkpoint's generation_config.json), or nflash's default.
+fn sampling(a: &RunArgs, g: &nflash_format::GenerationDefaults, seed: u64) -> (SamplerConfig, [&'static str; 3]) {
+    fn pick<T>(flag: Option<T>, pack: Option<T>, default: T) -> (T, &'static str) {
+        match (flag, pack) {
+            (Some(v), _) => (v, "flag"),
+            (None, Some(v)) => (v, "pack: generation_config.json"),
+            (None, None) => (default, "nflash default"),
+        }
+    }
+    let (temperature, st) = pick(a.temperature, g.temperature, 0.8);
+    let (top_k, sk) = pick(a.top_k, g.top_k.map(|k| k as usize), 40);
+    let (top_p, sp) = pick(a.top_p, g.top_p, 0.95);
+    (SamplerConfig { temperature, top_k, top_p, seed }, [st, sk, sp])
 }
 
 /// Prints / writes the stats; `budget`: the memory budget in force, bytes.

@@ -1,0 +1,50 @@
+//! The metadata segment (SPEC §4.9): a UTF-8 JSON object of optional,
+//! self-describing settings. Keys are added by minor versions; readers
+//! ignore keys they do not know, so adding one never breaks an older reader
+//! of the same minor, and a pack without the segment (3.0, 3.1) has none.
+
+use serde::{Deserialize, Serialize};
+
+/// Largest metadata segment accepted, bytes.
+pub const MAX_METADATA_BYTES: u64 = 1 << 20;
+
+/// Sampling defaults of the checkpoint (HF `generation_config.json`:
+/// `temperature`, `top_p`, `top_k`), each present only if the checkpoint set it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GenerationDefaults {
+    /// Softmax temperature, ≥ 0 and finite (`temperature`; 0 = greedy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    /// Nucleus mass in (0, 1] (`top_p`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f32>,
+    /// Top-k, 0 = off (`top_k`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<u32>,
+}
+
+impl GenerationDefaults {
+    /// Whether no default is set.
+    pub fn is_empty(&self) -> bool {
+        self.temperature.is_none() && self.top_p.is_none() && self.top_k.is_none()
+    }
+
+    /// Checks the ranges; returns a description of the first bad value.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if let Some(t) = self.temperature.filter(|t| !(t.is_finite() && *t >= 0.0)) {
+            return Err(format!("temperature {t} is not a finite number ≥ 0"));
+        }
+        if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+            return Err(format!("top_p {p} is outside (0, 1]"));
+        }
+        Ok(())
+    }
+}
+
+/// The metadata object (SPEC §4.9). Unknown keys are ignored.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Metadata {
+    /// Sampling defaults (`"generation"`), from the checkpoint's `generation_config.json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<GenerationDefaults>,
+}
