@@ -51,7 +51,7 @@ pub enum Error {
     #[error("device profile {path}: {reason}; fix the file or measure one with `nflash probe --out FILE`")]
     Profile { path: PathBuf, reason: String },
     /// A memory budget the planner cannot meet (SPEC §4.6).
-    #[error("memory budget {budget_mib:.1} MiB is {short_mib:.1} MiB short of the minimum {need_mib:.1} MiB ({detail}); use --memory-budget {suggest_mib}MiB or more{ctx_hint}")]
+    #[error("memory budget {budget_mib:.1} MiB is short of the minimum, {suggest_mib} MiB ({detail}); use --memory-budget {suggest_mib}MiB or more{ctx_hint}")]
     Budget {
         /// The budget, bytes.
         budget: u64,
@@ -62,7 +62,8 @@ pub enum Error {
         short_mib: f64,
         /// The parts of the minimum.
         detail: String,
-        /// A budget that fits with a 2 % margin, MiB.
+        /// The minimum as stated: `need` plus [`MEASUREMENT_SLACK_BYTES`](crate::error::MEASUREMENT_SLACK_BYTES),
+        /// rounded up to whole MiB, so that the next run accepts it.
         suggest_mib: u64,
         /// `, or lower --ctx to N or less` when a smaller context would fit.
         ctx_hint: String,
@@ -71,6 +72,11 @@ pub enum Error {
     #[error("cannot write pack: {0}")]
     Write(String),
 }
+
+/// What a process measures of itself (its resident set at load) varies a
+/// little from run to run; the minimum budget an error states includes this
+/// much on top of the measured need, so a run given that budget is accepted.
+pub const MEASUREMENT_SLACK_BYTES: u64 = 768 << 10;
 
 /// `Result` with [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;

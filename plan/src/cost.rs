@@ -139,7 +139,8 @@ pub struct Estimate {
     pub io_exposed_ms: f64,
     /// Layers that run a speculative prefetch.
     pub speculated_layers: u32,
-    /// Expected flash bytes read per token.
+    /// Expected flash bytes read per token; at most the cold FFN bytes
+    /// (speculation's extra reads are cold clusters too).
     pub read_bytes_per_token: f64,
     /// Expected share of needed clusters found in memory (hot or cold region).
     pub hit_rate: f64,
@@ -243,7 +244,10 @@ pub(crate) fn estimate_with(
         // would wait longer than a predictor evaluation, one more (over the
         // cold neurons' rows) starts the reads before the attention.
         let spec = f.sparse.is_some() && exposed > pred_ms;
-        let extra = if spec { 1.0 + SPECULATION_WASTE } else { 1.0 };
+        // Speculation reads clusters that turn out unneeded, but only cold
+        // ones: never more than the layer's cold bytes in all.
+        let cold_layer: f64 = cs[hot[l]..].iter().map(|c| c.bytes as f64).sum();
+        let extra = if spec && bytes > 0.0 { (1.0 + SPECULATION_WASTE).min(cold_layer / bytes).max(1.0) } else { 1.0 };
         let cpu_ms = read_cpu_ms * extra;
         if spec {
             let (h, n) = (m.config.hidden_size as f64, f.n_neurons as f64);

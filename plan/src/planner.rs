@@ -41,12 +41,20 @@ pub const RUNTIME_MARGIN_BYTES: u64 = 4 << 20;
 pub const MAX_IO_THREADS: u32 = 64;
 
 /// Parses a byte size for the command line: `96MiB`, `1.5GiB`, `100MB`
-/// (10⁸), or plain bytes (the `parse-size` crate's syntax).
+/// (10⁸), `4096B` (the `parse-size` crate's syntax). The unit is required:
+/// a bare number is refused, since `512` meant as MiB would be read as 512
+/// bytes.
 ///
 /// # Errors
 /// A message with examples.
 pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
-    parse_size::parse_size(s).map_err(|e| format!("{e}: expected a size such as 96MiB, 1.5GiB, 100MB or 1048576"))
+    let t = s.trim();
+    if !t.is_empty() && t.chars().all(|c| c.is_ascii_digit() || c == '.' || c == '_') {
+        return Err(format!(
+            "{t} has no unit: write {t}MiB or {t}GiB (or {t}B for bytes); sizes such as 512MiB, 1.5GiB"
+        ));
+    }
+    parse_size::parse_size(t).map_err(|e| format!("{e}: expected a size such as 96MiB, 1.5GiB, 100MB or 4096B"))
 }
 
 /// What to plan for.
@@ -195,7 +203,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
                 fixed.describe(req.ctx),
                 mib(max_layer)
             ),
-            suggest_mib: (need as f64 * 1.02 / (1u64 << 20) as f64).ceil() as u64,
+            suggest_mib: (need + nflash_format::error::MEASUREMENT_SLACK_BYTES).div_ceil(1 << 20),
             ctx_hint,
         }));
     }
@@ -305,4 +313,22 @@ pub fn hot_region_bytes(m: &Manifest, hot_neurons: &[u32]) -> u64 {
         .zip(hot_neurons)
         .flat_map(|(f, &h)| f.clusters[..hot_clusters(f, h)].iter().map(move |c| cluster_read_bytes(f, c)))
         .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_need_a_unit() {
+        assert_eq!(parse_bytes("96MiB"), Ok(96 << 20));
+        assert_eq!(parse_bytes("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_bytes("4096B"), Ok(4096));
+        assert_eq!(parse_bytes("100MB"), Ok(100_000_000));
+        for bare in ["512", "1048576", "1.5"] {
+            let e = parse_bytes(bare).unwrap_err();
+            assert!(e.contains("no unit") && e.contains(&format!("{bare}MiB")), "{bare}: {e}");
+        }
+        assert!(parse_bytes("lots").is_err());
+    }
 }

@@ -84,7 +84,7 @@ def prompt_file_for(a, out: Path, ggufs: dict[str, Path]) -> tuple[str, Path]:
 def run_nflash(a, pack: Path, prompt_file: Path, tmpdir: Path, extra: tuple = ()) -> dict:
     j = tmpdir / "nflash-stats.json"
     j.unlink(missing_ok=True)
-    cmd = [str(a.nflash), "run", "--model", str(pack), "--prompt-file", str(prompt_file),
+    cmd = [str(a.nflash), "run", "--model", str(pack), "--raw", "--prompt-file", str(prompt_file),
            "--max-tokens", str(a.gen_tokens), "--temperature", "0", "--threads", str(a.threads),
            "--ctx", str(a.ctx), "--ignore-eos", "--stats-json", str(j), *extra]
     code, maxrss, so, se, wall = run_measured(cmd, a.timeout)

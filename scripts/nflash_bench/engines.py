@@ -87,11 +87,11 @@ class Runner:
 
     def _nflash_cmd(self, stats_json: Path, limit: int | None) -> list[str]:
         a = self.a
-        cmd = [str(a.nflash), "run", "--model", str(self.pack), "--prompt-file", str(self.prompt_file),
+        cmd = [str(a.nflash), "run", "--model", str(self.pack), "--raw", "--prompt-file", str(self.prompt_file),
                "--max-tokens", str(a.tokens), "--temperature", "0", "--ignore-eos",
                "--ctx", str(a.ctx), "--threads", str(a.threads), "--stats-json", str(stats_json)]
         if limit is not None:
-            cmd += ["--memory-budget", str(limit)]
+            cmd += ["--memory-budget", f"{limit}B"]
         if getattr(a, "nflash_device", None):
             cmd += ["--device", str(a.nflash_device)]
         return cmd

@@ -474,7 +474,7 @@ def validate_sim(a, packs: dict, limits: dict, summary: dict, probe: Path, when:
 def plan_sim(a, probe: Path, pack: Path, limit: int) -> dict | None:
     """plan-sim's JSON for the pack at the budget (None if it failed)."""
     cmd = [str(a.nflash), "plan-sim", "--device", str(probe), "--model", str(pack), "--threads",
-           str(a.threads), "--ctx", str(a.ctx), "--memory-budget", str(limit), "--json"]
+           str(a.threads), "--ctx", str(a.ctx), "--memory-budget", f"{limit}B", "--json"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         log(f"plan-sim failed: {r.stderr.strip()[-500:]}")

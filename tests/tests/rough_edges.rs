@@ -533,3 +533,113 @@ fn manifest_decode_errors_carry_their_cause() {
         assert!(!e.contains("io error: \n") && !e.trim_end().ends_with("io error:"), "{e}");
     }
 }
+
+// ------------------------------------------------------- units and budgets
+
+#[test]
+fn sizes_need_a_unit_and_the_stated_minimum_budget_is_accepted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "ckpt", &TinySpec { hidden: 128, inter: 1024, ..TinySpec::default() });
+    let pack = tmp.path().join("t.nflash");
+    convert(&dir, &pack, "q8_0");
+    for (cmd, flag) in [("run", "--memory-budget"), ("run", "--cold-cache")] {
+        let o = nflash_run(&pack, &["--prompt", "w3", flag, "512"]);
+        assert_fails(&format!("{cmd} {flag} 512"), &o, &[flag, "no unit", "512MiB"]);
+    }
+    let dev = nflash_tests::repo_root().join("profiles/oneplus-12.toml");
+    let o = run(
+        "prep",
+        &[
+            "convert",
+            "--model",
+            s(&dir),
+            "--out",
+            s(&tmp.path().join("x.nflash")),
+            "--device",
+            s(&dev),
+            "--memory-budget",
+            "96",
+        ],
+    );
+    assert_fails("convert --memory-budget 96", &o, &["--memory-budget", "no unit", "96MiB"]);
+    let o = run("nflash", &["plan-sim", "--device", s(&dev), "--model", s(&pack), "--memory-budget", "3"]);
+    assert_fails("plan-sim --memory-budget 3", &o, &["no unit", "3MiB"]);
+    // The minimum an error states is one number, and a run given it starts.
+    let e = assert_fails(
+        "1 MiB",
+        &nflash_run(&pack, &["--prompt", "w3", "--memory-budget", "1MiB"]),
+        &["short of the minimum, "],
+    );
+    let stated: u64 = e.split("short of the minimum, ").nth(1).unwrap().split(" MiB").next().unwrap().parse().unwrap();
+    assert!(e.contains(&format!("use --memory-budget {stated}MiB or more")), "{e}");
+    for _ in 0..3 {
+        let o = nflash_run(&pack, &["--prompt", "w3", "--memory-budget", &format!("{stated}MiB"), "--stats"]);
+        assert!(o.status.success(), "the stated minimum {stated} MiB was refused: {}", stderr(&o));
+        // Figures per token in MiB.
+        assert!(
+            stderr(&o).contains("MiB read per token") && !stderr(&o).contains("KiB read per token"),
+            "{}",
+            stderr(&o)
+        );
+    }
+}
+
+#[test]
+fn plan_sim_takes_a_pack_list_prints_mib_and_never_reads_more_than_the_cold_ffn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = nflash_tests::repo_root().join("profiles/oneplus-12.toml");
+    let a = tmp.path().join("a.nflash");
+    let b = tmp.path().join("b.nflash");
+    convert(&checkpoint(tmp.path(), "ca", &TinySpec::default()), &a, "q8_0");
+    convert(&checkpoint(tmp.path(), "cb", &TinySpec { seed: 4, ..TinySpec::default() }), &b, "q4_0");
+    let list = format!("{},{}", s(&a), s(&b));
+    let o =
+        run("nflash", &["plan-sim", "--device", s(&dev), "--model", &list, "--ffn-share", "1", "--sparsity", "0.5"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.contains("a.nflash") && out.contains("b.nflash"), "{out}");
+    // Small budgets in MiB, not fractions of a GiB.
+    assert!(out.contains("MiB ") && !out.contains("Gi "), "{out}");
+    // The pack's own values override the shape options: said so.
+    assert!(out.contains("--sparsity apply to --shape only"), "{out}");
+    // Expected reads per token stay within the cold FFN bytes, speculation included.
+    let o = run("nflash", &["plan-sim", "--device", s(&dev), "--shape", "llama-7b", "--sparsity", "0", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut speculated = 0;
+    for line in String::from_utf8_lossy(&o.stdout).lines() {
+        let j: Value = serde_json::from_str(line).unwrap();
+        let Some(read) = j["read_bytes_per_token"].as_f64() else { continue };
+        let cold = j["ffn_bytes"].as_f64().unwrap() * (1.0 - j["hot_share"].as_f64().unwrap());
+        assert!(read <= cold * 1.000001, "{read} bytes read per token of {cold} cold FFN bytes: {j}");
+        speculated += j["speculated_layers"].as_u64().unwrap();
+    }
+    assert!(speculated > 0, "no row speculated, so the cap was not exercised");
+}
+
+// ----------------------------------------------------------------- progress
+
+#[test]
+fn long_stages_report_progress_without_a_terminal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "ckpt", &TinySpec { hidden: 128, inter: 512, ..TinySpec::default() });
+    let calib = tmp.path().join("calib.txt");
+    std::fs::write(&calib, tiny_words(4000, 80, 5)).unwrap();
+    let pack = tmp.path().join("p.nflash");
+    // stderr is a pipe here, as in a log; lines every 0.02 s instead of 10 s.
+    let o = std::process::Command::new(nflash_tests::bin("prep"))
+        .args(["convert", "--model", s(&dir), "--out", s(&pack), "--quant", "q8_0", "--calib", s(&calib)])
+        .args(["--tokens", "3000", "--window", "100", "--epochs", "20"])
+        .env("NFLASH_PROGRESS_SECS", "0.02")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    let lines: Vec<&str> = e.lines().filter(|l| l.contains("elapsed, ETA")).collect();
+    for stage in ["profile", "predictors"] {
+        assert!(lines.iter().any(|l| l.starts_with(stage)), "no progress line for {stage}:\n{e}");
+    }
+    for l in &lines {
+        let pct: f64 = l.split("% (").next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
+        assert!((0.0..=100.0).contains(&pct), "{l}");
+    }
+}

@@ -270,7 +270,7 @@ fn peak_rss_stays_within_a_budget_just_above_the_minimum() {
         &["short of the minimum"],
     );
     let min_mib: f64 =
-        err.split("short of the minimum ").nth(1).unwrap().split(" MiB").next().unwrap().parse().unwrap();
+        err.split("short of the minimum, ").nth(1).unwrap().split(" MiB").next().unwrap().parse().unwrap();
     let mut ran = 0;
     for extra in [0.3, 0.6, 0.9, 1.2] {
         let budget = format!("{}KiB", ((min_mib + extra) * 1024.0) as u64);

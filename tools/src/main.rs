@@ -11,6 +11,7 @@ mod pack;
 mod plot;
 mod predictor;
 mod profile;
+mod progress;
 mod quality;
 mod sparsify;
 mod synth;

@@ -5,7 +5,6 @@
 use std::borrow::Cow;
 
 use anyhow::{anyhow, bail, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use nflash_format::{
     BundleLayout, DType, FfnLayer, LayerSparsity, Manifest, ModelConfig, NeuronCluster, PackWriter, SegmentKind,
     TensorEntry, TokenizerInfo,
@@ -114,11 +113,11 @@ pub fn check_tensors(ck: &Checkpoint) -> Result<()> {
     Ok(())
 }
 
-fn bar(len: u64, msg: &str) -> ProgressBar {
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template("{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} {per_sec} eta {eta}")
-            .expect("static template"),
+fn bar(len: u64, msg: &str) -> crate::progress::Progress {
+    let pb = crate::progress::Progress::new(
+        len,
+        "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} {per_sec} eta {eta}",
+        "quantize + pack",
     );
     pb.set_message(msg.to_string());
     pb

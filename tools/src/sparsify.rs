@@ -2,7 +2,7 @@
 //! hot-first neuron order, and calibrated predictors (SPEC §4.5).
 
 use anyhow::{bail, Result};
-use indicatif::{ProgressBar, ProgressStyle};
+
 use nflash_format::{Criterion, DType, LayerSparsity, PredictorKind, SparseInfo};
 
 use crate::checkpoint::Checkpoint;
@@ -92,10 +92,10 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
         PredictorKind::Exact => 0,
         k => o.rank.unwrap_or_else(|| rank_for_budget(k, o.budget, h, n, quant)),
     };
-    let pb = ProgressBar::new(cfg.num_layers);
-    pb.set_style(
-        ProgressStyle::with_template("{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}")
-            .expect("static template"),
+    let pb = crate::progress::Progress::new(
+        cfg.num_layers,
+        "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}",
+        "predictors",
     );
     pb.set_message(format!("{} r={rank}", o.predictor.name()));
     let mut layers = Vec::with_capacity(cfg.num_layers as usize);

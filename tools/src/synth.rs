@@ -32,7 +32,7 @@ use std::sync::Mutex;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use nflash_format::{Activation, Architecture, ModelConfig};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -429,10 +429,8 @@ impl View for Lazy<'_> {
     }
 }
 
-fn bar(len: u64, template: &str) -> ProgressBar {
-    let pb = ProgressBar::new(len);
-    pb.set_style(ProgressStyle::with_template(template).expect("static template"));
-    pb
+fn bar(len: u64, template: &str, stage: &'static str) -> crate::progress::Progress {
+    crate::progress::Progress::new(len, template, stage)
 }
 
 pub fn run(a: SynthArgs) -> Result<()> {
@@ -579,7 +577,7 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
     );
 
     // 1. Biases from calibration statistics.
-    let pb = bar(layers, "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}");
+    let pb = bar(layers, "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}", "synth: calibrate");
     pb.set_message("calibrate");
     let achieved = calibrate(&synth, a, &pb)?;
     pb.finish_and_clear();
@@ -632,7 +630,11 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
         },
         shards.len()
     );
-    let pb = bar(total, "{msg:>10} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}");
+    let pb = bar(
+        total,
+        "{msg:>10} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        "synth: write shards",
+    );
     let n_shards = shards.len();
     let mut weight_map = serde_json::Map::new();
     for (i, shard) in shards.into_iter().enumerate() {

@@ -138,7 +138,7 @@ fn sample_indices(n_tokens: usize, n_sample: usize) -> Vec<usize> {
     (0..n_sample).map(|i| (i as u128 * n_tokens as u128 / n_sample as u128) as usize).collect()
 }
 
-fn progress_bar(len: u64, layers: u64) -> ProgressBar {
+fn progress_bar(len: u64, layers: u64) -> crate::progress::Progress {
     let pb = ProgressBar::new(len);
     let style =
         ProgressStyle::with_template("{msg:>12} [{elapsed_precise}] {wide_bar} {percent:>3}% {tps} tokens/s eta {eta}")
@@ -148,7 +148,7 @@ fn progress_bar(len: u64, layers: u64) -> ProgressBar {
                 let _ = write!(w, "{:.0}", s.pos() as f64 / (STAGES * layers) as f64 / secs);
             });
     pb.set_style(style);
-    pb
+    crate::progress::Progress::from_bar(pb, "profile")
 }
 
 /// Profiles the dense f32 model `ck` on the first `opts.tokens` tokens of

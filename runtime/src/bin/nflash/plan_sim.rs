@@ -18,28 +18,29 @@ pub struct PlanSimArgs {
     /// Device profile (TOML): flash bandwidth by read size, matvec and sparse FFN speeds, cores.
     #[arg(long)]
     device: PathBuf,
-    /// Packs to simulate (their frequency curves, predictor quality, clusters).
-    #[arg(long = "model", value_name = "PACK")]
+    /// Packs to simulate, comma-separated (their own frequency curves, predictor
+    /// quality, clusters and quant: the shape options below do not apply to them).
+    #[arg(long = "model", value_name = "PACK", value_delimiter = ',')]
     models: Vec<PathBuf>,
     /// Model shapes to simulate, comma-separated: llama-7b, mistral-7b, mixtral-47b.
     #[arg(long, value_delimiter = ',')]
     shape: Vec<String>,
-    /// Target sparsities of the shapes, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "0.9,0.8,0.6")]
+    /// Target sparsities of the shapes, comma-separated [default: 0.9,0.8,0.6].
+    #[arg(long, value_delimiter = ',')]
     sparsity: Vec<f64>,
-    /// Power-law exponent of neuron hotness for the shapes (prep synth's default).
-    #[arg(long, default_value_t = 1.5)]
-    skew: f64,
-    /// Predictor recall of the shapes.
-    #[arg(long, default_value_t = 0.99)]
-    recall: f64,
-    /// Predictor precision of the shapes: prep's MLP predictor reached 1.00 on the synthetic
+    /// Power-law exponent of neuron hotness for the shapes [default: 1.5, prep synth's].
+    #[arg(long)]
+    skew: Option<f64>,
+    /// Predictor recall of the shapes [default: 0.99].
+    #[arg(long)]
+    recall: Option<f64>,
+    /// Predictor precision of the shapes [default: 1.0]: prep's MLP predictor reached 1.00 on the synthetic
     /// llama-7b, whose gate has rank 128 (0.21 from a random start; docs/benchmarks.md). Pass a real model's value.
-    #[arg(long, default_value_t = 1.0)]
-    precision: f64,
-    /// Weight type of the shapes.
-    #[arg(long, default_value = "q4_0")]
-    quant: DType,
+    #[arg(long)]
+    precision: Option<f64>,
+    /// Weight type of the shapes [default: q4_0].
+    #[arg(long)]
+    quant: Option<DType>,
     /// Memory budgets, comma-separated (e.g. 3GiB,4GiB); default: the fixed
     /// region plus each of --ffn-share of the FFN bytes.
     #[arg(long, value_delimiter = ',', value_parser = nflash_plan::planner::parse_bytes)]
@@ -58,23 +59,68 @@ pub struct PlanSimArgs {
     json: bool,
 }
 
-fn check(a: &PlanSimArgs) -> Result<()> {
+/// The shape options with their defaults applied.
+struct ShapeOptions {
+    sparsity: Vec<f64>,
+    skew: f64,
+    recall: f64,
+    precision: f64,
+    quant: DType,
+}
+
+/// Checks the arguments; returns the shape options, and a note when shape
+/// options were given but only packs are simulated (each pack's own
+/// sparsity, predictor quality and quant override them).
+fn check(a: &PlanSimArgs) -> Result<(ShapeOptions, Option<String>)> {
     if a.models.is_empty() && a.shape.is_empty() {
-        bail!("nothing to simulate: pass --model PACK or --shape NAME (llama-7b, mistral-7b, mixtral-47b)");
+        bail!("nothing to simulate: pass --model PACK[,PACK…] or --shape NAME (llama-7b, mistral-7b, mixtral-47b)");
     }
-    if let Some(s) = a.sparsity.iter().find(|s| !(0.0..1.0).contains(*s)) {
+    let o = ShapeOptions {
+        sparsity: if a.sparsity.is_empty() { vec![0.9, 0.8, 0.6] } else { a.sparsity.clone() },
+        skew: a.skew.unwrap_or(1.5),
+        recall: a.recall.unwrap_or(0.99),
+        precision: a.precision.unwrap_or(1.0),
+        quant: a.quant.unwrap_or(DType::Q4_0),
+    };
+    if let Some(s) = o.sparsity.iter().find(|s| !(0.0..1.0).contains(*s)) {
         bail!("--sparsity {s} is outside [0, 1)");
     }
     if let Some(f) = a.ffn_share.iter().find(|f| !(0.0..=1.0).contains(*f)) {
         bail!("--ffn-share {f} is outside [0, 1]");
     }
-    if !(a.recall > 0.0 && a.recall <= 1.0 && a.precision > 0.0 && a.precision <= 1.0) {
+    if !(o.recall > 0.0 && o.recall <= 1.0 && o.precision > 0.0 && o.precision <= 1.0) {
         bail!("--recall and --precision must be in (0, 1]");
     }
-    if !(0.0..=8.0).contains(&a.skew) {
-        bail!("--skew {} is outside [0, 8]", a.skew);
+    if !(0.0..=8.0).contains(&o.skew) {
+        bail!("--skew {} is outside [0, 8]", o.skew);
     }
-    Ok(())
+    let given: Vec<&str> = [
+        ("--sparsity", !a.sparsity.is_empty()),
+        ("--skew", a.skew.is_some()),
+        ("--recall", a.recall.is_some()),
+        ("--precision", a.precision.is_some()),
+        ("--quant", a.quant.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(f, g)| g.then_some(f))
+    .collect();
+    let note = (!a.models.is_empty() && !given.is_empty()).then(|| {
+        format!(
+            "{} apply to --shape only: the --model packs are simulated with their own sparsity, predictor quality, clusters and quant{}",
+            given.join(", "),
+            if a.shape.is_empty() { " (no --shape was given, so they are unused)" } else { "" }
+        )
+    });
+    Ok((o, note))
+}
+
+/// A size for the table: MiB below 1 GiB, else GiB.
+fn size(b: u64) -> String {
+    if b < 1 << 30 {
+        format!("{:.0}MiB", b as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.2}GiB", b as f64 / (1u64 << 30) as f64)
+    }
 }
 
 /// One simulated case.
@@ -125,10 +171,10 @@ fn simulate(
         .map(|budget| {
             if budget > dev.memory.available_bytes {
                 notes.push(format!(
-                    "{label}: the budget {:.2} GiB is more than {}'s available memory ({:.2} GiB): that row cannot run there",
-                    budget as f64 / (1u64 << 30) as f64,
+                    "{label}: the budget {} is more than {}'s available memory ({}): that row cannot run there",
+                    size(budget),
                     dev.name,
-                    dev.memory.available_bytes as f64 / (1u64 << 30) as f64
+                    size(dev.memory.available_bytes)
                 ));
             }
             let req = PlanRequest { budget_bytes: budget, ctx: a.ctx, threads, io_threads: None, measured: None };
@@ -142,16 +188,24 @@ fn simulate(
                     hot_share: p.hot_bytes as f64 / ffn_bytes.max(1) as f64,
                     est: Ok(cost::estimate(m, dev, &p)),
                 },
-                Err(e) => Case { label: label.to_string(), sparsity, budget, ffn_bytes, fixed, hot_share: 0.0, est: Err(e.to_string()) },
+                Err(e) => Case {
+                    label: label.to_string(),
+                    sparsity,
+                    budget,
+                    ffn_bytes,
+                    fixed,
+                    hot_share: 0.0,
+                    est: Err(e.to_string()),
+                },
             }
         })
         .collect()
 }
 
 pub fn run(a: PlanSimArgs) -> Result<()> {
-    check(&a)?;
+    let (so, override_note) = check(&a)?;
     let dev = DeviceProfile::load(&a.device)?;
-    let mut notes = Vec::new();
+    let mut notes: Vec<String> = override_note.into_iter().collect();
     let threads = match a.threads {
         Some(t) if t > dev.n_cores() => {
             notes.push(format!(
@@ -167,7 +221,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     };
     let mut cases = Vec::new();
     // Mixtral-sized shapes take seconds per budget; drawn only on a terminal.
-    let pb = indicatif::ProgressBar::new((a.models.len() + a.shape.len() * a.sparsity.len()) as u64);
+    let pb = indicatif::ProgressBar::new((a.models.len() + a.shape.len() * so.sparsity.len()) as u64);
     pb.set_style(
         indicatif::ProgressStyle::with_template("plan-sim {bar:30} {pos}/{len} {msg}").expect("valid template"),
     );
@@ -187,24 +241,23 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
                 sim::SHAPES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
             )
         })?;
-        for &s in &a.sparsity {
+        for &s in &so.sparsity {
             pb.set_message(format!("{} at sparsity {s}", shape.name));
             let o = SimOptions {
                 sparsity: s,
-                skew: a.skew,
-                quant: a.quant,
-                recall: a.recall,
-                precision: a.precision,
+                skew: so.skew,
+                quant: so.quant,
+                recall: so.recall,
+                precision: so.precision,
                 predictor_budget: 0.1,
             };
             let m = sim::synthetic_manifest(&shape, &o, &dev)
-                .with_context(|| format!("{} cannot be stored as {}", shape.name, a.quant))?;
+                .with_context(|| format!("{} cannot be stored as {}", shape.name, so.quant))?;
             cases.extend(simulate(&m, &dev, &a, threads, shape.name, Some(s), &mut notes));
             pb.inc(1);
         }
     }
     pb.finish_and_clear();
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     if a.json {
         for c in &cases {
             let mut j = serde_json::json!({
@@ -234,19 +287,19 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     }
     println!("plan-sim on {} ({threads} threads, ctx {}): decode cost per token", dev.name, a.ctx);
     println!(
-        "{:<26} {:>5} {:>8} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9} {:>7} {:>8} {:>8}  bound",
+        "{:<26} {:>5} {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>9} {:>7} {:>8} {:>8}  bound",
         "model", "spars", "budget", "fixed", "FFN", "hot", "hit", "MiB read", "compute", "I/O", "I/O exp", "tok/s"
     );
     for c in &cases {
         let sp = c.sparsity.map_or("dense".into(), |s| format!("{s:.2}"));
         match &c.est {
             Ok(e) => println!(
-                "{:<26} {:>5} {:>6.2}Gi {:>6.2}Gi {:>6.2}Gi {:>5.0}% {:>6.3} {:>9.1} {:>7.1}ms {:>5.1}ms {:>6.1}ms {:>8.2}  {}",
+                "{:<26} {:>5} {:>9} {:>9} {:>9} {:>5.0}% {:>6.3} {:>9.1} {:>7.1}ms {:>5.1}ms {:>6.1}ms {:>8.2}  {}",
                 c.label,
                 sp,
-                gib(c.budget),
-                gib(c.fixed),
-                gib(c.ffn_bytes),
+                size(c.budget),
+                size(c.fixed),
+                size(c.ffn_bytes),
                 100.0 * c.hot_share,
                 e.hit_rate,
                 e.read_bytes_per_token / (1u64 << 20) as f64,
@@ -256,7 +309,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
                 1e3 / e.token_ms(),
                 e.bound()
             ),
-            Err(why) => println!("{:<26} {:>5} {:>6.2}Gi refused: {why}", c.label, sp, gib(c.budget)),
+            Err(why) => println!("{:<26} {:>5} {:>9} refused: {why}", c.label, sp, size(c.budget)),
         }
     }
     let speed = if dev.cpu.q4_0_matvec_gb_s_1t.is_some() {

@@ -285,13 +285,13 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
             ))
         );
         message!(
-            "decode latency: mean {mean_ms:.2} ms, P50 {p50:.2} ms, P90 {p90:.2} ms, P99 {p99:.2} ms | neuron cache: hot {:.1} MiB, cold {:.1} MiB ({}), hit rate {:.1}% (hot region {:.1}%), {:.1} KiB read per token in {:.1} reads, I/O wait {:.1}% of decode",
+            "decode latency: mean {mean_ms:.2} ms, P50 {p50:.2} ms, P90 {p90:.2} ms, P99 {p99:.2} ms | neuron cache: hot {:.1} MiB, cold {:.1} MiB ({}), hit rate {:.1}% (hot region {:.1}%), {:.2} MiB read per token in {:.1} reads, I/O wait {:.1}% of decode",
             hot_b as f64 / (1 << 20) as f64,
             cold_b as f64 / (1 << 20) as f64,
             if direct { "O_DIRECT" } else { "buffered" },
             100.0 * c.hit_rate(),
             100.0 * c.hot_hit_rate(),
-            bytes_per_token / 1024.0,
+            bytes_per_token / (1 << 20) as f64,
             c.reads as f64 / steps,
             100.0 * io_wait_share
         );
