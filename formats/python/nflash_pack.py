@@ -519,8 +519,11 @@ def validate(m: dict, h: dict, file_len: int) -> None:
         prev_end = s["offset"] + s["bytes"]
         if s["kind"] == "Metadata" and s["bytes"] > MAX_METADATA_BYTES:
             raise PackError(f"{what} (SPEC §4.9): metadata exceeds {MAX_METADATA_BYTES} bytes")
-    if sum(s["kind"] == "Metadata" for s in segs) > 1:
+    n_meta = sum(s["kind"] == "Metadata" for s in segs)
+    if n_meta > 1:
         raise PackError("segments (SPEC §4.9): more than one metadata segment")
+    if n_meta and h["minor"] < 2:
+        raise PackError(f"segments (SPEC §4.9): a metadata segment in a pack of version {h['major']}.{h['minor']}")
 
     def seg(idx: int, what: str) -> dict:
         if idx >= len(segs):

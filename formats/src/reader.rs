@@ -422,7 +422,9 @@ impl Pack {
 
     /// Checks every segment's CRC32 (reads the whole file).
     pub fn verify(&self) -> Result<()> {
-        (0..self.manifest.segments.len() as u32).try_for_each(|i| self.verify_segment(i))
+        (0..self.manifest.segments.len() as u32).try_for_each(|i| self.verify_segment(i))?;
+        // The metadata's JSON is checked as a reader of it would (SPEC §4.9).
+        self.metadata().map(|_| ())
     }
 
     /// The metadata object (SPEC §4.9): the default (nothing set) when the
@@ -455,8 +457,14 @@ impl Pack {
                 b
             }
         };
-        let m: crate::Metadata =
+        // An object, not any JSON serde could read into the struct (it would take an array too).
+        let v: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| invalid(format!("not the metadata JSON object: {e}")))?;
+        if !v.is_object() {
+            return Err(invalid("the metadata is not a JSON object".into()));
+        }
+        let m: crate::Metadata =
+            serde_json::from_value(v).map_err(|e| invalid(format!("a defined key has the wrong type: {e}")))?;
         if let Some(g) = &m.generation {
             g.check().map_err(|why| invalid(format!("generation defaults: {why}")))?;
         }
@@ -530,8 +538,19 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             ));
         }
     }
-    if m.segments.iter().filter(|s| s.kind == SegmentKind::Metadata).count() > 1 {
-        return Err(invalid("segments".into(), "more than one metadata segment".into()));
+    match m.segments.iter().filter(|s| s.kind == SegmentKind::Metadata).count() {
+        0 => {}
+        1 if header.minor >= 2 => {}
+        1 => {
+            return Err(invalid(
+                "segments".into(),
+                format!(
+                    "a metadata segment in a pack of version {}.{} (metadata exists since 3.2)",
+                    header.major, header.minor
+                ),
+            ))
+        }
+        _ => return Err(invalid("segments".into(), "more than one metadata segment".into())),
     }
     let seg = |idx: u32, what: &dyn Fn() -> String| -> Result<&Segment> {
         m.segments.get(idx as usize).ok_or_else(|| invalid(what(), format!("segment index {idx} out of range")))

@@ -41,7 +41,7 @@ pub const RUNTIME_MARGIN_BYTES: u64 = 4 << 20;
 pub const MAX_IO_THREADS: u32 = 64;
 
 /// Parses a byte size for the command line: `96MiB`, `1.5GiB`, `100MB`
-/// (10⁸), `4096B` (the `parse-size` crate's syntax). The unit is required:
+/// (10⁸; `M` alone is 10⁶ too), `4096B` (the `parse-size` crate's syntax). The unit is required:
 /// a bare number is refused, since `512` meant as MiB would be read as 512
 /// bytes.
 ///
@@ -49,7 +49,8 @@ pub const MAX_IO_THREADS: u32 = 64;
 /// A message with examples.
 pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
-    if !t.is_empty() && t.chars().all(|c| c.is_ascii_digit() || c == '.' || c == '_') {
+    // A unit ends the size: `512`, `1.5` and `1e9` have none.
+    if t.chars().last().is_some_and(|c| c.is_ascii_digit() || c == '.') {
         return Err(format!(
             "{t} has no unit: write {t}MiB or {t}GiB (or {t}B for bytes); sizes such as 512MiB, 1.5GiB"
         ));
@@ -183,10 +184,16 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         let scores = (req.ctx as u64).min(PREFILL_CHUNK as u64) * req.ctx as u64 * 4;
         let per_token = (fixed.kv + scores) / req.ctx.max(1) as u64;
         let rest = need - fixed.kv - scores.min(fixed.scratch);
-        let ctx_fit = if per_token > 0 && budget > rest { (budget - rest) / per_token * 98 / 100 } else { 0 };
-        // Only when that context really fits: a load peak larger than the
-        // steady state does not shrink with the KV cache.
-        let fits = |c: u64| fixed_region(m, c as u32, req.measured).total() + max_layer <= budget;
+        let mut ctx_fit = if per_token > 0 && budget > rest { (budget - rest) / per_token * 98 / 100 } else { 0 };
+        // Only a context that really fits, with the slack the stated minimum
+        // has (so the next run accepts the hint too): stepping down from the
+        // estimate, since a load peak larger than the steady state does not
+        // shrink with the KV cache.
+        let slack = nflash_format::error::MEASUREMENT_SLACK_BYTES;
+        let fits = |c: u64| fixed_region(m, c as u32, req.measured).total() + max_layer + slack <= budget;
+        while ctx_fit >= 16 && !fits(ctx_fit) {
+            ctx_fit = ctx_fit * 15 / 16;
+        }
         let ctx_hint = if ctx_fit >= 16 && ctx_fit < req.ctx as u64 && fits(ctx_fit) {
             format!(", or lower --ctx to {ctx_fit} or less")
         } else {
@@ -325,7 +332,7 @@ mod tests {
         assert_eq!(parse_bytes("1.5GiB"), Ok(3 << 29));
         assert_eq!(parse_bytes("4096B"), Ok(4096));
         assert_eq!(parse_bytes("100MB"), Ok(100_000_000));
-        for bare in ["512", "1048576", "1.5"] {
+        for bare in ["512", "1048576", "1.5", "1e9"] {
             let e = parse_bytes(bare).unwrap_err();
             assert!(e.contains("no unit") && e.contains(&format!("{bare}MiB")), "{bare}: {e}");
         }

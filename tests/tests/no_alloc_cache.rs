@@ -45,7 +45,7 @@ fn fetching_cold_clusters_through_the_cache_does_not_allocate_per_token_alone() 
             "--quant",
             "q8_0",
             "--cluster-bytes",
-            "1024",
+            "1KiB",
         ],
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

@@ -35,7 +35,7 @@ fn pack(dir: &Path, name: &str, quant: &str, extra: &[&str]) -> PathBuf {
         "--quant",
         quant,
         "--cluster-bytes",
-        "1024",
+        "1KiB",
     ];
     args.extend_from_slice(extra);
     let o = run("prep", &args);

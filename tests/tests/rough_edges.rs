@@ -3,6 +3,7 @@
 //! profiles of another checkpoint, cluster sizes, units, defaults and the
 //! command line. Each test fails on the code before the fix.
 
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
 use nflash_tests::{
@@ -408,7 +409,7 @@ fn sampling_defaults_come_from_generation_config_and_stats_say_which() {
     assert_eq!(j["metadata"]["generation"], json!({"temperature": 0.0, "top_p": 0.5, "top_k": 7}));
     let text = String::from_utf8_lossy(&run("prep", &["inspect", s(&pack)]).stdout).into_owned();
     assert!(
-        text.contains("sampling defaults: temperature 0, top-p 0.5, top-k 7 (from generation_config.json"),
+        text.contains("sampling defaults: temperature 0 (generation_config.json), top-k 7 (generation_config.json), top-p 0.5 (generation_config.json)"),
         "{text}"
     );
     let o = nflash_run(&pack, &["--prompt", "w3", "--stats"]);
@@ -642,4 +643,119 @@ fn long_stages_report_progress_without_a_terminal() {
         let pct: f64 = l.split("% (").next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
         assert!((0.0..=100.0).contains(&pct), "{l}");
     }
+}
+
+// ------------------------------------------- found by trying to break it
+
+#[test]
+fn outputs_never_replace_inputs_or_special_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "ckpt", &TinySpec::default());
+    let calib = tmp.path().join("calib.txt");
+    std::fs::write(&calib, tiny_words(300, 80, 1)).unwrap();
+    let weights = std::fs::read(dir.join("model.safetensors")).unwrap();
+    for out in [dir.join("model.safetensors"), dir.join("tokenizer.json"), calib.clone()] {
+        let o = run(
+            "prep",
+            &[
+                "profile",
+                "--model",
+                s(&dir),
+                "--calib",
+                s(&calib),
+                "--out",
+                s(&out),
+                "--tokens",
+                "100",
+                "--window",
+                "50",
+            ],
+        );
+        assert_fails(&format!("profile --out {}", out.display()), &o, &["--out", "destroy"]);
+    }
+    assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), weights);
+    let fifo = tmp.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&fifo), "--quant", "q8_0"]);
+    assert_fails("convert --out FIFO", &o, &["not a regular file"]);
+    assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO was replaced");
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&calib), "--quant", "q8_0", "--calib", s(&calib)]);
+    assert_fails("convert --out the calibration text", &o, &["also an input"]);
+}
+
+#[test]
+fn metadata_must_be_an_object_and_verify_checks_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "ckpt", &TinySpec::default());
+    let pack = tmp.path().join("t.nflash");
+    convert(&dir, &pack, "q8_0");
+    // "{}" becomes "[]" (same length), with the segment CRC fixed in the manifest.
+    let p = nflash_format::Pack::open(&pack).unwrap();
+    let (idx, seg) = p.segment_by_name("metadata").unwrap();
+    let seg = seg.clone();
+    drop(p);
+    assert_eq!(seg.bytes, 2);
+    let mut bytes = std::fs::read(&pack).unwrap();
+    bytes[seg.offset as usize..seg.offset as usize + 2].copy_from_slice(b"[]");
+    std::fs::write(&pack, bytes).unwrap();
+    edit_manifest(&pack, |m| m.segments[idx as usize].crc32 = crc32fast::hash(b"[]"));
+    assert_fails("verify", &run("prep", &["verify", s(&pack)]), &["metadata", "not a JSON object"]);
+    assert_fails("run", &nflash_run(&pack, &["--prompt", "w3"]), &["metadata", "not a JSON object"]);
+}
+
+#[test]
+fn bad_generation_and_tokenizer_settings_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: [(&str, Value, &str); 4] = [
+        ("generation_config.json", json!({"do_sample": "yes", "temperature": 0.5}), "do_sample"),
+        ("generation_config.json", json!([]), "not a JSON object"),
+        ("generation_config.json", json!({"temperature": 1e300}), "temperature"),
+        ("tokenizer_config.json", json!({"add_bos_token": "true"}), "add_bos_token"),
+    ];
+    for (i, (file, v, needle)) in cases.into_iter().enumerate() {
+        let dir = checkpoint(tmp.path(), &format!("c{i}"), &TinySpec::default());
+        write_json(&dir.join(file), &v);
+        convert_fails(&dir, &["--quant", "q8_0"], &[file, needle]);
+    }
+    // --cold-cache near 2^64 does not wrap around the budget check.
+    let dir = checkpoint(tmp.path(), "ok", &TinySpec::default());
+    let pack = tmp.path().join("ok.nflash");
+    convert(&dir, &pack, "q8_0");
+    let o = nflash_run(&pack, &["--prompt", "w3", "--memory-budget", "64MiB", "--cold-cache", "18446744073709551615B"]);
+    assert_fails("huge --cold-cache", &o, &["--cold-cache", "more than the"]);
+}
+
+#[test]
+fn a_checkpoint_with_both_layouts_uses_model_safetensors_as_hugging_face_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "both", &TinySpec { shards: 2, ..TinySpec::default() });
+    // A single file with other weights beside the shards: it is the one read.
+    let single = checkpoint(tmp.path(), "single", &TinySpec { seed: 9, ..TinySpec::default() });
+    std::fs::copy(single.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let (a, b) = (tmp.path().join("a.nflash"), tmp.path().join("b.nflash"));
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&a), "--quant", "q8_0"]);
+    assert!(o.status.success() && stderr(&o).contains("using model.safetensors"), "{}", stderr(&o));
+    convert(&single, &b, "q8_0");
+    let ta = nflash_format::Pack::open(&a).unwrap().tensor("model.norm.weight").unwrap().1.to_vec();
+    let tb = nflash_format::Pack::open(&b).unwrap().tensor("model.norm.weight").unwrap().1.to_vec();
+    assert_eq!(ta, tb);
+}
+
+#[test]
+fn interactive_mode_refuses_raw_and_cluster_bytes_take_units() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = checkpoint(tmp.path(), "ckpt", &TinySpec::default());
+    let pack = tmp.path().join("t.nflash");
+    convert_with(&dir, &pack, &["--quant", "q8_0", "--cluster-bytes", "2KiB"]);
+    let m = nflash_format::Pack::open(&pack).unwrap();
+    let f = &m.manifest().ffn[0];
+    assert_eq!(f.clusters[0].n_neurons as u64, 2048 / f.bundle.bundle_bytes);
+    let o = nflash_run(&pack, &["--raw"]);
+    assert_fails("interactive --raw", &o, &["--raw", "interactive"]);
+    // nflash ppl in a log: whole lines, no carriage returns.
+    let text = tmp.path().join("eval.txt");
+    std::fs::write(&text, tiny_words(300, 80, 9)).unwrap();
+    let o = run("nflash", &["ppl", "--model", s(&pack), "--file", s(&text), "--ctx", "32"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains('\r') && stderr(&o).contains("window 10/10"), "{:?}", stderr(&o));
 }

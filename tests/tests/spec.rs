@@ -33,7 +33,7 @@ fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
     convert_with(&ckpt, &dense, &["--quant", "q8_0"]);
     let sparse = dir.path().join("sparse.nflash");
     let calib = calib.to_str().unwrap();
-    let mut flags = vec!["--quant", "q4_0", "--cluster-bytes", "1024", "--calib", calib];
+    let mut flags = vec!["--quant", "q4_0", "--cluster-bytes", "1KiB", "--calib", calib];
     flags.extend(QUICK_CALIB);
     let profile = profile.to_str().unwrap();
     flags.extend(["--device", profile, "--memory-budget", "64MiB", "--ctx", "64"]);

@@ -125,7 +125,7 @@ fn relu_pack(root: &Path, name: &str, extra: &[&str]) -> (PathBuf, std::process:
         "--quant",
         "q8_0",
         "--cluster-bytes",
-        "1024",
+        "1KiB",
         "--calib",
         calib.to_str().unwrap(),
         "--tokens",

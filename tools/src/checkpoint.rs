@@ -38,6 +38,8 @@ pub struct Checkpoint {
     pub generation: nflash_format::GenerationDefaults,
     shards: Vec<Shard>,
     index: HashMap<String, usize>,
+    /// Tensors a shard holds but the index's weight_map does not list.
+    unlisted: HashMap<String, usize>,
 }
 
 /// Reads and parses a JSON file; errors name the file.
@@ -122,27 +124,33 @@ fn rope_scaling(cfg: &Value) -> Result<Option<RopeScaling>> {
 /// # Errors
 /// A value of the wrong type or out of range, naming the key.
 pub fn generation_defaults(g: &Value) -> Result<nflash_format::GenerationDefaults> {
-    let num = |k: &str| -> Result<Option<f64>> {
+    if !g.is_object() {
+        bail!("generation_config.json is not a JSON object; fix or remove the file");
+    }
+    // Numbers an f32 holds: 1e300 would become infinity.
+    let num = |k: &str| -> Result<Option<f32>> {
         match g.get(k) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| anyhow!("generation_config.json: {k} = {v} is not a number")),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && x.abs() <= f64::from(f32::MAX) => Ok(Some(x as f32)),
+                _ => bail!("generation_config.json: {k} = {v} is not a number in range; fix or remove the key"),
+            },
         }
     };
     let mut d = nflash_format::GenerationDefaults {
-        temperature: num("temperature")?.map(|t| t as f32),
-        top_p: num("top_p")?.map(|p| p as f32),
+        temperature: num("temperature")?,
+        top_p: num("top_p")?,
         top_k: match g.get("top_k") {
             None | Some(Value::Null) => None,
-            Some(v) => Some(
-                v.as_u64()
-                    .filter(|&k| k <= u32::MAX as u64)
-                    .ok_or_else(|| anyhow!("generation_config.json: top_k = {v} is not a non-negative integer"))?
-                    as u32,
-            ),
+            Some(v) => Some(v.as_u64().filter(|&k| k <= u32::MAX as u64).ok_or_else(|| {
+                anyhow!("generation_config.json: top_k = {v} is not a non-negative integer; fix or remove the key")
+            })? as u32),
         },
     };
-    if g.get("do_sample").and_then(Value::as_bool) == Some(false) {
-        d.temperature = Some(0.0);
+    match g.get("do_sample") {
+        None | Some(Value::Null) | Some(Value::Bool(true)) => {}
+        Some(Value::Bool(false)) => d.temperature = Some(0.0),
+        Some(v) => bail!("generation_config.json: do_sample = {v} is not true or false; fix or remove the key"),
     }
     d.check().map_err(|e| anyhow!("generation_config.json: {e}; fix or remove the key"))?;
     Ok(d)
@@ -213,7 +221,14 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         tie_word_embeddings: get_bool(cfg, "tie_word_embeddings", false)?,
         attention_bias: get_bool(cfg, "attention_bias", false)?,
         mlp_bias: get_bool(cfg, "mlp_bias", false)?,
-        bos_token_id: token_ids(cfg.get("bos_token_id"), "config.json bos_token_id")?.first().copied(),
+        // config.json's, else generation_config.json's.
+        bos_token_id: match token_ids(cfg.get("bos_token_id"), "config.json bos_token_id")?.first() {
+            Some(&b) => Some(b),
+            None => gen
+                .map(|g| token_ids(g.get("bos_token_id"), "generation_config.json bos_token_id"))
+                .transpose()?
+                .and_then(|v| v.first().copied()),
+        },
         eos_token_ids: eos,
     };
     config.check().map_err(|e| anyhow!("config.json: {e}"))?;
@@ -276,7 +291,16 @@ impl Checkpoint {
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         // Sharded: tensor name → shard file, as the index's weight_map says.
-        let weight_map: Option<HashMap<String, String>> = if index_path.exists() {
+        // With both, model.safetensors is the checkpoint, as Hugging Face loads it.
+        let weight_map: Option<HashMap<String, String>> = if single.exists() {
+            if index_path.exists() {
+                nflash_runtime::message!(
+                    "note: {} has both model.safetensors and model.safetensors.index.json; using model.safetensors, as Hugging Face does",
+                    dir.display()
+                );
+            }
+            None
+        } else if index_path.exists() {
             let idx = read_json(&index_path)?;
             let map = idx
                 .get("weight_map")
@@ -291,11 +315,15 @@ impl Checkpoint {
                     })
                     .collect::<Result<_>>()?,
             )
-        } else if single.exists() {
-            None
         } else {
             bail!("{} has neither model.safetensors nor model.safetensors.index.json", dir.display());
         };
+        if weight_map.as_ref().is_some_and(|m| m.is_empty()) {
+            bail!(
+                "{}: weight_map is empty; the index lists no tensors: re-download the checkpoint",
+                index_path.display()
+            );
+        }
         let mut shard_names: Vec<String> = match &weight_map {
             Some(m) => m.values().cloned().collect(),
             None => vec!["model.safetensors".into()],
@@ -304,6 +332,7 @@ impl Checkpoint {
         shard_names.dedup();
         let mut shards: Vec<Shard> = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
+        let mut unlisted: HashMap<String, usize> = HashMap::new();
         for name in shard_names {
             if name.contains('/') || name.contains("..") {
                 bail!("shard name {name:?} in the index is not a plain file name");
@@ -361,15 +390,27 @@ impl Checkpoint {
                 }
             }
             // Tensors the index does not list are not part of the model.
+            for (t, &i) in index.iter().filter(|(t, _)| !m.contains_key(*t)) {
+                unlisted.insert(t.clone(), i);
+            }
             index.retain(|t, _| m.contains_key(t));
         }
         let generation = gen.as_ref().map(generation_defaults).transpose()?.unwrap_or_default();
-        Ok(Checkpoint { dir: dir.to_path_buf(), config, tokenizer_json, tokenizer_config, generation, shards, index })
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            config,
+            tokenizer_json,
+            tokenizer_config,
+            generation,
+            shards,
+            index,
+            unlisted,
+        })
     }
 
     /// A fingerprint of the weights, 16 hex digits: CRC-32 (two seeds) over
-    /// every tensor's name, dtype, shape and three 64-byte samples of its data
-    /// (start, middle, end). It tells two checkpoints of one shape apart (a
+    /// every tensor's name, shape and the f32 values of 16 elements at its
+    /// start, middle and end (so BF16 weights and their F32 copy agree). It tells two checkpoints of one shape apart (a
     /// fine-tune from its base) without reading gigabytes; profiles store it.
     ///
     /// # Errors
@@ -382,16 +423,25 @@ impl Checkpoint {
         for name in names {
             let s = &self.shards[self.index[name]];
             let info = s.meta.info(name).expect("indexed");
-            let head = format!("{name}|{:?}|{:?}|", info.dtype, info.shape);
+            let head = format!("{name}|{:?}|", info.shape);
             a.update(head.as_bytes());
             b.update(head.as_bytes());
+            let width = match info.dtype {
+                Dtype::F32 => 4,
+                Dtype::F16 | Dtype::BF16 => 2,
+                _ => continue, // refused when read
+            };
             let (lo, hi) = info.data_offsets;
-            let len = hi - lo;
-            for at in [0, len / 2, len.saturating_sub(64)] {
-                let n = 64.min(len - at.min(len));
-                read_at(s, name, &mut buf[..n], (s.data_start + lo + at) as u64)?;
-                a.update(&buf[..n]);
-                b.update(&buf[..n]);
+            let n_elems = (hi - lo) / width;
+            // 16 elements at the start, middle and end, as f32 values: the
+            // same weights stored as BF16 or F32 give the same fingerprint.
+            for at in [0, n_elems / 2, n_elems.saturating_sub(16)] {
+                let n = 16.min(n_elems - at.min(n_elems));
+                read_at(s, name, &mut buf[..n * width], (s.data_start + lo + at * width) as u64)?;
+                for v in decode(info.dtype, &buf[..n * width]) {
+                    a.update(&v.to_bits().to_le_bytes());
+                    b.update(&v.to_bits().to_le_bytes());
+                }
             }
         }
         Ok(format!("{:08x}{:08x}", a.finalize(), b.finalize()))
@@ -414,6 +464,12 @@ impl Checkpoint {
     }
 
     fn shard_of(&self, name: &str) -> Result<&Shard> {
+        if let Some(&i) = self.unlisted.get(name) {
+            bail!(
+                "tensor {name} is in {}, but model.safetensors.index.json's weight_map does not list it: the index is incomplete; re-download it",
+                self.shards[i].path.display()
+            );
+        }
         let i = *self.index.get(name).ok_or_else(|| {
             anyhow!(
                 "tensor {name} is missing from the checkpoint in {}; the download is incomplete or config.json does not match the weights: re-download the checkpoint",

@@ -25,9 +25,9 @@ pub struct ConvertArgs {
     /// Weight type: q4_0, q8_0 (GGML-compatible blocks), f16 or f32.
     #[arg(long, default_value = "q4_0")]
     quant: DType,
-    /// Target size of one neuron cluster, bytes (a run of FFN neuron bundles
-    /// read together). Default: chosen by the planner for --device, else 65536.
-    #[arg(long)]
+    /// Target size of one neuron cluster (a run of FFN neuron bundles read
+    /// together), e.g. 64KiB. Default: chosen by the planner for --device, else 64KiB.
+    #[arg(long, value_parser = nflash_plan::planner::parse_bytes)]
     cluster_bytes: Option<u64>,
     #[command(flatten)]
     sparse: SparseArgs,
@@ -229,18 +229,6 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         Some(p) => Some(nflash_format::DeviceProfile::load(p)?),
         None => None,
     };
-    // Never overwrite a file of the checkpoint being converted.
-    if a.out.exists() {
-        if let (Ok(o), Ok(d)) = (a.out.canonicalize(), a.model.canonicalize()) {
-            if o.starts_with(&d) {
-                bail!(
-                    "--out {} is an existing file inside the checkpoint directory {}; writing it would destroy the checkpoint: choose another path",
-                    a.out.display(),
-                    a.model.display()
-                );
-            }
-        }
-    }
     if a.out.is_dir() {
         bail!(
             "--out {} is a directory; pass a file path, e.g. {}",
@@ -248,7 +236,10 @@ pub fn run(a: ConvertArgs) -> Result<()> {
             a.out.join("model.nflash").display()
         );
     }
-    crate::output::check_out_dir(&a.out, "--out")?;
+    // Never overwrite an input: a file of the checkpoint, the calibration text, the profile, the device profile.
+    let inputs: Vec<&std::path::Path> =
+        [&a.sparse.calib, &a.sparse.profile, &a.device.device].into_iter().flatten().map(|p| p.as_path()).collect();
+    crate::output::check_out(&a.out, "--out", &inputs, &[&a.model])?;
     let t0 = std::time::Instant::now();
     let mut stages = Stages::start();
     let ck = Checkpoint::open(&a.model)?;

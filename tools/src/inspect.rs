@@ -96,21 +96,18 @@ pub fn run(a: InspectArgs) -> Result<()> {
         if c.tie_word_embeddings { "tied" } else { "untied" }
     );
     let g = meta.generation.clone().unwrap_or_default();
-    let set: Vec<String> = [
-        g.temperature.map(|t| format!("temperature {t}")),
-        g.top_p.map(|p| format!("top-p {p}")),
-        g.top_k.map(|k| format!("top-k {k}")),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
+    // Where each default of `nflash run` comes from (flags override all).
+    let src =
+        if h.minor < 2 { "nflash default; packs before 3.2 do not record the checkpoint's" } else { "nflash default" };
+    let pick = |v: Option<String>, default: &str| match v {
+        Some(v) => format!("{v} (generation_config.json)"),
+        None => format!("{default} ({src})"),
+    };
     println!(
-        "sampling defaults: {}",
-        if set.is_empty() {
-            "none in the checkpoint (nflash run uses temperature 0.8, top-k 40, top-p 0.95)".to_string()
-        } else {
-            format!("{} (from generation_config.json; nflash run flags override them)", set.join(", "))
-        }
+        "sampling defaults: temperature {}, top-k {}, top-p {}; nflash run flags override them",
+        pick(g.temperature.map(|t| t.to_string()), "0.8"),
+        pick(g.top_k.map(|k| k.to_string()), "40"),
+        pick(g.top_p.map(|p| p.to_string()), "0.95"),
     );
     let bos = c.bos_token_id.map_or("none".to_string(), |b| b.to_string());
     let eos: Vec<String> = c.eos_token_ids.iter().map(|e| e.to_string()).collect();

@@ -267,10 +267,7 @@ pub fn write_pack(
             chat_template: chat_template(tc),
             bos_token: special_token(tc, "bos_token"),
             eos_token: special_token(tc, "eos_token"),
-            add_bos_token: match tc.get("add_bos_token").and_then(|v| v.as_bool()) {
-                Some(b) => b,
-                None => post_processor_adds_bos(ck)?,
-            },
+            add_bos_token: add_bos_token(ck)?,
         },
         segments: Vec::new(),
         tensors,
@@ -401,6 +398,23 @@ fn write_tensor(
 
 fn short(name: &str) -> String {
     name.trim_start_matches("model.").chars().take(28).collect()
+}
+
+/// `add_bos_token` of tokenizer_config.json (SPEC §4.2): a boolean, or where
+/// it is absent, what the tokenizer's post-processor does.
+///
+/// # Errors
+/// A value that is not a boolean; `true` for a model without a BOS token id.
+fn add_bos_token(ck: &Checkpoint) -> Result<bool> {
+    let add = match ck.tokenizer_config.get("add_bos_token") {
+        None | Some(serde_json::Value::Null) => post_processor_adds_bos(ck)?,
+        Some(serde_json::Value::Bool(b)) => *b,
+        Some(v) => bail!("tokenizer_config.json: add_bos_token = {v} is not true or false; fix or remove the key"),
+    };
+    if add && ck.config.bos_token_id.is_none() {
+        bail!("tokenizer_config.json says add_bos_token: true, but neither config.json nor generation_config.json has a bos_token_id; add the BOS token's id (see tokenizer.json) to config.json");
+    }
+    Ok(add)
 }
 
 /// Whether the tokenizer's own post-processor puts the BOS token first (the

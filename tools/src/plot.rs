@@ -73,7 +73,7 @@ pub fn check_path(out: &Path) -> Result<()> {
     if out.extension().is_none_or(|e| !e.eq_ignore_ascii_case("png")) {
         bail!("--plot {} should end in .png (the plot is a PNG image)", out.display());
     }
-    crate::output::check_out_dir(out, "--plot")?;
+    crate::output::check_out(out, "--plot", &[], &[])?;
     Ok(())
 }
 

@@ -60,7 +60,7 @@ impl ProfileModel {
     /// The shape of `cfg`.
     pub fn of(cfg: &ModelConfig) -> Self {
         ProfileModel {
-            architecture: cfg.architecture.hf_name().to_string(),
+            architecture: cfg.family().to_string(),
             hidden_size: cfg.hidden_size,
             intermediate_size: cfg.intermediate_size,
             num_layers: cfg.num_layers,

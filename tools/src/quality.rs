@@ -67,13 +67,21 @@ pub struct QualityRow {
 
 fn run_scored(engine: &Engine, tokens: &[u32], o: &QualityOptions, what: &str) -> Result<Scored> {
     let t = std::time::Instant::now();
+    // On a terminal one line redrawn per window; in a log a line per progress interval.
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let (every, mut next) = (crate::progress::interval(), crate::progress::interval());
     let s = score(&engine.model, tokens, o.ctx, |done, total| {
-        if !o.quiet {
+        if o.quiet {
+        } else if tty {
             message_part!("\r{what}: window {done}/{total}   ");
+        } else if t.elapsed() >= next {
+            message!("{what}: window {done}/{total}, {:.0} s elapsed", t.elapsed().as_secs_f64());
+            next += every;
         }
     })?;
     if !o.quiet {
-        message!("\r{what}: perplexity {:.4} in {:.1} s   ", s.ppl.perplexity, t.elapsed().as_secs_f64());
+        let cr = if tty { "\r" } else { "" };
+        message!("{cr}{what}: perplexity {:.4} in {:.1} s   ", s.ppl.perplexity, t.elapsed().as_secs_f64());
     }
     Ok(s)
 }

@@ -462,7 +462,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
     }
     // Create the temporary output directory now, so a bad location fails before any heavy work.
     let parent = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    crate::output::check_out_dir(&a.out, "--out")?;
+    crate::output::check_out(&a.out, "--out", &[], &[&a.tokenizer])?;
     let tmp = parent.join(format!(
         ".{}.tmp-{}",
         a.out.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
@@ -572,8 +572,8 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
     let synth = Synth { cfg: cfg.clone(), seed: a.seed, rank, biases: Mutex::new(HashMap::new()) };
     let t0 = std::time::Instant::now();
     message!(
-        "synthesizing {:?} ({} layers, hidden {hidden}, FFN {inter}, {} KV heads, {:?}) with target sparsity {} and skew {} into {}",
-        a.shape, layers, kv_heads, a.act, a.sparsity, a.skew, a.out.display()
+        "synthesizing {} ({} layers, hidden {hidden}, FFN {inter}, {} KV heads, {}) with target sparsity {} and skew {} into {}",
+        cli_name(a.shape), layers, kv_heads, cli_name(a.act), a.sparsity, a.skew, a.out.display()
     );
 
     // 1. Biases from calibration statistics.

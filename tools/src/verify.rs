@@ -53,6 +53,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
                 message!("ok  {:<12} {:>12} bytes  crc32 {:08x}", s.name, s.bytes, s.crc32);
             }
         }
+        pack.metadata()?;
         if !a.json {
             println!("{}: header, manifest and {} segments verified", f.display(), segs.len());
         }

@@ -68,7 +68,7 @@ pub fn run(a: ProfileArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
-    crate::output::check_out_dir(&a.out, "--out")?;
+    crate::output::check_out(&a.out, "--out", &[&a.calib], &[&a.model])?;
     message!(
         "profiling {} ({}, {} layers, FFN {}) on {}",
         a.model.display(),

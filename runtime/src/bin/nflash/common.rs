@@ -28,7 +28,11 @@ pub fn in_pool<T: Send>(threads: Option<usize>, f: impl FnOnce() -> Result<T> + 
 
 /// Reads a UTF-8 text file, naming the file and the bad byte offset on error.
 pub fn read_text(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    // A UTF-8 byte-order mark (Windows editors write one) is not text.
+    if bytes.starts_with(b"\xEF\xBB\xBF") {
+        bytes.drain(..3);
+    }
     String::from_utf8(bytes).map_err(|e| {
         anyhow::anyhow!(
             "{} is not UTF-8 text (invalid byte at offset {}); convert it to UTF-8 first",

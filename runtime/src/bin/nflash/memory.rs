@@ -95,7 +95,19 @@ pub fn resolve(
                 io_threads: a.io_threads.map(|n| n as u32),
                 measured,
             };
-            Some(planner::plan(m, &dev, &req)?)
+            let from_pack = a.memory_budget.is_none();
+            Some(planner::plan(m, &dev, &req).with_context(|| {
+                if from_pack {
+                    format!(
+                        "the memory budget {:.1} MiB is the pack's plan's (it was planned at ctx {}, {} threads); pass --memory-budget to choose another",
+                        budget_bytes as f64 / (1u64 << 20) as f64,
+                        stored.map_or(0, |p| p.ctx),
+                        stored.map_or(0, |p| p.threads)
+                    )
+                } else {
+                    "--memory-budget".to_string()
+                }
+            })?)
         }
     };
     let mut cfg = plan.as_ref().map_or_else(|| CacheConfig::all_hot(pack), CacheConfig::from_plan);
@@ -117,10 +129,16 @@ pub fn resolve(
     }
     if let (Some(p), true) = (&plan, a.hot_fraction.is_some() || a.cold_cache.is_some()) {
         let hot = planner::hot_region_bytes(m, &cfg.hot_neurons);
-        let need = p.fixed_bytes + hot + cfg.cold_bytes;
+        // Saturating: --cold-cache is the user's number, up to 2^64 - 1.
+        let need = p.fixed_bytes.saturating_add(hot).saturating_add(cfg.cold_bytes);
         if need > p.memory_budget_bytes {
+            let given = match (a.hot_fraction.is_some(), a.cold_cache.is_some()) {
+                (true, true) => "--hot-fraction and --cold-cache",
+                (true, false) => "--hot-fraction (with the plan's cold region)",
+                _ => "--cold-cache (with the plan's hot region)",
+            };
             bail!(
-                "--hot-fraction/--cold-cache need about {:.1} MiB (fixed region {:.1} MiB + hot {:.1} MiB + cold {:.1} MiB), more than the {:.1} MiB memory budget; lower them or raise --memory-budget",
+                "{given} need about {:.1} MiB (fixed region {:.1} MiB + hot {:.1} MiB + cold {:.1} MiB), more than the {:.1} MiB memory budget; lower them, pass --hot-fraction too, or raise --memory-budget",
                 need as f64 / (1u64 << 20) as f64,
                 p.fixed_bytes as f64 / (1u64 << 20) as f64,
                 hot as f64 / (1u64 << 20) as f64,

@@ -47,11 +47,18 @@ pub fn run(a: PplArgs) -> Result<()> {
 }
 
 fn run_in_pool(a: PplArgs) -> Result<()> {
+    if a.ctx < 2 {
+        anyhow::bail!("--ctx {} must be at least 2", a.ctx);
+    }
     let text = read_text(&a.file)?;
     let device = a.memory.device_profile()?;
     let pack = open_pack(&a.model, a.verify)?;
     let (mut engine, _) = load_engine(&pack, &a.memory, device, a.ctx)?;
     engine.model.set_dense(a.dense);
+    let max_pos = engine.model.cfg.max_position_embeddings;
+    if a.ctx as u64 > max_pos {
+        message!("warning: --ctx {} exceeds the model's trained context ({max_pos} tokens); perplexity past it is not meaningful", a.ctx);
+    }
     let mut tokens = engine.tokenizer.encode(&text, false)?;
     if let Some(m) = a.max_tokens {
         tokens.truncate(m);
@@ -70,13 +77,22 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
     if !quiet {
         message!("scoring {n_tokens} tokens in windows of {} tokens", a.ctx);
     }
+    // On a terminal one line redrawn per window; in a log a line every 10 s.
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut last_line = 0.0;
     let r = ppl::perplexity(&engine.model, &tokens, a.ctx, |done, total| {
         if !quiet {
             let secs = started.elapsed().as_secs_f64();
             let done_tokens = (done * a.ctx).min(n_tokens);
             let rate = done_tokens as f64 / secs.max(1e-9);
             let eta = (n_tokens - done_tokens) as f64 / rate.max(1e-9);
-            message_part!("\rwindow {done}/{total}, {rate:.0} tokens/s, {secs:.0} s elapsed, about {eta:.0} s left   ");
+            let line = format!("window {done}/{total}, {rate:.0} tokens/s, {secs:.0} s elapsed, about {eta:.0} s left");
+            if tty {
+                message_part!("\r{line}   ");
+            } else if secs - last_line >= 10.0 || done == total {
+                message!("{line}");
+                last_line = secs;
+            }
         }
     })?;
     let sparsity = SparsitySummary::new(&engine.model.counters().0);
@@ -102,7 +118,9 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
         }
         println!("{j}");
     } else {
-        message!();
+        if tty {
+            message!();
+        }
         println!(
             "perplexity {:.4} over {} scored tokens ({} window{} of at most {} tokens)",
             r.perplexity,

@@ -51,7 +51,7 @@ pub struct RunArgs {
     temperature: Option<f32>,
     /// Sample from the k most likely tokens, 0 = all
     /// [default: the checkpoint's generation_config.json value stored in the pack, else 40].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     top_k: Option<usize>,
     /// Nucleus sampling mass in (0, 1], 1 = off
     /// [default: the checkpoint's generation_config.json value stored in the pack, else 0.95].
@@ -112,7 +112,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     let pack = open_pack(&a.model, a.verify)?;
     let max_pos = pack.manifest().config.max_position_embeddings as usize;
     // Default context: the one the pack's plan was made for, else min(4096, the model's).
-    let ctx = a.ctx.or(pack.manifest().plan.as_ref().map(|p| p.ctx as usize)).unwrap_or(max_pos.min(4096));
+    let ctx = a.ctx.or(pack.manifest().plan.as_ref().map(|p| p.ctx as usize)).unwrap_or(max_pos.clamp(2, 4096));
     let (mut engine, plan) = load_engine(&pack, &a.memory, device, ctx)?;
     if a.stats {
         if let Some(p) = &plan {
@@ -160,6 +160,9 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         GenerateOptions { max_tokens: a.max_tokens, stop_ids: engine.stop_ids.clone(), ignore_eos: a.ignore_eos };
     let mut kv = engine.model.try_new_kv_cache(ctx)?;
     let Some(prompt) = prompt else {
+        if a.raw {
+            bail!("--raw applies to --prompt or --prompt-file; interactive mode always chats through the template");
+        }
         return interactive(&engine, &mut kv, &mut sampler, &opts, &a, budget);
     };
     if prompt.trim().is_empty() {
