@@ -444,22 +444,11 @@ impl Pack {
             what: format!("segment {:?}", self.manifest.segments[idx as usize].name),
             why,
         };
-        let bytes = match self.segment(idx) {
-            Some(b) => b.to_vec(),
-            None => {
-                let s = &self.manifest.segments[idx as usize];
-                let Storage::Loaded { file, .. } = &self.storage else {
-                    unreachable!("a mapped pack has every segment")
-                };
-                let mut b = vec![0u8; s.bytes as usize];
-                std::os::unix::fs::FileExt::read_exact_at(file, &mut b, s.offset)
-                    .map_err(|e| Error::io(&self.path, e))?;
-                b
-            }
-        };
+        // Held in memory like every segment but the FFN ones.
+        let bytes = self.segment_in_memory(idx)?;
         // An object, not any JSON serde could read into the struct (it would take an array too).
         let v: serde_json::Value =
-            serde_json::from_slice(&bytes).map_err(|e| invalid(format!("not the metadata JSON object: {e}")))?;
+            serde_json::from_slice(bytes).map_err(|e| invalid(format!("not the metadata JSON object: {e}")))?;
         if !v.is_object() {
             return Err(invalid("the metadata is not a JSON object".into()));
         }

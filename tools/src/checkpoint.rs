@@ -190,12 +190,23 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
     if bamboo && activation != Activation::DRelu {
         bail!("config.json: {BAMBOO} with hidden_act {act_name:?}: TurboSparse (Bamboo) models use dReLU, hidden_act \"relu\"");
     }
-    let mut eos = token_ids(cfg.get("eos_token_id"), "config.json eos_token_id")?;
-    if let Some(g) = gen {
-        for id in token_ids(g.get("eos_token_id"), "generation_config.json eos_token_id")? {
-            if !eos.contains(&id) {
-                eos.push(id);
-            }
+    // Special token ids, each list read once: (file and key, ids).
+    let ids = |file: &'static str, v: &Value, key: &'static str| -> Result<(String, Vec<u32>)> {
+        let what = format!("{file} {key}");
+        let list = token_ids(v.get(key), &what)?;
+        Ok((what, list))
+    };
+    let (cfg_bos, cfg_eos) = (ids("config.json", cfg, "bos_token_id")?, ids("config.json", cfg, "eos_token_id")?);
+    let (gen_bos, gen_eos) = match gen {
+        Some(g) => {
+            (ids("generation_config.json", g, "bos_token_id")?, ids("generation_config.json", g, "eos_token_id")?)
+        }
+        None => Default::default(),
+    };
+    let mut eos = cfg_eos.1.clone();
+    for &id in &gen_eos.1 {
+        if !eos.contains(&id) {
+            eos.push(id);
         }
     }
     let sliding_window = match architecture {
@@ -222,33 +233,13 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         attention_bias: get_bool(cfg, "attention_bias", false)?,
         mlp_bias: get_bool(cfg, "mlp_bias", false)?,
         // config.json's, else generation_config.json's.
-        bos_token_id: match token_ids(cfg.get("bos_token_id"), "config.json bos_token_id")?.first() {
-            Some(&b) => Some(b),
-            None => gen
-                .map(|g| token_ids(g.get("bos_token_id"), "generation_config.json bos_token_id"))
-                .transpose()?
-                .and_then(|v| v.first().copied()),
-        },
+        bos_token_id: cfg_bos.1.first().or(gen_bos.1.first()).copied(),
         eos_token_ids: eos,
     };
     config.check().map_err(|e| anyhow!("config.json: {e}"))?;
     // Special token ids index the embedding: one past it is a broken config.
     let vocab = config.vocab_size;
-    let mut ids: Vec<(&str, Vec<u32>)> = vec![
-        ("config.json bos_token_id", token_ids(cfg.get("bos_token_id"), "config.json bos_token_id")?),
-        ("config.json eos_token_id", token_ids(cfg.get("eos_token_id"), "config.json eos_token_id")?),
-    ];
-    if let Some(g) = gen {
-        ids.push((
-            "generation_config.json bos_token_id",
-            token_ids(g.get("bos_token_id"), "generation_config.json bos_token_id")?,
-        ));
-        ids.push((
-            "generation_config.json eos_token_id",
-            token_ids(g.get("eos_token_id"), "generation_config.json eos_token_id")?,
-        ));
-    }
-    for (key, list) in ids {
+    for (key, list) in [cfg_bos, cfg_eos, gen_bos, gen_eos] {
         if let Some(bad) = list.iter().find(|&&id| u64::from(id) >= vocab) {
             bail!(
                 "{key} {bad} is not a token of this model: vocab_size is {vocab} (ids 0..={}); fix the id in the file (the tokenizer's tokenizer.json names the right one)",
@@ -410,8 +401,9 @@ impl Checkpoint {
 
     /// A fingerprint of the weights, 16 hex digits: CRC-32 (two seeds) over
     /// every tensor's name, shape and the f32 values of 16 elements at its
-    /// start, middle and end (so BF16 weights and their F32 copy agree). It tells two checkpoints of one shape apart (a
-    /// fine-tune from its base) without reading gigabytes; profiles store it.
+    /// start, middle and end (so BF16 weights and their F32 copy agree). It
+    /// tells two checkpoints of one shape apart (a fine-tune from its base)
+    /// without reading gigabytes; profiles store it.
     ///
     /// # Errors
     /// Read failures, naming the shard.

@@ -285,7 +285,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
             };
             let c = nflash_plan::planner::choose_cluster_bytes(dev, bundle, &p);
             // What the pack and its plan use: whole neurons, read in 4 KiB-aligned units.
-            let k = (c / bundle).clamp(1, cfg.intermediate_size.max(1));
+            let k = crate::pack::neurons_per_cluster(c, bundle, cfg.intermediate_size);
             message!(
                 "neuron cluster size for {}: {k} neurons of {bundle} bytes, {:.1} KiB ({} KiB per read, 4 KiB-aligned); chosen for the device's reads",
                 dev.name,

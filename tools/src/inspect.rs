@@ -30,7 +30,9 @@ pub fn run(a: InspectArgs) -> Result<()> {
         e.1 += t.bytes;
     }
     let ffn_dtype = m.ffn.first().map(|f| f.bundle.dtype.to_string());
-    let fallback = f16_fallback(m);
+    let quant = m.ffn.first().map_or(DType::F32, |f| f.bundle.dtype);
+    let fallback =
+        crate::pack::f16_fallback(quant, m.tensors.iter().map(|t| (t.name.clone(), t.shape.clone(), t.dtype)));
     let meta = pack.metadata()?;
     let clusters: usize = m.ffn.iter().map(|f| f.clusters.len()).sum();
     if a.json {
@@ -54,7 +56,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             "ffn_clusters": clusters,
             "sparse": sparse_json(m),
             "plan": m.plan.as_ref().map(serde_json::to_value).transpose()?,
-            "f16_fallback": fallback.iter().map(|(name, n, cols)| serde_json::json!({"tensors": name, "count": n, "row_elements": cols})).collect::<Vec<_>>(),
+            "f16_fallback": fallback.iter().map(|(name, (n, cols, _))| serde_json::json!({"tensors": name, "count": n, "row_elements": cols})).collect::<Vec<_>>(),
             "metadata": serde_json::to_value(&meta)?,
             "tensor_types": types.iter().map(|(k, (n, b))| (k.clone(), serde_json::json!({"tensors": n, "bytes": b}))).collect::<serde_json::Map<_, _>>(),
         });
@@ -121,7 +123,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
         println!("  {k:>5}: {n} tensors, {:.2} MiB", mib(*b));
     }
     if let Some(f) = m.ffn.first() {
-        for (name, n, cols) in &fallback {
+        for (name, (n, cols, _)) in &fallback {
             println!(
                 "  f16 fallback: {name} ({n} tensor{}): rows of {cols} elements are not whole 32-element {} blocks",
                 if *n == 1 { "" } else { "s" },
@@ -162,22 +164,6 @@ pub fn run(a: InspectArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// Matrices stored as F16 in a Q4_0/Q8_0 pack because their rows are not
-/// whole 32-element blocks (`prep convert` says so too): `(name pattern with
-/// the layer as *, tensors, row elements)`.
-fn f16_fallback(m: &Manifest) -> Vec<(String, usize, u64)> {
-    let Some(quant) = m.ffn.first().map(|f| f.bundle.dtype) else { return Vec::new() };
-    if !matches!(quant, DType::Q4_0 | DType::Q8_0) {
-        return Vec::new();
-    }
-    let mut groups: BTreeMap<String, (usize, u64)> = BTreeMap::new();
-    for t in m.tensors.iter().filter(|t| t.shape.len() == 2 && t.dtype == DType::F16) {
-        let e = groups.entry(crate::pack::layer_pattern(&t.name)).or_insert((0, t.shape[1]));
-        e.0 += 1;
-    }
-    groups.into_iter().map(|(k, (n, c))| (k, n, c)).collect()
 }
 
 /// The sparsity settings and per-layer profile summary (SPEC §4.5), or null.

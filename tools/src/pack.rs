@@ -202,7 +202,7 @@ pub fn write_pack(
     w.end_segment()?;
 
     // FFN neuron clusters, one segment per layer.
-    let per_cluster = (opts.cluster_bytes / layout.bundle_bytes).clamp(1, inter as u64) as usize;
+    let per_cluster = neurons_per_cluster(opts.cluster_bytes, layout.bundle_bytes, inter as u64) as usize;
     let mut ffn = Vec::with_capacity(cfg.num_layers as usize);
     // `l` names the layer's tensors and indexes the plan's layers as well.
     #[allow(clippy::needless_range_loop)]
@@ -290,6 +290,12 @@ pub fn write_pack(
     Ok(())
 }
 
+/// Neurons per cluster for a target of `cluster_bytes`: whole bundles of
+/// `bundle_bytes`, at least one, at most the layer's `n_neurons`.
+pub fn neurons_per_cluster(cluster_bytes: u64, bundle_bytes: u64, n_neurons: u64) -> u64 {
+    (cluster_bytes / bundle_bytes.max(1)).clamp(1, n_neurons.max(1))
+}
+
 /// Largest magnitude `dtype` can store: F16's largest finite value, and for
 /// Q8_0/Q4_0 the block maximum whose F16 scale (`max/127`, `max/8`) stays finite.
 fn max_storable(dtype: DType) -> f32 {
@@ -317,20 +323,31 @@ fn check_range(name: &str, shape: &[usize], data: &[f32], dtype: DType) -> Resul
     )
 }
 
-/// Says which matrices are stored as F16 although `quant` was asked for
-/// (their rows are not whole 32-element blocks, e.g. `o_proj` with head_dim 20),
-/// grouped by name with the layer index as `*`.
-fn report_f16_fallback(residents: &[Resident], quant: DType) {
+/// The matrices among `tensors` (name, shape, stored type) that a pack of
+/// `quant` stores as F16 because their rows are not whole 32-element blocks
+/// (e.g. `o_proj` with head_dim 20 under Q4_0), grouped by name with the
+/// layer index as `*`: pattern → (tensors, row elements, bytes). Empty unless
+/// `quant` is Q4_0 or Q8_0. Used by `prep convert` and `prep inspect`.
+pub fn f16_fallback(
+    quant: DType,
+    tensors: impl IntoIterator<Item = (String, Vec<u64>, DType)>,
+) -> std::collections::BTreeMap<String, (usize, u64, u64)> {
+    let mut groups = std::collections::BTreeMap::new();
     if !matches!(quant, DType::Q4_0 | DType::Q8_0) {
-        return;
+        return groups;
     }
-    let mut groups: std::collections::BTreeMap<String, (usize, usize, u64)> = Default::default();
-    for r in residents.iter().filter(|r| r.shape.len() == 2 && r.dtype != quant) {
-        let e = groups.entry(layer_pattern(&r.name)).or_insert((0, r.shape[1], 0));
+    for (name, shape, _) in tensors.into_iter().filter(|(_, shape, dtype)| shape.len() == 2 && *dtype == DType::F16) {
+        let e = groups.entry(layer_pattern(&name)).or_insert((0, shape[1], 0));
         e.0 += 1;
-        e.2 += DType::F16.tensor_bytes(&[r.shape[0] as u64, r.shape[1] as u64]).unwrap_or(0);
+        e.2 += DType::F16.tensor_bytes(&shape).unwrap_or(0);
     }
-    for (name, (n, cols, bytes)) in groups {
+    groups
+}
+
+/// Says which matrices are stored as F16 although `quant` was asked for ([`f16_fallback`]).
+fn report_f16_fallback(residents: &[Resident], quant: DType) {
+    let tensors = residents.iter().map(|r| (r.name.clone(), r.shape.iter().map(|&d| d as u64).collect(), r.dtype));
+    for (name, (n, cols, bytes)) in f16_fallback(quant, tensors) {
         message!(
             "{name} ({n} tensor{}, {:.2} MiB) stored as f16, not {quant}: its rows of {cols} elements are not whole 32-element blocks",
             if n == 1 { "" } else { "s" },
@@ -340,7 +357,7 @@ fn report_f16_fallback(residents: &[Resident], quant: DType) {
 }
 
 /// `model.layers.7.self_attn.o_proj.weight` → `model.layers.*.self_attn.o_proj.weight`.
-pub fn layer_pattern(name: &str) -> String {
+fn layer_pattern(name: &str) -> String {
     match name.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) {
         Some((l, rest)) if l.parse::<u32>().is_ok() => format!("model.layers.*.{rest}"),
         _ => name.to_string(),

@@ -1,5 +1,6 @@
 //! Progress of long stages: an indicatif bar on a terminal, and without one
-//! (logs, CI, `nohup`) a plain line at least every [`interval`] with the
+//! (logs, CI, `nohup`) a plain line at least every
+//! [`progress_interval`](nflash_runtime::message::progress_interval) with the
 //! stage, percent done and ETA, so that no stage is silent for minutes.
 
 use std::io::IsTerminal;
@@ -9,16 +10,6 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use nflash_runtime::message;
-
-/// Seconds between plain progress lines: 10, or `NFLASH_PROGRESS_SECS`
-/// (a positive number; tests use a fraction of a second).
-pub fn interval() -> Duration {
-    std::env::var("NFLASH_PROGRESS_SECS")
-        .ok()
-        .and_then(|s| s.parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map_or(Duration::from_secs(10), Duration::from_secs_f64)
-}
 
 /// A progress bar for stage `stage` of `len` units, drawn with the indicatif
 /// `template` on a terminal; dereferences to the [`ProgressBar`].
@@ -41,7 +32,7 @@ impl Progress {
         let stop = Arc::new(AtomicBool::new(false));
         let ticker = (!std::io::stderr().is_terminal()).then(|| {
             let (pb, stop) = (pb.clone(), stop.clone());
-            let every = interval();
+            let every = nflash_runtime::message::progress_interval();
             std::thread::Builder::new()
                 .name("progress".into())
                 .spawn(move || {

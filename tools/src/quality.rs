@@ -15,7 +15,6 @@ use nflash_format::Pack;
 use nflash_runtime::model::predictor::SparsitySummary;
 use nflash_runtime::ppl::{score, Scored};
 use nflash_runtime::Engine;
-use nflash_runtime::{message, message_part};
 use serde::Serialize;
 
 /// What to score.
@@ -67,21 +66,16 @@ pub struct QualityRow {
 
 fn run_scored(engine: &Engine, tokens: &[u32], o: &QualityOptions, what: &str) -> Result<Scored> {
     let t = std::time::Instant::now();
-    // On a terminal one line redrawn per window; in a log a line per progress interval.
-    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let (every, mut next) = (crate::progress::interval(), crate::progress::interval());
+    let mut progress = nflash_runtime::message::ProgressLine::default();
     let s = score(&engine.model, tokens, o.ctx, |done, total| {
-        if o.quiet {
-        } else if tty {
-            message_part!("\r{what}: window {done}/{total}   ");
-        } else if t.elapsed() >= next {
-            message!("{what}: window {done}/{total}, {:.0} s elapsed", t.elapsed().as_secs_f64());
-            next += every;
+        if !o.quiet {
+            progress.step(done, total, || {
+                format!("{what}: window {done}/{total}, {:.0} s elapsed", t.elapsed().as_secs_f64())
+            });
         }
     })?;
     if !o.quiet {
-        let cr = if tty { "\r" } else { "" };
-        message!("{cr}{what}: perplexity {:.4} in {:.1} s   ", s.ppl.perplexity, t.elapsed().as_secs_f64());
+        progress.finish(&format!("{what}: perplexity {:.4} in {:.1} s", s.ppl.perplexity, t.elapsed().as_secs_f64()));
     }
     Ok(s)
 }

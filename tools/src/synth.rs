@@ -46,6 +46,7 @@ use nflash_plan::sim::power_law;
 
 use crate::checkpoint::{read_json, token_ids};
 use crate::forward::{split_windows, Forward, WeightSource};
+use crate::progress::Progress;
 use nflash_runtime::message;
 
 /// Model shapes `prep synth` can generate.
@@ -429,10 +430,6 @@ impl View for Lazy<'_> {
     }
 }
 
-fn bar(len: u64, template: &str, stage: &'static str) -> crate::progress::Progress {
-    crate::progress::Progress::new(len, template, stage)
-}
-
 pub fn run(a: SynthArgs) -> Result<()> {
     if !(a.sparsity > 0.0 && a.sparsity < 1.0) {
         bail!(
@@ -577,7 +574,11 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
     );
 
     // 1. Biases from calibration statistics.
-    let pb = bar(layers, "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}", "synth: calibrate");
+    let pb = Progress::new(
+        layers,
+        "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}",
+        "synth: calibrate",
+    );
     pb.set_message("calibrate");
     let achieved = calibrate(&synth, a, &pb)?;
     pb.finish_and_clear();
@@ -630,7 +631,7 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
         },
         shards.len()
     );
-    let pb = bar(
+    let pb = Progress::new(
         total,
         "{msg:>10} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
         "synth: write shards",

@@ -9,7 +9,8 @@ use nflash_runtime::ppl;
 
 use crate::common::{in_pool, open_pack, read_text};
 use crate::memory::{load_engine, MemoryArgs};
-use nflash_runtime::{message, message_part};
+use nflash_runtime::message;
+use nflash_runtime::message::ProgressLine;
 
 /// Arguments of `nflash ppl`.
 #[derive(Args)]
@@ -77,22 +78,16 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
     if !quiet {
         message!("scoring {n_tokens} tokens in windows of {} tokens", a.ctx);
     }
-    // On a terminal one line redrawn per window; in a log a line every 10 s.
-    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let mut last_line = 0.0;
+    let mut progress = ProgressLine::default();
     let r = ppl::perplexity(&engine.model, &tokens, a.ctx, |done, total| {
         if !quiet {
-            let secs = started.elapsed().as_secs_f64();
-            let done_tokens = (done * a.ctx).min(n_tokens);
-            let rate = done_tokens as f64 / secs.max(1e-9);
-            let eta = (n_tokens - done_tokens) as f64 / rate.max(1e-9);
-            let line = format!("window {done}/{total}, {rate:.0} tokens/s, {secs:.0} s elapsed, about {eta:.0} s left");
-            if tty {
-                message_part!("\r{line}   ");
-            } else if secs - last_line >= 10.0 || done == total {
-                message!("{line}");
-                last_line = secs;
-            }
+            progress.step(done, total, || {
+                let secs = started.elapsed().as_secs_f64();
+                let done_tokens = (done * a.ctx).min(n_tokens);
+                let rate = done_tokens as f64 / secs.max(1e-9);
+                let eta = (n_tokens - done_tokens) as f64 / rate.max(1e-9);
+                format!("window {done}/{total}, {rate:.0} tokens/s, {secs:.0} s elapsed, about {eta:.0} s left")
+            });
         }
     })?;
     let sparsity = SparsitySummary::new(&engine.model.counters().0);
@@ -118,7 +113,7 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
         }
         println!("{j}");
     } else {
-        if tty {
+        if progress.is_tty() {
             message!();
         }
         println!(
