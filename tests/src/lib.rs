@@ -303,10 +303,15 @@ pub fn convert(dir: &Path, out: &Path, quant: &str) {
 /// Converts checkpoint `dir` to `out` with `prep convert` and the flags
 /// `extra`, panicking with prep's stderr on failure.
 pub fn convert_with(dir: &Path, out: &Path, extra: &[&str]) {
+    let o = prep_convert(dir, out, extra);
+    assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// `prep convert --model dir --out out` with the flags `extra`; its output, whatever the outcome.
+pub fn prep_convert(dir: &Path, out: &Path, extra: &[&str]) -> Output {
     let mut args = vec!["convert", "--model", dir.to_str().unwrap(), "--out", out.to_str().unwrap()];
     args.extend_from_slice(extra);
-    let o = run("prep", &args);
-    assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
+    run("prep", &args)
 }
 
 /// ‖a − b‖ / ‖b‖ of two flat vectors of equal length.

@@ -7,7 +7,8 @@ use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
 use nflash_tests::{
-    assert_fails, assert_no_output, convert, convert_with, run, tiny_words, write_tiny_checkpoint, TinySpec,
+    assert_fails, assert_no_output, convert, convert_with, prep_convert, run, tiny_words, write_tiny_checkpoint,
+    TinySpec,
 };
 use serde_json::{json, Value};
 
@@ -57,9 +58,7 @@ fn poke(file: &Path, name: &str, index: usize, value: f32) {
 #[track_caller]
 fn convert_fails(dir: &Path, extra: &[&str], needles: &[&str]) -> String {
     let out = dir.parent().unwrap().join("refused.nflash");
-    let mut args = vec!["convert", "--model", s(dir), "--out", s(&out)];
-    args.extend_from_slice(extra);
-    let e = assert_fails("prep convert", &run("prep", &args), needles);
+    let e = assert_fails("prep convert", &prep_convert(dir, &out, extra), needles);
     assert_no_output(&out);
     e
 }
@@ -168,7 +167,7 @@ fn convert_into_a_missing_directory_fails_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = checkpoint(tmp.path(), "ckpt", &TinySpec::default());
     let out = tmp.path().join("no/such/dir/x.nflash");
-    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&out), "--quant", "q8_0"]);
+    let o = prep_convert(&dir, &out, &["--quant", "q8_0"]);
     assert_fails(
         "convert into a missing directory",
         &o,
@@ -192,7 +191,7 @@ fn f16_fallback_is_reported_by_convert_and_shown_by_inspect() {
     // head_dim 20: q_proj rows are 64 wide (quantized), o_proj rows 80 wide (not whole blocks).
     let dir = checkpoint(tmp.path(), "hd20", &TinySpec { head_dim: Some(20), ..TinySpec::default() });
     let pack = tmp.path().join("hd20.nflash");
-    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&pack), "--quant", "q4_0"]);
+    let o = prep_convert(&dir, &pack, &["--quant", "q4_0"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let e = stderr(&o);
     assert!(
@@ -212,7 +211,7 @@ fn f16_fallback_is_reported_by_convert_and_shown_by_inspect() {
     // Without a fallback the list is empty and nothing is said.
     let plain = checkpoint(tmp.path(), "plain", &TinySpec::default());
     let pack2 = tmp.path().join("plain.nflash");
-    let o = run("prep", &["convert", "--model", s(&plain), "--out", s(&pack2), "--quant", "q4_0"]);
+    let o = prep_convert(&plain, &pack2, &["--quant", "q4_0"]);
     assert!(o.status.success() && !stderr(&o).contains("stored as f16"), "{}", stderr(&o));
     let j: Value = serde_json::from_slice(&run("prep", &["inspect", "--json", s(&pack2)]).stdout).unwrap();
     assert_eq!(j["f16_fallback"], json!([]));
@@ -224,7 +223,7 @@ fn drelu_models_are_labelled_drelu() {
     let spec = TinySpec { arch: "BambooForCausalLM", act: "relu", ..TinySpec::default() };
     let dir = checkpoint(tmp.path(), "bamboo", &spec);
     let pack = tmp.path().join("bamboo.nflash");
-    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&pack), "--quant", "q8_0"]);
+    let o = prep_convert(&dir, &pack, &["--quant", "q8_0"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("(drelu, 2 layers"), "{}", stderr(&o));
     let text = String::from_utf8_lossy(&run("prep", &["inspect", s(&pack)]).stdout).into_owned();
@@ -264,22 +263,7 @@ fn convert_reports_the_cluster_size_the_plan_uses() {
     let dir = checkpoint(tmp.path(), "ckpt", &TinySpec { hidden: 128, inter: 1000, ..TinySpec::default() });
     let dev = nflash_tests::repo_root().join("profiles/oneplus-12.toml");
     let pack = tmp.path().join("p.nflash");
-    let o = run(
-        "prep",
-        &[
-            "convert",
-            "--model",
-            s(&dir),
-            "--out",
-            s(&pack),
-            "--quant",
-            "q8_0",
-            "--device",
-            s(&dev),
-            "--memory-budget",
-            "64MiB",
-        ],
-    );
+    let o = prep_convert(&dir, &pack, &["--quant", "q8_0", "--device", s(&dev), "--memory-budget", "64MiB"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let e = stderr(&o);
     // "… N neurons of B bytes, X KiB (R KiB per read, …" and the plan's "LRU of R KiB neuron clusters".
@@ -548,20 +532,7 @@ fn sizes_need_a_unit_and_the_stated_minimum_budget_is_accepted() {
         assert_fails(&format!("{cmd} {flag} 512"), &o, &[flag, "no unit", "512MiB"]);
     }
     let dev = nflash_tests::repo_root().join("profiles/oneplus-12.toml");
-    let o = run(
-        "prep",
-        &[
-            "convert",
-            "--model",
-            s(&dir),
-            "--out",
-            s(&tmp.path().join("x.nflash")),
-            "--device",
-            s(&dev),
-            "--memory-budget",
-            "96",
-        ],
-    );
+    let o = prep_convert(&dir, &tmp.path().join("x.nflash"), &["--device", s(&dev), "--memory-budget", "96"]);
     assert_fails("convert --memory-budget 96", &o, &["--memory-budget", "no unit", "96MiB"]);
     let o = run("nflash", &["plan-sim", "--device", s(&dev), "--model", s(&pack), "--memory-budget", "3"]);
     assert_fails("plan-sim --memory-budget 3", &o, &["no unit", "3MiB"]);
@@ -676,10 +647,10 @@ fn outputs_never_replace_inputs_or_special_files() {
     assert_eq!(std::fs::read(dir.join("model.safetensors")).unwrap(), weights);
     let fifo = tmp.path().join("fifo");
     assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
-    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&fifo), "--quant", "q8_0"]);
+    let o = prep_convert(&dir, &fifo, &["--quant", "q8_0"]);
     assert_fails("convert --out FIFO", &o, &["not a regular file"]);
     assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO was replaced");
-    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&calib), "--quant", "q8_0", "--calib", s(&calib)]);
+    let o = prep_convert(&dir, &calib, &["--quant", "q8_0", "--calib", s(&calib)]);
     assert_fails("convert --out the calibration text", &o, &["also an input"]);
 }
 
@@ -733,7 +704,7 @@ fn a_checkpoint_with_both_layouts_uses_model_safetensors_as_hugging_face_does() 
     let single = checkpoint(tmp.path(), "single", &TinySpec { seed: 9, ..TinySpec::default() });
     std::fs::copy(single.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let (a, b) = (tmp.path().join("a.nflash"), tmp.path().join("b.nflash"));
-    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&a), "--quant", "q8_0"]);
+    let o = prep_convert(&dir, &a, &["--quant", "q8_0"]);
     assert!(o.status.success() && stderr(&o).contains("using model.safetensors"), "{}", stderr(&o));
     convert(&single, &b, "q8_0");
     let ta = nflash_format::Pack::open(&a).unwrap().tensor("model.norm.weight").unwrap().1.to_vec();
