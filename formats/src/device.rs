@@ -81,7 +81,7 @@ pub struct KernelSpeeds {
     pub q8_0_predictor_gb_s_mt: Option<f64>,
     /// A decode attention block's projections on one thread, as the runtime
     /// runs them per layer: Q, K and V in one parallel region, then O
-    /// (square Q4_0 matrices, Q4_0×8 layout where available), weight
+    /// (square Q4_0 matrices, ×8 layout where available), weight
     /// bytes/s, GB/s. Lower than the matvec figure by the per-layer
     /// fork–join and smaller matrices. Absent in profiles from before
     /// 2026-12-02: the matvec figures stand in.

@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::header::{Header, HEADER_BYTES, MAGIC, VERSION_MAJOR, VERSION_MINOR};
 use crate::manifest::{bincode_options, FfnLayer, Manifest, Segment, SegmentKind, TensorEntry};
@@ -39,7 +38,7 @@ pub struct Pack {
     header: Header,
     manifest: Manifest,
     tensor_index: HashMap<String, usize>,
-    /// Per tensor: bytes reordered to the Q4_0×8 layout ([`Pack::interleave_q4_0`]).
+    /// Per tensor: bytes reordered to the ×8 layout ([`Pack::interleave`]).
     interleaved: Vec<bool>,
     /// Per segment: CRC32 checked before its bytes were reordered in memory.
     checked_before_reorder: Vec<bool>,
@@ -287,10 +286,10 @@ impl Pack {
             .ok_or_else(|| Error::NotFound { path: self.path.clone(), kind: "segment", name: name.to_string() })
     }
 
-    /// Reorders, in memory, every resident Q4_0 matrix whose shape allows it
-    /// ([`crate::interleave::can_interleave`]: rows a multiple of 8) into the
-    /// Q4_0×8 layout (SPEC §5.1), so that decode streams one group of 8 rows
-    /// at a time. Each affected segment's CRC32 is checked first, since the
+    /// Reorders, in memory, every resident Q4_0 and Q8_0 matrix whose shape
+    /// allows it ([`crate::interleave::can_interleave`]: rows a multiple of 8)
+    /// into the ×8 layout (SPEC §5.1), so that matrix products stream one
+    /// group of 8 rows at a time. Each affected segment's CRC32 is checked first, since the
     /// reordered bytes no longer match it; [`Self::verify_segment`] then
     /// reports that earlier check. Returns the bytes reordered. Does nothing
     /// on a mapped pack ([`Self::open`]): its bytes are read-only.
@@ -299,7 +298,7 @@ impl Pack {
     ///
     /// # Errors
     /// [`Error::Checksum`] if an affected segment is damaged.
-    pub fn interleave_q4_0(&mut self) -> Result<u64> {
+    pub fn interleave(&mut self) -> Result<u64> {
         let Storage::Loaded { segments, .. } = &self.storage else {
             return Ok(0);
         };
@@ -307,9 +306,8 @@ impl Pack {
             .filter(|&i| {
                 let t = &self.manifest.tensors[i];
                 !self.interleaved[i]
-                    && t.dtype == DType::Q4_0
                     && t.shape.len() == 2
-                    && crate::interleave::can_interleave(t.shape[0], t.shape[1])
+                    && crate::interleave::can_interleave(t.dtype, t.shape[0], t.shape[1])
                     && segments[t.segment as usize].is_some()
             })
             .collect();
@@ -333,20 +331,20 @@ impl Pack {
             let seg = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, *n) };
             // In range: validated at open (SPEC §6).
             let bytes = &mut seg[t.offset as usize..(t.offset + t.bytes) as usize];
-            crate::interleave::interleave_q4_0(bytes, t.shape[1] as usize, &mut scratch);
+            crate::interleave::interleave(t.dtype, bytes, t.shape[1] as usize, &mut scratch);
             self.interleaved[i] = true;
             total += t.bytes;
         }
         Ok(total)
     }
 
-    /// Whether tensor `name` was reordered to the Q4_0×8 layout by
-    /// [`Self::interleave_q4_0`] (false for unknown names).
+    /// Whether tensor `name` was reordered to the ×8 layout by
+    /// [`Self::interleave`] (false for unknown names).
     pub fn is_interleaved(&self, name: &str) -> bool {
         self.tensor_index.get(name).is_some_and(|&i| self.interleaved[i])
     }
 
-    /// A resident tensor's entry and bytes (in the Q4_0×8 layout if
+    /// A resident tensor's entry and bytes (in the ×8 layout if
     /// [`Self::is_interleaved`]).
     ///
     /// # Errors
@@ -388,7 +386,7 @@ impl Pack {
     pub fn verify_segment(&self, idx: u32) -> Result<()> {
         let s = &self.manifest.segments[idx as usize];
         if self.checked_before_reorder[idx as usize] {
-            // Checked by `interleave_q4_0` before its bytes were reordered.
+            // Checked by `interleave` before its bytes were reordered.
             return Ok(());
         }
         let computed = match (self.segment(idx), &self.storage) {

@@ -439,7 +439,7 @@ pub fn generate_in(
     pool.install(|| {
         let mut pack = Pack::open_resident(path).unwrap();
         if interleave {
-            assert!(pack.interleave_q4_0().unwrap() > 0, "nothing was interleaved");
+            assert!(pack.interleave().unwrap() > 0, "nothing was interleaved");
         }
         let mut model = nflash_runtime::load_model(&pack, cfg).unwrap();
         model.set_speculation(spec);

@@ -61,28 +61,16 @@ fn sparse_results_do_not_depend_on_where_weights_live_or_threads() {
     check_placement_and_threads(&p);
 }
 
-/// `nflash run` reorders resident Q4_0 matrices into groups of 8 rows
-/// (SPEC §5.1): prefill and decode give the same bits as the row layout,
-/// with the FFN in memory or on flash, on 1 or 2 threads.
+/// `nflash run` reorders resident Q4_0 and Q8_0 matrices into groups of 8
+/// rows (SPEC §5.1): prefill and decode give the same bits as the row
+/// layout, with the FFN in memory or on flash, on 1 or 2 threads.
 #[test]
-fn the_interleaved_q4_0_layout_changes_no_result() {
-    if !nflash_runtime::kernels::q4_0x8_available() {
-        eprintln!("skipped: this CPU has no Q4_0×8 kernel, so nothing is interleaved");
+fn the_x8_layout_changes_no_result() {
+    if !nflash_runtime::kernels::x8_available() {
+        eprintln!("skipped: this CPU has no ×8 kernel, so nothing is interleaved");
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let path = pack(dir.path(), "q4.nflash", "q4_0", &[]);
-    let mut p = Pack::open_resident(&path).unwrap();
-    let bytes = p.interleave_q4_0().unwrap();
-    for name in [
-        "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.2.self_attn.o_proj.weight",
-        "model.embed_tokens.weight",
-    ] {
-        assert!(p.is_interleaved(name), "{name} was not interleaved");
-    }
-    assert!(bytes > 0);
-    p.verify().expect("segments checked before the reorder still verify");
     let prompt: Vec<u32> = (0..12).map(|i| 3 + (i * 7) % 70).collect();
     let same = |path: &Path, cfgs: Vec<(&str, CacheConfig)>| {
         for (name, cfg) in cfgs {
@@ -94,7 +82,21 @@ fn the_interleaved_q4_0_layout_changes_no_result() {
             }
         }
     };
-    same(&path, placements(&path).into_iter().take(2).collect());
+    for quant in ["q8_0", "q4_0"] {
+        let path = pack(dir.path(), &format!("{quant}.nflash"), quant, &[]);
+        let mut p = Pack::open_resident(&path).unwrap();
+        let bytes = p.interleave().unwrap();
+        for name in [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.2.self_attn.o_proj.weight",
+            "model.embed_tokens.weight",
+        ] {
+            assert!(p.is_interleaved(name), "{quant}: {name} was not interleaved");
+        }
+        assert!(bytes > 0);
+        p.verify().expect("segments checked before the reorder still verify");
+        same(&path, placements(&path).into_iter().take(2).collect());
+    }
     // A vocabulary of 84 rows keeps the (tied) embedding in the row layout
     // beside interleaved attention: both layouts in one model.
     let ckpt = dir.path().join("ckpt84");
@@ -102,7 +104,7 @@ fn the_interleaved_q4_0_layout_changes_no_result() {
     let p84 = dir.path().join("v84.nflash");
     nflash_tests::convert(&ckpt, &p84, "q4_0");
     let mut p = Pack::open_resident(&p84).unwrap();
-    p.interleave_q4_0().unwrap();
+    p.interleave().unwrap();
     assert!(
         !p.is_interleaved("model.embed_tokens.weight") && p.is_interleaved("model.layers.1.self_attn.k_proj.weight")
     );

@@ -2,17 +2,15 @@
 //! matrix-vector and small-batch products over it, parallel over row
 //! blocks (rayon) and four or eight rows per kernel call.
 
-use candle_core::quantized::k_quants::BlockQ8_0;
-use half::f16;
-use nflash_format::interleave::{Q4_0X8_GROUP_BLOCK, Q4_0X8_ROWS};
+use nflash_format::interleave::X8_ROWS;
 use nflash_format::DType;
 use rayon::prelude::*;
 
-use super::DotInput;
+use super::{DotInput, Q8Vec};
 
 /// A matrix view `[rows, cols]` over packed bytes: row-major as in the pack
-/// (SPEC §5), or for Q4_0 in the Q4_0×8 layout (SPEC §5.1) that
-/// [`nflash_format::Pack::interleave_q4_0`] makes in memory.
+/// (SPEC §5), or for Q4_0 and Q8_0 in the ×8 layout (SPEC §5.1) that
+/// [`nflash_format::Pack::interleave`] makes in memory.
 #[derive(Clone, Copy)]
 pub struct QMatrix<'a> {
     /// Storage type.
@@ -22,8 +20,8 @@ pub struct QMatrix<'a> {
     /// Columns (input features, elements per row).
     pub cols: usize,
     row_bytes: usize,
-    /// Q4_0 rows in groups of 8 (`nflash_format::interleave`).
-    interleaved: bool,
+    /// Rows in groups of 8 (`nflash_format::interleave`).
+    x8: bool,
     data: &'a [u8],
 }
 
@@ -33,35 +31,38 @@ impl<'a> QMatrix<'a> {
     pub fn new(dtype: DType, rows: usize, cols: usize, data: &'a [u8]) -> Self {
         let row_bytes = dtype.row_bytes(cols as u64).expect("validated row length") as usize;
         assert_eq!(data.len(), rows * row_bytes, "weight view size");
-        QMatrix { dtype, rows, cols, row_bytes, interleaved: false, data }
+        QMatrix { dtype, rows, cols, row_bytes, x8: false, data }
     }
 
-    /// A view of a Q4_0 matrix `[rows, cols]` in the Q4_0×8 layout
+    /// A view of a Q4_0 or Q8_0 matrix `[rows, cols]` in the ×8 layout
     /// (`nflash_format::interleave`; rows a multiple of 8, same byte size).
-    pub fn q4_0x8(rows: usize, cols: usize, data: &'a [u8]) -> Self {
-        assert!(nflash_format::interleave::can_interleave(rows as u64, cols as u64), "Q4_0×8 shape [{rows}, {cols}]");
-        QMatrix { interleaved: true, ..Self::new(DType::Q4_0, rows, cols, data) }
+    pub fn x8(dtype: DType, rows: usize, cols: usize, data: &'a [u8]) -> Self {
+        assert!(
+            nflash_format::interleave::can_interleave(dtype, rows as u64, cols as u64),
+            "{dtype}×8 shape [{rows}, {cols}]"
+        );
+        QMatrix { x8: true, ..Self::new(dtype, rows, cols, data) }
     }
 
     /// Bytes of row `r` (row layout only).
     #[inline]
     pub(crate) fn row(&self, r: usize) -> &'a [u8] {
-        debug_assert!(!self.interleaved);
+        debug_assert!(!self.x8);
         &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
 
-    /// Bytes of the 8-row group holding row `r` (Q4_0×8 layout only).
+    /// Bytes of the 8-row group holding row `r` (×8 layout only).
     #[inline]
     fn group(&self, r: usize) -> &'a [u8] {
-        let g = r / Q4_0X8_ROWS * Q4_0X8_ROWS * self.row_bytes;
-        &self.data[g..g + Q4_0X8_ROWS * self.row_bytes]
+        let g = r / X8_ROWS * X8_ROWS * self.row_bytes;
+        &self.data[g..g + X8_ROWS * self.row_bytes]
     }
 
     /// Dot product of row `r` with a prepared input.
     #[inline]
     pub fn row_dot(&self, r: usize, x: &DotInput) -> f32 {
-        if self.interleaved {
-            return super::dot8_q4_0x8(self.cols, self.group(r), q8_input(x))[r % 8];
+        if self.x8 {
+            return super::gemm_x8(self.dtype, self.cols, self.group(r), [q8_input(x)])[0][r % X8_ROWS];
         }
         super::row_dot(self.dtype, self.cols, self.row(r), x)
     }
@@ -72,14 +73,15 @@ impl<'a> QMatrix<'a> {
     }
 
     /// `out[i] = row_{r0+i} · x` for the rows `r0 .. r0 + out.len()`, four at
-    /// a time for Q8 inputs, eight in the Q4_0×8 layout (`r0` and `out.len()`
+    /// a time for Q8 inputs, eight in the ×8 layout (`r0` and `out.len()`
     /// then multiples of 8).
     fn rows_into(&self, x: &DotInput, r0: usize, out: &mut [f32]) {
-        if self.interleaved {
-            debug_assert!(r0.is_multiple_of(8) && out.len().is_multiple_of(8));
+        if self.x8 {
+            debug_assert!(r0.is_multiple_of(X8_ROWS) && out.len().is_multiple_of(X8_ROWS));
             let y = q8_input(x);
-            for (gi, o) in out.chunks_exact_mut(8).enumerate() {
-                o.copy_from_slice(&super::dot8_q4_0x8(self.cols, self.group(r0 + 8 * gi), y));
+            for (gi, o) in out.chunks_exact_mut(X8_ROWS).enumerate() {
+                let [d] = super::gemm_x8(self.dtype, self.cols, self.group(r0 + X8_ROWS * gi), [y]);
+                o.copy_from_slice(&d);
             }
             return;
         }
@@ -105,31 +107,36 @@ impl<'a> QMatrix<'a> {
     }
 
     /// `out[t, r] = row_r · xs[t]` for `n = xs.len()` inputs. `out`: `[n, rows]`.
-    /// Rows are the outer loop so each weight row is read once for all inputs.
+    /// Parallel over row blocks; each weight row is read once for all inputs:
+    /// in the ×8 layout, [`super::gemm_x8`] takes 8 rows × 4 tokens per call
+    /// (the quantized GEMM of prefill), otherwise four rows at a time per
+    /// token. Each token gets the bits [`Self::matvec`] gives it, whatever
+    /// the batch.
     pub fn matmul(&self, xs: &[DotInput], out: &mut [f32]) {
         let n = xs.len();
         debug_assert_eq!(out.len(), n * self.rows);
         if n == 1 {
             return self.matvec(&xs[0], out);
         }
-        let rb = par_chunk(self.rows, 16).next_multiple_of(8);
+        let rb = par_chunk(self.rows, 16).next_multiple_of(X8_ROWS);
         let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
         tmp.par_chunks_mut(rb * n).enumerate().for_each(|(ci, chunk)| {
-            if self.interleaved {
-                // One 8-row group at a time, for every input while it is in cache.
-                for (gi, g_out) in chunk.chunks_mut(8 * n).enumerate() {
-                    let group = self.group(ci * rb + 8 * gi);
-                    for (t, x) in xs.iter().enumerate() {
-                        let d = super::dot8_q4_0x8(self.cols, group, q8_input(x));
-                        for (i, v) in d.into_iter().enumerate() {
-                            g_out[i * n + t] = v;
+            if self.x8 {
+                let ys: Vec<&Q8Vec> = xs.iter().map(q8_input).collect();
+                for (gi, g_out) in chunk.chunks_mut(X8_ROWS * n).enumerate() {
+                    let group = self.group(ci * rb + X8_ROWS * gi);
+                    let mut put = |t0: usize, d: &[[f32; X8_ROWS]]| {
+                        for (t, row) in d.iter().enumerate() {
+                            for (i, &v) in row.iter().enumerate() {
+                                g_out[i * n + t0 + t] = v;
+                            }
                         }
-                    }
+                    };
+                    gemm_tokens(self.dtype, self.cols, group, &ys, &mut put);
                 }
                 return;
             }
-            // Four rows at a time through the same kernel as `matvec`, so a
-            // token's result does not depend on the batch it is in.
+            // Four rows at a time through the same kernel as `matvec`.
             let quads = if matches!(xs[0], DotInput::Q8(_)) { chunk.len() / n / 4 } else { 0 };
             for (qi, q_out) in chunk.chunks_mut(4 * n).take(quads).enumerate() {
                 let r = ci * rb + 4 * qi;
@@ -157,7 +164,8 @@ impl<'a> QMatrix<'a> {
 
     /// `out[t, r] = row_r · x[t]` for `n` f32 inputs `x` (`[n, cols]`), by
     /// dequantizing row tiles and multiplying with candle-core's matmul.
-    /// `out`: `[n, rows]`. Used for batches of at least [`super::gemm::MIN_BATCH`].
+    /// `out`: `[n, rows]`. For f32 and f16 weights (quantized ones take
+    /// [`Self::matmul`]).
     pub fn matmul_f32(&self, x: &[f32], out: &mut [f32]) -> crate::error::Result<()> {
         let n = x.len() / self.cols;
         let xt = super::gemm::input(x, n, self.cols)?;
@@ -176,23 +184,42 @@ impl<'a> QMatrix<'a> {
 
     /// Dequantizes row `r` into `out` (`[cols]`).
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
-        if !self.interleaved {
+        if !self.x8 {
             return super::row_to_f32(self.dtype, self.row(r), out);
         }
-        let (g, i) = (self.group(r), r % 8);
-        for (blk, o) in g.chunks_exact(Q4_0X8_GROUP_BLOCK).zip(out.chunks_exact_mut(32)) {
-            let d = f16::from_le_bytes([blk[2 * i], blk[2 * i + 1]]).to_f32();
-            let (lo, hi) = o.split_at_mut(16);
-            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&blk[16 + 16 * i..32 + 16 * i]) {
-                *l = d * ((q & 0x0F) as i32 - 8) as f32;
-                *h = d * ((q >> 4) as i32 - 8) as f32;
-            }
-        }
+        let mut row = vec![0u8; self.row_bytes];
+        nflash_format::interleave::x8_row(self.dtype, self.group(r), self.cols, r % X8_ROWS, &mut row);
+        super::row_to_f32(self.dtype, &row, out)
     }
 }
 
-/// The Q8_0 blocks of an input for Q4_0 rows.
-pub(crate) fn q8_input(x: &DotInput) -> &[BlockQ8_0] {
+/// One ×8 group (`cols` elements per row) against every token of `ys`,
+/// four tokens per kernel call and a tail of 1 to 3: `put(t0, d)` receives
+/// `d[t][r]` for tokens `t0 ..`.
+pub(crate) fn gemm_tokens(
+    dtype: DType,
+    cols: usize,
+    group: &[u8],
+    ys: &[&Q8Vec],
+    put: &mut impl FnMut(usize, &[[f32; X8_ROWS]]),
+) {
+    let mut quads = ys.chunks_exact(4);
+    let mut t0 = 0;
+    for q in &mut quads {
+        put(t0, &super::gemm_x8(dtype, cols, group, [q[0], q[1], q[2], q[3]]));
+        t0 += 4;
+    }
+    match *quads.remainder() {
+        [] => {}
+        [a] => put(t0, &super::gemm_x8(dtype, cols, group, [a])),
+        [a, b] => put(t0, &super::gemm_x8(dtype, cols, group, [a, b])),
+        [a, b, c] => put(t0, &super::gemm_x8(dtype, cols, group, [a, b, c])),
+        _ => unreachable!("a remainder of chunks_exact(4)"),
+    }
+}
+
+/// The Q8_0 vector of an input for Q4_0/Q8_0 rows.
+pub(crate) fn q8_input(x: &DotInput) -> &Q8Vec {
     match x {
         DotInput::Q8(y) => y,
         _ => panic!("dot input prepared for another dtype than Q4_0/Q8_0"),
@@ -208,11 +235,11 @@ pub fn matvec_many(mats: &[&QMatrix], x: &DotInput, outs: &mut [&mut [f32]]) {
 
 /// [`matvec_many`] over the rows `r0 ..` of each matrix only: `outs[i]` is
 /// `[mats[i].rows - r0]`, `outs[i][j] = row_{r0+j} · x`. `r0`: a multiple of 8
-/// (a whole Q4_0×8 group); panics otherwise (a caller bug).
+/// (a whole ×8 group); panics otherwise (a caller bug).
 pub fn matvec_many_from(mats: &[&QMatrix], r0: usize, x: &DotInput, outs: &mut [&mut [f32]]) {
-    assert!(r0.is_multiple_of(Q4_0X8_ROWS), "first row {r0} is not a multiple of {Q4_0X8_ROWS}");
+    assert!(r0.is_multiple_of(X8_ROWS), "first row {r0} is not a multiple of {X8_ROWS}");
     let total: usize = mats.iter().map(|m| m.rows - r0).sum();
-    // Multiples of 8: whole groups of the Q4_0×8 layout, whole quads otherwise.
+    // Multiples of 8: whole groups of the ×8 layout, whole quads otherwise.
     let chunk = par_chunk(total, 16).next_multiple_of(8);
     // Nested parallel iterators rather than a task list: no allocation per call.
     outs.par_iter_mut().enumerate().for_each(|(mi, out)| {

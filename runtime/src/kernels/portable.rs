@@ -1,22 +1,30 @@
 //! Plain-Rust kernels: the reference every ISA-specific kernel is tested
 //! against, and what runs on CPUs without one.
 //!
-//! They compute exactly what the x86 kernels ([`super::x86`]) compute, in
-//! the same order: per 32-element block, integer sums over the same lanes
-//! (exact), then the same float steps, with `f32::mul_add` where the SIMD
-//! code uses a fused multiply-add. So a row gives the same bits on either
-//! path, and the ISA files can be checked bit for bit. Block layouts: GGML
-//! Q4_0 (18 bytes: f16 scale, 16 bytes of nibbles, element `i` in the low
-//! nibble of byte `i`, element `16 + i` in its high nibble) and Q8_0 (34
-//! bytes: f16 scale, 32 × i8) — formats/SPEC.md §5; Q4_0×8 groups — §5.1.
+//! Every Q4_0/Q8_0 dot here and in the ISA files computes in one order, in
+//! every layout (row, ×8) and for any number of tokens: per 32-element
+//! block, the exact integer sum `s = Σ x_i · y_i`; then
+//! `acc = (dx · dy).mul_add(s, acc)` (f32, blocks in order, one accumulator
+//! per row and token; `dx`, `dy` the block scales). So a row gives the same
+//! bits whichever kernel, layout, batch or thread computes it, and the ISA
+//! files are checked bit for bit. The axpy kernels (`out += a · row`) use
+//! `f32::mul_add` where the SIMD code uses a fused multiply-add. Block
+//! layouts: GGML Q4_0 (18 bytes: f16 scale, 16 bytes of nibbles, element
+//! `i` in the low nibble of byte `i`, element `16 + i` in its high nibble)
+//! and Q8_0 (34 bytes: f16 scale, 32 × i8) — formats/SPEC.md §5; ×8 groups
+//! — §5.1.
 
 use half::f16;
-use nflash_format::interleave::Q4_0X8_GROUP_BLOCK;
+use nflash_format::interleave::X8_ROWS;
 
 /// Bytes of a Q4_0 block.
 const Q4_0_BLOCK: usize = 18;
 /// Bytes of a Q8_0 block.
 const Q8_0_BLOCK: usize = 34;
+/// Bytes of a Q4_0×8 column block (8 scales, 8 × 16 quant bytes).
+const Q4_0_X8_BLOCK: usize = 144;
+/// Bytes of a Q8_0×8 column block (8 scales, 8 × 32 quant bytes).
+const Q8_0_X8_BLOCK: usize = 272;
 
 /// The f16 at `b[0..2]` (little-endian) as f32.
 #[inline]
@@ -24,94 +32,98 @@ fn f16_le(b: &[u8]) -> f32 {
     f16::from_le_bytes([b[0], b[1]]).to_f32()
 }
 
-/// Integer dot of one Q4_0 block's 16 nibble bytes `q` with 32 i8 `y`, as the
-/// 4 lanes the x86 kernels keep: lane `j` sums elements `4j..4j+4` and
-/// `16+4j..16+4j+4` of `(nibble − 8) · y`.
+/// Exact integer dot of one Q4_0 block's 16 nibble bytes `q` with 32 i8 `y`:
+/// `Σ (nibble − 8) · y`.
 #[inline]
-fn q4_0_lanes(q: &[u8], y: &[u8]) -> [i32; 4] {
-    let mut lanes = [0i32; 4];
-    for (j, lane) in lanes.iter_mut().enumerate() {
-        for i in 4 * j..4 * j + 4 {
-            let lo = (q[i] & 0x0F) as i32 - 8;
-            let hi = (q[i] >> 4) as i32 - 8;
-            *lane += lo * y[i] as i8 as i32 + hi * y[16 + i] as i8 as i32;
-        }
-    }
-    lanes
+fn block_q4_0(q: &[u8], y: &[u8]) -> i32 {
+    (0..16)
+        .map(|i| ((q[i] & 0x0F) as i32 - 8) * y[i] as i8 as i32 + ((q[i] >> 4) as i32 - 8) * y[16 + i] as i8 as i32)
+        .sum()
 }
 
-/// Sum of 4 lanes as `(l0 + l2) + (l1 + l3)` (the x86 `hsum4` order).
+/// Exact integer dot of one Q8_0 block's 32 quants `q` with 32 i8 `y`.
 #[inline]
-fn sum4(l: [f32; 4]) -> f32 {
-    (l[0] + l[2]) + (l[1] + l[3])
+fn block_q8_0(q: &[u8], y: &[u8]) -> i32 {
+    q[..32].iter().zip(&y[..32]).map(|(&a, &b)| a as i8 as i32 * b as i8 as i32).sum()
 }
 
-/// Dot of one Q4_0 row (`nb` blocks) with the Q8_0 vector `y` (`nb` blocks).
-fn dot_q4_0(nb: usize, row: &[u8], y: &[u8]) -> f32 {
-    let mut acc = [0f32; 4];
+/// One row (`nb` blocks of `block` bytes) dotted with the Q8_0 vector `y`, in
+/// the order of the module documentation; `dot` sums one block's quants.
+#[inline]
+fn dot_row(nb: usize, row: &[u8], y: &[u8], block: usize, dot: fn(&[u8], &[u8]) -> i32) -> f32 {
+    let mut acc = 0f32;
     for b in 0..nb {
-        let (x, yb) = (&row[b * Q4_0_BLOCK..], &y[b * Q8_0_BLOCK..]);
-        let (dx, dy) = (f16_le(x), f16_le(yb));
-        let lanes = q4_0_lanes(&x[2..18], &yb[2..34]);
-        for (a, l) in acc.iter_mut().zip(lanes) {
-            *a = dx.mul_add(l as f32 * dy, *a);
-        }
+        let (x, yb) = (&row[b * block..], &y[b * Q8_0_BLOCK..]);
+        let s = dot(&x[2..block], &yb[2..Q8_0_BLOCK]);
+        acc = (f16_le(x) * f16_le(yb)).mul_add(s as f32, acc);
     }
-    sum4(acc)
+    acc
 }
 
-/// Dot of one Q8_0 row (`nb` blocks) with the Q8_0 vector `y`: 8 lanes of 4
-/// elements each, summed as the x86 `hsum` does.
-fn dot_q8_0(nb: usize, row: &[u8], y: &[u8]) -> f32 {
-    let mut acc = [0f32; 8];
-    for b in 0..nb {
-        let (x, yb) = (&row[b * Q8_0_BLOCK..], &y[b * Q8_0_BLOCK..]);
-        let d = f16_le(x) * f16_le(yb);
-        for (m, a) in acc.iter_mut().enumerate() {
-            let s: i32 = (4 * m..4 * m + 4).map(|i| x[2 + i] as i8 as i32 * yb[2 + i] as i8 as i32).sum();
-            *a = d.mul_add(s as f32, *a);
-        }
-    }
-    let s = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
-    sum4(s)
-}
-
-/// Dots of four Q4_0 rows (`cols` elements each) with the Q8_0 vector `y`
-/// (`cols / 32` blocks, as bytes).
-pub fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+/// Dot of one Q4_0 row (`cols` elements) with the Q8_0 vector `y` (`cols / 32` blocks, as bytes).
+pub fn dot_q4_0(cols: usize, row: &[u8], y: &[u8]) -> f32 {
     let nb = cols / 32;
-    assert!(y.len() >= nb * Q8_0_BLOCK && rows.iter().all(|r| r.len() >= nb * Q4_0_BLOCK));
-    rows.map(|r| dot_q4_0(nb, r, y))
+    assert!(y.len() >= nb * Q8_0_BLOCK && row.len() >= nb * Q4_0_BLOCK);
+    dot_row(nb, row, y, Q4_0_BLOCK, block_q4_0)
+}
+
+/// Dot of one Q8_0 row (`cols` elements) with the Q8_0 vector `y`.
+pub fn dot_q8_0(cols: usize, row: &[u8], y: &[u8]) -> f32 {
+    let nb = cols / 32;
+    assert!(y.len() >= nb * Q8_0_BLOCK && row.len() >= nb * Q8_0_BLOCK);
+    dot_row(nb, row, y, Q8_0_BLOCK, block_q8_0)
+}
+
+/// Dots of four Q4_0 rows (`cols` elements each) with the Q8_0 vector `y`.
+pub fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+    rows.map(|r| dot_q4_0(cols, r, y))
 }
 
 /// Dots of four Q8_0 rows (`cols` elements each) with the Q8_0 vector `y`.
 pub fn dot4_q8_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
-    let nb = cols / 32;
-    assert!(y.len() >= nb * Q8_0_BLOCK && rows.iter().all(|r| r.len() >= nb * Q8_0_BLOCK));
-    rows.map(|r| dot_q8_0(nb, r, y))
+    rows.map(|r| dot_q8_0(cols, r, y))
 }
 
-/// Dots of the 8 rows of one Q4_0×8 group (`cols` elements per row; per
-/// column block 8 f16 scales, then 8 × 16 nibble bytes) with the Q8_0
-/// vector `y`. Row `r` gives the bits [`dot4_q4_0`] gives for it in the row
-/// layout.
-pub fn dot8_q4_0x8(cols: usize, group: &[u8], y: &[u8]) -> [f32; 8] {
+/// The 8 rows of one ×8 group (`cols` elements per row, SPEC §5.1) dotted
+/// with `T` Q8_0 vectors `ys`: `out[t][r]`. `qbytes`: quant bytes per row
+/// and block (16 for Q4_0, 32 for Q8_0); `dot` sums one block.
+fn gemm_x8<const T: usize>(
+    cols: usize,
+    group: &[u8],
+    ys: [&[u8]; T],
+    (gblock, qbytes): (usize, usize),
+    dot: fn(&[u8], &[u8]) -> i32,
+) -> [[f32; X8_ROWS]; T] {
     let nb = cols / 32;
-    assert!(y.len() >= nb * Q8_0_BLOCK && group.len() >= nb * Q4_0X8_GROUP_BLOCK);
-    let mut acc = [[0f32; 4]; 8];
+    assert!(group.len() >= nb * gblock && ys.iter().all(|y| y.len() >= nb * Q8_0_BLOCK));
+    let mut acc = [[0f32; X8_ROWS]; T];
+    let mut q = [0u8; 32];
     for b in 0..nb {
-        let blk = &group[b * Q4_0X8_GROUP_BLOCK..(b + 1) * Q4_0X8_GROUP_BLOCK];
-        let yb = &y[b * Q8_0_BLOCK..];
-        let dy = f16_le(yb);
-        for (r, a) in acc.iter_mut().enumerate() {
+        let blk = &group[b * gblock..(b + 1) * gblock];
+        for r in 0..X8_ROWS {
+            // Row r's quant bytes, gathered from their 4-byte words.
+            for j in 0..qbytes / 4 {
+                q[4 * j..4 * j + 4].copy_from_slice(&blk[16 + 32 * j + 4 * r..][..4]);
+            }
             let dx = f16_le(&blk[2 * r..]);
-            let lanes = q4_0_lanes(&blk[16 + 16 * r..32 + 16 * r], &yb[2..34]);
-            for (a, l) in a.iter_mut().zip(lanes) {
-                *a = dx.mul_add(l as f32 * dy, *a);
+            for (a, y) in acc.iter_mut().zip(&ys) {
+                let yb = &y[b * Q8_0_BLOCK..];
+                a[r] = (dx * f16_le(yb)).mul_add(dot(&q, &yb[2..Q8_0_BLOCK]) as f32, a[r]);
             }
         }
     }
-    acc.map(sum4)
+    acc
+}
+
+/// The 8 rows of one Q4_0×8 group with `T` Q8_0 vectors: `out[t][r]`, the
+/// bits [`dot_q4_0`] gives for row `r` in the row layout.
+pub fn gemm_x8_q4_0<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]; T]) -> [[f32; X8_ROWS]; T] {
+    gemm_x8(cols, group, ys, (Q4_0_X8_BLOCK, 16), block_q4_0)
+}
+
+/// The 8 rows of one Q8_0×8 group with `T` Q8_0 vectors: `out[t][r]`.
+pub fn gemm_x8_q8_0<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]; T]) -> [[f32; X8_ROWS]; T] {
+    gemm_x8(cols, group, ys, (Q8_0_X8_BLOCK, 32), block_q8_0)
 }
 
 /// `out += a · row` for one Q4_0 row (`out.len()` elements, a multiple of 32).

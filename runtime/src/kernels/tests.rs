@@ -56,10 +56,11 @@ fn dot4_q4_0_extremes_match_candle() {
             yb.extend(ys.iter().map(|&v| v as u8));
         }
         let yv = aligned(&yb);
-        let y: &[BlockQ8_0] = as_blocks(view(&yv, nb * 34));
-        let got = dot4(DType::Q4_0, cols, [r[0], r[1], r[2], r[3]], y);
+        let yblocks: &[BlockQ8_0] = as_blocks(view(&yv, nb * 34));
+        let y = Q8Vec::from_blocks(yblocks.to_vec());
+        let got = dot4(DType::Q4_0, cols, [r[0], r[1], r[2], r[3]], &y);
         for i in 0..4 {
-            let want = BlockQ4_0::vec_dot(cols, as_blocks(r[i]), y);
+            let want = BlockQ4_0::vec_dot(cols, as_blocks(r[i]), yblocks);
             assert!((got[i] - want).abs() <= 1e-5 * want.abs().max(1.0), "row {i}: {} vs {want}", got[i]);
         }
     }
@@ -74,8 +75,7 @@ fn dot4_and_axpy_match_candle_and_portable() {
         (seed >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
     };
     let x: Vec<f32> = (0..cols).map(|_| rnd()).collect();
-    let mut y = vec![BlockQ8_0::zeros(); cols / 32];
-    BlockQ8_0::from_float(&x, &mut y);
+    let y = Q8Vec::from_slice(&x);
     for dt in [DType::Q4_0, DType::Q8_0] {
         let rows: Vec<Vec<u64>> =
             (0..4).map(|_| quantized(dt, &(0..cols).map(|_| rnd()).collect::<Vec<_>>())).collect();
@@ -84,8 +84,8 @@ fn dot4_and_axpy_match_candle_and_portable() {
         let got = dot4(dt, cols, [r[0], r[1], r[2], r[3]], &y);
         for i in 0..4 {
             let want = match dt {
-                DType::Q4_0 => BlockQ4_0::vec_dot(cols, as_blocks(r[i]), &y),
-                _ => BlockQ8_0::vec_dot(cols, as_blocks(r[i]), &y),
+                DType::Q4_0 => BlockQ4_0::vec_dot(cols, as_blocks(r[i]), y.blocks()),
+                _ => BlockQ8_0::vec_dot(cols, as_blocks(r[i]), y.blocks()),
             };
             assert!((got[i] - want).abs() <= 1e-4 * want.abs().max(1.0), "{dt} row {i}: {} vs {want}", got[i]);
         }
@@ -123,27 +123,59 @@ fn rnd_vec(seed: &mut u32, n: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// Whatever kernel [`dot4`], [`dot8_q4_0x8`], [`axpy`] and [`axpy2`]
-/// dispatch to on this CPU gives the bits of the portable reference.
+/// The rows `r` as one ×8 group of `dt` (`cols` elements each; `None` rows are zeros).
+fn x8_group(dt: DType, cols: usize, r: [Option<&[u8]>; 8]) -> Vec<u64> {
+    let mut g = vec![0u8; 8 * dt.row_bytes(cols as u64).unwrap() as usize];
+    nflash_format::interleave::pack_group(dt, cols, r, &mut g);
+    aligned(&g)
+}
+
+/// Whatever kernel [`dot`], [`dot4`], [`gemm_x8`], [`axpy`] and [`axpy2`]
+/// dispatch to on this CPU gives the bits of the portable reference; and a
+/// row gives the same bits alone, in a quad, and in a ×8 group with 1 to 4
+/// tokens (the order `portable.rs` documents).
 #[test]
 fn dispatched_kernels_match_portable_bit_for_bit() {
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     let mut seed = 99u32;
     for cols in [32usize, 96, 576, 1536] {
-        let x = rnd_vec(&mut seed, cols, 3.0);
-        let mut y = vec![BlockQ8_0::zeros(); cols / 32];
-        BlockQ8_0::from_float(&x, &mut y);
-        let yb = q8_bytes(&y);
+        let ys: Vec<Q8Vec> = (0..4).map(|_| Q8Vec::from_slice(&rnd_vec(&mut seed, cols, 3.0))).collect();
+        let yb = ys[0].bytes();
         for dt in [DType::Q4_0, DType::Q8_0] {
             let rows: Vec<Vec<u64>> = (0..8).map(|_| quantized(dt, &rnd_vec(&mut seed, cols, 1.0))).collect();
             let rb = dt.row_bytes(cols as u64).unwrap() as usize;
             let r: Vec<&[u8]> = rows.iter().map(|v| view(v, rb)).collect();
             let quad = [r[0], r[1], r[2], r[3]];
             let (got, want) = match dt {
-                DType::Q4_0 => (dot4(dt, cols, quad, &y), portable::dot4_q4_0(cols, quad, yb)),
-                _ => (dot4(dt, cols, quad, &y), portable::dot4_q8_0(cols, quad, yb)),
+                DType::Q4_0 => (dot4(dt, cols, quad, &ys[0]), portable::dot4_q4_0(cols, quad, yb)),
+                _ => (dot4(dt, cols, quad, &ys[0]), portable::dot4_q8_0(cols, quad, yb)),
             };
-            assert_eq!(bits(&got), bits(&want), "{} dot4 at {cols} columns", isa());
+            assert_eq!(bits(&got), bits(&want), "{} {dt} dot4 at {cols} columns", isa());
+            let one: Vec<f32> = quad.iter().map(|row| dot(dt, cols, row, &ys[0])).collect();
+            assert_eq!(bits(&one), bits(&want), "{} {dt} dot at {cols} columns", isa());
+            // ×8 groups: all 8 rows, and a tail group with rows 5..8 missing.
+            for n_rows in [8, 5] {
+                let g = x8_group(dt, cols, std::array::from_fn(|i| (i < n_rows).then(|| r[i])));
+                let gv = view(&g, 8 * rb);
+                let check = |d: &[[f32; 8]], t0: usize| {
+                    for (t, row) in d.iter().enumerate() {
+                        let yt = ys[t0 + t].bytes();
+                        let p = match dt {
+                            DType::Q4_0 => portable::gemm_x8_q4_0(cols, gv, [yt]),
+                            _ => portable::gemm_x8_q8_0(cols, gv, [yt]),
+                        };
+                        assert_eq!(bits(row), bits(&p[0]), "{} {dt} gemm_x8 token {t} at {cols}", isa());
+                        for i in 0..8 {
+                            let want = if i < n_rows { dot(dt, cols, r[i], &ys[t0 + t]) } else { 0.0 };
+                            assert_eq!(row[i].to_bits(), want.to_bits(), "{dt} ×8 row {i} vs dot at {cols}");
+                        }
+                    }
+                };
+                check(&gemm_x8(dt, cols, gv, [&ys[0]]), 0);
+                check(&gemm_x8(dt, cols, gv, [&ys[1], &ys[2]]), 1);
+                check(&gemm_x8(dt, cols, gv, [&ys[0], &ys[1], &ys[2]]), 0);
+                check(&gemm_x8(dt, cols, gv, [&ys[0], &ys[1], &ys[2], &ys[3]]), 0);
+            }
             let (mut a, mut b) = (rnd_vec(&mut seed, cols, 1.0), Vec::new());
             b.extend_from_slice(&a);
             axpy2(dt, [r[4], r[5]], [0.75, -2.5], &mut a);
@@ -154,14 +186,107 @@ fn dispatched_kernels_match_portable_bit_for_bit() {
                 }
             }
             assert_eq!(bits(&a), bits(&b), "{} axpy2 at {cols} columns", isa());
-            if dt == DType::Q4_0 {
-                let mut group: Vec<u8> = r.iter().flat_map(|row| row.iter().copied()).collect();
-                nflash_format::interleave::interleave_q4_0(&mut group, cols, &mut Vec::new());
-                let g = aligned(&group);
-                let d8 = dot8_q4_0x8(cols, view(&g, group.len()), &y);
-                assert_eq!(bits(&d8), bits(&portable::dot8_q4_0x8(cols, view(&g, group.len()), yb)), "dot8 at {cols}");
-                // The interleaved group gives each row the bits of the row layout.
-                assert_eq!(bits(&d8[..4]), bits(&want), "dot8 vs dot4 at {cols}");
+        }
+    }
+}
+
+/// Q8_0 weights at the ends of their range (−128, 127) and Q4_0 nibbles 0
+/// and 15 against activations ±127, in every kernel: where an i16 lane
+/// would saturate or an offset be wrong, the exact integer sum shows it.
+#[test]
+fn kernels_are_exact_at_the_extremes() {
+    let cols = 64;
+    let nb = cols / 32;
+    let f16b = |v: f32| f16::from_f32(v).to_le_bytes();
+    let ys: Vec<Q8Vec> = [[127i8; 32], [-127i8; 32], std::array::from_fn(|j| if j % 3 == 0 { 127 } else { -127 })]
+        .iter()
+        .map(|q| {
+            let mut yb = Vec::new();
+            for _ in 0..nb {
+                yb.extend_from_slice(&f16b(1.0));
+                yb.extend(q.iter().map(|&v| v as u8));
+            }
+            Q8Vec::from_blocks(as_blocks::<BlockQ8_0>(view(&aligned(&yb), nb * 34)).to_vec())
+        })
+        .collect();
+    for (dt, fills) in [(DType::Q4_0, [0x00u8, 0xFF, 0xF0, 0x0F]), (DType::Q8_0, [0x80u8, 0x7F, 0x81, 0x80])] {
+        let block = dt.row_bytes(32).unwrap() as usize;
+        let rows: Vec<Vec<u64>> = fills
+            .iter()
+            .map(|&fill| {
+                let mut b = Vec::new();
+                for _ in 0..nb {
+                    b.extend_from_slice(&f16b(1.0));
+                    b.extend(std::iter::repeat_n(fill, block - 2));
+                }
+                aligned(&b)
+            })
+            .collect();
+        let r: Vec<&[u8]> = rows.iter().map(|v| view(v, nb * block)).collect();
+        let g = x8_group(dt, cols, std::array::from_fn(|i| Some(r[i % 4])));
+        for y in &ys {
+            // Exact: every scale is 1, so the dot is the integer sum.
+            let exact = |row: &[u8]| -> f32 {
+                let mut w = vec![0f32; cols];
+                row_to_f32(dt, row, &mut w);
+                let mut yf = vec![0f32; cols];
+                row_to_f32(DType::Q8_0, q8_bytes(y.blocks()), &mut yf);
+                w.iter().zip(&yf).map(|(a, b)| a * b).sum()
+            };
+            let got4 = dot4(dt, cols, [r[0], r[1], r[2], r[3]], y);
+            let [got8] = gemm_x8(dt, cols, view(&g, 8 * nb * block), [y]);
+            for i in 0..4 {
+                assert_eq!(got4[i], exact(r[i]), "{dt} dot4 row {i}");
+                assert_eq!(got8[i], exact(r[i]), "{dt} gemm_x8 row {i}");
+                assert_eq!(dot(dt, cols, r[i], y), exact(r[i]), "{dt} dot row {i}");
+            }
+        }
+    }
+}
+
+/// The quantized GEMM against f32 arithmetic on the dequantized weights:
+/// the only error is the activations' Q8_0 rounding, at most half a step
+/// (`d = amax / 127` of the block) per element, so `|Σ w (x − x̂)|` is
+/// bounded by `Σ_blocks d / 2 · Σ |w|`, plus f32 rounding.
+#[test]
+fn quantized_gemm_is_within_q8_0_rounding_of_f32() {
+    let mut seed = 7u32;
+    let (rows, cols, n) = (24, 160, 7);
+    for dt in [DType::Q4_0, DType::Q8_0] {
+        let mut bytes = Vec::new();
+        for _ in 0..rows {
+            quantize_row(dt, &rnd_vec(&mut seed, cols, 1.0), &mut bytes);
+        }
+        let mut inter = bytes.clone();
+        nflash_format::interleave::interleave(dt, &mut inter, cols, &mut Vec::new());
+        let inter = aligned(&inter);
+        let m = QMatrix::x8(dt, rows, cols, view(&inter, bytes.len()));
+        let x: Vec<f32> = rnd_vec(&mut seed, n * cols, 2.0);
+        let xs: Vec<DotInput> = x.chunks_exact(cols).map(|r| DotInput::from_slice(dt, r)).collect();
+        let mut out = vec![0f32; n * rows];
+        m.matmul(&xs, &mut out);
+        let rb = bytes.len() / rows;
+        let mut w = vec![0f32; cols];
+        for r in 0..rows {
+            row_to_f32(
+                dt,
+                &aligned(&bytes[r * rb..(r + 1) * rb]).iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>()[..rb],
+                &mut w,
+            );
+            for t in 0..n {
+                let xt = &x[t * cols..(t + 1) * cols];
+                let exact: f64 = w.iter().zip(xt).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let bound: f64 = (0..cols / 32)
+                    .map(|b| {
+                        let amax = xt[32 * b..32 * b + 32].iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+                        let sw: f64 = w[32 * b..32 * b + 32].iter().map(|v| v.abs() as f64).sum();
+                        // Half a step, with the step's own f16 rounding.
+                        amax / 127.0 * (1.0 + 1e-3) / 2.0 * sw
+                    })
+                    .sum::<f64>()
+                    + 1e-4 * exact.abs().max(1.0);
+                let got = out[t * rows + r] as f64;
+                assert!((got - exact).abs() <= bound, "{dt} row {r} token {t}: {got} vs {exact} (bound {bound})");
             }
         }
     }
@@ -214,56 +339,60 @@ fn dots_match_f32_reference() {
     }
 }
 
-/// The Q4_0×8 layout gives the same bits as the row layout in every
-/// batch path: decode matvec (fused Q/K/V), small-batch matmul, and
-/// dequantized rows (embedding lookups, prefill tiles).
+/// The ×8 layout gives the same bits as the row layout in every batch
+/// path, for both quantizations: decode matvec (fused Q/K/V), matmul with
+/// token counts that are and are not multiples of the 4-token tile (each
+/// token the bits of its own matvec), single rows, and dequantized rows
+/// (embedding lookups).
 #[test]
-fn interleaved_q4_0_matches_the_row_layout_bit_for_bit() {
+fn x8_layout_matches_the_row_layout_bit_for_bit() {
     let (rows, cols) = (40, 96);
     let mut seed = 5u32;
-    let mut rnd = || {
-        seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
-        (seed >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
-    };
-    let mut bytes = Vec::new();
-    for _ in 0..rows {
-        let w: Vec<f32> = (0..cols).map(|_| rnd()).collect();
-        quantize_row(DType::Q4_0, &w, &mut bytes);
+    for dt in [DType::Q4_0, DType::Q8_0] {
+        let mut bytes = Vec::new();
+        for _ in 0..rows {
+            quantize_row(dt, &rnd_vec(&mut seed, cols, 1.0), &mut bytes);
+        }
+        let words = aligned(&bytes);
+        let rowl = view(&words, bytes.len());
+        let mut inter = bytes.clone();
+        nflash_format::interleave::interleave(dt, &mut inter, cols, &mut Vec::new());
+        let iw = aligned(&inter);
+        let a = QMatrix::new(dt, rows, cols, rowl);
+        let b = QMatrix::x8(dt, rows, cols, view(&iw, inter.len()));
+        let xs: Vec<DotInput> = (0..9).map(|_| DotInput::from_slice(dt, &rnd_vec(&mut seed, cols, 3.0))).collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let (mut oa, mut ob) = (vec![0f32; rows], vec![0f32; rows]);
+        a.matvec(&xs[0], &mut oa);
+        b.matvec(&xs[0], &mut ob);
+        assert_eq!(bits(&oa), bits(&ob), "{dt} matvec");
+        let (mut qa, mut ka, mut qb, mut kb) = (vec![0f32; rows], vec![0f32; rows], vec![0f32; rows], vec![0f32; rows]);
+        matvec_many(&[&a, &a], &xs[1], &mut [&mut qa, &mut ka]);
+        matvec_many(&[&b, &b], &xs[1], &mut [&mut qb, &mut kb]);
+        assert_eq!((bits(&qa), bits(&ka)), (bits(&qb), bits(&kb)), "{dt} matvec_many");
+        for n in [2, 3, 4, 5, 8, 9] {
+            let (mut ma, mut mb) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+            a.matmul(&xs[..n], &mut ma);
+            b.matmul(&xs[..n], &mut mb);
+            assert_eq!(bits(&ma), bits(&mb), "{dt} matmul of {n}");
+            for (t, x) in xs[..n].iter().enumerate() {
+                b.matvec(x, &mut ob);
+                assert_eq!(bits(&mb[t * rows..(t + 1) * rows]), bits(&ob), "{dt} matmul of {n}, token {t}");
+            }
+        }
+        let (mut da, mut db) = (vec![0f32; cols], vec![0f32; cols]);
+        for r in [0, 7, 8, 21, 39] {
+            assert_eq!(a.row_dot(r, &xs[2]).to_bits(), b.row_dot(r, &xs[2]).to_bits(), "{dt} row_dot {r}");
+            a.row_to_f32(r, &mut da);
+            b.row_to_f32(r, &mut db);
+            assert_eq!(bits(&da), bits(&db), "{dt} row_to_f32 {r}");
+        }
+        // And candle-core's kernel agrees to rounding.
+        let want = match dt {
+            DType::Q4_0 => BlockQ4_0::vec_dot(cols, cast::<BlockQ4_0>(a.row(9)), q8_input(&xs[0]).blocks()),
+            _ => BlockQ8_0::vec_dot(cols, cast::<BlockQ8_0>(a.row(9)), q8_input(&xs[0]).blocks()),
+        };
+        b.matvec(&xs[0], &mut ob);
+        assert!((ob[9] - want).abs() <= 1e-4 * want.abs().max(1.0), "{dt}: {} vs {want}", ob[9]);
     }
-    let mut words = vec![0u64; bytes.len().div_ceil(8)];
-    // SAFETY: `words` has at least `bytes.len()` bytes.
-    let rowl = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, bytes.len()) };
-    rowl.copy_from_slice(&bytes);
-    let mut inter = bytes.clone();
-    nflash_format::interleave::interleave_q4_0(&mut inter, cols, &mut Vec::new());
-    let a = QMatrix::new(DType::Q4_0, rows, cols, rowl);
-    let b = QMatrix::q4_0x8(rows, cols, &inter);
-    let xs: Vec<DotInput> = (0..3)
-        .map(|_| DotInput::from_slice(DType::Q4_0, &(0..cols).map(|_| rnd() * 3.0).collect::<Vec<_>>()))
-        .collect();
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    let (mut oa, mut ob) = (vec![0f32; rows], vec![0f32; rows]);
-    a.matvec(&xs[0], &mut oa);
-    b.matvec(&xs[0], &mut ob);
-    assert_eq!(bits(&oa), bits(&ob), "matvec");
-    let (mut qa, mut ka, mut qb, mut kb) = (vec![0f32; rows], vec![0f32; rows], vec![0f32; rows], vec![0f32; rows]);
-    matvec_many(&[&a, &a], &xs[1], &mut [&mut qa, &mut ka]);
-    matvec_many(&[&b, &b], &xs[1], &mut [&mut qb, &mut kb]);
-    assert_eq!((bits(&qa), bits(&ka)), (bits(&qb), bits(&kb)), "matvec_many");
-    let (mut ma, mut mb) = (vec![0f32; 3 * rows], vec![0f32; 3 * rows]);
-    a.matmul(&xs, &mut ma);
-    b.matmul(&xs, &mut mb);
-    assert_eq!(bits(&ma), bits(&mb), "matmul");
-    let (mut da, mut db) = (vec![0f32; cols], vec![0f32; cols]);
-    for r in [0, 7, 8, 21, 39] {
-        // One row alone goes through candle-core's kernel in the row layout.
-        let (p, q) = (a.row_dot(r, &xs[2]), b.row_dot(r, &xs[2]));
-        assert!((p - q).abs() <= 1e-5 * p.abs().max(1.0), "row_dot {r}: {p} vs {q}");
-        a.row_to_f32(r, &mut da);
-        b.row_to_f32(r, &mut db);
-        assert_eq!(bits(&da), bits(&db), "row_to_f32 {r}");
-    }
-    // And the AVX2 kernel agrees with the portable one (and candle-core) to rounding.
-    let want = BlockQ4_0::vec_dot(cols, cast::<BlockQ4_0>(a.row(9)), q8_input(&xs[0]));
-    assert!((ob[9] - want).abs() <= 1e-4 * want.abs().max(1.0), "{} vs {want}", ob[9]);
 }

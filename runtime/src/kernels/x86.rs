@@ -1,16 +1,30 @@
 //! x86-64 kernels (AVX2, FMA, F16C), chosen at run time by [`super`] when
 //! the CPU has all three. Each is tested bit for bit against its
-//! [`super::portable`] twin: the integer sums are exact and the float steps
-//! (conversion, multiply, fused multiply-add, lane sums) happen in the same
-//! order. Block layouts: GGML Q4_0/Q8_0 (formats/SPEC.md §5) and Q4_0×8
-//! (§5.1).
+//! [`super::portable`] twin: the integer block sums are exact and the float
+//! steps happen in the order `portable.rs` documents (one fused
+//! multiply-add per row, token and block). Block layouts: GGML Q4_0/Q8_0
+//! (formats/SPEC.md §5) and ×8 groups (§5.1).
+//!
+//! Q4_0 nibbles stay unsigned (0..15) for `maddubs` and the −8 offset is
+//! applied once per block as `8·Σy` (the `sums` of the Q8_0 vector); Q8_0
+//! quants go through `maddubs(|x|, sign(y, x))`. Neither can saturate the
+//! i16 lanes: Q4_0 pairs are at most 2·15·127 and eight of them 30 480,
+//! Q8_0 pairs at most 2·128·127 = 32 512 (activations are in −127..127).
 //!
 //! Every function here is `unsafe`: the caller guarantees the CPU features
 //! (checked once by [`super::has_avx2`]); slice lengths are asserted inside.
 
+// Block, row and token indices address several slices and registers at once.
+#![allow(clippy::needless_range_loop)]
+
 use std::arch::x86_64::*;
 
-use nflash_format::interleave::Q4_0X8_GROUP_BLOCK as GROUP_BLOCK;
+use nflash_format::interleave::X8_ROWS;
+
+/// Bytes of a Q4_0×8 column block (8 scales, 8 × 16 quant bytes).
+const Q4_0_X8_BLOCK: usize = 144;
+/// Bytes of a Q8_0×8 column block (8 scales, 8 × 32 quant bytes).
+const Q8_0_X8_BLOCK: usize = 272;
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -18,159 +32,86 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const u16) as i32)))
 }
 
+/// The f16 scales at `p[0]`, …, `p[3]` (pointers to blocks) as 4 f32 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
+unsafe fn scales4(p: [*const u8; 4]) -> __m128 {
+    let (a, b) = (std::ptr::read_unaligned(p[0] as *const i16), std::ptr::read_unaligned(p[1] as *const i16));
+    let (c, d) = (std::ptr::read_unaligned(p[2] as *const i16), std::ptr::read_unaligned(p[3] as *const i16));
+    _mm_cvtph_ps(_mm_setr_epi16(a, b, c, d, 0, 0, 0, 0))
 }
 
-/// Signed i8 × i8 dot of 32 lanes, as 8 f32 partial sums.
+/// Lane `r` = the sum of the 8 i32 lanes of `d[r]`: four rows' block sums.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256 {
-    let ax = _mm256_sign_epi8(x, x);
-    let sy = _mm256_sign_epi8(y, x);
-    let dot = _mm256_maddubs_epi16(ax, sy);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)))
+unsafe fn reduce4(d: [__m256i; 4]) -> __m128i {
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))
 }
 
-/// 32 Q4_0 values of the block at `p` (after its scale) as i8 in −8..7.
+/// The sum of the 8 i32 lanes of `v`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_unpack(p: *const u8) -> __m256i {
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// The 32 nibbles of the Q4_0 block at `p` (its 16 quant bytes) as u8 0..15,
+/// in element order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_nibbles(p: *const u8) -> __m256i {
     let q = _mm_loadu_si128(p as *const __m128i);
     let m = _mm_set1_epi8(0x0F);
-    let lo = _mm_and_si128(q, m);
-    let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m);
-    _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8))
+    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m))
 }
 
-/// 32 Q8_0 values of the block at `p` (after its scale).
+/// 8 i32 lanes of `Σ x·y` over a 32-byte register of Q8_0 quants `x` and activations `y`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_load(p: *const u8) -> __m256i {
-    _mm256_loadu_si256(p as *const __m256i)
+unsafe fn q8_dot_lanes(x: __m256i, y: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(y, x)), _mm256_set1_epi16(1))
 }
 
-/// Software prefetch distance of `dot4_q4_0`, bytes ahead in each row
-/// (~35 blocks). Decode reads weights far larger than the caches; on the
-/// dev host this gave +10–20% Q4_0 matvec speed over hardware prefetch alone
-/// (interleaved A/B runs on a 65 536 × 4 096 matrix; distances from 256 to
-/// 1 024 bytes were all within the host's noise).
+/// Software prefetch distance of the row-layout kernels, bytes ahead in
+/// each row (~35 Q4_0 blocks). Decode reads weights far larger than the
+/// caches; on the dev host this gave +10–20% Q4_0 matvec speed over
+/// hardware prefetch alone (interleaved A/B runs on a 65 536 × 4 096
+/// matrix; distances from 256 to 1 024 bytes were all within the noise).
 const PF: usize = 640;
 
-/// The two 128-bit halves of `v` added lane by lane (lane `j` + lane `j + 4`).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn halves(v: __m256i) -> __m128i {
-    _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1))
-}
-
-/// Sum of the 4 lanes as `(l0 + l2) + (l1 + l3)`: the one order both
-/// Q4_0 kernels use, so that their results are bit-identical.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum4(v: __m128) -> f32 {
-    let s = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-}
-
-/// Four Q4_0 rows dotted with the Q8_0 vector `y`. The nibbles stay
-/// unsigned (0..15) for `maddubs` and the −8 offset is applied once per
-/// block as `8·Σy`, shared by the four rows; each row's scale is
-/// broadcast and converted in the vector unit (no scalar round trip).
-/// Lane `j` of a row sums elements `4j..4j+4` and `16+4j..16+4j+4` of each
-/// block in integers, exactly as `dot8_q4_0x8` does, and the float steps
-/// are the same, so a row gives the same bits in either layout.
+/// Four Q4_0 rows dotted with the Q8_0 vector `y` (`sums`: its per-block Σq).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
 /// are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+pub unsafe fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8], sums: &[i32]) -> [f32; 4] {
     let nb = cols / 32;
-    assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * 18));
+    assert!(y.len() >= nb * 34 && sums.len() >= nb && rows.iter().all(|r| r.len() >= nb * 18));
     let ones = _mm256_set1_epi16(1);
-    let eights = _mm256_set1_epi8(8);
-    let m4 = _mm_set1_epi8(0x0F);
-    let mut acc = [_mm_setzero_ps(); 4];
+    let mut acc = _mm_setzero_ps();
     for b in 0..nb {
         let yp = y.as_ptr().add(b * 34);
-        let dy = _mm_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(yp as *const i16)));
         let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
-        // 8·Σy per group of eight lanes, as i32: the correction for x − 8.
-        let corr = halves(_mm256_madd_epi16(_mm256_maddubs_epi16(eights, yq), ones));
+        // Plain loops, no closures: a closure's body does not get this
+        // function's target features and its intrinsics would become calls.
+        let mut xp = [std::ptr::null::<u8>(); 4];
+        let mut d = [_mm256_setzero_si256(); 4];
         for r in 0..4 {
-            let xp = rows[r].as_ptr().add(b * 18);
-            _mm_prefetch::<_MM_HINT_T0>(xp.wrapping_add(PF) as *const i8);
-            let dx = _mm_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(xp as *const i16)));
-            let q = _mm_loadu_si128(xp.add(2) as *const __m128i);
-            let lo = _mm_and_si128(q, m4);
-            let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
-            let xu = _mm256_set_m128i(hi, lo);
-            let dot = _mm_sub_epi32(halves(_mm256_madd_epi16(_mm256_maddubs_epi16(xu, yq), ones)), corr);
-            let f = _mm_mul_ps(_mm_cvtepi32_ps(dot), dy);
-            acc[r] = _mm_fmadd_ps(dx, f, acc[r]);
+            xp[r] = rows[r].as_ptr().add(b * 18);
+            _mm_prefetch::<_MM_HINT_T0>(xp[r].wrapping_add(PF) as *const i8);
+            d[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(q4_nibbles(xp[r].add(2)), yq), ones);
         }
+        let dot = _mm_sub_epi32(reduce4(d), _mm_set1_epi32(8 * sums[b]));
+        let d = _mm_mul_ps(scales4(xp), _mm_set1_ps(f16_at(yp)));
+        acc = _mm_fmadd_ps(d, _mm_cvtepi32_ps(dot), acc);
     }
-    [hsum4(acc[0]), hsum4(acc[1]), hsum4(acc[2]), hsum4(acc[3])]
-}
-
-/// The 8 rows of one Q4_0×8 group (`nflash_format::interleave`: per
-/// column block, 8 f16 scales then 8 × 16 nibble bytes) dotted with the
-/// Q8_0 vector `y`. The group is one sequential stream, and each 256-bit
-/// register holds two rows' nibbles: the low nibbles of both against
-/// `y[0..16]` twice, the high ones against `y[16..32]` twice.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
-/// are asserted.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot8_q4_0x8(cols: usize, group: &[u8], y: &[u8]) -> [f32; 8] {
-    let nb = cols / 32;
-    assert!(y.len() >= nb * 34 && group.len() >= nb * GROUP_BLOCK);
-    let ones = _mm256_set1_epi16(1);
-    let eights = _mm256_set1_epi8(8);
-    let m4 = _mm256_set1_epi8(0x0F);
-    // Lanes 0–3 take row 2k's scale, lanes 4–7 row 2k+1's.
-    let pick = [
-        _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
-        _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-        _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
-        _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7),
-    ];
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut p = group.as_ptr();
-    for b in 0..nb {
-        let yp = y.as_ptr().add(b * 34);
-        let dy = _mm256_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(yp as *const i16)));
-        let ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128(yp.add(2) as *const __m128i));
-        let yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(yp.add(18) as *const __m128i));
-        let corr = _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(eights, ylo), _mm256_maddubs_epi16(eights, yhi)),
-            ones,
-        );
-        let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        for k in 0..4 {
-            let q = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
-            let lo = _mm256_and_si256(q, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            // i16 sums stay within ±2·2·15·128 = ±7 680.
-            let s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ylo), _mm256_maddubs_epi16(hi, yhi));
-            let dot = _mm256_sub_epi32(_mm256_madd_epi16(s, ones), corr);
-            let f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dy);
-            acc[k] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(dx, pick[k]), f, acc[k]);
-        }
-        p = p.add(GROUP_BLOCK);
-    }
-    let mut out = [0f32; 8];
-    for k in 0..4 {
-        out[2 * k] = hsum4(_mm256_castps256_ps128(acc[k]));
-        out[2 * k + 1] = hsum4(_mm256_extractf128_ps(acc[k], 1));
-    }
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), acc);
     out
 }
 
@@ -183,18 +124,184 @@ pub unsafe fn dot8_q4_0x8(cols: usize, group: &[u8], y: &[u8]) -> [f32; 8] {
 pub unsafe fn dot4_q8_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
     let nb = cols / 32;
     assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * 34));
-    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut acc = _mm_setzero_ps();
     for b in 0..nb {
         let yp = y.as_ptr().add(b * 34);
-        let dy = f16_at(yp);
         let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
+        let mut xp = [std::ptr::null::<u8>(); 4];
+        let mut d = [_mm256_setzero_si256(); 4];
         for r in 0..4 {
-            let xp = rows[r].as_ptr().add(b * 34);
-            let d = _mm256_set1_ps(f16_at(xp) * dy);
-            acc[r] = _mm256_fmadd_ps(d, mul_sum_i8(q8_load(xp.add(2)), yq), acc[r]);
+            xp[r] = rows[r].as_ptr().add(b * 34);
+            _mm_prefetch::<_MM_HINT_T0>(xp[r].wrapping_add(PF) as *const i8);
+            d[r] = q8_dot_lanes(_mm256_loadu_si256(xp[r].add(2) as *const __m256i), yq);
         }
+        let d4 = _mm_mul_ps(scales4(xp), _mm_set1_ps(f16_at(yp)));
+        acc = _mm_fmadd_ps(d4, _mm_cvtepi32_ps(reduce4(d)), acc);
     }
-    [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
+/// One Q4_0 row dotted with the Q8_0 vector `y` (`sums`: its per-block Σq).
+///
+/// # Safety
+/// As [`dot4_q4_0`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_0(cols: usize, row: &[u8], y: &[u8], sums: &[i32]) -> f32 {
+    let nb = cols / 32;
+    assert!(y.len() >= nb * 34 && sums.len() >= nb && row.len() >= nb * 18);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = 0f32;
+    for b in 0..nb {
+        let (yp, xp) = (y.as_ptr().add(b * 34), row.as_ptr().add(b * 18));
+        let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
+        let s = hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(q4_nibbles(xp.add(2)), yq), ones)) - 8 * sums[b];
+        acc = (f16_at(xp) * f16_at(yp)).mul_add(s as f32, acc);
+    }
+    acc
+}
+
+/// One Q8_0 row dotted with the Q8_0 vector `y`.
+///
+/// # Safety
+/// As [`dot4_q8_0`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8_0(cols: usize, row: &[u8], y: &[u8]) -> f32 {
+    let nb = cols / 32;
+    assert!(y.len() >= nb * 34 && row.len() >= nb * 34);
+    let mut acc = 0f32;
+    for b in 0..nb {
+        let (yp, xp) = (y.as_ptr().add(b * 34), row.as_ptr().add(b * 34));
+        let x = _mm256_loadu_si256(xp.add(2) as *const __m256i);
+        let s = hsum_i32(q8_dot_lanes(x, _mm256_loadu_si256(yp.add(2) as *const __m256i)));
+        acc = (f16_at(xp) * f16_at(yp)).mul_add(s as f32, acc);
+    }
+    acc
+}
+
+/// The 4 bytes at `p` broadcast to every 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bcast4(p: *const u8) -> __m256i {
+    _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
+}
+
+/// The 8 accumulators (one row per lane) of `T` tokens as `out[t][r]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store8<const T: usize>(acc: [__m256; T]) -> [[f32; X8_ROWS]; T] {
+    let mut out = [[0f32; X8_ROWS]; T];
+    for (o, a) in out.iter_mut().zip(acc) {
+        _mm256_storeu_ps(o.as_mut_ptr(), a);
+    }
+    out
+}
+
+/// The 8 rows of one Q4_0×8 group (SPEC §5.1) dotted with `T` Q8_0 vectors
+/// `ys` (`sums[t]`: their per-block Σq): `out[t][r]`. Each 32-bit lane is
+/// one row: a 32-byte word run of the group against a broadcast 4 bytes of
+/// the token, eight `maddubs` summed in i16, one `madd` per block and token.
+/// `T = 1` is the decode matrix-vector product; prefill runs up to 4 tokens
+/// per call, sharing the unpacked weights.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
+/// are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemm_x8_q4_0<const T: usize>(
+    cols: usize,
+    group: &[u8],
+    ys: [&[u8]; T],
+    sums: [&[i32]; T],
+) -> [[f32; X8_ROWS]; T] {
+    let nb = cols / 32;
+    assert!(group.len() >= nb * Q4_0_X8_BLOCK);
+    assert!(ys.iter().all(|y| y.len() >= nb * 34) && sums.iter().all(|s| s.len() >= nb));
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    let mut p = group.as_ptr();
+    for b in 0..nb {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(4 * Q4_0_X8_BLOCK) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(4 * Q4_0_X8_BLOCK + 64) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(4 * Q4_0_X8_BLOCK + 128) as *const i8);
+        let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        // Word run k: elements 4k..4k+4 (low nibbles) and 16+4k.. (high) of each row.
+        let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+        for k in 0..4 {
+            let q = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+            lo[k] = _mm256_and_si256(q, m4);
+            hi[k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        }
+        for t in 0..T {
+            let yp = ys[t].as_ptr().add(b * 34 + 2);
+            let mut s = _mm256_maddubs_epi16(lo[0], bcast4(yp));
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], bcast4(yp.add(16))));
+            for k in 1..4 {
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[k], bcast4(yp.add(4 * k))));
+                s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[k], bcast4(yp.add(16 + 4 * k))));
+            }
+            let dot = _mm256_sub_epi32(_mm256_madd_epi16(s, ones), _mm256_set1_epi32(8 * sums[t][b]));
+            let d = _mm256_mul_ps(dx, _mm256_set1_ps(f16_at(yp.sub(2))));
+            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc[t]);
+        }
+        p = p.add(Q4_0_X8_BLOCK);
+    }
+    store8(acc)
+}
+
+/// The 8 rows of one Q8_0×8 group dotted with `T` Q8_0 vectors: `out[t][r]`
+/// (as [`gemm_x8_q4_0`], with `maddubs(|x|, sign(y, x))` and one `madd` per
+/// word run, since Q8_0 pairs use most of the i16 range).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
+/// are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemm_x8_q8_0<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]; T]) -> [[f32; X8_ROWS]; T] {
+    let nb = cols / 32;
+    assert!(group.len() >= nb * Q8_0_X8_BLOCK && ys.iter().all(|y| y.len() >= nb * 34));
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    let mut p = group.as_ptr();
+    for b in 0..nb {
+        for l in 0..5 {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2 * Q8_0_X8_BLOCK + 64 * l) as *const i8);
+        }
+        let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        let (mut x, mut ax) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
+        for k in 0..8 {
+            x[k] = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+            ax[k] = _mm256_abs_epi8(x[k]);
+        }
+        for t in 0..T {
+            let yp = ys[t].as_ptr().add(b * 34 + 2);
+            let mut s = _mm256_setzero_si256();
+            for k in 0..8 {
+                let p16 = _mm256_maddubs_epi16(ax[k], _mm256_sign_epi8(bcast4(yp.add(4 * k)), x[k]));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, ones));
+            }
+            let d = _mm256_mul_ps(dx, _mm256_set1_ps(f16_at(yp.sub(2))));
+            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[t]);
+        }
+        p = p.add(Q8_0_X8_BLOCK);
+    }
+    store8(acc)
+}
+
+/// 32 Q4_0 values of the block at `p` (after its scale) as i8 in −8..7.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_unpack(p: *const u8) -> __m256i {
+    _mm256_sub_epi8(q4_nibbles(p), _mm256_set1_epi8(8))
+}
+
+/// 32 Q8_0 values of the block at `p` (after its scale).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_load(p: *const u8) -> __m256i {
+    _mm256_loadu_si256(p as *const __m256i)
 }
 
 /// `out += Σ a[i] · rows[i]` over `N` rows of `block`-byte blocks whose
@@ -223,7 +330,6 @@ unsafe fn axpy_blocks<const N: usize>(
             parts[i] = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
         }
         // `k` picks the same 8-element part of every row and of `out`.
-        #[allow(clippy::needless_range_loop)]
         for k in 0..4 {
             let dst = o.add(b * 32 + k * 8);
             let mut acc = _mm256_loadu_ps(dst);

@@ -3,13 +3,16 @@
 //! output projection. Tensor names are the Hugging Face ones
 //! (`model.layers.{l}.self_attn.*`, formats/SPEC.md §4.3).
 
+use std::time::Instant;
+
 use candle_core::quantized::GgmlType;
 use rayon::prelude::*;
 
 use super::kv_cache::KvCache;
 use super::ops::{softmax, Rope};
+use super::Timings;
 use crate::error::Result;
-use crate::kernels::{matvec_many, DotInput, QMatrix};
+use crate::kernels::{matvec_many, quantized_prefill, DotInput, QMatrix};
 
 /// One layer's attention weights, views into the pack.
 pub(crate) struct Attention<'a> {
@@ -81,7 +84,8 @@ impl Attention<'_> {
     /// Attention of layer `l` for `n` tokens at positions `p0 ..`: `xn`
     /// (`[n, hidden]`, RMSNormed) → `s.out` (`[n, hidden]`). Appends the
     /// tokens' keys and values to `kv` (committed by the caller after the
-    /// last layer). `batched`: project with the prefill matmul.
+    /// last layer). `batched`: project with the prefill matmul. Step times
+    /// go to `tm` (`qkv_s`, `attend_s`, `o_proj_s`).
     ///
     /// # Errors
     /// Matmul failures ([`crate::Error::Internal`]).
@@ -96,30 +100,27 @@ impl Attention<'_> {
         kv: &mut KvCache,
         batched: bool,
         s: &mut AttnScratch,
+        tm: &mut Timings,
     ) -> Result<()> {
+        let t = Instant::now();
         let hidden = self.q.cols;
         let n = xn.len() / hidden;
         let (qd, kvd) = (h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim);
-        // Q, K, V projections.
+        // Q, K, V projections: one quantized input for the three; for one
+        // token (decode) in one parallel region.
         let same = self.k.dtype == self.q.dtype && self.v.dtype == self.q.dtype;
-        if batched || !same {
+        if !same || (batched && !quantized_prefill(self.q.dtype)) {
             project(&self.q, xn, batched, &mut s.q)?;
             project(&self.k, xn, batched, &mut s.k)?;
             project(&self.v, xn, batched, &mut s.v)?;
+        } else if n == 1 {
+            let xin = DotInput::from_slice(self.q.dtype, xn);
+            matvec_many(&[&self.q, &self.k, &self.v], &xin, &mut [&mut s.q, &mut s.k, &mut s.v]);
         } else {
-            // Decode: Q, K and V in one parallel region per token.
-            for t in 0..n {
-                let xin = DotInput::from_slice(self.q.dtype, &xn[t * hidden..(t + 1) * hidden]);
-                matvec_many(
-                    &[&self.q, &self.k, &self.v],
-                    &xin,
-                    &mut [
-                        &mut s.q[t * qd..(t + 1) * qd],
-                        &mut s.k[t * kvd..(t + 1) * kvd],
-                        &mut s.v[t * kvd..(t + 1) * kvd],
-                    ],
-                );
-            }
+            let xs: Vec<DotInput> = xn.chunks_exact(hidden).map(|r| DotInput::from_slice(self.q.dtype, r)).collect();
+            self.q.matmul(&xs, &mut s.q);
+            self.k.matmul(&xs, &mut s.k);
+            self.v.matmul(&xs, &mut s.v);
         }
         add_bias(&mut s.q, self.q_bias.as_deref());
         add_bias(&mut s.k, self.k_bias.as_deref());
@@ -131,15 +132,25 @@ impl Attention<'_> {
             rope.rope.rotate(&mut s.q[t * qd..(t + 1) * qd], c, sn);
             rope.rope.rotate(&mut s.k[t * kvd..(t + 1) * kvd], c, sn);
         }
+        let t = lap(t, &mut tm.qkv_s);
         // KV cache, then softmax(q·kᵀ / √d)·v per (token, head).
         kv.append(l, &s.k, &s.v);
         let (kc, vc) = kv.layer(l);
         attend(&s.q, kc, vc, p0, h, &mut s.attn);
+        let t = lap(t, &mut tm.attend_s);
         // Output projection.
         project(&self.o, &s.attn, batched, &mut s.out)?;
         add_bias(&mut s.out, self.o_bias.as_deref());
+        lap(t, &mut tm.o_proj_s);
         Ok(())
     }
+}
+
+/// Adds the time since `t` to `acc` (seconds) and returns now.
+fn lap(t: Instant, acc: &mut f64) -> Instant {
+    let now = Instant::now();
+    *acc += (now - t).as_secs_f64();
+    now
 }
 
 /// Scaled dot-product attention of queries `q` (`[n, n_heads · head_dim]`,
@@ -175,10 +186,12 @@ fn attend(q: &[f32], kc: &[f32], vc: &[f32], p0: usize, h: &Heads, out: &mut [f3
     });
 }
 
-/// `out = x · mᵀ` for `x` `[n, cols]`: candle-core matmul over dequantized
-/// tiles for batches, per-row quantized dot products otherwise.
+/// `out = x · mᵀ` for `x` `[n, cols]`: in a batch, the quantized GEMM
+/// ([`QMatrix::matmul`]) where [`quantized_prefill`] says so, else
+/// candle-core's matmul over dequantized tiles; per-row dot products for
+/// a few tokens.
 pub(crate) fn project(m: &QMatrix, x: &[f32], batched: bool, out: &mut [f32]) -> Result<()> {
-    if batched {
+    if batched && !quantized_prefill(m.dtype) {
         return m.matmul_f32(x, out);
     }
     let xs: Vec<DotInput> = x.chunks_exact(m.cols).map(|r| DotInput::from_slice(m.dtype, r)).collect();

@@ -14,7 +14,9 @@ use super::ops::neuron_output;
 use super::predictor::{criterion_value, LayerCounts};
 use super::source::LayerClusters;
 use crate::error::Result;
-use crate::kernels::{axpy_row, row_dot, row_to_f32, DotInput};
+use crate::kernels::matrix::gemm_tokens;
+use crate::kernels::{axpy_row, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Vec};
+use nflash_format::interleave::{pack_group, X8_ROWS};
 
 /// Element `p` of an optional bias vector (0 without bias).
 #[inline]
@@ -287,9 +289,12 @@ pub struct FfnScratch {
 
 impl Ffn {
     /// `out[t] += FFN(x[t])` for a batch (prefill): `x` `[n, hidden]` (normed,
-    /// f32), `out` `[n, hidden]`. Neuron clusters are dequantized a tile at a
-    /// time and multiplied with candle-core's matmul: `A = act(X·Gᵀ)∘(X·Uᵀ)`,
-    /// `out += A·D`, where the tile's rows of G, U, D are its bundles.
+    /// f32), `out` `[n, hidden]`, a tile of neuron clusters at a time:
+    /// `A = act(X·Gᵀ)∘(X·Uᵀ)`, `out += A·D`, where the tile's rows of G, U, D
+    /// are its bundles. `X·Gᵀ` and `X·Uᵀ` by the quantized GEMM where
+    /// [`quantized_prefill`] says so ([`Self::gate_up_gemm`]), else by
+    /// candle-core's matmul of dequantized rows; `A·D` always by the latter
+    /// (the down columns' blocks run along `hidden`, not along the sum).
     ///
     /// With `mask`, the FFN is evaluated as sparse decode would: a neuron's
     /// product is dropped unless the predictor selected it and its criterion
@@ -309,6 +314,8 @@ impl Ffn {
         let n = x.len() / h;
         let dt = self.layout.dtype;
         let xt = crate::kernels::gemm::input(x, n, h)?;
+        // Q4_0 bundles: the tokens quantized to Q8_0 once for every gate/up GEMM.
+        let ys: Option<Vec<Q8Vec>> = quantized_prefill(dt).then(|| x.chunks_exact(h).map(Q8Vec::from_slice).collect());
         let tile = (tile_elems / h).max(1);
         let mut group: Vec<&NeuronCluster> = Vec::new();
         let mut acc = vec![0f32; n * h];
@@ -319,18 +326,22 @@ impl Ffn {
             let p0 = group[0].first as usize;
             // The group's clusters are consecutive: packed positions p0 .. p0 + m.
             let m: usize = group.iter().map(|c| c.n_neurons as usize).sum();
-            let (mut wg, mut wu, mut wd) = (vec![0f32; m * h], vec![0f32; m * h], vec![0f32; m * h]);
-            wg.par_chunks_mut(h).zip(wu.par_chunks_mut(h)).zip(wd.par_chunks_mut(h)).enumerate().try_for_each(
-                |(j, ((g, u), d))| -> Result<()> {
-                    let (gr, ur, dr) = self.bundle_at(src, &mut None, p0 + j)?;
-                    row_to_f32(dt, gr, g);
-                    row_to_f32(dt, ur, u);
-                    row_to_f32(dt, dr, d);
-                    Ok(())
-                },
-            )?;
-            let g = crate::kernels::gemm::matmul_xwt(&xt, wg, m, h)?; // [n, m]
-            let u = crate::kernels::gemm::matmul_xwt(&xt, wu, m, h)?; // [n, m]
+            let (g, u, wd) = if let Some(ys) = &ys {
+                self.gate_up_gemm(src, ys, p0, m)?
+            } else {
+                let (mut wg, mut wu) = (vec![0f32; m * h], vec![0f32; m * h]);
+                wg.par_chunks_mut(h).zip(wu.par_chunks_mut(h)).enumerate().try_for_each(
+                    |(j, (g, u))| -> Result<()> {
+                        let (gr, ur, _) = self.bundle_at(src, &mut None, p0 + j)?;
+                        row_to_f32(dt, gr, g);
+                        row_to_f32(dt, ur, u);
+                        Ok(())
+                    },
+                )?;
+                let g = crate::kernels::gemm::matmul_xwt(&xt, wg, m, h)?; // [n, m]
+                let u = crate::kernels::gemm::matmul_xwt(&xt, wu, m, h)?; // [n, m]
+                (g, u, self.down_f32(src, p0, m)?)
+            };
             let mut a = g;
             for (t, (row_a, row_u)) in a.chunks_exact_mut(m).zip(u.chunks_exact(m)).enumerate() {
                 for (j, (av, uv)) in row_a.iter_mut().zip(row_u).enumerate() {
@@ -379,6 +390,80 @@ impl Ffn {
             counts.computed = counts.neurons;
         }
         Ok(counts)
+    }
+
+    /// The gate and up projections `[n, m]` each of the `m` neurons at packed
+    /// positions `p0 ..` for the quantized tokens `ys` (`[n]`), by the
+    /// quantized GEMM: each rayon task packs 8 neurons' gate rows and up
+    /// rows into ×8 groups (SPEC §5.1) and runs them against every token;
+    /// and the down columns `[m, hidden]` dequantized to f32.
+    ///
+    /// # Errors
+    /// A failed cluster read ([`crate::Error::ClusterRead`]).
+    #[allow(clippy::type_complexity)]
+    fn gate_up_gemm(
+        &self,
+        src: &LayerClusters,
+        ys: &[Q8Vec],
+        p0: usize,
+        m: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let (h, dt, n) = (self.hidden, self.layout.dtype, ys.len());
+        let gbytes = X8_ROWS * self.layout.row_bytes as usize;
+        let yr: Vec<&Q8Vec> = ys.iter().collect();
+        // Per group of 8 neurons: [gate | up][8 neurons][n tokens].
+        let mut gu = vec![0f32; m.div_ceil(X8_ROWS) * 2 * X8_ROWS * n];
+        gu.par_chunks_mut(2 * X8_ROWS * n).enumerate().try_for_each_init(
+            || (vec![0u8; gbytes], vec![0u8; gbytes]),
+            |(bg, bu), (gi, out)| -> Result<()> {
+                let mut rows = [None; X8_ROWS];
+                for (i, r) in rows.iter_mut().enumerate() {
+                    let j = gi * X8_ROWS + i;
+                    if j < m {
+                        *r = Some(self.bundle_at(src, &mut None, p0 + j)?);
+                    }
+                }
+                pack_group(dt, h, rows.map(|r| r.map(|(g, _, _)| g)), bg);
+                pack_group(dt, h, rows.map(|r| r.map(|(_, u, _)| u)), bu);
+                let (og, ou) = out.split_at_mut(X8_ROWS * n);
+                for (buf, o) in [(&*bg, og), (&*bu, ou)] {
+                    gemm_tokens(dt, h, buf, &yr, &mut |t0, d: &[[f32; X8_ROWS]]| {
+                        for (t, row) in d.iter().enumerate() {
+                            for (i, &v) in row.iter().enumerate() {
+                                o[i * n + t0 + t] = v;
+                            }
+                        }
+                    });
+                }
+                Ok(())
+            },
+        )?;
+        let (mut g, mut u) = (vec![0f32; n * m], vec![0f32; n * m]);
+        for j in 0..m {
+            let base = (j / X8_ROWS) * 2 * X8_ROWS * n + (j % X8_ROWS) * n;
+            for t in 0..n {
+                g[t * m + j] = gu[base + t];
+                u[t * m + j] = gu[base + X8_ROWS * n + t];
+            }
+        }
+        Ok((g, u, self.down_f32(src, p0, m)?))
+    }
+
+    /// The down columns `[m, hidden]` of the neurons at packed positions
+    /// `p0 .. p0 + m`, dequantized to f32 (the input of the down projection's
+    /// f32 matmul).
+    ///
+    /// # Errors
+    /// A failed cluster read ([`crate::Error::ClusterRead`]).
+    fn down_f32(&self, src: &LayerClusters, p0: usize, m: usize) -> Result<Vec<f32>> {
+        let (h, dt) = (self.hidden, self.layout.dtype);
+        let mut wd = vec![0f32; m * h];
+        wd.par_chunks_mut(h).enumerate().try_for_each(|(j, d)| -> Result<()> {
+            let (_, _, dr) = self.bundle_at(src, &mut None, p0 + j)?;
+            row_to_f32(dt, dr, d);
+            Ok(())
+        })?;
+        Ok(wd)
     }
 
     /// Storage type of the bundles (inputs must be prepared for it).
@@ -434,6 +519,66 @@ mod tests {
             sparse: None,
         };
         (f, data)
+    }
+
+    /// A Q4_0 layer of `n` neurons in clusters of 5 (neither a multiple of
+    /// the 8-neuron ×8 group), rows `[hidden = 64]`.
+    fn q4_layer(seed: u64, n: usize) -> (FfnLayer, Vec<u8>) {
+        let h = 64;
+        let bundle = BundleLayout::new(DType::Q4_0, h as u64).unwrap();
+        let mut data = Vec::new();
+        for p in 0..n {
+            for m in 0..3 {
+                crate::kernels::quantize_row(DType::Q4_0, &values(seed + (3 * p + m) as u64, h), &mut data);
+            }
+        }
+        let clusters = (0..n.div_ceil(5))
+            .map(|c| NeuronCluster {
+                offset: (5 * c) as u64 * bundle.bundle_bytes,
+                first: 5 * c as u32,
+                n_neurons: (n - 5 * c).min(5) as u32,
+            })
+            .collect();
+        let f = FfnLayer {
+            layer: 0,
+            segment: 0,
+            n_neurons: n as u32,
+            bundle,
+            cluster_align: 2,
+            clusters,
+            order: (0..n as u32).collect(),
+            sparse: None,
+        };
+        (f, data)
+    }
+
+    /// Prefill of a Q4_0 layer (quantized GEMM for gate/up, f32 matmul for
+    /// down) against decode of each token (the four-row dot and axpy
+    /// kernels): gate and up are the same bits, so only the down
+    /// projection's summation order differs. Token counts not a multiple of
+    /// the 4-token tile, and 1 token.
+    #[test]
+    fn quantized_prefill_matches_decode_token_by_token() {
+        let (h, n) = (64, 37);
+        let (f, data) = q4_layer(40, n);
+        let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
+        let offsets: Vec<u64> = f.clusters.iter().map(|c| c.offset).collect();
+        let seg = SegmentClusters::new(&data, &offsets);
+        let src = seg.view();
+        for n_tok in [1, 6, 9] {
+            let x = values(50 + n_tok as u64, n_tok * h);
+            let mut batch = vec![0.25f32; n_tok * h];
+            // A tile of 16 neurons: three tiles, the last of 5.
+            ffn.forward_batch(&src, &x, None, 16 * h, &mut batch).unwrap();
+            for t in 0..n_tok {
+                let xin = DotInput::from_slice(DType::Q4_0, &x[t * h..(t + 1) * h]);
+                let mut one = vec![0.25f32; h];
+                ffn.forward_token(&src, &xin, Selection::All, None, &mut FfnScratch::default(), &mut one).unwrap();
+                for (a, b) in batch[t * h..(t + 1) * h].iter().zip(&one) {
+                    assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{n_tok} tokens, token {t}: {a} vs {b}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -59,21 +59,27 @@ impl Model<'_> {
         let mut attn = AttnScratch::new(n, h, &heads);
         let mut xn = vec![0f32; n * h]; // [n, hidden], RMSNormed
 
-        // Counters and timings describe decode / evaluation only: kept here,
-        // added to `work` at the end unless this is a prefill.
+        // Counters describe decode / evaluation only: kept here, added to
+        // `work` at the end unless this is a prefill. Timings go to the pass's own profile.
         let mut tm = Timings::default();
 
         // 1. Embed: x [n, hidden].
+        let t = Instant::now();
         let mut x = self.embed(tokens)?;
+        tm.norm_s += t.elapsed().as_secs_f64();
         for (l, layer) in self.layers.iter().enumerate() {
-            let t_attn = Instant::now();
             // 2. Attention norm, attention, residual.
+            let t = Instant::now();
             norm_rows(&x, &layer.attn_norm, eps, &mut xn);
-            layer.attn.forward(l, &xn, p0, &heads, &rope, kv, batched, &mut attn)?;
+            tm.norm_s += t.elapsed().as_secs_f64();
+            layer.attn.forward(l, &xn, p0, &heads, &rope, kv, batched, &mut attn, &mut tm)?;
+            let t = Instant::now();
             x.iter_mut().zip(&attn.out).for_each(|(a, b)| *a += b);
+            tm.o_proj_s += t.elapsed().as_secs_f64();
             // 3. FFN norm.
+            let t = Instant::now();
             norm_rows(&x, &layer.ffn_norm, eps, &mut xn);
-            tm.attention_s += t_attn.elapsed().as_secs_f64();
+            tm.norm_s += t.elapsed().as_secs_f64();
             // 4. FFN through the neuron engine, added to the residual.
             let sparse = layer.sparse.as_ref().filter(|_| sparse_on);
             let counts = if batched {
@@ -98,15 +104,19 @@ impl Model<'_> {
                 return Err(Error::NonFiniteActivations { layer: l, position: p0 + i / h });
             }
         }
-        if pass != Pass::Prefill {
-            work.timings.add(&tm);
-        }
         kv.commit(n);
         // 6. Final norm.
+        let t = Instant::now();
         let mut row_in = vec![0f32; h];
         for row in x.chunks_exact_mut(h) {
             row_in.copy_from_slice(row);
             rms_norm(&row_in, &self.final_norm, eps, row);
+        }
+        tm.norm_s += t.elapsed().as_secs_f64();
+        if pass == Pass::Prefill {
+            work.prefill_timings.add(&tm);
+        } else {
+            work.timings.add(&tm);
         }
         Ok(x)
     }

@@ -43,7 +43,7 @@ fn tensor<'a>(pack: &'a Pack, name: &str, shape: &[u64]) -> Result<(DType, &'a [
 pub(crate) fn matrix<'a>(pack: &'a Pack, name: &str, rows: u64, cols: u64) -> Result<QMatrix<'a>> {
     let (dt, bytes) = tensor(pack, name, &[rows, cols])?;
     if pack.is_interleaved(name) {
-        return Ok(QMatrix::q4_0x8(rows as usize, cols as usize, bytes));
+        return Ok(QMatrix::x8(dt, rows as usize, cols as usize, bytes));
     }
     Ok(QMatrix::new(dt, rows as usize, cols as usize, bytes))
 }

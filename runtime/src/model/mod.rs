@@ -61,14 +61,23 @@ pub enum Pass {
     Evaluate,
 }
 
-/// Time spent per part of the forward pass, seconds, summed over calls.
+/// Time spent per step of the forward pass, seconds, summed over calls:
+/// the per-op profile of `nflash run --stats` (decode per token, prefill in
+/// total). Wall time on the calling thread: a step's parallel region and its
+/// fork/join cost are inside it.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Timings {
-    /// Norms, Q/K/V/O projections, RoPE, attention.
-    pub attention_s: f64,
+    /// RMSNorms (before attention, before the FFN, and the final one) and the embedding lookup.
+    pub norm_s: f64,
+    /// Q, K, V projections, their biases and RoPE.
+    pub qkv_s: f64,
+    /// KV-cache append and scaled dot-product attention (QKᵀ, softmax, ·V).
+    pub attend_s: f64,
+    /// Output projection of attention, its bias and the residual add.
+    pub o_proj_s: f64,
     /// Predictor evaluation (sparse decode).
     pub predictor_s: f64,
-    /// FFN neuron engine.
+    /// FFN neuron engine (gate/up/down projections, cluster fetch and wait).
     pub ffn_s: f64,
     /// Output projection to logits.
     pub lm_head_s: f64,
@@ -76,10 +85,32 @@ pub struct Timings {
 
 impl Timings {
     fn add(&mut self, o: &Timings) {
-        self.attention_s += o.attention_s;
+        self.norm_s += o.norm_s;
+        self.qkv_s += o.qkv_s;
+        self.attend_s += o.attend_s;
+        self.o_proj_s += o.o_proj_s;
         self.predictor_s += o.predictor_s;
         self.ffn_s += o.ffn_s;
         self.lm_head_s += o.lm_head_s;
+    }
+
+    /// The attention block as a whole: norms, Q/K/V/O projections, RoPE, attention.
+    pub fn attention_s(&self) -> f64 {
+        self.norm_s + self.qkv_s + self.attend_s + self.o_proj_s
+    }
+
+    /// Every step, with its name (`norm`, `qkv`, `attend`, `o_proj`,
+    /// `predictor`, `ffn`, `lm_head`), seconds.
+    pub fn steps(&self) -> [(&'static str, f64); 7] {
+        [
+            ("norm", self.norm_s),
+            ("qkv", self.qkv_s),
+            ("attend", self.attend_s),
+            ("o_proj", self.o_proj_s),
+            ("predictor", self.predictor_s),
+            ("ffn", self.ffn_s),
+            ("lm_head", self.lm_head_s),
+        ]
     }
 }
 
@@ -103,7 +134,10 @@ struct Work {
     needed: Vec<u32>,
     /// `[n_clusters]` where each needed cluster is.
     table: Vec<Loc>,
+    /// Decode and evaluation steps.
     timings: Timings,
+    /// Prefill passes.
+    prefill_timings: Timings,
 }
 
 /// When decode runs a speculative prefetch ([`Model::set_speculation`];
@@ -192,10 +226,16 @@ impl Model<'_> {
         self.speculation = s;
     }
 
-    /// Per-layer sparse-FFN counters since load or the last [`Self::reset_counters`].
+    /// Per-layer sparse-FFN counters and the decode (and evaluation) step
+    /// timings since load or the last [`Self::reset_counters`].
     pub fn counters(&self) -> (Vec<LayerCounts>, Timings) {
         let w = self.work.lock().unwrap_or_else(|e| e.into_inner());
         (w.counts.clone(), w.timings)
+    }
+
+    /// Step timings of the prefill passes since load or the last [`Self::reset_counters`].
+    pub fn prefill_timings(&self) -> Timings {
+        self.work.lock().unwrap_or_else(|e| e.into_inner()).prefill_timings
     }
 
     /// Neuron-cluster counters of the source (cumulative since load).
@@ -213,6 +253,7 @@ impl Model<'_> {
         let mut w = self.work.lock().unwrap_or_else(|e| e.into_inner());
         w.counts.iter_mut().for_each(|c| *c = LayerCounts::default());
         w.timings = Timings::default();
+        w.prefill_timings = Timings::default();
     }
 
     /// A KV cache for `capacity` tokens, or an error if its memory cannot be reserved.

@@ -42,17 +42,17 @@ pub fn read_text(path: &Path) -> Result<String> {
     })
 }
 
-/// Opens a pack for running (resident segments in memory, Q4_0 matrices
-/// reordered to the Q4_0×8 layout where this CPU has its kernel),
+/// Opens a pack for running (resident segments in memory, Q4_0 and Q8_0
+/// matrices reordered to the ×8 layout where this CPU has its kernels),
 /// optionally verifying every segment checksum first.
 pub fn open_pack(path: &Path, verify: bool) -> Result<nflash_format::Pack> {
     let mut pack = nflash_format::Pack::open_resident(path)?;
     if verify {
         pack.verify()?;
     }
-    if nflash_runtime::kernels::q4_0x8_available() {
-        // Q4_0 matrices in groups of 8 rows: one stream per group in decode.
-        pack.interleave_q4_0()?;
+    if nflash_runtime::kernels::x8_available() {
+        // Matrices in groups of 8 rows: one stream per group, 8 rows per kernel call.
+        pack.interleave()?;
     }
     Ok(pack)
 }

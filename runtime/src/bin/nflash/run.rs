@@ -236,6 +236,7 @@ fn sampling(a: &RunArgs, g: &nflash_format::GenerationDefaults, seed: u64) -> (S
 /// Prints / writes the stats; `budget`: the memory budget in force, bytes.
 fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Result<()> {
     let (counts, tm) = model.counters();
+    let ptm = model.prefill_timings();
     let sparse = model.is_sparse_pack() && !a.dense;
     // Dense decode reports 0% (every neuron read and computed).
     let sparsity = SparsitySummary::new(&counts);
@@ -277,7 +278,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
         );
         message!(
             "decode per token: attention {:.2} ms, predictor {:.2} ms, FFN {:.2} ms, lm_head {:.2} ms{}",
-            per(tm.attention_s),
+            per(tm.attention_s()),
             per(tm.predictor_s),
             per(tm.ffn_s),
             per(tm.lm_head_s),
@@ -287,6 +288,11 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
                 100.0 * s.bundles_skipped
             ))
         );
+        let profile = |t: &nflash_runtime::model::Timings, scale: f64| {
+            t.steps().iter().map(|(k, v)| format!("{k} {:.2}", v * scale)).collect::<Vec<_>>().join(", ")
+        };
+        message!("decode profile, ms per token: {}", profile(&tm, 1e3 / steps));
+        message!("prefill profile, ms in all: {}", profile(&ptm, 1e3));
         message!(
             "decode latency: mean {mean_ms:.2} ms, P50 {p50:.2} ms, P90 {p90:.2} ms, P99 {p99:.2} ms | neuron cache: hot {:.1} MiB, cold {:.1} MiB ({}), hit rate {:.1}% (hot region {:.1}%), {:.2} MiB read per token in {:.1} reads, I/O wait {:.1}% of decode",
             hot_b as f64 / (1 << 20) as f64,
@@ -319,10 +325,12 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
             "sparse": sparse,
             "ffn_sparsity": sparsity.as_ref().map(|s| s.ffn_sparsity),
             "bundles_skipped": sparsity.as_ref().map(|s| s.bundles_skipped),
-            "attention_ms_per_token": per(tm.attention_s),
+            "attention_ms_per_token": per(tm.attention_s()),
             "predictor_ms_per_token": per(tm.predictor_s),
             "ffn_ms_per_token": per(tm.ffn_s),
             "lm_head_ms_per_token": per(tm.lm_head_s),
+            "decode_profile_ms_per_token": tm.steps().iter().map(|(k, v)| (k.to_string(), serde_json::json!(per(*v)))).collect::<serde_json::Map<_, _>>(),
+            "prefill_profile_ms": ptm.steps().iter().map(|(k, v)| (k.to_string(), serde_json::json!(1e3 * v))).collect::<serde_json::Map<_, _>>(),
             "latency_ms_mean": mean_ms,
             "latency_ms_p50": p50,
             "latency_ms_p90": p90,

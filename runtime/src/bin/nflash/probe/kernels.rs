@@ -35,14 +35,14 @@ pub(super) struct QMatrixOwned {
     bytes: AlignedBuf,
     rows: usize,
     cols: usize,
-    /// In the Q4_0×8 layout (`nflash_format::interleave`).
+    /// In the ×8 layout (`nflash_format::interleave`).
     interleaved: bool,
 }
 
 impl QMatrixOwned {
-    /// Reorders the blocks to the Q4_0×8 layout (rows a multiple of 8).
+    /// Reorders the blocks to the ×8 layout (rows a multiple of 8).
     pub(super) fn interleave(&mut self) {
-        nflash_format::interleave::interleave_q4_0(self.bytes.as_mut_slice(), self.cols, &mut Vec::new());
+        nflash_format::interleave::interleave(DType::Q4_0, self.bytes.as_mut_slice(), self.cols, &mut Vec::new());
         self.interleaved = true;
     }
 
@@ -52,7 +52,7 @@ impl QMatrixOwned {
 
     fn view(&self) -> QMatrix<'_> {
         if self.interleaved {
-            return QMatrix::q4_0x8(self.rows, self.cols, self.bytes());
+            return QMatrix::x8(DType::Q4_0, self.rows, self.cols, self.bytes());
         }
         QMatrix::new(DType::Q4_0, self.rows, self.cols, self.bytes())
     }
@@ -87,7 +87,7 @@ pub(super) fn attention_speed(m: &QMatrixOwned, x: &[f32], run_secs: f64) -> Res
     let view = |i: usize| {
         let b = &bytes[i * sq..(i + 1) * sq];
         if m.interleaved {
-            QMatrix::q4_0x8(rows, cols, b)
+            QMatrix::x8(DType::Q4_0, rows, cols, b)
         } else {
             QMatrix::new(DType::Q4_0, rows, cols, b)
         }

@@ -294,7 +294,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
     let unit = 4 * plan.mat_cols.min(plan.mat_rows / 4) as u64;
     let rows = (plan.mat_rows as u64).min(available_bytes / 4 / row_bytes / unit * unit).max(unit) as usize;
     let mut mat = q4_0_matrix(rows, plan.mat_cols)?;
-    if nflash_runtime::kernels::q4_0x8_available() {
+    if nflash_runtime::kernels::x8_available() {
         mat.interleave(); // as `nflash run` lays out resident Q4_0 matrices
     }
     let x: Vec<f32> = {
