@@ -7,9 +7,11 @@ Run with the bench venv's python (made by scripts/bench_setup.sh):
     .venv-bench/bin/python scripts/bench.py --gguf-src PATH/SmolLM2-135M-Instruct.Q4_1.gguf
 
 For each quant (Q4_0, Q8_0) it prepares comparable models for both engines,
-then times prefill and decode of one fixed English prompt, alternating the two
-engines run by run, each run in a fresh process. It prints medians and writes
-every per-run number to OUT/bench.json. This is a benchmark, not a test: the
+then times prefill and decode of one fixed English prompt cut to each of
+--prompt-tokens (16, 128 and 512 tokens by default), alternating the engines
+run by run, each run in a fresh process. It prints medians (with min and max
+in the JSON) and writes every per-run number to OUT/bench.json, with
+summary[quant]["prompt_<n>"]["ratio_nflash_over_llama"] = {prefill, decode}. This is a benchmark, not a test: the
 numbers depend on the machine and on whatever else runs on it.
 
 Model preparation (cached in OUT, redone only when the input is newer):
@@ -74,11 +76,12 @@ def parse_args(argv):
     ap.add_argument("--runs", type=int, default=5, help="timed runs per engine and quant (>= 1)")
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed runs per engine and quant first (page cache, CPU clocks)")
-    ap.add_argument("--prompt-tokens", type=int, default=128,
-                    help="cut the fixed prompt text to about this many tokens")
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[16, 128, 512],
+                    help="prompt lengths to measure, tokens (the fixed prompt text cut or repeated)")
     ap.add_argument("--gen-tokens", type=int, default=64)
-    ap.add_argument("--ctx", type=int, default=512,
-                    help="context (KV cache) length for both engines")
+    ap.add_argument("--ctx", type=int, default=1024,
+                    help="context (KV cache) length for both engines (at least the longest prompt "
+                         "plus --gen-tokens)")
     ap.add_argument("--out", type=Path, default=REPO / "bench-out")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per subprocess")
     ap.add_argument("--wait-idle", type=float, default=30,
@@ -95,12 +98,15 @@ def parse_args(argv):
     ap.add_argument("--skip-nflash", action="store_true", help="only run llama.cpp")
     ap.add_argument("--skip-llama", action="store_true", help="only run nflash")
     a = ap.parse_args(argv)
-    if a.runs < 1 or a.warmup < 0 or a.threads < 1 or a.gen_tokens < 2 or a.prompt_tokens < 2:
+    if a.runs < 1 or a.warmup < 0 or a.threads < 1 or a.gen_tokens < 2 or min(a.prompt_tokens) < 2:
         ap.error("need --runs >= 1, --warmup >= 0, --threads >= 1, --gen-tokens >= 2, --prompt-tokens >= 2")
     if a.skip_nflash and a.skip_llama:
         ap.error("--skip-nflash and --skip-llama together leave nothing to run")
     if a.skip_nflash:
         a.skip_sparse = True
+    if max(a.prompt_tokens) + a.gen_tokens + 8 > a.ctx:
+        ap.error(f"--ctx {a.ctx} is too small for a {max(a.prompt_tokens)}-token prompt and "
+                 f"{a.gen_tokens} generated tokens")
     return a
 
 
@@ -114,12 +120,14 @@ def main(argv) -> int:
     models = baseline.prepare_models(a, out, engines)
     if models.sparse:
         engines += [SPARSE_DENSE, SPARSE]
-    text, prompt_file = baseline.prompt_file_for(a, out, models.ggufs)
-    runners = baseline.make_runners(a, models, prompt_file, tmpdir)
-    results = baseline.run_all(a, engines, runners)
-    summary = baseline.summarize(a, engines, results)
-    baseline.print_report(a, engines, summary, results)
-    baseline.write_results(a, out, engines, text, models, summary, results)
+    texts, per_len = {}, {}
+    for n in a.prompt_tokens:
+        texts[n], prompt_file = baseline.prompt_file_for(a, out, models.ggufs, n)
+        runners = baseline.make_runners(a, models, prompt_file, tmpdir)
+        per_len[n] = baseline.run_all(a, engines, runners, f"prompt {n}")
+    summary = baseline.summarize_lengths(a, engines, per_len)
+    baseline.print_report(a, engines, summary, per_len)
+    baseline.write_results(a, out, engines, texts, models, summary, per_len)
     return 0
 
 

@@ -5,7 +5,7 @@
 
 use nflash_format::{DeviceProfile, Manifest, Plan, PredictorKind};
 
-use crate::layout::{hot_clusters, kv_cache_bytes, MAX_MERGE_BYTES};
+use crate::layout::{hot_clusters, kv_cache_bytes, KvType, MAX_MERGE_BYTES};
 
 /// Probability that decode needs each neuron of layer `l` (packed order):
 /// the profiled activation frequency scaled by the predictor's
@@ -100,10 +100,10 @@ pub(crate) fn cluster_needs(m: &Manifest) -> Vec<Vec<Cl>> {
 /// `position`: the keys and values of the positions it attends to, up to the
 /// sliding window, as the KV cache stores them. The estimate takes the token
 /// at half the context, the mean over a generation that fills it.
-fn kv_read_bytes(m: &Manifest, position: u32) -> u64 {
+fn kv_read_bytes(m: &Manifest, position: u32, kv: KvType) -> u64 {
     let c = &m.config;
     let seen = c.sliding_window.map_or(position as u64, |w| (position as u64).min(w + 1));
-    kv_cache_bytes(1, (c.num_kv_heads * c.head_dim) as usize, seen as usize)
+    kv_cache_bytes(1, (c.num_kv_heads * c.head_dim) as usize, seen as usize, kv)
 }
 
 /// Bytes of layer `l`'s attention weights (read once per decode token).
@@ -177,10 +177,11 @@ impl Estimate {
 /// The expected decode cost of plan `p` for `m` on `dev` (see [`Estimate`]).
 pub fn estimate(m: &Manifest, dev: &DeviceProfile, p: &Plan) -> Estimate {
     let hot: Vec<usize> = m.ffn.iter().zip(&p.hot_neurons).map(|(f, &h)| hot_clusters(f, h)).collect();
-    estimate_with(m, dev, p.threads, p.ctx, &cluster_needs(m), &hot, p.cold_bytes)
+    estimate_with(m, dev, p.threads, (p.ctx, KvType::of_plan(m, p)), &cluster_needs(m), &hot, p.cold_bytes)
 }
 
-/// [`estimate`] from the planner's per-layer clusters and hot cluster counts.
+/// [`estimate`] from the planner's per-layer clusters and hot cluster counts,
+/// for a KV cache of `kv` elements at `ctx` tokens.
 ///
 /// Compute: attention weights / the profile's attention-block speed and
 /// the KV cache and lm_head / its matvec speed at `threads`; the
@@ -196,14 +197,14 @@ pub(crate) fn estimate_with(
     m: &Manifest,
     dev: &DeviceProfile,
     threads: u32,
-    ctx: u32,
+    (ctx, kv): (u32, KvType),
     layers: &[Vec<Cl>],
     hot: &[usize],
     cold_bytes: u64,
 ) -> Estimate {
     let matvec = dev.matvec_bytes_per_s(threads);
     let attention = dev.attention_bytes_per_s(threads);
-    let kv_ms = kv_read_bytes(m, ctx / 2) as f64 / matvec * 1e3;
+    let kv_ms = kv_read_bytes(m, ctx / 2, kv) as f64 / matvec * 1e3;
     let ffn_speed = dev.ffn_bytes_per_s(threads);
     let predictor = dev.predictor_bytes_per_s(threads);
     let cold: Vec<&Cl> = layers.iter().zip(hot).flat_map(|(cs, &h)| cs[h..].iter()).collect();

@@ -40,11 +40,67 @@ pub fn hot_clusters(f: &FfnLayer, hot_neurons: u32) -> usize {
     f.clusters.iter().take_while(|c| c.first as u64 + c.n_neurons as u64 <= hot_neurons as u64).count()
 }
 
-/// Bytes of an f32 KV cache of `n_layers` layers, `kv_dim`
+/// Element type of the KV cache: f16 by default (as llama.cpp), f32 with
+/// `nflash run --kv f32`. Attention reads it in either type and computes in
+/// f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvType {
+    /// Half precision, 2 bytes per element.
+    #[default]
+    F16,
+    /// Single precision, 4 bytes per element.
+    F32,
+}
+
+impl KvType {
+    /// Every type, with its command-line name.
+    pub const ALL: [(KvType, &'static str); 2] = [(KvType::F16, "f16"), (KvType::F32, "f32")];
+
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            KvType::F16 => 2,
+            KvType::F32 => 4,
+        }
+    }
+
+    /// The command-line name (`f16`, `f32`).
+    pub fn name(self) -> &'static str {
+        Self::ALL.iter().find(|(k, _)| *k == self).map_or("f16", |(_, n)| n)
+    }
+
+    /// The type a stored plan sized its KV cache for (plans made before the
+    /// f16 default have f32 sizes): the one whose size at `p.ctx` is `p.kv_bytes`.
+    pub fn of_plan(m: &nflash_format::Manifest, p: &Plan) -> KvType {
+        let c = &m.config;
+        let f32_bytes =
+            kv_cache_bytes(c.num_layers as usize, (c.num_kv_heads * c.head_dim) as usize, p.ctx as usize, KvType::F32);
+        if p.kv_bytes == f32_bytes && f32_bytes > 0 {
+            KvType::F32
+        } else {
+            KvType::F16
+        }
+    }
+}
+
+impl std::str::FromStr for KvType {
+    type Err = String;
+
+    /// `f16` or `f32`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .iter()
+            .find(|(_, n)| *n == s)
+            .map(|(k, _)| *k)
+            .ok_or_else(|| format!("unknown KV cache type {s:?}: expected f16 or f32"))
+    }
+}
+
+/// Bytes of a KV cache of `kv` elements, `n_layers` layers, `kv_dim`
 /// (`num_kv_heads · head_dim`) elements per position and `capacity`
-/// positions, when full: `2 · layers · capacity · kv_dim · 4`.
-pub fn kv_cache_bytes(n_layers: usize, kv_dim: usize, capacity: usize) -> u64 {
-    2 * n_layers as u64 * capacity as u64 * kv_dim as u64 * 4
+/// positions, when full: `2 · layers · capacity · kv_dim · kv.bytes()`.
+pub fn kv_cache_bytes(n_layers: usize, kv_dim: usize, capacity: usize, kv: KvType) -> u64 {
+    2 * n_layers as u64 * capacity as u64 * kv_dim as u64 * kv.bytes()
 }
 
 /// How the FFN is split between memory and flash (what a [`Plan`] decides

@@ -15,4 +15,4 @@ pub mod planner;
 pub mod sim;
 
 pub use error::{Error, Result};
-pub use layout::CacheConfig;
+pub use layout::{CacheConfig, KvType};

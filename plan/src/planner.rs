@@ -17,7 +17,9 @@ use nflash_format::{DeviceProfile, Manifest, Plan, SegmentKind};
 
 use crate::cost::{attention_bytes, cluster_need, cluster_needs, estimate_with, io_seconds, io_term, Cl};
 use crate::error::{Error, Result};
-use crate::layout::{align_up, cluster_read_bytes, hot_clusters, kv_cache_bytes, FFN_TILE_ELEMS, PREFILL_CHUNK};
+use crate::layout::{
+    align_up, cluster_read_bytes, hot_clusters, kv_cache_bytes, KvType, FFN_TILE_ELEMS, PREFILL_CHUNK,
+};
 
 /// Process memory outside the model (code, libraries, thread stacks, the
 /// allocator's arenas), bytes, for plans made off the device (`prep`).
@@ -65,6 +67,8 @@ pub struct PlanRequest {
     pub budget_bytes: u64,
     /// Context length, tokens (sizes the KV cache).
     pub ctx: u32,
+    /// KV cache element type.
+    pub kv: KvType,
     /// Compute threads.
     pub threads: u32,
     /// I/O threads; `None` = from the profile (its I/O queues, at most [`MAX_IO_THREADS`]: each
@@ -125,11 +129,11 @@ impl FixedRegion {
 /// [`RUNTIME_MARGIN_BYTES`], and at least enough that the whole fixed region
 /// covers the load peak: the transient and the KV cache, scratch and neuron
 /// cache allocated later never coexist, but both must fit the budget.
-pub fn fixed_region(m: &Manifest, ctx: u32, measured: Option<Footprint>) -> FixedRegion {
+pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footprint>) -> FixedRegion {
     let c = &m.config;
     let (h, qd, kvd) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     let resident = m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn).map(|s| s.bytes).sum();
-    let kv = kv_cache_bytes(c.num_layers as usize, kvd as usize, ctx as usize);
+    let kv = kv_cache_bytes(c.num_layers as usize, kvd as usize, ctx as usize, kv);
     // One prefill chunk: activations [n, ·], one FFN weight tile (gate, up, down,
     // f32), its [n, m] products, candle's copies of them, and the logits.
     let n = (ctx as u64).min(PREFILL_CHUNK as u64);
@@ -171,7 +175,7 @@ pub fn choose_cluster_bytes(dev: &DeviceProfile, bundle_bytes: u64, p: &[f64]) -
 /// [`nflash_format::Error::Budget`] (wrapped) if the fixed region alone
 /// exceeds the budget, saying by how much.
 pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan> {
-    let fixed = fixed_region(m, req.ctx, req.measured);
+    let fixed = fixed_region(m, req.ctx, req.kv, req.measured);
     let budget = req.budget_bytes;
     // The minimum: the fixed region and one layer's FFN clusters, which stage reads.
     let max_layer: u64 =
@@ -190,7 +194,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         // estimate, since a load peak larger than the steady state does not
         // shrink with the KV cache.
         let slack = nflash_format::error::MEASUREMENT_SLACK_BYTES;
-        let fits = |c: u64| fixed_region(m, c as u32, req.measured).total() + max_layer + slack <= budget;
+        let fits = |c: u64| fixed_region(m, c as u32, req.kv, req.measured).total() + max_layer + slack <= budget;
         while ctx_fit >= 16 && !fits(ctx_fit) {
             ctx_fit = ctx_fit * 15 / 16;
         }
@@ -261,7 +265,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         }
         (hot_bytes, avail - hot_bytes)
     };
-    let est = estimate_with(m, dev, req.threads, req.ctx, &layers, &hot, cold_bytes);
+    let est = estimate_with(m, dev, req.threads, (req.ctx, req.kv), &layers, &hot, cold_bytes);
     let io_threads = req.io_threads.unwrap_or_else(|| dev.flash.io_queues.min(MAX_IO_THREADS)).max(1);
     let hot_neurons = hot.iter().zip(&m.ffn).map(|(&h, f)| f.clusters[..h].iter().map(|c| c.n_neurons).sum()).collect();
     let cluster_bytes =

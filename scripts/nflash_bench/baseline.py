@@ -66,11 +66,11 @@ def prepare_models(a, out: Path, engines: list[str]) -> Models:
                   sparse=prepare_sparse(a, out) if "nflash" in engines else {})
 
 
-def prompt_file_for(a, out: Path, ggufs: dict[str, Path]) -> tuple[str, Path]:
-    """The prompt cut to --prompt-tokens (by the first GGUF's tokenizer), in OUT/prompt.txt."""
+def prompt_file_for(a, out: Path, ggufs: dict[str, Path], n_tokens: int) -> tuple[str, Path]:
+    """The prompt cut to n_tokens (by the first GGUF's tokenizer), in OUT/prompt-<n>.txt."""
     text, llama_prompt_tokens = choose_prompt(
-        a.prompt_tokens, next(iter(ggufs.values()), None), a.timeout)
-    prompt_file = write_prompt(text, out)
+        n_tokens, next(iter(ggufs.values()), None), a.timeout)
+    prompt_file = write_prompt(text, out, f"prompt-{n_tokens}.txt")
     log(f"prompt: {len(text.split())} words"
         + (f", {llama_prompt_tokens} tokens by llama.cpp's tokenizer" if llama_prompt_tokens else "")
         + f" -> {prompt_file}")
@@ -136,23 +136,23 @@ def make_runners(a, m: Models, prompt_file: Path, tmpdir: Path) -> dict:
 # The runs
 # --------------------------------------------------------------------------
 
-def run_all(a, engines: list[str], runners: dict) -> dict:
+def run_all(a, engines: list[str], runners: dict, label: str) -> dict:
     """Per quant: the warm-up runs, then --runs timed runs of every engine,
     alternating their order. Returns quant -> engine -> run records."""
     results: dict = {q: {e: [] for e in engines} for q in a.quant}
     for q in a.quant:
         for w in range(a.warmup):
             for e in engines:
-                log(f"{q} {e}: warm-up {w + 1}/{a.warmup}")
+                log(f"{q} {label} {e}: warm-up {w + 1}/{a.warmup}")
                 runners[e](q)
         for i in range(a.runs):
             order = engines if i % 2 == 0 else engines[::-1]  # alternate to spread drift
             for e in order:
-                results[q][e].append(timed_run(a, q, e, i, runners[e]))
+                results[q][e].append(timed_run(a, q, e, i, runners[e], label))
     return results
 
 
-def timed_run(a, q: str, e: str, i: int, runner) -> dict:
+def timed_run(a, q: str, e: str, i: int, runner, label: str) -> dict:
     """Run i of engine e on quant q, after waiting for idle CPUs; logged."""
     la = loadavg()
     busy = wait_idle(a.wait_idle)
@@ -160,7 +160,7 @@ def timed_run(a, q: str, e: str, i: int, runner) -> dict:
     r["run"] = i
     r["loadavg_1m_before"] = la
     r["cpu_busy_before"] = busy
-    log(f"{q} {e:9s} run {i + 1}/{a.runs}: prompt {r['prompt_tokens']} tok, "
+    log(f"{q} {label} {e:9s} run {i + 1}/{a.runs}: prompt {r['prompt_tokens']} tok, "
         f"prefill {r['prefill_tokens_per_s']:.1f} tok/s, decode "
         f"{r['decode_tokens_per_s']:.1f} tok/s, peak RSS "
         f"{r['peak_rss_bytes'] / 2**20:.1f} MiB (CPU {busy:.0%} busy before)"
@@ -171,6 +171,16 @@ def timed_run(a, q: str, e: str, i: int, runner) -> dict:
 # --------------------------------------------------------------------------
 # Summary
 # --------------------------------------------------------------------------
+
+def summarize_lengths(a, engines: list[str], per_len: dict) -> dict:
+    """quant -> "prompt_<n>" -> the summary of that prompt length ([`summarize`])."""
+    summary: dict = {q: {} for q in a.quant}
+    for n, results in per_len.items():
+        s = summarize(a, engines, results)
+        for q in a.quant:
+            summary[q][f"prompt_{n}"] = s[q]
+    return summary
+
 
 def summarize(a, engines: list[str], results: dict) -> dict:
     """quant -> engine -> medians, and the sparse/dense and nflash/llama.cpp ratios."""
@@ -226,13 +236,15 @@ def speed_ratios(s: dict, base: dict) -> dict:
 # Report
 # --------------------------------------------------------------------------
 
-def print_report(a, engines: list[str], summary: dict, results: dict) -> None:
+def print_report(a, engines: list[str], summary: dict, per_len: dict) -> None:
     print_main_table(a, engines, summary)
-    if any(SPARSE in summary[q] for q in a.quant):
-        print_sparse_table(a, summary)
-    print_contended(a, engines, results)
+    for key in summary[a.quant[0]]:
+        if any(SPARSE in summary[q][key] for q in a.quant):
+            print_sparse_table(a, {q: summary[q][key] for q in a.quant}, key)
+    for results in per_len.values():
+        print_contended(a, engines, results)
     if "llama.cpp" in engines:
-        base = median([r["stats"]["python_baseline_rss_bytes"]
+        base = median([r["stats"]["python_baseline_rss_bytes"] for results in per_len.values()
                        for q in a.quant for r in results[q]["llama.cpp"]])
         print(f"(llama.cpp runs in a Python process: {base / 2**20:.0f} MiB of its peak RSS "
               f"is the interpreter + llama_cpp before the model loads)")
@@ -243,24 +255,25 @@ def print_main_table(a, engines: list[str], summary: dict) -> None:
            "prefill ratio", "decode ratio"]
     rows = []
     for q in a.quant:
-        for e in engines:
-            s = summary[q][e]
-            ratio = None
-            if e != "llama.cpp" and "llama.cpp" in engines:
-                ratio = speed_ratios(s, summary[q]["llama.cpp"])
-            rows.append([q, e, str(int(s["prompt_tokens"])), fmt(s["prefill_tokens_per_s_median"]),
-                         fmt(s["decode_tokens_per_s_median"]), fmt(s["peak_rss_mib_median"]),
-                         fmt(ratio["prefill"], 2) if ratio else "", fmt(ratio["decode"], 2) if ratio else ""])
+        for key, sq in summary[q].items():
+            for e in engines:
+                s = sq[e]
+                ratio = None
+                if e != "llama.cpp" and "llama.cpp" in engines:
+                    ratio = speed_ratios(s, sq["llama.cpp"])
+                rows.append([q, e, str(int(s["prompt_tokens"])), fmt(s["prefill_tokens_per_s_median"]),
+                             fmt(s["decode_tokens_per_s_median"]), fmt(s["peak_rss_mib_median"]),
+                             fmt(ratio["prefill"], 2) if ratio else "", fmt(ratio["decode"], 2) if ratio else ""])
     print()
     print(f"medians of {a.runs} runs, {a.threads} threads, {a.gen_tokens} generated tokens, "
           f"ctx {a.ctx}; ratio = nflash / llama.cpp")
     print_table(rows, hdr, left=2, last_left=False)
 
 
-def print_sparse_table(a, summary: dict) -> None:
+def print_sparse_table(a, summary: dict, key: str) -> None:
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
     print()
-    print("sparse decode vs dense decode of the same sparse pack (medians); per-token decode time, ms")
+    print(f"{key}: sparse decode vs dense decode of the same sparse pack (medians); per-token decode time, ms")
     print("quant | mode   | decode tok/s | sparse/dense | FFN sparsity | bundles skipped | attention | predictor |   FFN | lm_head")
     for q in a.quant:
         for e, name in ((SPARSE_DENSE, "dense"), (SPARSE, "sparse")):
@@ -283,18 +296,20 @@ def print_contended(a, engines: list[str], results: dict) -> None:
               f"rerun on an idle machine")
 
 
-def write_results(a, out: Path, engines: list[str], text: str, m: Models, summary: dict,
-                  results: dict) -> None:
-    """OUT/bench.json: the arguments, machine, prompt, models, summary and every run."""
+def write_results(a, out: Path, engines: list[str], texts: dict, m: Models, summary: dict,
+                  per_len: dict) -> None:
+    """OUT/bench.json: the arguments, machine, prompts, models, summary
+    (`summary[quant]["prompt_<n>"]`, with `ratio_nflash_over_llama` =
+    `{prefill, decode}`) and every run (`runs["prompt_<n>"][quant][engine]`)."""
     info = {
         **run_info(a),
-        "prompt_text": text,
+        "prompt_texts": {f"prompt_{n}": t for n, t in texts.items()},
         "models": {"gguf": {q: str(p) for q, p in m.ggufs.items()},
                    "gguf_tensor_types": {q: gguf_tensor_types(p) for q, p in m.ggufs.items()},
                    "nflash": {q: str(p) for q, p in m.packs.items()},
                    "nflash_sparse": {q: str(p) for q, p in m.sparse.items()}},
         "summary": summary,
-        "runs": results,
+        "runs": {f"prompt_{n}": r for n, r in per_len.items()},
     }
     if "llama.cpp" in engines:
         info["llama_cpp_python"] = llama_cpp_version()

@@ -45,9 +45,11 @@ happened with remarkable speed once the pieces were in place.
 
 
 def choose_prompt(n_tokens: int, gguf: Path | None, timeout: float) -> tuple[str, int | None]:
-    """The longest whole-word prefix of PROMPT_TEXT with at most n_tokens tokens
-    (by llama.cpp's tokenizer when a GGUF is at hand, else ~1.3 tokens/word)."""
-    words = PROMPT_TEXT.split()
+    """The longest whole-word prefix of PROMPT_TEXT (repeated as often as a
+    long prompt needs) with at most n_tokens tokens (by llama.cpp's tokenizer
+    when a GGUF is at hand, else ~1.3 tokens/word)."""
+    base = PROMPT_TEXT.split()
+    words = base * (int(n_tokens / 1.2 / len(base)) + 1)
     if gguf is None:
         k = max(1, min(len(words), int(n_tokens / 1.3)))
         return " ".join(words[:k]) + "\n", None
@@ -75,8 +77,8 @@ def _token_counts(gguf: Path, texts: list[str], timeout: float) -> list[int]:
     return json.loads(so.strip().splitlines()[-1])
 
 
-def write_prompt(text: str, out: Path) -> Path:
-    """OUT/prompt.txt, the file both engines read the prompt from."""
-    prompt_file = out / "prompt.txt"
+def write_prompt(text: str, out: Path, name: str = "prompt.txt") -> Path:
+    """OUT/name (default prompt.txt), the file both engines read the prompt from."""
+    prompt_file = out / name
     prompt_file.write_text(text, encoding="utf-8")
     return prompt_file

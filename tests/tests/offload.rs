@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
-use nflash_plan::CacheConfig;
+use nflash_plan::{CacheConfig, KvType};
 use nflash_runtime::model::Speculation;
 use nflash_tests::{
     assert_fails, check_placement_and_threads, generate_in, placements, repo_root, run, tiny_words,
@@ -263,6 +263,66 @@ fn stats_json_reports_latency_percentiles_and_cache_figures() {
     assert_eq!(f("hot_hit_rate"), 0.0, "--hot-fraction 0: no cluster is served by the hot region: {v}");
 }
 
+/// The KV cache is f16 by default and f32 with `--kv f32`: the plan's KV
+/// cache halves, greedy tokens stay, logits stay within f16 rounding, and
+/// `--stats-json` says which was used.
+#[test]
+fn an_f16_kv_cache_halves_its_memory_and_keeps_greedy_tokens() {
+    use nflash_plan::planner::fixed_region;
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
+    let p = Pack::open_resident(&path).unwrap();
+    let m = p.manifest();
+    let (f16, f32) = (fixed_region(m, 256, KvType::F16, None), fixed_region(m, 256, KvType::F32, None));
+    let kvd = (m.config.num_kv_heads * m.config.head_dim) as u64;
+    assert_eq!(f32.kv, 2 * m.config.num_layers as u64 * 256 * kvd * 4);
+    assert_eq!(2 * f16.kv, f32.kv);
+    let prompt: Vec<u32> = (0..20).map(|i| 3 + (i * 11) % 70).collect();
+    let run_kv = |kv: KvType| {
+        let mut model = nflash_runtime::load_model(&p, &CacheConfig::all_hot(&p)).unwrap();
+        model.set_kv_type(kv);
+        let h = model.cfg.hidden_size as usize;
+        let mut cache = model.new_kv_cache(64);
+        assert_eq!(cache.kv_type(), kv);
+        let (mut tokens, mut logits) = (Vec::new(), Vec::new());
+        let mut hs = model.forward(&mut cache, &prompt).unwrap();
+        for _ in 0..12 {
+            let l = model.logits(&hs[hs.len() - h..]);
+            let next = (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+            tokens.push(next);
+            logits.push(l);
+            hs = model.forward(&mut cache, &[next]).unwrap();
+        }
+        (tokens, logits)
+    };
+    let (t16, l16) = run_kv(KvType::F16);
+    let (t32, l32) = run_kv(KvType::F32);
+    assert_eq!(t16, t32, "greedy tokens");
+    assert_ne!(l16, l32, "the f16 cache rounds, so some logit must differ");
+    // f16 keeps 11 bits (relative rounding 2^-11 ≈ 5e-4 per element); this
+    // random 3-layer model amplifies it to about 1% of the logits (a wrong
+    // conversion or a misread row would be of the order of 100%).
+    for (a, b) in l16.iter().zip(&l32) {
+        assert!(nflash_tests::rel_error_flat(a, b) < 3e-2, "logits differ by {}", nflash_tests::rel_error_flat(a, b));
+    }
+    // The command line: --kv f32 is reported, a bad type is refused.
+    let json = dir.path().join("s.json");
+    for kv in ["f16", "f32"] {
+        let o = run(
+            "nflash",
+            &["run", "--model", path.to_str().unwrap(), "--prompt", "a b", "--max-tokens", "3", "--kv", kv]
+                .into_iter()
+                .chain(["--ctx", "64", "--stats-json", json.to_str().unwrap()])
+                .collect::<Vec<_>>(),
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!((v["kv_cache"].as_str(), v["ctx"].as_u64()), (Some(kv), Some(64)), "{v}");
+    }
+    let o = run("nflash", &["run", "--model", path.to_str().unwrap(), "--prompt", "a", "--kv", "f8"]);
+    nflash_tests::assert_fails("--kv f8", &o, &["f8", "f16 or f32"]);
+}
+
 /// A profile with the given random-read bandwidth at every block size, MB/s.
 fn profile(read_mb_s: f64) -> nflash_format::DeviceProfile {
     nflash_format::DeviceProfile::parse(&format!(
@@ -291,8 +351,15 @@ fn the_planner_fills_the_budget_hot_first_and_bounds_the_hot_set_by_io_time() {
     let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
     let p = Pack::open(&path).unwrap();
     let m = p.manifest();
-    let req = |budget: u64| PlanRequest { budget_bytes: budget, ctx: 64, threads: 2, io_threads: None, measured: None };
-    let fixed = fixed_region(m, 64, None).total();
+    let req = |budget: u64| PlanRequest {
+        budget_bytes: budget,
+        ctx: 64,
+        kv: KvType::F16,
+        threads: 2,
+        io_threads: None,
+        measured: None,
+    };
+    let fixed = fixed_region(m, 64, KvType::F16, None).total();
     let ffn: u64 = m.segments.iter().filter(|s| s.kind == nflash_format::SegmentKind::Ffn).map(|s| s.bytes).sum();
     let slow = profile(1.0);
     // Everything fits: all hot, no cold region.

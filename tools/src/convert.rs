@@ -307,6 +307,8 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         let req = nflash_plan::planner::PlanRequest {
             budget_bytes: a.device.memory_budget.unwrap_or(dev.memory.available_bytes),
             ctx,
+            // nflash run's default KV cache (it re-plans for --kv f32).
+            kv: nflash_plan::KvType::default(),
             threads: a.device.threads.unwrap_or_else(|| dev.n_cores()),
             io_threads: None,
             measured: None,

@@ -202,6 +202,115 @@ pub fn gemm_x8<const T: usize>(dtype: DType, cols: usize, group: &[u8], ys: [&Q8
     }
 }
 
+/// Attention score `q · k` for a query and one cached key, both `[head_dim]`,
+/// the key in the KV cache's type (`portable::dot_f32` gives the order).
+#[inline]
+pub fn dot_kv(q: &[f32], k: KvSlice) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
+        return unsafe {
+            match k {
+                KvSlice::F16(k) => x86::dot_f16(q, k),
+                KvSlice::F32(k) => x86::dot_f32(q, k),
+            }
+        };
+    }
+    match k {
+        KvSlice::F16(k) => portable::dot_f16(q, k),
+        KvSlice::F32(k) => portable::dot_f32(q, k),
+    }
+}
+
+/// `out += a · v` for one cached value row `v` (`[head_dim]`, the KV cache's
+/// type) into `out` (`[head_dim]`).
+#[inline]
+pub fn axpy_kv(a: f32, v: KvSlice, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
+        unsafe {
+            match v {
+                KvSlice::F16(v) => x86::axpy_f16(a, v, out),
+                KvSlice::F32(v) => x86::axpy_f32(a, v, out),
+            }
+        }
+        return;
+    }
+    match v {
+        KvSlice::F16(v) => portable::axpy_f16(a, v, out),
+        KvSlice::F32(v) => portable::axpy_f32(a, v, out),
+    }
+}
+
+/// Attention scores of one query head `q` (`[head_dim]`) over cached keys:
+/// `out[j] = scale · (q · k_j)` for positions `start .. start + out.len()`,
+/// where key `j` is `k[j · stride + off ..][..head_dim]` (`stride`: the
+/// cache's row, `n_kv_heads · head_dim`; `off`: the KV head's offset). Each
+/// score has the bits of [`dot_kv`] times `scale`.
+///
+/// Panics if a row lies outside `k` (a caller bug).
+pub fn attn_scores(q: &[f32], k: KvSlice, stride: usize, off: usize, start: usize, scale: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && q.len().is_multiple_of(8) {
+        // SAFETY: AVX2/FMA/F16C presence and the head size checked above; rows asserted inside.
+        unsafe {
+            match k {
+                KvSlice::F16(k) => x86::attn_scores(q, k, stride, off, start, scale, out),
+                KvSlice::F32(k) => x86::attn_scores(q, k, stride, off, start, scale, out),
+            }
+        }
+        return;
+    }
+    let hd = q.len();
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = dot_kv(q, k.range((start + j) * stride + off, hd)) * scale;
+    }
+}
+
+/// `out += Σ_j p[j] · v_j` over cached values `v_j = v[(start + j) ·
+/// stride + off ..][..head_dim]` (`out`: `[head_dim]`), positions in order:
+/// the bits of [`axpy_kv`] applied for each position.
+///
+/// Panics if a row lies outside `v` (a caller bug).
+pub fn attn_values(p: &[f32], v: KvSlice, stride: usize, off: usize, start: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && out.len().is_multiple_of(8) {
+        // SAFETY: AVX2/FMA/F16C presence and the head size checked above; rows asserted inside.
+        unsafe {
+            match v {
+                KvSlice::F16(v) => x86::attn_values(p, v, stride, off, start, out),
+                KvSlice::F32(v) => x86::attn_values(p, v, stride, off, start, out),
+            }
+        }
+        return;
+    }
+    let hd = out.len();
+    for (j, &pj) in p.iter().enumerate() {
+        axpy_kv(pj, v.range((start + j) * stride + off, hd), out);
+    }
+}
+
+/// A slice of KV-cache elements in either type.
+#[derive(Clone, Copy)]
+pub enum KvSlice<'a> {
+    /// f16 elements (the default KV cache).
+    F16(&'a [f16]),
+    /// f32 elements (`--kv f32`).
+    F32(&'a [f32]),
+}
+
+impl<'a> KvSlice<'a> {
+    /// Elements `start .. start + len`.
+    #[inline]
+    pub fn range(self, start: usize, len: usize) -> KvSlice<'a> {
+        match self {
+            KvSlice::F16(c) => KvSlice::F16(&c[start..start + len]),
+            KvSlice::F32(c) => KvSlice::F32(&c[start..start + len]),
+        }
+    }
+}
+
 /// `out += a · row` for one Q4_0 or Q8_0 row (`out.len()` elements).
 #[inline]
 pub fn axpy(dtype: DType, row: &[u8], a: f32, out: &mut [f32]) {

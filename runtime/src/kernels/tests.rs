@@ -396,3 +396,70 @@ fn x8_layout_matches_the_row_layout_bit_for_bit() {
         assert!((ob[9] - want).abs() <= 1e-4 * want.abs().max(1.0), "{dt}: {} vs {want}", ob[9]);
     }
 }
+
+/// The attention kernels (score dot and value axpy, f16 and f32 KV cache)
+/// give the portable bits on this CPU, at head sizes with and without an
+/// 8-element tail; the f16 cache agrees with f32 to f16 rounding.
+#[test]
+fn kv_kernels_match_portable_bit_for_bit() {
+    let mut seed = 3u32;
+    for hd in [1usize, 20, 64, 72, 128] {
+        let q = rnd_vec(&mut seed, hd, 2.0);
+        let k = rnd_vec(&mut seed, hd, 2.0);
+        let k16: Vec<f16> = k.iter().map(|&v| f16::from_f32(v)).collect();
+        assert_eq!(
+            dot_kv(&q, KvSlice::F32(&k)).to_bits(),
+            portable::dot_f32(&q, &k).to_bits(),
+            "{} dot f32 {hd}",
+            isa()
+        );
+        assert_eq!(dot_kv(&q, KvSlice::F16(&k16)).to_bits(), portable::dot_f16(&q, &k16).to_bits(), "dot f16 {hd}");
+        let exact: f32 = q.iter().zip(&k).map(|(a, b)| a * b).sum();
+        let bound: f32 = q.iter().zip(&k).map(|(a, b)| (a * b).abs()).sum::<f32>() * 1e-3 + 1e-5;
+        assert!((dot_kv(&q, KvSlice::F16(&k16)) - exact).abs() <= bound, "f16 dot {hd}");
+        let (mut a, mut b) = (q.clone(), q.clone());
+        axpy_kv(-0.75, KvSlice::F32(&k), &mut a);
+        portable::axpy_f32(-0.75, &k, &mut b);
+        assert_eq!(a, b, "axpy f32 {hd}");
+        let (mut a, mut b) = (q.clone(), q.clone());
+        axpy_kv(1.5, KvSlice::F16(&k16), &mut a);
+        portable::axpy_f16(1.5, &k16, &mut b);
+        assert_eq!(a, b, "axpy f16 {hd}");
+    }
+}
+
+/// The whole-head attention kernels give, per position, the bits of the
+/// single-row kernels (and so of `portable.rs`), for both cache types, head
+/// sizes with and without an 8-element tail, position counts with and
+/// without a 4-position tail, and a KV head at an offset inside the row.
+#[test]
+fn attention_kernels_match_the_row_kernels() {
+    let mut seed = 11u32;
+    for hd in [8usize, 20, 64, 128] {
+        let (heads, n) = (3, 23);
+        let stride = heads * hd;
+        let k = rnd_vec(&mut seed, (n + 2) * stride, 1.0);
+        let v = rnd_vec(&mut seed, (n + 2) * stride, 1.0);
+        let (k16, v16): (Vec<f16>, Vec<f16>) =
+            (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
+        let q = rnd_vec(&mut seed, hd, 1.0);
+        let p = rnd_vec(&mut seed, n, 1.0);
+        for (kc, vc) in [(KvSlice::F32(&k), KvSlice::F32(&v)), (KvSlice::F16(&k16), KvSlice::F16(&v16))] {
+            for (start, len) in [(0, n), (2, 5), (1, 1)] {
+                let off = hd; // the second KV head
+                let mut s = vec![0f32; len];
+                attn_scores(&q, kc, stride, off, start, 0.125, &mut s);
+                for (j, sj) in s.iter().enumerate() {
+                    let want = dot_kv(&q, kc.range((start + j) * stride + off, hd)) * 0.125;
+                    assert_eq!(sj.to_bits(), want.to_bits(), "score {j} of {len}, hd {hd}");
+                }
+                let (mut a, mut b) = (q.clone(), q.clone());
+                attn_values(&p[..len], vc, stride, off, start, &mut a);
+                for (j, &pj) in p[..len].iter().enumerate() {
+                    axpy_kv(pj, vc.range((start + j) * stride + off, hd), &mut b);
+                }
+                assert_eq!(a, b, "values of {len}, hd {hd}");
+            }
+        }
+    }
+}

@@ -361,3 +361,188 @@ pub unsafe fn axpy_q4_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut
 pub unsafe fn axpy_q8_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
     axpy_blocks(rows, a, out, 34, q8_load)
 }
+
+/// The sum of 8 f32 lanes in the order of `portable::sum8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum8(v: __m256) -> f32 {
+    let a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let b = _mm_add_ps(a, _mm_movehl_ps(a, a)); // (0+2, 1+3)
+    _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)))
+}
+
+/// `q · k` (attention scores) for f32 `k`; see `portable::dot_f32` for the order.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32(q: &[f32], k: &[f32]) -> f32 {
+    assert_eq!(q.len(), k.len());
+    let n8 = q.len() / 8 * 8;
+    let mut acc = _mm256_setzero_ps();
+    for i in (0..n8).step_by(8) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), _mm256_loadu_ps(k.as_ptr().add(i)), acc);
+    }
+    let mut l = [0f32; 8];
+    _mm256_storeu_ps(l.as_mut_ptr(), acc);
+    for i in n8..q.len() {
+        l[i % 8] = q[i].mul_add(k[i], l[i % 8]);
+    }
+    hsum8(_mm256_loadu_ps(l.as_ptr()))
+}
+
+/// `q · k` for f16 `k` (the f16 KV cache), converted by F16C.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16(q: &[f32], k: &[half::f16]) -> f32 {
+    assert_eq!(q.len(), k.len());
+    let n8 = q.len() / 8 * 8;
+    let mut acc = _mm256_setzero_ps();
+    for i in (0..n8).step_by(8) {
+        let kf = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i) as *const __m128i));
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), kf, acc);
+    }
+    let mut l = [0f32; 8];
+    _mm256_storeu_ps(l.as_mut_ptr(), acc);
+    for i in n8..q.len() {
+        l[i % 8] = q[i].mul_add(k[i].to_f32(), l[i % 8]);
+    }
+    hsum8(_mm256_loadu_ps(l.as_ptr()))
+}
+
+/// `out += a · v` for f32 `v`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_f32(a: f32, v: &[f32], out: &mut [f32]) {
+    assert_eq!(v.len(), out.len());
+    let n8 = v.len() / 8 * 8;
+    let av = _mm256_set1_ps(a);
+    let o = out.as_mut_ptr();
+    for i in (0..n8).step_by(8) {
+        _mm256_storeu_ps(o.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(v.as_ptr().add(i)), _mm256_loadu_ps(o.add(i))));
+    }
+    for i in n8..v.len() {
+        out[i] = a.mul_add(v[i], out[i]);
+    }
+}
+
+/// `out += a · v` for f16 `v` (the f16 KV cache).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_f16(a: f32, v: &[half::f16], out: &mut [f32]) {
+    assert_eq!(v.len(), out.len());
+    let n8 = v.len() / 8 * 8;
+    let av = _mm256_set1_ps(a);
+    let o = out.as_mut_ptr();
+    for i in (0..n8).step_by(8) {
+        let vf = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i));
+        _mm256_storeu_ps(o.add(i), _mm256_fmadd_ps(av, vf, _mm256_loadu_ps(o.add(i))));
+    }
+    for i in n8..v.len() {
+        out[i] = a.mul_add(v[i].to_f32(), out[i]);
+    }
+}
+
+/// A KV-cache element type whose 8 elements at `p` load as f32 (f16 converted by F16C).
+pub trait KvLoad: Copy {
+    /// # Safety
+    /// 8 elements must be readable at `p`; the CPU must have F16C.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl KvLoad for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+}
+
+impl KvLoad for half::f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const half::f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+}
+
+/// Attention scores of one query head over `n` cached positions:
+/// `out[j] = scale · (q · k[(start + j) · stride + off ..][..hd])`, four
+/// positions at a time (four independent FMA chains), each in the order of
+/// `portable::dot_f32` (lane `i mod 8`, then the `sum8` tree).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `q.len()` (hd) must be a multiple
+/// of 8; the rows must lie inside `k` (asserted).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attn_scores<T: KvLoad>(
+    q: &[f32],
+    k: &[T],
+    stride: usize,
+    off: usize,
+    start: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let (hd, n) = (q.len(), out.len());
+    assert!(hd.is_multiple_of(8) && (n == 0 || (start + n - 1) * stride + off + hd <= k.len()));
+    let row = |j: usize| k.as_ptr().add((start + j) * stride + off);
+    let mut j = 0;
+    while j + 4 <= n {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let r = [row(j), row(j + 1), row(j + 2), row(j + 3)];
+        for c in (0..hd).step_by(8) {
+            let qv = _mm256_loadu_ps(q.as_ptr().add(c));
+            for u in 0..4 {
+                acc[u] = _mm256_fmadd_ps(qv, T::load8(r[u].add(c)), acc[u]);
+            }
+        }
+        for u in 0..4 {
+            out[j + u] = hsum8(acc[u]) * scale;
+        }
+        j += 4;
+    }
+    for j in j..n {
+        let r = row(j);
+        let mut acc = _mm256_setzero_ps();
+        for c in (0..hd).step_by(8) {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(c)), T::load8(r.add(c)), acc);
+        }
+        out[j] = hsum8(acc) * scale;
+    }
+}
+
+/// `out += Σ_j p[j] · v[(start + j) · stride + off ..][..hd]` with
+/// `hd = out.len()`: each element takes one fused multiply-add per
+/// position, positions in order (as `portable::axpy_f32` repeated), with
+/// 64 elements of `out` held in registers at a time.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `out.len()` must be a multiple of
+/// 8; the rows must lie inside `v` (asserted).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attn_values<T: KvLoad>(p: &[f32], v: &[T], stride: usize, off: usize, start: usize, out: &mut [f32]) {
+    let (hd, n) = (out.len(), p.len());
+    assert!(hd.is_multiple_of(8) && (n == 0 || (start + n - 1) * stride + off + hd <= v.len()));
+    for c0 in (0..hd).step_by(64) {
+        let w = (hd - c0).min(64) / 8;
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for u in 0..w {
+            acc[u] = _mm256_loadu_ps(out.as_ptr().add(c0 + 8 * u));
+        }
+        for (j, &pj) in p.iter().enumerate() {
+            let s = _mm256_set1_ps(pj);
+            let r = v.as_ptr().add((start + j) * stride + off + c0);
+            for u in 0..w {
+                acc[u] = _mm256_fmadd_ps(s, T::load8(r.add(8 * u)), acc[u]);
+            }
+        }
+        for u in 0..w {
+            _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * u), acc[u]);
+        }
+    }
+}

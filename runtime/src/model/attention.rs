@@ -5,14 +5,13 @@
 
 use std::time::Instant;
 
-use candle_core::quantized::GgmlType;
 use rayon::prelude::*;
 
 use super::kv_cache::KvCache;
 use super::ops::{softmax, Rope};
 use super::Timings;
 use crate::error::Result;
-use crate::kernels::{matvec_many, quantized_prefill, DotInput, QMatrix};
+use crate::kernels::{attn_scores, attn_values, matvec_many, quantized_prefill, DotInput, KvSlice, QMatrix};
 
 /// One layer's attention weights, views into the pack.
 pub(crate) struct Attention<'a> {
@@ -153,16 +152,22 @@ fn lap(t: Instant, acc: &mut f64) -> Instant {
     now
 }
 
+/// Work (query heads × positions × head_dim) below which attention runs on
+/// the calling thread: a decode token's few hundred positions cost less
+/// than waking the thread pool.
+const PAR_ATTEND: usize = 1 << 18;
+
 /// Scaled dot-product attention of queries `q` (`[n, n_heads · head_dim]`,
 /// positions `p0 ..`) over the cached keys and values `kc`, `vc`
-/// (`[positions, n_kv_heads · head_dim]`) into `out` (`[n, n_heads ·
-/// head_dim]`), causal, one rayon task per (token, head).
-fn attend(q: &[f32], kc: &[f32], vc: &[f32], p0: usize, h: &Heads, out: &mut [f32]) {
+/// (`[positions, n_kv_heads · head_dim]`, f16 or f32) into `out` (`[n,
+/// n_heads · head_dim]`), causal; one rayon task per (token, head) when the
+/// work is large enough ([`PAR_ATTEND`]).
+fn attend(q: &[f32], kc: KvSlice, vc: KvSlice, p0: usize, h: &Heads, out: &mut [f32]) {
     let (nh, hd) = (h.n_heads, h.head_dim);
     let (qd, kvd) = (nh * hd, h.n_kv_heads * hd);
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nh / h.n_kv_heads;
-    out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, out)| {
+    let head = |scores: &mut Vec<f32>, idx: usize, out: &mut [f32]| {
         let (t, head) = (idx / nh, idx % nh);
         let pos = p0 + t;
         // Sliding window: the current token and the `w` before it, as
@@ -171,19 +176,19 @@ fn attend(q: &[f32], kc: &[f32], vc: &[f32], p0: usize, h: &Heads, out: &mut [f3
         let kvh = head / group;
         let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
         scores.clear();
-        for j in start..=pos {
-            let kr = &kc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
-            scores.push(f32::vec_dot(hd, qv, kr) * scale);
-        }
+        scores.resize(pos + 1 - start, 0.0);
+        attn_scores(qv, kc, kvd, kvh * hd, start, scale, scores);
         softmax(scores);
         out.fill(0.0);
-        for (j, &s) in (start..=pos).zip(scores.iter()) {
-            let vr = &vc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
-            for (o, b) in out.iter_mut().zip(vr) {
-                *o += s * b;
-            }
-        }
-    });
+        attn_values(scores, vc, kvd, kvh * hd, start, out);
+    };
+    let n = q.len() / qd;
+    if n * nh * (p0 + n) * hd < PAR_ATTEND {
+        let mut scores = Vec::new();
+        out.chunks_mut(hd).enumerate().for_each(|(idx, o)| head(&mut scores, idx, o));
+    } else {
+        out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (idx, o)| head(scores, idx, o));
+    }
 }
 
 /// `out = x · mᵀ` for `x` `[n, cols]`: in a batch, the quantized GEMM

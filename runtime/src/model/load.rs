@@ -128,6 +128,7 @@ impl<'a> Model<'a> {
             embed,
             lm_head,
             sparse_enabled: sparse_info.is_some(),
+            kv_type: Default::default(),
             speculation: Speculation::Auto,
             source,
             work: Mutex::new(Work {

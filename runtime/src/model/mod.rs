@@ -30,7 +30,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{DotInput, QMatrix};
 use attention::Attention;
 use ffn::{Ffn, FfnScratch};
-use kv_cache::KvCache;
+use kv_cache::{KvCache, KvType};
 use ops::Rope;
 use predictor::{LayerCounts, LayerSparse, PredictScratch};
 use source::Loc;
@@ -202,6 +202,8 @@ pub struct Model<'a> {
     rope: Rope,
     /// Use the pack's predictors in [`Pass::Decode`] / [`Pass::Evaluate`].
     sparse_enabled: bool,
+    /// Element type of the KV caches [`Self::new_kv_cache`] makes.
+    kv_type: KvType,
     /// When decode reads the next layer's likely clusters ahead of its attention.
     speculation: Speculation,
     /// Where the FFN's neuron clusters come from.
@@ -218,6 +220,17 @@ impl Model<'_> {
     /// Forces dense FFN evaluation everywhere (`--dense`) or restores the pack's sparsity.
     pub fn set_dense(&mut self, dense: bool) {
         self.sparse_enabled = !dense && self.is_sparse_pack();
+    }
+
+    /// The KV cache element type of later [`Self::new_kv_cache`] calls
+    /// (default f16; `nflash run --kv`).
+    pub fn set_kv_type(&mut self, kv: KvType) {
+        self.kv_type = kv;
+    }
+
+    /// The KV cache element type [`Self::new_kv_cache`] uses.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
     }
 
     /// When sparse decode runs a speculative prefetch of the next layer's
@@ -256,16 +269,17 @@ impl Model<'_> {
         w.prefill_timings = Timings::default();
     }
 
-    /// A KV cache for `capacity` tokens, or an error if its memory cannot be reserved.
+    /// A KV cache for `capacity` tokens (of [`Self::kv_type`] elements), or
+    /// an error if its memory cannot be reserved.
     ///
     /// # Errors
     /// [`Error::KvCache`] naming the size and `--ctx`.
     pub fn try_new_kv_cache(&self, capacity: usize) -> Result<KvCache> {
         let kvd = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
-        let bytes = KvCache::bytes_at_capacity(self.layers.len(), kvd, capacity);
+        let bytes = KvCache::bytes_at_capacity(self.layers.len(), kvd, capacity, self.kv_type);
         // Reserve once to see whether the system grants it (pages are only touched as tokens fill).
         let elems = capacity.checked_mul(kvd).and_then(|e| e.checked_mul(2 * self.layers.len()));
-        let ok = elems.is_some_and(|e| Vec::<f32>::new().try_reserve_exact(e).is_ok());
+        let ok = elems.is_some_and(|e| Vec::<u8>::new().try_reserve_exact(e * self.kv_type.bytes() as usize).is_ok());
         if !ok {
             return Err(Error::KvCache { ctx: capacity, mib: bytes as f64 / (1u64 << 20) as f64 });
         }
@@ -275,6 +289,7 @@ impl Model<'_> {
     /// A KV cache for `capacity` tokens (aborts if the memory cannot be
     /// reserved; see [`Self::try_new_kv_cache`]).
     pub fn new_kv_cache(&self, capacity: usize) -> KvCache {
-        KvCache::new(self.layers.len(), (self.cfg.num_kv_heads * self.cfg.head_dim) as usize, capacity)
+        let kvd = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
+        KvCache::new(self.layers.len(), kvd, capacity, self.kv_type)
     }
 }

@@ -4,7 +4,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use nflash_format::{DeviceProfile, Pack, Plan};
 use nflash_plan::planner::{self, parse_bytes, Footprint, PlanRequest};
-use nflash_plan::CacheConfig;
+use nflash_plan::{CacheConfig, KvType};
 use nflash_runtime::Engine;
 
 /// The profile used when the pack has no plan and no --device is given:
@@ -34,6 +34,15 @@ pub struct MemoryArgs {
     /// Override the plan: I/O threads reading neuron clusters.
     #[arg(long)]
     pub io_threads: Option<usize>,
+    /// KV cache element type: f16 (half the memory, as llama.cpp) or f32.
+    /// The memory plan sizes the KV cache for it.
+    #[arg(long, default_value = "f16", value_parser = parse_kv)]
+    pub kv: KvType,
+}
+
+/// `--kv`: `f16` or `f32`.
+fn parse_kv(s: &str) -> std::result::Result<KvType, String> {
+    s.parse()
 }
 
 impl MemoryArgs {
@@ -74,6 +83,7 @@ pub fn resolve(
         (Some(_), Some(p))
             if a.memory_budget.is_none()
                 && p.ctx as usize == ctx
+                && KvType::of_plan(m, p) == a.kv
                 && p.threads as usize == threads
                 && device.is_none()
                 && measured.is_none() =>
@@ -91,6 +101,7 @@ pub fn resolve(
             let req = PlanRequest {
                 budget_bytes,
                 ctx: ctx as u32,
+                kv: a.kv,
                 threads: threads as u32,
                 io_threads: a.io_threads.map(|n| n as u32),
                 measured,
@@ -152,7 +163,8 @@ pub fn resolve(
 
 /// Loads the engine with the cache layout [`resolve`] chooses once the
 /// resident tensors and tokenizer are in memory, measured from this
-/// process's footprint at that point; returns the plan too.
+/// process's footprint at that point, and KV caches of `--kv` elements;
+/// returns the plan too.
 /// `device`: from [`MemoryArgs::device_profile`].
 pub fn load_engine<'p>(
     pack: &'p Pack,
@@ -162,8 +174,8 @@ pub fn load_engine<'p>(
 ) -> Result<(Engine<'p>, Option<Plan>)> {
     if ctx as u64 > nflash_format::MAX_CONTEXT {
         let m = &pack.manifest().config;
-        let kv =
-            nflash_plan::layout::kv_cache_bytes(m.num_layers as usize, (m.num_kv_heads * m.head_dim) as usize, ctx);
+        let kvd = (m.num_kv_heads * m.head_dim) as usize;
+        let kv = nflash_plan::layout::kv_cache_bytes(m.num_layers as usize, kvd, ctx, a.kv);
         anyhow::bail!(
             "--ctx {ctx} exceeds the supported maximum of {} tokens (its KV cache alone would take {:.1} GiB); use a smaller --ctx",
             nflash_format::MAX_CONTEXT,
@@ -171,7 +183,7 @@ pub fn load_engine<'p>(
         );
     }
     let mut plan = None;
-    let engine = Engine::load_planned(pack, || {
+    let mut engine = Engine::load_planned(pack, || {
         nflash_runtime::stats::trim_heap();
         let footprint = nflash_runtime::stats::rss_bytes()
             .map(|rss| Footprint { rss, peak: nflash_runtime::stats::peak_rss_bytes().unwrap_or(rss) });
@@ -180,5 +192,6 @@ pub fn load_engine<'p>(
         plan = p;
         Ok(cache)
     })?;
+    engine.model.set_kv_type(a.kv);
     Ok((engine, plan))
 }

@@ -51,6 +51,9 @@ pub struct PlanSimArgs {
     /// Context length the KV cache is sized for, tokens.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(2..=nflash_format::MAX_CONTEXT as i64))]
     ctx: u32,
+    /// KV cache element type the plan sizes: f16 (as `nflash run` by default) or f32.
+    #[arg(long, default_value = "f16", value_parser = |s: &str| s.parse::<nflash_plan::KvType>())]
+    kv: nflash_plan::KvType,
     /// Compute threads; default: the device's cores.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
@@ -147,7 +150,7 @@ fn simulate(
 ) -> Vec<Case> {
     // FFN bytes as read (whole aligned clusters), the unit hot_bytes is counted in.
     let ffn_bytes: u64 = m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| cluster_read_bytes(f, c))).sum();
-    let fixed = planner::fixed_region(m, a.ctx, None).total();
+    let fixed = planner::fixed_region(m, a.ctx, a.kv, None).total();
     let budgets: Vec<u64> = if a.memory_budget.is_empty() {
         // The planner also needs one layer's clusters to stage reads beyond the fixed region.
         let stage = ffn_bytes / m.ffn.len().max(1) as u64;
@@ -177,7 +180,8 @@ fn simulate(
                     size(dev.memory.available_bytes)
                 ));
             }
-            let req = PlanRequest { budget_bytes: budget, ctx: a.ctx, threads, io_threads: None, measured: None };
+            let req =
+                PlanRequest { budget_bytes: budget, ctx: a.ctx, kv: a.kv, threads, io_threads: None, measured: None };
             match planner::plan(m, dev, &req) {
                 Ok(p) => Case {
                     label: label.to_string(),

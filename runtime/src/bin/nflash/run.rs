@@ -198,7 +198,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         let _ = stdout.flush();
     })?;
     let _ = writeln!(stdout);
-    report(&a, &st, &engine.model, budget)
+    report(&a, &st, &engine.model, budget, kv.capacity())
 }
 
 /// `--temperature`: a finite number ≥ 0.
@@ -233,8 +233,9 @@ fn sampling(a: &RunArgs, g: &nflash_format::GenerationDefaults, seed: u64) -> (S
     (SamplerConfig { temperature, top_k, top_p, seed }, [st, sk, sp])
 }
 
-/// Prints / writes the stats; `budget`: the memory budget in force, bytes.
-fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Result<()> {
+/// Prints / writes the stats; `budget`: the memory budget in force, bytes;
+/// `ctx`: the KV cache's capacity, tokens.
+fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: usize) -> Result<()> {
     let (counts, tm) = model.counters();
     let ptm = model.prefill_timings();
     let sparse = model.is_sparse_pack() && !a.dense;
@@ -346,6 +347,8 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>) -> Res
             "cold_bytes": cold_b,
             "o_direct": direct,
             "memory_budget_bytes": budget,
+            "ctx": ctx,
+            "kv_cache": model.kv_type().name(),
         });
         write_atomic(path, format!("{j}\n").as_bytes())?;
     }
@@ -402,7 +405,7 @@ fn interactive(
                 continue;
             }
         };
-        report(a, &st, &engine.model, budget)?;
+        report(a, &st, &engine.model, budget, kv.capacity())?;
         cached.extend_from_slice(new);
         cached.extend_from_slice(&out);
         // The last sampled token was never run through the model.
