@@ -1,10 +1,11 @@
-//! Batched f32 matrix products for prefill, through candle-core's CPU matmul
-//! (the `gemm` crate). Quantized weights are dequantized tile by tile, so
-//! the extra memory stays at one tile (about [`TILE_ELEMS`] × 4 bytes).
+//! f32 matrix products of batches (prefill of Q8_0/f16/f32 weights and the
+//! FFN's down projection), through the `gemm` crate (candle-core's matmul)
+//! on borrowed row-major buffers: no tensor, no copy, and the product can
+//! be written into a strided destination or added to it. Quantized weights
+//! are dequantized tile by tile by the callers, so the extra memory stays at
+//! one tile (about [`TILE_ELEMS`] × 4 bytes).
 
-use candle_core::{Device, Tensor};
-
-use crate::error::{Error, Result};
+use gemm::Parallelism;
 
 /// Elements of one dequantized weight tile (4 MiB of f32).
 pub const TILE_ELEMS: usize = 1 << 20;
@@ -12,30 +13,135 @@ pub const TILE_ELEMS: usize = 1 << 20;
 /// Inputs from which batched (matmul) paths beat per-row dot products.
 pub const MIN_BATCH: usize = 8;
 
-fn tensor(data: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
-    Tensor::from_vec(data, (rows, cols), &Device::Cpu).map_err(candle_err)
+/// The thread pool the products split over: rayon's, as the rest of nflash.
+fn parallelism() -> Parallelism {
+    match rayon::current_num_threads() {
+        0 | 1 => Parallelism::None,
+        n => Parallelism::Rayon(n),
+    }
 }
 
-fn candle_err(e: candle_core::Error) -> Error {
-    Error::Internal(format!("matmul: {e}"))
+/// `out[t, j] (+)= Σ_i x[t, i] · w[j, i]`: `x` `[n, k]`, `w` `[m, k]` (rows
+/// are output features), `out` rows `out_stride` elements apart, `m` used
+/// (`out[t * out_stride + j]`, `j < m`). With `accumulate` the product is
+/// added to `out`, else it replaces it.
+///
+/// Panics if a slice is too short for its shape (a caller bug).
+#[allow(clippy::too_many_arguments)]
+pub fn xwt(
+    x: &[f32],
+    w: &[f32],
+    (n, m, k): (usize, usize, usize),
+    out: &mut [f32],
+    out_stride: usize,
+    accumulate: bool,
+) {
+    assert!(x.len() >= n * k && w.len() >= m * k && out_stride >= m);
+    assert!(n == 0 || out.len() >= (n - 1) * out_stride + m);
+    if n == 0 || m == 0 {
+        return;
+    }
+    // SAFETY: the asserts above keep every element the strides address
+    // inside `x`, `w` and `out`; `out` is borrowed mutably, so it aliases
+    // neither input.
+    unsafe {
+        gemm::gemm(
+            n,
+            m,
+            k,
+            out.as_mut_ptr(),
+            1,
+            out_stride as isize,
+            accumulate,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(),
+        )
+    }
 }
 
-/// `x · wᵀ`: `x` `[n, k]`, `w` `[m, k]` (rows are output features) → `[n, m]`.
-pub fn matmul_xwt(x: &Tensor, w: Vec<f32>, m: usize, k: usize) -> Result<Vec<f32>> {
-    let w = tensor(w, m, k)?;
-    let y = x.matmul(&w.t().map_err(candle_err)?).map_err(candle_err)?;
-    y.flatten_all().and_then(|t| t.to_vec1()).map_err(candle_err)
+/// `out[t, c] (+)= Σ_j a[t, j] · w[j, c]`: `a` `[n, m]`, `w` `[m, k]`, `out`
+/// `[n, k]`; with `accumulate` the product is added to `out`.
+///
+/// Panics if a slice is too short for its shape (a caller bug).
+pub fn aw(a: &[f32], w: &[f32], (n, m, k): (usize, usize, usize), out: &mut [f32], accumulate: bool) {
+    assert!(a.len() >= n * m && w.len() >= m * k && out.len() >= n * k);
+    if n == 0 || k == 0 {
+        return;
+    }
+    // SAFETY: as in `xwt`: the asserts bound every addressed element and
+    // `out` is an exclusive borrow.
+    unsafe {
+        gemm::gemm(
+            n,
+            k,
+            m,
+            out.as_mut_ptr(),
+            1,
+            k as isize,
+            accumulate,
+            a.as_ptr(),
+            1,
+            m as isize,
+            w.as_ptr(),
+            1,
+            k as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(),
+        )
+    }
 }
 
-/// `a · w`: `a` `[n, m]`, `w` `[m, k]` → `[n, k]`.
-pub fn matmul_aw(a: Vec<f32>, n: usize, w: Vec<f32>, m: usize, k: usize) -> Result<Vec<f32>> {
-    let a = tensor(a, n, m)?;
-    let w = tensor(w, m, k)?;
-    let y = a.matmul(&w).map_err(candle_err)?;
-    y.flatten_all().and_then(|t| t.to_vec1()).map_err(candle_err)
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// Wraps `x` `[n, k]` as a tensor (one copy).
-pub fn input(x: &[f32], n: usize, k: usize) -> Result<Tensor> {
-    tensor(x.to_vec(), n, k)
+    fn naive(a: &[f32], b: &[f32], n: usize, m: usize, k: usize, bt: bool) -> Vec<f32> {
+        // a [n, k]; b [m, k] (bt) or [k, m].
+        (0..n)
+            .flat_map(|t| {
+                (0..m).map(move |j| (0..k).map(|i| a[t * k + i] * if bt { b[j * k + i] } else { b[i * m + j] }).sum())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn products_match_a_naive_loop_with_strides_and_accumulation() {
+        let v = |n: usize, s: f32| (0..n).map(|i| ((i * 37 % 23) as f32 - 11.0) * s).collect::<Vec<f32>>();
+        let (n, m, k) = (5, 7, 9);
+        let (x, w) = (v(n * k, 0.1), v(m * k, 0.2));
+        // xwt into columns 2..2+m of a [n, 12] buffer, then accumulated again.
+        let mut out = vec![1f32; n * 12];
+        xwt(&x, &w, (n, m, k), &mut out[2..], 12, false);
+        let want = naive(&x, &w, n, m, k, true);
+        for t in 0..n {
+            assert_eq!(out[t * 12], 1.0);
+            for j in 0..m {
+                assert!((out[t * 12 + 2 + j] - want[t * m + j]).abs() < 1e-4);
+            }
+        }
+        xwt(&x, &w, (n, m, k), &mut out[2..], 12, true);
+        assert!((out[12 + 3] - 2.0 * want[m + 1]).abs() < 1e-4);
+        // aw: a [n, m] · w [m, k].
+        let (a, w2) = (v(n * m, 0.3), v(m * k, 0.1));
+        let mut o = vec![0.5f32; n * k];
+        aw(&a, &w2, (n, m, k), &mut o, true);
+        let want = naive(&a, &w2, n, k, m, false);
+        for (g, w) in o.iter().zip(&want) {
+            assert!((g - 0.5 - w).abs() < 1e-4, "{g} vs {w}");
+        }
+    }
 }

@@ -163,23 +163,19 @@ impl<'a> QMatrix<'a> {
     }
 
     /// `out[t, r] = row_r · x[t]` for `n` f32 inputs `x` (`[n, cols]`), by
-    /// dequantizing row tiles and multiplying with candle-core's matmul.
-    /// `out`: `[n, rows]`. For f32 and f16 weights (quantized ones take
-    /// [`Self::matmul`]).
-    pub fn matmul_f32(&self, x: &[f32], out: &mut [f32]) -> crate::error::Result<()> {
+    /// dequantizing tiles of rows (one buffer, reused) and multiplying them
+    /// with the `gemm` crate straight into `out` (`[n, rows]`). For f32/f16
+    /// weights and Q8_0 prefill (quantized GEMM otherwise: [`Self::matmul`]).
+    pub fn matmul_f32(&self, x: &[f32], out: &mut [f32]) {
         let n = x.len() / self.cols;
-        let xt = super::gemm::input(x, n, self.cols)?;
         let tile = (super::gemm::TILE_ELEMS / self.cols).clamp(1, self.rows);
+        let mut w = vec![0f32; tile * self.cols];
         for r0 in (0..self.rows).step_by(tile) {
             let m = tile.min(self.rows - r0);
-            let mut w = vec![0f32; m * self.cols];
+            let w = &mut w[..m * self.cols];
             w.par_chunks_mut(self.cols).enumerate().for_each(|(i, row)| self.row_to_f32(r0 + i, row));
-            let y = super::gemm::matmul_xwt(&xt, w, m, self.cols)?; // [n, m]
-            for t in 0..n {
-                out[t * self.rows + r0..t * self.rows + r0 + m].copy_from_slice(&y[t * m..(t + 1) * m]);
-            }
+            super::gemm::xwt(x, w, (n, m, self.cols), &mut out[r0..], self.rows, false);
         }
-        Ok(())
     }
 
     /// Dequantizes row `r` into `out` (`[cols]`).

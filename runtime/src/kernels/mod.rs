@@ -418,8 +418,20 @@ pub fn row_dot(dtype: DType, cols: usize, row: &[u8], x: &DotInput) -> f32 {
     }
 }
 
-/// Dequantizes one packed row into `out`.
+/// Dequantizes one packed row into `out` (`[cols]`; element = `d · q`, the
+/// same bits on every path).
 pub fn row_to_f32(dtype: DType, row: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && dtype.is_quantized() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => x86::dequant_q4_0(row, out),
+                _ => x86::dequant_q8_0(row, out),
+            }
+        }
+        return;
+    }
     match dtype {
         DType::F32 => out.copy_from_slice(cast::<f32>(row)),
         DType::F16 => f16::to_float(cast::<f16>(row), out),

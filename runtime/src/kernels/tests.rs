@@ -463,3 +463,26 @@ fn attention_kernels_match_the_row_kernels() {
         }
     }
 }
+
+/// Dequantization on this CPU gives candle-core's bits (one f32 product per element).
+#[test]
+fn row_to_f32_matches_candle_bit_for_bit() {
+    let mut seed = 21u32;
+    for dt in [DType::Q4_0, DType::Q8_0] {
+        let w = rnd_vec(&mut seed, 160, 3.0);
+        let q = quantized(dt, &w);
+        let rb = dt.row_bytes(160).unwrap() as usize;
+        let row = view(&q, rb);
+        let (mut got, mut want) = (vec![0f32; 160], vec![0f32; 160]);
+        row_to_f32(dt, row, &mut got);
+        match dt {
+            DType::Q4_0 => BlockQ4_0::to_float(as_blocks(row), &mut want),
+            _ => BlockQ8_0::to_float(as_blocks(row), &mut want),
+        }
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{dt}"
+        );
+    }
+}

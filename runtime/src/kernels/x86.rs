@@ -546,3 +546,42 @@ pub unsafe fn attn_values<T: KvLoad>(p: &[f32], v: &[T], stride: usize, off: usi
         }
     }
 }
+
+/// Dequantizes Q4_0 or Q8_0 blocks (`block` bytes each: f16 scale, quants
+/// `load` unpacks to i8) into `out` (`[blocks · 32]`): element = `d · q`,
+/// one f32 product each, so the bits equal any other dequantization.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant(row: &[u8], out: &mut [f32], block: usize, load: unsafe fn(*const u8) -> __m256i) {
+    let nb = out.len() / 32;
+    assert!(out.len().is_multiple_of(32) && row.len() >= nb * block);
+    for b in 0..nb {
+        let p = row.as_ptr().add(b * block);
+        let d = _mm256_set1_ps(f16_at(p));
+        let q = load(p.add(2));
+        let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+        for k in 0..4 {
+            let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[k]));
+            _mm256_storeu_ps(out.as_mut_ptr().add(32 * b + 8 * k), _mm256_mul_ps(d, f));
+        }
+    }
+}
+
+/// Q4_0 blocks → f32 (`out.len()` elements, a multiple of 32).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_q4_0(row: &[u8], out: &mut [f32]) {
+    dequant(row, out, 18, q4_unpack)
+}
+
+/// Q8_0 blocks → f32 (`out.len()` elements, a multiple of 32).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
+    dequant(row, out, 34, q8_load)
+}

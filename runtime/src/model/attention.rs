@@ -197,7 +197,8 @@ fn attend(q: &[f32], kc: KvSlice, vc: KvSlice, p0: usize, h: &Heads, out: &mut [
 /// a few tokens.
 pub(crate) fn project(m: &QMatrix, x: &[f32], batched: bool, out: &mut [f32]) -> Result<()> {
     if batched && !quantized_prefill(m.dtype) {
-        return m.matmul_f32(x, out);
+        m.matmul_f32(x, out);
+        return Ok(());
     }
     let xs: Vec<DotInput> = x.chunks_exact(m.cols).map(|r| DotInput::from_slice(m.dtype, r)).collect();
     m.matmul(&xs, out);

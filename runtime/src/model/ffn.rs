@@ -313,12 +313,14 @@ impl Ffn {
         let h = self.hidden;
         let n = x.len() / h;
         let dt = self.layout.dtype;
-        let xt = crate::kernels::gemm::input(x, n, h)?;
         // Q4_0 bundles: the tokens quantized to Q8_0 once for every gate/up GEMM.
         let ys: Option<Vec<Q8Vec>> = quantized_prefill(dt).then(|| x.chunks_exact(h).map(Q8Vec::from_slice).collect());
         let tile = (tile_elems / h).max(1);
         let mut group: Vec<&NeuronCluster> = Vec::new();
         let mut acc = vec![0f32; n * h];
+        // Buffers reused by every tile: dequantized gate, up, down rows `[m, hidden]`
+        // and the products `[n, m]`.
+        let (mut wg, mut wu, mut wd, mut g, mut u) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut flush = |group: &mut Vec<&NeuronCluster>| -> crate::error::Result<()> {
             if group.is_empty() {
                 return Ok(());
@@ -326,11 +328,16 @@ impl Ffn {
             let p0 = group[0].first as usize;
             // The group's clusters are consecutive: packed positions p0 .. p0 + m.
             let m: usize = group.iter().map(|c| c.n_neurons as usize).sum();
-            let (g, u, wd) = if let Some(ys) = &ys {
-                self.gate_up_gemm(src, ys, p0, m)?
+            for v in [&mut g, &mut u] {
+                v.resize(n * m, 0.0);
+            }
+            if let Some(ys) = &ys {
+                self.gate_up_gemm(src, ys, p0, m, &mut g, &mut u)?;
             } else {
-                let (mut wg, mut wu) = (vec![0f32; m * h], vec![0f32; m * h]);
-                wg.par_chunks_mut(h).zip(wu.par_chunks_mut(h)).enumerate().try_for_each(
+                for v in [&mut wg, &mut wu] {
+                    v.resize(m * h, 0.0);
+                }
+                wg[..m * h].par_chunks_mut(h).zip(wu[..m * h].par_chunks_mut(h)).enumerate().try_for_each(
                     |(j, (g, u))| -> Result<()> {
                         let (gr, ur, _) = self.bundle_at(src, &mut None, p0 + j)?;
                         row_to_f32(dt, gr, g);
@@ -338,11 +345,13 @@ impl Ffn {
                         Ok(())
                     },
                 )?;
-                let g = crate::kernels::gemm::matmul_xwt(&xt, wg, m, h)?; // [n, m]
-                let u = crate::kernels::gemm::matmul_xwt(&xt, wu, m, h)?; // [n, m]
-                (g, u, self.down_f32(src, p0, m)?)
-            };
-            let mut a = g;
+                crate::kernels::gemm::xwt(x, &wg, (n, m, h), &mut g, m, false); // [n, m]
+                crate::kernels::gemm::xwt(x, &wu, (n, m, h), &mut u, m, false); // [n, m]
+            }
+            wd.resize(m * h, 0.0);
+            self.down_f32(src, p0, m, &mut wd[..m * h])?;
+            let (a, u) = (&mut g[..n * m], &u[..n * m]);
+            let wd = &wd[..m * h];
             for (t, (row_a, row_u)) in a.chunks_exact_mut(m).zip(u.chunks_exact(m)).enumerate() {
                 for (j, (av, uv)) in row_a.iter_mut().zip(row_u).enumerate() {
                     let (bg, bu) = (bias(&self.gate_bias, p0 + j), bias(&self.up_bias, p0 + j));
@@ -364,8 +373,7 @@ impl Ffn {
                     }
                 }
             }
-            let y = crate::kernels::gemm::matmul_aw(a, n, wd, m, h)?; // [n, hidden]
-            acc.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
+            crate::kernels::gemm::aw(&*a, wd, (n, m, h), &mut acc, true); // += [n, hidden]
             group.clear();
             Ok(())
         };
@@ -392,22 +400,23 @@ impl Ffn {
         Ok(counts)
     }
 
-    /// The gate and up projections `[n, m]` each of the `m` neurons at packed
-    /// positions `p0 ..` for the quantized tokens `ys` (`[n]`), by the
-    /// quantized GEMM: each rayon task packs 8 neurons' gate rows and up
-    /// rows into ×8 groups (SPEC §5.1) and runs them against every token;
-    /// and the down columns `[m, hidden]` dequantized to f32.
+    /// The gate and up projections of the `m` neurons at packed positions
+    /// `p0 ..` for the quantized tokens `ys` (`[n]`) into `g` and `u` (`[n,
+    /// m]` each), by the quantized GEMM: each rayon task packs 8 neurons'
+    /// gate rows and up rows into ×8 groups (SPEC §5.1) and runs them
+    /// against every token.
     ///
     /// # Errors
     /// A failed cluster read ([`crate::Error::ClusterRead`]).
-    #[allow(clippy::type_complexity)]
     fn gate_up_gemm(
         &self,
         src: &LayerClusters,
         ys: &[Q8Vec],
         p0: usize,
         m: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        g: &mut [f32],
+        u: &mut [f32],
+    ) -> Result<()> {
         let (h, dt, n) = (self.hidden, self.layout.dtype, ys.len());
         let gbytes = X8_ROWS * self.layout.row_bytes as usize;
         let yr: Vec<&Q8Vec> = ys.iter().collect();
@@ -438,7 +447,6 @@ impl Ffn {
                 Ok(())
             },
         )?;
-        let (mut g, mut u) = (vec![0f32; n * m], vec![0f32; n * m]);
         for j in 0..m {
             let base = (j / X8_ROWS) * 2 * X8_ROWS * n + (j % X8_ROWS) * n;
             for t in 0..n {
@@ -446,24 +454,22 @@ impl Ffn {
                 u[t * m + j] = gu[base + X8_ROWS * n + t];
             }
         }
-        Ok((g, u, self.down_f32(src, p0, m)?))
+        Ok(())
     }
 
-    /// The down columns `[m, hidden]` of the neurons at packed positions
-    /// `p0 .. p0 + m`, dequantized to f32 (the input of the down projection's
-    /// f32 matmul).
+    /// The down columns of the `m` neurons at packed positions `p0 ..`,
+    /// dequantized to f32 into `wd` (`[m, hidden]`; the input of the down
+    /// projection's f32 matmul).
     ///
     /// # Errors
     /// A failed cluster read ([`crate::Error::ClusterRead`]).
-    fn down_f32(&self, src: &LayerClusters, p0: usize, m: usize) -> Result<Vec<f32>> {
+    fn down_f32(&self, src: &LayerClusters, p0: usize, m: usize, wd: &mut [f32]) -> Result<()> {
         let (h, dt) = (self.hidden, self.layout.dtype);
-        let mut wd = vec![0f32; m * h];
-        wd.par_chunks_mut(h).enumerate().try_for_each(|(j, d)| -> Result<()> {
+        wd[..m * h].par_chunks_mut(h).enumerate().try_for_each(|(j, d)| -> Result<()> {
             let (_, _, dr) = self.bundle_at(src, &mut None, p0 + j)?;
             row_to_f32(dt, dr, d);
             Ok(())
-        })?;
-        Ok(wd)
+        })
     }
 
     /// Storage type of the bundles (inputs must be prepared for it).
