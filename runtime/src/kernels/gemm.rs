@@ -21,44 +21,47 @@ fn parallelism() -> Parallelism {
     }
 }
 
-/// `out[t, j] (+)= Σ_i x[t, i] · w[j, i]`: `x` `[n, k]`, `w` `[m, k]` (rows
-/// are output features), `out` rows `out_stride` elements apart, `m` used
-/// (`out[t * out_stride + j]`, `j < m`). With `accumulate` the product is
-/// added to `out`, else it replaces it.
+/// A row-major operand: its elements, and the distance between consecutive
+/// elements along `(columns, rows)` of the matrix it plays.
+type Operand<'a> = (&'a [f32], (isize, isize));
+
+/// `dst (+)= lhs · rhs` with `dst` `[rows, cols]` (row stride `dst_rs`),
+/// `lhs` `[rows, depth]`, `rhs` `[depth, cols]`, strides as given.
 ///
-/// Panics if a slice is too short for its shape (a caller bug).
-#[allow(clippy::too_many_arguments)]
-pub fn xwt(
-    x: &[f32],
-    w: &[f32],
-    (n, m, k): (usize, usize, usize),
-    out: &mut [f32],
-    out_stride: usize,
+/// Panics if an addressed element lies outside its slice (a caller bug).
+fn product(
+    (rows, cols, depth): (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+    lhs: Operand,
+    rhs: Operand,
     accumulate: bool,
 ) {
-    assert!(x.len() >= n * k && w.len() >= m * k && out_stride >= m);
-    assert!(n == 0 || out.len() >= (n - 1) * out_stride + m);
-    if n == 0 || m == 0 {
+    if rows == 0 || cols == 0 {
         return;
     }
-    // SAFETY: the asserts above keep every element the strides address
-    // inside `x`, `w` and `out`; `out` is borrowed mutably, so it aliases
-    // neither input.
+    // The last element each operand addresses, from its strides (all ≥ 0 here).
+    let last = |(cs, rs): (isize, isize), r: usize, c: usize| (r - 1) * rs as usize + (c - 1) * cs as usize;
+    assert!(dst.len() > last((1, dst_rs as isize), rows, cols));
+    assert!(depth == 0 || (lhs.0.len() > last(lhs.1, rows, depth) && rhs.0.len() > last(rhs.1, depth, cols)));
+    // SAFETY: the asserts keep every element the strides address inside
+    // `dst`, `lhs` and `rhs`; `dst` is an exclusive borrow, so it aliases
+    // neither operand.
     unsafe {
         gemm::gemm(
-            n,
-            m,
-            k,
-            out.as_mut_ptr(),
+            rows,
+            cols,
+            depth,
+            dst.as_mut_ptr(),
             1,
-            out_stride as isize,
+            dst_rs as isize,
             accumulate,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
+            lhs.0.as_ptr(),
+            lhs.1 .0,
+            lhs.1 .1,
+            rhs.0.as_ptr(),
+            rhs.1 .0,
+            rhs.1 .1,
             1.0,
             1.0,
             false,
@@ -69,40 +72,31 @@ pub fn xwt(
     }
 }
 
+/// `out[t, j] (+)= Σ_i x[t, i] · w[j, i]`: `x` `[n, k]`, `w` `[m, k]` (rows
+/// are output features), `out` rows `out_stride` elements apart, `m` used
+/// (`out[t * out_stride + j]`, `j < m`). With `accumulate` the product is
+/// added to `out`, else it replaces it.
+///
+/// Panics if a slice is too short for its shape (a caller bug).
+pub fn xwt(
+    x: &[f32],
+    w: &[f32],
+    (n, m, k): (usize, usize, usize),
+    out: &mut [f32],
+    out_stride: usize,
+    accumulate: bool,
+) {
+    assert!(out_stride >= m);
+    // wᵀ [k, m]: element (i, j) at w[j * k + i].
+    product((n, m, k), out, out_stride, (x, (1, k as isize)), (w, (k as isize, 1)), accumulate);
+}
+
 /// `out[t, c] (+)= Σ_j a[t, j] · w[j, c]`: `a` `[n, m]`, `w` `[m, k]`, `out`
 /// `[n, k]`; with `accumulate` the product is added to `out`.
 ///
 /// Panics if a slice is too short for its shape (a caller bug).
 pub fn aw(a: &[f32], w: &[f32], (n, m, k): (usize, usize, usize), out: &mut [f32], accumulate: bool) {
-    assert!(a.len() >= n * m && w.len() >= m * k && out.len() >= n * k);
-    if n == 0 || k == 0 {
-        return;
-    }
-    // SAFETY: as in `xwt`: the asserts bound every addressed element and
-    // `out` is an exclusive borrow.
-    unsafe {
-        gemm::gemm(
-            n,
-            k,
-            m,
-            out.as_mut_ptr(),
-            1,
-            k as isize,
-            accumulate,
-            a.as_ptr(),
-            1,
-            m as isize,
-            w.as_ptr(),
-            1,
-            k as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(),
-        )
-    }
+    product((n, k, m), out, k, (a, (1, m as isize)), (w, (1, k as isize)), accumulate);
 }
 
 #[cfg(test)]
@@ -143,5 +137,13 @@ mod tests {
         for (g, w) in o.iter().zip(&want) {
             assert!((g - 0.5 - w).abs() < 1e-4, "{g} vs {w}");
         }
+    }
+
+    #[test]
+    #[should_panic]
+    fn a_short_output_is_refused_before_the_product() {
+        let (x, w) = (vec![1f32; 2 * 3], vec![1f32; 4 * 3]);
+        // [2, 4] needs 8 elements at stride 4.
+        xwt(&x, &w, (2, 4, 3), &mut [0f32; 7], 4, false);
     }
 }
