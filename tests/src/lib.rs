@@ -423,9 +423,9 @@ pub fn generate(
     generate_in(path, cfg, threads, prompt, steps, false, Speculation::Auto)
 }
 
-/// As [`generate`]; with `interleave`, Q4_0 matrices are first reordered to
-/// the Q4_0×8 layout as `nflash run` does (SPEC §5.1); `spec` says when
-/// decode reads the next layer's likely clusters ahead.
+/// As [`generate`]; with `interleave`, Q4_0 and Q8_0 matrices are first
+/// reordered to the ×8 layout as `nflash run` does (SPEC §5.1); `spec` says
+/// when decode reads the next layer's likely clusters ahead.
 pub fn generate_in(
     path: &Path,
     cfg: &CacheConfig,
@@ -443,20 +443,27 @@ pub fn generate_in(
         }
         let mut model = nflash_runtime::load_model(&pack, cfg).unwrap();
         model.set_speculation(spec);
-        let h = model.cfg.hidden_size as usize;
-        let mut kv = model.new_kv_cache(prompt.len() + steps + 1);
-        let hs = model.forward(&mut kv, prompt).unwrap();
-        let mut logits = vec![model.logits(&hs[hs.len() - h..])];
-        let mut tokens = Vec::new();
-        for _ in 0..steps {
-            let l = logits.last().unwrap();
-            let next = (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
-            tokens.push(next);
-            let hs = model.forward(&mut kv, &[next]).unwrap();
-            logits.push(model.logits(&hs));
-        }
+        let (logits, tokens) = greedy(&model, prompt, steps);
         (logits, tokens, model.cache_stats())
     })
+}
+
+/// Greedy decoding with a loaded model: the logits after the prompt and
+/// after each of `steps` tokens (`steps + 1` rows), and the tokens chosen.
+pub fn greedy(model: &nflash_runtime::model::Model, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
+    let h = model.cfg.hidden_size as usize;
+    let mut kv = model.new_kv_cache(prompt.len() + steps + 1);
+    let hs = model.forward(&mut kv, prompt).unwrap();
+    let mut logits = vec![model.logits(&hs[hs.len() - h..])];
+    let mut tokens = Vec::new();
+    for _ in 0..steps {
+        let l = logits.last().unwrap();
+        let next = (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+        tokens.push(next);
+        let hs = model.forward(&mut kv, &[next]).unwrap();
+        logits.push(model.logits(&hs));
+    }
+    (logits, tokens)
 }
 
 /// Four placements of the FFN: all in memory, 10% hot, nothing hot with 3 I/O

@@ -281,18 +281,8 @@ fn an_f16_kv_cache_halves_its_memory_and_keeps_greedy_tokens() {
     let run_kv = |kv: KvType| {
         let mut model = nflash_runtime::load_model(&p, &CacheConfig::all_hot(&p)).unwrap();
         model.set_kv_type(kv);
-        let h = model.cfg.hidden_size as usize;
-        let mut cache = model.new_kv_cache(64);
-        assert_eq!(cache.kv_type(), kv);
-        let (mut tokens, mut logits) = (Vec::new(), Vec::new());
-        let mut hs = model.forward(&mut cache, &prompt).unwrap();
-        for _ in 0..12 {
-            let l = model.logits(&hs[hs.len() - h..]);
-            let next = (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
-            tokens.push(next);
-            logits.push(l);
-            hs = model.forward(&mut cache, &[next]).unwrap();
-        }
+        assert_eq!(model.new_kv_cache(8).kv_type(), kv);
+        let (logits, tokens) = nflash_tests::greedy(&model, &prompt, 12);
         (tokens, logits)
     };
     let (t16, l16) = run_kv(KvType::F16);

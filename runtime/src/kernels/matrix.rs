@@ -119,20 +119,12 @@ impl<'a> QMatrix<'a> {
             return self.matvec(&xs[0], out);
         }
         let rb = par_chunk(self.rows, 16).next_multiple_of(X8_ROWS);
+        let ys: Vec<&Q8Vec> = if self.x8 { xs.iter().map(q8_input).collect() } else { Vec::new() };
         let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
         tmp.par_chunks_mut(rb * n).enumerate().for_each(|(ci, chunk)| {
             if self.x8 {
-                let ys: Vec<&Q8Vec> = xs.iter().map(q8_input).collect();
                 for (gi, g_out) in chunk.chunks_mut(X8_ROWS * n).enumerate() {
-                    let group = self.group(ci * rb + X8_ROWS * gi);
-                    let mut put = |t0: usize, d: &[[f32; X8_ROWS]]| {
-                        for (t, row) in d.iter().enumerate() {
-                            for (i, &v) in row.iter().enumerate() {
-                                g_out[i * n + t0 + t] = v;
-                            }
-                        }
-                    };
-                    gemm_tokens(self.dtype, self.cols, group, &ys, &mut put);
+                    gemm_tokens(self.dtype, self.cols, self.group(ci * rb + X8_ROWS * gi), &ys, g_out);
                 }
                 return;
             }
@@ -173,32 +165,43 @@ impl<'a> QMatrix<'a> {
         for r0 in (0..self.rows).step_by(tile) {
             let m = tile.min(self.rows - r0);
             let w = &mut w[..m * self.cols];
-            w.par_chunks_mut(self.cols).enumerate().for_each(|(i, row)| self.row_to_f32(r0 + i, row));
+            w.par_chunks_mut(self.cols)
+                .enumerate()
+                .for_each_init(Vec::new, |buf, (i, row)| self.row_to_f32_with(r0 + i, row, buf));
             super::gemm::xwt(x, w, (n, m, self.cols), &mut out[r0..], self.rows, false);
         }
     }
 
     /// Dequantizes row `r` into `out` (`[cols]`).
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        self.row_to_f32_with(r, out, &mut Vec::new())
+    }
+
+    /// [`Self::row_to_f32`], gathering a row of the ×8 layout in `buf`
+    /// (grown to one row's bytes and reused by the caller).
+    fn row_to_f32_with(&self, r: usize, out: &mut [f32], buf: &mut Vec<u8>) {
         if !self.x8 {
             return super::row_to_f32(self.dtype, self.row(r), out);
         }
-        let mut row = vec![0u8; self.row_bytes];
-        nflash_format::interleave::x8_row(self.dtype, self.group(r), self.cols, r % X8_ROWS, &mut row);
-        super::row_to_f32(self.dtype, &row, out)
+        buf.resize(self.row_bytes, 0);
+        nflash_format::interleave::x8_row(self.dtype, self.group(r), self.cols, r % X8_ROWS, buf);
+        super::row_to_f32(self.dtype, buf, out)
     }
 }
 
-/// One ×8 group (`cols` elements per row) against every token of `ys`,
-/// four tokens per kernel call and a tail of 1 to 3: `put(t0, d)` receives
-/// `d[t][r]` for tokens `t0 ..`.
-pub(crate) fn gemm_tokens(
-    dtype: DType,
-    cols: usize,
-    group: &[u8],
-    ys: &[&Q8Vec],
-    put: &mut impl FnMut(usize, &[[f32; X8_ROWS]]),
-) {
+/// One ×8 group (`cols` elements per row) against every token of `ys`, four
+/// tokens per kernel call and a tail of 1 to 3, into `out` (`[8, n]`: row
+/// `i`'s dot with token `t` at `out[i * n + t]`).
+pub(crate) fn gemm_tokens(dtype: DType, cols: usize, group: &[u8], ys: &[&Q8Vec], out: &mut [f32]) {
+    let n = ys.len();
+    assert_eq!(out.len(), X8_ROWS * n, "×8 group output");
+    let mut put = |t0: usize, d: &[[f32; X8_ROWS]]| {
+        for (t, row) in d.iter().enumerate() {
+            for (i, &v) in row.iter().enumerate() {
+                out[i * n + t0 + t] = v;
+            }
+        }
+    };
     let mut quads = ys.chunks_exact(4);
     let mut t0 = 0;
     for q in &mut quads {

@@ -4,16 +4,17 @@
 //!   against (bit for bit where the arithmetic allows, which it does for
 //!   every kernel here) and what runs on CPUs without a faster one;
 //! - [`x86`] (x86-64): AVX2 + FMA + F16C kernels;
-//! - [`matrix`]: [`QMatrix`], a typed view of packed weights, and the
-//!   parallel matrix-vector products over it;
-//! - [`gemm`]: f32 matrix products of batches (prefill of f32/f16 weights
-//!   and the FFN down projection), through candle-core.
+//! - [`matrix`]: [`QMatrix`], a typed view of packed weights, the parallel
+//!   matrix-vector products over it and the quantized GEMM of prefill;
+//! - [`gemm`]: f32 matrix products of batches (prefill of Q8_0/f16/f32
+//!   weights and the FFN down projection), through the `gemm` crate.
 //!
 //! The functions in this file pick a kernel at run time from the CPU's
 //! features (`is_x86_feature_detected!`, cached by std), as candle's
 //! `k_quants` and llama.cpp's `ggml-cpu/arch/` do. Row layouts are GGML's
-//! (formats/SPEC.md §5): packed bytes are reinterpreted as candle-core's
-//! `BlockQ4_0` / `BlockQ8_0` where its `vec_dot` is used.
+//! (formats/SPEC.md §5) or the in-memory ×8 groups (§5.1); candle-core's
+//! `BlockQ8_0` / `BlockQ4_0` quantize activations and weights (GGML's
+//! rounding) and serve the f32/f16 dots and the portable dequantization.
 
 pub mod gemm;
 pub mod matrix;
@@ -58,6 +59,11 @@ fn q8_bytes(y: &[BlockQ8_0]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(y.as_ptr() as *const u8, std::mem::size_of_val(y)) }
 }
 
+/// Each Q8_0 block's sum of quants.
+fn block_sums(blocks: &[BlockQ8_0]) -> impl Iterator<Item = i32> + '_ {
+    q8_bytes(blocks).chunks_exact(34).map(|b| b[2..].iter().map(|&q| q as i8 as i32).sum())
+}
+
 /// A vector quantized to Q8_0, the right-hand side of Q4_0 and Q8_0 dots:
 /// `[n / 32]` blocks (candle-core's `BlockQ8_0`, GGML's rounding) and each
 /// block's sum of quants (for the Q4_0 kernels' `8·Σy` offset).
@@ -73,8 +79,7 @@ impl Q8Vec {
         self.blocks.resize(x.len() / 32, BlockQ8_0::zeros());
         BlockQ8_0::from_float(x, &mut self.blocks);
         self.sums.clear();
-        let sums = q8_bytes(&self.blocks).chunks_exact(34).map(|b| b[2..].iter().map(|&q| q as i8 as i32).sum::<i32>());
-        self.sums.extend(sums);
+        self.sums.extend(block_sums(&self.blocks));
     }
 
     /// `x` quantized (`[n]`, n a multiple of 32).
@@ -87,7 +92,7 @@ impl Q8Vec {
     /// A vector from its blocks (tests build extreme activations this way).
     #[cfg(test)]
     pub(crate) fn from_blocks(blocks: Vec<BlockQ8_0>) -> Self {
-        let sums = q8_bytes(&blocks).chunks_exact(34).map(|b| b[2..].iter().map(|&q| q as i8 as i32).sum()).collect();
+        let sums = block_sums(&blocks).collect();
         Q8Vec { blocks, sums }
     }
 
@@ -203,7 +208,7 @@ pub fn gemm_x8<const T: usize>(dtype: DType, cols: usize, group: &[u8], ys: [&Q8
 }
 
 /// Attention score `q · k` for a query and one cached key, both `[head_dim]`,
-/// the key in the KV cache's type (`portable::dot_f32` gives the order).
+/// the key in the KV cache's type (`portable::dot_kv` gives the order).
 #[inline]
 pub fn dot_kv(q: &[f32], k: KvSlice) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -211,14 +216,14 @@ pub fn dot_kv(q: &[f32], k: KvSlice) -> f32 {
         // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
         return unsafe {
             match k {
-                KvSlice::F16(k) => x86::dot_f16(q, k),
-                KvSlice::F32(k) => x86::dot_f32(q, k),
+                KvSlice::F16(k) => x86::dot_kv(q, k),
+                KvSlice::F32(k) => x86::dot_kv(q, k),
             }
         };
     }
     match k {
-        KvSlice::F16(k) => portable::dot_f16(q, k),
-        KvSlice::F32(k) => portable::dot_f32(q, k),
+        KvSlice::F16(k) => portable::dot_kv(q, k),
+        KvSlice::F32(k) => portable::dot_kv(q, k),
     }
 }
 
@@ -231,15 +236,15 @@ pub fn axpy_kv(a: f32, v: KvSlice, out: &mut [f32]) {
         // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
         unsafe {
             match v {
-                KvSlice::F16(v) => x86::axpy_f16(a, v, out),
-                KvSlice::F32(v) => x86::axpy_f32(a, v, out),
+                KvSlice::F16(v) => x86::axpy_kv(a, v, out),
+                KvSlice::F32(v) => x86::axpy_kv(a, v, out),
             }
         }
         return;
     }
     match v {
-        KvSlice::F16(v) => portable::axpy_f16(a, v, out),
-        KvSlice::F32(v) => portable::axpy_f32(a, v, out),
+        KvSlice::F16(v) => portable::axpy_kv(a, v, out),
+        KvSlice::F32(v) => portable::axpy_kv(a, v, out),
     }
 }
 
@@ -397,6 +402,11 @@ impl DotInput {
             }
             DotInput::Q8(v) => v.set(x),
         }
+    }
+
+    /// Each row of `x` (`[n, cols]`) prepared for rows of `dtype`: `[n]` inputs.
+    pub fn rows(dtype: DType, x: &[f32], cols: usize) -> Vec<Self> {
+        x.chunks_exact(cols).map(|r| Self::from_slice(dtype, r)).collect()
     }
 
     /// Convenience: a new input for `dtype` holding `x`.

@@ -158,39 +158,23 @@ pub(crate) fn sum8(l: [f32; 8]) -> f32 {
     (a[0] + a[2]) + (a[1] + a[3])
 }
 
-/// `q · k` over f32 `q` and `k` (same length): element `i` is added by a
-/// fused multiply-add into lane `i mod 8`, in order, then [`sum8`].
-pub fn dot_f32(q: &[f32], k: &[f32]) -> f32 {
+/// `q · k` over f32 `q` and a key of `T` (f32 or f16, same length): element
+/// `i` is added by a fused multiply-add into lane `i mod 8`, in order, then
+/// [`sum8`].
+pub fn dot_kv<T: Copy + Into<f32>>(q: &[f32], k: &[T]) -> f32 {
     assert_eq!(q.len(), k.len());
     let mut l = [0f32; 8];
     for (i, (a, b)) in q.iter().zip(k).enumerate() {
-        l[i % 8] = a.mul_add(*b, l[i % 8]);
+        l[i % 8] = a.mul_add((*b).into(), l[i % 8]);
     }
     sum8(l)
 }
 
-/// `q · k` over f32 `q` and f16 `k`, in the order of [`dot_f32`].
-pub fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
-    assert_eq!(q.len(), k.len());
-    let mut l = [0f32; 8];
-    for (i, (a, b)) in q.iter().zip(k).enumerate() {
-        l[i % 8] = a.mul_add(b.to_f32(), l[i % 8]);
-    }
-    sum8(l)
-}
-
-/// `out += a · v` over f32 `v`, element by element with a fused multiply-add.
-pub fn axpy_f32(a: f32, v: &[f32], out: &mut [f32]) {
+/// `out += a · v` over a value row of `T` (f32 or f16), element by element
+/// with a fused multiply-add.
+pub fn axpy_kv<T: Copy + Into<f32>>(a: f32, v: &[T], out: &mut [f32]) {
     assert_eq!(v.len(), out.len());
     for (o, x) in out.iter_mut().zip(v) {
-        *o = a.mul_add(*x, *o);
-    }
-}
-
-/// `out += a · v` over f16 `v`, element by element with a fused multiply-add.
-pub fn axpy_f16(a: f32, v: &[f16], out: &mut [f32]) {
-    assert_eq!(v.len(), out.len());
-    for (o, x) in out.iter_mut().zip(v) {
-        *o = a.mul_add(x.to_f32(), *o);
+        *o = a.mul_add((*x).into(), *o);
     }
 }

@@ -409,21 +409,21 @@ fn kv_kernels_match_portable_bit_for_bit() {
         let k16: Vec<f16> = k.iter().map(|&v| f16::from_f32(v)).collect();
         assert_eq!(
             dot_kv(&q, KvSlice::F32(&k)).to_bits(),
-            portable::dot_f32(&q, &k).to_bits(),
+            portable::dot_kv(&q, &k).to_bits(),
             "{} dot f32 {hd}",
             isa()
         );
-        assert_eq!(dot_kv(&q, KvSlice::F16(&k16)).to_bits(), portable::dot_f16(&q, &k16).to_bits(), "dot f16 {hd}");
+        assert_eq!(dot_kv(&q, KvSlice::F16(&k16)).to_bits(), portable::dot_kv(&q, &k16).to_bits(), "dot f16 {hd}");
         let exact: f32 = q.iter().zip(&k).map(|(a, b)| a * b).sum();
         let bound: f32 = q.iter().zip(&k).map(|(a, b)| (a * b).abs()).sum::<f32>() * 1e-3 + 1e-5;
         assert!((dot_kv(&q, KvSlice::F16(&k16)) - exact).abs() <= bound, "f16 dot {hd}");
         let (mut a, mut b) = (q.clone(), q.clone());
         axpy_kv(-0.75, KvSlice::F32(&k), &mut a);
-        portable::axpy_f32(-0.75, &k, &mut b);
+        portable::axpy_kv(-0.75, &k, &mut b);
         assert_eq!(a, b, "axpy f32 {hd}");
         let (mut a, mut b) = (q.clone(), q.clone());
         axpy_kv(1.5, KvSlice::F16(&k16), &mut a);
-        portable::axpy_f16(1.5, &k16, &mut b);
+        portable::axpy_kv(1.5, &k16, &mut b);
         assert_eq!(a, b, "axpy f16 {hd}");
     }
 }

@@ -69,19 +69,115 @@ unsafe fn q4_nibbles(p: *const u8) -> __m256i {
     _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m))
 }
 
-/// 8 i32 lanes of `Σ x·y` over a 32-byte register of Q8_0 quants `x` and activations `y`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_dot_lanes(x: __m256i, y: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(y, x)), _mm256_set1_epi16(1))
-}
-
 /// Software prefetch distance of the row-layout kernels, bytes ahead in
 /// each row (~35 Q4_0 blocks). Decode reads weights far larger than the
 /// caches; on the dev host this gave +10–20% Q4_0 matvec speed over
 /// hardware prefetch alone (interleaved A/B runs on a 65 536 × 4 096
 /// matrix; distances from 256 to 1 024 bytes were all within the noise).
 const PF: usize = 640;
+
+/// What the row-layout dot kernels need of a block type: its size in
+/// bytes, the offset its quants carry (Q4_0 nibbles stay unsigned, so
+/// `OFFSET · Σy` is subtracted per block; 0 for Q8_0), and the 8 i32 lanes
+/// of its quants (at `p`, after the scale) against 32 activations. A type
+/// parameter, not a function pointer, so each kernel is compiled with its
+/// lanes inlined.
+trait RowBlock {
+    const BYTES: usize;
+    const OFFSET: i32;
+    /// # Safety
+    /// 32 bytes must be readable at `p`; the CPU must have AVX2.
+    unsafe fn lanes(p: *const u8, y: __m256i) -> __m256i;
+}
+
+/// Q4_0 blocks: unsigned nibbles, offset 8.
+struct Q4Row;
+/// Q8_0 blocks.
+struct Q8Row;
+
+impl RowBlock for Q4Row {
+    const BYTES: usize = 18;
+    const OFFSET: i32 = 8;
+    #[inline(always)]
+    unsafe fn lanes(p: *const u8, y: __m256i) -> __m256i {
+        q4_lanes(p, y)
+    }
+}
+
+impl RowBlock for Q8Row {
+    const BYTES: usize = 34;
+    const OFFSET: i32 = 0;
+    #[inline(always)]
+    unsafe fn lanes(p: *const u8, y: __m256i) -> __m256i {
+        q8_lanes(p, y)
+    }
+}
+
+/// 8 i32 lanes of `Σ nibble · y` over the Q4_0 quants at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_lanes(p: *const u8, y: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(q4_nibbles(p), y), _mm256_set1_epi16(1))
+}
+
+/// 8 i32 lanes of `Σ x · y` over the Q8_0 quants at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_lanes(p: *const u8, y: __m256i) -> __m256i {
+    let x = _mm256_loadu_si256(p as *const __m256i);
+    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(y, x)), _mm256_set1_epi16(1))
+}
+
+/// Four rows of `B` blocks dotted with the Q8_0 vector `y` (`sums`: its
+/// per-block Σq, read only when `B::OFFSET` is not 0). Plain loops, no
+/// closures: a closure's body does not get this function's target
+/// features, and its intrinsics would become calls.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_rows<B: RowBlock>(cols: usize, rows: [&[u8]; 4], y: &[u8], sums: &[i32]) -> [f32; 4] {
+    let nb = cols / 32;
+    assert!(y.len() >= nb * 34 && (B::OFFSET == 0 || sums.len() >= nb));
+    assert!(rows.iter().all(|r| r.len() >= nb * B::BYTES));
+    let mut acc = _mm_setzero_ps();
+    for b in 0..nb {
+        let yp = y.as_ptr().add(b * 34);
+        let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
+        let mut xp = [std::ptr::null::<u8>(); 4];
+        let mut d = [_mm256_setzero_si256(); 4];
+        for r in 0..4 {
+            xp[r] = rows[r].as_ptr().add(b * B::BYTES);
+            _mm_prefetch::<_MM_HINT_T0>(xp[r].wrapping_add(PF) as *const i8);
+            d[r] = B::lanes(xp[r].add(2), yq);
+        }
+        let mut dot = reduce4(d);
+        if B::OFFSET != 0 {
+            dot = _mm_sub_epi32(dot, _mm_set1_epi32(B::OFFSET * sums[b]));
+        }
+        let d4 = _mm_mul_ps(scales4(xp), _mm_set1_ps(f16_at(yp)));
+        acc = _mm_fmadd_ps(d4, _mm_cvtepi32_ps(dot), acc);
+    }
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
+/// One row of `B` blocks dotted with the Q8_0 vector `y` (as [`dot4_rows`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_row<B: RowBlock>(cols: usize, row: &[u8], y: &[u8], sums: &[i32]) -> f32 {
+    let nb = cols / 32;
+    assert!(y.len() >= nb * 34 && (B::OFFSET == 0 || sums.len() >= nb) && row.len() >= nb * B::BYTES);
+    let mut acc = 0f32;
+    for b in 0..nb {
+        let (yp, xp) = (y.as_ptr().add(b * 34), row.as_ptr().add(b * B::BYTES));
+        let mut s = hsum_i32(B::lanes(xp.add(2), _mm256_loadu_si256(yp.add(2) as *const __m256i)));
+        if B::OFFSET != 0 {
+            s -= B::OFFSET * sums[b];
+        }
+        acc = (f16_at(xp) * f16_at(yp)).mul_add(s as f32, acc);
+    }
+    acc
+}
 
 /// Four Q4_0 rows dotted with the Q8_0 vector `y` (`sums`: its per-block Σq).
 ///
@@ -90,57 +186,16 @@ const PF: usize = 640;
 /// are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8], sums: &[i32]) -> [f32; 4] {
-    let nb = cols / 32;
-    assert!(y.len() >= nb * 34 && sums.len() >= nb && rows.iter().all(|r| r.len() >= nb * 18));
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = _mm_setzero_ps();
-    for b in 0..nb {
-        let yp = y.as_ptr().add(b * 34);
-        let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
-        // Plain loops, no closures: a closure's body does not get this
-        // function's target features and its intrinsics would become calls.
-        let mut xp = [std::ptr::null::<u8>(); 4];
-        let mut d = [_mm256_setzero_si256(); 4];
-        for r in 0..4 {
-            xp[r] = rows[r].as_ptr().add(b * 18);
-            _mm_prefetch::<_MM_HINT_T0>(xp[r].wrapping_add(PF) as *const i8);
-            d[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(q4_nibbles(xp[r].add(2)), yq), ones);
-        }
-        let dot = _mm_sub_epi32(reduce4(d), _mm_set1_epi32(8 * sums[b]));
-        let d = _mm_mul_ps(scales4(xp), _mm_set1_ps(f16_at(yp)));
-        acc = _mm_fmadd_ps(d, _mm_cvtepi32_ps(dot), acc);
-    }
-    let mut out = [0f32; 4];
-    _mm_storeu_ps(out.as_mut_ptr(), acc);
-    out
+    dot4_rows::<Q4Row>(cols, rows, y, sums)
 }
 
 /// Four Q8_0 rows dotted with the Q8_0 vector `y`.
 ///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
-/// are asserted.
+/// As [`dot4_q4_0`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot4_q8_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
-    let nb = cols / 32;
-    assert!(y.len() >= nb * 34 && rows.iter().all(|r| r.len() >= nb * 34));
-    let mut acc = _mm_setzero_ps();
-    for b in 0..nb {
-        let yp = y.as_ptr().add(b * 34);
-        let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
-        let mut xp = [std::ptr::null::<u8>(); 4];
-        let mut d = [_mm256_setzero_si256(); 4];
-        for r in 0..4 {
-            xp[r] = rows[r].as_ptr().add(b * 34);
-            _mm_prefetch::<_MM_HINT_T0>(xp[r].wrapping_add(PF) as *const i8);
-            d[r] = q8_dot_lanes(_mm256_loadu_si256(xp[r].add(2) as *const __m256i), yq);
-        }
-        let d4 = _mm_mul_ps(scales4(xp), _mm_set1_ps(f16_at(yp)));
-        acc = _mm_fmadd_ps(d4, _mm_cvtepi32_ps(reduce4(d)), acc);
-    }
-    let mut out = [0f32; 4];
-    _mm_storeu_ps(out.as_mut_ptr(), acc);
-    out
+    dot4_rows::<Q8Row>(cols, rows, y, &[])
 }
 
 /// One Q4_0 row dotted with the Q8_0 vector `y` (`sums`: its per-block Σq).
@@ -149,35 +204,16 @@ pub unsafe fn dot4_q8_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
 /// As [`dot4_q4_0`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q4_0(cols: usize, row: &[u8], y: &[u8], sums: &[i32]) -> f32 {
-    let nb = cols / 32;
-    assert!(y.len() >= nb * 34 && sums.len() >= nb && row.len() >= nb * 18);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = 0f32;
-    for b in 0..nb {
-        let (yp, xp) = (y.as_ptr().add(b * 34), row.as_ptr().add(b * 18));
-        let yq = _mm256_loadu_si256(yp.add(2) as *const __m256i);
-        let s = hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(q4_nibbles(xp.add(2)), yq), ones)) - 8 * sums[b];
-        acc = (f16_at(xp) * f16_at(yp)).mul_add(s as f32, acc);
-    }
-    acc
+    dot_row::<Q4Row>(cols, row, y, sums)
 }
 
 /// One Q8_0 row dotted with the Q8_0 vector `y`.
 ///
 /// # Safety
-/// As [`dot4_q8_0`].
+/// As [`dot4_q4_0`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q8_0(cols: usize, row: &[u8], y: &[u8]) -> f32 {
-    let nb = cols / 32;
-    assert!(y.len() >= nb * 34 && row.len() >= nb * 34);
-    let mut acc = 0f32;
-    for b in 0..nb {
-        let (yp, xp) = (y.as_ptr().add(b * 34), row.as_ptr().add(b * 34));
-        let x = _mm256_loadu_si256(xp.add(2) as *const __m256i);
-        let s = hsum_i32(q8_dot_lanes(x, _mm256_loadu_si256(yp.add(2) as *const __m256i)));
-        acc = (f16_at(xp) * f16_at(yp)).mul_add(s as f32, acc);
-    }
-    acc
+    dot_row::<Q8Row>(cols, row, y, &[])
 }
 
 /// The 4 bytes at `p` broadcast to every 32-bit lane.
@@ -371,86 +407,47 @@ unsafe fn hsum8(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)))
 }
 
-/// `q · k` (attention scores) for f32 `k`; see `portable::dot_f32` for the order.
+/// `q · k` (an attention score) for one cached key of `T` (f32, or f16
+/// converted by F16C); see `portable::dot_kv` for the order.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; lengths are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_f32(q: &[f32], k: &[f32]) -> f32 {
+pub unsafe fn dot_kv<T: KvLoad>(q: &[f32], k: &[T]) -> f32 {
     assert_eq!(q.len(), k.len());
     let n8 = q.len() / 8 * 8;
     let mut acc = _mm256_setzero_ps();
     for i in (0..n8).step_by(8) {
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), _mm256_loadu_ps(k.as_ptr().add(i)), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), T::load8(k.as_ptr().add(i)), acc);
     }
     let mut l = [0f32; 8];
     _mm256_storeu_ps(l.as_mut_ptr(), acc);
     for i in n8..q.len() {
-        l[i % 8] = q[i].mul_add(k[i], l[i % 8]);
+        l[i % 8] = q[i].mul_add(k[i].into(), l[i % 8]);
     }
     hsum8(_mm256_loadu_ps(l.as_ptr()))
 }
 
-/// `q · k` for f16 `k` (the f16 KV cache), converted by F16C.
+/// `out += a · v` for one cached value row of `T`.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; lengths are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_f16(q: &[f32], k: &[half::f16]) -> f32 {
-    assert_eq!(q.len(), k.len());
-    let n8 = q.len() / 8 * 8;
-    let mut acc = _mm256_setzero_ps();
-    for i in (0..n8).step_by(8) {
-        let kf = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i) as *const __m128i));
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), kf, acc);
-    }
-    let mut l = [0f32; 8];
-    _mm256_storeu_ps(l.as_mut_ptr(), acc);
-    for i in n8..q.len() {
-        l[i % 8] = q[i].mul_add(k[i].to_f32(), l[i % 8]);
-    }
-    hsum8(_mm256_loadu_ps(l.as_ptr()))
-}
-
-/// `out += a · v` for f32 `v`.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_f32(a: f32, v: &[f32], out: &mut [f32]) {
+pub unsafe fn axpy_kv<T: KvLoad>(a: f32, v: &[T], out: &mut [f32]) {
     assert_eq!(v.len(), out.len());
     let n8 = v.len() / 8 * 8;
     let av = _mm256_set1_ps(a);
     let o = out.as_mut_ptr();
     for i in (0..n8).step_by(8) {
-        _mm256_storeu_ps(o.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(v.as_ptr().add(i)), _mm256_loadu_ps(o.add(i))));
+        _mm256_storeu_ps(o.add(i), _mm256_fmadd_ps(av, T::load8(v.as_ptr().add(i)), _mm256_loadu_ps(o.add(i))));
     }
     for i in n8..v.len() {
-        out[i] = a.mul_add(v[i], out[i]);
-    }
-}
-
-/// `out += a · v` for f16 `v` (the f16 KV cache).
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_f16(a: f32, v: &[half::f16], out: &mut [f32]) {
-    assert_eq!(v.len(), out.len());
-    let n8 = v.len() / 8 * 8;
-    let av = _mm256_set1_ps(a);
-    let o = out.as_mut_ptr();
-    for i in (0..n8).step_by(8) {
-        let vf = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i));
-        _mm256_storeu_ps(o.add(i), _mm256_fmadd_ps(av, vf, _mm256_loadu_ps(o.add(i))));
-    }
-    for i in n8..v.len() {
-        out[i] = a.mul_add(v[i].to_f32(), out[i]);
+        out[i] = a.mul_add(v[i].into(), out[i]);
     }
 }
 
 /// A KV-cache element type whose 8 elements at `p` load as f32 (f16 converted by F16C).
-pub trait KvLoad: Copy {
+pub trait KvLoad: Copy + Into<f32> {
     /// # Safety
     /// 8 elements must be readable at `p`; the CPU must have F16C.
     unsafe fn load8(p: *const Self) -> __m256;
@@ -473,7 +470,7 @@ impl KvLoad for half::f16 {
 /// Attention scores of one query head over `n` cached positions:
 /// `out[j] = scale · (q · k[(start + j) · stride + off ..][..hd])`, four
 /// positions at a time (four independent FMA chains), each in the order of
-/// `portable::dot_f32` (lane `i mod 8`, then the `sum8` tree).
+/// `portable::dot_kv` (lane `i mod 8`, then the `sum8` tree).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `q.len()` (hd) must be a multiple
@@ -518,7 +515,7 @@ pub unsafe fn attn_scores<T: KvLoad>(
 
 /// `out += Σ_j p[j] · v[(start + j) · stride + off ..][..hd]` with
 /// `hd = out.len()`: each element takes one fused multiply-add per
-/// position, positions in order (as `portable::axpy_f32` repeated), with
+/// position, positions in order (as `portable::axpy_kv` repeated), with
 /// 64 elements of `out` held in registers at a time.
 ///
 /// # Safety

@@ -116,7 +116,7 @@ impl Attention<'_> {
             let xin = DotInput::from_slice(self.q.dtype, xn);
             matvec_many(&[&self.q, &self.k, &self.v], &xin, &mut [&mut s.q, &mut s.k, &mut s.v]);
         } else {
-            let xs: Vec<DotInput> = xn.chunks_exact(hidden).map(|r| DotInput::from_slice(self.q.dtype, r)).collect();
+            let xs = DotInput::rows(self.q.dtype, xn, hidden);
             self.q.matmul(&xs, &mut s.q);
             self.k.matmul(&xs, &mut s.k);
             self.v.matmul(&xs, &mut s.v);
@@ -200,8 +200,7 @@ pub(crate) fn project(m: &QMatrix, x: &[f32], batched: bool, out: &mut [f32]) ->
         m.matmul_f32(x, out);
         return Ok(());
     }
-    let xs: Vec<DotInput> = x.chunks_exact(m.cols).map(|r| DotInput::from_slice(m.dtype, r)).collect();
-    m.matmul(&xs, out);
+    m.matmul(&DotInput::rows(m.dtype, x, m.cols), out);
     Ok(())
 }
 

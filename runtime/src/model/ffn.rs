@@ -292,9 +292,10 @@ impl Ffn {
     /// f32), `out` `[n, hidden]`, a tile of neuron clusters at a time:
     /// `A = act(X·Gᵀ)∘(X·Uᵀ)`, `out += A·D`, where the tile's rows of G, U, D
     /// are its bundles. `X·Gᵀ` and `X·Uᵀ` by the quantized GEMM where
-    /// [`quantized_prefill`] says so ([`Self::gate_up_gemm`]), else by
-    /// candle-core's matmul of dequantized rows; `A·D` always by the latter
-    /// (the down columns' blocks run along `hidden`, not along the sum).
+    /// [`quantized_prefill`] says so ([`Self::gate_up_gemm`]), else by the
+    /// f32 products of `kernels::gemm` over dequantized rows; `A·D` always
+    /// by the latter (the down columns' blocks run along `hidden`, not
+    /// along the sum).
     ///
     /// With `mask`, the FFN is evaluated as sparse decode would: a neuron's
     /// product is dropped unless the predictor selected it and its criterion
@@ -435,15 +436,8 @@ impl Ffn {
                 pack_group(dt, h, rows.map(|r| r.map(|(g, _, _)| g)), bg);
                 pack_group(dt, h, rows.map(|r| r.map(|(_, u, _)| u)), bu);
                 let (og, ou) = out.split_at_mut(X8_ROWS * n);
-                for (buf, o) in [(&*bg, og), (&*bu, ou)] {
-                    gemm_tokens(dt, h, buf, &yr, &mut |t0, d: &[[f32; X8_ROWS]]| {
-                        for (t, row) in d.iter().enumerate() {
-                            for (i, &v) in row.iter().enumerate() {
-                                o[i * n + t0 + t] = v;
-                            }
-                        }
-                    });
-                }
+                gemm_tokens(dt, h, bg, &yr, og);
+                gemm_tokens(dt, h, bu, &yr, ou);
                 Ok(())
             },
         )?;

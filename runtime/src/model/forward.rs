@@ -281,7 +281,7 @@ impl Model<'_> {
     /// Logits `[n, vocab]` for `n` final hidden states `[n, hidden]`.
     pub fn logits_batch(&self, hidden: &[f32]) -> Vec<f32> {
         let h = self.cfg.hidden_size as usize;
-        let xs: Vec<DotInput> = hidden.chunks_exact(h).map(|r| DotInput::from_slice(self.lm_head.dtype, r)).collect();
+        let xs = DotInput::rows(self.lm_head.dtype, hidden, h);
         let mut out = vec![0f32; xs.len() * self.cfg.vocab_size as usize];
         self.lm_head.matmul(&xs, &mut out);
         out

@@ -41,7 +41,7 @@ pub struct MemoryArgs {
 }
 
 /// `--kv`: `f16` or `f32`.
-fn parse_kv(s: &str) -> std::result::Result<KvType, String> {
+pub fn parse_kv(s: &str) -> std::result::Result<KvType, String> {
     s.parse()
 }
 

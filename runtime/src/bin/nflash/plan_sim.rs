@@ -52,7 +52,7 @@ pub struct PlanSimArgs {
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(2..=nflash_format::MAX_CONTEXT as i64))]
     ctx: u32,
     /// KV cache element type the plan sizes: f16 (as `nflash run` by default) or f32.
-    #[arg(long, default_value = "f16", value_parser = |s: &str| s.parse::<nflash_plan::KvType>())]
+    #[arg(long, default_value = "f16", value_parser = crate::memory::parse_kv)]
     kv: nflash_plan::KvType,
     /// Compute threads; default: the device's cores.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]

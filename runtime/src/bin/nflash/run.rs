@@ -314,6 +314,13 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         }
     }
     if let Some(path) = &a.stats_json {
+        // Each step's time, seconds × `scale`.
+        let profile_json = |t: &nflash_runtime::model::Timings, scale: f64| {
+            t.steps()
+                .iter()
+                .map(|(k, v)| (k.to_string(), serde_json::json!(v * scale)))
+                .collect::<serde_json::Map<_, _>>()
+        };
         let j = serde_json::json!({
             "prompt_tokens": st.prompt_tokens,
             "generated_tokens": st.generated_tokens,
@@ -330,8 +337,8 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
             "predictor_ms_per_token": per(tm.predictor_s),
             "ffn_ms_per_token": per(tm.ffn_s),
             "lm_head_ms_per_token": per(tm.lm_head_s),
-            "decode_profile_ms_per_token": tm.steps().iter().map(|(k, v)| (k.to_string(), serde_json::json!(per(*v)))).collect::<serde_json::Map<_, _>>(),
-            "prefill_profile_ms": ptm.steps().iter().map(|(k, v)| (k.to_string(), serde_json::json!(1e3 * v))).collect::<serde_json::Map<_, _>>(),
+            "decode_profile_ms_per_token": profile_json(&tm, 1e3 / steps),
+            "prefill_profile_ms": profile_json(&ptm, 1e3),
             "latency_ms_mean": mean_ms,
             "latency_ms_p50": p50,
             "latency_ms_p90": p90,
