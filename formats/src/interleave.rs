@@ -115,6 +115,49 @@ pub fn x8_row(dtype: DType, data: &[u8], cols: usize, r: usize, out: &mut [u8]) 
     }
 }
 
+/// Reorders the `n` neuron bundles of one cluster (each gate row | up row
+/// | down column of `cols` elements of `dtype`, SPEC §4.4) to the ×8 bundle
+/// layout, in place: every full run of 8 bundles (bundles `8g .. 8g+8`, at
+/// byte `8g · bundle_bytes`) becomes their 8 gate rows as one ×8 group, then
+/// their 8 up rows, then their 8 down columns (each [`pack_group`]); the last
+/// `n mod 8` bundles keep the row layout. The size is unchanged and a group
+/// starts where its first bundle did. `scratch` grows to one group.
+///
+/// Panics if `dtype` has no ×8 layout, `cols` is not a multiple of 32 or
+/// `data` is shorter than `n` bundles (callers check [`can_interleave`]).
+pub fn interleave_bundles(dtype: DType, cols: usize, n: usize, data: &mut [u8], scratch: &mut Vec<u8>) {
+    assert!(can_interleave(dtype, X8_ROWS as u64, cols as u64), "{dtype} bundles of {cols} columns have no ×8 layout");
+    let row = dtype.row_bytes(cols as u64).expect("row size") as usize;
+    let group = X8_ROWS * 3 * row;
+    for g in data[..n / X8_ROWS * group].chunks_exact_mut(group) {
+        scratch.clear();
+        scratch.extend_from_slice(g);
+        for (m, out) in g.chunks_exact_mut(X8_ROWS * row).enumerate() {
+            let rows = std::array::from_fn(|r| Some(&scratch[(3 * r + m) * row..(3 * r + m + 1) * row]));
+            pack_group(dtype, cols, rows, out);
+        }
+    }
+}
+
+/// Bundle `i` of a cluster of `n` bundles in the ×8 bundle layout
+/// ([`interleave_bundles`]) back in the row layout (gate row | up row |
+/// down column) into `out` (one bundle long).
+///
+/// Panics if `i >= n`, `data` is short or `out` is not one bundle long.
+pub fn x8_bundle(dtype: DType, cols: usize, n: usize, data: &[u8], i: usize, out: &mut [u8]) {
+    assert!(i < n, "bundle {i} of {n}");
+    let row = dtype.row_bytes(cols as u64).expect("row size") as usize;
+    assert_eq!(out.len(), 3 * row, "{dtype} bundle buffer");
+    if i >= n / X8_ROWS * X8_ROWS {
+        out.copy_from_slice(&data[i * 3 * row..(i + 1) * 3 * row]);
+        return;
+    }
+    let group = &data[i / X8_ROWS * X8_ROWS * 3 * row..][..X8_ROWS * 3 * row];
+    for (m, o) in out.chunks_exact_mut(row).enumerate() {
+        x8_row(dtype, &group[m * X8_ROWS * row..(m + 1) * X8_ROWS * row], cols, i % X8_ROWS, o);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,6 +181,29 @@ mod tests {
             let blk = &m[8 * rb + 2 * gb..];
             assert_eq!(blk[..2], orig[8 * rb + 2 * block..][..2]);
             assert_eq!(blk[52..56], orig[9 * rb + 2 * block + 2 + 4..][..4]);
+        }
+    }
+
+    #[test]
+    fn every_bundle_comes_back_from_the_x8_bundle_layout() {
+        for (dt, block) in [(DType::Q4_0, 18), (DType::Q8_0, 34)] {
+            // 19 bundles: two full groups of 8, then 3 left in the row layout.
+            let (n, cols) = (19, 64);
+            let bb = 3 * cols / 32 * block;
+            let orig: Vec<u8> = (0..n * bb + 5).map(|i| (i * 11 + i / 7) as u8).collect();
+            let mut m = orig.clone();
+            interleave_bundles(dt, cols, n, &mut m, &mut Vec::new());
+            assert_ne!(m[..16 * bb], orig[..16 * bb]);
+            assert_eq!(m[16 * bb..], orig[16 * bb..], "{dt}: the tail keeps the row layout");
+            let mut b = vec![0u8; bb];
+            for i in 0..n {
+                x8_bundle(dt, cols, n, &m, i, &mut b);
+                assert_eq!(b, orig[i * bb..(i + 1) * bb], "{dt} bundle {i}");
+            }
+            // Group 1's up rows are one ×8 group: its row 2 is bundle 10's up row.
+            let (rb, mut r) = (bb / 3, vec![0u8; bb / 3]);
+            x8_row(dt, &m[8 * bb + 8 * rb..8 * bb + 16 * rb], cols, 2, &mut r);
+            assert_eq!(r, orig[10 * bb + rb..10 * bb + 2 * rb]);
         }
     }
 

@@ -352,6 +352,34 @@ fn axpy_n<const N: usize>(dtype: DType, rows: [&[u8]; N], a: [f32; N], out: &mut
     }
 }
 
+/// `out += Σ a[r] · row r` over the rows `r` of one ×8 group of `dtype`
+/// (Q4_0 or Q8_0, `out.len()` columns, `nflash_format::interleave`) whose
+/// bit is set in `mask`, in ascending `r`: the bits of [`axpy`] applied to
+/// each of those rows in turn, with one pass over `out`. The sparse FFN's
+/// down projection over 8 neurons of a ×8 bundle group.
+///
+/// Panics on another dtype or a short group (caller bugs).
+#[inline]
+pub fn axpy_x8(dtype: DType, group: &[u8], a: [f32; 8], mask: u8, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: features checked above; lengths checked inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => x86::axpy_x8_q4_0(group, a, mask, out),
+                DType::Q8_0 => x86::axpy_x8_q8_0(group, a, mask, out),
+                _ => unreachable!("axpy_x8 on {dtype}"),
+            }
+        }
+        return;
+    }
+    match dtype {
+        DType::Q4_0 => portable::axpy_x8_q4_0(group, a, mask, out),
+        DType::Q8_0 => portable::axpy_x8_q8_0(group, a, mask, out),
+        _ => unreachable!("axpy_x8 on {dtype}"),
+    }
+}
+
 /// Reinterprets `bytes` as a slice of `T`.
 ///
 /// Panics if `bytes` is misaligned for `T` or not a whole number of `T`s;

@@ -150,6 +150,50 @@ pub fn axpy_q8_0(row: &[u8], a: f32, out: &mut [f32]) {
     }
 }
 
+/// `out += Σ a[r] · row r` over the rows `r` of one ×8 group (`out.len()`
+/// columns) whose bit is set in `mask`, in ascending `r`: for each row the
+/// bits of the row-layout axpy, row after row. `dequant(q, r, i)` is row
+/// `r`'s element `i` of a column block `q` (as i32).
+fn axpy_x8(
+    group: &[u8],
+    a: [f32; X8_ROWS],
+    mask: u8,
+    out: &mut [f32],
+    gblock: usize,
+    value: fn(&[u8], usize, usize) -> i32,
+) {
+    assert!(out.len().is_multiple_of(32) && group.len() >= out.len() / 32 * gblock);
+    for (blk, o) in group.chunks_exact(gblock).zip(out.chunks_exact_mut(32)) {
+        for r in (0..X8_ROWS).filter(|r| mask & (1 << r) != 0) {
+            let s = a[r] * f16_le(&blk[2 * r..]);
+            for (i, o) in o.iter_mut().enumerate() {
+                *o = s.mul_add(value(blk, r, i) as f32, *o);
+            }
+        }
+    }
+}
+
+/// Quant byte `k` of row `r` in a ×8 column block (word `k / 4` at `16 + 32 (k / 4) + 4 r`).
+#[inline]
+fn x8_byte(blk: &[u8], r: usize, k: usize) -> u8 {
+    blk[16 + 32 * (k / 4) + 4 * r + k % 4]
+}
+
+/// `out += Σ a[r] · row r` over the rows of one Q4_0×8 group set in `mask`,
+/// ascending: the bits of [`axpy_q4_0`] applied row by row.
+pub fn axpy_x8_q4_0(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut [f32]) {
+    axpy_x8(group, a, mask, out, Q4_0_X8_BLOCK, |blk, r, i| {
+        let q = x8_byte(blk, r, i % 16);
+        (if i < 16 { q & 0x0F } else { q >> 4 }) as i32 - 8
+    })
+}
+
+/// `out += Σ a[r] · row r` over the rows of one Q8_0×8 group set in `mask`,
+/// ascending: the bits of [`axpy_q8_0`] applied row by row.
+pub fn axpy_x8_q8_0(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut [f32]) {
+    axpy_x8(group, a, mask, out, Q8_0_X8_BLOCK, |blk, r, i| x8_byte(blk, r, i) as i8 as i32)
+}
+
 /// The 8-lane sum of the attention dot kernels: lanes `(0+4, 1+5, 2+6,
 /// 3+7)`, then `(0+2, 1+3)`, then the two (the x86 `hsum8` order).
 #[inline]

@@ -186,6 +186,25 @@ fn dispatched_kernels_match_portable_bit_for_bit() {
                 }
             }
             assert_eq!(bits(&a), bits(&b), "{} axpy2 at {cols} columns", isa());
+            // ×8 axpy: the rows set in the mask, each as the row axpy would add it.
+            let g = x8_group(dt, cols, std::array::from_fn(|i| Some(r[i])));
+            let gv = view(&g, 8 * rb);
+            let s: [f32; 8] = std::array::from_fn(|i| 0.5 - 0.375 * i as f32);
+            for mask in [0xFFu8, 0b1010_0110, 0x01, 0x80, 0] {
+                let (mut a, mut b, mut c) = (rnd_vec(&mut seed, cols, 1.0), Vec::new(), Vec::new());
+                b.extend_from_slice(&a);
+                c.extend_from_slice(&a);
+                axpy_x8(dt, gv, s, mask, &mut a);
+                match dt {
+                    DType::Q4_0 => portable::axpy_x8_q4_0(gv, s, mask, &mut c),
+                    _ => portable::axpy_x8_q8_0(gv, s, mask, &mut c),
+                }
+                for i in (0..8).filter(|i| mask & (1 << i) != 0) {
+                    axpy_ref(dt, r[i], s[i], &mut b);
+                }
+                assert_eq!(bits(&a), bits(&b), "{} {dt} axpy_x8 {mask:#x} at {cols} columns", isa());
+                assert_eq!(bits(&c), bits(&b), "portable {dt} axpy_x8 {mask:#x} at {cols} columns");
+            }
         }
     }
 }

@@ -85,9 +85,16 @@ const PF: usize = 640;
 trait RowBlock {
     const BYTES: usize;
     const OFFSET: i32;
+    /// Bytes of a ×8 column block (SPEC §5.1).
+    const X8_BLOCK: usize;
     /// # Safety
     /// 32 bytes must be readable at `p`; the CPU must have AVX2.
     unsafe fn lanes(p: *const u8, y: __m256i) -> __m256i;
+    /// The 8 rows of the ×8 column block at `p` as i8 values, four 8-value
+    /// parts each (elements `8k .. 8k+8` in part `k`).
+    /// # Safety
+    /// `X8_BLOCK` bytes must be readable at `p`; the CPU must have AVX2.
+    unsafe fn x8_rows(p: *const u8) -> [[__m128i; 4]; X8_ROWS];
 }
 
 /// Q4_0 blocks: unsigned nibbles, offset 8.
@@ -98,18 +105,28 @@ struct Q8Row;
 impl RowBlock for Q4Row {
     const BYTES: usize = 18;
     const OFFSET: i32 = 8;
+    const X8_BLOCK: usize = Q4_0_X8_BLOCK;
     #[inline(always)]
     unsafe fn lanes(p: *const u8, y: __m256i) -> __m256i {
         q4_lanes(p, y)
+    }
+    #[inline(always)]
+    unsafe fn x8_rows(p: *const u8) -> [[__m128i; 4]; X8_ROWS] {
+        q4_x8_rows(p)
     }
 }
 
 impl RowBlock for Q8Row {
     const BYTES: usize = 34;
     const OFFSET: i32 = 0;
+    const X8_BLOCK: usize = Q8_0_X8_BLOCK;
     #[inline(always)]
     unsafe fn lanes(p: *const u8, y: __m256i) -> __m256i {
         q8_lanes(p, y)
+    }
+    #[inline(always)]
+    unsafe fn x8_rows(p: *const u8) -> [[__m128i; 4]; X8_ROWS] {
+        q8_x8_rows(p)
     }
 }
 
@@ -396,6 +413,126 @@ pub unsafe fn axpy_q4_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn axpy_q8_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
     axpy_blocks(rows, a, out, 34, q8_load)
+}
+
+/// Row `r` and row `r + 4` of a ×8 column block's four 32-byte word runs
+/// `w` (each lane one row's word `j`), as 16 bytes each: the low 128 bits
+/// of element `r` hold row `r`'s words 0..3, the high 128 bits row `r + 4`'s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn transpose_words(w: [__m256i; 4]) -> [__m256i; 4] {
+    let (t0, t1) = (_mm256_unpacklo_epi32(w[0], w[1]), _mm256_unpackhi_epi32(w[0], w[1]));
+    let (t2, t3) = (_mm256_unpacklo_epi32(w[2], w[3]), _mm256_unpackhi_epi32(w[2], w[3]));
+    [
+        _mm256_unpacklo_epi64(t0, t2),
+        _mm256_unpackhi_epi64(t0, t2),
+        _mm256_unpacklo_epi64(t1, t3),
+        _mm256_unpackhi_epi64(t1, t3),
+    ]
+}
+
+/// Half `h` (0 = low, 1 = high 128 bits) of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half(v: __m256i, h: usize) -> __m128i {
+    if h == 0 {
+        _mm256_castsi256_si128(v)
+    } else {
+        _mm256_extracti128_si256(v, 1)
+    }
+}
+
+/// `out += Σ a[r] · row r` over the rows of one ×8 column-block stream
+/// whose bit is set in `mask`, ascending `r` (`B::x8_rows` unpacks each
+/// column block). `out` is read and written once per block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_x8_blocks<B: RowBlock>(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut [f32]) {
+    let gblock = B::X8_BLOCK;
+    let nb = out.len() / 32;
+    assert!(out.len().is_multiple_of(32) && group.len() >= nb * gblock);
+    let av = _mm256_loadu_ps(a.as_ptr());
+    let o = out.as_mut_ptr();
+    let mut p = group.as_ptr();
+    for b in 0..nb {
+        let mut s = [0f32; X8_ROWS];
+        _mm256_storeu_ps(s.as_mut_ptr(), _mm256_mul_ps(av, _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))));
+        let parts = B::x8_rows(p);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for k in 0..4 {
+            acc[k] = _mm256_loadu_ps(o.add(b * 32 + 8 * k));
+        }
+        for r in 0..X8_ROWS {
+            if mask & (1 << r) == 0 {
+                continue;
+            }
+            let sr = _mm256_set1_ps(s[r]);
+            for k in 0..4 {
+                acc[k] = _mm256_fmadd_ps(sr, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[r][k])), acc[k]);
+            }
+        }
+        for k in 0..4 {
+            _mm256_storeu_ps(o.add(b * 32 + 8 * k), acc[k]);
+        }
+        p = p.add(gblock);
+    }
+}
+
+/// The 8 rows of the Q4_0×8 column block at `p` as i8 values −8..7, four
+/// 8-value parts each (low nibbles are elements 0..15, high 16..31).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_x8_rows(p: *const u8) -> [[__m128i; 4]; X8_ROWS] {
+    let w = std::array::from_fn(|j| _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i));
+    let (m4, eight) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(8));
+    let mut out = [[_mm_setzero_si128(); 4]; X8_ROWS];
+    for (i, v) in transpose_words(w).into_iter().enumerate() {
+        let lo = _mm256_sub_epi8(_mm256_and_si256(v, m4), eight);
+        let hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), eight);
+        for h in 0..2 {
+            let (l, u) = (half(lo, h), half(hi, h));
+            out[i + 4 * h] = [l, _mm_srli_si128(l, 8), u, _mm_srli_si128(u, 8)];
+        }
+    }
+    out
+}
+
+/// The 8 rows of the Q8_0×8 column block at `p`, four 8-value parts each.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_x8_rows(p: *const u8) -> [[__m128i; 4]; X8_ROWS] {
+    let lo = transpose_words(std::array::from_fn(|j| _mm256_loadu_si256(p.add(16 + 32 * j) as *const __m256i)));
+    let hi = transpose_words(std::array::from_fn(|j| _mm256_loadu_si256(p.add(144 + 32 * j) as *const __m256i)));
+    let mut out = [[_mm_setzero_si128(); 4]; X8_ROWS];
+    for i in 0..4 {
+        for h in 0..2 {
+            let (l, u) = (half(lo[i], h), half(hi[i], h));
+            out[i + 4 * h] = [l, _mm_srli_si128(l, 8), u, _mm_srli_si128(u, 8)];
+        }
+    }
+    out
+}
+
+/// `out += Σ a[r] · row r` over the rows of one Q4_0×8 group (SPEC §5.1)
+/// set in `mask`, ascending: the bits of [`axpy_q4_0`] row by row.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
+/// are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_x8_q4_0(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut [f32]) {
+    axpy_x8_blocks::<Q4Row>(group, a, mask, out)
+}
+
+/// `out += Σ a[r] · row r` over the rows of one Q8_0×8 group set in `mask`,
+/// ascending: the bits of [`axpy_q8_0`] row by row.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
+/// are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_x8_q8_0(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut [f32]) {
+    axpy_x8_blocks::<Q8Row>(group, a, mask, out)
 }
 
 /// The sum of 8 f32 lanes in the order of `portable::sum8`.

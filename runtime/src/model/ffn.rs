@@ -15,7 +15,7 @@ use super::predictor::{criterion_value, LayerCounts};
 use super::source::LayerClusters;
 use crate::error::Result;
 use crate::kernels::matrix::gemm_tokens;
-use crate::kernels::{axpy_row, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Vec};
+use crate::kernels::{axpy_row, axpy_x8, gemm_x8, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Vec};
 use nflash_format::interleave::{pack_group, X8_ROWS};
 
 /// Element `p` of an optional bias vector (0 without bias).
@@ -81,10 +81,12 @@ impl Ffn {
     /// is not above `gate.1` (`gate`: `None` = every selected neuron is active).
     /// `x`: the normed input prepared for the bundle dtype; `out`: `[hidden]`.
     ///
-    /// The selection is cut into fixed runs of [`CHUNK`] neurons, each
-    /// accumulated into its own row of `s.partials` by one rayon task, and the
-    /// rows are summed in order: the result does not depend on the thread
-    /// count nor on where each cluster lives. Chunks wait for their clusters'
+    /// The selection is cut into runs of at least [`CHUNK`] neurons, cut
+    /// only between ×8 groups ([`Self::chunk_bounds`]), each accumulated
+    /// into its own row of `s.partials` by one rayon task, and the rows are
+    /// summed in order: the result does not depend on the thread count nor
+    /// on where each cluster lives (hot clusters in the ×8 bundle layout
+    /// give the bits of the row layout). Chunks wait for their clusters'
     /// reads ([`LayerClusters::get`]), so computing resident neurons overlaps
     /// the I/O of cold ones. No allocation once `s` has grown to size.
     /// Returns the number of neurons whose down projection was computed.
@@ -102,18 +104,18 @@ impl Ffn {
     ) -> Result<u64> {
         let h = self.hidden;
         let n_sel = sel.len(self.n_neurons());
-        let n_chunks = n_sel.div_ceil(CHUNK);
+        self.chunk_bounds(&sel, n_sel, &mut s.bounds);
+        let n_chunks = s.bounds.len() - 1;
         s.partials.resize(n_chunks.max(1) * h, 0.0);
         s.computed.resize(n_chunks.max(1), 0);
+        let bounds = &s.bounds;
         s.partials[..n_chunks * h]
             .par_chunks_mut(h)
             .zip(s.computed[..n_chunks].par_iter_mut())
             .enumerate()
             .try_for_each(|(ci, (acc, done))| -> Result<()> {
                 acc.fill(0.0);
-                let lo = ci * CHUNK;
-                let hi = (lo + CHUNK).min(n_sel);
-                *done = self.run_chunk(src, x, &sel, lo, hi, gate, acc)?;
+                *done = self.run_chunk(src, x, &sel, bounds[ci], bounds[ci + 1], gate, acc)?;
                 Ok(())
             })?;
         let mut computed = 0u64;
@@ -127,7 +129,38 @@ impl Ffn {
         Ok(computed)
     }
 
-    /// Selected neurons `lo..hi` of `sel` into `acc` (`[hidden]`); returns how many were active.
+    /// Where the selection `sel` (`n_sel` neurons) is cut into decode tasks,
+    /// into `out` (`[n_chunks + 1]`, from 0 to `n_sel`): after at least
+    /// [`CHUNK`] neurons, and never inside a group of 8 bundles of a cluster
+    /// (so a ×8 group is computed by one task). Depends only on the
+    /// selection and the clustering, not on where clusters live.
+    fn chunk_bounds(&self, sel: &Selection, n_sel: usize, out: &mut Vec<usize>) {
+        out.clear();
+        out.push(0);
+        let (mut start, mut prev) = (0, usize::MAX);
+        for i in 0..n_sel {
+            let g = self.group_start(sel.get(i));
+            if i - start >= CHUNK && g != prev {
+                out.push(i);
+                start = i;
+            }
+            prev = g;
+        }
+        out.push(n_sel);
+    }
+
+    /// Packed position of the first neuron of the group of 8 bundles (or of
+    /// a cluster's tail of fewer) that holds position `p`.
+    #[inline]
+    fn group_start(&self, p: usize) -> usize {
+        let first = self.clusters[self.cluster_of[p] as usize].first as usize;
+        first + (p - first) / X8_ROWS * X8_ROWS
+    }
+
+    /// Selected neurons `lo..hi` of `sel` into `acc` (`[hidden]`), in
+    /// ascending packed order; returns how many were active. Neurons of a
+    /// full group of 8 in a ×8 cluster go through [`Self::run_x8_group`],
+    /// the others through the row kernels, two at a time where they can.
     #[allow(clippy::too_many_arguments)]
     fn run_chunk(
         &self,
@@ -145,71 +178,175 @@ impl Ffn {
         };
         // Gate-up: the criterion value is |a|. Gate: checked before the up row is read.
         let keep = |a: f32| -> bool { !matches!(gate, Some((Criterion::GateUp, t)) if a.abs() <= t) };
-        let mut done = 0u32;
-        let mut i = lo;
-        let mut cur = None;
-        if let (DotInput::Q8(y), false) = (x, matches!(gate, Some((Criterion::Gate, _)))) {
-            // Two neurons per pass: gate and up rows of both in one 4-row kernel.
-            while i + 1 < hi {
-                let (p0, p1) = (sel.get(i), sel.get(i + 1));
-                let (g0, u0, d0) = self.bundle_at(src, &mut cur, p0)?;
-                let (g1, u1, d1) = self.bundle_at(src, &mut cur, p1)?;
-                let [g0v, u0v, g1v, u1v] = crate::kernels::dot4(dt, h, [g0, u0, g1, u1], y);
-                let (a0, a1) = (value(p0, g0v, u0v), value(p1, g1v, u1v));
-                match (keep(a0), keep(a1)) {
-                    (true, true) => crate::kernels::axpy2(dt, [d0, d1], [a0, a1], acc),
-                    (true, false) => axpy_row(dt, d0, a0, acc),
-                    (false, true) => axpy_row(dt, d1, a1, acc),
-                    (false, false) => {}
-                }
-                done += keep(a0) as u32 + keep(a1) as u32;
-                i += 2;
-            }
-        }
-        for i in i..hi {
-            let p = sel.get(i);
-            let (g_row, u_row, d_row) = self.bundle_at(src, &mut cur, p)?;
+        let gate_only = matches!(gate, Some((Criterion::Gate, _)));
+        // One row-layout neuron alone: gate (then, unless the gate rules it out, up) and down.
+        let single = |p: usize, (g_row, u_row, d_row): Bundle, acc: &mut [f32]| -> u32 {
             let g = row_dot(dt, h, g_row, x);
             if let Some((Criterion::Gate, t)) = gate {
                 // The gate alone decides: skip the up row of inactive neurons.
                 if criterion_value(Criterion::Gate, act, g + bias(&self.gate_bias, p), 0.0) <= t {
-                    continue;
+                    return 0;
                 }
             }
-            let u = row_dot(dt, h, u_row, x);
-            let a = value(p, g, u);
+            let a = value(p, g, row_dot(dt, h, u_row, x));
             if keep(a) {
                 axpy_row(dt, d_row, a, acc);
-                done += 1;
+                1
+            } else {
+                0
             }
+        };
+        let mut done = 0u32;
+        let mut cur = None;
+        // A row-layout neuron waiting for a partner for the 4-row kernel.
+        let mut pending: Option<(usize, Bundle)> = None;
+        let mut i = lo;
+        while i < hi {
+            let p = sel.get(i);
+            let c = self.cluster_of[p] as usize;
+            let g0 = self.group_start(p);
+            if src.is_x8(c) && g0 + X8_ROWS <= self.first_neuron(c + 1) {
+                if let Some((q, b)) = pending.take() {
+                    done += single(q, b, acc);
+                }
+                let mut mask = 0u8;
+                while i < hi && sel.get(i) < g0 + X8_ROWS {
+                    mask |= 1 << (sel.get(i) - g0);
+                    i += 1;
+                }
+                let DotInput::Q8(y) = x else { unreachable!("×8 bundles are Q4_0 or Q8_0") };
+                done += self.run_x8_group(src, &mut cur, g0, mask, y, gate, acc)?;
+                continue;
+            }
+            let b = self.bundle_at(src, &mut cur, p)?;
+            i += 1;
+            match (pending.take(), x) {
+                (Some((p0, b0)), DotInput::Q8(y)) if !gate_only => {
+                    // Two neurons per pass: gate and up rows of both in one 4-row kernel.
+                    let [g0v, u0v, g1v, u1v] = crate::kernels::dot4(dt, h, [b0.0, b0.1, b.0, b.1], y);
+                    let (a0, a1) = (value(p0, g0v, u0v), value(p, g1v, u1v));
+                    match (keep(a0), keep(a1)) {
+                        (true, true) => crate::kernels::axpy2(dt, [b0.2, b.2], [a0, a1], acc),
+                        (true, false) => axpy_row(dt, b0.2, a0, acc),
+                        (false, true) => axpy_row(dt, b.2, a1, acc),
+                        (false, false) => {}
+                    }
+                    done += keep(a0) as u32 + keep(a1) as u32;
+                }
+                (None, DotInput::Q8(_)) if !gate_only => pending = Some((p, b)),
+                _ => done += single(p, b, acc),
+            }
+        }
+        if let Some((q, b)) = pending {
+            done += single(q, b, acc);
         }
         Ok(done)
     }
 
-    /// Bundle bytes (gate row, up row, down column) of the neuron at packed
-    /// position `p`, waiting for its cluster's read if needed. `cur` keeps
-    /// the last cluster looked up, so a run of neurons of one cluster asks
-    /// the source once.
+    /// The selected neurons (`mask`, bit `r` = position `g0 + r`) of the ×8
+    /// group of 8 bundles starting at packed position `g0` into `acc`: the 8
+    /// gate and 8 up values in one ×8 kernel call each (unselected neurons'
+    /// values are computed and dropped), then the kept neurons' down columns
+    /// in one ×8 axpy. Returns how many were active.
+    #[allow(clippy::too_many_arguments)]
+    fn run_x8_group<'c>(
+        &self,
+        src: &LayerClusters<'c>,
+        cur: &mut Option<(u32, &'c [u8])>,
+        g0: usize,
+        mask: u8,
+        y: &Q8Vec,
+        gate: Option<(Criterion, f32)>,
+        acc: &mut [f32],
+    ) -> Result<u32> {
+        let (h, dt, act) = (self.hidden, self.layout.dtype, self.act);
+        let m = X8_ROWS * self.layout.row_bytes as usize;
+        let bytes = self.cluster_bytes(src, cur, g0)?;
+        let grp = &bytes[self.offsets[g0] as usize..][..3 * m];
+        let [g] = gemm_x8(dt, h, &grp[..m], [y]);
+        let [u] = gemm_x8(dt, h, &grp[m..2 * m], [y]);
+        let (mut a, mut kept) = ([0f32; X8_ROWS], 0u8);
+        for r in (0..X8_ROWS).filter(|r| mask & (1 << r) != 0) {
+            let (gv, uv) = (g[r] + bias(&self.gate_bias, g0 + r), u[r] + bias(&self.up_bias, g0 + r));
+            let v = neuron_output(act, gv, uv);
+            let active = match gate {
+                None => true,
+                Some((Criterion::Gate, t)) => criterion_value(Criterion::Gate, act, gv, 0.0) > t,
+                Some((Criterion::GateUp, t)) => v.abs() > t,
+            };
+            if active {
+                a[r] = v;
+                kept |= 1 << r;
+            }
+        }
+        if kept != 0 {
+            axpy_x8(dt, &grp[2 * m..], a, kept, acc);
+        }
+        Ok(kept.count_ones())
+    }
+
+    /// The bytes of the cluster holding packed position `p`, waiting for
+    /// its read if needed; `cur` keeps the last cluster looked up.
     #[inline]
-    fn bundle_at<'c>(
+    fn cluster_bytes<'c>(
         &self,
         src: &LayerClusters<'c>,
         cur: &mut Option<(u32, &'c [u8])>,
         p: usize,
-    ) -> Result<(&'c [u8], &'c [u8], &'c [u8])> {
-        let rb = self.layout.row_bytes as usize;
-        let start = self.offsets[p] as usize;
+    ) -> Result<&'c [u8]> {
         let c = self.cluster_of[p];
-        let bytes = match *cur {
+        Ok(match *cur {
             Some((cc, b)) if cc == c => b,
             _ => {
                 let b = src.get(c as usize)?;
                 *cur = Some((c, b));
                 b
             }
-        };
-        let b = &bytes[start..start + 3 * rb];
+        })
+    }
+
+    /// Bundle bytes (gate row, up row, down column) of the neuron at packed
+    /// position `p` in the row layout (not inside a ×8 group: see
+    /// [`Self::bundle_rows`]), waiting for its cluster's read if needed.
+    /// `cur` keeps the last cluster looked up, so a run of neurons of one
+    /// cluster asks the source once.
+    #[inline]
+    fn bundle_at<'c>(
+        &self,
+        src: &LayerClusters<'c>,
+        cur: &mut Option<(u32, &'c [u8])>,
+        p: usize,
+    ) -> Result<Bundle<'c>> {
+        let rb = self.layout.row_bytes as usize;
+        let b = &self.cluster_bytes(src, cur, p)?[self.offsets[p] as usize..][..3 * rb];
         Ok((&b[..rb], &b[rb..2 * rb], &b[2 * rb..]))
+    }
+
+    /// Whether packed position `p` lies in a full ×8 group of a cluster that
+    /// `src` holds in the ×8 bundle layout.
+    #[inline]
+    fn in_x8_group(&self, src: &LayerClusters, p: usize) -> bool {
+        let c = self.cluster_of[p] as usize;
+        src.is_x8(c) && self.group_start(p) + X8_ROWS <= self.first_neuron(c + 1)
+    }
+
+    /// The bundle of packed position `p` in the row layout, whatever the
+    /// layout of its cluster: borrowed when the cluster has the row layout,
+    /// else gathered from its ×8 group into `buf` (prefill's dequantizing
+    /// paths).
+    ///
+    /// # Errors
+    /// A failed cluster read ([`crate::Error::ClusterRead`]).
+    fn bundle_rows<'b, 'c: 'b>(&self, src: &LayerClusters<'c>, p: usize, buf: &'b mut Vec<u8>) -> Result<Bundle<'b>> {
+        if !self.in_x8_group(src, p) {
+            return self.bundle_at(src, &mut None, p);
+        }
+        let (rb, c) = (self.layout.row_bytes as usize, self.cluster_of[p] as usize);
+        let first = self.first_neuron(c);
+        let n = self.first_neuron(c + 1) - first;
+        buf.resize(3 * rb, 0);
+        nflash_format::interleave::x8_bundle(self.layout.dtype, self.hidden, n, src.get(c)?, p - first, buf);
+        Ok((&buf[..rb], &buf[rb..2 * rb], &buf[2 * rb..]))
     }
 
     /// The clusters (ascending, each once) holding the packed positions
@@ -250,10 +387,15 @@ pub struct BatchMask {
     pub predicted: Option<Vec<bool>>,
 }
 
-/// Neurons per decode task (a fixed run, so the reduction order is fixed).
+/// Neurons per decode task, at least (whole ×8 groups are added to reach
+/// it, so the reduction order is fixed by the selection alone).
 pub const CHUNK: usize = 32;
 
+/// One neuron's gate row, up row and down column (row layout).
+type Bundle<'a> = (&'a [u8], &'a [u8], &'a [u8]);
+
 /// The neurons a decode step computes.
+#[derive(Clone, Copy)]
 pub enum Selection<'s> {
     /// Every neuron, in packed order.
     All,
@@ -285,6 +427,8 @@ pub struct FfnScratch {
     partials: Vec<f32>,
     /// `[n_chunks]` down projections computed per task.
     computed: Vec<u32>,
+    /// `[n_chunks + 1]` where the selection is cut into tasks.
+    bounds: Vec<usize>,
 }
 
 impl Ffn {
@@ -338,9 +482,10 @@ impl Ffn {
                 for v in [&mut wg, &mut wu] {
                     v.resize(m * h, 0.0);
                 }
-                wg[..m * h].par_chunks_mut(h).zip(wu[..m * h].par_chunks_mut(h)).enumerate().try_for_each(
-                    |(j, (g, u))| -> Result<()> {
-                        let (gr, ur, _) = self.bundle_at(src, &mut None, p0 + j)?;
+                wg[..m * h].par_chunks_mut(h).zip(wu[..m * h].par_chunks_mut(h)).enumerate().try_for_each_init(
+                    Vec::new,
+                    |buf, (j, (g, u))| -> Result<()> {
+                        let (gr, ur, _) = self.bundle_rows(src, p0 + j, buf)?;
                         row_to_f32(dt, gr, g);
                         row_to_f32(dt, ur, u);
                         Ok(())
@@ -403,9 +548,10 @@ impl Ffn {
 
     /// The gate and up projections of the `m` neurons at packed positions
     /// `p0 ..` for the quantized tokens `ys` (`[n]`) into `g` and `u` (`[n,
-    /// m]` each), by the quantized GEMM: each rayon task packs 8 neurons'
-    /// gate rows and up rows into ×8 groups (SPEC §5.1) and runs them
-    /// against every token.
+    /// m]` each), by the quantized GEMM: each rayon task takes one group of
+    /// up to 8 bundles of a cluster, as stored when its cluster is in the ×8
+    /// bundle layout, else packing its gate rows and up rows into ×8 groups
+    /// (SPEC §5.1), and runs them against every token.
     ///
     /// # Errors
     /// A failed cluster read ([`crate::Error::ClusterRead`]).
@@ -421,31 +567,46 @@ impl Ffn {
         let (h, dt, n) = (self.hidden, self.layout.dtype, ys.len());
         let gbytes = X8_ROWS * self.layout.row_bytes as usize;
         let yr: Vec<&Q8Vec> = ys.iter().collect();
-        // Per group of 8 neurons: [gate | up][8 neurons][n tokens].
-        let mut gu = vec![0f32; m.div_ceil(X8_ROWS) * 2 * X8_ROWS * n];
-        gu.par_chunks_mut(2 * X8_ROWS * n).enumerate().try_for_each_init(
+        // The groups of up to 8 bundles of the clusters of p0 .. p0 + m (first position, neurons).
+        let mut groups: Vec<(usize, usize)> = Vec::with_capacity(m.div_ceil(X8_ROWS) + 1);
+        for j in 0..m {
+            match groups.last_mut() {
+                Some((j0, k)) if self.group_start(p0 + j) == p0 + *j0 => *k += 1,
+                _ => groups.push((j, 1)),
+            }
+        }
+        // Per group: [gate | up][8 neurons][n tokens].
+        let mut gu = vec![0f32; groups.len() * 2 * X8_ROWS * n];
+        gu.par_chunks_mut(2 * X8_ROWS * n).zip(&groups).try_for_each_init(
             || (vec![0u8; gbytes], vec![0u8; gbytes]),
-            |(bg, bu), (gi, out)| -> Result<()> {
+            |(bg, bu), (out, &(j0, k))| -> Result<()> {
+                let (og, ou) = out.split_at_mut(X8_ROWS * n);
+                if self.in_x8_group(src, p0 + j0) {
+                    // Already a ×8 group: gate rows, then up rows.
+                    let bytes = self.cluster_bytes(src, &mut None, p0 + j0)?;
+                    let grp = &bytes[self.offsets[p0 + j0] as usize..][..2 * gbytes];
+                    gemm_tokens(dt, h, &grp[..gbytes], &yr, og);
+                    gemm_tokens(dt, h, &grp[gbytes..], &yr, ou);
+                    return Ok(());
+                }
                 let mut rows = [None; X8_ROWS];
-                for (i, r) in rows.iter_mut().enumerate() {
-                    let j = gi * X8_ROWS + i;
-                    if j < m {
-                        *r = Some(self.bundle_at(src, &mut None, p0 + j)?);
-                    }
+                for (i, r) in rows.iter_mut().enumerate().take(k) {
+                    *r = Some(self.bundle_at(src, &mut None, p0 + j0 + i)?);
                 }
                 pack_group(dt, h, rows.map(|r| r.map(|(g, _, _)| g)), bg);
                 pack_group(dt, h, rows.map(|r| r.map(|(_, u, _)| u)), bu);
-                let (og, ou) = out.split_at_mut(X8_ROWS * n);
                 gemm_tokens(dt, h, bg, &yr, og);
                 gemm_tokens(dt, h, bu, &yr, ou);
                 Ok(())
             },
         )?;
-        for j in 0..m {
-            let base = (j / X8_ROWS) * 2 * X8_ROWS * n + (j % X8_ROWS) * n;
-            for t in 0..n {
-                g[t * m + j] = gu[base + t];
-                u[t * m + j] = gu[base + X8_ROWS * n + t];
+        for (gi, &(j0, k)) in groups.iter().enumerate() {
+            for i in 0..k {
+                let (j, base) = (j0 + i, gi * 2 * X8_ROWS * n + i * n);
+                for t in 0..n {
+                    g[t * m + j] = gu[base + t];
+                    u[t * m + j] = gu[base + X8_ROWS * n + t];
+                }
             }
         }
         Ok(())
@@ -459,8 +620,8 @@ impl Ffn {
     /// A failed cluster read ([`crate::Error::ClusterRead`]).
     fn down_f32(&self, src: &LayerClusters, p0: usize, m: usize, wd: &mut [f32]) -> Result<()> {
         let (h, dt) = (self.hidden, self.layout.dtype);
-        wd[..m * h].par_chunks_mut(h).enumerate().try_for_each(|(j, d)| -> Result<()> {
-            let (_, _, dr) = self.bundle_at(src, &mut None, p0 + j)?;
+        wd[..m * h].par_chunks_mut(h).enumerate().try_for_each_init(Vec::new, |buf, (j, d)| -> Result<()> {
+            let (_, _, dr) = self.bundle_rows(src, p0 + j, buf)?;
             row_to_f32(dt, dr, d);
             Ok(())
         })
@@ -521,22 +682,23 @@ mod tests {
         (f, data)
     }
 
-    /// A Q4_0 layer of `n` neurons in clusters of 5 (neither a multiple of
-    /// the 8-neuron ×8 group), rows `[hidden = 64]`.
-    fn q4_layer(seed: u64, n: usize) -> (FfnLayer, Vec<u8>) {
+    /// A `dt` (Q4_0 or Q8_0) layer of `n` neurons in clusters of `size`
+    /// (5: no full ×8 group; 13: one group of 8 and a tail of 5), rows
+    /// `[hidden = 64]`.
+    fn q_layer(dt: DType, seed: u64, n: usize, size: usize) -> (FfnLayer, Vec<u8>) {
         let h = 64;
-        let bundle = BundleLayout::new(DType::Q4_0, h as u64).unwrap();
+        let bundle = BundleLayout::new(dt, h as u64).unwrap();
         let mut data = Vec::new();
         for p in 0..n {
             for m in 0..3 {
-                crate::kernels::quantize_row(DType::Q4_0, &values(seed + (3 * p + m) as u64, h), &mut data);
+                crate::kernels::quantize_row(dt, &values(seed + (3 * p + m) as u64, h), &mut data);
             }
         }
-        let clusters = (0..n.div_ceil(5))
+        let clusters = (0..n.div_ceil(size))
             .map(|c| NeuronCluster {
-                offset: (5 * c) as u64 * bundle.bundle_bytes,
-                first: 5 * c as u32,
-                n_neurons: (n - 5 * c).min(5) as u32,
+                offset: (size * c) as u64 * bundle.bundle_bytes,
+                first: (size * c) as u32,
+                n_neurons: (n - size * c).min(size) as u32,
             })
             .collect();
         let f = FfnLayer {
@@ -552,6 +714,57 @@ mod tests {
         (f, data)
     }
 
+    /// Hot clusters in the ×8 bundle layout (as `NeuronCache` holds them)
+    /// give the bits of the row layout: dense and sparse decode (both
+    /// criteria, selections that cut groups) and prefill, Q4_0 and Q8_0,
+    /// with the first two of three clusters interleaved.
+    #[test]
+    fn x8_bundle_clusters_give_the_bits_of_the_row_layout() {
+        let (h, n) = (64, 37);
+        for dt in [DType::Q4_0, DType::Q8_0] {
+            let (f, data) = q_layer(dt, 60, n, 13);
+            let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
+            let offsets: Vec<u64> = f.clusters.iter().map(|c| c.offset).collect();
+            let mut inter = data.clone();
+            for c in &f.clusters[..2] {
+                let at = c.offset as usize;
+                let len = c.n_neurons as usize * f.bundle.bundle_bytes as usize;
+                nflash_format::interleave::interleave_bundles(
+                    dt,
+                    h,
+                    c.n_neurons as usize,
+                    &mut inter[at..at + len],
+                    &mut Vec::new(),
+                );
+            }
+            assert_ne!(inter, data);
+            let (rows, x8) =
+                (SegmentClusters::new(&data, &offsets), SegmentClusters::new(&inter, &offsets).with_x8_clusters(2));
+            let x = values(61, h);
+            let xin = DotInput::from_slice(dt, &x);
+            let list: Vec<u32> = (0..n as u32).filter(|p| p % 3 != 1).collect();
+            let one: Vec<u32> = vec![2, 14, 30];
+            let cases = [
+                (Selection::All, None),
+                (Selection::List(&list), Some((Criterion::GateUp, 0.02))),
+                (Selection::List(&list), Some((Criterion::Gate, 0.0))),
+                (Selection::List(&one), None),
+            ];
+            for (k, &(sel, gate)) in cases.iter().enumerate() {
+                let (mut a, mut b) = (vec![0.5f32; h], vec![0.5f32; h]);
+                let mut s = FfnScratch::default();
+                let na = ffn.forward_token(&rows.view(), &xin, sel, gate, &mut s, &mut a).unwrap();
+                let nb = ffn.forward_token(&x8.view(), &xin, sel, gate, &mut s, &mut b).unwrap();
+                assert_eq!((na, a), (nb, b), "{dt} decode case {k}");
+            }
+            let xs = values(62, 6 * h);
+            let (mut a, mut b) = (vec![0f32; 6 * h], vec![0f32; 6 * h]);
+            ffn.forward_batch(&rows.view(), &xs, None, 16 * h, &mut a).unwrap();
+            ffn.forward_batch(&x8.view(), &xs, None, 16 * h, &mut b).unwrap();
+            assert_eq!(a, b, "{dt} prefill");
+        }
+    }
+
     /// Prefill of a Q4_0 layer (quantized GEMM for gate/up, f32 matmul for
     /// down) against decode of each token (the four-row dot and axpy
     /// kernels): gate and up are the same bits, so only the down
@@ -560,7 +773,7 @@ mod tests {
     #[test]
     fn quantized_prefill_matches_decode_token_by_token() {
         let (h, n) = (64, 37);
-        let (f, data) = q4_layer(40, n);
+        let (f, data) = q_layer(DType::Q4_0, 40, n, 5);
         let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
         let offsets: Vec<u64> = f.clusters.iter().map(|c| c.offset).collect();
         let seg = SegmentClusters::new(&data, &offsets);

@@ -123,6 +123,13 @@ pub trait ClusterSource: Send + Sync {
         usize::MAX
     }
 
+    /// Number of `layer`'s leading clusters whose bundles the source holds in
+    /// the ×8 bundle layout (`nflash_format::interleave::interleave_bundles`,
+    /// SPEC §5.1) rather than the row layout of the file; 0 by default.
+    fn x8_clusters(&self, _layer: usize) -> usize {
+        0
+    }
+
     /// Seconds compute threads have waited for reads so far, summed over threads.
     fn wait_s(&self) -> f64 {
         0.0
@@ -142,12 +149,20 @@ pub struct LayerClusters<'c> {
     source: &'c dyn ClusterSource,
     layer: usize,
     table: &'c [Loc],
+    /// Clusters `0..x8` are in the ×8 bundle layout ([`ClusterSource::x8_clusters`]).
+    x8: usize,
 }
 
 impl<'c> LayerClusters<'c> {
     /// Clusters of `layer` at the locations `table` (`[n_clusters]`) from `source`'s fetch.
     pub fn new(source: &'c dyn ClusterSource, layer: usize, table: &'c [Loc]) -> Self {
-        LayerClusters { source, layer, table }
+        LayerClusters { source, layer, table, x8: source.x8_clusters(layer) }
+    }
+
+    /// Whether cluster `c`'s bundles are in the ×8 bundle layout (SPEC §5.1).
+    #[inline]
+    pub fn is_x8(&self, c: usize) -> bool {
+        c < self.x8
     }
 
     /// Bytes from the start of cluster `c` (at least its bundles), waiting
@@ -167,12 +182,20 @@ impl<'c> LayerClusters<'c> {
 pub struct SegmentClusters<'d> {
     data: &'d [u8],
     table: Vec<Loc>,
+    x8: usize,
 }
 
 impl<'d> SegmentClusters<'d> {
     /// The segment `data` with cluster offsets `offsets` (`[n_clusters]`, bytes).
     pub fn new(data: &'d [u8], offsets: &[u64]) -> Self {
-        SegmentClusters { data, table: offsets.iter().map(|&o| Loc::Hot(o as usize)).collect() }
+        SegmentClusters { data, table: offsets.iter().map(|&o| Loc::Hot(o as usize)).collect(), x8: 0 }
+    }
+
+    /// Declares clusters `0..n` to be in the ×8 bundle layout: the caller
+    /// has reordered them with `nflash_format::interleave::interleave_bundles`.
+    pub fn with_x8_clusters(mut self, n: usize) -> Self {
+        self.x8 = n;
+        self
     }
 
     /// Every cluster, as the FFN takes them.
@@ -196,6 +219,10 @@ impl ClusterSource for SegmentClusters<'_> {
             Loc::Hot(off) if off <= self.data.len() => Ok(&self.data[off..]),
             _ => Err(Error::Internal(format!("layer {layer} cluster {c} used but not fetched"))),
         }
+    }
+
+    fn x8_clusters(&self, _layer: usize) -> usize {
+        self.x8
     }
 
     fn stats(&self) -> CacheStats {

@@ -44,6 +44,8 @@ struct LayerLayout {
     prefetch: Vec<bool>,
     /// Offset of cluster 0 in the hot region.
     hot_base: usize,
+    /// Clusters `0..x8` (hot ones) hold their bundles in the ×8 bundle layout.
+    x8: usize,
 }
 
 /// LRU bookkeeping of the cold region, touched only by the compute side.
@@ -201,9 +203,12 @@ impl NeuronCache {
         }
         let meta = std::fs::metadata(pack.path()).map_err(|e| Error::Io { path: pack.path().to_path_buf(), err: e })?;
         let flash = FlashFile::open(pack.path(), &meta)?;
-        let (layers, hot_total) = layouts(pack, cfg);
+        let (mut layers, hot_total) = layouts(pack, cfg);
         let mut hot = AlignedBuf::zeroed(hot_total, "the hot region")?;
         read_hot(&flash, &layers, hot.as_mut_slice())?;
+        if crate::kernels::x8_available() {
+            interleave_hot(pack, &mut layers, hot.as_mut_slice());
+        }
         let (n_slots, slot_bytes) = cold_slots(&layers, cfg.cold_bytes);
         let shared = Arc::new(Shared {
             flash,
@@ -451,6 +456,10 @@ impl ClusterSource for NeuronCache {
         NeuronCache::first_cold_cluster(self, layer)
     }
 
+    fn x8_clusters(&self, layer: usize) -> usize {
+        self.layers[layer].x8
+    }
+
     fn wait_s(&self) -> f64 {
         NeuronCache::wait_s(self)
     }
@@ -497,7 +506,7 @@ fn layouts(pack: &Pack, cfg: &CacheConfig) -> (Vec<LayerLayout>, usize) {
                     >= PREFETCH_MIN_P
             })
             .collect();
-        layers.push(LayerLayout { clusters, hot, prefetch, hot_base: hot_total });
+        layers.push(LayerLayout { clusters, hot, prefetch, hot_base: hot_total, x8: 0 });
         hot_total += hot_len;
     }
     (layers, hot_total)
@@ -533,6 +542,26 @@ fn read_hot(flash: &FlashFile, layers: &[LayerLayout], hot: &mut [u8]) -> Result
     Ok(())
 }
 
+/// Reorders every layer's hot clusters to the ×8 bundle layout (SPEC §5.1)
+/// where the bundles' type and width allow it, so decode computes 8 neurons'
+/// gate, up and down rows per kernel call; cold clusters keep the file's row
+/// layout (they are read into slots as stored).
+fn interleave_hot(pack: &Pack, layers: &mut [LayerLayout], hot: &mut [u8]) {
+    let mut scratch = Vec::new();
+    for (f, l) in pack.manifest().ffn.iter().zip(layers.iter_mut()) {
+        let (dt, cols) = (f.bundle.dtype, f.bundle.row_elems);
+        if l.hot == 0 || !nflash_format::interleave::can_interleave(dt, 8, cols) {
+            continue;
+        }
+        for (c, span) in f.clusters.iter().zip(&l.clusters).take(l.hot) {
+            let at = l.hot_base + (span.offset - l.clusters[0].offset) as usize;
+            let bytes = &mut hot[at..at + span.need as usize];
+            nflash_format::interleave::interleave_bundles(dt, cols as usize, c.n_neurons as usize, bytes, &mut scratch);
+        }
+        l.x8 = l.hot;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -545,6 +574,7 @@ mod tests {
             hot,
             prefetch: vec![false; n_clusters],
             hot_base: 0,
+            x8: 0,
         }
     }
 
