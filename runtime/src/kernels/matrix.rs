@@ -159,33 +159,34 @@ impl<'a> QMatrix<'a> {
     /// with the `gemm` crate straight into `out` (`[n, rows]`). For f32/f16
     /// weights and Q8_0 prefill (quantized GEMM otherwise: [`Self::matmul`]).
     pub fn matmul_f32(&self, x: &[f32], out: &mut [f32]) {
-        let n = x.len() / self.cols;
-        let tile = (super::gemm::TILE_ELEMS / self.cols).clamp(1, self.rows);
-        let mut w = vec![0f32; tile * self.cols];
+        let (n, cols) = (x.len() / self.cols, self.cols);
+        // A whole number of ×8 groups per tile in the ×8 layout (rows are a multiple of 8 there).
+        let unit = if self.x8 { X8_ROWS } else { 1 };
+        let tile = (super::gemm::TILE_ELEMS / cols / unit * unit).clamp(unit, self.rows);
+        let mut w = vec![0f32; tile * cols];
         for r0 in (0..self.rows).step_by(tile) {
             let m = tile.min(self.rows - r0);
-            let w = &mut w[..m * self.cols];
-            w.par_chunks_mut(self.cols)
-                .enumerate()
-                .for_each_init(Vec::new, |buf, (i, row)| self.row_to_f32_with(r0 + i, row, buf));
-            super::gemm::xwt(x, w, (n, m, self.cols), &mut out[r0..], self.rows, false);
+            let w = &mut w[..m * cols];
+            w.par_chunks_mut(unit * cols).enumerate().for_each(|(i, rows)| {
+                let r = r0 + i * unit;
+                if self.x8 {
+                    super::group_to_f32(self.dtype, cols, self.group(r), rows);
+                } else {
+                    super::row_to_f32(self.dtype, self.row(r), rows);
+                }
+            });
+            super::gemm::xwt(x, w, (n, m, cols), &mut out[r0..], self.rows, false);
         }
     }
 
     /// Dequantizes row `r` into `out` (`[cols]`).
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
-        self.row_to_f32_with(r, out, &mut Vec::new())
-    }
-
-    /// [`Self::row_to_f32`], gathering a row of the ×8 layout in `buf`
-    /// (grown to one row's bytes and reused by the caller).
-    fn row_to_f32_with(&self, r: usize, out: &mut [f32], buf: &mut Vec<u8>) {
         if !self.x8 {
             return super::row_to_f32(self.dtype, self.row(r), out);
         }
-        buf.resize(self.row_bytes, 0);
-        nflash_format::interleave::x8_row(self.dtype, self.group(r), self.cols, r % X8_ROWS, buf);
-        super::row_to_f32(self.dtype, buf, out)
+        let mut buf = vec![0u8; self.row_bytes];
+        nflash_format::interleave::x8_row(self.dtype, self.group(r), self.cols, r % X8_ROWS, &mut buf);
+        super::row_to_f32(self.dtype, &buf, out)
     }
 }
 

@@ -478,6 +478,31 @@ pub fn row_to_f32(dtype: DType, row: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Dequantizes one ×8 group of `dtype` (Q4_0 or Q8_0, `cols` elements per
+/// row, `nflash_format::interleave`) into its 8 rows `out` (`[8, cols]`),
+/// the bits [`row_to_f32`] gives each row in the row layout.
+///
+/// Panics on another dtype or short slices (caller bugs).
+pub fn group_to_f32(dtype: DType, cols: usize, group: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => x86::dequant_x8_q4_0(group, cols, out),
+                DType::Q8_0 => x86::dequant_x8_q8_0(group, cols, out),
+                _ => unreachable!("group_to_f32 on {dtype}"),
+            }
+        }
+        return;
+    }
+    match dtype {
+        DType::Q4_0 => portable::dequant_x8_q4_0(group, cols, out),
+        DType::Q8_0 => portable::dequant_x8_q8_0(group, cols, out),
+        _ => unreachable!("group_to_f32 on {dtype}"),
+    }
+}
+
 /// `out += a · row`, dequantizing one packed row block by block.
 /// `row`: `cols` elements of `dtype`; `out`: `[cols]`.
 #[inline]

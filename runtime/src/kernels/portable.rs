@@ -179,19 +179,51 @@ fn x8_byte(blk: &[u8], r: usize, k: usize) -> u8 {
     blk[16 + 32 * (k / 4) + 4 * r + k % 4]
 }
 
+/// Element `i` of row `r` in a Q4_0×8 column block.
+fn q4_x8_value(blk: &[u8], r: usize, i: usize) -> i32 {
+    let q = x8_byte(blk, r, i % 16);
+    (if i < 16 { q & 0x0F } else { q >> 4 }) as i32 - 8
+}
+
+/// Element `i` of row `r` in a Q8_0×8 column block.
+fn q8_x8_value(blk: &[u8], r: usize, i: usize) -> i32 {
+    x8_byte(blk, r, i) as i8 as i32
+}
+
 /// `out += Σ a[r] · row r` over the rows of one Q4_0×8 group set in `mask`,
 /// ascending: the bits of [`axpy_q4_0`] applied row by row.
 pub fn axpy_x8_q4_0(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut [f32]) {
-    axpy_x8(group, a, mask, out, Q4_0_X8_BLOCK, |blk, r, i| {
-        let q = x8_byte(blk, r, i % 16);
-        (if i < 16 { q & 0x0F } else { q >> 4 }) as i32 - 8
-    })
+    axpy_x8(group, a, mask, out, Q4_0_X8_BLOCK, q4_x8_value)
 }
 
 /// `out += Σ a[r] · row r` over the rows of one Q8_0×8 group set in `mask`,
 /// ascending: the bits of [`axpy_q8_0`] applied row by row.
 pub fn axpy_x8_q8_0(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut [f32]) {
-    axpy_x8(group, a, mask, out, Q8_0_X8_BLOCK, |blk, r, i| x8_byte(blk, r, i) as i8 as i32)
+    axpy_x8(group, a, mask, out, Q8_0_X8_BLOCK, q8_x8_value)
+}
+
+/// One ×8 group (`cols` elements per row) → its 8 rows in f32 (`out`:
+/// `[8, cols]`), element = `d · q` (one f32 product, as every dequantization).
+fn dequant_x8(group: &[u8], cols: usize, out: &mut [f32], gblock: usize, value: fn(&[u8], usize, usize) -> i32) {
+    assert!(cols.is_multiple_of(32) && out.len() >= X8_ROWS * cols && group.len() >= cols / 32 * gblock);
+    for (b, blk) in group.chunks_exact(gblock).take(cols / 32).enumerate() {
+        for r in 0..X8_ROWS {
+            let d = f16_le(&blk[2 * r..]);
+            for i in 0..32 {
+                out[r * cols + 32 * b + i] = d * value(blk, r, i) as f32;
+            }
+        }
+    }
+}
+
+/// One Q4_0×8 group → its 8 rows in f32 (`out`: `[8, cols]`).
+pub fn dequant_x8_q4_0(group: &[u8], cols: usize, out: &mut [f32]) {
+    dequant_x8(group, cols, out, Q4_0_X8_BLOCK, q4_x8_value)
+}
+
+/// One Q8_0×8 group → its 8 rows in f32 (`out`: `[8, cols]`).
+pub fn dequant_x8_q8_0(group: &[u8], cols: usize, out: &mut [f32]) {
+    dequant_x8(group, cols, out, Q8_0_X8_BLOCK, q8_x8_value)
 }
 
 /// The 8-lane sum of the attention dot kernels: lanes `(0+4, 1+5, 2+6,

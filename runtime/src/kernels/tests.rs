@@ -505,3 +505,29 @@ fn row_to_f32_matches_candle_bit_for_bit() {
         );
     }
 }
+
+/// A ×8 group dequantizes to the bits of its rows in the row layout,
+/// through the dispatched and the portable kernel.
+#[test]
+fn group_to_f32_matches_row_to_f32_bit_for_bit() {
+    let mut seed = 23u32;
+    for dt in [DType::Q4_0, DType::Q8_0] {
+        let cols = 160;
+        let rb = dt.row_bytes(cols as u64).unwrap() as usize;
+        let rows: Vec<Vec<u64>> = (0..8).map(|_| quantized(dt, &rnd_vec(&mut seed, cols, 3.0))).collect();
+        let r: Vec<&[u8]> = rows.iter().map(|v| view(v, rb)).collect();
+        let g = x8_group(dt, cols, std::array::from_fn(|i| Some(r[i])));
+        let (mut got, mut port, mut want) = (vec![0f32; 8 * cols], vec![0f32; 8 * cols], vec![0f32; 8 * cols]);
+        group_to_f32(dt, cols, view(&g, 8 * rb), &mut got);
+        match dt {
+            DType::Q4_0 => portable::dequant_x8_q4_0(view(&g, 8 * rb), cols, &mut port),
+            _ => portable::dequant_x8_q8_0(view(&g, 8 * rb), cols, &mut port),
+        }
+        for (i, row) in r.iter().enumerate() {
+            row_to_f32(dt, row, &mut want[i * cols..(i + 1) * cols]);
+        }
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{} {dt}", isa());
+        assert_eq!(bits(&port), bits(&want), "portable {dt}");
+    }
+}

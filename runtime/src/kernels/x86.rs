@@ -95,6 +95,10 @@ trait RowBlock {
     /// # Safety
     /// `X8_BLOCK` bytes must be readable at `p`; the CPU must have AVX2.
     unsafe fn x8_rows(p: *const u8) -> [[__m128i; 4]; X8_ROWS];
+    /// The 32 values of the row-layout block whose quants start at `p`, as i8.
+    /// # Safety
+    /// The block's quants must be readable at `p`; the CPU must have AVX2.
+    unsafe fn unpack(p: *const u8) -> __m256i;
 }
 
 /// Q4_0 blocks: unsigned nibbles, offset 8.
@@ -114,6 +118,10 @@ impl RowBlock for Q4Row {
     unsafe fn x8_rows(p: *const u8) -> [[__m128i; 4]; X8_ROWS] {
         q4_x8_rows(p)
     }
+    #[inline(always)]
+    unsafe fn unpack(p: *const u8) -> __m256i {
+        q4_unpack(p)
+    }
 }
 
 impl RowBlock for Q8Row {
@@ -127,6 +135,10 @@ impl RowBlock for Q8Row {
     #[inline(always)]
     unsafe fn x8_rows(p: *const u8) -> [[__m128i; 4]; X8_ROWS] {
         q8_x8_rows(p)
+    }
+    #[inline(always)]
+    unsafe fn unpack(p: *const u8) -> __m256i {
+        q8_load(p)
     }
 }
 
@@ -681,18 +693,18 @@ pub unsafe fn attn_values<T: KvLoad>(p: &[f32], v: &[T], stride: usize, off: usi
     }
 }
 
-/// Dequantizes Q4_0 or Q8_0 blocks (`block` bytes each: f16 scale, quants
-/// `load` unpacks to i8) into `out` (`[blocks · 32]`): element = `d · q`,
+/// Dequantizes Q4_0 or Q8_0 blocks (`B::BYTES` each: f16 scale, quants
+/// `B::unpack` unpacks to i8) into `out` (`[blocks · 32]`): element = `d · q`,
 /// one f32 product each, so the bits equal any other dequantization.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dequant(row: &[u8], out: &mut [f32], block: usize, load: unsafe fn(*const u8) -> __m256i) {
+unsafe fn dequant<B: RowBlock>(row: &[u8], out: &mut [f32]) {
     let nb = out.len() / 32;
-    assert!(out.len().is_multiple_of(32) && row.len() >= nb * block);
+    assert!(out.len().is_multiple_of(32) && row.len() >= nb * B::BYTES);
     for b in 0..nb {
-        let p = row.as_ptr().add(b * block);
+        let p = row.as_ptr().add(b * B::BYTES);
         let d = _mm256_set1_ps(f16_at(p));
-        let q = load(p.add(2));
+        let q = B::unpack(p.add(2));
         let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
         let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
         for k in 0..4 {
@@ -708,7 +720,7 @@ unsafe fn dequant(row: &[u8], out: &mut [f32], block: usize, load: unsafe fn(*co
 /// The CPU must have AVX2, FMA and F16C; lengths are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dequant_q4_0(row: &[u8], out: &mut [f32]) {
-    dequant(row, out, 18, q4_unpack)
+    dequant::<Q4Row>(row, out)
 }
 
 /// Q8_0 blocks → f32 (`out.len()` elements, a multiple of 32).
@@ -717,5 +729,46 @@ pub unsafe fn dequant_q4_0(row: &[u8], out: &mut [f32]) {
 /// The CPU must have AVX2, FMA and F16C; lengths are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
-    dequant(row, out, 34, q8_load)
+    dequant::<Q8Row>(row, out)
+}
+
+/// Dequantizes one ×8 group (`cols` elements per row) into its 8 rows
+/// `out` (`[8, cols]`), element = `d · q` as in [`dequant`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_x8<B: RowBlock>(group: &[u8], cols: usize, out: &mut [f32]) {
+    let nb = cols / 32;
+    assert!(cols.is_multiple_of(32) && out.len() >= X8_ROWS * cols && group.len() >= nb * B::X8_BLOCK);
+    let o = out.as_mut_ptr();
+    for b in 0..nb {
+        let p = group.as_ptr().add(b * B::X8_BLOCK);
+        let mut d = [0f32; X8_ROWS];
+        _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)));
+        let parts = B::x8_rows(p);
+        for r in 0..X8_ROWS {
+            let dr = _mm256_set1_ps(d[r]);
+            for k in 0..4 {
+                let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[r][k]));
+                _mm256_storeu_ps(o.add(r * cols + 32 * b + 8 * k), _mm256_mul_ps(dr, f));
+            }
+        }
+    }
+}
+
+/// One Q4_0×8 group → its 8 rows in f32 (`out`: `[8, cols]`).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_x8_q4_0(group: &[u8], cols: usize, out: &mut [f32]) {
+    dequant_x8::<Q4Row>(group, cols, out)
+}
+
+/// One Q8_0×8 group → its 8 rows in f32 (`out`: `[8, cols]`).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_x8_q8_0(group: &[u8], cols: usize, out: &mut [f32]) {
+    dequant_x8::<Q8Row>(group, cols, out)
 }

@@ -307,7 +307,7 @@ impl Ffn {
 
     /// Bundle bytes (gate row, up row, down column) of the neuron at packed
     /// position `p` in the row layout (not inside a ×8 group: see
-    /// [`Self::bundle_rows`]), waiting for its cluster's read if needed.
+    /// [`Self::rows_f32`]), waiting for its cluster's read if needed.
     /// `cur` keeps the last cluster looked up, so a run of neurons of one
     /// cluster asks the source once.
     #[inline]
@@ -328,25 +328,6 @@ impl Ffn {
     fn in_x8_group(&self, src: &LayerClusters, p: usize) -> bool {
         let c = self.cluster_of[p] as usize;
         src.is_x8(c) && self.group_start(p) + X8_ROWS <= self.first_neuron(c + 1)
-    }
-
-    /// The bundle of packed position `p` in the row layout, whatever the
-    /// layout of its cluster: borrowed when the cluster has the row layout,
-    /// else gathered from its ×8 group into `buf` (prefill's dequantizing
-    /// paths).
-    ///
-    /// # Errors
-    /// A failed cluster read ([`crate::Error::ClusterRead`]).
-    fn bundle_rows<'b, 'c: 'b>(&self, src: &LayerClusters<'c>, p: usize, buf: &'b mut Vec<u8>) -> Result<Bundle<'b>> {
-        if !self.in_x8_group(src, p) {
-            return self.bundle_at(src, &mut None, p);
-        }
-        let (rb, c) = (self.layout.row_bytes as usize, self.cluster_of[p] as usize);
-        let first = self.first_neuron(c);
-        let n = self.first_neuron(c + 1) - first;
-        buf.resize(3 * rb, 0);
-        nflash_format::interleave::x8_bundle(self.layout.dtype, self.hidden, n, src.get(c)?, p - first, buf);
-        Ok((&buf[..rb], &buf[rb..2 * rb], &buf[2 * rb..]))
     }
 
     /// The clusters (ascending, each once) holding the packed positions
@@ -482,20 +463,13 @@ impl Ffn {
                 for v in [&mut wg, &mut wu] {
                     v.resize(m * h, 0.0);
                 }
-                wg[..m * h].par_chunks_mut(h).zip(wu[..m * h].par_chunks_mut(h)).enumerate().try_for_each_init(
-                    Vec::new,
-                    |buf, (j, (g, u))| -> Result<()> {
-                        let (gr, ur, _) = self.bundle_rows(src, p0 + j, buf)?;
-                        row_to_f32(dt, gr, g);
-                        row_to_f32(dt, ur, u);
-                        Ok(())
-                    },
-                )?;
+                self.rows_f32(src, p0, m, 0, &mut wg[..m * h])?;
+                self.rows_f32(src, p0, m, 1, &mut wu[..m * h])?;
                 crate::kernels::gemm::xwt(x, &wg, (n, m, h), &mut g, m, false); // [n, m]
                 crate::kernels::gemm::xwt(x, &wu, (n, m, h), &mut u, m, false); // [n, m]
             }
             wd.resize(m * h, 0.0);
-            self.down_f32(src, p0, m, &mut wd[..m * h])?;
+            self.rows_f32(src, p0, m, 2, &mut wd[..m * h])?;
             let (a, u) = (&mut g[..n * m], &u[..n * m]);
             let wd = &wd[..m * h];
             for (t, (row_a, row_u)) in a.chunks_exact_mut(m).zip(u.chunks_exact(m)).enumerate() {
@@ -567,14 +541,7 @@ impl Ffn {
         let (h, dt, n) = (self.hidden, self.layout.dtype, ys.len());
         let gbytes = X8_ROWS * self.layout.row_bytes as usize;
         let yr: Vec<&Q8Vec> = ys.iter().collect();
-        // The groups of up to 8 bundles of the clusters of p0 .. p0 + m (first position, neurons).
-        let mut groups: Vec<(usize, usize)> = Vec::with_capacity(m.div_ceil(X8_ROWS) + 1);
-        for j in 0..m {
-            match groups.last_mut() {
-                Some((j0, k)) if self.group_start(p0 + j) == p0 + *j0 => *k += 1,
-                _ => groups.push((j, 1)),
-            }
-        }
+        let groups = self.groups(p0, m);
         // Per group: [gate | up][8 neurons][n tokens].
         let mut gu = vec![0f32; groups.len() * 2 * X8_ROWS * n];
         gu.par_chunks_mut(2 * X8_ROWS * n).zip(&groups).try_for_each_init(
@@ -612,17 +579,48 @@ impl Ffn {
         Ok(())
     }
 
-    /// The down columns of the `m` neurons at packed positions `p0 ..`,
-    /// dequantized to f32 into `wd` (`[m, hidden]`; the input of the down
-    /// projection's f32 matmul).
+    /// The groups of up to 8 bundles (first position relative to `p0`,
+    /// neurons) of the whole clusters at packed positions `p0 .. p0 + m`.
+    fn groups(&self, p0: usize, m: usize) -> Vec<(usize, usize)> {
+        let mut groups: Vec<(usize, usize)> = Vec::with_capacity(m.div_ceil(X8_ROWS) + 1);
+        for j in 0..m {
+            match groups.last_mut() {
+                Some((j0, k)) if self.group_start(p0 + j) == p0 + *j0 => *k += 1,
+                _ => groups.push((j, 1)),
+            }
+        }
+        groups
+    }
+
+    /// Row `which` (0 gate, 1 up, 2 down column) of the `m` neurons at
+    /// packed positions `p0 ..` (whole clusters), dequantized to f32 into
+    /// `w` (`[m, hidden]`; the input of prefill's f32 matmuls): a ×8 group
+    /// at a time from a ×8 cluster (`kernels::group_to_f32`), else row by
+    /// row.
     ///
     /// # Errors
     /// A failed cluster read ([`crate::Error::ClusterRead`]).
-    fn down_f32(&self, src: &LayerClusters, p0: usize, m: usize, wd: &mut [f32]) -> Result<()> {
+    fn rows_f32(&self, src: &LayerClusters, p0: usize, m: usize, which: usize, w: &mut [f32]) -> Result<()> {
         let (h, dt) = (self.hidden, self.layout.dtype);
-        wd[..m * h].par_chunks_mut(h).enumerate().try_for_each_init(Vec::new, |buf, (j, d)| -> Result<()> {
-            let (_, _, dr) = self.bundle_rows(src, p0 + j, buf)?;
-            row_to_f32(dt, dr, d);
+        let gbytes = X8_ROWS * self.layout.row_bytes as usize;
+        let mut parts = Vec::new();
+        let mut rest = &mut w[..m * h];
+        for (j0, k) in self.groups(p0, m) {
+            let (part, tail) = rest.split_at_mut(k * h);
+            parts.push((j0, part));
+            rest = tail;
+        }
+        parts.into_par_iter().try_for_each(|(j0, out)| -> Result<()> {
+            if self.in_x8_group(src, p0 + j0) {
+                let bytes = self.cluster_bytes(src, &mut None, p0 + j0)?;
+                let grp = &bytes[self.offsets[p0 + j0] as usize + which * gbytes..][..gbytes];
+                crate::kernels::group_to_f32(dt, h, grp, out);
+                return Ok(());
+            }
+            for (i, o) in out.chunks_exact_mut(h).enumerate() {
+                let b = self.bundle_at(src, &mut None, p0 + j0 + i)?;
+                row_to_f32(dt, [b.0, b.1, b.2][which], o);
+            }
             Ok(())
         })
     }
