@@ -118,16 +118,13 @@ impl<'a> QMatrix<'a> {
         if n == 1 {
             return self.matvec(&xs[0], out);
         }
+        if self.x8 {
+            let ys: Vec<&Q8Vec> = xs.iter().map(q8_input).collect();
+            return self.x8_products(Acts::Q8(&ys), out);
+        }
         let rb = par_chunk(self.rows, 16).next_multiple_of(X8_ROWS);
-        let ys: Vec<&Q8Vec> = if self.x8 { xs.iter().map(q8_input).collect() } else { Vec::new() };
         let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
         tmp.par_chunks_mut(rb * n).enumerate().for_each(|(ci, chunk)| {
-            if self.x8 {
-                for (gi, g_out) in chunk.chunks_mut(X8_ROWS * n).enumerate() {
-                    gemm_tokens(self.dtype, self.cols, self.group(ci * rb + X8_ROWS * gi), &ys, g_out);
-                }
-                return;
-            }
             // Four rows at a time through the same kernel as `matvec`.
             let quads = if matches!(xs[0], DotInput::Q8(_)) { chunk.len() / n / 4 } else { 0 };
             for (qi, q_out) in chunk.chunks_mut(4 * n).take(quads).enumerate() {
@@ -154,12 +151,37 @@ impl<'a> QMatrix<'a> {
         }
     }
 
+    /// `out[t, r] = row_r · x[t]` (`out`: `[n, rows]`) for a matrix in the
+    /// ×8 layout: groups of 8 rows in parallel, each against every token
+    /// ([`gemm_tokens`]).
+    fn x8_products(&self, acts: Acts, out: &mut [f32]) {
+        let n = acts.len();
+        let rb = par_chunk(self.rows, 16).next_multiple_of(X8_ROWS);
+        let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
+        tmp.par_chunks_mut(rb * n).enumerate().for_each(|(ci, chunk)| {
+            for (gi, g_out) in chunk.chunks_mut(X8_ROWS * n).enumerate() {
+                gemm_tokens(self.dtype, self.cols, self.group(ci * rb + X8_ROWS * gi), acts, g_out);
+            }
+        });
+        for r in 0..self.rows {
+            for t in 0..n {
+                out[t * self.rows + r] = tmp[r * n + t];
+            }
+        }
+    }
+
     /// `out[t, r] = row_r · x[t]` for `n` f32 inputs `x` (`[n, cols]`), by
     /// dequantizing tiles of rows (one buffer, reused) and multiplying them
-    /// with the `gemm` crate straight into `out` (`[n, rows]`). For f32/f16
-    /// weights and Q8_0 prefill (quantized GEMM otherwise: [`Self::matmul`]).
+    /// with the `gemm` crate straight into `out` (`[n, rows]`); up to
+    /// [`DIRECT_F32_TOKENS`] tokens on a ×8 matrix, by `gemm_x8_f32` on the
+    /// quantized weights instead. For f32/f16 weights and Q8_0 prefill
+    /// (quantized GEMM otherwise: [`Self::matmul`]).
     pub fn matmul_f32(&self, x: &[f32], out: &mut [f32]) {
         let (n, cols) = (x.len() / self.cols, self.cols);
+        if self.x8 && n <= DIRECT_F32_TOKENS {
+            let xs: Vec<&[f32]> = x.chunks_exact(cols).collect();
+            return self.x8_products(Acts::F32(&xs), out);
+        }
         // A whole number of ×8 groups per tile in the ×8 layout (rows are a multiple of 8 there).
         let unit = if self.x8 { X8_ROWS } else { 1 };
         let tile = (super::gemm::TILE_ELEMS / cols / unit * unit).clamp(unit, self.rows);
@@ -190,11 +212,38 @@ impl<'a> QMatrix<'a> {
     }
 }
 
-/// One ×8 group (`cols` elements per row) against every token of `ys`, four
-/// tokens per kernel call and a tail of 1 to 3, into `out` (`[8, n]`: row
-/// `i`'s dot with token `t` at `out[i * n + t]`).
-pub(crate) fn gemm_tokens(dtype: DType, cols: usize, group: &[u8], ys: &[&Q8Vec], out: &mut [f32]) {
-    let n = ys.len();
+/// Prompts of at most this many tokens multiply f32 activations with ×8
+/// weights directly (`kernels::gemm_x8_f32`); longer ones dequantize tiles
+/// of weights once for all tokens and use the `gemm` crate. Measured on
+/// SmolLM2 q8_0, 2 threads: 16 tokens 100 → 146 tokens/s, 40 tokens the
+/// same speed either way.
+pub const DIRECT_F32_TOKENS: usize = 32;
+
+/// The tokens of a batch, as a ×8 kernel takes them.
+#[derive(Clone, Copy)]
+pub(crate) enum Acts<'a> {
+    /// Quantized to Q8_0 (`kernels::gemm_x8`).
+    Q8(&'a [&'a Q8Vec]),
+    /// Exact f32 rows `[cols]` (`kernels::gemm_x8_f32`).
+    F32(&'a [&'a [f32]]),
+}
+
+impl Acts<'_> {
+    /// Tokens.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Acts::Q8(y) => y.len(),
+            Acts::F32(x) => x.len(),
+        }
+    }
+}
+
+/// One ×8 group (`cols` elements per row) against every token of `acts`,
+/// into `out` (`[8, n]`: row `i`'s dot with token `t` at `out[i * n + t]`):
+/// Q8_0 tokens four per kernel call and a tail of 1 to 3, f32 tokens eight
+/// per call, then 4, 2, 1.
+pub(crate) fn gemm_tokens(dtype: DType, cols: usize, group: &[u8], acts: Acts, out: &mut [f32]) {
+    let n = acts.len();
     assert_eq!(out.len(), X8_ROWS * n, "×8 group output");
     let mut put = |t0: usize, d: &[[f32; X8_ROWS]]| {
         for (t, row) in d.iter().enumerate() {
@@ -203,18 +252,41 @@ pub(crate) fn gemm_tokens(dtype: DType, cols: usize, group: &[u8], ys: &[&Q8Vec]
             }
         }
     };
-    let mut quads = ys.chunks_exact(4);
-    let mut t0 = 0;
-    for q in &mut quads {
-        put(t0, &super::gemm_x8(dtype, cols, group, [q[0], q[1], q[2], q[3]]));
-        t0 += 4;
-    }
-    match *quads.remainder() {
-        [] => {}
-        [a] => put(t0, &super::gemm_x8(dtype, cols, group, [a])),
-        [a, b] => put(t0, &super::gemm_x8(dtype, cols, group, [a, b])),
-        [a, b, c] => put(t0, &super::gemm_x8(dtype, cols, group, [a, b, c])),
-        _ => unreachable!("a remainder of chunks_exact(4)"),
+    match acts {
+        Acts::Q8(ys) => {
+            let mut quads = ys.chunks_exact(4);
+            let mut t0 = 0;
+            for q in &mut quads {
+                put(t0, &super::gemm_x8(dtype, cols, group, [q[0], q[1], q[2], q[3]]));
+                t0 += 4;
+            }
+            match *quads.remainder() {
+                [] => {}
+                [a] => put(t0, &super::gemm_x8(dtype, cols, group, [a])),
+                [a, b] => put(t0, &super::gemm_x8(dtype, cols, group, [a, b])),
+                [a, b, c] => put(t0, &super::gemm_x8(dtype, cols, group, [a, b, c])),
+                _ => unreachable!("a remainder of chunks_exact(4)"),
+            }
+        }
+        Acts::F32(xs) => {
+            let mut t0 = 0;
+            while t0 < n {
+                let x = &xs[t0..];
+                let k = match n - t0 {
+                    8.. => 8,
+                    4..=7 => 4,
+                    2 | 3 => 2,
+                    _ => 1,
+                };
+                match k {
+                    8 => put(t0, &super::gemm_x8_f32::<8>(dtype, cols, group, std::array::from_fn(|t| x[t]))),
+                    4 => put(t0, &super::gemm_x8_f32::<4>(dtype, cols, group, std::array::from_fn(|t| x[t]))),
+                    2 => put(t0, &super::gemm_x8_f32::<2>(dtype, cols, group, [x[0], x[1]])),
+                    _ => put(t0, &super::gemm_x8_f32::<1>(dtype, cols, group, [x[0]])),
+                }
+                t0 += k;
+            }
+        }
     }
 }
 

@@ -207,6 +207,35 @@ pub fn gemm_x8<const T: usize>(dtype: DType, cols: usize, group: &[u8], ys: [&Q8
     }
 }
 
+/// The 8 rows of one ×8 group of `dtype` (Q4_0 or Q8_0, `cols` elements per
+/// row) dotted with `T` (1 to 8) f32 vectors `xs` (`[cols]` each):
+/// `out[t][r]`, in the order of `portable::gemm_x8_f32` (per block an f32
+/// sum of `q · x`, then one fused multiply-add by the row's scale). Prefill
+/// with exact activations (Q8_0 packs, [`quantized_prefill`]) for short
+/// prompts, where dequantizing every weight to memory costs more than the
+/// products.
+///
+/// Panics on another dtype or short slices (caller bugs).
+#[inline]
+pub fn gemm_x8_f32<const T: usize>(dtype: DType, cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; 8]; T] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths checked inside.
+        return unsafe {
+            match dtype {
+                DType::Q4_0 => x86::gemm_x8_f32_q4_0(cols, group, xs),
+                DType::Q8_0 => x86::gemm_x8_f32_q8_0(cols, group, xs),
+                _ => unreachable!("gemm_x8_f32 on {dtype}"),
+            }
+        };
+    }
+    match dtype {
+        DType::Q4_0 => portable::gemm_x8_f32_q4_0(cols, group, xs),
+        DType::Q8_0 => portable::gemm_x8_f32_q8_0(cols, group, xs),
+        _ => unreachable!("gemm_x8_f32 on {dtype}"),
+    }
+}
+
 /// Attention score `q · k` for a query and one cached key, both `[head_dim]`,
 /// the key in the KV cache's type (`portable::dot_kv` gives the order).
 #[inline]

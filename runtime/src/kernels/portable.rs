@@ -126,6 +126,48 @@ pub fn gemm_x8_q8_0<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]; T]) -
     gemm_x8(cols, group, ys, (Q8_0_X8_BLOCK, 32), block_q8_0)
 }
 
+/// The 8 rows of one ×8 group (`cols` elements each) dotted with `T` f32
+/// vectors `xs`: `out[t][r]`. Per column block: `s = Σ q · x`, one
+/// `mul_add` per element in the order `order` gives (Q8_0: 0..32; Q4_0: 0,
+/// 16, 1, 17, …), then `acc = d.mul_add(s, acc)`. The prefill of Q8_0 packs
+/// with exact activations.
+fn gemm_x8_f32<const T: usize>(
+    cols: usize,
+    group: &[u8],
+    xs: [&[f32]; T],
+    gblock: usize,
+    value: fn(&[u8], usize, usize) -> i32,
+    order: fn(usize) -> usize,
+) -> [[f32; X8_ROWS]; T] {
+    let nb = cols / 32;
+    assert!(group.len() >= nb * gblock && xs.iter().all(|x| x.len() >= nb * 32));
+    let mut acc = [[0f32; X8_ROWS]; T];
+    for (b, blk) in group.chunks_exact(gblock).take(nb).enumerate() {
+        for r in 0..X8_ROWS {
+            let d = f16_le(&blk[2 * r..]);
+            for (a, x) in acc.iter_mut().zip(&xs) {
+                let mut s = 0f32;
+                for k in 0..32 {
+                    let i = order(k);
+                    s = (value(blk, r, i) as f32).mul_add(x[32 * b + i], s);
+                }
+                a[r] = d.mul_add(s, a[r]);
+            }
+        }
+    }
+    acc
+}
+
+/// The 8 rows of one Q4_0×8 group with `T` f32 vectors: `out[t][r]`.
+pub fn gemm_x8_f32_q4_0<const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; X8_ROWS]; T] {
+    gemm_x8_f32(cols, group, xs, Q4_0_X8_BLOCK, q4_x8_value, |k| k / 2 + 16 * (k % 2))
+}
+
+/// The 8 rows of one Q8_0×8 group with `T` f32 vectors: `out[t][r]`.
+pub fn gemm_x8_f32_q8_0<const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; X8_ROWS]; T] {
+    gemm_x8_f32(cols, group, xs, Q8_0_X8_BLOCK, q8_x8_value, |k| k)
+}
+
 /// `out += a · row` for one Q4_0 row (`out.len()` elements, a multiple of 32).
 pub fn axpy_q4_0(row: &[u8], a: f32, out: &mut [f32]) {
     assert!(out.len().is_multiple_of(32) && row.len() >= out.len() / 32 * Q4_0_BLOCK);

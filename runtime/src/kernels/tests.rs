@@ -399,6 +399,17 @@ fn x8_layout_matches_the_row_layout_bit_for_bit() {
                 assert_eq!(bits(&mb[t * rows..(t + 1) * rows]), bits(&ob), "{dt} matmul of {n}, token {t}");
             }
         }
+        // f32 activations: the ×8 matrix multiplies a short batch directly
+        // (gemm_x8_f32), the row-layout one dequantizes (gemm crate).
+        for n in [1, 5, 9] {
+            let x = rnd_vec(&mut seed, n * cols, 2.0);
+            let (mut fa, mut fb) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+            a.matmul_f32(&x, &mut fa);
+            b.matmul_f32(&x, &mut fb);
+            for (p, q) in fa.iter().zip(&fb) {
+                assert!((p - q).abs() <= 1e-5 * p.abs().max(1.0), "{dt} matmul_f32 of {n}: {p} vs {q}");
+            }
+        }
         let (mut da, mut db) = (vec![0f32; cols], vec![0f32; cols]);
         for r in [0, 7, 8, 21, 39] {
             assert_eq!(a.row_dot(r, &xs[2]).to_bits(), b.row_dot(r, &xs[2]).to_bits(), "{dt} row_dot {r}");
@@ -529,5 +540,46 @@ fn group_to_f32_matches_row_to_f32_bit_for_bit() {
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&got), bits(&want), "{} {dt}", isa());
         assert_eq!(bits(&port), bits(&want), "portable {dt}");
+    }
+}
+
+/// The f32-activation ×8 kernel gives the portable bits for 1, 2, 4 and 8
+/// tokens (each token the bits it gets alone), Q4_0 and Q8_0, and agrees
+/// with an f64 dot of the dequantized rows to f32 rounding.
+#[test]
+fn gemm_x8_f32_matches_portable_and_f64() {
+    let mut seed = 31u32;
+    for cols in [32usize, 96, 576] {
+        let xs: Vec<Vec<f32>> = (0..8).map(|_| rnd_vec(&mut seed, cols, 2.0)).collect();
+        for dt in [DType::Q4_0, DType::Q8_0] {
+            let rb = dt.row_bytes(cols as u64).unwrap() as usize;
+            let rows: Vec<Vec<u64>> = (0..8).map(|_| quantized(dt, &rnd_vec(&mut seed, cols, 1.0))).collect();
+            let r: Vec<&[u8]> = rows.iter().map(|v| view(v, rb)).collect();
+            let g = x8_group(dt, cols, std::array::from_fn(|i| Some(r[i])));
+            let gv = view(&g, 8 * rb);
+            let x: [&[f32]; 8] = std::array::from_fn(|t| &xs[t][..]);
+            let port = |t: usize| match dt {
+                DType::Q4_0 => portable::gemm_x8_f32_q4_0(cols, gv, [x[t]])[0],
+                _ => portable::gemm_x8_f32_q8_0(cols, gv, [x[t]])[0],
+            };
+            let bits = |v: &[f32; 8]| v.map(f32::to_bits);
+            let all8 = gemm_x8_f32(dt, cols, gv, x);
+            let two = gemm_x8_f32(dt, cols, gv, [x[3], x[5]]);
+            let four = gemm_x8_f32(dt, cols, gv, [x[0], x[1], x[2], x[3]]);
+            for t in 0..8 {
+                assert_eq!(bits(&all8[t]), bits(&port(t)), "{} {dt} token {t} of 8 at {cols}", isa());
+                assert_eq!(bits(&gemm_x8_f32(dt, cols, gv, [x[t]])[0]), bits(&port(t)), "{dt} 1 token at {cols}");
+            }
+            assert_eq!((bits(&two[0]), bits(&two[1])), (bits(&port(3)), bits(&port(5))), "{dt} 2 tokens");
+            assert_eq!(bits(&four[2]), bits(&port(2)), "{dt} 4 tokens");
+            let mut w = vec![0f32; cols];
+            for (i, row) in r.iter().enumerate() {
+                row_to_f32(dt, row, &mut w);
+                let want: f64 = w.iter().zip(&xs[6]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let norm: f64 = w.iter().zip(&xs[6]).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                let got = all8[6][i] as f64;
+                assert!((got - want).abs() <= 1e-5 * norm.max(1e-3), "{dt} row {i}: {got} vs {want}");
+            }
+        }
     }
 }

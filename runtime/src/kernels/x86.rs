@@ -99,6 +99,13 @@ trait RowBlock {
     /// # Safety
     /// The block's quants must be readable at `p`; the CPU must have AVX2.
     unsafe fn unpack(p: *const u8) -> __m256i;
+    /// `s[t] += Σ q_i · x[t][i]` over the 32 elements of the ×8 column
+    /// block at `p` (lane = row), one fused multiply-add per element in the
+    /// order of `portable::gemm_x8_f32`.
+    /// # Safety
+    /// `X8_BLOCK` bytes at `p` and 32 f32 at each `x[t]` must be readable;
+    /// the CPU must have AVX2 and FMA.
+    unsafe fn f32_block<const T: usize>(p: *const u8, x: [*const f32; T], s: &mut [__m256; T]);
 }
 
 /// Q4_0 blocks: unsigned nibbles, offset 8.
@@ -122,6 +129,10 @@ impl RowBlock for Q4Row {
     unsafe fn unpack(p: *const u8) -> __m256i {
         q4_unpack(p)
     }
+    #[inline(always)]
+    unsafe fn f32_block<const T: usize>(p: *const u8, x: [*const f32; T], s: &mut [__m256; T]) {
+        q4_x8_f32_block(p, x, s)
+    }
 }
 
 impl RowBlock for Q8Row {
@@ -139,6 +150,10 @@ impl RowBlock for Q8Row {
     #[inline(always)]
     unsafe fn unpack(p: *const u8) -> __m256i {
         q8_load(p)
+    }
+    #[inline(always)]
+    unsafe fn f32_block<const T: usize>(p: *const u8, x: [*const f32; T], s: &mut [__m256; T]) {
+        q8_x8_f32_block(p, x, s)
     }
 }
 
@@ -545,6 +560,102 @@ pub unsafe fn axpy_x8_q4_0(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn axpy_x8_q8_0(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut [f32]) {
     axpy_x8_blocks::<Q8Row>(group, a, mask, out)
+}
+
+/// Byte `J` of each 32-bit lane of `w`, sign-extended to i32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_byte_i8<const J: i32>(w: __m256i) -> __m256i {
+    match J {
+        0 => _mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(w)),
+        1 => _mm256_srai_epi32::<24>(_mm256_slli_epi32::<16>(w)),
+        2 => _mm256_srai_epi32::<24>(_mm256_slli_epi32::<8>(w)),
+        _ => _mm256_srai_epi32::<24>(w),
+    }
+}
+
+/// [`RowBlock::f32_block`] for Q8_0×8: elements in order 0..32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_x8_f32_block<const T: usize>(p: *const u8, x: [*const f32; T], s: &mut [__m256; T]) {
+    for k in 0..8 {
+        let w = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+        let q = [lane_byte_i8::<0>(w), lane_byte_i8::<1>(w), lane_byte_i8::<2>(w), lane_byte_i8::<3>(w)];
+        for j in 0..4 {
+            let qf = _mm256_cvtepi32_ps(q[j]);
+            for t in 0..T {
+                s[t] = _mm256_fmadd_ps(qf, _mm256_broadcast_ss(&*x[t].add(4 * k + j)), s[t]);
+            }
+        }
+    }
+}
+
+/// [`RowBlock::f32_block`] for Q4_0×8: elements in order 0, 16, 1, 17, …,
+/// 15, 31 (byte `i`'s low nibble, then its high nibble).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_x8_f32_block<const T: usize>(p: *const u8, x: [*const f32; T], s: &mut [__m256; T]) {
+    let (m4, eight) = (_mm256_set1_epi32(0x0F), _mm256_set1_epi32(8));
+    let nib = |v: __m256i| _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, m4), eight));
+    for k in 0..4 {
+        let w = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+        let q = [
+            (nib(w), nib(_mm256_srli_epi32::<4>(w))),
+            (nib(_mm256_srli_epi32::<8>(w)), nib(_mm256_srli_epi32::<12>(w))),
+            (nib(_mm256_srli_epi32::<16>(w)), nib(_mm256_srli_epi32::<20>(w))),
+            (nib(_mm256_srli_epi32::<24>(w)), nib(_mm256_srli_epi32::<28>(w))),
+        ];
+        for j in 0..4 {
+            let i = 4 * k + j;
+            for t in 0..T {
+                s[t] = _mm256_fmadd_ps(q[j].0, _mm256_broadcast_ss(&*x[t].add(i)), s[t]);
+                s[t] = _mm256_fmadd_ps(q[j].1, _mm256_broadcast_ss(&*x[t].add(16 + i)), s[t]);
+            }
+        }
+    }
+}
+
+/// The 8 rows of one ×8 group (`cols` elements each) dotted with `T` f32
+/// vectors `xs`: `out[t][r]`. Per column block, `s = Σ q · x` by fused
+/// multiply-adds (`B::f32_block`), then `acc = d · s + acc`: the order of
+/// `portable::gemm_x8_f32`. Exact activations for prefill of Q8_0 packs
+/// without dequantizing the weights to memory.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemm_x8_f32<B: RowBlock, const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; X8_ROWS]; T] {
+    let nb = cols / 32;
+    assert!(group.len() >= nb * B::X8_BLOCK && xs.iter().all(|x| x.len() >= nb * 32));
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        let p = group.as_ptr().add(b * B::X8_BLOCK);
+        let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        let mut s = [_mm256_setzero_ps(); T];
+        B::f32_block(p, xs.map(|x| x.as_ptr().add(32 * b)), &mut s);
+        for t in 0..T {
+            acc[t] = _mm256_fmadd_ps(dx, s[t], acc[t]);
+        }
+    }
+    store8(acc)
+}
+
+/// [`gemm_x8_f32`] for a Q4_0×8 group.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
+/// are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemm_x8_f32_q4_0<const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; X8_ROWS]; T] {
+    gemm_x8_f32::<Q4Row, T>(cols, group, xs)
+}
+
+/// [`gemm_x8_f32`] for a Q8_0×8 group.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
+/// are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemm_x8_f32_q8_0<const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; X8_ROWS]; T] {
+    gemm_x8_f32::<Q8Row, T>(cols, group, xs)
 }
 
 /// The sum of 8 f32 lanes in the order of `portable::sum8`.

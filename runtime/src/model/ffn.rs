@@ -14,7 +14,7 @@ use super::ops::neuron_output;
 use super::predictor::{criterion_value, LayerCounts};
 use super::source::LayerClusters;
 use crate::error::Result;
-use crate::kernels::matrix::gemm_tokens;
+use crate::kernels::matrix::{gemm_tokens, Acts, DIRECT_F32_TOKENS};
 use crate::kernels::{axpy_row, axpy_x8, gemm_x8, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Vec};
 use nflash_format::interleave::{pack_group, X8_ROWS};
 
@@ -440,7 +440,20 @@ impl Ffn {
         let n = x.len() / h;
         let dt = self.layout.dtype;
         // Q4_0 bundles: the tokens quantized to Q8_0 once for every gate/up GEMM.
-        let ys: Option<Vec<Q8Vec>> = quantized_prefill(dt).then(|| x.chunks_exact(h).map(Q8Vec::from_slice).collect());
+        let ys: Vec<Q8Vec> =
+            if quantized_prefill(dt) { x.chunks_exact(h).map(Q8Vec::from_slice).collect() } else { Vec::new() };
+        let yr: Vec<&Q8Vec> = ys.iter().collect();
+        // Short prompts of Q8_0 bundles: exact f32 tokens against the ×8 groups.
+        let direct = !quantized_prefill(dt)
+            && n <= DIRECT_F32_TOKENS
+            && crate::kernels::x8_available()
+            && nflash_format::interleave::can_interleave(dt, X8_ROWS as u64, h as u64);
+        let xr: Vec<&[f32]> = if direct { x.chunks_exact(h).collect() } else { Vec::new() };
+        let acts = match (yr.is_empty(), xr.is_empty()) {
+            (false, _) => Some(Acts::Q8(&yr)),
+            (true, false) => Some(Acts::F32(&xr)),
+            _ => None,
+        };
         let tile = (tile_elems / h).max(1);
         let mut group: Vec<&NeuronCluster> = Vec::new();
         let mut acc = vec![0f32; n * h];
@@ -457,8 +470,8 @@ impl Ffn {
             for v in [&mut g, &mut u] {
                 v.resize(n * m, 0.0);
             }
-            if let Some(ys) = &ys {
-                self.gate_up_gemm(src, ys, p0, m, &mut g, &mut u)?;
+            if let Some(acts) = acts {
+                self.gate_up_gemm(src, acts, p0, m, &mut g, &mut u)?;
             } else {
                 for v in [&mut wg, &mut wu] {
                     v.resize(m * h, 0.0);
@@ -521,8 +534,9 @@ impl Ffn {
     }
 
     /// The gate and up projections of the `m` neurons at packed positions
-    /// `p0 ..` for the quantized tokens `ys` (`[n]`) into `g` and `u` (`[n,
-    /// m]` each), by the quantized GEMM: each rayon task takes one group of
+    /// `p0 ..` for the tokens `acts` (`[n]`: quantized to Q8_0, or exact f32
+    /// for short prompts of Q8_0 bundles) into `g` and `u` (`[n, m]` each),
+    /// by the ×8 kernels: each rayon task takes one group of
     /// up to 8 bundles of a cluster, as stored when its cluster is in the ×8
     /// bundle layout, else packing its gate rows and up rows into ×8 groups
     /// (SPEC §5.1), and runs them against every token.
@@ -532,15 +546,14 @@ impl Ffn {
     fn gate_up_gemm(
         &self,
         src: &LayerClusters,
-        ys: &[Q8Vec],
+        acts: Acts,
         p0: usize,
         m: usize,
         g: &mut [f32],
         u: &mut [f32],
     ) -> Result<()> {
-        let (h, dt, n) = (self.hidden, self.layout.dtype, ys.len());
+        let (h, dt, n) = (self.hidden, self.layout.dtype, acts.len());
         let gbytes = X8_ROWS * self.layout.row_bytes as usize;
-        let yr: Vec<&Q8Vec> = ys.iter().collect();
         let groups = self.groups(p0, m);
         // Per group: [gate | up][8 neurons][n tokens].
         let mut gu = vec![0f32; groups.len() * 2 * X8_ROWS * n];
@@ -552,8 +565,8 @@ impl Ffn {
                     // Already a ×8 group: gate rows, then up rows.
                     let bytes = self.cluster_bytes(src, &mut None, p0 + j0)?;
                     let grp = &bytes[self.offsets[p0 + j0] as usize..][..2 * gbytes];
-                    gemm_tokens(dt, h, &grp[..gbytes], &yr, og);
-                    gemm_tokens(dt, h, &grp[gbytes..], &yr, ou);
+                    gemm_tokens(dt, h, &grp[..gbytes], acts, og);
+                    gemm_tokens(dt, h, &grp[gbytes..], acts, ou);
                     return Ok(());
                 }
                 let mut rows = [None; X8_ROWS];
@@ -562,8 +575,8 @@ impl Ffn {
                 }
                 pack_group(dt, h, rows.map(|r| r.map(|(g, _, _)| g)), bg);
                 pack_group(dt, h, rows.map(|r| r.map(|(_, u, _)| u)), bu);
-                gemm_tokens(dt, h, bg, &yr, og);
-                gemm_tokens(dt, h, bu, &yr, ou);
+                gemm_tokens(dt, h, bg, acts, og);
+                gemm_tokens(dt, h, bu, acts, ou);
                 Ok(())
             },
         )?;
@@ -790,6 +803,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A short Q8_0 prompt (exact f32 tokens against ×8 groups) agrees with
+    /// a long one (weights dequantized, `gemm` crate) on the same tokens to
+    /// f32 rounding, with hot ×8 clusters and row-layout ones.
+    #[test]
+    fn short_q8_0_prefill_matches_the_dequantized_matmul() {
+        let (h, n) = (64, 37);
+        let (f, data) = q_layer(DType::Q8_0, 70, n, 13);
+        let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
+        let offsets: Vec<u64> = f.clusters.iter().map(|c| c.offset).collect();
+        let mut inter = data.clone();
+        let c0 = &f.clusters[0];
+        let len = c0.n_neurons as usize * f.bundle.bundle_bytes as usize;
+        nflash_format::interleave::interleave_bundles(DType::Q8_0, h, 13, &mut inter[..len], &mut Vec::new());
+        let seg = SegmentClusters::new(&inter, &offsets).with_x8_clusters(1);
+        let long = DIRECT_F32_TOKENS + 6;
+        let x = values(71, long * h);
+        let (mut a, mut b) = (vec![0f32; long * h], vec![0f32; 5 * h]);
+        ffn.forward_batch(&seg.view(), &x, None, 16 * h, &mut a).unwrap();
+        ffn.forward_batch(&seg.view(), &x[..5 * h], None, 16 * h, &mut b).unwrap();
+        let mut differ = false;
+        for (i, (p, q)) in a[..5 * h].iter().zip(&b).enumerate() {
+            assert!((p - q).abs() <= 1e-4 * p.abs().max(1.0), "element {i}: {p} vs {q}");
+            differ |= p != q;
+        }
+        assert!(differ, "the two paths summed in the same order: the test checks nothing");
     }
 
     #[test]
