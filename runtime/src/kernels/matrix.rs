@@ -151,16 +151,26 @@ impl<'a> QMatrix<'a> {
         }
     }
 
-    /// `out[t, r] = row_r · x[t]` (`out`: `[n, rows]`) for a matrix in the
-    /// ×8 layout: groups of 8 rows in parallel, each against every token
-    /// ([`gemm_tokens`]).
+    /// `out[t, r] = row_r · x[t]` (`out`: `[n, rows]`) by the ×8 kernels:
+    /// groups of 8 rows in parallel, each against every token
+    /// ([`gemm_tokens`]); a matrix in the row layout (rows a multiple of 8)
+    /// has each group packed on the fly, so both layouts give the same bits.
     fn x8_products(&self, acts: Acts, out: &mut [f32]) {
         let n = acts.len();
         let rb = par_chunk(self.rows, 16).next_multiple_of(X8_ROWS);
         let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
-        tmp.par_chunks_mut(rb * n).enumerate().for_each(|(ci, chunk)| {
+        tmp.par_chunks_mut(rb * n).enumerate().for_each_init(Vec::new, |buf, (ci, chunk)| {
             for (gi, g_out) in chunk.chunks_mut(X8_ROWS * n).enumerate() {
-                gemm_tokens(self.dtype, self.cols, self.group(ci * rb + X8_ROWS * gi), acts, g_out);
+                let r = ci * rb + X8_ROWS * gi;
+                let group = if self.x8 {
+                    self.group(r)
+                } else {
+                    buf.resize(X8_ROWS * self.row_bytes, 0);
+                    let rows = std::array::from_fn(|i| Some(self.row(r + i)));
+                    nflash_format::interleave::pack_group(self.dtype, self.cols, rows, buf);
+                    &buf[..]
+                };
+                gemm_tokens(self.dtype, self.cols, group, acts, g_out);
             }
         });
         for r in 0..self.rows {
@@ -173,12 +183,14 @@ impl<'a> QMatrix<'a> {
     /// `out[t, r] = row_r · x[t]` for `n` f32 inputs `x` (`[n, cols]`), by
     /// dequantizing tiles of rows (one buffer, reused) and multiplying them
     /// with the `gemm` crate straight into `out` (`[n, rows]`); up to
-    /// [`DIRECT_F32_TOKENS`] tokens on a ×8 matrix, by `gemm_x8_f32` on the
-    /// quantized weights instead. For f32/f16 weights and Q8_0 prefill
+    /// [`DIRECT_F32_TOKENS`] tokens of a Q4_0/Q8_0 matrix with rows in
+    /// groups of 8, by `gemm_x8_f32` on the quantized weights instead (on
+    /// CPUs with the ×8 kernels; the same bits in either layout). For f32/f16 weights and Q8_0 prefill
     /// (quantized GEMM otherwise: [`Self::matmul`]).
     pub fn matmul_f32(&self, x: &[f32], out: &mut [f32]) {
         let (n, cols) = (x.len() / self.cols, self.cols);
-        if self.x8 && n <= DIRECT_F32_TOKENS {
+        let groups = nflash_format::interleave::can_interleave(self.dtype, self.rows as u64, cols as u64);
+        if n <= DIRECT_F32_TOKENS && groups && super::x8_available() {
             let xs: Vec<&[f32]> = x.chunks_exact(cols).collect();
             return self.x8_products(Acts::F32(&xs), out);
         }

@@ -399,15 +399,23 @@ fn x8_layout_matches_the_row_layout_bit_for_bit() {
                 assert_eq!(bits(&mb[t * rows..(t + 1) * rows]), bits(&ob), "{dt} matmul of {n}, token {t}");
             }
         }
-        // f32 activations: the ×8 matrix multiplies a short batch directly
-        // (gemm_x8_f32), the row-layout one dequantizes (gemm crate).
-        for n in [1, 5, 9] {
+        // f32 activations: a short batch goes through gemm_x8_f32 in either
+        // layout (the same bits), a long one through the gemm crate (f32
+        // rounding apart).
+        for n in [1, 5, 9, matrix::DIRECT_F32_TOKENS + 3] {
             let x = rnd_vec(&mut seed, n * cols, 2.0);
             let (mut fa, mut fb) = (vec![0f32; n * rows], vec![0f32; n * rows]);
             a.matmul_f32(&x, &mut fa);
             b.matmul_f32(&x, &mut fb);
-            for (p, q) in fa.iter().zip(&fb) {
-                assert!((p - q).abs() <= 1e-5 * p.abs().max(1.0), "{dt} matmul_f32 of {n}: {p} vs {q}");
+            if n <= matrix::DIRECT_F32_TOKENS {
+                assert_eq!(bits(&fa), bits(&fb), "{dt} matmul_f32 of {n}");
+            }
+            let mut want = vec![0f32; cols];
+            for (i, (p, q)) in fa.iter().zip(&fb).enumerate() {
+                a.row_to_f32(i % rows, &mut want);
+                let xt = &x[i / rows * cols..][..cols];
+                let norm: f32 = want.iter().zip(xt).map(|(w, v)| (w * v).abs()).sum();
+                assert!((p - q).abs() <= 1e-5 * norm.max(1.0), "{dt} matmul_f32 of {n}: {p} vs {q}");
             }
         }
         let (mut da, mut db) = (vec![0f32; cols], vec![0f32; cols]);
