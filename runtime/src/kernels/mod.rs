@@ -277,51 +277,71 @@ pub fn axpy_kv(a: f32, v: KvSlice, out: &mut [f32]) {
     }
 }
 
-/// Attention scores of one query head `q` (`[head_dim]`) over cached keys:
-/// `out[j] = scale · (q · k_j)` for positions `start .. start + out.len()`,
-/// where key `j` is `k[j · stride + off ..][..head_dim]` (`stride`: the
+/// Attention scores of the query heads `q` (`[nq, head_dim]`: the heads
+/// that share one KV head under GQA) over cached keys, into `out` (`[nq,
+/// n]`): `out[h][j] = scale · (q_h · k_j)` for positions `start .. start +
+/// n`, where key `j` is `k[j · stride + off ..][..head_dim]` (`stride`: the
 /// cache's row, `n_kv_heads · head_dim`; `off`: the KV head's offset). Each
-/// score has the bits of [`dot_kv`] times `scale`.
+/// key is read once for all `nq` heads; each score has the bits of
+/// [`dot_kv`] times `scale`.
 ///
-/// Panics if a row lies outside `k` (a caller bug).
-pub fn attn_scores(q: &[f32], k: KvSlice, stride: usize, off: usize, start: usize, scale: f32, out: &mut [f32]) {
+/// Panics if a row lies outside `k` or the shapes disagree (caller bugs).
+#[allow(clippy::too_many_arguments)]
+pub fn attn_scores(
+    q: &[f32],
+    head_dim: usize,
+    k: KvSlice,
+    stride: usize,
+    off: usize,
+    start: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    assert!(head_dim > 0 && q.len().is_multiple_of(head_dim) && out.len().is_multiple_of(q.len() / head_dim));
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() && q.len().is_multiple_of(8) {
+    if has_avx2() && head_dim.is_multiple_of(8) {
         // SAFETY: AVX2/FMA/F16C presence and the head size checked above; rows asserted inside.
         unsafe {
             match k {
-                KvSlice::F16(k) => x86::attn_scores(q, k, stride, off, start, scale, out),
-                KvSlice::F32(k) => x86::attn_scores(q, k, stride, off, start, scale, out),
+                KvSlice::F16(k) => x86::attn_scores(q, head_dim, k, stride, off, start, scale, out),
+                KvSlice::F32(k) => x86::attn_scores(q, head_dim, k, stride, off, start, scale, out),
             }
         }
         return;
     }
-    let hd = q.len();
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = dot_kv(q, k.range((start + j) * stride + off, hd)) * scale;
+    let n = out.len() / (q.len() / head_dim);
+    for (qh, oh) in q.chunks_exact(head_dim).zip(out.chunks_exact_mut(n.max(1))) {
+        for (j, o) in oh.iter_mut().enumerate() {
+            *o = dot_kv(qh, k.range((start + j) * stride + off, head_dim)) * scale;
+        }
     }
 }
 
-/// `out += Σ_j p[j] · v_j` over cached values `v_j = v[(start + j) ·
-/// stride + off ..][..head_dim]` (`out`: `[head_dim]`), positions in order:
-/// the bits of [`axpy_kv`] applied for each position.
+/// `out_h += Σ_j p_h[j] · v_j` for the query heads sharing one KV head
+/// (`p`: `[nq, n]`, `out`: `[nq, head_dim]`) over cached values `v_j =
+/// v[(start + j) · stride + off ..][..head_dim]`, positions in order: the
+/// bits of [`axpy_kv`] applied for each head and position; each value row
+/// is read once for all `nq` heads.
 ///
-/// Panics if a row lies outside `v` (a caller bug).
-pub fn attn_values(p: &[f32], v: KvSlice, stride: usize, off: usize, start: usize, out: &mut [f32]) {
+/// Panics if a row lies outside `v` or the shapes disagree (caller bugs).
+pub fn attn_values(p: &[f32], head_dim: usize, v: KvSlice, stride: usize, off: usize, start: usize, out: &mut [f32]) {
+    assert!(head_dim > 0 && out.len().is_multiple_of(head_dim) && p.len().is_multiple_of(out.len() / head_dim));
     #[cfg(target_arch = "x86_64")]
-    if has_avx2() && out.len().is_multiple_of(8) {
+    if has_avx2() && head_dim.is_multiple_of(8) {
         // SAFETY: AVX2/FMA/F16C presence and the head size checked above; rows asserted inside.
         unsafe {
             match v {
-                KvSlice::F16(v) => x86::attn_values(p, v, stride, off, start, out),
-                KvSlice::F32(v) => x86::attn_values(p, v, stride, off, start, out),
+                KvSlice::F16(v) => x86::attn_values(p, head_dim, v, stride, off, start, out),
+                KvSlice::F32(v) => x86::attn_values(p, head_dim, v, stride, off, start, out),
             }
         }
         return;
     }
-    let hd = out.len();
-    for (j, &pj) in p.iter().enumerate() {
-        axpy_kv(pj, v.range((start + j) * stride + off, hd), out);
+    let n = p.len() / (out.len() / head_dim);
+    for (ph, oh) in p.chunks_exact(n.max(1)).zip(out.chunks_exact_mut(head_dim)) {
+        for (j, &pj) in ph.iter().enumerate() {
+            axpy_kv(pj, v.range((start + j) * stride + off, head_dim), oh);
+        }
     }
 }
 

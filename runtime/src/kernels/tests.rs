@@ -480,23 +480,40 @@ fn attention_kernels_match_the_row_kernels() {
         let v = rnd_vec(&mut seed, (n + 2) * stride, 1.0);
         let (k16, v16): (Vec<f16>, Vec<f16>) =
             (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
-        let q = rnd_vec(&mut seed, hd, 1.0);
-        let p = rnd_vec(&mut seed, n, 1.0);
         for (kc, vc) in [(KvSlice::F32(&k), KvSlice::F32(&v)), (KvSlice::F16(&k16), KvSlice::F16(&v16))] {
-            for (start, len) in [(0, n), (2, 5), (1, 1)] {
-                let off = hd; // the second KV head
-                let mut s = vec![0f32; len];
-                attn_scores(&q, kc, stride, off, start, 0.125, &mut s);
-                for (j, sj) in s.iter().enumerate() {
-                    let want = dot_kv(&q, kc.range((start + j) * stride + off, hd)) * 0.125;
-                    assert_eq!(sj.to_bits(), want.to_bits(), "score {j} of {len}, hd {hd}");
+            // 1 to 7 query heads per KV head: passes of 4 heads and their tails.
+            for nq in [1, 2, 3, 5, 7] {
+                let q = rnd_vec(&mut seed, nq * hd, 1.0);
+                let p = rnd_vec(&mut seed, nq * n, 1.0);
+                for (start, len) in [(0, n), (2, 5), (1, 1), (3, 0)] {
+                    let off = hd; // the second KV head
+                    let mut s = vec![0f32; nq * len];
+                    attn_scores(&q, hd, kc, stride, off, start, 0.125, &mut s);
+                    for h in 0..nq {
+                        for j in 0..len {
+                            let want =
+                                dot_kv(&q[h * hd..(h + 1) * hd], kc.range((start + j) * stride + off, hd)) * 0.125;
+                            assert_eq!(
+                                s[h * len + j].to_bits(),
+                                want.to_bits(),
+                                "head {h} score {j} of {len}, hd {hd}"
+                            );
+                        }
+                    }
+                    let ps: Vec<f32> = (0..nq).flat_map(|h| p[h * n..h * n + len].to_vec()).collect();
+                    let (mut a, mut b) = (q.clone(), q.clone());
+                    attn_values(&ps, hd, vc, stride, off, start, &mut a);
+                    for h in 0..nq {
+                        for j in 0..len {
+                            axpy_kv(
+                                ps[h * len + j],
+                                vc.range((start + j) * stride + off, hd),
+                                &mut b[h * hd..(h + 1) * hd],
+                            );
+                        }
+                    }
+                    assert_eq!(a, b, "{nq} heads, values of {len}, hd {hd}");
                 }
-                let (mut a, mut b) = (q.clone(), q.clone());
-                attn_values(&p[..len], vc, stride, off, start, &mut a);
-                for (j, &pj) in p[..len].iter().enumerate() {
-                    axpy_kv(pj, vc.range((start + j) * stride + off, hd), &mut b);
-                }
-                assert_eq!(a, b, "values of {len}, hd {hd}");
             }
         }
     }

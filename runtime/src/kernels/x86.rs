@@ -727,17 +727,18 @@ impl KvLoad for half::f16 {
     }
 }
 
-/// Attention scores of one query head over `n` cached positions:
-/// `out[j] = scale · (q · k[(start + j) · stride + off ..][..hd])`, four
-/// positions at a time (four independent FMA chains), each in the order of
-/// `portable::dot_kv` (lane `i mod 8`, then the `sum8` tree).
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; `q.len()` (hd) must be a multiple
-/// of 8; the rows must lie inside `k` (asserted).
+/// Attention scores of `N` query heads `q` (`[N, hd]`) over `n` cached
+/// positions, into `out` (`[N, n]`): `out[h][j] = scale · (q_h ·
+/// k[(start + j) · stride + off ..][..hd])`, `P` positions at a time, each
+/// key loaded (and converted from f16) once for the `N` heads; every score
+/// in the order of `portable::dot_kv` (lane `i mod 8`, then the `sum8`
+/// tree).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attn_scores<T: KvLoad>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_n<T: KvLoad, const N: usize, const P: usize>(
     q: &[f32],
+    hd: usize,
     k: &[T],
     stride: usize,
     off: usize,
@@ -745,62 +746,160 @@ pub unsafe fn attn_scores<T: KvLoad>(
     scale: f32,
     out: &mut [f32],
 ) {
-    let (hd, n) = (q.len(), out.len());
-    assert!(hd.is_multiple_of(8) && (n == 0 || (start + n - 1) * stride + off + hd <= k.len()));
+    let n = out.len() / N;
+    assert!(hd.is_multiple_of(8) && q.len() == N * hd && out.len() == N * n);
+    assert!(n == 0 || (start + n - 1) * stride + off + hd <= k.len());
     let row = |j: usize| k.as_ptr().add((start + j) * stride + off);
+    let qp = q.as_ptr();
     let mut j = 0;
-    while j + 4 <= n {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let r = [row(j), row(j + 1), row(j + 2), row(j + 3)];
+    while j + P <= n {
+        let mut acc = [[_mm256_setzero_ps(); N]; P];
+        let r: [*const T; P] = std::array::from_fn(|u| row(j + u));
         for c in (0..hd).step_by(8) {
-            let qv = _mm256_loadu_ps(q.as_ptr().add(c));
-            for u in 0..4 {
-                acc[u] = _mm256_fmadd_ps(qv, T::load8(r[u].add(c)), acc[u]);
+            let kv: [__m256; P] = std::array::from_fn(|u| T::load8(r[u].add(c)));
+            for h in 0..N {
+                let qv = _mm256_loadu_ps(qp.add(h * hd + c));
+                for u in 0..P {
+                    acc[u][h] = _mm256_fmadd_ps(qv, kv[u], acc[u][h]);
+                }
             }
         }
-        for u in 0..4 {
-            out[j + u] = hsum8(acc[u]) * scale;
+        for u in 0..P {
+            for h in 0..N {
+                out[h * n + j + u] = hsum8(acc[u][h]) * scale;
+            }
         }
-        j += 4;
+        j += P;
     }
     for j in j..n {
         let r = row(j);
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); N];
         for c in (0..hd).step_by(8) {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(c)), T::load8(r.add(c)), acc);
+            let kv = T::load8(r.add(c));
+            for h in 0..N {
+                acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + c)), kv, acc[h]);
+            }
         }
-        out[j] = hsum8(acc) * scale;
+        for h in 0..N {
+            out[h * n + j] = hsum8(acc[h]) * scale;
+        }
     }
 }
 
-/// `out += Σ_j p[j] · v[(start + j) · stride + off ..][..hd]` with
-/// `hd = out.len()`: each element takes one fused multiply-add per
-/// position, positions in order (as `portable::axpy_kv` repeated), with
-/// 64 elements of `out` held in registers at a time.
+/// Attention scores of the query heads `q` (`[nq, hd]`, the heads sharing
+/// one KV head) over `n` cached positions into `out` (`[nq, n]`), up to
+/// four heads per pass over the keys (see [`scores_n`]).
 ///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C; `out.len()` must be a multiple of
-/// 8; the rows must lie inside `v` (asserted).
+/// The CPU must have AVX2, FMA and F16C; `hd` must be a multiple of 8; the
+/// rows must lie inside `k` (asserted).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attn_values<T: KvLoad>(p: &[f32], v: &[T], stride: usize, off: usize, start: usize, out: &mut [f32]) {
-    let (hd, n) = (out.len(), p.len());
-    assert!(hd.is_multiple_of(8) && (n == 0 || (start + n - 1) * stride + off + hd <= v.len()));
-    for c0 in (0..hd).step_by(64) {
-        let w = (hd - c0).min(64) / 8;
-        let mut acc = [_mm256_setzero_ps(); 8];
-        for u in 0..w {
-            acc[u] = _mm256_loadu_ps(out.as_ptr().add(c0 + 8 * u));
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attn_scores<T: KvLoad>(
+    q: &[f32],
+    hd: usize,
+    k: &[T],
+    stride: usize,
+    off: usize,
+    start: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let nq = q.len() / hd;
+    let n = out.len() / nq;
+    let (mut h, mut oh) = (0, 0);
+    while h < nq {
+        let m = (nq - h).min(4);
+        let (qs, os) = (&q[h * hd..(h + m) * hd], &mut out[oh..oh + m * n]);
+        match m {
+            1 => scores_n::<T, 1, 4>(qs, hd, k, stride, off, start, scale, os),
+            2 => scores_n::<T, 2, 4>(qs, hd, k, stride, off, start, scale, os),
+            3 => scores_n::<T, 3, 2>(qs, hd, k, stride, off, start, scale, os),
+            _ => scores_n::<T, 4, 2>(qs, hd, k, stride, off, start, scale, os),
         }
-        for (j, &pj) in p.iter().enumerate() {
-            let s = _mm256_set1_ps(pj);
-            let r = v.as_ptr().add((start + j) * stride + off + c0);
+        h += m;
+        oh += m * n;
+    }
+}
+
+/// `out_h += Σ_j p_h[j] · v[(start + j) · stride + off ..][..hd]` for `N`
+/// heads (`p`: `[N, n]`, `out`: `[N, hd]`): each element takes one fused
+/// multiply-add per position, positions in order (as `portable::axpy_kv`
+/// repeated), `W` registers of each head's output held at a time and each
+/// value row loaded (and converted) once for the `N` heads.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn values_n<T: KvLoad, const N: usize, const W: usize>(
+    p: &[f32],
+    v: &[T],
+    stride: usize,
+    off: usize,
+    start: usize,
+    out: &mut [f32],
+) {
+    let (hd, n) = (out.len() / N, p.len() / N);
+    assert!(hd.is_multiple_of(8) && out.len() == N * hd && p.len() == N * n);
+    assert!(n == 0 || (start + n - 1) * stride + off + hd <= v.len());
+    let o = out.as_mut_ptr();
+    for c0 in (0..hd).step_by(8 * W) {
+        let w = (hd - c0).min(8 * W) / 8;
+        let mut acc = [[_mm256_setzero_ps(); W]; N];
+        for h in 0..N {
             for u in 0..w {
-                acc[u] = _mm256_fmadd_ps(s, T::load8(r.add(8 * u)), acc[u]);
+                acc[h][u] = _mm256_loadu_ps(o.add(h * hd + c0 + 8 * u));
             }
         }
-        for u in 0..w {
-            _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * u), acc[u]);
+        for j in 0..n {
+            let r = v.as_ptr().add((start + j) * stride + off + c0);
+            let mut x = [_mm256_setzero_ps(); W];
+            for u in 0..w {
+                x[u] = T::load8(r.add(8 * u));
+            }
+            for h in 0..N {
+                let s = _mm256_set1_ps(p[h * n + j]);
+                for u in 0..w {
+                    acc[h][u] = _mm256_fmadd_ps(s, x[u], acc[h][u]);
+                }
+            }
         }
+        for h in 0..N {
+            for u in 0..w {
+                _mm256_storeu_ps(o.add(h * hd + c0 + 8 * u), acc[h][u]);
+            }
+        }
+    }
+}
+
+/// `out_h += Σ_j p_h[j] · v_j` for the query heads sharing one KV head
+/// (`p`: `[nq, n]` probabilities, `out`: `[nq, hd]`), up to four heads per
+/// pass over the values (see [`values_n`]).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `hd` must be a multiple of 8; the
+/// rows must lie inside `v` (asserted).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attn_values<T: KvLoad>(
+    p: &[f32],
+    hd: usize,
+    v: &[T],
+    stride: usize,
+    off: usize,
+    start: usize,
+    out: &mut [f32],
+) {
+    let nq = out.len() / hd;
+    let n = p.len() / nq;
+    let mut h = 0;
+    while h < nq {
+        let m = (nq - h).min(4);
+        let (ps, os) = (&p[h * n..(h + m) * n], &mut out[h * hd..(h + m) * hd]);
+        match m {
+            1 => values_n::<T, 1, 8>(ps, v, stride, off, start, os),
+            2 => values_n::<T, 2, 4>(ps, v, stride, off, start, os),
+            3 => values_n::<T, 3, 2>(ps, v, stride, off, start, os),
+            _ => values_n::<T, 4, 2>(ps, v, stride, off, start, os),
+        }
+        h += m;
     }
 }
 

@@ -164,34 +164,36 @@ const PAR_ATTEND: usize = 1 << 15;
 /// Scaled dot-product attention of queries `q` (`[n, n_heads · head_dim]`,
 /// positions `p0 ..`) over the cached keys and values `kc`, `vc`
 /// (`[positions, n_kv_heads · head_dim]`, f16 or f32) into `out` (`[n,
-/// n_heads · head_dim]`), causal; one rayon task per (token, head) when the
+/// n_heads · head_dim]`), causal. One task per (token, KV head) computes
+/// the query heads that share that KV head (GQA) together, so each cached
+/// row is read once for all of them; the tasks run in parallel when the
 /// work is large enough ([`PAR_ATTEND`]).
 fn attend(q: &[f32], kc: KvSlice, vc: KvSlice, p0: usize, h: &Heads, out: &mut [f32]) {
     let (nh, hd) = (h.n_heads, h.head_dim);
     let (qd, kvd) = (nh * hd, h.n_kv_heads * hd);
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nh / h.n_kv_heads;
-    let head = |scores: &mut Vec<f32>, idx: usize, out: &mut [f32]| {
-        let (t, head) = (idx / nh, idx % nh);
+    let task = |scores: &mut Vec<f32>, idx: usize, out: &mut [f32]| {
+        let (t, kvh) = (idx / h.n_kv_heads, idx % h.n_kv_heads);
         let pos = p0 + t;
         // Sliding window: the current token and the `w` before it, as
         // flash-attention's window (w, 0) and candle-transformers' Mistral.
         let start = h.window.map_or(0, |w| pos.saturating_sub(w));
-        let kvh = head / group;
-        let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+        let len = pos + 1 - start;
+        let qv = &q[t * qd + kvh * group * hd..t * qd + (kvh + 1) * group * hd];
         scores.clear();
-        scores.resize(pos + 1 - start, 0.0);
-        attn_scores(qv, kc, kvd, kvh * hd, start, scale, scores);
-        softmax(scores);
+        scores.resize(group * len, 0.0);
+        attn_scores(qv, hd, kc, kvd, kvh * hd, start, scale, scores);
+        scores.chunks_exact_mut(len).for_each(softmax);
         out.fill(0.0);
-        attn_values(scores, vc, kvd, kvh * hd, start, out);
+        attn_values(scores, hd, vc, kvd, kvh * hd, start, out);
     };
     let n = q.len() / qd;
     if n * nh * (p0 + n) * hd < PAR_ATTEND {
         let mut scores = Vec::new();
-        out.chunks_mut(hd).enumerate().for_each(|(idx, o)| head(&mut scores, idx, o));
+        out.chunks_mut(group * hd).enumerate().for_each(|(idx, o)| task(&mut scores, idx, o));
     } else {
-        out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores, (idx, o)| head(scores, idx, o));
+        out.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores, (idx, o)| task(scores, idx, o));
     }
 }
 
