@@ -144,11 +144,7 @@ impl<'a> QMatrix<'a> {
                 }
             }
         });
-        for r in 0..self.rows {
-            for t in 0..n {
-                out[t * self.rows + r] = tmp[r * n + t];
-            }
-        }
+        transpose_into(&tmp, self.rows, n, out);
     }
 
     /// `out[t, r] = row_r · x[t]` (`out`: `[n, rows]`) by the ×8 kernels:
@@ -173,24 +169,19 @@ impl<'a> QMatrix<'a> {
                 gemm_tokens(self.dtype, self.cols, group, acts, g_out);
             }
         });
-        for r in 0..self.rows {
-            for t in 0..n {
-                out[t * self.rows + r] = tmp[r * n + t];
-            }
-        }
+        transpose_into(&tmp, self.rows, n, out);
     }
 
     /// `out[t, r] = row_r · x[t]` for `n` f32 inputs `x` (`[n, cols]`), by
     /// dequantizing tiles of rows (one buffer, reused) and multiplying them
     /// with the `gemm` crate straight into `out` (`[n, rows]`); up to
     /// [`DIRECT_F32_TOKENS`] tokens of a Q4_0/Q8_0 matrix with rows in
-    /// groups of 8, by `gemm_x8_f32` on the quantized weights instead (on
-    /// CPUs with the ×8 kernels; the same bits in either layout). For f32/f16 weights and Q8_0 prefill
-    /// (quantized GEMM otherwise: [`Self::matmul`]).
+    /// groups of 8, by `gemm_x8_f32` on the quantized weights instead
+    /// ([`direct_f32`]; the same bits in either layout). For f32/f16 weights
+    /// and Q8_0 prefill (quantized GEMM otherwise: [`Self::matmul`]).
     pub fn matmul_f32(&self, x: &[f32], out: &mut [f32]) {
         let (n, cols) = (x.len() / self.cols, self.cols);
-        let groups = nflash_format::interleave::can_interleave(self.dtype, self.rows as u64, cols as u64);
-        if n <= DIRECT_F32_TOKENS && groups && super::x8_available() {
+        if direct_f32(self.dtype, self.rows, cols, n) {
             let xs: Vec<&[f32]> = x.chunks_exact(cols).collect();
             return self.x8_products(Acts::F32(&xs), out);
         }
@@ -230,6 +221,16 @@ impl<'a> QMatrix<'a> {
 /// SmolLM2 q8_0, 2 threads: 16 tokens 100 → 146 tokens/s, 40 tokens the
 /// same speed either way.
 pub const DIRECT_F32_TOKENS: usize = 32;
+
+/// Whether `n` f32 tokens against a `dtype` matrix `[rows, cols]` go
+/// through `kernels::gemm_x8_f32` ([`DIRECT_F32_TOKENS`] at most, a shape
+/// with ×8 groups, a CPU with the ×8 kernels) rather than through
+/// dequantized tiles and the `gemm` crate.
+pub(crate) fn direct_f32(dtype: DType, rows: usize, cols: usize, n: usize) -> bool {
+    n <= DIRECT_F32_TOKENS
+        && nflash_format::interleave::can_interleave(dtype, rows as u64, cols as u64)
+        && super::x8_available()
+}
 
 /// The tokens of a batch, as a ×8 kernel takes them.
 #[derive(Clone, Copy)]
@@ -298,6 +299,15 @@ pub(crate) fn gemm_tokens(dtype: DType, cols: usize, group: &[u8], acts: Acts, o
                 }
                 t0 += k;
             }
+        }
+    }
+}
+
+/// `out[t, r] = tmp[r, t]`: a `[rows, n]` product as `[n, rows]`.
+fn transpose_into(tmp: &[f32], rows: usize, n: usize, out: &mut [f32]) {
+    for r in 0..rows {
+        for t in 0..n {
+            out[t * rows + r] = tmp[r * n + t];
         }
     }
 }

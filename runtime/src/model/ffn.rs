@@ -14,7 +14,7 @@ use super::ops::neuron_output;
 use super::predictor::{criterion_value, LayerCounts};
 use super::source::LayerClusters;
 use crate::error::Result;
-use crate::kernels::matrix::{gemm_tokens, Acts, DIRECT_F32_TOKENS};
+use crate::kernels::matrix::{direct_f32, gemm_tokens, Acts};
 use crate::kernels::{axpy_row, axpy_x8, gemm_x8, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Vec};
 use nflash_format::interleave::{pack_group, X8_ROWS};
 
@@ -172,23 +172,17 @@ impl Ffn {
         gate: Option<(Criterion, f32)>,
         acc: &mut [f32],
     ) -> Result<u32> {
-        let (h, dt, act) = (self.hidden, self.layout.dtype, self.act);
-        let value = |p: usize, g: f32, u: f32| -> f32 {
-            neuron_output(act, g + bias(&self.gate_bias, p), u + bias(&self.up_bias, p))
-        };
-        // Gate-up: the criterion value is |a|. Gate: checked before the up row is read.
-        let keep = |a: f32| -> bool { !matches!(gate, Some((Criterion::GateUp, t)) if a.abs() <= t) };
+        let (h, dt) = (self.hidden, self.layout.dtype);
+        let keep = |a: f32| keeps(gate, a);
         let gate_only = matches!(gate, Some((Criterion::Gate, _)));
         // One row-layout neuron alone: gate (then, unless the gate rules it out, up) and down.
         let single = |p: usize, (g_row, u_row, d_row): Bundle, acc: &mut [f32]| -> u32 {
             let g = row_dot(dt, h, g_row, x);
-            if let Some((Criterion::Gate, t)) = gate {
-                // The gate alone decides: skip the up row of inactive neurons.
-                if criterion_value(Criterion::Gate, act, g + bias(&self.gate_bias, p), 0.0) <= t {
-                    return 0;
-                }
+            // The gate alone decides: the up row of a neuron it rules out is not read.
+            if !self.passes_gate(gate, p, g) {
+                return 0;
             }
-            let a = value(p, g, row_dot(dt, h, u_row, x));
+            let a = self.output(p, g, row_dot(dt, h, u_row, x));
             if keep(a) {
                 axpy_row(dt, d_row, a, acc);
                 1
@@ -203,9 +197,8 @@ impl Ffn {
         let mut i = lo;
         while i < hi {
             let p = sel.get(i);
-            let c = self.cluster_of[p] as usize;
-            let g0 = self.group_start(p);
-            if src.is_x8(c) && g0 + X8_ROWS <= self.first_neuron(c + 1) {
+            if self.in_x8_group(src, p) {
+                let g0 = self.group_start(p);
                 if let Some((q, b)) = pending.take() {
                     done += single(q, b, acc);
                 }
@@ -224,7 +217,7 @@ impl Ffn {
                 (Some((p0, b0)), DotInput::Q8(y)) if !gate_only => {
                     // Two neurons per pass: gate and up rows of both in one 4-row kernel.
                     let [g0v, u0v, g1v, u1v] = crate::kernels::dot4(dt, h, [b0.0, b0.1, b.0, b.1], y);
-                    let (a0, a1) = (value(p0, g0v, u0v), value(p, g1v, u1v));
+                    let (a0, a1) = (self.output(p0, g0v, u0v), self.output(p, g1v, u1v));
                     match (keep(a0), keep(a1)) {
                         (true, true) => crate::kernels::axpy2(dt, [b0.2, b.2], [a0, a1], acc),
                         (true, false) => axpy_row(dt, b0.2, a0, acc),
@@ -259,7 +252,7 @@ impl Ffn {
         gate: Option<(Criterion, f32)>,
         acc: &mut [f32],
     ) -> Result<u32> {
-        let (h, dt, act) = (self.hidden, self.layout.dtype, self.act);
+        let (h, dt) = (self.hidden, self.layout.dtype);
         let m = X8_ROWS * self.layout.row_bytes as usize;
         let bytes = self.cluster_bytes(src, cur, g0)?;
         let grp = &bytes[self.offsets[g0] as usize..][..3 * m];
@@ -267,14 +260,11 @@ impl Ffn {
         let [u] = gemm_x8(dt, h, &grp[m..2 * m], [y]);
         let (mut a, mut kept) = ([0f32; X8_ROWS], 0u8);
         for r in (0..X8_ROWS).filter(|r| mask & (1 << r) != 0) {
-            let (gv, uv) = (g[r] + bias(&self.gate_bias, g0 + r), u[r] + bias(&self.up_bias, g0 + r));
-            let v = neuron_output(act, gv, uv);
-            let active = match gate {
-                None => true,
-                Some((Criterion::Gate, t)) => criterion_value(Criterion::Gate, act, gv, 0.0) > t,
-                Some((Criterion::GateUp, t)) => v.abs() > t,
-            };
-            if active {
+            if !self.passes_gate(gate, g0 + r, g[r]) {
+                continue;
+            }
+            let v = self.output(g0 + r, g[r], u[r]);
+            if keeps(gate, v) {
                 a[r] = v;
                 kept |= 1 << r;
             }
@@ -283,6 +273,28 @@ impl Ffn {
             axpy_x8(dt, &grp[2 * m..], a, kept, acc);
         }
         Ok(kept.count_ones())
+    }
+
+    /// Output `act(g + b_g) · (u + b_u)` of the neuron at packed position
+    /// `p` from its gate and up dots `g`, `u` (biases added here).
+    #[inline]
+    fn output(&self, p: usize, g: f32, u: f32) -> f32 {
+        neuron_output(self.act, g + bias(&self.gate_bias, p), u + bias(&self.up_bias, p))
+    }
+
+    /// Whether the `Gate` criterion of `gate`, if it is that one, leaves the
+    /// neuron at `p` with gate dot `g` active (`true` for other criteria).
+    /// NaN counts as active, as in [`keeps`], so damaged weights reach the
+    /// output the same way on every path.
+    #[inline]
+    fn passes_gate(&self, gate: Option<(Criterion, f32)>, p: usize, g: f32) -> bool {
+        match gate {
+            Some((Criterion::Gate, t)) => {
+                let v = criterion_value(Criterion::Gate, self.act, g + bias(&self.gate_bias, p), 0.0);
+                v > t || v.is_nan()
+            }
+            _ => true,
+        }
     }
 
     /// The bytes of the cluster holding packed position `p`, waiting for
@@ -372,6 +384,14 @@ pub struct BatchMask {
 /// it, so the reduction order is fixed by the selection alone).
 pub const CHUNK: usize = 32;
 
+/// Whether the `GateUp` criterion of `gate`, if it is that one, keeps a
+/// neuron whose output is `a` (its criterion value is `|a|`); `true` for
+/// other criteria and for NaN (damaged weights reach the output).
+#[inline]
+fn keeps(gate: Option<(Criterion, f32)>, a: f32) -> bool {
+    !matches!(gate, Some((Criterion::GateUp, t)) if a.abs() <= t)
+}
+
 /// One neuron's gate row, up row and down column (row layout).
 type Bundle<'a> = (&'a [u8], &'a [u8], &'a [u8]);
 
@@ -439,20 +459,19 @@ impl Ffn {
         let h = self.hidden;
         let n = x.len() / h;
         let dt = self.layout.dtype;
-        // Q4_0 bundles: the tokens quantized to Q8_0 once for every gate/up GEMM.
-        let ys: Vec<Q8Vec> =
-            if quantized_prefill(dt) { x.chunks_exact(h).map(Q8Vec::from_slice).collect() } else { Vec::new() };
+        // Q4_0 bundles: the tokens quantized to Q8_0 once for every gate/up GEMM;
+        // short prompts of Q8_0 bundles: exact f32 tokens against ×8 groups.
+        let quantized = quantized_prefill(dt);
+        let direct = !quantized && direct_f32(dt, X8_ROWS, h, n);
+        let ys: Vec<Q8Vec> = if quantized { x.chunks_exact(h).map(Q8Vec::from_slice).collect() } else { Vec::new() };
         let yr: Vec<&Q8Vec> = ys.iter().collect();
-        // Short prompts of Q8_0 bundles: exact f32 tokens against the ×8 groups.
-        let direct = !quantized_prefill(dt)
-            && n <= DIRECT_F32_TOKENS
-            && crate::kernels::x8_available()
-            && nflash_format::interleave::can_interleave(dt, X8_ROWS as u64, h as u64);
         let xr: Vec<&[f32]> = if direct { x.chunks_exact(h).collect() } else { Vec::new() };
-        let acts = match (yr.is_empty(), xr.is_empty()) {
-            (false, _) => Some(Acts::Q8(&yr)),
-            (true, false) => Some(Acts::F32(&xr)),
-            _ => None,
+        let acts = if quantized {
+            Some(Acts::Q8(&yr))
+        } else if direct {
+            Some(Acts::F32(&xr))
+        } else {
+            None
         };
         let tile = (tile_elems / h).max(1);
         let mut group: Vec<&NeuronCluster> = Vec::new();
@@ -647,6 +666,7 @@ impl Ffn {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::matrix::DIRECT_F32_TOKENS;
     use crate::kernels::QMatrix;
     use crate::model::ops::activate;
     use crate::model::predictor::{LayerSparse, Predictor};
@@ -773,6 +793,34 @@ mod tests {
             ffn.forward_batch(&rows.view(), &xs, None, 16 * h, &mut a).unwrap();
             ffn.forward_batch(&x8.view(), &xs, None, 16 * h, &mut b).unwrap();
             assert_eq!(a, b, "{dt} prefill");
+        }
+    }
+
+    /// A damaged weight (a NaN gate scale) counts as active on both paths,
+    /// so it reaches the output from a hot ×8 group as from a cold row.
+    #[test]
+    fn a_nan_weight_reaches_the_output_from_x8_and_row_clusters_alike() {
+        let (h, n) = (64, 37);
+        let (f, mut data) = q_layer(DType::Q4_0, 80, n, 13);
+        // Neuron 3 (inside cluster 0's first group of 8): its gate row's first scale is NaN.
+        let at = 3 * f.bundle.bundle_bytes as usize;
+        data[at..at + 2].copy_from_slice(&half::f16::NAN.to_le_bytes());
+        let ffn = Ffn::new(&f, Activation::Silu, None, None, None);
+        let offsets: Vec<u64> = f.clusters.iter().map(|c| c.offset).collect();
+        let mut inter = data.clone();
+        let len = 13 * f.bundle.bundle_bytes as usize;
+        nflash_format::interleave::interleave_bundles(DType::Q4_0, h, 13, &mut inter[..len], &mut Vec::new());
+        let (rows, x8) =
+            (SegmentClusters::new(&data, &offsets), SegmentClusters::new(&inter, &offsets).with_x8_clusters(1));
+        let xin = DotInput::from_slice(DType::Q4_0, &values(81, h));
+        let list: Vec<u32> = (0..n as u32).collect();
+        for gate in [Some((Criterion::GateUp, 0.02)), Some((Criterion::Gate, 0.0))] {
+            let (mut a, mut b) = (vec![0f32; h], vec![0f32; h]);
+            let mut s = FfnScratch::default();
+            let na = ffn.forward_token(&rows.view(), &xin, Selection::List(&list), gate, &mut s, &mut a).unwrap();
+            let nb = ffn.forward_token(&x8.view(), &xin, Selection::List(&list), gate, &mut s, &mut b).unwrap();
+            assert_eq!(na, nb, "{gate:?}: neurons computed");
+            assert!(a.iter().chain(&b).all(|v| v.is_nan()), "{gate:?}: the NaN neuron was dropped");
         }
     }
 
