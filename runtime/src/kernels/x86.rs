@@ -384,38 +384,44 @@ unsafe fn q8_load(p: *const u8) -> __m256i {
     _mm256_loadu_si256(p as *const __m256i)
 }
 
-/// `out += Σ a[i] · rows[i]` over `N` rows of `block`-byte blocks whose
-/// 32 values `load` unpacks to i8; `out` is read and written once per block.
+/// The 32 i8 values `lo` (elements 0..16) and `hi` (16..32) as four
+/// 8-value parts (elements `8k .. 8k+8` in part `k`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy_blocks<const N: usize>(
-    rows: [&[u8]; N],
-    a: [f32; N],
-    out: &mut [f32],
-    block: usize,
-    load: unsafe fn(*const u8) -> __m256i,
-) {
-    let nb = out.len() / 32;
+unsafe fn parts(lo: __m128i, hi: __m128i) -> [__m128i; 4] {
+    [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)]
+}
+
+/// The 8 i8 values of `part` (its low 8 bytes) as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn part_f32(part: __m128i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part))
+}
+
+/// `out += Σ a[i] · rows[i]` over `N` rows of `B` blocks (their 32 values
+/// unpacked to i8 by `B::unpack`); `out` is read and written once per block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_blocks<B: RowBlock, const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
+    let (nb, block) = (out.len() / 32, B::BYTES);
     assert!(out.len().is_multiple_of(32) && rows.iter().all(|r| r.len() >= nb * block));
     let o = out.as_mut_ptr();
     for b in 0..nb {
-        let mut parts = [[_mm_setzero_si128(); 4]; N];
+        let mut part = [[_mm_setzero_si128(); 4]; N];
         let mut s = [_mm256_setzero_ps(); N];
         for i in 0..N {
             let xp = rows[i].as_ptr().add(b * block);
             s[i] = _mm256_set1_ps(a[i] * f16_at(xp));
-            let v = load(xp.add(2));
-            let lo = _mm256_castsi256_si128(v);
-            let hi = _mm256_extracti128_si256(v, 1);
-            parts[i] = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+            let v = B::unpack(xp.add(2));
+            part[i] = parts(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
         }
         // `k` picks the same 8-element part of every row and of `out`.
         for k in 0..4 {
             let dst = o.add(b * 32 + k * 8);
             let mut acc = _mm256_loadu_ps(dst);
             for i in 0..N {
-                let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i][k]));
-                acc = _mm256_fmadd_ps(s[i], f, acc);
+                acc = _mm256_fmadd_ps(s[i], part_f32(part[i][k]), acc);
             }
             _mm256_storeu_ps(dst, acc);
         }
@@ -429,7 +435,7 @@ unsafe fn axpy_blocks<const N: usize>(
 /// are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn axpy_q4_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
-    axpy_blocks(rows, a, out, 18, q4_unpack)
+    axpy_blocks::<Q4Row, N>(rows, a, out)
 }
 
 /// `out += a[0]·rows[0] + … ` for Q8_0 rows.
@@ -439,7 +445,7 @@ pub unsafe fn axpy_q4_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut
 /// are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn axpy_q8_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
-    axpy_blocks(rows, a, out, 34, q8_load)
+    axpy_blocks::<Q8Row, N>(rows, a, out)
 }
 
 /// Row `r` and row `r + 4` of a ×8 column block's four 32-byte word runs
@@ -495,7 +501,7 @@ unsafe fn axpy_x8_blocks<B: RowBlock>(group: &[u8], a: [f32; X8_ROWS], mask: u8,
             }
             let sr = _mm256_set1_ps(s[r]);
             for k in 0..4 {
-                acc[k] = _mm256_fmadd_ps(sr, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[r][k])), acc[k]);
+                acc[k] = _mm256_fmadd_ps(sr, part_f32(parts[r][k]), acc[k]);
             }
         }
         for k in 0..4 {
@@ -517,8 +523,7 @@ unsafe fn q4_x8_rows(p: *const u8) -> [[__m128i; 4]; X8_ROWS] {
         let lo = _mm256_sub_epi8(_mm256_and_si256(v, m4), eight);
         let hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), eight);
         for h in 0..2 {
-            let (l, u) = (half(lo, h), half(hi, h));
-            out[i + 4 * h] = [l, _mm_srli_si128(l, 8), u, _mm_srli_si128(u, 8)];
+            out[i + 4 * h] = parts(half(lo, h), half(hi, h));
         }
     }
     out
@@ -533,8 +538,7 @@ unsafe fn q8_x8_rows(p: *const u8) -> [[__m128i; 4]; X8_ROWS] {
     let mut out = [[_mm_setzero_si128(); 4]; X8_ROWS];
     for i in 0..4 {
         for h in 0..2 {
-            let (l, u) = (half(lo[i], h), half(hi[i], h));
-            out[i + 4 * h] = [l, _mm_srli_si128(l, 8), u, _mm_srli_si128(u, 8)];
+            out[i + 4 * h] = parts(half(lo[i], h), half(hi[i], h));
         }
     }
     out
@@ -915,11 +919,9 @@ unsafe fn dequant<B: RowBlock>(row: &[u8], out: &mut [f32]) {
         let p = row.as_ptr().add(b * B::BYTES);
         let d = _mm256_set1_ps(f16_at(p));
         let q = B::unpack(p.add(2));
-        let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-        let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
+        let part = parts(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
         for k in 0..4 {
-            let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[k]));
-            _mm256_storeu_ps(out.as_mut_ptr().add(32 * b + 8 * k), _mm256_mul_ps(d, f));
+            _mm256_storeu_ps(out.as_mut_ptr().add(32 * b + 8 * k), _mm256_mul_ps(d, part_f32(part[k])));
         }
     }
 }
@@ -958,8 +960,7 @@ unsafe fn dequant_x8<B: RowBlock>(group: &[u8], cols: usize, out: &mut [f32]) {
         for r in 0..X8_ROWS {
             let dr = _mm256_set1_ps(d[r]);
             for k in 0..4 {
-                let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[r][k]));
-                _mm256_storeu_ps(o.add(r * cols + 32 * b + 8 * k), _mm256_mul_ps(dr, f));
+                _mm256_storeu_ps(o.add(r * cols + 32 * b + 8 * k), _mm256_mul_ps(dr, part_f32(parts[r][k])));
             }
         }
     }
