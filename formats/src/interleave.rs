@@ -139,28 +139,28 @@ pub fn interleave_bundles(dtype: DType, cols: usize, n: usize, data: &mut [u8], 
     }
 }
 
-/// Bundle `i` of a cluster of `n` bundles in the ×8 bundle layout
-/// ([`interleave_bundles`]) back in the row layout (gate row | up row |
-/// down column) into `out` (one bundle long).
-///
-/// Panics if `i >= n`, `data` is short or `out` is not one bundle long.
-pub fn x8_bundle(dtype: DType, cols: usize, n: usize, data: &[u8], i: usize, out: &mut [u8]) {
-    assert!(i < n, "bundle {i} of {n}");
-    let row = dtype.row_bytes(cols as u64).expect("row size") as usize;
-    assert_eq!(out.len(), 3 * row, "{dtype} bundle buffer");
-    if i >= n / X8_ROWS * X8_ROWS {
-        out.copy_from_slice(&data[i * 3 * row..(i + 1) * 3 * row]);
-        return;
-    }
-    let group = &data[i / X8_ROWS * X8_ROWS * 3 * row..][..X8_ROWS * 3 * row];
-    for (m, o) in out.chunks_exact_mut(row).enumerate() {
-        x8_row(dtype, &group[m * X8_ROWS * row..(m + 1) * X8_ROWS * row], cols, i % X8_ROWS, o);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Bundle `i` of a cluster of `n` bundles in the ×8 bundle layout
+    /// ([`interleave_bundles`]) back in the row layout (gate row | up row |
+    /// down column) into `out` (one bundle long).
+    ///
+    /// Panics if `i >= n`, `data` is short or `out` is not one bundle long.
+    fn x8_bundle(dtype: DType, cols: usize, n: usize, data: &[u8], i: usize, out: &mut [u8]) {
+        assert!(i < n, "bundle {i} of {n}");
+        let row = dtype.row_bytes(cols as u64).expect("row size") as usize;
+        assert_eq!(out.len(), 3 * row, "{dtype} bundle buffer");
+        if i >= n / X8_ROWS * X8_ROWS {
+            out.copy_from_slice(&data[i * 3 * row..(i + 1) * 3 * row]);
+            return;
+        }
+        let group = &data[i / X8_ROWS * X8_ROWS * 3 * row..][..X8_ROWS * 3 * row];
+        for (m, o) in out.chunks_exact_mut(row).enumerate() {
+            x8_row(dtype, &group[m * X8_ROWS * row..(m + 1) * X8_ROWS * row], cols, i % X8_ROWS, o);
+        }
+    }
 
     #[test]
     fn every_row_comes_back_from_the_interleaved_layout() {
