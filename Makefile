@@ -20,7 +20,8 @@ help:
 	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s,"
 	@echo "               and sparse vs dense decode of a sparse pack (calibrated on ../shared/data)"
 	@echo "make bench-offload - (root) nflash sparse vs llama.cpp mmap under cgroup v1 memory limits"
-	@echo "make bench-scale   - (root) the same at 7B scale on synthetic ReLU models (sparsity 0.9/0.8/0.6)"
+	@echo "make bench-scale   - (root) the same at 7B scale on synthetic ReLU models (sparsity 0.9/0.8/0.6;"
+	@echo "               SPARSITIES=0.9 makes and runs only the 0.9 model, the one the targets are set for)"
 	@echo "               (model + headroom, minus 25/50/75% of the FFN): decode tok/s, hit rate, I/O, kills"
 	@echo "make quality - perplexity vs sparsity for each criterion and predictor (about an hour)"
 
@@ -64,7 +65,7 @@ bench-offload: build model
 # Needs root, ~60 GB of free disk and ~2 h the first time (three synthetic 7B models).
 bench-scale: build model
 	bash scripts/bench_setup.sh
-	.venv-bench/bin/python scripts/bench_scale.py
+	.venv-bench/bin/python scripts/bench_scale.py $(if $(SPARSITIES),--sparsities $(SPARSITIES))
 
 quality: build model
 	bash scripts/quality.sh

@@ -25,8 +25,14 @@ from .table import pass_miss, print_table
 
 # Limit name -> share of the FFN bytes on top of nflash's fixed region.
 LIMIT_FFN_SHARE = {"a": 1.0, "b": 0.5, "c": 0.25}
+# The kernels issue's host-independent targets (its deliverable 7): in memory
+# (limit a) nflash's sparse decode >= 2x llama.cpp's dense decode of the same
+# weights; at TARGET nflash >= 0.85x its own (a) speed and time per token
+# <= 1.2x max(I/O floor, time per token at (a)); plan-sim within +-20% of the
+# measured speed at (a) and (b).
 TARGET = "b"
-TARGET_VS_LLAMA, TARGET_VS_A, TARGET_FLOOR = 20.0, 0.7, 1.5
+TARGET_A_VS_LLAMA, TARGET_VS_A, TARGET_BOUND = 2.0, 0.85, 1.2
+SIM_TOLERANCE, SIM_LIMITS = 0.2, ("a", "b")
 
 
 @dataclass
@@ -335,25 +341,30 @@ def compute_targets(b: Scale) -> None:
 
 
 def targets_of(b: Scale, k: str, at_a: float | None) -> dict:
-    """nflash at TARGET over llama.cpp, over nflash at (a), and over its I/O floor."""
+    """nflash at (a) over llama.cpp at (a); at TARGET: over llama.cpp (reported,
+    no target), over nflash at (a), and its time per token over the larger of
+    its two lower bounds (the reads alone: the I/O floor; compute alone: the
+    time per token at (a))."""
     t = b.summary[k][TARGET]["nflash"]
     v = t["decode_tokens_per_s_median"]
     f = b.floors[k][TARGET]
+    ll_a = llama_speed(b, "a") if "a" in b.a.limits else None
     ll = llama_speed(b, TARGET)
+    r_a_ll = at_a / ll_a if at_a and ll_a else None
     r_ll = v / ll if v and ll else None
     r_a = v / at_a if v and at_a else None
     r_f = f["measured_over_floor"] if f else None
-    # The larger lower bound: the reads alone (floor) or compute alone (the (a) time).
     bound_ms = max(f["floor_ms_per_token"], 1e3 / at_a) if f and at_a else None
     r_b = f["measured_ms_per_token"] / bound_ms if bound_ms else None
     return {
-        "nflash_over_llama": {"value": r_ll, "target": TARGET_VS_LLAMA,
-                              "pass": r_ll is not None and r_ll >= TARGET_VS_LLAMA},
+        "a_nflash_over_llama": {"value": r_a_ll, "target": TARGET_A_VS_LLAMA,
+                                "pass": r_a_ll is not None and r_a_ll >= TARGET_A_VS_LLAMA},
+        "nflash_over_llama": r_ll,
         "nflash_over_nflash_a": {"value": r_a, "target": TARGET_VS_A,
                                  "pass": r_a is not None and r_a >= TARGET_VS_A},
-        "time_over_io_floor": {"value": r_f, "target": TARGET_FLOOR,
-                               "pass": r_f is not None and r_f <= TARGET_FLOOR},
-        "time_over_max_floor_and_a": r_b,
+        "time_over_max_floor_and_a": {"value": r_b, "target": TARGET_BOUND,
+                                      "pass": r_b is not None and r_b <= TARGET_BOUND},
+        "time_over_io_floor": r_f,
         "oom_kills": t["oom-killed"]}
 
 
@@ -408,15 +419,16 @@ def print_targets(b: Scale) -> None:
     if not b.targets:
         return
     print()
-    print(f"targets at ({TARGET}) = fixed + 50% of the FFN:")
+    print(f"targets: in memory (a) nflash sparse / llama.cpp dense; at ({TARGET}) = fixed + 50% of the FFN, "
+          "nflash / its (a) and time per token / max(I/O floor, (a) time per token):")
     for k, t in b.targets.items():
-        print(f"  sparsity {k}: nflash / llama.cpp {fmt(t['nflash_over_llama']['value'], 1):>6} "
-              f"(>= {TARGET_VS_LLAMA:g}) {pass_miss(t['nflash_over_llama']['pass'])};  "
-              f"nflash (b) / (a) {fmt(t['nflash_over_nflash_a']['value'], 2):>5} (>= {TARGET_VS_A}) "
-              f"{pass_miss(t['nflash_over_nflash_a']['pass'])};  time / I/O floor "
-              f"{fmt(t['time_over_io_floor']['value'], 2):>5} (<= {TARGET_FLOOR}) "
-              f"{pass_miss(t['time_over_io_floor']['pass'])};  OOM kills {t['oom_kills']};  "
-              f"(time / max(floor, (a) time) {fmt(t['time_over_max_floor_and_a'], 2)})")
+        a_ll, r_a, r_b = t["a_nflash_over_llama"], t["nflash_over_nflash_a"], t["time_over_max_floor_and_a"]
+        print(f"  sparsity {k}: (a) nflash / llama.cpp {fmt(a_ll['value'], 2):>5} (>= {TARGET_A_VS_LLAMA:g}) "
+              f"{pass_miss(a_ll['pass'])};  ({TARGET}) / (a) {fmt(r_a['value'], 2):>5} (>= {TARGET_VS_A:g}) "
+              f"{pass_miss(r_a['pass'])};  ({TARGET}) time / max(floor, (a) time) {fmt(r_b['value'], 2):>5} "
+              f"(<= {TARGET_BOUND:g}) {pass_miss(r_b['pass'])};  ({TARGET}) nflash / llama.cpp "
+              f"{fmt(t['nflash_over_llama'], 1)};  time / I/O floor {fmt(t['time_over_io_floor'], 2)};  "
+              f"OOM kills {t['oom_kills']}")
 
 
 def print_prep(b: Scale) -> None:
@@ -458,7 +470,7 @@ def validate_sim(a, packs: dict, limits: dict, summary: dict, probe: Path, when:
     """`nflash plan-sim` on each pack at each limit with the disk and kernel
     speeds `nflash probe` measured in this benchmark (`when`: "before" the
     runs, the profile nflash planned with, or "after" them), against the
-    measured decode tokens/s (the issue asks for predictions within +-30%)."""
+    measured decode tokens/s (the target: within +-SIM_TOLERANCE at SIM_LIMITS)."""
     rows = []
     for s, pack in packs.items():
         k = f"{s:g}"
@@ -494,13 +506,13 @@ def sim_row(p: dict, nf: dict, when: str, k: str, n: str, limit: int) -> dict:
            "measured_hit_rate": nf.get("cache_hit_rate_median"),
            "predicted_hot_hit_rate": p.get("hot_hit_rate"),
            "measured_hot_hit_rate": nf.get("hot_hit_rate_median")}
-    row["within_30pct"] = bool(row["predicted_over_measured"]
-                               and abs(row["predicted_over_measured"] - 1) <= 0.3)
+    row["within_tolerance"] = bool(row["predicted_over_measured"]
+                                   and abs(row["predicted_over_measured"] - 1) <= SIM_TOLERANCE)
     return row
 
 
 SIM_HEADER = ["sparsity", "limit", "predicted tok/s", "measured tok/s", "pred/meas", "pred MiB/tok",
-              "meas MiB/tok", "pred hit", "meas hit", "pred hot", "meas hot", "bound", "within 30%"]
+              "meas MiB/tok", "pred hit", "meas hit", "pred hot", "meas hot", "bound", f"within {SIM_TOLERANCE:.0%}"]
 
 
 def print_sim(rows: list[dict], probe: Path, when: str) -> None:
@@ -513,10 +525,13 @@ def print_sim(rows: list[dict], probe: Path, when: str) -> None:
                    fmt((r["measured_read_bytes_per_token"] or 0) / MIB, 1),
                    fmt(r["predicted_hit_rate"], 3), fmt(r["measured_hit_rate"], 3),
                    fmt(r["predicted_hot_hit_rate"], 3), fmt(r["measured_hot_hit_rate"], 3), r["bound"] or "-",
-                   "yes" if r["within_30pct"] else "no"]
+                   "yes" if r["within_tolerance"] else "no"]
                   for r in rows]
     print_table(print_rows, SIM_HEADER, left=2)
-    print(f"  within +-30%: {sum(r['within_30pct'] for r in rows)} of {len(rows)}")
+    judged = [r for r in rows if r["limit"] in SIM_LIMITS]
+    print(f"  within +-{SIM_TOLERANCE:.0%} at {', '.join(f'({n})' for n in SIM_LIMITS)} (the target): "
+          f"{sum(r['within_tolerance'] for r in judged)} of {len(judged)}; all limits: "
+          f"{sum(r['within_tolerance'] for r in rows)} of {len(rows)}")
 
 
 # --------------------------------------------------------------------------
