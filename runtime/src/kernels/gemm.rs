@@ -1,11 +1,21 @@
 //! f32 matrix products of batches (prefill of Q8_0/f16/f32 weights and the
-//! FFN's down projection), through the `gemm` crate (candle-core's matmul)
-//! on borrowed row-major buffers: no tensor, no copy, and the product can
-//! be written into a strided destination or added to it. Quantized weights
-//! are dequantized tile by tile by the callers, so the extra memory stays at
-//! one tile (about [`TILE_ELEMS`] × 4 bytes).
+//! FFN's down projection) on borrowed row-major buffers, by nflash's own
+//! tiles ([`super::panel_tile`]: [`PANEL`] output columns × up to
+//! [`PANEL_TOKENS`] tokens per call). Weights are cut into panels of
+//! [`PANEL`] output columns, each written once into `[depth, PANEL]` order
+//! (copied, transposed, or dequantized there by the caller: [`x_fill`]);
+//! activations are read in place, so nothing is packed per token. Rayon tasks take runs of panels, each against every
+//! token. Quantized weights are dequantized tile by tile by the callers, so
+//! the extra memory stays at one tile (about [`TILE_ELEMS`] × 4 bytes).
+//!
+//! It replaced the `gemm` crate here: that crate re-packed the activations
+//! for every block of weight columns and its weights had already been
+//! copied once by the dequantization (`pack_lhs` took 7.6% of a 512-token
+//! Q8_0 prefill and zeroing its buffers 2.5%).
 
-use gemm::Parallelism;
+use rayon::prelude::*;
+
+use super::{panel_tile, PANEL, PANEL_TOKENS};
 
 /// Elements of one dequantized weight tile (4 MiB of f32).
 pub const TILE_ELEMS: usize = 1 << 20;
@@ -13,63 +23,138 @@ pub const TILE_ELEMS: usize = 1 << 20;
 /// Inputs from which batched (matmul) paths beat per-row dot products.
 pub const MIN_BATCH: usize = 8;
 
-/// The thread pool the products split over: rayon's, as the rest of nflash.
-fn parallelism() -> Parallelism {
-    match rayon::current_num_threads() {
-        0 | 1 => Parallelism::None,
-        n => Parallelism::Rayon(n),
+/// Most panels one rayon task takes: 4 × 16 columns, whose activations
+/// (up to [`PANEL_TOKENS`] rows) stay in L1 while each panel uses them.
+const MAX_TASK_PANELS: usize = 4;
+
+/// Writes the weights of output columns `j0 .. j0 + width` (`width` ≤
+/// [`PANEL`]) into a panel: `w(i, j0 + c)` at `panel[i * PANEL + c]`.
+pub type FillPanel<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
+
+/// Where the weight `w(i, j)` (depth `i`, output column `j`) of a product is.
+#[derive(Clone, Copy)]
+enum Weights<'a> {
+    /// At `w[i * stride + j]`: rows run along the depth; copied panel by
+    /// panel (read in place, each step of the depth touched a new cache line).
+    Cols(&'a [f32], usize),
+    /// Written panel by panel by the caller (dequantized, or transposed
+    /// from rows that are output features).
+    Fill(FillPanel<'a>),
+}
+
+/// The destination of a product, shared by the tasks: row `t` at
+/// `t * stride`, `rows × cols` used. Tasks write disjoint columns.
+#[derive(Clone, Copy)]
+struct Dst {
+    ptr: *mut f32,
+    stride: usize,
+}
+
+impl Dst {
+    /// Elements `t * stride + j0 ..` (`len` of them) of row `t`.
+    ///
+    /// # Safety
+    /// They must lie inside the destination and no other live slice may
+    /// cover them.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row(&self, t: usize, j0: usize, len: usize) -> &mut [f32] {
+        std::slice::from_raw_parts_mut(self.ptr.add(t * self.stride + j0), len)
     }
 }
 
-/// A row-major operand: its elements, and the distance between consecutive
-/// elements along `(columns, rows)` of the matrix it plays.
-type Operand<'a> = (&'a [f32], (isize, isize));
+// SAFETY: `product` hands each task a disjoint set of columns of `Dst`, and
+// the exclusive borrow it was made from outlives the tasks.
+unsafe impl Send for Dst {}
+// SAFETY: as for Send: no two tasks touch the same element.
+unsafe impl Sync for Dst {}
 
-/// `dst (+)= lhs · rhs` with `dst` `[rows, cols]` (row stride `dst_rs`),
-/// `lhs` `[rows, depth]`, `rhs` `[depth, cols]`, strides as given.
+/// Panels per task: the largest of 1..=[`MAX_TASK_PANELS`] whose tasks
+/// spread as evenly as the others over `threads` (the busiest thread's
+/// panel count is what the product waits for).
+fn task_panels(panels: usize, threads: usize) -> usize {
+    (1..=MAX_TASK_PANELS).rev().min_by_key(|&p| panels.div_ceil(p).div_ceil(threads.max(1)) * p).unwrap_or(1)
+}
+
+/// `T` tokens of `x` (row `t` at `t * xs`) against one panel: `out[t][j]`.
+fn tile(nt: usize, depth: usize, x: &[f32], xs: usize, w: &[f32], ws: usize) -> [[f32; PANEL]; PANEL_TOKENS] {
+    let mut out = [[0f32; PANEL]; PANEL_TOKENS];
+    match nt {
+        1 => out[..1].copy_from_slice(&panel_tile::<1>(depth, x, xs, w, ws)),
+        2 => out[..2].copy_from_slice(&panel_tile::<2>(depth, x, xs, w, ws)),
+        3 => out[..3].copy_from_slice(&panel_tile::<3>(depth, x, xs, w, ws)),
+        4 => out[..4].copy_from_slice(&panel_tile::<4>(depth, x, xs, w, ws)),
+        5 => out[..5].copy_from_slice(&panel_tile::<5>(depth, x, xs, w, ws)),
+        _ => out = panel_tile::<PANEL_TOKENS>(depth, x, xs, w, ws),
+    }
+    out
+}
+
+/// `dst[t, j] (+)= Σ_i x[t, i] · w(i, j)` for `t < n`, `j < cols`, `i <
+/// depth`: `x` `[n, depth]` row-major, `dst` rows `dst_stride` apart. With
+/// `accumulate` the product is added to `dst`, else it replaces it. Each
+/// output is one [`panel_tile`] sum (the order of `portable::panel_tile`),
+/// so a token's result does not depend on the batch or the thread count.
 ///
 /// Panics if an addressed element lies outside its slice (a caller bug).
 fn product(
-    (rows, cols, depth): (usize, usize, usize),
+    (n, cols, depth): (usize, usize, usize),
     dst: &mut [f32],
-    dst_rs: usize,
-    lhs: Operand,
-    rhs: Operand,
+    dst_stride: usize,
+    x: &[f32],
+    w: Weights,
     accumulate: bool,
 ) {
-    if rows == 0 || cols == 0 {
+    if n == 0 || cols == 0 {
         return;
     }
-    // The last element each operand addresses, from its strides (all ≥ 0 here).
-    let last = |(cs, rs): (isize, isize), r: usize, c: usize| (r - 1) * rs as usize + (c - 1) * cs as usize;
-    assert!(dst.len() > last((1, dst_rs as isize), rows, cols));
-    assert!(depth == 0 || (lhs.0.len() > last(lhs.1, rows, depth) && rhs.0.len() > last(rhs.1, depth, cols)));
-    // SAFETY: the asserts keep every element the strides address inside
-    // `dst`, `lhs` and `rhs`; `dst` is an exclusive borrow, so it aliases
-    // neither operand.
-    unsafe {
-        gemm::gemm(
-            rows,
-            cols,
-            depth,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
-            accumulate,
-            lhs.0.as_ptr(),
-            lhs.1 .0,
-            lhs.1 .1,
-            rhs.0.as_ptr(),
-            rhs.1 .0,
-            rhs.1 .1,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(),
-        )
+    assert!(dst_stride >= cols && dst.len() >= (n - 1) * dst_stride + cols, "product: destination too short");
+    assert!(x.len() >= n * depth, "product: activations too short");
+    if let Weights::Cols(w, s) = w {
+        assert!(s >= cols && (depth == 0 || w.len() >= (depth - 1) * s + cols), "product: weights too short");
     }
+    let panels = cols.div_ceil(PANEL);
+    let per_task = task_panels(panels, rayon::current_num_threads());
+    let dst = Dst { ptr: dst.as_mut_ptr(), stride: dst_stride };
+    let xs = depth.max(1);
+    (0..panels.div_ceil(per_task)).into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<f32>, task| {
+        let p0 = task * per_task;
+        let p1 = (p0 + per_task).min(panels);
+        // The task's panels, packed `[depth, PANEL]` one after another: (first column, width, index).
+        buf.resize((p1 - p0) * depth * PANEL, 0.0);
+        let mut own: Vec<(usize, usize, usize)> = Vec::with_capacity(p1 - p0);
+        for (k, p) in (p0..p1).enumerate() {
+            let (j0, width) = (p * PANEL, PANEL.min(cols - p * PANEL));
+            let panel = &mut buf[k * depth * PANEL..(k + 1) * depth * PANEL];
+            // Columns past `width` are left as they are: no output reads them.
+            match w {
+                Weights::Cols(w, s) => {
+                    for (i, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+                        row[..width].copy_from_slice(&w[i * s + j0..i * s + j0 + width]);
+                    }
+                }
+                Weights::Fill(fill) => fill(j0, width, panel),
+            }
+            own.push((j0, width, k));
+        }
+        for t0 in (0..n).step_by(PANEL_TOKENS) {
+            let nt = PANEL_TOKENS.min(n - t0);
+            let xt = &x[t0 * depth..(t0 + nt) * depth];
+            for &(j0, width, k) in &own {
+                let r = tile(nt, depth, xt, xs, &buf[k * depth * PANEL..(k + 1) * depth * PANEL], PANEL);
+                for (t, rt) in r[..nt].iter().enumerate() {
+                    // SAFETY: row t0 + t < n and columns j0 .. j0 + width ≤
+                    // cols lie inside `dst` (asserted above); this task alone
+                    // writes columns of panels p0 .. p1.
+                    let o = unsafe { dst.row(t0 + t, j0, width) };
+                    if accumulate {
+                        o.iter_mut().zip(rt).for_each(|(o, v)| *o += v);
+                    } else {
+                        o.copy_from_slice(&rt[..width]);
+                    }
+                }
+            }
+        }
+    });
 }
 
 /// `out[t, j] (+)= Σ_i x[t, i] · w[j, i]`: `x` `[n, k]`, `w` `[m, k]` (rows
@@ -86,9 +171,26 @@ pub fn xwt(
     out_stride: usize,
     accumulate: bool,
 ) {
-    assert!(out_stride >= m);
-    // wᵀ [k, m]: element (i, j) at w[j * k + i].
-    product((n, m, k), out, out_stride, (x, (1, k as isize)), (w, (k as isize, 1)), accumulate);
+    assert!(w.len() >= m * k, "xwt: weights too short");
+    let transpose = |j0: usize, width: usize, panel: &mut [f32]| {
+        let rows: Vec<&[f32]> = (j0..j0 + width).map(|j| &w[j * k..(j + 1) * k]).collect();
+        for (i, prow) in panel.chunks_exact_mut(PANEL).enumerate() {
+            for (p, r) in prow.iter_mut().zip(&rows) {
+                *p = r[i];
+            }
+        }
+    };
+    product((n, m, k), out, out_stride, x, Weights::Fill(&transpose), accumulate);
+}
+
+/// `out[t, j] = Σ_i x[t, i] · w(i, j)`: `x` `[n, k]`, `out` rows
+/// `out_stride` elements apart, `j < m`, the weights written panel by
+/// panel by `fill` (for example dequantized ×8 groups,
+/// [`super::group_to_panel`]).
+///
+/// Panics if a slice is too short for its shape (a caller bug).
+pub fn x_fill(x: &[f32], fill: FillPanel, (n, m, k): (usize, usize, usize), out: &mut [f32], out_stride: usize) {
+    product((n, m, k), out, out_stride, x, Weights::Fill(fill), false);
 }
 
 /// `out[t, c] (+)= Σ_j a[t, j] · w[j, c]`: `a` `[n, m]`, `w` `[m, k]`, `out`
@@ -96,7 +198,7 @@ pub fn xwt(
 ///
 /// Panics if a slice is too short for its shape (a caller bug).
 pub fn aw(a: &[f32], w: &[f32], (n, m, k): (usize, usize, usize), out: &mut [f32], accumulate: bool) {
-    product((n, k, m), out, k, (a, (1, m as isize)), (w, (1, k as isize)), accumulate);
+    product((n, k, m), out, k, a, Weights::Cols(w, k), accumulate);
 }
 
 #[cfg(test)]

@@ -172,9 +172,9 @@ impl<'a> QMatrix<'a> {
         transpose_into(&tmp, self.rows, n, out);
     }
 
-    /// `out[t, r] = row_r · x[t]` for `n` f32 inputs `x` (`[n, cols]`), by
-    /// dequantizing tiles of rows (one buffer, reused) and multiplying them
-    /// with the `gemm` crate straight into `out` (`[n, rows]`); up to
+    /// `out[t, r] = row_r · x[t]` for `n` f32 inputs `x` (`[n, cols]`) into
+    /// `out` (`[n, rows]`), by dequantizing the weights panel by panel into
+    /// the f32 product of [`super::gemm`] (no copy of the whole matrix); up to
     /// [`DIRECT_F32_TOKENS`] tokens of a Q4_0/Q8_0 matrix with rows in
     /// groups of 8, by `gemm_x8_f32` on the quantized weights instead
     /// ([`direct_f32`]; the same bits in either layout). For f32/f16 weights
@@ -185,23 +185,24 @@ impl<'a> QMatrix<'a> {
             let xs: Vec<&[f32]> = x.chunks_exact(cols).collect();
             return self.x8_products(Acts::F32(&xs), out);
         }
-        // A whole number of ×8 groups per tile in the ×8 layout (rows are a multiple of 8 there).
-        let unit = if self.x8 { X8_ROWS } else { 1 };
-        let tile = (super::gemm::TILE_ELEMS / cols / unit * unit).clamp(unit, self.rows);
-        let mut w = vec![0f32; tile * cols];
-        for r0 in (0..self.rows).step_by(tile) {
-            let m = tile.min(self.rows - r0);
-            let w = &mut w[..m * cols];
-            w.par_chunks_mut(unit * cols).enumerate().for_each(|(i, rows)| {
-                let r = r0 + i * unit;
-                if self.x8 {
-                    super::group_to_f32(self.dtype, cols, self.group(r), rows);
-                } else {
-                    super::row_to_f32(self.dtype, self.row(r), rows);
+        // Weights dequantized straight into the product's panels: ×8 groups
+        // two per panel, rows one column at a time.
+        let fill = |j0: usize, width: usize, panel: &mut [f32]| {
+            if self.x8 {
+                for h in (0..width).step_by(X8_ROWS) {
+                    super::group_to_panel(self.dtype, cols, self.group(j0 + h), &mut panel[h..], super::PANEL);
                 }
-            });
-            super::gemm::xwt(x, w, (n, m, cols), &mut out[r0..], self.rows, false);
-        }
+                return;
+            }
+            let mut row = vec![0f32; cols];
+            for c in 0..width {
+                super::row_to_f32(self.dtype, self.row(j0 + c), &mut row);
+                for (i, &v) in row.iter().enumerate() {
+                    panel[i * super::PANEL + c] = v;
+                }
+            }
+        };
+        super::gemm::x_fill(x, &fill, (n, self.rows, cols), out, self.rows)
     }
 
     /// Dequantizes row `r` into `out` (`[cols]`).

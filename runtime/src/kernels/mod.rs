@@ -236,6 +236,41 @@ pub fn gemm_x8_f32<const T: usize>(dtype: DType, cols: usize, group: &[u8], xs: 
     }
 }
 
+/// Output columns of one f32 GEMM tile ([`panel_tile`]): two AVX2 registers.
+pub const PANEL: usize = 16;
+
+/// Tokens of the largest f32 GEMM tile: 2 × 6 accumulators, two weight
+/// registers and a broadcast fill 15 of AVX2's 16 registers.
+pub const PANEL_TOKENS: usize = 6;
+
+/// Asserts that `T` rows of `x` (`xs` apart, `depth` used each) and `depth`
+/// panel rows of `w` (`ws` apart, [`PANEL`] used each) lie inside their slices.
+fn check_panel_tile(t: usize, depth: usize, x_len: usize, xs: usize, w_len: usize, ws: usize) {
+    assert!(t >= 1 && ws >= PANEL, "panel tile: {t} tokens, weight stride {ws}");
+    if depth > 0 {
+        assert!(xs >= depth && x_len >= (t - 1) * xs + depth, "panel tile: x has {x_len} elements");
+        assert!(w_len >= (depth - 1) * ws + PANEL, "panel tile: w has {w_len} elements");
+    }
+}
+
+/// One tile of an f32 matrix product: `out[t][j] = Σ_i x[t · xs + i] ·
+/// w[i · ws + j]` for `T` (1 to [`PANEL_TOKENS`]) tokens, rows of `x`
+/// (`[T, depth]` with row stride `xs`), and the [`PANEL`] columns of a
+/// weight panel (`w`: `[depth, PANEL]` with row stride `ws`), in the order
+/// of `portable::panel_tile` (bit for bit in every ISA). The prefill of
+/// Q8_0, f16 and f32 weights (exact activations), through [`gemm`].
+///
+/// Panics if a slice is too short for the shape (a caller bug).
+#[inline]
+pub fn panel_tile<const T: usize>(depth: usize, x: &[f32], xs: usize, w: &[f32], ws: usize) -> [[f32; PANEL]; T] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
+        return unsafe { x86::panel_tile::<T>(depth, x, xs, w, ws) };
+    }
+    portable::panel_tile::<T>(depth, x, xs, w, ws)
+}
+
 /// Attention score `q · k` for a query and one cached key, both `[head_dim]`,
 /// the key in the KV cache's type (`portable::dot_kv` gives the order).
 #[inline]
@@ -549,6 +584,42 @@ pub fn group_to_f32(dtype: DType, cols: usize, group: &[u8], out: &mut [f32]) {
         DType::Q4_0 => portable::dequant_x8_q4_0(group, cols, out),
         DType::Q8_0 => portable::dequant_x8_q8_0(group, cols, out),
         _ => unreachable!("group_to_f32 on {dtype}"),
+    }
+}
+
+/// Asserts that a ×8 group of `cols` elements per row (`gblock` bytes per
+/// column block) and its panel (`out[k · stride + r]`, `k < cols`, `r < 8`)
+/// lie inside their slices.
+fn check_x8_panel(group_len: usize, gblock: usize, cols: usize, out_len: usize, stride: usize) {
+    assert!(cols.is_multiple_of(32) && group_len >= cols / 32 * gblock, "×8 panel: group of {group_len} bytes");
+    let rows = nflash_format::interleave::X8_ROWS;
+    assert!(stride >= rows && (cols == 0 || out_len >= (cols - 1) * stride + rows), "×8 panel: out");
+}
+
+/// Dequantizes one ×8 group of `dtype` (Q4_0 or Q8_0, `cols` elements per
+/// row) into 8 columns of a weight panel: `out[k · stride + r]` = element
+/// `k` of row `r` (`d · q`, the bits of [`group_to_f32`]). Two groups side
+/// by side make a [`PANEL`] of [`panel_tile`] (`stride` = [`PANEL`]), so
+/// the prefill of a ×8 matrix needs no `[rows, cols]` copy.
+///
+/// Panics on another dtype or short slices (caller bugs).
+pub fn group_to_panel(dtype: DType, cols: usize, group: &[u8], out: &mut [f32], stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => x86::dequant_x8_panel_q4_0(group, cols, out, stride),
+                DType::Q8_0 => x86::dequant_x8_panel_q8_0(group, cols, out, stride),
+                _ => unreachable!("group_to_panel on {dtype}"),
+            }
+        }
+        return;
+    }
+    match dtype {
+        DType::Q4_0 => portable::dequant_x8_panel_q4_0(group, cols, out, stride),
+        DType::Q8_0 => portable::dequant_x8_panel_q8_0(group, cols, out, stride),
+        _ => unreachable!("group_to_panel on {dtype}"),
     }
 }
 

@@ -258,6 +258,38 @@ fn dequant_x8(group: &[u8], cols: usize, out: &mut [f32], gblock: usize, value: 
     }
 }
 
+/// One ×8 group into a weight panel: `out[k · stride + r] = d · q` for row
+/// `r < 8` and element `k < cols` (the values of [`dequant_x8`], in the
+/// `[cols, stride]` order of `super::panel_tile`'s weights).
+fn dequant_x8_panel(
+    group: &[u8],
+    cols: usize,
+    out: &mut [f32],
+    stride: usize,
+    gblock: usize,
+    value: fn(&[u8], usize, usize) -> i32,
+) {
+    super::check_x8_panel(group.len(), gblock, cols, out.len(), stride);
+    for (b, blk) in group.chunks_exact(gblock).take(cols / 32).enumerate() {
+        for r in 0..X8_ROWS {
+            let d = f16_le(&blk[2 * r..]);
+            for i in 0..32 {
+                out[(32 * b + i) * stride + r] = d * value(blk, r, i) as f32;
+            }
+        }
+    }
+}
+
+/// One Q4_0×8 group into a weight panel (`out[k · stride + r]`).
+pub fn dequant_x8_panel_q4_0(group: &[u8], cols: usize, out: &mut [f32], stride: usize) {
+    dequant_x8_panel(group, cols, out, stride, Q4_0_X8_BLOCK, q4_x8_value)
+}
+
+/// One Q8_0×8 group into a weight panel (`out[k · stride + r]`).
+pub fn dequant_x8_panel_q8_0(group: &[u8], cols: usize, out: &mut [f32], stride: usize) {
+    dequant_x8_panel(group, cols, out, stride, Q8_0_X8_BLOCK, q8_x8_value)
+}
+
 /// One Q4_0×8 group → its 8 rows in f32 (`out`: `[8, cols]`).
 pub fn dequant_x8_q4_0(group: &[u8], cols: usize, out: &mut [f32]) {
     dequant_x8(group, cols, out, Q4_0_X8_BLOCK, q4_x8_value)
@@ -295,4 +327,32 @@ pub fn axpy_kv<T: Copy + Into<f32>>(a: f32, v: &[T], out: &mut [f32]) {
     for (o, x) in out.iter_mut().zip(v) {
         *o = a.mul_add((*x).into(), *o);
     }
+}
+
+/// One f32 GEMM tile: `out[t][j] = Σ_i x[t · xs + i] · w[i · ws + j]` for
+/// `T` tokens (rows of `x`, `xs` elements apart, `depth` each) and the
+/// [`super::PANEL`] columns of a weight panel (`w`: row `i` of the panel at
+/// `i · ws`). One accumulator per output, `i` ascending, one `mul_add`
+/// (`x · w + acc`) per term: the order the ISA files keep.
+///
+/// Panics if a slice is too short for the shape (a caller bug).
+pub fn panel_tile<const T: usize>(
+    depth: usize,
+    x: &[f32],
+    xs: usize,
+    w: &[f32],
+    ws: usize,
+) -> [[f32; super::PANEL]; T] {
+    super::check_panel_tile(T, depth, x.len(), xs, w.len(), ws);
+    let mut acc = [[0f32; super::PANEL]; T];
+    for i in 0..depth {
+        let wr = &w[i * ws..i * ws + super::PANEL];
+        for (t, a) in acc.iter_mut().enumerate() {
+            let xv = x[t * xs + i];
+            for (a, &wv) in a.iter_mut().zip(wr) {
+                *a = xv.mul_add(wv, *a);
+            }
+        }
+    }
+    acc
 }

@@ -545,7 +545,7 @@ fn row_to_f32_matches_candle_bit_for_bit() {
 /// A ×8 group dequantizes to the bits of its rows in the row layout,
 /// through the dispatched and the portable kernel.
 #[test]
-fn group_to_f32_matches_row_to_f32_bit_for_bit() {
+fn group_to_f32_and_panel_match_row_to_f32_bit_for_bit() {
     let mut seed = 23u32;
     for dt in [DType::Q4_0, DType::Q8_0] {
         let cols = 160;
@@ -565,6 +565,23 @@ fn group_to_f32_matches_row_to_f32_bit_for_bit() {
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&got), bits(&want), "{} {dt}", isa());
         assert_eq!(bits(&port), bits(&want), "portable {dt}");
+        // The panel form: the same values transposed, at column offset 3 of stride 13.
+        for which in ["dispatched", "portable"] {
+            let mut panel = vec![-1f32; cols * 13];
+            let out = &mut panel[3..];
+            match (which, dt) {
+                ("dispatched", _) => group_to_panel(dt, cols, view(&g, 8 * rb), out, 13),
+                (_, DType::Q4_0) => portable::dequant_x8_panel_q4_0(view(&g, 8 * rb), cols, out, 13),
+                _ => portable::dequant_x8_panel_q8_0(view(&g, 8 * rb), cols, out, 13),
+            }
+            for k in 0..cols {
+                for c in 0..13 {
+                    let v = panel[k * 13 + c];
+                    let expect = if (3..11).contains(&c) { want[(c - 3) * cols + k] } else { -1.0 };
+                    assert_eq!(v.to_bits(), expect.to_bits(), "{which} {} {dt} panel ({k}, {c})", isa());
+                }
+            }
+        }
     }
 }
 
@@ -604,6 +621,84 @@ fn gemm_x8_f32_matches_portable_and_f64() {
                 let norm: f64 = w.iter().zip(&xs[6]).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
                 let got = all8[6][i] as f64;
                 assert!((got - want).abs() <= 1e-5 * norm.max(1e-3), "{dt} row {i}: {got} vs {want}");
+            }
+        }
+    }
+}
+
+#[test]
+fn panel_tile_matches_portable_bit_for_bit_and_f64() {
+    let mut seed = 77u32;
+    for depth in [0usize, 1, 7, 64, 577] {
+        for ws in [PANEL, PANEL + 3] {
+            let xs = depth + 5;
+            let x = rnd_vec(&mut seed, PANEL_TOKENS * xs, 2.0);
+            let w = rnd_vec(&mut seed, depth.max(1) * ws, 1.0);
+            let bits = |v: &[[f32; PANEL]]| v.iter().flat_map(|r| r.map(f32::to_bits)).collect::<Vec<u32>>();
+            let want = portable::panel_tile::<PANEL_TOKENS>(depth, &x, xs, &w, ws);
+            assert_eq!(
+                bits(&panel_tile::<PANEL_TOKENS>(depth, &x, xs, &w, ws)),
+                bits(&want),
+                "{} depth {depth}",
+                isa()
+            );
+            // Fewer tokens give each token the same bits.
+            assert_eq!(bits(&panel_tile::<1>(depth, &x[3 * xs..], xs, &w, ws)), bits(&want[3..4]), "1 token");
+            assert_eq!(bits(&panel_tile::<5>(depth, &x, xs, &w, ws)), bits(&want[..5]), "5 tokens");
+            for (t, row) in want.iter().enumerate() {
+                for (j, &got) in row.iter().enumerate() {
+                    let terms = (0..depth).map(|i| x[t * xs + i] as f64 * w[i * ws + j] as f64);
+                    let (sum, norm): (f64, f64) = terms.fold((0.0, 0.0), |(s, a), v| (s + v, a + v.abs()));
+                    assert!(
+                        (got as f64 - sum).abs() <= 1e-6 * norm.max(1e-3),
+                        "depth {depth} ({t}, {j}): {got} vs {sum}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn f32_products_give_each_token_the_bits_of_its_own_tile() {
+    // Column counts that leave a partial panel and a partial task, token
+    // counts that leave a partial tile; each output must be the tile sum of
+    // that token alone, whatever the batch and the thread count.
+    let mut seed = 5u32;
+    for (n, m, k) in [(1usize, 16usize, 32usize), (7, 37, 20), (13, 100, 3), (6, 192, 64)] {
+        let x = rnd_vec(&mut seed, n * k, 1.5);
+        let w = rnd_vec(&mut seed, m * k, 1.0); // [m, k]
+        let mut out = vec![0.25f32; n * (m + 3)];
+        gemm::xwt(&x, &w, (n, m, k), &mut out[1..], m + 3, false);
+        let mut wt = vec![0f32; k * PANEL]; // one column's weights in panel order
+        for j in 0..m {
+            wt.iter_mut().for_each(|v| *v = 0.0);
+            for i in 0..k {
+                wt[i * PANEL] = w[j * k + i];
+            }
+            for t in 0..n {
+                let alone = panel_tile::<1>(k, &x[t * k..], k, &wt, PANEL)[0][0];
+                assert_eq!(out[t * (m + 3) + 1 + j].to_bits(), alone.to_bits(), "xwt ({n}, {m}, {k}) at ({t}, {j})");
+            }
+        }
+        assert_eq!(out[0], 0.25, "the column before the product");
+        // aw: a [n, m] · w [m, k] added to out [n, k].
+        let a = rnd_vec(&mut seed, n * m, 1.0);
+        let base = rnd_vec(&mut seed, n * k, 1.0);
+        let mut o = base.clone();
+        gemm::aw(&a, &w, (n, m, k), &mut o, true);
+        let mut col = vec![0f32; m * PANEL];
+        for c in 0..k {
+            for i in 0..m {
+                col[i * PANEL] = w[i * k + c];
+            }
+            for t in 0..n {
+                let alone = panel_tile::<1>(m, &a[t * m..], m, &col, PANEL)[0][0];
+                assert_eq!(
+                    o[t * k + c].to_bits(),
+                    (base[t * k + c] + alone).to_bits(),
+                    "aw ({n}, {m}, {k}) at ({t}, {c})"
+                );
             }
         }
     }

@@ -983,3 +983,114 @@ pub unsafe fn dequant_x8_q4_0(group: &[u8], cols: usize, out: &mut [f32]) {
 pub unsafe fn dequant_x8_q8_0(group: &[u8], cols: usize, out: &mut [f32]) {
     dequant_x8::<Q8Row>(group, cols, out)
 }
+
+/// One f32 GEMM tile, `T` tokens × 16 panel columns (the order of
+/// `portable::panel_tile`: a fused multiply-add per term, `i` ascending):
+/// two 8-column accumulators per token, each weight row loaded once for
+/// all `T` tokens and each activation broadcast once for both halves.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn panel_tile<const T: usize>(
+    depth: usize,
+    x: &[f32],
+    xs: usize,
+    w: &[f32],
+    ws: usize,
+) -> [[f32; super::PANEL]; T] {
+    super::check_panel_tile(T, depth, x.len(), xs, w.len(), ws);
+    let mut acc = [[_mm256_setzero_ps(); 2]; T];
+    let xp: [*const f32; T] = std::array::from_fn(|t| x.as_ptr().add(t * xs));
+    for i in 0..depth {
+        let wp = w.as_ptr().add(i * ws);
+        let (w0, w1) = (_mm256_loadu_ps(wp), _mm256_loadu_ps(wp.add(8)));
+        for t in 0..T {
+            let b = _mm256_broadcast_ss(&*xp[t].add(i));
+            acc[t][0] = _mm256_fmadd_ps(b, w0, acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(b, w1, acc[t][1]);
+        }
+    }
+    let mut out = [[0f32; super::PANEL]; T];
+    for (o, a) in out.iter_mut().zip(acc) {
+        _mm256_storeu_ps(o.as_mut_ptr(), a[0]);
+        _mm256_storeu_ps(o.as_mut_ptr().add(8), a[1]);
+    }
+    out
+}
+
+/// The 8 × 8 transpose of `r` (`out[j]` lane `i` = `r[i]` lane `j`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t = [
+        _mm256_unpacklo_ps(r[0], r[1]),
+        _mm256_unpackhi_ps(r[0], r[1]),
+        _mm256_unpacklo_ps(r[2], r[3]),
+        _mm256_unpackhi_ps(r[2], r[3]),
+        _mm256_unpacklo_ps(r[4], r[5]),
+        _mm256_unpackhi_ps(r[4], r[5]),
+        _mm256_unpacklo_ps(r[6], r[7]),
+        _mm256_unpackhi_ps(r[6], r[7]),
+    ];
+    let s = [
+        _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+        _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+        _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+        _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+        _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+        _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+        _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+        _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+    ];
+    [
+        _mm256_permute2f128_ps::<0x20>(s[0], s[4]),
+        _mm256_permute2f128_ps::<0x20>(s[1], s[5]),
+        _mm256_permute2f128_ps::<0x20>(s[2], s[6]),
+        _mm256_permute2f128_ps::<0x20>(s[3], s[7]),
+        _mm256_permute2f128_ps::<0x31>(s[0], s[4]),
+        _mm256_permute2f128_ps::<0x31>(s[1], s[5]),
+        _mm256_permute2f128_ps::<0x31>(s[2], s[6]),
+        _mm256_permute2f128_ps::<0x31>(s[3], s[7]),
+    ]
+}
+
+/// Dequantizes one ×8 group into a weight panel: `out[k · stride + r]` =
+/// element `k` of row `r` (the values of [`dequant_x8`], 8 × 8 transposed).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_x8_panel<B: RowBlock>(group: &[u8], cols: usize, out: &mut [f32], stride: usize) {
+    super::check_x8_panel(group.len(), B::X8_BLOCK, cols, out.len(), stride);
+    let o = out.as_mut_ptr();
+    for b in 0..cols / 32 {
+        let p = group.as_ptr().add(b * B::X8_BLOCK);
+        let mut d = [0f32; X8_ROWS];
+        _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)));
+        let parts = B::x8_rows(p);
+        for k in 0..4 {
+            let rows: [__m256; X8_ROWS] =
+                std::array::from_fn(|r| _mm256_mul_ps(_mm256_set1_ps(d[r]), part_f32(parts[r][k])));
+            for (j, v) in transpose8(rows).into_iter().enumerate() {
+                _mm256_storeu_ps(o.add((32 * b + 8 * k + j) * stride), v);
+            }
+        }
+    }
+}
+
+/// One Q4_0×8 group into a weight panel (`out[k · stride + r]`).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_x8_panel_q4_0(group: &[u8], cols: usize, out: &mut [f32], stride: usize) {
+    dequant_x8_panel::<Q4Row>(group, cols, out, stride)
+}
+
+/// One Q8_0×8 group into a weight panel (`out[k · stride + r]`).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_x8_panel_q8_0(group: &[u8], cols: usize, out: &mut [f32], stride: usize) {
+    dequant_x8_panel::<Q8Row>(group, cols, out, stride)
+}

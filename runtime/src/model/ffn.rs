@@ -395,6 +395,14 @@ fn keeps(gate: Option<(Criterion, f32)>, a: f32) -> bool {
 /// One neuron's gate row, up row and down column (row layout).
 type Bundle<'a> = (&'a [u8], &'a [u8], &'a [u8]);
 
+/// The bytes of one group of bundles ([`Ffn::group_weights`]).
+enum GroupWeights<'a> {
+    /// A full ×8 group: its gate, up and down ×8 groups (SPEC §5.1).
+    X8(&'a [u8]),
+    /// Bundles in the row layout.
+    Rows(Vec<Bundle<'a>>),
+}
+
 /// The neurons a decode step computes.
 #[derive(Clone, Copy)]
 pub enum Selection<'s> {
@@ -476,9 +484,9 @@ impl Ffn {
         let tile = (tile_elems / h).max(1);
         let mut group: Vec<&NeuronCluster> = Vec::new();
         let mut acc = vec![0f32; n * h];
-        // Buffers reused by every tile: dequantized gate, up, down rows `[m, hidden]`
-        // and the products `[n, m]`.
-        let (mut wg, mut wu, mut wd, mut g, mut u) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // Buffers reused by every tile: dequantized down rows `[m, hidden]` and
+        // the gate and up products `[n, m]`.
+        let (mut wd, mut g, mut u) = (Vec::new(), Vec::new(), Vec::new());
         let mut flush = |group: &mut Vec<&NeuronCluster>| -> crate::error::Result<()> {
             if group.is_empty() {
                 return Ok(());
@@ -492,13 +500,13 @@ impl Ffn {
             if let Some(acts) = acts {
                 self.gate_up_gemm(src, acts, p0, m, &mut g, &mut u)?;
             } else {
-                for v in [&mut wg, &mut wu] {
-                    v.resize(m * h, 0.0);
+                // Gate and up rows dequantized straight into the products' panels.
+                let weights = self.group_weights(src, p0, m)?;
+                for (which, out) in [(0, &mut g), (1, &mut u)] {
+                    let fill =
+                        |j0: usize, width: usize, panel: &mut [f32]| self.fill_panel(&weights, which, j0, width, panel);
+                    crate::kernels::gemm::x_fill(x, &fill, (n, m, h), out, m); // [n, m]
                 }
-                self.rows_f32(src, p0, m, 0, &mut wg[..m * h])?;
-                self.rows_f32(src, p0, m, 1, &mut wu[..m * h])?;
-                crate::kernels::gemm::xwt(x, &wg, (n, m, h), &mut g, m, false); // [n, m]
-                crate::kernels::gemm::xwt(x, &wu, (n, m, h), &mut u, m, false); // [n, m]
             }
             wd.resize(m * h, 0.0);
             self.rows_f32(src, p0, m, 2, &mut wd[..m * h])?;
@@ -622,6 +630,85 @@ impl Ffn {
             }
         }
         groups
+    }
+
+    /// The weights of the `m` neurons at packed positions `p0 ..` (whole
+    /// clusters), group by group ([`Self::groups`]), waiting for their reads:
+    /// (first position relative to `p0`, neurons, weights).
+    ///
+    /// # Errors
+    /// A failed cluster read ([`crate::Error::ClusterRead`]).
+    fn group_weights<'c>(
+        &self,
+        src: &LayerClusters<'c>,
+        p0: usize,
+        m: usize,
+    ) -> Result<Vec<(usize, usize, GroupWeights<'c>)>> {
+        let gbytes = X8_ROWS * self.layout.row_bytes as usize;
+        let mut cur = None;
+        let mut out = Vec::new();
+        for (j0, k) in self.groups(p0, m) {
+            let w = if self.in_x8_group(src, p0 + j0) {
+                let bytes = self.cluster_bytes(src, &mut cur, p0 + j0)?;
+                GroupWeights::X8(&bytes[self.offsets[p0 + j0] as usize..][..3 * gbytes])
+            } else {
+                GroupWeights::Rows((0..k).map(|i| self.bundle_at(src, &mut cur, p0 + j0 + i)).collect::<Result<_>>()?)
+            };
+            out.push((j0, k, w));
+        }
+        Ok(out)
+    }
+
+    /// Row `which` (0 gate, 1 up) of neurons `j0 .. j0 + width` of
+    /// `weights` ([`Self::group_weights`]) into a panel of
+    /// `kernels::gemm` (`panel[i * PANEL + c]` = element `i` of neuron
+    /// `j0 + c`): a ×8 group straight from its bytes
+    /// (`kernels::group_to_panel`; through 8 columns of its own when it
+    /// crosses the panel's edge), other neurons one row at a time.
+    fn fill_panel(
+        &self,
+        weights: &[(usize, usize, GroupWeights)],
+        which: usize,
+        j0: usize,
+        width: usize,
+        panel: &mut [f32],
+    ) {
+        use crate::kernels::PANEL;
+        let (h, dt) = (self.hidden, self.layout.dtype);
+        let gbytes = X8_ROWS * self.layout.row_bytes as usize;
+        let mut row = Vec::new();
+        let first = weights.partition_point(|(g0, k, _)| g0 + k <= j0);
+        for (g0, k, w) in weights[first..].iter().take_while(|(g0, _, _)| *g0 < j0 + width) {
+            let (g0, k) = (*g0, *k);
+            match w {
+                GroupWeights::X8(b) if g0 >= j0 && g0 + X8_ROWS <= j0 + width => {
+                    crate::kernels::group_to_panel(dt, h, &b[which * gbytes..][..gbytes], &mut panel[g0 - j0..], PANEL);
+                    continue;
+                }
+                GroupWeights::X8(b) => {
+                    // Across the panel's edge: its own 8 columns, then the part inside.
+                    row.resize(X8_ROWS * h, 0.0);
+                    crate::kernels::group_to_panel(dt, h, &b[which * gbytes..][..gbytes], &mut row, X8_ROWS);
+                    let (lo, hi) = (g0.max(j0), (g0 + k).min(j0 + width));
+                    for (prow, grow) in panel.chunks_exact_mut(PANEL).zip(row.chunks_exact(X8_ROWS)) {
+                        prow[lo - j0..hi - j0].copy_from_slice(&grow[lo - g0..hi - g0]);
+                    }
+                    continue;
+                }
+                GroupWeights::Rows(r) => {
+                    row.resize(k * h, 0.0);
+                    for (bundle, o) in r.iter().zip(row.chunks_exact_mut(h)) {
+                        row_to_f32(dt, [bundle.0, bundle.1][which], o);
+                    }
+                }
+            }
+            for j in g0.max(j0)..(g0 + k).min(j0 + width) {
+                let src_row = &row[(j - g0) * h..(j - g0 + 1) * h];
+                for (i, &v) in src_row.iter().enumerate() {
+                    panel[i * PANEL + j - j0] = v;
+                }
+            }
+        }
     }
 
     /// Row `which` (0 gate, 1 up, 2 down column) of the `m` neurons at
@@ -788,11 +875,16 @@ mod tests {
                 let nb = ffn.forward_token(&x8.view(), &xin, sel, gate, &mut s, &mut b).unwrap();
                 assert_eq!((na, a), (nb, b), "{dt} decode case {k}");
             }
-            let xs = values(62, 6 * h);
-            let (mut a, mut b) = (vec![0f32; 6 * h], vec![0f32; 6 * h]);
-            ffn.forward_batch(&rows.view(), &xs, None, 16 * h, &mut a).unwrap();
-            ffn.forward_batch(&x8.view(), &xs, None, 16 * h, &mut b).unwrap();
-            assert_eq!(a, b, "{dt} prefill");
+            // Short prefill, and a long one whose f32 panels (Q8_0) take
+            // ×8 groups whole, across a panel's edge (positions 13..21) and
+            // row by row; tiles of one cluster and of four.
+            for (t, tile) in [(6, 16), (DIRECT_F32_TOKENS + 3, 64)] {
+                let xs = values(62, t * h);
+                let (mut a, mut b) = (vec![0f32; t * h], vec![0f32; t * h]);
+                ffn.forward_batch(&rows.view(), &xs, None, tile * h, &mut a).unwrap();
+                ffn.forward_batch(&x8.view(), &xs, None, tile * h, &mut b).unwrap();
+                assert_eq!(a, b, "{dt} prefill of {t} tokens");
+            }
         }
     }
 
