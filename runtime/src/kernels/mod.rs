@@ -7,7 +7,8 @@
 //! - [`matrix`]: [`QMatrix`], a typed view of packed weights, the parallel
 //!   matrix-vector products over it and the quantized GEMM of prefill;
 //! - [`gemm`]: f32 matrix products of batches (prefill of Q8_0/f16/f32
-//!   weights and the FFN down projection), through the `gemm` crate.
+//!   weights and the FFN down projection) over weight panels, by
+//!   [`panel_tile`].
 //!
 //! The functions in this file pick a kernel at run time from the CPU's
 //! features (`is_x86_feature_detected!`, cached by std), as candle's

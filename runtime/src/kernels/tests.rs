@@ -400,7 +400,7 @@ fn x8_layout_matches_the_row_layout_bit_for_bit() {
             }
         }
         // f32 activations: a short batch goes through gemm_x8_f32 in either
-        // layout (the same bits), a long one through the gemm crate (f32
+        // layout (the same bits), a long one through f32 panels (f32
         // rounding apart).
         for n in [1, 5, 9, matrix::DIRECT_F32_TOKENS + 3] {
             let x = rnd_vec(&mut seed, n * cols, 2.0);

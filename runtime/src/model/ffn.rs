@@ -946,7 +946,7 @@ mod tests {
     }
 
     /// A short Q8_0 prompt (exact f32 tokens against ×8 groups) agrees with
-    /// a long one (weights dequantized, `gemm` crate) on the same tokens to
+    /// a long one (weights dequantized into f32 panels) on the same tokens to
     /// f32 rounding, with hot ×8 clusters and row-layout ones.
     #[test]
     fn short_q8_0_prefill_matches_the_dequantized_matmul() {
