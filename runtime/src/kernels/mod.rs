@@ -272,6 +272,26 @@ pub fn panel_tile<const T: usize>(depth: usize, x: &[f32], xs: usize, w: &[f32],
     portable::panel_tile::<T>(depth, x, xs, w, ws)
 }
 
+/// `e^x` in f32: [`portable::exp`] (computed in f64 and rounded once: the
+/// correctly rounded value but within about 1e-5 of a tie, as glibc's
+/// `expf`; NaN for NaN). One formula on every path, scalar here and 8 lanes
+/// at a time in [`exp_slice`], so the SiLU of a neuron and a softmax give
+/// the same bits in decode and prefill.
+#[inline]
+pub fn exp(x: f32) -> f32 {
+    portable::exp(x)
+}
+
+/// `x[i] = e^{x[i]}` with the bits of [`exp`] for each element.
+pub fn exp_slice(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above.
+        return unsafe { x86::exp_slice(x) };
+    }
+    portable::exp_slice(x)
+}
+
 /// Attention score `q · k` for a query and one cached key, both `[head_dim]`,
 /// the key in the KV cache's type (`portable::dot_kv` gives the order).
 #[inline]

@@ -356,3 +356,58 @@ pub fn panel_tile<const T: usize>(
     }
     acc
 }
+
+/// Inputs are clamped to this range first (`e^x` rounds to 0 in f32 below
+/// it and to `+inf` above it); NaN passes through.
+pub(crate) const EXP_RANGE: (f64, f64) = (-104.0, 89.0);
+/// log2(e).
+pub(crate) const LOG2E: f64 = std::f64::consts::LOG2_E;
+/// ln 2 in two parts, fdlibm's `ln2HI` (its low 21 mantissa bits zero, so
+/// `n · LN2_HI` is exact) and `ln2LO`, by their bits.
+pub(crate) const LN2_HI: f64 = f64::from_bits(0x3FE6_2E42_FEE0_0000);
+pub(crate) const LN2_LO: f64 = f64::from_bits(0x3DEA_39EF_3579_3C76);
+/// `1/k!` for k = 10 down to 0: Taylor's polynomial of `e^r` on
+/// |r| ≤ ln2/2, relative error below 3e-13.
+pub(crate) const EXP_TAYLOR: [f64; 11] = [
+    1.0 / 3_628_800.0,
+    1.0 / 362_880.0,
+    1.0 / 40_320.0,
+    1.0 / 5_040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+
+/// `e^x` for f32 computed in f64 and rounded once, so it is the correctly
+/// rounded value except within about 1e-5 of a rounding tie (as glibc's
+/// `expf`, which also works in double): `n = round(x · log2 e)`, `r = x −
+/// n · ln 2` in two fused steps, Taylor's polynomial to degree 10 by fused
+/// multiply-adds, times `2^n` (exact), then rounded to f32. The ISA files
+/// compute the same operations lane by lane, so softmax and SiLU give the
+/// same bits on every path.
+#[inline]
+pub fn exp(x: f32) -> f32 {
+    // Comparisons that keep NaN, as the SIMD max/min with these operand orders.
+    let x = x as f64;
+    let x = if EXP_RANGE.0 > x { EXP_RANGE.0 } else { x };
+    let x = if EXP_RANGE.1 < x { EXP_RANGE.1 } else { x };
+    let n = (x * LOG2E).round_ties_even();
+    let r = (-n).mul_add(LN2_HI, x);
+    let r = (-n).mul_add(LN2_LO, r);
+    let mut p = EXP_TAYLOR[0];
+    for c in &EXP_TAYLOR[1..] {
+        p = p.mul_add(r, *c);
+    }
+    // 2^n from its bits (n in -150..=129 here); NaN: n = 0, p is NaN.
+    let n = if n.is_nan() { 0 } else { n as i64 };
+    (p * f64::from_bits(((n + 1023) as u64) << 52)) as f32
+}
+
+/// `x[i] = e^{x[i]}` by [`exp`].
+pub fn exp_slice(x: &mut [f32]) {
+    x.iter_mut().for_each(|v| *v = exp(*v));
+}

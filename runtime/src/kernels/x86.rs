@@ -1094,3 +1094,48 @@ pub unsafe fn dequant_x8_panel_q4_0(group: &[u8], cols: usize, out: &mut [f32], 
 pub unsafe fn dequant_x8_panel_q8_0(group: &[u8], cols: usize, out: &mut [f32], stride: usize) {
     dequant_x8_panel::<Q8Row>(group, cols, out, stride)
 }
+
+/// [`super::portable::exp`] on 4 f64 lanes, operation for operation.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp4_pd(x: __m256d) -> __m256d {
+    use super::portable::{EXP_RANGE, EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E};
+    // max/min return their second operand when either is NaN: NaN stays.
+    let x = _mm256_min_pd(_mm256_set1_pd(EXP_RANGE.1), _mm256_max_pd(_mm256_set1_pd(EXP_RANGE.0), x));
+    let n =
+        _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_pd(x, _mm256_set1_pd(LOG2E)));
+    let r = _mm256_fnmadd_pd(n, _mm256_set1_pd(LN2_HI), x);
+    let r = _mm256_fnmadd_pd(n, _mm256_set1_pd(LN2_LO), r);
+    let mut p = _mm256_set1_pd(EXP_TAYLOR[0]);
+    for c in &EXP_TAYLOR[1..] {
+        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(*c));
+    }
+    // 2^n: n + 1.5·2^52 holds 2^51 + n in its low mantissa bits; add
+    // 1023 − 2^51 and shift the result into the exponent field. (A NaN lane
+    // gives some power of two; p is NaN there.)
+    let magic = _mm256_castpd_si256(_mm256_add_pd(n, _mm256_set1_pd(6_755_399_441_055_744.0)));
+    let e = _mm256_slli_epi64::<52>(_mm256_add_epi64(magic, _mm256_set1_epi64x(1023 - (1 << 51))));
+    _mm256_mul_pd(p, _mm256_castsi256_pd(e))
+}
+
+/// [`super::portable::exp`] on 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let lo = _mm256_cvtpd_ps(exp4_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x))));
+    let hi = _mm256_cvtpd_ps(exp4_pd(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x))));
+    _mm256_set_m128(hi, lo)
+}
+
+/// `x[i] = e^{x[i]}`, the bits of `portable::exp` lane by lane.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn exp_slice(x: &mut [f32]) {
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        _mm256_storeu_ps(c.as_mut_ptr(), exp8(_mm256_loadu_ps(c.as_ptr())));
+    }
+    chunks.into_remainder().iter_mut().for_each(|v| *v = super::portable::exp(*v));
+}

@@ -10,7 +10,7 @@
 use nflash_format::{Activation, BundleLayout, Criterion, FfnLayer, NeuronCluster};
 use rayon::prelude::*;
 
-use super::ops::neuron_output;
+use super::ops::{neuron_output, neuron_outputs};
 use super::predictor::{criterion_value, LayerCounts};
 use super::source::LayerClusters;
 use crate::error::Result;
@@ -258,12 +258,13 @@ impl Ffn {
         let grp = &bytes[self.offsets[g0] as usize..][..3 * m];
         let [g] = gemm_x8(dt, h, &grp[..m], [y]);
         let [u] = gemm_x8(dt, h, &grp[m..2 * m], [y]);
+        let out = self.outputs_x8(g0, g, u);
         let (mut a, mut kept) = ([0f32; X8_ROWS], 0u8);
         for r in (0..X8_ROWS).filter(|r| mask & (1 << r) != 0) {
             if !self.passes_gate(gate, g0 + r, g[r]) {
                 continue;
             }
-            let v = self.output(g0 + r, g[r], u[r]);
+            let v = out[r];
             if keeps(gate, v) {
                 a[r] = v;
                 kept |= 1 << r;
@@ -280,6 +281,16 @@ impl Ffn {
     #[inline]
     fn output(&self, p: usize, g: f32, u: f32) -> f32 {
         neuron_output(self.act, g + bias(&self.gate_bias, p), u + bias(&self.up_bias, p))
+    }
+
+    /// [`Self::output`] of the 8 neurons at packed positions `g0 ..` from
+    /// their gate and up dots, the activation 8 lanes at a time.
+    #[inline]
+    fn outputs_x8(&self, g0: usize, g: [f32; X8_ROWS], u: [f32; X8_ROWS]) -> [f32; X8_ROWS] {
+        let mut a: [f32; X8_ROWS] = std::array::from_fn(|r| g[r] + bias(&self.gate_bias, g0 + r));
+        let ub: [f32; X8_ROWS] = std::array::from_fn(|r| u[r] + bias(&self.up_bias, g0 + r));
+        neuron_outputs(self.act, &mut a, &ub);
+        a
     }
 
     /// Whether the `Gate` criterion of `gate`, if it is that one, leaves the
@@ -510,26 +521,31 @@ impl Ffn {
             }
             wd.resize(m * h, 0.0);
             self.rows_f32(src, p0, m, 2, &mut wd[..m * h])?;
-            let (a, u) = (&mut g[..n * m], &u[..n * m]);
+            let (a, u) = (&mut g[..n * m], &mut u[..n * m]);
             let wd = &wd[..m * h];
-            for (t, (row_a, row_u)) in a.chunks_exact_mut(m).zip(u.chunks_exact(m)).enumerate() {
-                for (j, (av, uv)) in row_a.iter_mut().zip(row_u).enumerate() {
-                    let (bg, bu) = (bias(&self.gate_bias, p0 + j), bias(&self.up_bias, p0 + j));
-                    let (gv, uv) = (*av + bg, uv + bu);
+            for (t, (row_a, row_u)) in a.chunks_exact_mut(m).zip(u.chunks_exact_mut(m)).enumerate() {
+                for (j, (av, uv)) in row_a.iter_mut().zip(row_u.iter_mut()).enumerate() {
+                    *av += bias(&self.gate_bias, p0 + j);
+                    *uv += bias(&self.up_bias, p0 + j);
+                }
+                let Some(mk) = mask else {
+                    neuron_outputs(self.act, row_a, row_u);
+                    continue;
+                };
+                for (j, (av, &uv)) in row_a.iter_mut().zip(row_u.iter()).enumerate() {
+                    let gv = *av;
                     *av = neuron_output(self.act, gv, uv);
-                    if let Some(mk) = mask {
-                        // NaN counts as active, so damaged weights reach the output and are reported.
-                        let v = criterion_value(mk.criterion, self.act, gv, uv);
-                        let active = v > mk.threshold || v.is_nan();
-                        let read = mk.predicted.as_ref().is_none_or(|p| p[t * self.n_neurons() + p0 + j]);
-                        counts.neurons += 1;
-                        counts.read += read as u64;
-                        counts.active += active as u64;
-                        counts.hit += (read && active) as u64;
-                        counts.computed += (read && active) as u64;
-                        if !(read && active) {
-                            *av = 0.0;
-                        }
+                    // NaN counts as active, so damaged weights reach the output and are reported.
+                    let v = criterion_value(mk.criterion, self.act, gv, uv);
+                    let active = v > mk.threshold || v.is_nan();
+                    let read = mk.predicted.as_ref().is_none_or(|p| p[t * self.n_neurons() + p0 + j]);
+                    counts.neurons += 1;
+                    counts.read += read as u64;
+                    counts.active += active as u64;
+                    counts.hit += (read && active) as u64;
+                    counts.computed += (read && active) as u64;
+                    if !(read && active) {
+                        *av = 0.0;
                     }
                 }
             }

@@ -12,23 +12,22 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// In-place softmax over `x`.
+/// In-place softmax over `x` (`e^x` by `kernels::exp_slice`, 8 lanes at a time).
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
+    x.iter_mut().for_each(|v| *v -= max);
+    crate::kernels::exp_slice(x);
+    let sum: f32 = x.iter().sum();
     let inv = 1.0 / sum;
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// Applies the FFN activation to a gate projection output.
+/// Applies the FFN activation to a gate projection output (SiLU's `e^x`:
+/// `kernels::exp`, the same bits on every path).
 #[inline]
 pub fn activate(act: Activation, x: f32) -> f32 {
     match act {
-        Activation::Silu => x / (1.0 + (-x).exp()),
+        Activation::Silu => x / (1.0 + crate::kernels::exp(-x)),
         Activation::Relu | Activation::DRelu => x.max(0.0),
         Activation::Gelu => 0.5 * x * (1.0 + erf(x / std::f32::consts::SQRT_2)),
         Activation::GeluTanh => {
@@ -53,6 +52,26 @@ pub fn activate_up(act: Activation, u: f32) -> f32 {
 #[inline]
 pub fn neuron_output(act: Activation, g: f32, u: f32) -> f32 {
     activate(act, g) * activate_up(act, u)
+}
+
+/// [`neuron_output`] over a row: `g[j] = act(g[j]) · act_up(u[j])` (`g`,
+/// `u`: `[m]` pre-activations, biases included), with the bits of
+/// [`neuron_output`] per element; SiLU takes its `e^x` 8 lanes at a time
+/// (`kernels::exp_slice`).
+pub fn neuron_outputs(act: Activation, g: &mut [f32], u: &[f32]) {
+    if act != Activation::Silu {
+        g.iter_mut().zip(u).for_each(|(g, &u)| *g = neuron_output(act, *g, u));
+        return;
+    }
+    let mut e = [0f32; 64];
+    for (g, u) in g.chunks_mut(64).zip(u.chunks(64)) {
+        let e = &mut e[..g.len()];
+        e.iter_mut().zip(g.iter()).for_each(|(e, g)| *e = -g);
+        crate::kernels::exp_slice(e);
+        for ((g, &u), &e) in g.iter_mut().zip(u).zip(e.iter()) {
+            *g = *g / (1.0 + e) * u;
+        }
+    }
 }
 
 /// erf with max error 1.5e-7 (Abramowitz–Stegun 7.1.26), in f64 internally.
@@ -150,6 +169,20 @@ mod tests {
         softmax(&mut x);
         assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
         assert!(x[3] == 0.0 && x[2] > x[1]);
+    }
+
+    #[test]
+    fn a_row_of_neuron_outputs_has_the_bits_of_each_neuron() {
+        let g: Vec<f32> = (0..77).map(|i| (i as f32 - 38.0) * 0.7).chain([f32::NAN, -100.0, 100.0]).collect();
+        let u: Vec<f32> = g.iter().map(|v| 0.3 - v * 0.5).collect();
+        for act in [Activation::Silu, Activation::Relu, Activation::DRelu, Activation::Gelu, Activation::GeluTanh] {
+            let mut row = g.clone();
+            neuron_outputs(act, &mut row, &u);
+            for (j, (&r, (&gv, &uv))) in row.iter().zip(g.iter().zip(&u)).enumerate() {
+                let want = neuron_output(act, gv, uv);
+                assert!(r.to_bits() == want.to_bits() || (r.is_nan() && want.is_nan()), "{act:?} {j}: {r} vs {want}");
+            }
+        }
     }
 
     #[test]
