@@ -3,7 +3,7 @@
 //! tiles ([`super::panel_tile`]: [`PANEL`] output columns × up to
 //! [`PANEL_TOKENS`] tokens per call). Weights are cut into panels of
 //! [`PANEL`] output columns, each written once into `[depth, PANEL]` order
-//! (copied, transposed, or dequantized there by the caller: [`x_fill`]);
+//! (copied, or dequantized there by the caller: [`x_fill`]);
 //! activations are read in place, so nothing is packed per token. Rayon tasks take runs of panels, each against every
 //! token. Quantized weights are dequantized tile by tile by the callers, so
 //! the extra memory stays at one tile (about [`TILE_ELEMS`] × 4 bytes).
@@ -37,7 +37,7 @@ enum Weights<'a> {
     /// At `w[i * stride + j]`: rows run along the depth; copied panel by
     /// panel (read in place, each step of the depth touched a new cache line).
     Cols(&'a [f32], usize),
-    /// Written panel by panel by the caller (dequantized, or transposed
+    /// Written panel by panel by the caller (dequantized, or copied
     /// from rows that are output features).
     Fill(FillPanel<'a>),
 }
@@ -119,12 +119,11 @@ fn product(
     (0..panels.div_ceil(per_task)).into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<f32>, task| {
         let p0 = task * per_task;
         let p1 = (p0 + per_task).min(panels);
-        // The task's panels, packed `[depth, PANEL]` one after another: (first column, width, index).
+        // The task's panels p0 .. p1, packed `[depth, PANEL]` one after another.
+        let span = |p: usize| (p * PANEL, PANEL.min(cols - p * PANEL)); // (first column, width)
         buf.resize((p1 - p0) * depth * PANEL, 0.0);
-        let mut own: Vec<(usize, usize, usize)> = Vec::with_capacity(p1 - p0);
-        for (k, p) in (p0..p1).enumerate() {
-            let (j0, width) = (p * PANEL, PANEL.min(cols - p * PANEL));
-            let panel = &mut buf[k * depth * PANEL..(k + 1) * depth * PANEL];
+        for (panel, p) in buf.chunks_exact_mut(depth * PANEL).zip(p0..p1) {
+            let (j0, width) = span(p);
             // Columns past `width` are left as they are: no output reads them.
             match w {
                 Weights::Cols(w, s) => {
@@ -134,13 +133,13 @@ fn product(
                 }
                 Weights::Fill(fill) => fill(j0, width, panel),
             }
-            own.push((j0, width, k));
         }
         for t0 in (0..n).step_by(PANEL_TOKENS) {
             let nt = PANEL_TOKENS.min(n - t0);
             let xt = &x[t0 * depth..(t0 + nt) * depth];
-            for &(j0, width, k) in &own {
-                let r = tile(nt, depth, xt, xs, &buf[k * depth * PANEL..(k + 1) * depth * PANEL], PANEL);
+            for (panel, p) in buf.chunks_exact(depth * PANEL).zip(p0..p1) {
+                let (j0, width) = span(p);
+                let r = tile(nt, depth, xt, xs, panel, PANEL);
                 for (t, rt) in r[..nt].iter().enumerate() {
                     // SAFETY: row t0 + t < n and columns j0 .. j0 + width ≤
                     // cols lie inside `dst` (asserted above); this task alone
@@ -157,40 +156,33 @@ fn product(
     });
 }
 
-/// `out[t, j] (+)= Σ_i x[t, i] · w[j, i]`: `x` `[n, k]`, `w` `[m, k]` (rows
-/// are output features), `out` rows `out_stride` elements apart, `m` used
-/// (`out[t * out_stride + j]`, `j < m`). With `accumulate` the product is
-/// added to `out`, else it replaces it.
+/// Writes `values` (`[depth]`: the weights of one output feature, such as a
+/// dequantized row) as column `c` of a panel: `panel[i * PANEL + c]`.
+///
+/// Panics if the panel is shorter than `values` (a caller bug).
+pub fn set_panel_column(panel: &mut [f32], c: usize, values: &[f32]) {
+    assert!(c < PANEL, "panel column {c}");
+    for (prow, &v) in panel.chunks_exact_mut(PANEL).zip(values) {
+        prow[c] = v;
+    }
+}
+
+/// `out[t, j] (+)= Σ_i x[t, i] · w(i, j)`: `x` `[n, k]`, `out` rows
+/// `out_stride` elements apart, `j < m`, the weights written panel by
+/// panel by `fill` (dequantized ×8 groups, [`super::group_to_panel`], or
+/// rows that are output features, [`set_panel_column`]). With `accumulate`
+/// the product is added to `out`, else it replaces it.
 ///
 /// Panics if a slice is too short for its shape (a caller bug).
-pub fn xwt(
+pub fn x_fill(
     x: &[f32],
-    w: &[f32],
+    fill: FillPanel,
     (n, m, k): (usize, usize, usize),
     out: &mut [f32],
     out_stride: usize,
     accumulate: bool,
 ) {
-    assert!(w.len() >= m * k, "xwt: weights too short");
-    let transpose = |j0: usize, width: usize, panel: &mut [f32]| {
-        let rows: Vec<&[f32]> = (j0..j0 + width).map(|j| &w[j * k..(j + 1) * k]).collect();
-        for (i, prow) in panel.chunks_exact_mut(PANEL).enumerate() {
-            for (p, r) in prow.iter_mut().zip(&rows) {
-                *p = r[i];
-            }
-        }
-    };
-    product((n, m, k), out, out_stride, x, Weights::Fill(&transpose), accumulate);
-}
-
-/// `out[t, j] = Σ_i x[t, i] · w(i, j)`: `x` `[n, k]`, `out` rows
-/// `out_stride` elements apart, `j < m`, the weights written panel by
-/// panel by `fill` (for example dequantized ×8 groups,
-/// [`super::group_to_panel`]).
-///
-/// Panics if a slice is too short for its shape (a caller bug).
-pub fn x_fill(x: &[f32], fill: FillPanel, (n, m, k): (usize, usize, usize), out: &mut [f32], out_stride: usize) {
-    product((n, m, k), out, out_stride, x, Weights::Fill(fill), false);
+    product((n, m, k), out, out_stride, x, Weights::Fill(fill), accumulate);
 }
 
 /// `out[t, c] (+)= Σ_j a[t, j] · w[j, c]`: `a` `[n, m]`, `w` `[m, k]`, `out`
@@ -199,6 +191,27 @@ pub fn x_fill(x: &[f32], fill: FillPanel, (n, m, k): (usize, usize, usize), out:
 /// Panics if a slice is too short for its shape (a caller bug).
 pub fn aw(a: &[f32], w: &[f32], (n, m, k): (usize, usize, usize), out: &mut [f32], accumulate: bool) {
     product((n, k, m), out, k, a, Weights::Cols(w, k), accumulate);
+}
+
+/// `out[t, j] (+)= Σ_i x[t, i] · w[j, i]` for `w` `[m, k]` (rows are output
+/// features), through [`x_fill`] and [`set_panel_column`]: the f32-weight
+/// form the tests compare against naive loops and single tiles.
+#[cfg(test)]
+pub(crate) fn xwt(
+    x: &[f32],
+    w: &[f32],
+    (n, m, k): (usize, usize, usize),
+    out: &mut [f32],
+    out_stride: usize,
+    accumulate: bool,
+) {
+    assert!(w.len() >= m * k, "xwt: weights too short");
+    let rows = |j0: usize, width: usize, panel: &mut [f32]| {
+        for c in 0..width {
+            set_panel_column(panel, c, &w[(j0 + c) * k..(j0 + c + 1) * k]);
+        }
+    };
+    x_fill(x, &rows, (n, m, k), out, out_stride, accumulate);
 }
 
 #[cfg(test)]

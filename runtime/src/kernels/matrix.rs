@@ -197,12 +197,10 @@ impl<'a> QMatrix<'a> {
             let mut row = vec![0f32; cols];
             for c in 0..width {
                 super::row_to_f32(self.dtype, self.row(j0 + c), &mut row);
-                for (i, &v) in row.iter().enumerate() {
-                    panel[i * super::PANEL + c] = v;
-                }
+                super::gemm::set_panel_column(panel, c, &row);
             }
         };
-        super::gemm::x_fill(x, &fill, (n, self.rows, cols), out, self.rows)
+        super::gemm::x_fill(x, &fill, (n, self.rows, cols), out, self.rows, false)
     }
 
     /// Dequantizes row `r` into `out` (`[cols]`).

@@ -330,7 +330,7 @@ impl Ffn {
 
     /// Bundle bytes (gate row, up row, down column) of the neuron at packed
     /// position `p` in the row layout (not inside a ×8 group: see
-    /// [`Self::rows_f32`]), waiting for its cluster's read if needed.
+    /// [`Self::group_weights`]), waiting for its cluster's read if needed.
     /// `cur` keeps the last cluster looked up, so a run of neurons of one
     /// cluster asks the source once.
     #[inline]
@@ -508,19 +508,20 @@ impl Ffn {
             for v in [&mut g, &mut u] {
                 v.resize(n * m, 0.0);
             }
+            let weights = self.group_weights(src, p0, m)?;
             if let Some(acts) = acts {
-                self.gate_up_gemm(src, acts, p0, m, &mut g, &mut u)?;
+                self.gate_up_gemm(&weights, acts, m, &mut g, &mut u);
             } else {
                 // Gate and up rows dequantized straight into the products' panels.
-                let weights = self.group_weights(src, p0, m)?;
                 for (which, out) in [(0, &mut g), (1, &mut u)] {
                     let fill =
                         |j0: usize, width: usize, panel: &mut [f32]| self.fill_panel(&weights, which, j0, width, panel);
-                    crate::kernels::gemm::x_fill(x, &fill, (n, m, h), out, m); // [n, m]
+                    crate::kernels::gemm::x_fill(x, &fill, (n, m, h), out, m, false);
+                    // [n, m]
                 }
             }
             wd.resize(m * h, 0.0);
-            self.rows_f32(src, p0, m, 2, &mut wd[..m * h])?;
+            self.down_rows(&weights, &mut wd[..m * h]);
             let (a, u) = (&mut g[..n * m], &mut u[..n * m]);
             let wd = &wd[..m * h];
             for (t, (row_a, row_u)) in a.chunks_exact_mut(m).zip(u.chunks_exact_mut(m)).enumerate() {
@@ -576,54 +577,46 @@ impl Ffn {
         Ok(counts)
     }
 
-    /// The gate and up projections of the `m` neurons at packed positions
-    /// `p0 ..` for the tokens `acts` (`[n]`: quantized to Q8_0, or exact f32
-    /// for short prompts of Q8_0 bundles) into `g` and `u` (`[n, m]` each),
-    /// by the ×8 kernels: each rayon task takes one group of
-    /// up to 8 bundles of a cluster, as stored when its cluster is in the ×8
-    /// bundle layout, else packing its gate rows and up rows into ×8 groups
-    /// (SPEC §5.1), and runs them against every token.
-    ///
-    /// # Errors
-    /// A failed cluster read ([`crate::Error::ClusterRead`]).
+    /// The gate and up projections of the `m` neurons of `weights`
+    /// ([`Self::group_weights`]) for the tokens `acts` (`[n]`: quantized to
+    /// Q8_0, or exact f32 for short prompts of Q8_0 bundles) into `g` and `u`
+    /// (`[n, m]` each), by the ×8 kernels: each rayon task takes one group
+    /// of up to 8 bundles of a cluster, as stored when its cluster is in the
+    /// ×8 bundle layout, else packing its gate rows and up rows into ×8
+    /// groups (SPEC §5.1), and runs them against every token.
     fn gate_up_gemm(
         &self,
-        src: &LayerClusters,
+        weights: &[(usize, usize, GroupWeights)],
         acts: Acts,
-        p0: usize,
         m: usize,
         g: &mut [f32],
         u: &mut [f32],
-    ) -> Result<()> {
+    ) {
         let (h, dt, n) = (self.hidden, self.layout.dtype, acts.len());
         let gbytes = X8_ROWS * self.layout.row_bytes as usize;
-        let groups = self.groups(p0, m);
         // Per group: [gate | up][8 neurons][n tokens].
-        let mut gu = vec![0f32; groups.len() * 2 * X8_ROWS * n];
-        gu.par_chunks_mut(2 * X8_ROWS * n).zip(&groups).try_for_each_init(
+        let mut gu = vec![0f32; weights.len() * 2 * X8_ROWS * n];
+        gu.par_chunks_mut(2 * X8_ROWS * n).zip(weights).for_each_init(
             || (vec![0u8; gbytes], vec![0u8; gbytes]),
-            |(bg, bu), (out, &(j0, k))| -> Result<()> {
+            |(bg, bu), (out, (_, _, w))| {
                 let (og, ou) = out.split_at_mut(X8_ROWS * n);
-                if self.in_x8_group(src, p0 + j0) {
+                match w {
                     // Already a ×8 group: gate rows, then up rows.
-                    let bytes = self.cluster_bytes(src, &mut None, p0 + j0)?;
-                    let grp = &bytes[self.offsets[p0 + j0] as usize..][..2 * gbytes];
-                    gemm_tokens(dt, h, &grp[..gbytes], acts, og);
-                    gemm_tokens(dt, h, &grp[gbytes..], acts, ou);
-                    return Ok(());
+                    GroupWeights::X8(grp) => {
+                        gemm_tokens(dt, h, &grp[..gbytes], acts, og);
+                        gemm_tokens(dt, h, &grp[gbytes..2 * gbytes], acts, ou);
+                    }
+                    GroupWeights::Rows(r) => {
+                        let rows: [Option<&Bundle>; X8_ROWS] = std::array::from_fn(|i| r.get(i));
+                        pack_group(dt, h, rows.map(|r| r.map(|b| b.0)), bg);
+                        pack_group(dt, h, rows.map(|r| r.map(|b| b.1)), bu);
+                        gemm_tokens(dt, h, bg, acts, og);
+                        gemm_tokens(dt, h, bu, acts, ou);
+                    }
                 }
-                let mut rows = [None; X8_ROWS];
-                for (i, r) in rows.iter_mut().enumerate().take(k) {
-                    *r = Some(self.bundle_at(src, &mut None, p0 + j0 + i)?);
-                }
-                pack_group(dt, h, rows.map(|r| r.map(|(g, _, _)| g)), bg);
-                pack_group(dt, h, rows.map(|r| r.map(|(_, u, _)| u)), bu);
-                gemm_tokens(dt, h, bg, acts, og);
-                gemm_tokens(dt, h, bu, acts, ou);
-                Ok(())
             },
-        )?;
-        for (gi, &(j0, k)) in groups.iter().enumerate() {
+        );
+        for (gi, &(j0, k, _)) in weights.iter().enumerate() {
             for i in 0..k {
                 let (j, base) = (j0 + i, gi * 2 * X8_ROWS * n + i * n);
                 for t in 0..n {
@@ -632,7 +625,6 @@ impl Ffn {
                 }
             }
         }
-        Ok(())
     }
 
     /// The groups of up to 8 bundles (first position relative to `p0`,
@@ -694,70 +686,54 @@ impl Ffn {
         let gbytes = X8_ROWS * self.layout.row_bytes as usize;
         let mut row = Vec::new();
         let first = weights.partition_point(|(g0, k, _)| g0 + k <= j0);
-        for (g0, k, w) in weights[first..].iter().take_while(|(g0, _, _)| *g0 < j0 + width) {
-            let (g0, k) = (*g0, *k);
+        for &(g0, k, ref w) in weights[first..].iter().take_while(|(g0, _, _)| *g0 < j0 + width) {
+            // The group's neurons inside the panel.
+            let (lo, hi) = (g0.max(j0), (g0 + k).min(j0 + width));
             match w {
                 GroupWeights::X8(b) if g0 >= j0 && g0 + X8_ROWS <= j0 + width => {
                     crate::kernels::group_to_panel(dt, h, &b[which * gbytes..][..gbytes], &mut panel[g0 - j0..], PANEL);
-                    continue;
                 }
                 GroupWeights::X8(b) => {
                     // Across the panel's edge: its own 8 columns, then the part inside.
                     row.resize(X8_ROWS * h, 0.0);
                     crate::kernels::group_to_panel(dt, h, &b[which * gbytes..][..gbytes], &mut row, X8_ROWS);
-                    let (lo, hi) = (g0.max(j0), (g0 + k).min(j0 + width));
                     for (prow, grow) in panel.chunks_exact_mut(PANEL).zip(row.chunks_exact(X8_ROWS)) {
                         prow[lo - j0..hi - j0].copy_from_slice(&grow[lo - g0..hi - g0]);
                     }
-                    continue;
                 }
                 GroupWeights::Rows(r) => {
-                    row.resize(k * h, 0.0);
-                    for (bundle, o) in r.iter().zip(row.chunks_exact_mut(h)) {
-                        row_to_f32(dt, [bundle.0, bundle.1][which], o);
+                    row.resize(h, 0.0);
+                    for j in lo..hi {
+                        row_to_f32(dt, [r[j - g0].0, r[j - g0].1][which], &mut row);
+                        crate::kernels::gemm::set_panel_column(panel, j - j0, &row);
                     }
-                }
-            }
-            for j in g0.max(j0)..(g0 + k).min(j0 + width) {
-                let src_row = &row[(j - g0) * h..(j - g0 + 1) * h];
-                for (i, &v) in src_row.iter().enumerate() {
-                    panel[i * PANEL + j - j0] = v;
                 }
             }
         }
     }
 
-    /// Row `which` (0 gate, 1 up, 2 down column) of the `m` neurons at
-    /// packed positions `p0 ..` (whole clusters), dequantized to f32 into
-    /// `w` (`[m, hidden]`; the input of prefill's f32 matmuls): a ×8 group
-    /// at a time from a ×8 cluster (`kernels::group_to_f32`), else row by
-    /// row.
-    ///
-    /// # Errors
-    /// A failed cluster read ([`crate::Error::ClusterRead`]).
-    fn rows_f32(&self, src: &LayerClusters, p0: usize, m: usize, which: usize, w: &mut [f32]) -> Result<()> {
+    /// The down columns of `weights` ([`Self::group_weights`], `m` neurons)
+    /// dequantized to f32 into `w` (`[m, hidden]`; the input of prefill's
+    /// down product): a ×8 group at a time (`kernels::group_to_f32`), else
+    /// row by row, groups in parallel.
+    fn down_rows(&self, weights: &[(usize, usize, GroupWeights)], w: &mut [f32]) {
         let (h, dt) = (self.hidden, self.layout.dtype);
         let gbytes = X8_ROWS * self.layout.row_bytes as usize;
-        let mut parts = Vec::new();
-        let mut rest = &mut w[..m * h];
-        for (j0, k) in self.groups(p0, m) {
+        let mut parts = Vec::with_capacity(weights.len());
+        let mut rest = w;
+        for (_, k, gw) in weights {
             let (part, tail) = rest.split_at_mut(k * h);
-            parts.push((j0, part));
+            parts.push((gw, part));
             rest = tail;
         }
-        parts.into_par_iter().try_for_each(|(j0, out)| -> Result<()> {
-            if self.in_x8_group(src, p0 + j0) {
-                let bytes = self.cluster_bytes(src, &mut None, p0 + j0)?;
-                let grp = &bytes[self.offsets[p0 + j0] as usize + which * gbytes..][..gbytes];
-                crate::kernels::group_to_f32(dt, h, grp, out);
-                return Ok(());
+        parts.into_par_iter().for_each(|(gw, out)| match gw {
+            GroupWeights::X8(b) => crate::kernels::group_to_f32(dt, h, &b[2 * gbytes..][..gbytes], out),
+            GroupWeights::Rows(r) => {
+                for (bundle, o) in r.iter().zip(out.chunks_exact_mut(h)) {
+                    row_to_f32(dt, bundle.2, o);
+                }
             }
-            for (i, o) in out.chunks_exact_mut(h).enumerate() {
-                let b = self.bundle_at(src, &mut None, p0 + j0 + i)?;
-                row_to_f32(dt, [b.0, b.1, b.2][which], o);
-            }
-            Ok(())
-        })
+        });
     }
 
     /// Storage type of the bundles (inputs must be prepared for it).
