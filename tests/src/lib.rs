@@ -476,6 +476,7 @@ pub fn placements(pack: &Path) -> Vec<(&'static str, CacheConfig)> {
         hot_neurons: n.iter().map(|&x| (x as f64 * hot) as u32).collect(),
         cold_bytes: cold,
         io_threads: io,
+        io_engine: Default::default(),
     };
     vec![
         ("whole FFN in memory", all),

@@ -52,8 +52,11 @@ fn fetching_cold_clusters_through_the_cache_does_not_allocate_per_token_alone() 
     let pack = nflash_format::Pack::open_resident(&out).unwrap();
     let n_layers = pack.manifest().ffn.len();
     // Nothing hot, the minimum cold region: every token reads again.
-    let cache = NeuronCache::open(&pack, &CacheConfig { hot_neurons: vec![0; n_layers], cold_bytes: 0, io_threads: 2 })
-        .unwrap();
+    let cache = NeuronCache::open(
+        &pack,
+        &CacheConfig { hot_neurons: vec![0; n_layers], cold_bytes: 0, io_threads: 2, io_engine: Default::default() },
+    )
+    .unwrap();
     let f = &pack.manifest().ffn[0];
     let ffn = Ffn::new(f, Activation::Silu, None, None, None);
     let h = spec.hidden;

@@ -117,7 +117,7 @@ fn a_pack_shrunk_while_running_gives_an_error_not_a_crash() {
     let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
     let p = Pack::open_resident(&path).unwrap();
     let n = p.manifest().ffn.len();
-    let cfg = CacheConfig { hot_neurons: vec![0; n], cold_bytes: 0, io_threads: 1 };
+    let cfg = CacheConfig { hot_neurons: vec![0; n], cold_bytes: 0, io_threads: 1, io_engine: Default::default() };
     let model = nflash_runtime::load_model(&p, &cfg).unwrap();
     let mut kv = model.new_kv_cache(16);
     model.forward(&mut kv, &[5]).expect("reads work before the truncation");
@@ -261,6 +261,45 @@ fn stats_json_reports_latency_percentiles_and_cache_figures() {
     let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("missing {k} in {v}"));
     assert!(f("cache_hit_rate") > 0.5, "the cold region holds every cluster: {v}");
     assert_eq!(f("hot_hit_rate"), 0.0, "--hot-fraction 0: no cluster is served by the hot region: {v}");
+}
+
+/// Cold clusters read through io_uring (where the kernel allows it) and
+/// through I/O threads give the same greedy text; `--stats-json` names the
+/// engine; a bad engine name is refused.
+#[test]
+fn io_uring_and_io_threads_read_the_same_clusters() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "t.nflash", "q4_0", &[]);
+    let json = dir.path().join("s.json");
+    let gen = |engine: &str| -> (String, serde_json::Value) {
+        let o = run(
+            "nflash",
+            &["run", "--model", path.to_str().unwrap(), "--prompt", "a b c", "--max-tokens", "16", "--temperature", "0"]
+                .into_iter()
+                .chain(["--ignore-eos", "--raw", "--hot-fraction", "0", "--cold-cache", "0B", "--ctx", "64"])
+                .chain(["--io-engine", engine, "--stats-json", json.to_str().unwrap()])
+                .collect::<Vec<_>>(),
+        );
+        assert!(o.status.success(), "{engine}: {}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert!(v["bytes_read_per_token"].as_f64().unwrap() > 0.0, "{engine}: nothing read from flash: {v}");
+        (String::from_utf8_lossy(&o.stdout).into_owned(), v)
+    };
+    let (threads, vt) = gen("threads");
+    assert_eq!(vt["io_engine"].as_str(), Some("threads"), "{vt}");
+    let (auto, va) = gen("auto");
+    let auto_engine = va["io_engine"].as_str().unwrap_or_default().to_string();
+    assert!(["io_uring", "threads"].contains(&auto_engine.as_str()), "{va}");
+    assert_eq!(auto, threads, "greedy text through {auto_engine} and threads");
+    if auto_engine == "io_uring" {
+        let (uring, vu) = gen("uring");
+        assert_eq!(vu["io_engine"].as_str(), Some("io_uring"), "{vu}");
+        assert_eq!(uring, threads);
+    } else {
+        eprintln!("note: io_uring is not available on this kernel; only the threads engine was run");
+    }
+    let o = run("nflash", &["run", "--model", path.to_str().unwrap(), "--prompt", "a", "--io-engine", "aio"]);
+    nflash_tests::assert_fails("--io-engine aio", &o, &["aio", "threads"]);
 }
 
 /// The KV cache is f16 by default and f32 with `--kv f32`: the plan's KV

@@ -90,6 +90,9 @@ pub struct Regions {
     pub cold_bytes: u64,
     /// Whether reads bypass the page cache (`O_DIRECT`).
     pub direct: bool,
+    /// The I/O engine reading cold clusters (`"io_uring"` or `"threads"`);
+    /// `None` without a cold region.
+    pub io_engine: Option<&'static str>,
 }
 
 /// Gives the FFN the neuron clusters of a layer, resident.
@@ -230,6 +233,6 @@ impl ClusterSource for SegmentClusters<'_> {
     }
 
     fn regions(&self) -> Regions {
-        Regions { hot_bytes: self.data.len() as u64, cold_bytes: 0, direct: false }
+        Regions { hot_bytes: self.data.len() as u64, cold_bytes: 0, direct: false, io_engine: None }
     }
 }

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use nflash_format::Pack;
+use nflash_plan::layout::IoEngine;
 use nflash_plan::layout::{cluster_read_bytes, hot_clusters, MAX_MERGE_BYTES};
 use nflash_plan::CacheConfig;
 
@@ -169,10 +170,12 @@ impl Merger {
         self.req = Some(ReadRequest::new(span.offset, span.need, claim, span.read as u32));
     }
 
+    /// Queues the request being built and starts every queued read.
     fn flush(&mut self, io: &IoPipeline) {
         if let Some(r) = self.req.take() {
             io.submit(r);
         }
+        io.flush();
     }
 }
 
@@ -217,7 +220,12 @@ impl NeuronCache {
             bytes_read: AtomicU64::new(0),
             reads: AtomicU64::new(0),
         });
-        let io = IoPipeline::start(Arc::clone(&shared), if n_slots == 0 { 0 } else { cfg.io_threads })?;
+        // Without a cold region nothing is ever read: one idle thread, no ring.
+        let io = if n_slots == 0 {
+            IoPipeline::start(Arc::clone(&shared), 1, IoEngine::Threads)?
+        } else {
+            IoPipeline::start(Arc::clone(&shared), cfg.io_threads, cfg.io_engine)?
+        };
         Ok(NeuronCache {
             lru: Mutex::new(Lru::new(&layers, n_slots)),
             layers,
@@ -469,7 +477,9 @@ impl ClusterSource for NeuronCache {
     }
 
     fn regions(&self) -> Regions {
-        Regions { hot_bytes: self.hot_bytes(), cold_bytes: self.cold_bytes(), direct: self.is_direct() }
+        let cold_bytes = self.cold_bytes();
+        let io_engine = (cold_bytes > 0).then(|| self.io.engine_name());
+        Regions { hot_bytes: self.hot_bytes(), cold_bytes, direct: self.is_direct(), io_engine }
     }
 }
 

@@ -16,7 +16,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use nflash_plan::layout::DIRECT_ALIGN;
+use nflash_plan::layout::{IoEngine, DIRECT_ALIGN};
 
 use super::slots::{ReadRequest, Slots, MAX_IOVECS};
 use crate::error::{Error, Result};
@@ -93,7 +93,7 @@ impl FlashFile {
                 n_iov += 1;
             }
             let direct = self.is_direct() && done.is_multiple_of(DIRECT_ALIGN);
-            let fd = if direct { self.direct.as_raw_fd() } else { self.buffered.as_raw_fd() };
+            let fd = self.fd(direct);
             // SAFETY: every iovec points into a live, exclusively borrowed buffer of the stated length.
             let r =
                 unsafe { libc::preadv(fd, iov.as_ptr(), n_iov as libc::c_int, (offset + done as u64) as libc::off_t) };
@@ -117,16 +117,7 @@ impl FlashFile {
             done += r as usize;
         }
         if !self.is_direct() {
-            // Buffered fallback: drop the pages again so they are not held or charged.
-            // SAFETY: plain syscall on an owned descriptor.
-            unsafe {
-                libc::posix_fadvise(
-                    self.buffered.as_raw_fd(),
-                    offset as libc::off_t,
-                    total as libc::off_t,
-                    libc::POSIX_FADV_DONTNEED,
-                )
-            };
+            self.drop_cached(offset, total as u64);
         }
         if (done as u64) < need {
             return Err(Error::Io {
@@ -138,6 +129,32 @@ impl FlashFile {
             });
         }
         Ok(())
+    }
+}
+
+impl FlashFile {
+    /// The descriptor reads go through: the `O_DIRECT` one if `direct`.
+    pub fn fd(&self, direct: bool) -> libc::c_int {
+        if direct {
+            self.direct.as_raw_fd()
+        } else {
+            self.buffered.as_raw_fd()
+        }
+    }
+
+    /// After a buffered read of `len` bytes at `offset`: drops those pages
+    /// from the page cache again, so they are neither held nor charged to
+    /// the memory limit.
+    pub fn drop_cached(&self, offset: u64, len: u64) {
+        // SAFETY: plain syscall on an owned descriptor.
+        unsafe {
+            libc::posix_fadvise(
+                self.buffered.as_raw_fd(),
+                offset as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            )
+        };
     }
 }
 
@@ -172,25 +189,52 @@ pub struct Shared {
     pub reads: AtomicU64,
 }
 
-/// I/O threads and their queue.
+/// The I/O pipeline: reads queued by the cache ([`Self::submit`], then
+/// [`Self::flush`]) land in their slots in the background, by one of two
+/// engines ([`IoEngine`]).
 pub struct IoPipeline {
-    tx: Option<SyncSender<ReadRequest>>,
-    threads: Vec<JoinHandle<()>>,
+    engine: Engine,
+}
+
+enum Engine {
+    /// Blocking `preadv`, one per I/O thread at a time.
+    Threads { tx: Option<SyncSender<ReadRequest>>, threads: Vec<JoinHandle<()>> },
+    /// One io_uring (`super::uring`).
+    Uring(super::uring::UringEngine),
 }
 
 impl IoPipeline {
-    /// Starts `n` I/O threads (at least one) reading into `shared`.
+    /// Starts the pipeline reading into `shared` with at most `n` reads in
+    /// flight (at least one): io_uring if `engine` allows it and the kernel
+    /// does, else `n` I/O threads.
     ///
     /// # Errors
-    /// [`Error::Thread`] if a thread cannot be started.
-    pub fn start(shared: Arc<Shared>, n: usize) -> Result<Self> {
+    /// [`Error::Thread`] if a thread cannot be started; [`Error::Usage`] if
+    /// `engine` is [`IoEngine::Uring`] and the kernel refuses io_uring.
+    pub fn start(shared: Arc<Shared>, n: usize, engine: IoEngine) -> Result<Self> {
+        let n = n.max(1);
+        if engine != IoEngine::Threads {
+            match super::uring::UringEngine::start(Arc::clone(&shared), n) {
+                Ok(u) => return Ok(IoPipeline { engine: Engine::Uring(u) }),
+                Err(e) if engine == IoEngine::Uring => {
+                    return Err(Error::Usage(format!(
+                        "io_uring is not available here ({e}); run with --io-engine threads (or auto)"
+                    )))
+                }
+                Err(_) => {}
+            }
+        }
+        Self::start_threads(shared, n)
+    }
+
+    fn start_threads(shared: Arc<Shared>, n: usize) -> Result<Self> {
         let (tx, rx) = sync_channel::<ReadRequest>(QUEUE);
         let rx = Arc::new(Mutex::new(rx));
         let mut threads = Vec::new();
         // Every thread has started before the first read. If one cannot be
         // started, returning drops `tx`, so the ones already running end.
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
-        for i in 0..n.max(1) {
+        for i in 0..n {
             let (rx, sh, ready) = (Arc::clone(&rx), Arc::clone(&shared), ready_tx.clone());
             let t = std::thread::Builder::new()
                 .name(format!("nflash-io-{i}"))
@@ -204,24 +248,47 @@ impl IoPipeline {
         for _ in 0..threads.len() {
             let _ = ready_rx.recv();
         }
-        Ok(IoPipeline { tx: Some(tx), threads })
+        Ok(IoPipeline { engine: Engine::Threads { tx: Some(tx), threads } })
     }
 
-    /// Queues a read (blocks while the queue is full).
+    /// The engine reads go through: `"io_uring"` or `"threads"`.
+    pub fn engine_name(&self) -> &'static str {
+        match self.engine {
+            Engine::Threads { .. } => "threads",
+            Engine::Uring(_) => "io_uring",
+        }
+    }
+
+    /// Queues a read (the threads engine blocks while its queue is full).
+    /// It may not start before [`Self::flush`].
     pub fn submit(&self, r: ReadRequest) {
-        if let Some(tx) = &self.tx {
-            // The workers only stop when `tx` is dropped, so this cannot fail.
-            let _ = tx.send(r);
+        match &self.engine {
+            Engine::Threads { tx: Some(tx), .. } => {
+                // The workers only stop when `tx` is dropped, so this cannot fail.
+                let _ = tx.send(r);
+            }
+            Engine::Threads { tx: None, .. } => {}
+            Engine::Uring(u) => u.submit(r),
+        }
+    }
+
+    /// Starts the reads queued so far (io_uring: one system call for all of them).
+    pub fn flush(&self) {
+        if let Engine::Uring(u) = &self.engine {
+            u.flush();
         }
     }
 }
 
 impl Drop for IoPipeline {
     fn drop(&mut self) {
-        self.tx = None;
-        for t in self.threads.drain(..) {
-            let _ = t.join();
+        if let Engine::Threads { tx, threads } = &mut self.engine {
+            *tx = None;
+            for t in threads.drain(..) {
+                let _ = t.join();
+            }
         }
+        // `UringEngine` waits for its reads in its own `drop`.
     }
 }
 
@@ -242,14 +309,22 @@ fn worker(rx: &Mutex<Receiver<ReadRequest>>, sh: &Shared) {
 pub fn run(sh: &Shared, req: ReadRequest) {
     let (offset, need, bytes) = (req.offset, req.need, req.bytes());
     let res = sh.slots.fill(req, |bufs| sh.flash.read_into(offset, bufs, need));
-    match res {
-        Ok(()) => {
-            sh.bytes_read.fetch_add(bytes, Ordering::Relaxed);
-            sh.reads.fetch_add(1, Ordering::Relaxed);
-        }
-        Err(e) => {
-            if let Ok(mut g) = sh.error.lock() {
-                g.get_or_insert_with(|| e.to_string());
+    sh.record(bytes, res);
+}
+
+impl Shared {
+    /// Counts a finished read of `bytes`, or keeps its error for the
+    /// request that waits on it.
+    pub fn record(&self, bytes: u64, res: Result<()>) {
+        match res {
+            Ok(()) => {
+                self.bytes_read.fetch_add(bytes, Ordering::Relaxed);
+                self.reads.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                if let Ok(mut g) = self.error.lock() {
+                    g.get_or_insert_with(|| e.to_string());
+                }
             }
         }
     }
@@ -259,10 +334,29 @@ pub fn run(sh: &Shared, req: ReadRequest) {
 mod tests {
     use super::*;
     use crate::offload::slots::{FAILED, READY};
+    use io_uring::IoUring;
     use std::io::Write;
 
-    /// A file of `n` bytes where byte `i` is `i % 251`, and the pipeline over it.
-    fn setup(n: usize, slots: usize, threads: usize) -> (tempfile::NamedTempFile, Arc<Shared>, IoPipeline) {
+    /// The engines this kernel runs: threads, and io_uring unless refused
+    /// (containers may forbid it; then only threads are tested, with a note).
+    fn engines() -> Vec<IoEngine> {
+        match IoUring::new(2) {
+            Ok(_) => vec![IoEngine::Threads, IoEngine::Uring],
+            Err(e) => {
+                eprintln!("note: io_uring refused here ({e}); testing the threads engine only");
+                vec![IoEngine::Threads]
+            }
+        }
+    }
+
+    /// A file of `n` bytes where byte `i` is `i % 251`, and the pipeline over
+    /// it with `threads` reads in flight by `engine`.
+    fn setup(
+        n: usize,
+        slots: usize,
+        threads: usize,
+        engine: IoEngine,
+    ) -> (tempfile::NamedTempFile, Arc<Shared>, IoPipeline) {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         f.write_all(&(0..n).map(|i| (i % 251) as u8).collect::<Vec<_>>()).unwrap();
         f.flush().unwrap();
@@ -274,39 +368,87 @@ mod tests {
             bytes_read: AtomicU64::new(0),
             reads: AtomicU64::new(0),
         });
-        let io = IoPipeline::start(Arc::clone(&shared), threads).unwrap();
+        let io = IoPipeline::start(Arc::clone(&shared), threads, engine).unwrap();
+        assert_eq!(io.engine_name(), if engine == IoEngine::Uring { "io_uring" } else { "threads" });
         (f, shared, io)
     }
 
     #[test]
     fn queued_reads_land_in_their_slots() {
         let a = DIRECT_ALIGN;
-        let (_f, sh, io) = setup(8 * a, 8, 3);
-        // Slots 5, 6 as one merged read of clusters 2-3; slot 0 alone for cluster 7.
-        let mut r = ReadRequest::new(2 * a as u64, a as u64, sh.slots.claim(5), a as u32);
-        r.try_append(3 * a as u64, a as u64, sh.slots.claim(6), a as u32, 1 << 20).unwrap();
-        io.submit(r);
-        io.submit(ReadRequest::new(7 * a as u64, a as u64, sh.slots.claim(0), a as u32));
-        for (slot, cluster) in [(5u32, 2usize), (6, 3), (0, 7)] {
-            assert_eq!(sh.slots.wait(slot).0, READY);
-            let got = sh.slots.ready_bytes(slot, a).unwrap();
-            assert!(got.iter().enumerate().all(|(i, &b)| b == ((cluster * a + i) % 251) as u8), "slot {slot}");
+        for engine in engines() {
+            let (_f, sh, io) = setup(8 * a, 8, 3, engine);
+            // Slots 5, 6 as one merged read of clusters 2-3; slot 0 alone for cluster 7.
+            let mut r = ReadRequest::new(2 * a as u64, a as u64, sh.slots.claim(5), a as u32);
+            r.try_append(3 * a as u64, a as u64, sh.slots.claim(6), a as u32, 1 << 20).unwrap();
+            io.submit(r);
+            io.submit(ReadRequest::new(7 * a as u64, a as u64, sh.slots.claim(0), a as u32));
+            io.flush();
+            for (slot, cluster) in [(5u32, 2usize), (6, 3), (0, 7)] {
+                assert_eq!(sh.slots.wait(slot).0, READY, "{engine:?}");
+                let got = sh.slots.ready_bytes(slot, a).unwrap();
+                assert!(
+                    got.iter().enumerate().all(|(i, &b)| b == ((cluster * a + i) % 251) as u8),
+                    "{engine:?} slot {slot}"
+                );
+            }
+            drop(io);
+            assert_eq!(sh.bytes_read.load(Ordering::Relaxed), 3 * a as u64, "{engine:?}");
+            assert_eq!(sh.reads.load(Ordering::Relaxed), 2, "{engine:?}");
         }
-        drop(io);
-        assert_eq!(sh.bytes_read.load(Ordering::Relaxed), 3 * a as u64);
-        assert_eq!(sh.reads.load(Ordering::Relaxed), 2);
     }
 
     #[test]
     fn a_read_past_the_end_fails_and_says_why() {
         let a = DIRECT_ALIGN;
-        let (_f, sh, io) = setup(2 * a, 2, 1);
-        // The last cluster's padding may be missing; its bundles may not.
-        io.submit(ReadRequest::new(a as u64, 100, sh.slots.claim(0), a as u32));
-        assert_eq!(sh.slots.wait(0).0, READY);
-        io.submit(ReadRequest::new(2 * a as u64, 10, sh.slots.claim(1), a as u32));
-        assert_eq!(sh.slots.wait(1).0, FAILED);
-        let msg = sh.error.lock().unwrap().clone().unwrap();
-        assert!(msg.contains("read 0 of 10 bytes"), "{msg}");
+        for engine in engines() {
+            let (_f, sh, io) = setup(2 * a, 2, 1, engine);
+            // The last cluster's padding may be missing; its bundles may not.
+            io.submit(ReadRequest::new(a as u64, 100, sh.slots.claim(0), a as u32));
+            io.flush();
+            assert_eq!(sh.slots.wait(0).0, READY, "{engine:?}");
+            io.submit(ReadRequest::new(2 * a as u64, 10, sh.slots.claim(1), a as u32));
+            io.flush();
+            assert_eq!(sh.slots.wait(1).0, FAILED, "{engine:?}");
+            let msg = sh.error.lock().unwrap().clone().unwrap();
+            assert!(msg.contains("read 0 of 10 bytes"), "{engine:?}: {msg}");
+        }
+    }
+
+    #[test]
+    fn more_reads_than_in_flight_wait_their_turn_and_all_land() {
+        let a = DIRECT_ALIGN;
+        for engine in engines() {
+            // 2 reads in flight at most, 12 queued at once.
+            let (_f, sh, io) = setup(12 * a, 12, 2, engine);
+            for c in 0..12u32 {
+                io.submit(ReadRequest::new(c as u64 * a as u64, a as u64, sh.slots.claim(11 - c), a as u32));
+            }
+            io.flush();
+            for c in 0..12usize {
+                let slot = 11 - c as u32;
+                assert_eq!(sh.slots.wait(slot).0, READY, "{engine:?} cluster {c}");
+                let got = sh.slots.ready_bytes(slot, a).unwrap();
+                assert!(got.iter().enumerate().all(|(i, &b)| b == ((c * a + i) % 251) as u8), "{engine:?} {c}");
+            }
+            assert_eq!(sh.reads.load(Ordering::Relaxed), 12, "{engine:?}");
+        }
+    }
+
+    #[test]
+    fn dropping_the_pipeline_waits_for_reads_in_flight() {
+        let a = DIRECT_ALIGN;
+        for engine in engines() {
+            let (_f, sh, io) = setup(16 * a, 16, 4, engine);
+            for c in 0..16u32 {
+                io.submit(ReadRequest::new(c as u64 * a as u64, a as u64, sh.slots.claim(c), a as u32));
+            }
+            io.flush();
+            drop(io);
+            // Every read has landed (none is still writing into a slot).
+            for s in 0..16 {
+                assert_eq!(sh.slots.state(s), READY, "{engine:?} slot {s}");
+            }
+        }
     }
 }

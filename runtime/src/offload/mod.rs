@@ -3,12 +3,15 @@
 //!
 //! - [`cache`]: [`NeuronCache`], the segmented neuron cache (hot region,
 //!   cold LRU) and the model's [`crate::model::ClusterSource`];
-//! - [`io`]: the pack file opened for direct reads and the I/O threads;
+//! - [`io`]: the pack file opened for direct reads and the I/O pipeline
+//!   (I/O threads, or [`uring`]);
+//! - [`uring`]: the io_uring engine of the pipeline;
 //! - [`slots`]: the aligned buffers and who may write them (all of the
 //!   slot-ownership `unsafe`).
 
 pub mod cache;
 pub mod io;
 pub mod slots;
+pub mod uring;
 
 pub use cache::NeuronCache;

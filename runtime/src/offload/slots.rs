@@ -213,6 +213,42 @@ impl ReadRequest {
     }
 }
 
+/// A read in progress ([`Slots::begin`]): the request and the iovecs of its
+/// slots' buffers, which only this value may write until [`Slots::finish`].
+pub struct InFlight {
+    req: ReadRequest,
+    iov: [libc::iovec; MAX_IOVECS],
+}
+
+// SAFETY: the iovecs point into the cold region, which outlives every read
+// (the I/O pipeline ends before `Slots` is dropped), and only the holder of
+// this value writes there; it is handed between threads, never shared.
+unsafe impl Send for InFlight {}
+
+impl InFlight {
+    /// The request being read.
+    pub fn request(&self) -> &ReadRequest {
+        &self.req
+    }
+
+    /// The slots' buffers as iovecs (`[n_slots]`), for `preadv` or an
+    /// io_uring `READV`: valid while this value lives.
+    pub fn iovecs(&self) -> &[libc::iovec] {
+        &self.iov[..self.req.n]
+    }
+
+    /// Runs `f` on the slots' buffers (back to back, `lens[i]` bytes each).
+    pub fn with_buffers<R>(&mut self, f: impl FnOnce(&mut [&mut [u8]]) -> R) -> R {
+        let mut bufs: [&mut [u8]; MAX_IOVECS] = std::array::from_fn(|_| <&mut [u8]>::default());
+        for (b, v) in bufs.iter_mut().zip(&self.iov[..self.req.n]) {
+            // SAFETY: `v` describes a slot buffer this value owns (see
+            // `Slots::begin`), borrowed exclusively through `&mut self`.
+            *b = unsafe { std::slice::from_raw_parts_mut(v.iov_base.cast::<u8>(), v.iov_len) };
+        }
+        f(&mut bufs[..self.req.n])
+    }
+}
+
 /// The cold region: `n` slots of `slot_bytes` each, with their states.
 pub struct Slots {
     buf: AlignedBuf,
@@ -279,23 +315,42 @@ impl Slots {
     /// # Errors
     /// `read`'s error, after the slots are marked [`FAILED`].
     pub fn fill(&self, req: ReadRequest, read: impl FnOnce(&mut [&mut [u8]]) -> Result<()>) -> Result<()> {
-        let mut bufs: [&mut [u8]; MAX_IOVECS] = std::array::from_fn(|_| <&mut [u8]>::default());
-        for (buf, (&s, &len)) in bufs.iter_mut().zip(req.slots[..req.n].iter().zip(&req.lens[..req.n])) {
+        let mut f = self.begin(req);
+        let res = f.with_buffers(read);
+        self.finish(f, res.is_ok());
+        res
+    }
+
+    /// Hands the buffers of `req`'s slots (back to back, `lens[i]` bytes
+    /// each) to a read that completes later ([`InFlight`]); [`Self::finish`]
+    /// publishes them.
+    ///
+    /// # Panics
+    /// If a length exceeds the slot size (a bug of the request's builder).
+    pub fn begin(&self, req: ReadRequest) -> InFlight {
+        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS];
+        for (v, (&s, &len)) in iov.iter_mut().zip(req.slots[..req.n].iter().zip(&req.lens[..req.n])) {
             let (s, len) = (s as usize, len as usize);
             debug_assert_eq!(self.state[s].load(Ordering::Relaxed), PENDING);
             assert!(len <= self.slot_bytes, "read of {len} bytes into a {}-byte slot", self.slot_bytes);
             // SAFETY: slot `s` was claimed (PENDING) and its one `Claim` moved
-            // into `req`, which this call consumes: no other request writes
-            // it, and no reader touches it until it is published below.
-            // Slots are disjoint `slot_bytes` ranges and `len` fits one.
-            *buf = unsafe { self.buf.range_mut(s * self.slot_bytes, len) };
+            // into `req`, which the returned `InFlight` owns until `finish`:
+            // no other request writes it, and no reader touches it until it
+            // is published there. Slots are disjoint `slot_bytes` ranges and
+            // `len` fits one.
+            let buf = unsafe { self.buf.range_mut(s * self.slot_bytes, len) };
+            *v = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: len };
         }
-        let res = read(&mut bufs[..req.n]);
-        let state = if res.is_ok() { READY } else { FAILED };
-        for &s in req.slots() {
+        InFlight { req, iov }
+    }
+
+    /// Publishes the slots of a read begun by [`Self::begin`]: [`READY`] if
+    /// `ok`, else [`FAILED`] (release, as [`Self::fill`]).
+    pub fn finish(&self, f: InFlight, ok: bool) {
+        let state = if ok { READY } else { FAILED };
+        for &s in f.req.slots() {
             self.state[s as usize].store(state, Ordering::Release);
         }
-        res
     }
 
     /// Waits until slot `s` is no longer [`PENDING`] (spinning briefly, then

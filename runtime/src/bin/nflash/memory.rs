@@ -3,6 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use nflash_format::{DeviceProfile, Pack, Plan};
+use nflash_plan::layout::IoEngine;
 use nflash_plan::planner::{self, parse_bytes, Footprint, PlanRequest};
 use nflash_plan::{CacheConfig, KvType};
 use nflash_runtime::Engine;
@@ -31,13 +32,24 @@ pub struct MemoryArgs {
     /// Override the plan: cold neuron cache size (e.g. 8MiB); raised to one layer's cold clusters if smaller.
     #[arg(long, value_parser = parse_bytes)]
     pub cold_cache: Option<u64>,
-    /// Override the plan: I/O threads reading neuron clusters.
+    /// Override the plan: reads of neuron clusters in flight at once (I/O
+    /// threads, or the io_uring queue depth).
     #[arg(long)]
     pub io_threads: Option<usize>,
+    /// How cold neuron clusters are read: auto (io_uring where the kernel
+    /// allows it, else threads), uring, or threads (one blocking read per
+    /// I/O thread).
+    #[arg(long, default_value = "auto", value_parser = parse_io_engine)]
+    pub io_engine: IoEngine,
     /// KV cache element type: f16 (half the memory, as llama.cpp) or f32.
     /// The memory plan sizes the KV cache for it.
     #[arg(long, default_value = "f16", value_parser = parse_kv)]
     pub kv: KvType,
+}
+
+/// `--io-engine`: `auto`, `uring` or `threads`.
+pub fn parse_io_engine(s: &str) -> std::result::Result<IoEngine, String> {
+    s.parse()
 }
 
 /// `--kv`: `f16` or `f32`.
@@ -131,6 +143,7 @@ pub fn resolve(
     if let Some(c) = a.cold_cache {
         cfg.cold_bytes = c;
     }
+    cfg.io_engine = a.io_engine;
     if let Some(n) = a.io_threads {
         let max = planner::MAX_IO_THREADS as usize;
         if n == 0 || n > max {

@@ -265,6 +265,10 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
     };
     let r = model.cache_regions();
     let (hot_b, cold_b, direct) = (r.hot_bytes, r.cold_bytes, r.direct);
+    let io_how = match r.io_engine {
+        Some(e) => format!("{}, {e}", if direct { "O_DIRECT" } else { "buffered" }),
+        None => (if direct { "O_DIRECT" } else { "buffered" }).to_string(),
+    };
     if a.stats {
         message!(
             "prefill: {} tokens in {:.3} s, {:.1} tokens/s | decode: {} tokens generated, {} forward passes in {:.3} s, {:.1} tokens/s | peak RSS {:.1} MiB",
@@ -298,7 +302,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
             "decode latency: mean {mean_ms:.2} ms, P50 {p50:.2} ms, P90 {p90:.2} ms, P99 {p99:.2} ms | neuron cache: hot {:.1} MiB, cold {:.1} MiB ({}), hit rate {:.1}% (hot region {:.1}%), {:.2} MiB read per token in {:.1} reads, I/O wait {:.1}% of decode",
             hot_b as f64 / (1 << 20) as f64,
             cold_b as f64 / (1 << 20) as f64,
-            if direct { "O_DIRECT" } else { "buffered" },
+            io_how,
             100.0 * c.hit_rate(),
             100.0 * c.hot_hit_rate(),
             bytes_per_token / (1 << 20) as f64,
@@ -353,6 +357,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
             "hot_bytes": hot_b,
             "cold_bytes": cold_b,
             "o_direct": direct,
+            "io_engine": r.io_engine,
             "memory_budget_bytes": budget,
             "ctx": ctx,
             "kv_cache": model.kv_type().name(),
