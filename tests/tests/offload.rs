@@ -274,11 +274,21 @@ fn io_uring_and_io_threads_read_the_same_clusters() {
     let gen = |engine: &str| -> (String, serde_json::Value) {
         let o = run(
             "nflash",
-            &["run", "--model", path.to_str().unwrap(), "--prompt", "a b c", "--max-tokens", "16", "--temperature", "0"]
-                .into_iter()
-                .chain(["--ignore-eos", "--raw", "--hot-fraction", "0", "--cold-cache", "0B", "--ctx", "64"])
-                .chain(["--io-engine", engine, "--stats-json", json.to_str().unwrap()])
-                .collect::<Vec<_>>(),
+            &[
+                "run",
+                "--model",
+                path.to_str().unwrap(),
+                "--prompt",
+                "a b c",
+                "--max-tokens",
+                "16",
+                "--temperature",
+                "0",
+            ]
+            .into_iter()
+            .chain(["--ignore-eos", "--raw", "--hot-fraction", "0", "--cold-cache", "0B", "--ctx", "64"])
+            .chain(["--io-engine", engine, "--stats-json", json.to_str().unwrap()])
+            .collect::<Vec<_>>(),
         );
         assert!(o.status.success(), "{engine}: {}", String::from_utf8_lossy(&o.stderr));
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
