@@ -7,7 +7,7 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 DEMO_PACK := models/smollm2-q8_0.nflash
 BIN      := target/release
 
-.PHONY: all build model demo test lint bench bench-offload bench-scale quality clean help
+.PHONY: all build model demo test lint android test-aarch64 bench bench-offload bench-scale quality clean help
 
 all: build
 
@@ -17,6 +17,8 @@ help:
 	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
 	@echo "make test    - model + build + cargo test (whole workspace)"
 	@echo "make lint    - cargo fmt --check and clippy -D warnings on every target"
+	@echo "make android - static aarch64 nflash for phones (installs the Rust target and cross gcc; docs/android.md)"
+	@echo "make test-aarch64 - that build under qemu-user as cortex-a53, cortex-a76 and max: kernel tests, demo, offload"
 	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s,"
 	@echo "               and sparse vs dense decode of a sparse pack (calibrated on ../shared/data)"
 	@echo "make bench-offload - (root) nflash sparse vs llama.cpp mmap under cgroup v1 memory limits"
@@ -47,6 +49,14 @@ demo: $(DEMO_PACK)
 # The tests call the built prep and nflash binaries.
 test: model build
 	$(CARGO) test --release --workspace
+
+# The phone build: target/aarch64-unknown-linux-musl/release/nflash.
+android:
+	bash scripts/android.sh build
+
+# The phone build under qemu-aarch64, once per CPU model (QEMU_CPUS=... to pick).
+test-aarch64: $(DEMO_PACK)
+	bash scripts/test_aarch64.sh $(DEMO_PACK)
 
 # Clippy in the release profile, so it reuses what `make build` compiled.
 lint:

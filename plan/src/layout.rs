@@ -6,12 +6,23 @@
 
 use nflash_format::{FfnLayer, NeuronCluster, Pack, Plan};
 
-/// Alignment of buffers, offsets and lengths of direct (`O_DIRECT`) reads, bytes.
-pub const DIRECT_ALIGN: usize = 4096;
+/// Granularity of cluster reads, bytes: the cluster alignment `prep`
+/// writes (formats/SPEC.md §4.4, `cluster_align`), so a cluster's read
+/// never overlaps the next cluster. A file format constant, not the page
+/// size: buffers are aligned to the running system's page size and the
+/// file system's direct-I/O alignment is checked against it at run time
+/// (nflash-runtime's `offload::align`).
+pub const READ_ALIGN: usize = 4096;
 
-/// Rounds `n` bytes up to a multiple of [`DIRECT_ALIGN`].
+/// Rounds `n` bytes up to a multiple of [`READ_ALIGN`].
 pub fn align_up(n: u64) -> u64 {
-    n.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64
+    n.div_ceil(READ_ALIGN as u64) * READ_ALIGN as u64
+}
+
+/// Granularity of `f`'s cluster reads, bytes: its cluster alignment, at
+/// least [`READ_ALIGN`].
+pub fn read_align(f: &FfnLayer) -> u64 {
+    f.cluster_align.max(READ_ALIGN as u64)
 }
 
 /// Largest merged read, bytes (PowerInfer-2 reads clusters, not neurons;
@@ -28,10 +39,10 @@ pub const PREFILL_CHUNK: usize = 64;
 /// on the memory budget).
 pub const FFN_TILE_ELEMS: usize = 1 << 18;
 
-/// Bytes read for cluster `c` of layer `f`: its bundles rounded up to the
-/// direct-I/O alignment (the cluster's size in the hot or cold region).
+/// Bytes read for cluster `c` of layer `f`: its bundles rounded up to
+/// [`read_align`] (the cluster's size in the hot or cold region).
 pub fn cluster_read_bytes(f: &FfnLayer, c: &NeuronCluster) -> u64 {
-    align_up(c.n_neurons as u64 * f.bundle.bundle_bytes)
+    (c.n_neurons as u64 * f.bundle.bundle_bytes).div_ceil(read_align(f)) * read_align(f)
 }
 
 /// How many of `f`'s clusters lie wholly in the hot prefix of `hot_neurons`

@@ -9,6 +9,7 @@
 #[global_allocator]
 static A: nflash_tests::CountingAlloc = nflash_tests::CountingAlloc;
 
+mod android;
 mod bad_input;
 mod common;
 mod no_alloc;

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use nflash_format::Pack;
 use nflash_plan::layout::IoEngine;
-use nflash_plan::layout::{cluster_read_bytes, hot_clusters, MAX_MERGE_BYTES};
+use nflash_plan::layout::{cluster_read_bytes, hot_clusters, MAX_MERGE_BYTES, READ_ALIGN};
 use nflash_plan::CacheConfig;
 
 use super::io::{FlashFile, IoPipeline, Shared};
@@ -205,7 +205,8 @@ impl NeuronCache {
             return Err(Error::Usage(format!("{} hot-set sizes for {} layers", cfg.hot_neurons.len(), m.ffn.len())));
         }
         let meta = std::fs::metadata(pack.path()).map_err(|e| Error::Io { path: pack.path().to_path_buf(), err: e })?;
-        let flash = FlashFile::open(pack.path(), &meta)?;
+        let read_align = m.ffn.iter().map(nflash_plan::layout::read_align).max().unwrap_or(READ_ALIGN as u64);
+        let flash = FlashFile::open(pack.path(), &meta, read_align)?;
         let (mut layers, hot_total) = layouts(pack, cfg);
         let mut hot = AlignedBuf::zeroed(hot_total, "the hot region")?;
         read_hot(&flash, &layers, hot.as_mut_slice())?;

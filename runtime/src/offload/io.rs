@@ -4,8 +4,9 @@
 //! Each request is one `preadv` of adjacent clusters merged into one larger
 //! read, with `O_DIRECT` into page-aligned buffers so the page cache
 //! neither holds nor is charged for FFN weights. Filesystems that refuse
-//! `O_DIRECT` (tmpfs, some FUSE) get buffered reads followed by
-//! `posix_fadvise(DONTNEED)`, with one warning.
+//! `O_DIRECT` (tmpfs, some FUSE), or whose direct-I/O alignment is larger
+//! than the pack's cluster alignment ([`super::align`]), get buffered reads
+//! followed by `posix_fadvise(DONTNEED)`, with one warning.
 
 use std::fs::File;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -16,8 +17,9 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use nflash_plan::layout::{IoEngine, DIRECT_ALIGN};
+use nflash_plan::layout::IoEngine;
 
+use super::align;
 use super::slots::{ReadRequest, Slots, MAX_IOVECS};
 use crate::error::{Error, Result};
 use crate::message;
@@ -29,16 +31,22 @@ pub struct FlashFile {
     buffered: File,
     /// Whether reads go through `direct` (`O_DIRECT`).
     use_direct: AtomicBool,
+    /// Alignment of `O_DIRECT` offsets and lengths, bytes: the file
+    /// system's, or the pack's cluster alignment where it does not say.
+    direct_align: usize,
 }
 
 impl FlashFile {
     /// Opens `path` twice, with and without `O_DIRECT`, and checks that it is
     /// the same file (device and inode) as `expect` — the file the pack was
-    /// validated from.
+    /// validated from. Reads will be at offsets and of lengths that are
+    /// multiples of `read_align` bytes (the pack's cluster alignment, SPEC
+    /// §4.4); if the file system's direct-I/O alignment does not divide it
+    /// ([`align::direct_io`]), reads go through the page cache.
     ///
     /// # Errors
     /// [`Error::Io`] naming the file.
-    pub fn open(path: &Path, expect: &std::fs::Metadata) -> Result<Self> {
+    pub fn open(path: &Path, expect: &std::fs::Metadata, read_align: u64) -> Result<Self> {
         let io = |e: std::io::Error| Error::Io { path: path.to_path_buf(), err: e };
         let buffered = File::open(path).map_err(io)?;
         let meta = buffered.metadata().map_err(io)?;
@@ -48,16 +56,37 @@ impl FlashFile {
                 err: std::io::Error::other("the file was replaced after it was opened; run again"),
             });
         }
+        let dio = align::dio_align(&buffered);
+        let direct_align = dio.map_or(read_align, |d| d.offset as u64).max(1) as usize;
+        // Buffers (hot region, cold slots) are page-aligned and cut at multiples
+        // of `read_align`, so that is also their addresses' alignment.
+        if let Err(why) = align::direct_io(dio, read_align, read_align as usize) {
+            warn_buffered(path, &why);
+            let direct = buffered.try_clone().map_err(io)?;
+            return Ok(FlashFile {
+                path: path.to_path_buf(),
+                direct,
+                buffered,
+                use_direct: AtomicBool::new(false),
+                direct_align,
+            });
+        }
         let (direct, use_direct) = match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
         {
             Ok(f) => (f, true),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                warn_buffered(path);
+                warn_buffered(path, "the file system refused O_DIRECT");
                 (buffered.try_clone().map_err(io)?, false)
             }
             Err(e) => return Err(io(e)),
         };
-        Ok(FlashFile { path: path.to_path_buf(), direct, buffered, use_direct: AtomicBool::new(use_direct) })
+        Ok(FlashFile {
+            path: path.to_path_buf(),
+            direct,
+            buffered,
+            use_direct: AtomicBool::new(use_direct),
+            direct_align,
+        })
     }
 
     /// Whether reads bypass the page cache.
@@ -66,8 +95,9 @@ impl FlashFile {
     }
 
     /// Reads the file from `offset` into `bufs` back to back (one `preadv`
-    /// per attempt). `offset` and every buffer's address and length are
-    /// multiples of [`DIRECT_ALIGN`]. The first `need` bytes must arrive;
+    /// per attempt). `offset` and every buffer's length are multiples of
+    /// the `read_align` given to [`FlashFile::open`], every buffer's address
+    /// a multiple of [`align::buffer_align`]. The first `need` bytes must arrive;
     /// bytes past the end of the file may be missing (the last cluster's
     /// padding).
     ///
@@ -92,7 +122,7 @@ impl FlashFile {
                 skip = 0;
                 n_iov += 1;
             }
-            let direct = self.is_direct() && done.is_multiple_of(DIRECT_ALIGN);
+            let direct = self.is_direct() && done.is_multiple_of(self.direct_align);
             let fd = self.fd(direct);
             // SAFETY: every iovec points into a live, exclusively borrowed buffer of the stated length.
             let r =
@@ -104,7 +134,7 @@ impl FlashFile {
                     Some(libc::EINVAL) if direct => {
                         // The filesystem takes O_DIRECT at open but not at read.
                         if self.use_direct.swap(false, Ordering::Relaxed) {
-                            warn_buffered(&self.path);
+                            warn_buffered(&self.path, "the file system refused an aligned O_DIRECT read");
                         }
                         continue;
                     }
@@ -158,12 +188,12 @@ impl FlashFile {
     }
 }
 
-/// One warning per process for the buffered fallback.
-fn warn_buffered(path: &Path) {
+/// One warning per process for the buffered fallback, saying `why`.
+fn warn_buffered(path: &Path, why: &str) {
     static WARNED: AtomicBool = AtomicBool::new(false);
     if !WARNED.swap(true, Ordering::Relaxed) {
         message!(
-            "warning: {} does not support O_DIRECT; reading neuron clusters through the page cache (dropped after each read), so memory limits may see extra page-cache use",
+            "warning: no O_DIRECT for {} ({why}); reading neuron clusters through the page cache (dropped after each read), so memory limits may see extra page-cache use",
             path.display()
         );
     }
@@ -337,6 +367,9 @@ mod tests {
     use io_uring::IoUring;
     use std::io::Write;
 
+    /// Cluster alignment of the test files, bytes (what `prep` writes).
+    const DIRECT_ALIGN: usize = 4096;
+
     /// The engines this kernel runs: threads, and io_uring unless refused
     /// (containers may forbid it; then only threads are tested, with a note).
     fn engines() -> Vec<IoEngine> {
@@ -362,7 +395,7 @@ mod tests {
         f.flush().unwrap();
         let meta = std::fs::metadata(f.path()).unwrap();
         let shared = Arc::new(Shared {
-            flash: FlashFile::open(f.path(), &meta).unwrap(),
+            flash: FlashFile::open(f.path(), &meta, DIRECT_ALIGN as u64).unwrap(),
             slots: Slots::new(slots, DIRECT_ALIGN).unwrap(),
             error: Mutex::new(None),
             bytes_read: AtomicU64::new(0),

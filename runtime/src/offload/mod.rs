@@ -6,9 +6,12 @@
 //! - [`io`]: the pack file opened for direct reads and the I/O pipeline
 //!   (I/O threads, or [`uring`]);
 //! - [`uring`]: the io_uring engine of the pipeline;
+//! - [`align`]: the page size and the file system's direct-I/O alignment,
+//!   read from the running system;
 //! - [`slots`]: the aligned buffers and who may write them (all of the
 //!   slot-ownership `unsafe`).
 
+pub mod align;
 pub mod cache;
 pub mod io;
 pub mod slots;

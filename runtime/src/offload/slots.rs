@@ -17,7 +17,7 @@ use std::alloc::Layout;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Instant;
 
-use nflash_plan::layout::DIRECT_ALIGN;
+use super::align::buffer_align;
 
 use crate::error::{Error, Result};
 
@@ -33,8 +33,8 @@ pub const READY: u8 = 2;
 /// Slot state: the read failed.
 pub const FAILED: u8 = 3;
 
-/// A zeroed heap buffer aligned to [`DIRECT_ALIGN`] (pages are only
-/// committed when touched).
+/// A zeroed heap buffer aligned to the page size ([`buffer_align`], as
+/// `O_DIRECT` reads into it need; pages are only committed when touched).
 pub struct AlignedBuf {
     ptr: *mut u8,
     len: usize,
@@ -57,7 +57,7 @@ impl AlignedBuf {
             return Ok(AlignedBuf { ptr: std::ptr::null_mut(), len: 0 });
         }
         let layout =
-            Layout::from_size_align(len, DIRECT_ALIGN).map_err(|_| Error::Alloc { what, bytes: len as u64 })?;
+            Layout::from_size_align(len, buffer_align()).map_err(|_| Error::Alloc { what, bytes: len as u64 })?;
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
@@ -129,7 +129,7 @@ impl Drop for AlignedBuf {
     fn drop(&mut self) {
         if self.len > 0 {
             // SAFETY: allocated in `zeroed` with this exact layout.
-            unsafe { std::alloc::dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, DIRECT_ALIGN)) }
+            unsafe { std::alloc::dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, buffer_align())) }
         }
     }
 }
@@ -475,8 +475,8 @@ mod tests {
 
     #[test]
     fn aligned_buffers_are_aligned_zeroed_and_writable() {
-        let mut b = AlignedBuf::zeroed(3 * DIRECT_ALIGN, "test").unwrap();
-        assert_eq!(b.as_slice().as_ptr() as usize % DIRECT_ALIGN, 0);
+        let mut b = AlignedBuf::zeroed(3 * 4096, "test").unwrap();
+        assert_eq!(b.as_slice().as_ptr() as usize % crate::offload::align::page_size(), 0);
         assert!(b.as_slice().iter().all(|&x| x == 0));
         b.as_mut_slice()[5] = 1;
         assert_eq!(b.as_slice()[5], 1);

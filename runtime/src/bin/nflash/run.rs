@@ -296,6 +296,12 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         let profile = |t: &nflash_runtime::model::Timings, scale: f64| {
             t.steps().iter().map(|(k, v)| format!("{k} {:.2}", v * scale)).collect::<Vec<_>>().join(", ")
         };
+        message!(
+            "kernels {} | {} compute threads | page size {} KiB",
+            nflash_runtime::kernels::isa(),
+            rayon::current_num_threads(),
+            nflash_runtime::offload::align::page_size() / 1024
+        );
         message!("decode profile, ms per token: {}", profile(&tm, 1e3 / steps));
         message!("prefill profile, ms in all: {}", profile(&ptm, 1e3));
         message!(
@@ -326,6 +332,8 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
                 .collect::<serde_json::Map<_, _>>()
         };
         let j = serde_json::json!({
+            "kernels": nflash_runtime::kernels::isa(),
+            "page_size_bytes": nflash_runtime::offload::align::page_size(),
             "prompt_tokens": st.prompt_tokens,
             "generated_tokens": st.generated_tokens,
             "prefill_seconds": st.prefill_s,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use nflash_format::device::ReadPoint;
-use nflash_plan::layout::DIRECT_ALIGN;
+use nflash_plan::layout::READ_ALIGN;
 use nflash_runtime::offload::slots::AlignedBuf;
 
 use super::{RemoveOnDrop, SplitMix, KIB, MIB};
@@ -96,7 +96,7 @@ pub(super) fn open_for_reads(path: &Path, try_direct: bool) -> Result<(File, boo
     if try_direct && O_DIRECT != 0 {
         match OpenOptions::new().read(true).custom_flags(O_DIRECT).open(path) {
             Ok(f) => {
-                let mut buf = AlignedBuf::zeroed(DIRECT_ALIGN, "a probe read buffer")?;
+                let mut buf = AlignedBuf::zeroed(READ_ALIGN, "a probe read buffer")?;
                 match f.read_at(buf.as_mut_slice(), 0) {
                     Ok(_) => return Ok((f, true)),
                     Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
