@@ -4,6 +4,7 @@
 //!   against (bit for bit where the arithmetic allows, which it does for
 //!   every kernel here) and what runs on CPUs without a faster one;
 //! - [`x86`] (x86-64): AVX2 + FMA + F16C kernels;
+//! - [`aarch64`]: NEON kernels, with `sdot` where the CPU has dotprod;
 //! - [`matrix`]: [`QMatrix`], a typed view of packed weights, the parallel
 //!   matrix-vector products over it and the quantized GEMM of prefill;
 //! - [`gemm`]: f32 matrix products of batches (prefill of Q8_0/f16/f32
@@ -11,12 +12,15 @@
 //!   [`panel_tile`].
 //!
 //! The functions in this file pick a kernel at run time from the CPU's
-//! features (`is_x86_feature_detected!`, cached by std), as candle's
+//! features (`is_x86_feature_detected!`, `is_aarch64_feature_detected!`,
+//! cached by std), as candle's
 //! `k_quants` and llama.cpp's `ggml-cpu/arch/` do. Row layouts are GGML's
 //! (formats/SPEC.md §5) or the in-memory ×8 groups (§5.1); candle-core's
 //! `BlockQ8_0` / `BlockQ4_0` quantize activations and weights (GGML's
 //! rounding) and serve the f32/f16 dots and the portable dequantization.
 
+#[cfg(target_arch = "aarch64")]
+pub mod aarch64;
 pub mod gemm;
 pub mod matrix;
 pub mod portable;
@@ -44,11 +48,46 @@ fn has_avx2() -> bool {
     }
 }
 
+/// Whether this aarch64 CPU has NEON (Advanced SIMD: every aarch64 CPU
+/// that runs Linux or Android). Always false elsewhere.
+#[inline]
+fn has_neon() -> bool {
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("neon")
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    {
+        false
+    }
+}
+
+/// Whether this aarch64 CPU has the dotprod extension (`sdot`; checked
+/// once, then cached by std). Always false elsewhere.
+#[inline]
+fn has_dotprod() -> bool {
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("dotprod")
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    {
+        false
+    }
+}
+
 /// The name of the kernel set [`dot4`], [`gemm_x8`] and [`axpy`] use on
-/// this CPU: `"avx2"` or `"portable"` (for `nflash probe` and `--stats`).
+/// this CPU: `"avx2"` (x86-64), `"dotprod"` or `"neon"` (aarch64), or
+/// `"portable"` (for `nflash probe` and `--stats`).
 pub fn isa() -> &'static str {
     if has_avx2() {
         "avx2"
+    } else if has_neon() {
+        if has_dotprod() {
+            "dotprod"
+        } else {
+            "neon"
+        }
     } else {
         "portable"
     }
@@ -129,6 +168,20 @@ pub fn dot4(dtype: DType, cols: usize, rows: [&[u8]; 4], y: &Q8Vec) -> [f32; 4] 
             }
         };
     }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: NEON and dotprod are checked; lengths are checked inside
+        // against `cols`.
+        return unsafe {
+            match (dtype, has_dotprod()) {
+                (DType::Q4_0, true) => aarch64::dot4_q4_0_dot(cols, rows, yb),
+                (DType::Q8_0, true) => aarch64::dot4_q8_0_dot(cols, rows, yb),
+                (DType::Q4_0, false) => aarch64::dot4_q4_0(cols, rows, yb),
+                (DType::Q8_0, false) => aarch64::dot4_q8_0(cols, rows, yb),
+                _ => unreachable!("dot4 on {dtype}"),
+            }
+        };
+    }
     match dtype {
         DType::Q4_0 => portable::dot4_q4_0(cols, rows, yb),
         DType::Q8_0 => portable::dot4_q8_0(cols, rows, yb),
@@ -149,6 +202,19 @@ pub fn dot(dtype: DType, cols: usize, row: &[u8], y: &Q8Vec) -> f32 {
             match dtype {
                 DType::Q4_0 => x86::dot_q4_0(cols, row, yb, &y.sums),
                 DType::Q8_0 => x86::dot_q8_0(cols, row, yb),
+                _ => unreachable!("dot on {dtype}"),
+            }
+        };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: as in `dot4`.
+        return unsafe {
+            match (dtype, has_dotprod()) {
+                (DType::Q4_0, true) => aarch64::dot_q4_0_dot(cols, row, yb),
+                (DType::Q8_0, true) => aarch64::dot_q8_0_dot(cols, row, yb),
+                (DType::Q4_0, false) => aarch64::dot_q4_0(cols, row, yb),
+                (DType::Q8_0, false) => aarch64::dot_q8_0(cols, row, yb),
                 _ => unreachable!("dot on {dtype}"),
             }
         };

@@ -1,0 +1,241 @@
+//! NEON kernels for aarch64 (phones), chosen at run time by `super`: the
+//! ARMv8.0 baseline (NEON: `smull` + `sadalp`) on every aarch64 CPU, and
+//! `sdot` where the CPU has the dotprod extension (ARMv8.2+, Cortex-A55/A76
+//! and later), as llama.cpp's `ggml-cpu/arch/arm/quants.c` does.
+//!
+//! Every kernel follows the order of `portable.rs` (per 32-element block
+//! the exact integer sum of products, then one fused multiply-add by the
+//! product of the two scales), so it gives the portable bits; the tests in
+//! `tests.rs` check that bit for bit on each CPU they run on.
+//!
+//! `sdot` is emitted by inline assembly: its intrinsic (`vdotq_s32`) is
+//! not stable in Rust 1.95, plain NEON intrinsics are.
+
+use std::arch::aarch64::*;
+use std::arch::asm;
+
+use half::f16;
+
+/// Bytes of a Q8_0 block (f16 scale, 32 × i8).
+const Q8_0_BLOCK: usize = 34;
+
+/// The f16 at `p` (little-endian) as f32.
+///
+/// # Safety
+/// Two bytes must be readable at `p`.
+#[inline(always)]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    f16::from_bits(u16::from_le_bytes([*p, *p.add(1)])).to_f32()
+}
+
+/// A row-layout block type (formats/SPEC.md §5).
+trait RowBlock {
+    /// Bytes of one block.
+    const BYTES: usize;
+    /// The block's 32 values as i8: elements `0..16` and `16..32`.
+    ///
+    /// # Safety
+    /// The block's quant bytes must be readable at `q` (after the scale).
+    unsafe fn values(q: *const u8) -> (int8x16_t, int8x16_t);
+}
+
+/// GGML Q4_0: element `i` in the low nibble of byte `i`, `16 + i` in its
+/// high nibble, both stored as value + 8.
+struct Q4Row;
+impl RowBlock for Q4Row {
+    const BYTES: usize = 18;
+    #[inline(always)]
+    unsafe fn values(q: *const u8) -> (int8x16_t, int8x16_t) {
+        let b = vld1q_u8(q);
+        let eight = vdupq_n_s8(8);
+        let lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), eight);
+        let hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8::<4>(b)), eight);
+        (lo, hi)
+    }
+}
+
+/// GGML Q8_0: 32 × i8.
+struct Q8Row;
+impl RowBlock for Q8Row {
+    const BYTES: usize = 34;
+    #[inline(always)]
+    unsafe fn values(q: *const u8) -> (int8x16_t, int8x16_t) {
+        (vld1q_s8(q as *const i8), vld1q_s8(q.add(16) as *const i8))
+    }
+}
+
+/// How a block's 32 products are summed into four i32 lanes (their total is
+/// the block's exact integer dot).
+trait Sum {
+    /// `Σ a_i · b_i` over 32 i8 pairs, in four i32 lanes.
+    ///
+    /// # Safety
+    /// The CPU must have what the implementation uses.
+    unsafe fn lanes(a: (int8x16_t, int8x16_t), b: (int8x16_t, int8x16_t)) -> int32x4_t;
+}
+
+/// ARMv8.0 NEON: widening multiplies to i16 (|product| ≤ 127 · 128, no
+/// overflow), pairwise-added into i32.
+struct Neon;
+impl Sum for Neon {
+    #[inline(always)]
+    unsafe fn lanes(a: (int8x16_t, int8x16_t), b: (int8x16_t, int8x16_t)) -> int32x4_t {
+        let p0 = vmull_s8(vget_low_s8(a.0), vget_low_s8(b.0));
+        let p1 = vmull_high_s8(a.0, b.0);
+        let p2 = vmull_s8(vget_low_s8(a.1), vget_low_s8(b.1));
+        let p3 = vmull_high_s8(a.1, b.1);
+        let s = vpaddlq_s16(p0);
+        let s = vpadalq_s16(s, p1);
+        let s = vpadalq_s16(s, p2);
+        vpadalq_s16(s, p3)
+    }
+}
+
+/// `acc += sdot(a, b)`: each i32 lane adds the dot of four i8 pairs.
+///
+/// # Safety
+/// The CPU must have the dotprod extension.
+#[inline(always)]
+unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    // SAFETY: `sdot` reads and writes registers only; the caller guarantees
+    // the CPU implements it (FEAT_DotProd).
+    unsafe {
+        asm!(
+            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
+}
+
+/// ARMv8.2 dotprod: two `sdot`s per block.
+struct Dot;
+impl Sum for Dot {
+    #[inline(always)]
+    unsafe fn lanes(a: (int8x16_t, int8x16_t), b: (int8x16_t, int8x16_t)) -> int32x4_t {
+        sdot(sdot(vdupq_n_s32(0), a.0, b.0), a.1, b.1)
+    }
+}
+
+/// The Q8_0 block of `y` at block `b`: scale and values.
+///
+/// # Safety
+/// Block `b` must be inside `y` (checked by the callers' asserts).
+#[inline(always)]
+unsafe fn y_block(y: &[u8], b: usize) -> (f32, (int8x16_t, int8x16_t)) {
+    let p = y.as_ptr().add(b * Q8_0_BLOCK);
+    (f16_at(p), Q8Row::values(p.add(2)))
+}
+
+/// Four rows of `B` blocks dotted with the Q8_0 vector `y`: per block the
+/// four exact integer sums, gathered into one vector by pairwise adds, then
+/// one fused multiply-add by the scale products (as `portable::dot_row`).
+#[inline(always)]
+unsafe fn dot4_rows<B: RowBlock, S: Sum>(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+    let nb = cols / 32;
+    assert!(y.len() >= nb * Q8_0_BLOCK && rows.iter().all(|r| r.len() >= nb * B::BYTES));
+    let mut acc = vdupq_n_f32(0.0);
+    for b in 0..nb {
+        let (dy, yv) = y_block(y, b);
+        let mut l = [vdupq_n_s32(0); 4];
+        let mut dx = [0f32; 4];
+        for r in 0..4 {
+            let p = rows[r].as_ptr().add(b * B::BYTES);
+            dx[r] = f16_at(p);
+            l[r] = S::lanes(B::values(p.add(2)), yv);
+        }
+        let s = vpaddq_s32(vpaddq_s32(l[0], l[1]), vpaddq_s32(l[2], l[3]));
+        let d = vmulq_n_f32(vld1q_f32(dx.as_ptr()), dy);
+        acc = vfmaq_f32(acc, d, vcvtq_f32_s32(s));
+    }
+    let mut out = [0f32; 4];
+    vst1q_f32(out.as_mut_ptr(), acc);
+    out
+}
+
+/// One row of `B` blocks dotted with the Q8_0 vector `y`.
+#[inline(always)]
+unsafe fn dot_row<B: RowBlock, S: Sum>(cols: usize, row: &[u8], y: &[u8]) -> f32 {
+    let nb = cols / 32;
+    assert!(y.len() >= nb * Q8_0_BLOCK && row.len() >= nb * B::BYTES);
+    let mut acc = 0f32;
+    for b in 0..nb {
+        let (dy, yv) = y_block(y, b);
+        let p = row.as_ptr().add(b * B::BYTES);
+        let s = vaddvq_s32(S::lanes(B::values(p.add(2)), yv));
+        acc = (f16_at(p) * dy).mul_add(s as f32, acc);
+    }
+    acc
+}
+
+/// Four Q4_0 rows (`cols` elements each) dotted with the Q8_0 vector `y`
+/// (`cols / 32` blocks, as bytes), NEON only.
+///
+/// # Safety
+/// None beyond aarch64 (NEON is part of the baseline); lengths are asserted.
+pub unsafe fn dot4_q4_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+    dot4_rows::<Q4Row, Neon>(cols, rows, y)
+}
+
+/// Four Q8_0 rows dotted with the Q8_0 vector `y`, NEON only.
+///
+/// # Safety
+/// As [`dot4_q4_0`].
+pub unsafe fn dot4_q8_0(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+    dot4_rows::<Q8Row, Neon>(cols, rows, y)
+}
+
+/// One Q4_0 row dotted with the Q8_0 vector `y`, NEON only.
+///
+/// # Safety
+/// As [`dot4_q4_0`].
+pub unsafe fn dot_q4_0(cols: usize, row: &[u8], y: &[u8]) -> f32 {
+    dot_row::<Q4Row, Neon>(cols, row, y)
+}
+
+/// One Q8_0 row dotted with the Q8_0 vector `y`, NEON only.
+///
+/// # Safety
+/// As [`dot4_q4_0`].
+pub unsafe fn dot_q8_0(cols: usize, row: &[u8], y: &[u8]) -> f32 {
+    dot_row::<Q8Row, Neon>(cols, row, y)
+}
+
+/// [`dot4_q4_0`] with `sdot`.
+///
+/// # Safety
+/// The CPU must have dotprod (`is_aarch64_feature_detected!("dotprod")`).
+#[target_feature(enable = "dotprod")]
+pub unsafe fn dot4_q4_0_dot(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+    dot4_rows::<Q4Row, Dot>(cols, rows, y)
+}
+
+/// [`dot4_q8_0`] with `sdot`.
+///
+/// # Safety
+/// As [`dot4_q4_0_dot`].
+#[target_feature(enable = "dotprod")]
+pub unsafe fn dot4_q8_0_dot(cols: usize, rows: [&[u8]; 4], y: &[u8]) -> [f32; 4] {
+    dot4_rows::<Q8Row, Dot>(cols, rows, y)
+}
+
+/// [`dot_q4_0`] with `sdot`.
+///
+/// # Safety
+/// As [`dot4_q4_0_dot`].
+#[target_feature(enable = "dotprod")]
+pub unsafe fn dot_q4_0_dot(cols: usize, row: &[u8], y: &[u8]) -> f32 {
+    dot_row::<Q4Row, Dot>(cols, row, y)
+}
+
+/// [`dot_q8_0`] with `sdot`.
+///
+/// # Safety
+/// As [`dot4_q4_0_dot`].
+#[target_feature(enable = "dotprod")]
+pub unsafe fn dot_q8_0_dot(cols: usize, row: &[u8], y: &[u8]) -> f32 {
+    dot_row::<Q8Row, Dot>(cols, row, y)
+}
