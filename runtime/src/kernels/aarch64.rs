@@ -239,3 +239,61 @@ pub unsafe fn dot_q4_0_dot(cols: usize, row: &[u8], y: &[u8]) -> f32 {
 pub unsafe fn dot_q8_0_dot(cols: usize, row: &[u8], y: &[u8]) -> f32 {
     dot_row::<Q8Row, Dot>(cols, row, y)
 }
+
+/// The 16 i8 values of `v` as four f32 vectors (lanes 0–3, 4–7, 8–11, 12–15).
+#[inline(always)]
+unsafe fn to_f32(v: int8x16_t) -> [float32x4_t; 4] {
+    let (w0, w1) = (vmovl_s8(vget_low_s8(v)), vmovl_high_s8(v));
+    [
+        vcvtq_f32_s32(vmovl_s16(vget_low_s16(w0))),
+        vcvtq_f32_s32(vmovl_high_s16(w0)),
+        vcvtq_f32_s32(vmovl_s16(vget_low_s16(w1))),
+        vcvtq_f32_s32(vmovl_high_s16(w1)),
+    ]
+}
+
+/// `out += Σ a[r] · rows[r]`, row after row within each 32-element block:
+/// per row `s = a · d`, then per element one fused multiply-add
+/// `out = s · q + out` (the bits of `portable::axpy_q4_0` applied to each
+/// row in turn, with one pass over `out`).
+#[inline(always)]
+unsafe fn axpy_rows<B: RowBlock, const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
+    assert!(out.len().is_multiple_of(32) && rows.iter().all(|r| r.len() >= out.len() / 32 * B::BYTES));
+    for b in 0..out.len() / 32 {
+        let o = out.as_mut_ptr().add(32 * b);
+        let mut acc = [vdupq_n_f32(0.0); 8];
+        for (j, v) in acc.iter_mut().enumerate() {
+            *v = vld1q_f32(o.add(4 * j));
+        }
+        for r in 0..N {
+            let p = rows[r].as_ptr().add(b * B::BYTES);
+            let s = a[r] * f16_at(p);
+            let (lo, hi) = B::values(p.add(2));
+            let (fl, fh) = (to_f32(lo), to_f32(hi));
+            for j in 0..4 {
+                acc[j] = vfmaq_n_f32(acc[j], fl[j], s);
+                acc[4 + j] = vfmaq_n_f32(acc[4 + j], fh[j], s);
+            }
+        }
+        for (j, v) in acc.iter().enumerate() {
+            vst1q_f32(o.add(4 * j), *v);
+        }
+    }
+}
+
+/// `out += Σ a[r] · rows[r]` over `N` Q4_0 rows (`out.len()` elements, a
+/// multiple of 32), NEON.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn axpy_q4_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
+    axpy_rows::<Q4Row, N>(rows, a, out)
+}
+
+/// `out += Σ a[r] · rows[r]` over `N` Q8_0 rows, NEON.
+///
+/// # Safety
+/// As [`axpy_q4_0`].
+pub unsafe fn axpy_q8_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
+    axpy_rows::<Q8Row, N>(rows, a, out)
+}

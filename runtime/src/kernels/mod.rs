@@ -514,6 +514,18 @@ fn axpy_n<const N: usize>(dtype: DType, rows: [&[u8]; N], a: [f32; N], out: &mut
         }
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: NEON checked; lengths checked inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => aarch64::axpy_q4_0(rows, a, out),
+                DType::Q8_0 => aarch64::axpy_q8_0(rows, a, out),
+                _ => unreachable!("axpy on {dtype}"),
+            }
+        }
+        return;
+    }
     for (r, a) in rows.into_iter().zip(a) {
         match dtype {
             DType::Q4_0 => portable::axpy_q4_0(r, a, out),
