@@ -3,8 +3,9 @@
 //! through the neuron cache and the I/O pipeline, and generate text.
 //!
 //! Layers, each using only the ones above it in this list:
+//! - [`cpu`]: the big and little cores, and pinning threads to them;
 //! - [`kernels`]: all quantized and SIMD arithmetic (portable reference,
-//!   x86 AVX2, run-time dispatch);
+//!   x86 AVX2, aarch64 NEON, run-time dispatch);
 //! - [`model`]: the transformer over a pack; the FFN takes its neuron
 //!   clusters from a [`model::ClusterSource`] and knows nothing of I/O;
 //! - [`offload`]: the segmented neuron cache, the aligned slots and the I/O
@@ -18,6 +19,7 @@
 //! [`generate::generate`], [`ppl::perplexity`].
 
 pub mod chat;
+pub mod cpu;
 pub mod engine;
 pub mod error;
 pub mod generate;

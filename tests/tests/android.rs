@@ -150,3 +150,52 @@ fn android_script_pushes_runs_and_probes_through_adb() {
     let o = phone.script(&["flash"], "device");
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("unknown command 'flash'"));
 }
+
+/// A fake sysfs of a Snapdragon 8 Gen 3 (2 little, 6 big cores): `nflash
+/// run` defaults to one compute thread per big core and says where they
+/// and the I/O threads run; `--threads` overrides the default. (On this
+/// machine the big cores' ids do not exist, so pinning is refused with one
+/// warning and the run goes on.)
+#[test]
+fn big_cores_from_sysfs_set_the_default_compute_threads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let root = tmp.path().join("sys");
+    let khz = [2_265_600u64, 2_265_600, 3_148_800, 3_148_800, 3_148_800, 2_956_800, 2_956_800, 3_302_400];
+    for (i, k) in khz.iter().enumerate() {
+        let d = root.join(format!("devices/system/cpu/cpu{i}/cpufreq"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("cpuinfo_max_freq"), format!("{k}\n")).unwrap();
+    }
+    let stats = tmp.path().join("stats.json");
+    let run_with = |extra: &[&str]| {
+        let mut args = vec!["run", "--model", pack.to_str().unwrap(), "--prompt", "a b", "--max-tokens", "3"];
+        args.extend_from_slice(&["--stats", "--stats-json", stats.to_str().unwrap()]);
+        args.extend_from_slice(extra);
+        let o = Command::new(bin("nflash")).args(&args).env("NFLASH_SYSFS_ROOT", &root).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        let j: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+        (err, j)
+    };
+    let (err, j) = run_with(&[]);
+    assert_eq!(j["compute_threads"], 6, "{err}");
+    assert_eq!(j["big_cores"], serde_json::json!([2, 3, 4, 5, 6, 7]));
+    assert_eq!(j["little_cores"], serde_json::json!([0, 1]));
+    assert!(err.contains("6 compute threads on the big cores 2-7, I/O threads on 0-1"), "{err}");
+    assert!(err.contains("8 cores: big 2-7 (2.96-3.30 GHz), little 0-1 (2.27 GHz)"), "{err}");
+    let (_, j) = run_with(&["--threads", "2"]);
+    assert_eq!(j["compute_threads"], 2);
+
+    // `nflash probe` records the core classes, fastest first.
+    let out = tmp.path().join("phone.toml");
+    let o = Command::new(bin("nflash"))
+        .args(["probe", "--quick", "--out", out.to_str().unwrap()])
+        .env("NFLASH_SYSFS_ROOT", &root)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let p = DeviceProfile::load(&out).unwrap();
+    let classes: Vec<(&str, u32, f64)> = p.cpu.cores.iter().map(|c| (c.class.as_str(), c.count, c.ghz)).collect();
+    assert_eq!(classes, vec![("big", 1, 3.3), ("big", 3, 3.15), ("big", 2, 2.96), ("little", 2, 2.27)]);
+}

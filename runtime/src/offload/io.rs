@@ -269,6 +269,7 @@ impl IoPipeline {
             let t = std::thread::Builder::new()
                 .name(format!("nflash-io-{i}"))
                 .spawn(move || {
+                    crate::cpu::pin_io_thread();
                     let _ = ready.send(());
                     worker(&rx, &sh)
                 })

@@ -77,7 +77,10 @@ impl UringEngine {
             let (ring, queue, shared) = (Arc::clone(&ring), Arc::clone(&queue), Arc::clone(&shared));
             std::thread::Builder::new()
                 .name("nflash-io-uring".into())
-                .spawn(move || reap(&ring, &queue, &shared))
+                .spawn(move || {
+                    crate::cpu::pin_io_thread();
+                    reap(&ring, &queue, &shared)
+                })
                 .map_err(|err| Error::Thread { what: "io_uring reaper thread", err })?
         };
         Ok(UringEngine { ring, queue, shared, reaper: Some(reaper) })

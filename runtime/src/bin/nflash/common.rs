@@ -19,11 +19,31 @@ pub fn in_pool<T: Send>(threads: Option<usize>, f: impl FnOnce() -> Result<T> + 
     if let Some(t) = threads.filter(|&t| t > 4 * cores) {
         message!("warning: --threads {t} is far more than the {cores} cores here; decode will be slow");
     }
+    // Phones: compute on the big cores, one thread each, pinned there (I/O
+    // threads go to the little ones: `nflash_runtime::cpu::pin_io_thread`).
+    let topo = nflash_runtime::cpu::Topology::system();
+    let pin = topo.is_heterogeneous().then(|| topo.big());
+    let n = threads.unwrap_or_else(|| pin.as_ref().map_or(0, |b| b.len()));
     let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads.unwrap_or(0))
+        .num_threads(n)
+        .start_handler(move |_| {
+            if let Some(big) = &pin {
+                if let Err(e) = nflash_runtime::cpu::pin_current_thread(big) {
+                    warn_unpinned(&e);
+                }
+            }
+        })
         .build()
         .context("cannot start the thread pool")?;
     pool.install(f)
+}
+
+/// One warning per process when compute threads cannot be pinned.
+fn warn_unpinned(e: &std::io::Error) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        message!("warning: could not pin compute threads to the big cores ({e}); they run where the OS puts them");
+    }
 }
 
 /// Reads a UTF-8 text file, naming the file and the bad byte offset on error.

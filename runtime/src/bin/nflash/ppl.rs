@@ -27,7 +27,8 @@ pub struct PplArgs {
     /// Score at most this many tokens of the file.
     #[arg(long)]
     max_tokens: Option<usize>,
-    /// Compute threads (default: all cores).
+    /// Compute threads (default: the big cores where there are big and little
+    /// ones, pinned there; else all cores).
     #[arg(long)]
     threads: Option<usize>,
     /// Print one JSON object instead of text.

@@ -60,7 +60,8 @@ pub struct RunArgs {
     /// RNG seed (default: from the clock).
     #[arg(long)]
     seed: Option<u64>,
-    /// Compute threads (default: all cores).
+    /// Compute threads (default: the big cores where a phone has big and
+    /// little ones, pinned there; else all cores).
     #[arg(long)]
     threads: Option<usize>,
     /// Context length in tokens (KV cache size); default: the pack plan's, else min(4096, model maximum).
@@ -296,10 +297,21 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         let profile = |t: &nflash_runtime::model::Timings, scale: f64| {
             t.steps().iter().map(|(k, v)| format!("{k} {:.2}", v * scale)).collect::<Vec<_>>().join(", ")
         };
+        let topo = nflash_runtime::cpu::Topology::system();
         message!(
-            "kernels {} | {} compute threads | page size {} KiB",
+            "kernels {} | {} compute threads{} | {} | page size {} KiB",
             nflash_runtime::kernels::isa(),
             rayon::current_num_threads(),
+            if topo.is_heterogeneous() {
+                format!(
+                    " on the big cores {}, I/O threads on {}",
+                    nflash_runtime::cpu::ranges(&topo.big()),
+                    nflash_runtime::cpu::ranges(&topo.little())
+                )
+            } else {
+                String::new()
+            },
+            topo.describe(),
             nflash_runtime::offload::align::page_size() / 1024
         );
         message!("decode profile, ms per token: {}", profile(&tm, 1e3 / steps));
@@ -333,6 +345,9 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         };
         let j = serde_json::json!({
             "kernels": nflash_runtime::kernels::isa(),
+            "compute_threads": rayon::current_num_threads(),
+            "big_cores": nflash_runtime::cpu::Topology::system().big(),
+            "little_cores": nflash_runtime::cpu::Topology::system().little(),
             "page_size_bytes": nflash_runtime::offload::align::page_size(),
             "prompt_tokens": st.prompt_tokens,
             "generated_tokens": st.generated_tokens,

@@ -337,7 +337,7 @@ pub fn run(a: ProbeArgs) -> Result<()> {
         source,
         memory: MemoryInfo { total_bytes, available_bytes, bandwidth_gb_s: round(bandwidth_gb_s, 2) },
         cpu: CpuInfo {
-            cores: vec![CoreClass { class: "cpu".into(), count: cores as u32, ghz: max_ghz() }],
+            cores: core_classes(cores),
             q4_0_matvec_gb_s_1t: Some(round(one, 2)),
             q4_0_matvec_gb_s_mt: Some(round(all, 2)),
             threads_measured: Some(cores as u32),
@@ -391,4 +391,25 @@ impl SplitMix {
     fn next_f32(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
+}
+
+/// The CPU's core classes, fastest first, from the sysfs topology
+/// (`nflash_runtime::cpu`): `big` or `little` by clock, one class per
+/// distinct maximum clock. Where sysfs gives no clocks, one class `cpu` of
+/// `cores` cores at the fastest clock `/proc/cpuinfo` reports.
+fn core_classes(cores: usize) -> Vec<CoreClass> {
+    let topo = nflash_runtime::cpu::Topology::system();
+    let classes = topo.classes();
+    let fastest = classes.first().map_or(0.0, |c| c.0);
+    if fastest <= 0.0 || classes.iter().any(|c| c.0 <= 0.0) {
+        return vec![CoreClass { class: "cpu".into(), count: cores as u32, ghz: max_ghz() }];
+    }
+    classes
+        .iter()
+        .map(|&(ghz, n)| CoreClass {
+            class: if ghz >= nflash_runtime::cpu::BIG_SHARE * fastest { "big" } else { "little" }.into(),
+            count: n as u32,
+            ghz: round(ghz, 2),
+        })
+        .collect()
 }

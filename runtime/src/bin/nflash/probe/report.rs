@@ -110,11 +110,10 @@ pub(super) fn print_table(p: &DeviceProfile, direct: bool, took: Duration) {
         p.memory.available_bytes as f64 / (1u64 << 30) as f64,
         p.memory.bandwidth_gb_s
     );
-    let c = &p.cpu.cores[0];
+    let cores = p.cpu.cores.iter().map(|c| format!("{} {} at {:.2} GHz", c.count, c.class, c.ghz)).collect::<Vec<_>>();
     message!(
-        "cpu: {} cores at {:.2} GHz; q4_0 matvec {:.2} GB/s on 1 thread, {:.2} GB/s on {}",
-        c.count,
-        c.ghz,
+        "cpu: {}; q4_0 matvec {:.2} GB/s on 1 thread, {:.2} GB/s on {}",
+        cores.join(", "),
         p.cpu.q4_0_matvec_gb_s_1t.unwrap_or(0.0),
         p.cpu.q4_0_matvec_gb_s_mt.unwrap_or(0.0),
         p.cpu.threads_measured.unwrap_or(0)
