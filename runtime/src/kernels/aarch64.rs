@@ -14,10 +14,27 @@
 use std::arch::aarch64::*;
 use std::arch::asm;
 
-use half::f16;
-
 /// Bytes of a Q8_0 block (f16 scale, 32 × i8).
 const Q8_0_BLOCK: usize = 34;
+
+/// Four f16 values (bit patterns) as f32, by one `fcvtl` (half-precision
+/// conversion is part of the ARMv8.0 baseline; `half`'s conversion would
+/// check CPU features on every call, and the `float16x4_t` intrinsics are
+/// not stable in Rust 1.95).
+#[inline(always)]
+unsafe fn f16x4_to_f32(h: uint16x4_t) -> float32x4_t {
+    let out: float32x4_t;
+    // SAFETY: a register-only conversion every aarch64 CPU implements.
+    unsafe {
+        asm!(
+            "fcvtl {o:v}.4s, {h:v}.4h",
+            o = lateout(vreg) out,
+            h = in(vreg) h,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    out
+}
 
 /// The f16 at `p` (little-endian) as f32.
 ///
@@ -25,7 +42,17 @@ const Q8_0_BLOCK: usize = 34;
 /// Two bytes must be readable at `p`.
 #[inline(always)]
 unsafe fn f16_at(p: *const u8) -> f32 {
-    f16::from_bits(u16::from_le_bytes([*p, *p.add(1)])).to_f32()
+    vgetq_lane_f32::<0>(f16x4_to_f32(vdup_n_u16((p as *const u16).read_unaligned())))
+}
+
+/// The f16 scales at `p[0..4]` (each 2 bytes at its pointer) as four f32.
+///
+/// # Safety
+/// Two bytes must be readable at each pointer.
+#[inline(always)]
+unsafe fn f16_at4(p: [*const u8; 4]) -> float32x4_t {
+    let h = [0, 1, 2, 3].map(|i| (p[i] as *const u16).read_unaligned());
+    f16x4_to_f32(vld1_u16(h.as_ptr()))
 }
 
 /// A row-layout block type (formats/SPEC.md §5).
@@ -140,15 +167,13 @@ unsafe fn dot4_rows<B: RowBlock, S: Sum>(cols: usize, rows: [&[u8]; 4], y: &[u8]
     let mut acc = vdupq_n_f32(0.0);
     for b in 0..nb {
         let (dy, yv) = y_block(y, b);
-        let mut l = [vdupq_n_s32(0); 4];
-        let mut dx = [0f32; 4];
-        for r in 0..4 {
-            let p = rows[r].as_ptr().add(b * B::BYTES);
-            dx[r] = f16_at(p);
-            l[r] = S::lanes(B::values(p.add(2)), yv);
-        }
-        let s = vpaddq_s32(vpaddq_s32(l[0], l[1]), vpaddq_s32(l[2], l[3]));
-        let d = vmulq_n_f32(vld1q_f32(dx.as_ptr()), dy);
+        let p = [0, 1, 2, 3].map(|r| rows[r].as_ptr().add(b * B::BYTES));
+        let l0 = S::lanes(B::values(p[0].add(2)), yv);
+        let l1 = S::lanes(B::values(p[1].add(2)), yv);
+        let l2 = S::lanes(B::values(p[2].add(2)), yv);
+        let l3 = S::lanes(B::values(p[3].add(2)), yv);
+        let s = vpaddq_s32(vpaddq_s32(l0, l1), vpaddq_s32(l2, l3));
+        let d = vmulq_n_f32(f16_at4(p), dy);
         acc = vfmaq_f32(acc, d, vcvtq_f32_s32(s));
     }
     let mut out = [0f32; 4];
