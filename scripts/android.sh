@@ -21,6 +21,12 @@ read -r -a ADB <<< "${ADB:-adb}"
 
 die() { echo "android.sh: $*" >&2; exit 1; }
 
+# The file name of a path, taken literally (never an option).
+name_of() { printf '%s' "${1##*/}"; }
+
+# A local path adb cannot mistake for an option.
+local_path() { case "$1" in -*) printf './%s' "$1" ;; *) printf '%s' "$1" ;; esac; }
+
 usage() {
     sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
 }
@@ -68,23 +74,47 @@ build() {
 adb_ok() {
     command -v "${ADB[0]}" > /dev/null ||
         die "'${ADB[0]}' not found: install Android's platform tools (adb) or set ADB=/path/to/adb"
-    local state
-    state=$("${ADB[@]}" get-state 2>/dev/null || true)
-    [ "$state" = device ] ||
-        die "no phone on adb (state '${state:-none}'): connect one with USB debugging on, and check 'adb devices'"
+    local state err
+    err=$(mktemp)
+    state=$("${ADB[@]}" get-state 2> "$err" || true)
+    local why
+    why=$(tr '\n' ' ' < "$err")
+    rm -f "$err"
+    [ "$state" = device ] && return 0
+    case "$why" in
+    *unauthorized*) die "the phone has not authorized this computer ($why): accept the USB debugging prompt on the phone, then run again" ;;
+    *"more than one"*) die "more than one phone on adb ($why): pick one with ADB=\"adb -s SERIAL\" (serials: adb devices)" ;;
+    *offline*) die "the phone is offline on adb ($why): reconnect the cable or run 'adb kill-server'" ;;
+    esac
+    die "no phone on adb (state '${state:-none}'${why:+; adb: $why}): connect one with USB debugging on, and check 'adb devices'"
+}
+
+# The binary to push must be an aarch64 ELF file.
+check_bin() {
+    [ -f "$BIN" ] && [ -x "$BIN" ] || die "no binary at $BIN: run 'make android' first"
+    # NFLASH_SKIP_ARCH_CHECK=1: the tests push this machine's binary to a stand-in adb.
+    [ "${NFLASH_SKIP_ARCH_CHECK:-0}" = 1 ] && return 0
+    local machine
+    machine=$(od -An -tx1 -j18 -N2 "$BIN" 2>/dev/null | tr -d ' \n')
+    [ "$(head -c4 "$BIN" | od -An -tx1 | tr -d ' \n')" = 7f454c46 ] && [ "$machine" = b700 ] ||
+        die "$BIN is not an aarch64 executable: run 'make android' (or set NFLASH_BIN to the aarch64 build)"
 }
 
 push() {
     [ $# -ge 1 ] || die "usage: android.sh push PACK"
-    local pack=$1
+    local pack=$1 name
+    name=$(name_of "$pack")
     [ -f "$pack" ] || die "no pack at $pack (make one with: prep convert --model DIR --out $pack)"
-    [ -x "$BIN" ] || die "no binary at $BIN: run 'make android' first"
+    case "$name" in
+    nflash | device.toml) die "a pack named '$name' would overwrite nflash's own file on the phone; rename it (e.g. model.nflash)" ;;
+    esac
+    check_bin
     adb_ok
     "${ADB[@]}" shell "mkdir -p $(quote "$REMOTE")"
-    "${ADB[@]}" push "$BIN" "$REMOTE/nflash"
+    "${ADB[@]}" push "$(local_path "$BIN")" "$REMOTE/nflash"
     "${ADB[@]}" shell "chmod 755 $(quote "$REMOTE/nflash")"
-    "${ADB[@]}" push "$pack" "$REMOTE/$(basename "$pack")"
-    echo "android.sh: $REMOTE/nflash and $REMOTE/$(basename "$pack") are on the phone"
+    "${ADB[@]}" push "$(local_path "$pack")" "$REMOTE/$name"
+    echo "android.sh: $REMOTE/nflash and $REMOTE/$name are on the phone"
 }
 
 # Runs `nflash ARGS...` in the remote directory; the arguments are quoted
@@ -100,9 +130,9 @@ remote() {
 run() {
     [ $# -ge 1 ] || die "usage: android.sh run PACK [nflash run options...]"
     local pack
-    pack=$(basename "$1")
+    pack=$(name_of "$1")
     shift
-    remote run --model "$pack" "$@"
+    remote run "--model=$pack" "$@"
 }
 
 probe() {
@@ -111,12 +141,24 @@ probe() {
         out=$1
         shift
     fi
+    local a
+    for a in "$@"; do
+        case "$a" in --out | --out=* | --dir | --dir=*) die "probe sets --out and --dir itself (the profile comes back to OUT.toml)" ;; esac
+    done
     adb_ok
     local model slug
     model=$("${ADB[@]}" shell getprop ro.product.model 2>/dev/null | tr -d '\r' || true)
-    slug=$(printf '%s' "$model" | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
+    slug=$(printf '%s' "$model" | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-' | sed 's/--*/-/g; s/^-//; s/-$//')
     [ -n "$out" ] || out=$REPO/profiles/${slug:-phone}.toml
-    remote probe --out "$REMOTE/device.toml" --dir "$REMOTE" --name "${model:-phone}" "$@"
+    # Check where the profile goes before minutes of measuring.
+    [ ! -d "$out" ] || die "$out is a directory; give a file name, e.g. $out/phone.toml"
+    [ -d "$(dirname -- "$out")" ] || die "no directory $(dirname -- "$out") for $out"
+    [ -w "$(dirname -- "$out")" ] || die "cannot write to $(dirname -- "$out")"
+    local name=()
+    case " $* " in *" --name "* | *" --name="*) ;; *) name=(--name "${model:-phone}") ;; esac
+    # An old profile must not come back as this run's.
+    "${ADB[@]}" shell "rm -f $(quote "$REMOTE/device.toml")"
+    remote probe --out "$REMOTE/device.toml" --dir "$REMOTE" "${name[@]}" "$@"
     "${ADB[@]}" pull "$REMOTE/device.toml" "$out"
     echo "android.sh: wrote $out; plan a pack for this phone with: prep convert --device $out ..."
 }

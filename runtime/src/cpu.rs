@@ -6,7 +6,8 @@
 //!
 //! A core is *big* if its maximum clock is at least [`BIG_SHARE`] of the
 //! fastest core's. Where every core has the same clock, or sysfs does not
-//! say (most x86 VMs), all cores are big and nothing is pinned.
+//! give a plausible clock for every core (most x86 VMs), all cores are
+//! big and nothing is pinned.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -15,6 +16,22 @@ use std::sync::OnceLock;
 /// fastest core's: on a Snapdragon 8 Gen 3 (3.30 GHz X4, 3.15 and 2.96 GHz
 /// A720s, 2.27 GHz A520s) the six X4 and A720 cores, not the A520s.
 pub const BIG_SHARE: f64 = 0.8;
+
+/// Plausible maximum clocks, kHz (100 MHz to 10 GHz); a value outside is
+/// taken as unknown.
+const KHZ_RANGE: std::ops::RangeInclusive<u64> = 100_000..=10_000_000;
+
+/// Reads a small sysfs attribute: only a regular file (never a FIFO or a
+/// device, which could block or never end), at most 64 bytes.
+fn read_attr(path: &Path) -> Option<String> {
+    use std::io::Read;
+    if !std::fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
+    let mut buf = Vec::with_capacity(64);
+    std::fs::File::open(path).ok()?.take(64).read_to_end(&mut buf).ok()?;
+    String::from_utf8(buf).ok()
+}
 
 /// The online CPUs and their maximum clocks.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,17 +47,24 @@ impl Topology {
     pub fn read(root: &Path) -> Option<Topology> {
         let dir = root.join("devices/system/cpu");
         let mut cores = Vec::new();
-        for e in std::fs::read_dir(&dir).ok()?.flatten() {
+        for e in std::fs::read_dir(&dir).ok()?.flatten().take(4096) {
             let name = e.file_name();
+            // Exactly `cpu<N>` with N in canonical form, and a directory.
             let Some(id) = name.to_str().and_then(|n| n.strip_prefix("cpu")).and_then(|n| n.parse::<usize>().ok())
             else {
                 continue;
             };
-            let read = |f: &str| std::fs::read_to_string(e.path().join(f)).ok();
+            if name.to_str() != Some(&format!("cpu{id}")) || !std::fs::metadata(e.path()).is_ok_and(|m| m.is_dir()) {
+                continue;
+            }
+            let read = |f: &str| read_attr(&e.path().join(f));
             if read("online").is_some_and(|s| s.trim() == "0") {
                 continue;
             }
-            let khz = read("cpufreq/cpuinfo_max_freq").and_then(|s| s.trim().parse::<u64>().ok()).unwrap_or(0);
+            let khz = read("cpufreq/cpuinfo_max_freq")
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .filter(|k| KHZ_RANGE.contains(k))
+                .unwrap_or(0);
             cores.push((id, khz));
         }
         cores.sort_unstable();
@@ -74,8 +98,13 @@ impl Topology {
         self.cores.iter().map(|c| c.1).max().unwrap_or(0)
     }
 
+    /// Whether every core's clock is known (else all count as big).
+    fn clocks_known(&self) -> bool {
+        self.cores.iter().all(|c| c.1 > 0)
+    }
+
     fn is_big(&self, khz: u64) -> bool {
-        khz as f64 >= BIG_SHARE * self.fastest() as f64
+        !self.clocks_known() || khz as f64 >= BIG_SHARE * self.fastest() as f64
     }
 
     /// The big cores' ids (all cores where clocks are alike or unknown).
@@ -114,7 +143,7 @@ impl Topology {
     /// (2.96-3.30 GHz), little 0 (2.27 GHz)`, or `2 cores, alike`.
     pub fn describe(&self) -> String {
         if !self.is_heterogeneous() {
-            return format!("{} cores, alike", self.len());
+            return format!("{} core{}, alike", self.len(), if self.len() == 1 { "" } else { "s" });
         }
         let part = |ids: &[usize]| {
             let k: Vec<u64> = self.cores.iter().filter(|c| ids.contains(&c.0)).map(|c| c.1).collect();
@@ -230,6 +259,32 @@ mod tests {
         let empty = tempfile::tempdir().unwrap();
         assert_eq!(Topology::read(empty.path()), None);
         assert!(!Topology::system().is_empty());
+    }
+
+    #[test]
+    fn implausible_sysfs_entries_are_ignored() {
+        // One unknown clock: all alike, not a 0 GHz little core.
+        let t = Topology::read(fake(&[0, 2_000_000], &[]).path()).unwrap();
+        assert_eq!((t.big(), t.is_heterogeneous()), (vec![0, 1], false));
+        // Clocks outside 100 MHz..10 GHz count as unknown.
+        let t = Topology::read(fake(&[u64::MAX, 2_000_000], &[]).path()).unwrap();
+        assert!(!t.is_heterogeneous());
+        let t = Topology::read(fake(&[99, 2_000_000], &[]).path()).unwrap();
+        assert!(!t.is_heterogeneous());
+        // Non-canonical names and plain files are not cores; a FIFO is not read.
+        let d = fake(&[1_000_000, 3_000_000], &[]);
+        let cpu = d.path().join("devices/system/cpu");
+        std::fs::create_dir_all(cpu.join("cpu01")).unwrap();
+        std::fs::create_dir_all(cpu.join("cpu+1")).unwrap();
+        std::fs::write(cpu.join("cpu5"), "x").unwrap();
+        std::fs::create_dir_all(cpu.join("cpu7/cpufreq")).unwrap();
+        let fifo = std::ffi::CString::new(cpu.join("cpu7/cpufreq/cpuinfo_max_freq").to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+        let t = Topology::read(d.path()).unwrap();
+        assert_eq!(t.cores.iter().map(|c| c.0).collect::<Vec<_>>(), vec![0, 1, 7]);
+        assert!(!t.is_heterogeneous(), "cpu7's clock is unknown");
+        assert_eq!(Topology { cores: vec![(0, 0)] }.describe(), "1 core, alike");
     }
 
     #[test]

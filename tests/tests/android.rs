@@ -17,7 +17,11 @@ const FAKE_ADB: &str = r#"#!/usr/bin/env bash
 map() { printf '%s' "${1//\/data\/local\/tmp/$FAKE_PHONE/data/local/tmp}"; }
 case "$1" in
 get-state)
-    if [ "${FAKE_STATE:-device}" = device ]; then echo device; else echo "error: no devices/emulators found" >&2; exit 1; fi ;;
+    case "${FAKE_STATE:-device}" in
+    device) echo device ;;
+    unauthorized) echo "error: device unauthorized." >&2; exit 1 ;;
+    *) echo "error: no devices/emulators found" >&2; exit 1 ;;
+    esac ;;
 push) mkdir -p "$(dirname "$(map "$3")")" && cp "$2" "$(map "$3")" && echo "$2: 1 file pushed" ;;
 pull) cp "$(map "$2")" "$3" && echo "$2: 1 file pulled" ;;
 shell)
@@ -53,8 +57,14 @@ impl FakePhone {
 
     /// `scripts/android.sh args...` with the stand-in first on PATH.
     fn script(&self, args: &[&str], state: &str) -> Output {
+        self.script_in(&std::env::temp_dir(), args, state)
+    }
+
+    /// The same, run in directory `dir`.
+    fn script_in(&self, dir: &Path, args: &[&str], state: &str) -> Output {
         let path = format!("{}:{}", self.bin.display(), std::env::var("PATH").unwrap_or_default());
         Command::new("bash")
+            .current_dir(dir)
             .arg(repo_root().join("scripts/android.sh"))
             .args(args)
             .env("PATH", path)
@@ -62,6 +72,7 @@ impl FakePhone {
             .env("FAKE_PHONE", &self.phone)
             .env("FAKE_STATE", state)
             .env("NFLASH_BIN", bin("nflash"))
+            .env("NFLASH_SKIP_ARCH_CHECK", "1")
             .env_remove("ADB")
             .env_remove("NFLASH_REMOTE_DIR")
             .output()
@@ -143,6 +154,31 @@ fn android_script_pushes_runs_and_probes_through_adb() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("no phone on adb") && err.contains("adb devices"), "{err}");
     assert!(phone.calls()[before..].iter().all(|c| c[0] == "get-state"), "{:?}", phone.calls());
+
+    // adb's own reason reaches the user, with what to do.
+    let o = phone.script(&["push", pack_s], "unauthorized");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("accept the USB debugging prompt"), "{err}");
+
+    // A pack whose name starts with a dash is a file name, not an option;
+    // one named `nflash` would overwrite the binary and is refused.
+    let dash = tmp.path().join("-q.nflash");
+    std::fs::copy(&pack, &dash).unwrap();
+    ok("push -q.nflash", &phone.script_in(tmp.path(), &["push", "-q.nflash"], "device"));
+    assert_eq!(std::fs::read(phone.remote("-q.nflash")).unwrap(), std::fs::read(&pack).unwrap());
+    let dash_out =
+        ok("run -q.nflash", &phone.script(&["run", "-q.nflash", "--prompt", "x", "--max-tokens", "2"], "device"));
+    assert!(!dash_out.trim().is_empty());
+    let named = tmp.path().join("nflash");
+    std::fs::copy(&pack, &named).unwrap();
+    let o = phone.script(&["push", named.to_str().unwrap()], "device");
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("rename it"));
+
+    // probe: a directory or a missing directory as OUT is refused before measuring.
+    let o = phone.script(&["probe", tmp.path().to_str().unwrap(), "--quick"], "device");
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("is a directory"));
+    let o = phone.script(&["probe", "/nonexistent-dir/p.toml", "--quick"], "device");
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("no directory"));
 
     // A pack that does not exist, an unknown command: errors naming them.
     let o = phone.script(&["push", "/nonexistent/x.nflash"], "device");

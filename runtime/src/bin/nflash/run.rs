@@ -302,10 +302,15 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
             "kernels {} | {} compute threads{} | {} | page size {} KiB",
             nflash_runtime::kernels::isa(),
             rayon::current_num_threads(),
-            if topo.is_heterogeneous() {
+            if topo.is_heterogeneous() && rayon::current_num_threads() <= topo.big().len() {
                 format!(
                     " on the big cores {}, I/O threads on {}",
                     nflash_runtime::cpu::ranges(&topo.big()),
+                    nflash_runtime::cpu::ranges(&topo.little())
+                )
+            } else if topo.is_heterogeneous() {
+                format!(
+                    " (more than the big cores: not pinned), I/O threads on {}",
                     nflash_runtime::cpu::ranges(&topo.little())
                 )
             } else {
