@@ -123,20 +123,43 @@ impl Topology {
         !self.little().is_empty()
     }
 
-    /// Core classes, fastest first: `(max clock in GHz, count)`, cores with
-    /// the same clock in one class (for `nflash probe`'s device profile).
-    pub fn classes(&self) -> Vec<(f64, usize)> {
+    /// Core classes, fastest first: `(max clock in GHz, count, big)`, cores
+    /// with the same clock in one class (for `nflash probe`'s device
+    /// profile); `None` where sysfs does not give every core's clock.
+    pub fn classes(&self) -> Option<Vec<(f64, usize, bool)>> {
+        if !self.clocks_known() {
+            return None;
+        }
         let mut khz: Vec<u64> = self.cores.iter().map(|c| c.1).collect();
         khz.sort_unstable_by(|a, b| b.cmp(a));
-        let mut out: Vec<(f64, usize)> = Vec::new();
+        let mut out: Vec<(f64, usize, bool)> = Vec::new();
         for k in khz {
             let ghz = k as f64 / 1e6;
             match out.last_mut() {
                 Some(last) if last.0 == ghz => last.1 += 1,
-                _ => out.push((ghz, 1)),
+                _ => out.push((ghz, 1, self.is_big(k))),
             }
         }
-        out
+        Some(out)
+    }
+
+    /// Compute threads when `--threads` is not given: one per big core
+    /// where there are big and little ones (at most `4 × cores`, the
+    /// cores the OS reports), else 0 (rayon's default: every core).
+    pub fn default_threads(&self, cores: usize) -> usize {
+        if self.is_heterogeneous() {
+            self.big().len().min(4 * cores)
+        } else {
+            0
+        }
+    }
+
+    /// The cores `threads` compute threads are pinned to: the big ones,
+    /// where there are big and little cores and the threads fit on the big
+    /// ones; else `None` (the OS places them).
+    pub fn compute_cores(&self, threads: usize) -> Option<Vec<usize>> {
+        let big = self.big();
+        (self.is_heterogeneous() && threads <= big.len()).then_some(big)
     }
 
     /// One line for `--stats` and `nflash probe`: e.g. `8 cores: big 1-7
@@ -240,7 +263,13 @@ mod tests {
         assert_eq!(t.little(), vec![0, 1]);
         assert!(t.is_heterogeneous());
         assert_eq!(t.describe(), "8 cores: big 2-7 (2.96-3.30 GHz), little 0-1 (2.27 GHz)");
-        assert_eq!(t.classes(), vec![(3.3024, 1), (3.1488, 3), (2.9568, 2), (2.2656, 2)]);
+        assert_eq!(
+            t.classes(),
+            Some(vec![(3.3024, 1, true), (3.1488, 3, true), (2.9568, 2, true), (2.2656, 2, false)])
+        );
+        assert_eq!((t.default_threads(8), t.default_threads(1)), (6, 4));
+        assert_eq!(t.compute_cores(6), Some(vec![2, 3, 4, 5, 6, 7]));
+        assert_eq!(t.compute_cores(7), None, "more threads than big cores: not pinned");
     }
 
     #[test]
@@ -249,7 +278,9 @@ mod tests {
         assert_eq!((t.big(), t.little(), t.describe()), (vec![0, 1, 2, 3], vec![], "4 cores, alike".to_string()));
         let t = Topology::read(fake(&[2_000_000; 3], &[]).path()).unwrap();
         assert!(!t.is_heterogeneous());
-        assert_eq!(t.classes(), vec![(2.0, 3)]);
+        assert_eq!(t.classes(), Some(vec![(2.0, 3, true)]));
+        assert_eq!((t.default_threads(3), t.compute_cores(3)), (0, None));
+        assert_eq!(Topology::read(fake(&[0, 0], &[]).path()).unwrap().classes(), None);
     }
 
     #[test]

@@ -32,8 +32,7 @@ fn view(v: &[u64], len: usize) -> &[u8] {
 /// has dotprod, so without it the comparison is skipped (`None`) and the
 /// portable kernels remain the reference.
 fn candle_dot(dt: DType, cols: usize, row: &[u8], y: &[BlockQ8_0]) -> Option<f32> {
-    #[cfg(target_arch = "aarch64")]
-    if !std::arch::is_aarch64_feature_detected!("dotprod") {
+    if cfg!(target_arch = "aarch64") && !super::has_dotprod() {
         return None;
     }
     Some(match dt {

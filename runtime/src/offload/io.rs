@@ -58,27 +58,23 @@ impl FlashFile {
         }
         let dio = align::dio_align(&buffered);
         let direct_align = dio.map_or(read_align, |d| d.offset as u64).max(1) as usize;
+        // The O_DIRECT descriptor, or why reads go through the page cache.
         // Buffers (hot region, cold slots) are page-aligned and cut at multiples
         // of `read_align`, so that is also their addresses' alignment.
-        if let Err(why) = align::direct_io(dio, read_align, read_align as usize) {
-            warn_buffered(path, &why);
-            let direct = buffered.try_clone().map_err(io)?;
-            return Ok(FlashFile {
-                path: path.to_path_buf(),
-                direct,
-                buffered,
-                use_direct: AtomicBool::new(false),
-                direct_align,
-            });
-        }
-        let (direct, use_direct) = match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
-        {
+        let direct = match align::direct_io(dio, read_align, read_align as usize) {
+            Err(why) => Err(why),
+            Ok(()) => match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+                Ok(f) => Ok(f),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err("the file system refused O_DIRECT".into()),
+                Err(e) => return Err(io(e)),
+            },
+        };
+        let (direct, use_direct) = match direct {
             Ok(f) => (f, true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                warn_buffered(path, "the file system refused O_DIRECT");
+            Err(why) => {
+                warn_buffered(path, &why);
                 (buffered.try_clone().map_err(io)?, false)
             }
-            Err(e) => return Err(io(e)),
         };
         Ok(FlashFile {
             path: path.to_path_buf(),

@@ -21,11 +21,9 @@ pub fn in_pool<T: Send>(threads: Option<usize>, f: impl FnOnce() -> Result<T> + 
     }
     // Phones: compute on the big cores, one thread each, pinned there (I/O
     // threads go to the little ones: `nflash_runtime::cpu::pin_io_thread`).
-    // More threads than big cores (`--threads`): no pinning, the OS places them.
     let topo = nflash_runtime::cpu::Topology::system();
-    let big = topo.big();
-    let n = threads.unwrap_or(if topo.is_heterogeneous() { big.len().min(4 * cores) } else { 0 });
-    let pin = (topo.is_heterogeneous() && n <= big.len()).then_some(big);
+    let n = threads.unwrap_or(topo.default_threads(cores));
+    let pin = topo.compute_cores(n);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .start_handler(move |_| {

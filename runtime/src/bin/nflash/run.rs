@@ -270,6 +270,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         Some(e) => format!("{}, {e}", if direct { "O_DIRECT" } else { "buffered" }),
         None => (if direct { "O_DIRECT" } else { "buffered" }).to_string(),
     };
+    let topo = nflash_runtime::cpu::Topology::system();
     if a.stats {
         message!(
             "prefill: {} tokens in {:.3} s, {:.1} tokens/s | decode: {} tokens generated, {} forward passes in {:.3} s, {:.1} tokens/s | peak RSS {:.1} MiB",
@@ -297,15 +298,14 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         let profile = |t: &nflash_runtime::model::Timings, scale: f64| {
             t.steps().iter().map(|(k, v)| format!("{k} {:.2}", v * scale)).collect::<Vec<_>>().join(", ")
         };
-        let topo = nflash_runtime::cpu::Topology::system();
         message!(
             "kernels {} | {} compute threads{} | {} | page size {} KiB",
             nflash_runtime::kernels::isa(),
             rayon::current_num_threads(),
-            if topo.is_heterogeneous() && rayon::current_num_threads() <= topo.big().len() {
+            if let Some(big) = topo.compute_cores(rayon::current_num_threads()) {
                 format!(
                     " on the big cores {}, I/O threads on {}",
-                    nflash_runtime::cpu::ranges(&topo.big()),
+                    nflash_runtime::cpu::ranges(&big),
                     nflash_runtime::cpu::ranges(&topo.little())
                 )
             } else if topo.is_heterogeneous() {
@@ -351,8 +351,8 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         let j = serde_json::json!({
             "kernels": nflash_runtime::kernels::isa(),
             "compute_threads": rayon::current_num_threads(),
-            "big_cores": nflash_runtime::cpu::Topology::system().big(),
-            "little_cores": nflash_runtime::cpu::Topology::system().little(),
+            "big_cores": topo.big(),
+            "little_cores": topo.little(),
             "page_size_bytes": nflash_runtime::offload::align::page_size(),
             "prompt_tokens": st.prompt_tokens,
             "generated_tokens": st.generated_tokens,

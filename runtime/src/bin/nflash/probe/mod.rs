@@ -398,16 +398,13 @@ impl SplitMix {
 /// distinct maximum clock. Where sysfs gives no clocks, one class `cpu` of
 /// `cores` cores at the fastest clock `/proc/cpuinfo` reports.
 fn core_classes(cores: usize) -> Vec<CoreClass> {
-    let topo = nflash_runtime::cpu::Topology::system();
-    let classes = topo.classes();
-    let fastest = classes.first().map_or(0.0, |c| c.0);
-    if fastest <= 0.0 || classes.iter().any(|c| c.0 <= 0.0) {
+    let Some(classes) = nflash_runtime::cpu::Topology::system().classes() else {
         return vec![CoreClass { class: "cpu".into(), count: cores as u32, ghz: max_ghz() }];
-    }
+    };
     classes
-        .iter()
-        .map(|&(ghz, n)| CoreClass {
-            class: if ghz >= nflash_runtime::cpu::BIG_SHARE * fastest { "big" } else { "little" }.into(),
+        .into_iter()
+        .map(|(ghz, n, big)| CoreClass {
+            class: if big { "big" } else { "little" }.into(),
             count: n as u32,
             ghz: round(ghz, 2),
         })
