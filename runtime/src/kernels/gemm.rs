@@ -42,28 +42,45 @@ enum Weights<'a> {
     Fill(FillPanel<'a>),
 }
 
-/// The destination of a product, shared by the tasks: row `t` at
-/// `t * stride`, `rows × cols` used. Tasks write disjoint columns.
+/// A row-major f32 destination `[rows, stride]` shared by parallel tasks
+/// that each write their own columns: row `t` at `t * stride`, columns
+/// `< cols` used.
 #[derive(Clone, Copy)]
-struct Dst {
+pub(crate) struct Dst {
     ptr: *mut f32,
+    rows: usize,
+    cols: usize,
     stride: usize,
 }
 
 impl Dst {
-    /// Elements `t * stride + j0 ..` (`len` of them) of row `t`.
+    /// The destination over `dst`: `rows` rows of `cols` used columns,
+    /// `stride` elements apart.
+    ///
+    /// Panics if `dst` is too short or `cols > stride` (a caller bug).
+    pub(crate) fn new(dst: &mut [f32], rows: usize, cols: usize, stride: usize) -> Self {
+        assert!(cols <= stride, "destination: {cols} columns at stride {stride}");
+        assert!(rows == 0 || dst.len() >= (rows - 1) * stride + cols, "destination too short");
+        Dst { ptr: dst.as_mut_ptr(), rows, cols, stride }
+    }
+
+    /// Elements `j0 .. j0 + len` of row `t`.
+    ///
+    /// Panics if they lie outside the destination's `rows × cols`.
     ///
     /// # Safety
-    /// They must lie inside the destination and no other live slice may
-    /// cover them.
+    /// No other live slice may cover them (tasks write disjoint columns),
+    /// and the slice the destination was made from must outlive the result.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn row(&self, t: usize, j0: usize, len: usize) -> &mut [f32] {
+    pub(crate) unsafe fn row(&self, t: usize, j0: usize, len: usize) -> &mut [f32] {
+        assert!(t < self.rows && j0 + len <= self.cols, "destination row {t} columns {j0}..{}", j0 + len);
         std::slice::from_raw_parts_mut(self.ptr.add(t * self.stride + j0), len)
     }
 }
 
-// SAFETY: `product` hands each task a disjoint set of columns of `Dst`, and
-// the exclusive borrow it was made from outlives the tasks.
+// SAFETY: every user hands each task a disjoint set of columns of `Dst`
+// (`Dst::row`'s contract), and the exclusive borrow it was made from
+// outlives the tasks.
 unsafe impl Send for Dst {}
 // SAFETY: as for Send: no two tasks touch the same element.
 unsafe impl Sync for Dst {}
@@ -107,14 +124,13 @@ fn product(
     if n == 0 || cols == 0 {
         return;
     }
-    assert!(dst_stride >= cols && dst.len() >= (n - 1) * dst_stride + cols, "product: destination too short");
     assert!(x.len() >= n * depth, "product: activations too short");
     if let Weights::Cols(w, s) = w {
         assert!(s >= cols && (depth == 0 || w.len() >= (depth - 1) * s + cols), "product: weights too short");
     }
     let panels = cols.div_ceil(PANEL);
     let per_task = task_panels(panels, rayon::current_num_threads());
-    let dst = Dst { ptr: dst.as_mut_ptr(), stride: dst_stride };
+    let dst = Dst::new(dst, n, cols, dst_stride);
     let xs = depth.max(1);
     (0..panels.div_ceil(per_task)).into_par_iter().for_each_init(Vec::new, |buf: &mut Vec<f32>, task| {
         let p0 = task * per_task;
@@ -141,9 +157,8 @@ fn product(
                 let (j0, width) = span(p);
                 let r = tile(nt, depth, xt, xs, panel, PANEL);
                 for (t, rt) in r[..nt].iter().enumerate() {
-                    // SAFETY: row t0 + t < n and columns j0 .. j0 + width ≤
-                    // cols lie inside `dst` (asserted above); this task alone
-                    // writes columns of panels p0 .. p1.
+                    // SAFETY: this task alone writes the columns of panels
+                    // p0 .. p1; `dst` borrows the caller's slice for the call.
                     let o = unsafe { dst.row(t0 + t, j0, width) };
                     if accumulate {
                         o.iter_mut().zip(rt).for_each(|(o, v)| *o += v);

@@ -6,6 +6,7 @@ use nflash_format::interleave::X8_ROWS;
 use nflash_format::DType;
 use rayon::prelude::*;
 
+use super::gemm::Dst;
 use super::{DotInput, Q8Vec};
 
 /// A matrix view `[rows, cols]` over packed bytes: row-major as in the pack
@@ -123,41 +124,42 @@ impl<'a> QMatrix<'a> {
             return self.x8_products(Acts::Q8(&ys), out);
         }
         let rb = par_chunk(self.rows, 16).next_multiple_of(X8_ROWS);
-        let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
-        tmp.par_chunks_mut(rb * n).enumerate().for_each(|(ci, chunk)| {
+        let dst = Dst::new(out, n, self.rows, self.rows);
+        (0..self.rows.div_ceil(rb)).into_par_iter().for_each(|ci| {
+            let (r0, r1) = (ci * rb, (ci * rb + rb).min(self.rows));
             // Four rows at a time through the same kernel as `matvec`.
-            let quads = if matches!(xs[0], DotInput::Q8(_)) { chunk.len() / n / 4 } else { 0 };
-            for (qi, q_out) in chunk.chunks_mut(4 * n).take(quads).enumerate() {
-                let r = ci * rb + 4 * qi;
+            let q8 = matches!(xs[0], DotInput::Q8(_));
+            let mut r = r0;
+            while q8 && r + 4 <= r1 {
                 let rows = [self.row(r), self.row(r + 1), self.row(r + 2), self.row(r + 3)];
                 for (t, x) in xs.iter().enumerate() {
                     let d = super::dot4(self.dtype, self.cols, rows, q8_input(x));
-                    for (i, v) in d.into_iter().enumerate() {
-                        q_out[i * n + t] = v;
-                    }
+                    // SAFETY: this task alone writes rows r0 .. r1 (columns of `out`).
+                    unsafe { dst.row(t, r, 4) }.copy_from_slice(&d);
                 }
+                r += 4;
             }
-            for (i, row_out) in chunk.chunks_mut(n).enumerate().skip(4 * quads) {
-                let r = ci * rb + i;
-                for (t, o) in row_out.iter_mut().enumerate() {
-                    *o = self.row_dot(r, &xs[t]);
+            for r in r..r1 {
+                for (t, x) in xs.iter().enumerate() {
+                    // SAFETY: as above.
+                    let o = unsafe { dst.row(t, r, 1) };
+                    o[0] = self.row_dot(r, x);
                 }
             }
         });
-        transpose_into(&tmp, self.rows, n, out);
     }
 
     /// `out[t, r] = row_r · x[t]` (`out`: `[n, rows]`) by the ×8 kernels:
     /// groups of 8 rows in parallel, each against every token
-    /// ([`gemm_tokens`]); a matrix in the row layout (rows a multiple of 8)
-    /// has each group packed on the fly, so both layouts give the same bits.
+    /// ([`gemm_tokens`], writing its 8 columns of `out` in place); a matrix
+    /// in the row layout (rows a multiple of 8) has each group packed on the
+    /// fly, so both layouts give the same bits.
     fn x8_products(&self, acts: Acts, out: &mut [f32]) {
         let n = acts.len();
         let rb = par_chunk(self.rows, 16).next_multiple_of(X8_ROWS);
-        let mut tmp = vec![0f32; n * self.rows]; // [rows, n]
-        tmp.par_chunks_mut(rb * n).enumerate().for_each_init(Vec::new, |buf, (ci, chunk)| {
-            for (gi, g_out) in chunk.chunks_mut(X8_ROWS * n).enumerate() {
-                let r = ci * rb + X8_ROWS * gi;
+        let dst = Dst::new(out, n, self.rows, self.rows);
+        (0..self.rows.div_ceil(rb)).into_par_iter().for_each_init(Vec::new, |buf, ci| {
+            for r in (ci * rb..(ci * rb + rb).min(self.rows)).step_by(X8_ROWS) {
                 let group = if self.x8 {
                     self.group(r)
                 } else {
@@ -166,10 +168,10 @@ impl<'a> QMatrix<'a> {
                     nflash_format::interleave::pack_group(self.dtype, self.cols, rows, buf);
                     &buf[..]
                 };
-                gemm_tokens(self.dtype, self.cols, group, acts, g_out);
+                // SAFETY: this task alone writes the columns of its rows.
+                unsafe { gemm_tokens(self.dtype, self.cols, group, acts, &dst, r, X8_ROWS) };
             }
         });
-        transpose_into(&tmp, self.rows, n, out);
     }
 
     /// `out[t, r] = row_r · x[t]` for `n` f32 inputs `x` (`[n, cols]`) into
@@ -251,19 +253,33 @@ impl Acts<'_> {
 }
 
 /// One ×8 group (`cols` elements per row) against every token of `acts`,
-/// into `out` (`[8, n]`: row `i`'s dot with token `t` at `out[i * n + t]`):
+/// into columns `c0 .. c0 + width` of `dst` (`[n, ·]`: row `i`'s dot with
+/// token `t` at `dst[t, c0 + i]`, `width` ≤ 8 of the group's rows kept):
 /// Q8_0 tokens four per kernel call and a tail of 1 to 3, f32 tokens eight
 /// per call, then 4, 2, 1.
-pub(crate) fn gemm_tokens(dtype: DType, cols: usize, group: &[u8], acts: Acts, out: &mut [f32]) {
-    let n = acts.len();
-    assert_eq!(out.len(), X8_ROWS * n, "×8 group output");
-    let mut put = |t0: usize, d: &[[f32; X8_ROWS]]| {
+///
+/// Panics if the columns lie outside `dst` or `width` > 8 (caller bugs).
+///
+/// # Safety
+/// No other task may write those columns of `dst` during the call
+/// ([`Dst::row`]).
+pub(crate) unsafe fn gemm_tokens(
+    dtype: DType,
+    cols: usize,
+    group: &[u8],
+    acts: Acts,
+    dst: &Dst,
+    c0: usize,
+    width: usize,
+) {
+    assert!(width <= X8_ROWS, "×8 group output of {width} columns");
+    let put = |t0: usize, d: &[[f32; X8_ROWS]]| {
         for (t, row) in d.iter().enumerate() {
-            for (i, &v) in row.iter().enumerate() {
-                out[i * n + t0 + t] = v;
-            }
+            // SAFETY: the caller's contract.
+            unsafe { dst.row(t0 + t, c0, width) }.copy_from_slice(&row[..width]);
         }
     };
+    let n = acts.len();
     match acts {
         Acts::Q8(ys) => {
             let mut quads = ys.chunks_exact(4);
@@ -298,15 +314,6 @@ pub(crate) fn gemm_tokens(dtype: DType, cols: usize, group: &[u8], acts: Acts, o
                 }
                 t0 += k;
             }
-        }
-    }
-}
-
-/// `out[t, r] = tmp[r, t]`: a `[rows, n]` product as `[n, rows]`.
-fn transpose_into(tmp: &[f32], rows: usize, n: usize, out: &mut [f32]) {
-    for r in 0..rows {
-        for t in 0..n {
-            out[t * rows + r] = tmp[r * n + t];
         }
     }
 }

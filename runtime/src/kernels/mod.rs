@@ -617,7 +617,8 @@ impl DotInput {
 
     /// Each row of `x` (`[n, cols]`) prepared for rows of `dtype`: `[n]` inputs.
     pub fn rows(dtype: DType, x: &[f32], cols: usize) -> Vec<Self> {
-        x.chunks_exact(cols).map(|r| Self::from_slice(dtype, r)).collect()
+        use rayon::prelude::*;
+        x.par_chunks_exact(cols).map(|r| Self::from_slice(dtype, r)).collect()
     }
 
     /// Convenience: a new input for `dtype` holding `x`.

@@ -14,6 +14,7 @@ use super::ops::{neuron_output, neuron_outputs};
 use super::predictor::{criterion_value, LayerCounts};
 use super::source::LayerClusters;
 use crate::error::Result;
+use crate::kernels::gemm::Dst;
 use crate::kernels::matrix::{direct_f32, gemm_tokens, Acts};
 use crate::kernels::{axpy_row, axpy_x8, gemm_x8, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Vec};
 use nflash_format::interleave::{pack_group, X8_ROWS};
@@ -482,7 +483,8 @@ impl Ffn {
         // short prompts of Q8_0 bundles: exact f32 tokens against ×8 groups.
         let quantized = quantized_prefill(dt);
         let direct = !quantized && direct_f32(dt, X8_ROWS, h, n);
-        let ys: Vec<Q8Vec> = if quantized { x.chunks_exact(h).map(Q8Vec::from_slice).collect() } else { Vec::new() };
+        let ys: Vec<Q8Vec> =
+            if quantized { x.par_chunks_exact(h).map(Q8Vec::from_slice).collect() } else { Vec::new() };
         let yr: Vec<&Q8Vec> = ys.iter().collect();
         let xr: Vec<&[f32]> = if direct { x.chunks_exact(h).collect() } else { Vec::new() };
         let acts = if quantized {
@@ -524,32 +526,17 @@ impl Ffn {
             self.down_rows(&weights, &mut wd[..m * h]);
             let (a, u) = (&mut g[..n * m], &mut u[..n * m]);
             let wd = &wd[..m * h];
-            for (t, (row_a, row_u)) in a.chunks_exact_mut(m).zip(u.chunks_exact_mut(m)).enumerate() {
-                for (j, (av, uv)) in row_a.iter_mut().zip(row_u.iter_mut()).enumerate() {
-                    *av += bias(&self.gate_bias, p0 + j);
-                    *uv += bias(&self.up_bias, p0 + j);
-                }
-                let Some(mk) = mask else {
-                    neuron_outputs(self.act, row_a, row_u);
-                    continue;
-                };
-                for (j, (av, &uv)) in row_a.iter_mut().zip(row_u.iter()).enumerate() {
-                    let gv = *av;
-                    *av = neuron_output(self.act, gv, uv);
-                    // NaN counts as active, so damaged weights reach the output and are reported.
-                    let v = criterion_value(mk.criterion, self.act, gv, uv);
-                    let active = v > mk.threshold || v.is_nan();
-                    let read = mk.predicted.as_ref().is_none_or(|p| p[t * self.n_neurons() + p0 + j]);
-                    counts.neurons += 1;
-                    counts.read += read as u64;
-                    counts.active += active as u64;
-                    counts.hit += (read && active) as u64;
-                    counts.computed += (read && active) as u64;
-                    if !(read && active) {
-                        *av = 0.0;
-                    }
-                }
-            }
+            // Biases and the activation, tokens in parallel.
+            let c = a
+                .par_chunks_mut(m)
+                .zip(u.par_chunks_mut(m))
+                .enumerate()
+                .map(|(t, (row_a, row_u))| self.batch_outputs(p0, t, mask, row_a, row_u))
+                .reduce(LayerCounts::default, |mut x, y| {
+                    x.add(&y);
+                    x
+                });
+            counts.add(&c);
             crate::kernels::gemm::aw(&*a, wd, (n, m, h), &mut acc, true); // += [n, hidden]
             group.clear();
             Ok(())
@@ -577,6 +564,49 @@ impl Ffn {
         Ok(counts)
     }
 
+    /// One token's neuron outputs in a batch: the gate and up products
+    /// `row_a`, `row_u` (`[m]`, neurons at packed positions `p0 ..`) get their
+    /// biases, then `row_a` becomes the activation's output; with `mask`,
+    /// the neurons decode would skip (token `t`'s prediction, the criterion)
+    /// are zeroed and counted.
+    fn batch_outputs(
+        &self,
+        p0: usize,
+        t: usize,
+        mask: Option<&BatchMask>,
+        row_a: &mut [f32],
+        row_u: &mut [f32],
+    ) -> LayerCounts {
+        let mut counts = LayerCounts::default();
+        if let Some(b) = &self.gate_bias {
+            row_a.iter_mut().zip(&b[p0..]).for_each(|(v, b)| *v += b);
+        }
+        if let Some(b) = &self.up_bias {
+            row_u.iter_mut().zip(&b[p0..]).for_each(|(v, b)| *v += b);
+        }
+        let Some(mk) = mask else {
+            neuron_outputs(self.act, row_a, row_u);
+            return counts;
+        };
+        for (j, (av, &uv)) in row_a.iter_mut().zip(row_u.iter()).enumerate() {
+            let gv = *av;
+            *av = neuron_output(self.act, gv, uv);
+            // NaN counts as active, so damaged weights reach the output and are reported.
+            let v = criterion_value(mk.criterion, self.act, gv, uv);
+            let active = v > mk.threshold || v.is_nan();
+            let read = mk.predicted.as_ref().is_none_or(|p| p[t * self.n_neurons() + p0 + j]);
+            counts.neurons += 1;
+            counts.read += read as u64;
+            counts.active += active as u64;
+            counts.hit += (read && active) as u64;
+            counts.computed += (read && active) as u64;
+            if !(read && active) {
+                *av = 0.0;
+            }
+        }
+        counts
+    }
+
     /// The gate and up projections of the `m` neurons of `weights`
     /// ([`Self::group_weights`]) for the tokens `acts` (`[n]`: quantized to
     /// Q8_0, or exact f32 for short prompts of Q8_0 bundles) into `g` and `u`
@@ -594,37 +624,29 @@ impl Ffn {
     ) {
         let (h, dt, n) = (self.hidden, self.layout.dtype, acts.len());
         let gbytes = X8_ROWS * self.layout.row_bytes as usize;
-        // Per group: [gate | up][8 neurons][n tokens].
-        let mut gu = vec![0f32; weights.len() * 2 * X8_ROWS * n];
-        gu.par_chunks_mut(2 * X8_ROWS * n).zip(weights).for_each_init(
+        let (gd, ud) = (Dst::new(g, n, m, m), Dst::new(u, n, m, m));
+        weights.par_iter().for_each_init(
             || (vec![0u8; gbytes], vec![0u8; gbytes]),
-            |(bg, bu), (out, (_, _, w))| {
-                let (og, ou) = out.split_at_mut(X8_ROWS * n);
-                match w {
-                    // Already a ×8 group: gate rows, then up rows.
-                    GroupWeights::X8(grp) => {
-                        gemm_tokens(dt, h, &grp[..gbytes], acts, og);
-                        gemm_tokens(dt, h, &grp[gbytes..2 * gbytes], acts, ou);
-                    }
-                    GroupWeights::Rows(r) => {
-                        let rows: [Option<&Bundle>; X8_ROWS] = std::array::from_fn(|i| r.get(i));
-                        pack_group(dt, h, rows.map(|r| r.map(|b| b.0)), bg);
-                        pack_group(dt, h, rows.map(|r| r.map(|b| b.1)), bu);
-                        gemm_tokens(dt, h, bg, acts, og);
-                        gemm_tokens(dt, h, bu, acts, ou);
+            |(bg, bu), &(j0, k, ref w)| {
+                // SAFETY: each group writes only its own neurons' columns j0 .. j0 + k.
+                unsafe {
+                    match w {
+                        // Already a ×8 group: gate rows, then up rows.
+                        GroupWeights::X8(grp) => {
+                            gemm_tokens(dt, h, &grp[..gbytes], acts, &gd, j0, k);
+                            gemm_tokens(dt, h, &grp[gbytes..2 * gbytes], acts, &ud, j0, k);
+                        }
+                        GroupWeights::Rows(r) => {
+                            let rows: [Option<&Bundle>; X8_ROWS] = std::array::from_fn(|i| r.get(i));
+                            pack_group(dt, h, rows.map(|r| r.map(|b| b.0)), bg);
+                            pack_group(dt, h, rows.map(|r| r.map(|b| b.1)), bu);
+                            gemm_tokens(dt, h, bg, acts, &gd, j0, k);
+                            gemm_tokens(dt, h, bu, acts, &ud, j0, k);
+                        }
                     }
                 }
             },
         );
-        for (gi, &(j0, k, _)) in weights.iter().enumerate() {
-            for i in 0..k {
-                let (j, base) = (j0 + i, gi * 2 * X8_ROWS * n + i * n);
-                for t in 0..n {
-                    g[t * m + j] = gu[base + t];
-                    u[t * m + j] = gu[base + X8_ROWS * n + t];
-                }
-            }
-        }
     }
 
     /// The groups of up to 8 bundles (first position relative to `p0`,

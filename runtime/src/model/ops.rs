@@ -12,13 +12,36 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// In-place softmax over `x` (`e^x` by `kernels::exp_slice`, 8 lanes at a time).
+/// In-place softmax over `x` (`e^x` by `kernels::exp_slice`, 8 lanes at a
+/// time). The maximum and the sum run in 8 lanes (element `i` into lane
+/// `i mod 8`, in order; the sum then reduced as `kernels::portable::sum8`),
+/// so the compiler vectorizes them and every build gives the same bits;
+/// NaNs are skipped by the maximum as `f32::max` skips them.
 pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut m = [f32::NEG_INFINITY; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in m.iter_mut().zip(c) {
+            *a = a.max(v);
+        }
+    }
+    for (a, &v) in m.iter_mut().zip(chunks.remainder()) {
+        *a = a.max(v);
+    }
+    let max = m.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     x.iter_mut().for_each(|v| *v -= max);
     crate::kernels::exp_slice(x);
-    let sum: f32 = x.iter().sum();
-    let inv = 1.0 / sum;
+    let mut l = [0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in l.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    for (a, &v) in l.iter_mut().zip(chunks.remainder()) {
+        *a += v;
+    }
+    let inv = 1.0 / crate::kernels::portable::sum8(l);
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
@@ -169,6 +192,18 @@ mod tests {
         softmax(&mut x);
         assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
         assert!(x[3] == 0.0 && x[2] > x[1]);
+        // Lengths around the 8 lanes against an f64 softmax.
+        for n in [1, 7, 8, 9, 16, 29] {
+            let v: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.9).collect();
+            let mut x = v.clone();
+            softmax(&mut x);
+            let max = v.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let sum: f64 = v.iter().map(|&a| (a as f64 - max).exp()).sum();
+            for (g, &a) in x.iter().zip(&v) {
+                let want = (a as f64 - max).exp() / sum;
+                assert!((*g as f64 - want).abs() < 1e-6, "n {n}: {g} vs {want}");
+            }
+        }
     }
 
     #[test]
