@@ -99,7 +99,22 @@ fn q8_bytes(y: &[BlockQ8_0]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(y.as_ptr() as *const u8, std::mem::size_of_val(y)) }
 }
 
+/// Quantizes `x` (`[32 · nb]`) into `nb` Q8_0 blocks `out` (34 bytes each)
+/// and their sums of quants `sums` (`[nb]`), with the bits of GGML's
+/// reference rounding (`portable::quantize_q8_0`) on every path.
+///
+/// Panics if the lengths disagree (a caller bug).
+pub fn quantize_q8_0(x: &[f32], out: &mut [u8], sums: &mut [i32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
+        return unsafe { x86::quantize_q8_0(x, out, sums) };
+    }
+    portable::quantize_q8_0(x, out, sums)
+}
+
 /// Each Q8_0 block's sum of quants.
+#[cfg(test)]
 fn block_sums(blocks: &[BlockQ8_0]) -> impl Iterator<Item = i32> + '_ {
     q8_bytes(blocks).chunks_exact(34).map(|b| b[2..].iter().map(|&q| q as i8 as i32).sum())
 }
@@ -116,10 +131,12 @@ pub struct Q8Vec {
 impl Q8Vec {
     /// Quantizes `x` (`[n]`, n a multiple of 32), reusing the buffers.
     pub fn set(&mut self, x: &[f32]) {
-        self.blocks.resize(x.len() / 32, BlockQ8_0::zeros());
-        BlockQ8_0::from_float(x, &mut self.blocks);
-        self.sums.clear();
-        self.sums.extend(block_sums(&self.blocks));
+        let nb = x.len() / 32;
+        self.blocks.resize(nb, BlockQ8_0::zeros());
+        self.sums.resize(nb, 0);
+        // SAFETY: as `q8_bytes`; any bytes are a valid BlockQ8_0 (f16 and i8 fields).
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.blocks.as_mut_ptr() as *mut u8, nb * 34) };
+        quantize_q8_0(&x[..nb * 32], bytes, &mut self.sums);
     }
 
     /// `x` quantized (`[n]`, n a multiple of 32).

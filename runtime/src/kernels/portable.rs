@@ -300,6 +300,30 @@ pub fn dequant_x8_q8_0(group: &[u8], cols: usize, out: &mut [f32]) {
     dequant_x8(group, cols, out, Q8_0_X8_BLOCK, q8_x8_value)
 }
 
+/// Quantizes `x` (`[32 · nb]`) into `nb` Q8_0 blocks at `out` (34 bytes
+/// each: f16 scale, 32 × i8) and each block's sum of quants into `sums`:
+/// GGML's reference `quantize_row_q8_0` (candle-core's
+/// `BlockQ8_0::from_float`): `d = amax / 127`, `q = round(x · (1/d))` half
+/// away from zero, saturating (NaN → 0).
+///
+/// Panics if the lengths disagree (a caller bug).
+pub fn quantize_q8_0(x: &[f32], out: &mut [u8], sums: &mut [i32]) {
+    let nb = x.len() / 32;
+    assert!(x.len() == nb * 32 && out.len() == nb * 34 && sums.len() == nb, "Q8_0 quantization lengths");
+    for ((xb, ob), s) in x.chunks_exact(32).zip(out.chunks_exact_mut(34)).zip(sums.iter_mut()) {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        ob[..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+        *s = 0;
+        for (o, &v) in ob[2..].iter_mut().zip(xb) {
+            let q = (v * id).round() as i8;
+            *o = q as u8;
+            *s += q as i32;
+        }
+    }
+}
+
 /// The 8-lane sum of the attention dot kernels: lanes `(0+4, 1+5, 2+6,
 /// 3+7)`, then `(0+2, 1+3)`, then the two (the x86 `hsum8` order).
 #[inline]

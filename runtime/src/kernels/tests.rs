@@ -738,3 +738,42 @@ fn exp_matches_portable_bit_for_bit_and_is_correctly_rounded() {
     }
     assert!(off <= 2, "{off} of {} values not correctly rounded", xs.len());
 }
+
+/// Q8_0 quantization (every prefill token, every decode input): the
+/// dispatched kernel against the portable one and candle-core's
+/// `from_float` (GGML's reference), byte for byte, at rounding ties, zero
+/// and subnormal blocks, non-finite values and random data.
+#[test]
+fn quantize_q8_0_matches_portable_and_candle_byte_for_byte() {
+    let mut seed = 7u32;
+    let mut blocks: Vec<Vec<f32>> = (0..64).map(|i| rnd_vec(&mut seed, 32, 0.01 + i as f32)).collect();
+    // Ties: amax 127 makes 1/d = 1, so k + 0.5 lands exactly on a half.
+    blocks.push((0..32).map(|i| if i == 0 { 127.0 } else { (i as f32 - 16.0) + 0.5 }).collect());
+    blocks.push((0..32).map(|i| if i == 0 { -127.0 } else { -(i as f32) * 2.0 - 0.5 }).collect());
+    blocks.push(vec![0.0; 32]);
+    blocks.push((0..32).map(|i| f32::from_bits(i + 1) * if i % 2 == 0 { 1.0 } else { -1.0 }).collect());
+    blocks.push((0..32).map(|i| if i == 3 { 1e-40 } else { 0.0 }).collect());
+    blocks.push((0..32).map(|i| if i == 5 { f32::NAN } else { i as f32 }).collect());
+    blocks.push((0..32).map(|i| if i == 9 { f32::INFINITY } else { -(i as f32) }).collect());
+    blocks.push((0..32).map(|i| if i == 1 { f32::MAX } else { -f32::MAX / (i as f32 + 1.0) }).collect());
+    let x: Vec<f32> = blocks.concat();
+    let nb = x.len() / 32;
+    let (mut got, mut want) = (vec![0u8; nb * 34], vec![0u8; nb * 34]);
+    let (mut gs, mut ws) = (vec![0i32; nb], vec![0i32; nb]);
+    quantize_q8_0(&x, &mut got, &mut gs);
+    portable::quantize_q8_0(&x, &mut want, &mut ws);
+    assert_eq!(got, want, "dispatched vs portable");
+    assert_eq!(gs, ws, "sums of quants");
+    let mut c = vec![BlockQ8_0::zeros(); nb];
+    BlockQ8_0::from_float(&x, &mut c);
+    // candle's NEON path saturates NaN differently; compare the finite blocks there.
+    for (b, (cb, wb)) in q8_bytes(&c).chunks_exact(34).zip(want.chunks_exact(34)).enumerate() {
+        if cfg!(target_arch = "aarch64") && !x[32 * b..32 * b + 32].iter().all(|v| v.is_finite()) {
+            continue;
+        }
+        assert_eq!(cb, wb, "block {b} vs candle");
+    }
+    for (b, s) in ws.iter().enumerate() {
+        assert_eq!(*s, want[34 * b + 2..34 * b + 34].iter().map(|&q| q as i8 as i32).sum::<i32>());
+    }
+}

@@ -662,6 +662,59 @@ pub unsafe fn gemm_x8_f32_q8_0<const T: usize>(cols: usize, group: &[u8], xs: [&
     gemm_x8_f32::<Q8Row, T>(cols, group, xs)
 }
 
+/// Quantizes `x` (`[32 · nb]`) into `nb` Q8_0 blocks at `out` (34 bytes
+/// each: f16 scale, 32 × i8) and each block's sum of quants into `sums`,
+/// with the bits of `portable::quantize_q8_0` (GGML's reference rounding:
+/// `d = amax / 127`, `q = round(x · (1/d))` half away from zero). A block
+/// holding a NaN or an infinity, or whose `1/d` overflows, goes through the
+/// portable code, whose saturating float-to-int casts it must match.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_q8_0(x: &[f32], out: &mut [u8], sums: &mut [i32]) {
+    let nb = x.len() / 32;
+    assert!(x.len() == nb * 32 && out.len() == nb * 34 && sums.len() == nb, "Q8_0 quantization lengths");
+    let sign = _mm256_set1_ps(-0.0);
+    let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    let inf = _mm256_set1_ps(f32::INFINITY);
+    for b in 0..nb {
+        let xp = x.as_ptr().add(32 * b);
+        let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xp.add(8 * k)));
+        let a = v.map(|v| _mm256_andnot_ps(sign, v));
+        let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let finite = a.iter().all(|&a| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(a, inf)) == 0xFF);
+        if !finite || !id.is_finite() {
+            // Non-finite inputs, or a scale so small that 1/d overflows.
+            super::portable::quantize_q8_0(&x[32 * b..32 * b + 32], &mut out[34 * b..34 * b + 34], &mut sums[b..b + 1]);
+            continue;
+        }
+        let dh = half::f16::from_f32(d).to_bits();
+        std::ptr::copy_nonoverlapping(dh.to_le_bytes().as_ptr(), out.as_mut_ptr().add(34 * b), 2);
+        let idv = _mm256_set1_ps(id);
+        // round half away from zero: truncate, then step away by one where
+        // the exact remainder |x - trunc x| is at least a half.
+        let q = v.map(|v| {
+            let y = _mm256_mul_ps(v, idv);
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let away = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half);
+            let step = _mm256_or_ps(_mm256_and_ps(y, sign), one);
+            _mm256_cvtps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, step)))
+        });
+        // i32 → i16 → i8; packs interleave 128-bit lanes, the permute restores order.
+        let w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        let w = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(out.as_mut_ptr().add(34 * b + 2) as *mut __m256i, w);
+        let s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), w);
+        sums[b] = hsum_i32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+    }
+}
+
 /// The sum of 8 f32 lanes in the order of `portable::sum8`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
