@@ -30,8 +30,30 @@ pub fn read_align(f: &FfnLayer) -> u64 {
 /// table, profiles/dev-host.toml).
 pub const MAX_MERGE_BYTES: u64 = 512 << 10;
 
-/// Tokens per prefill forward pass; bounds prefill scratch memory.
-pub const PREFILL_CHUNK: usize = 64;
+/// Bytes of per-token prefill activations one forward pass may hold:
+/// [`prefill_chunk`] takes as many tokens as fit.
+pub const PREFILL_ACTIVATION_BYTES: u64 = 8 << 20;
+
+/// Fewest and most tokens per prefill forward pass.
+pub const PREFILL_CHUNK_RANGE: (usize, usize) = (64, 512);
+
+/// Tokens per prefill forward pass of a model `c` (bounds prefill scratch
+/// memory): the largest power of two in [`PREFILL_CHUNK_RANGE`] whose
+/// activations (`6·hidden + 2·(heads·head_dim) + 2·(kv_heads·head_dim)`
+/// f32 per token, HF config `hidden_size`, `num_attention_heads`,
+/// `num_key_value_heads`, `head_dim`) fit [`PREFILL_ACTIVATION_BYTES`].
+/// Longer passes amortize each layer's per-pass costs (thread wake-ups,
+/// weights streamed from memory once per pass): SmolLM2-135M prefills 256
+/// tokens per pass, a 7B model 64.
+pub fn prefill_chunk(c: &nflash_format::ModelConfig) -> usize {
+    let per_token = (6 * c.hidden_size + 2 * (c.num_heads + c.num_kv_heads) * c.head_dim).max(1) * 4;
+    let fit = (PREFILL_ACTIVATION_BYTES / per_token) as usize;
+    let (lo, hi) = PREFILL_CHUNK_RANGE;
+    if fit < lo {
+        return lo;
+    }
+    (1usize << fit.ilog2()).clamp(lo, hi)
+}
 
 /// Elements of one dequantized FFN weight tile (per gate / up / down
 /// matrix, f32) in batched passes: bounds prefill scratch, so the planner's
@@ -178,6 +200,52 @@ impl CacheConfig {
             cold_bytes: p.cold_bytes,
             io_threads: p.io_threads as usize,
             io_engine: IoEngine::Auto,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nflash_format::{Activation, Architecture, ModelConfig};
+
+    fn shape(hidden: u64, heads: u64, kv_heads: u64, head_dim: u64) -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::Llama,
+            vocab_size: 1000,
+            hidden_size: hidden,
+            intermediate_size: 4 * hidden,
+            num_layers: 2,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            rms_norm_eps: 1e-5,
+            rope_theta: 1e4,
+            rope_scaling: None,
+            max_position_embeddings: 4096,
+            sliding_window: None,
+            activation: Activation::Silu,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            mlp_bias: false,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn prefill_chunks_keep_activations_within_their_bytes() {
+        // SmolLM2-135M: (6·576 + 2·576 + 2·192)·4 = 19 968 bytes per token.
+        assert_eq!(prefill_chunk(&shape(576, 9, 3, 64)), 256);
+        // Llama-2-7B: 139 264 bytes per token, 60 fit: the floor of 64.
+        assert_eq!(prefill_chunk(&shape(4096, 32, 32, 128)), 64);
+        // A tiny model: the ceiling.
+        assert_eq!(prefill_chunk(&shape(64, 4, 2, 16)), 512);
+        for c in [shape(576, 9, 3, 64), shape(2048, 32, 8, 64), shape(896, 14, 2, 64)] {
+            let n = prefill_chunk(&c) as u64;
+            let per = (6 * c.hidden_size + 2 * (c.num_heads + c.num_kv_heads) * c.head_dim) * 4;
+            assert!(n == PREFILL_CHUNK_RANGE.0 as u64 || n * per <= PREFILL_ACTIVATION_BYTES);
+            assert!(n.is_power_of_two());
         }
     }
 }

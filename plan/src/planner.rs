@@ -17,9 +17,7 @@ use nflash_format::{DeviceProfile, Manifest, Plan, SegmentKind};
 
 use crate::cost::{attention_bytes, cluster_need, cluster_needs, estimate_with, io_seconds, io_term, Cl};
 use crate::error::{Error, Result};
-use crate::layout::{
-    align_up, cluster_read_bytes, hot_clusters, kv_cache_bytes, KvType, FFN_TILE_ELEMS, PREFILL_CHUNK,
-};
+use crate::layout::{align_up, cluster_read_bytes, hot_clusters, kv_cache_bytes, KvType, FFN_TILE_ELEMS};
 
 /// Process memory outside the model (code, libraries, thread stacks, the
 /// allocator's arenas), bytes, for plans made off the device (`prep`).
@@ -136,7 +134,7 @@ pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footpri
     let kv = kv_cache_bytes(c.num_layers as usize, kvd as usize, ctx as usize, kv);
     // One prefill chunk: activations [n, ·], one FFN weight tile (gate, up, down,
     // f32), its [n, m] products, candle's copies of them, and the logits.
-    let n = (ctx as u64).min(PREFILL_CHUNK as u64);
+    let n = (ctx as u64).min(crate::layout::prefill_chunk(c) as u64);
     let tile_rows = (FFN_TILE_ELEMS as u64 / h.max(1)).clamp(1, c.intermediate_size.max(1));
     let activations = n * (6 * h + 2 * qd + 2 * kvd) * 4;
     let tile = 3 * tile_rows * h * 4 + 4 * n * tile_rows * 4 + 2 * n * h * 4;
@@ -185,7 +183,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         // The largest context whose KV cache fits (the rest of the minimum does not depend on it).
         // Per context token: its KV entries and one prefill chunk's attention scores.
-        let scores = (req.ctx as u64).min(PREFILL_CHUNK as u64) * req.ctx as u64 * 4;
+        let scores = (req.ctx as u64).min(crate::layout::prefill_chunk(&m.config) as u64) * req.ctx as u64 * 4;
         let per_token = (fixed.kv + scores) / req.ctx.max(1) as u64;
         let rest = need - fixed.kv - scores.min(fixed.scratch);
         let mut ctx_fit = if per_token > 0 && budget > rest { (budget - rest) / per_token * 98 / 100 } else { 0 };

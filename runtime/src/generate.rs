@@ -9,8 +9,6 @@ use crate::model::Model;
 use crate::sampler::Sampler;
 use crate::tokenizer::{TextStream, Tokenizer};
 
-use nflash_plan::layout::PREFILL_CHUNK;
-
 /// Counters of one generation.
 #[derive(Debug, Clone, Default)]
 pub struct GenStats {
@@ -88,7 +86,7 @@ pub fn generate(
     let mut stats = GenStats { prompt_tokens: prompt.len(), ..Default::default() };
     let t0 = Instant::now();
     let mut last_hidden = Vec::new();
-    for chunk in prompt.chunks(PREFILL_CHUNK) {
+    for chunk in prompt.chunks(nflash_plan::layout::prefill_chunk(&model.cfg)) {
         let hs = model.forward_with(kv, chunk, crate::model::Pass::Prefill)?;
         let h = model.cfg.hidden_size as usize;
         last_hidden = hs[hs.len() - h..].to_vec();

@@ -57,9 +57,9 @@ pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMu
     let mut top1 = Vec::with_capacity(tokens.len());
     for (wi, w) in windows.iter().enumerate() {
         let mut kv = model.new_kv_cache(w.len());
-        // The window in nearly equal parts of at most PREFILL_CHUNK tokens
+        // The window in nearly equal parts of at most `prefill_chunk` tokens
         // (scratch bounded as in generation, each part batched).
-        let parts = w.len().div_ceil(nflash_plan::layout::PREFILL_CHUNK);
+        let parts = w.len().div_ceil(nflash_plan::layout::prefill_chunk(&model.cfg));
         let mut hidden = Vec::with_capacity(w.len() * h);
         for p in 0..parts {
             let (lo, hi) = (p * w.len() / parts, (p + 1) * w.len() / parts);
