@@ -777,3 +777,50 @@ fn quantize_q8_0_matches_portable_and_candle_byte_for_byte() {
         assert_eq!(*s, want[34 * b + 2..34 * b + 34].iter().map(|&q| q as i8 as i32).sum::<i32>());
     }
 }
+
+/// The multi-token ×8 axpy (short prefill's down projection) gives each
+/// token the bits of the one-token kernel with every row set, for token
+/// counts around its tiles of 8, 4, 2 and 1 and both quantizations.
+#[test]
+fn axpy_x8_tokens_gives_each_token_the_bits_of_axpy_x8() {
+    let cols = 96;
+    let mut seed = 11u32;
+    for dt in [DType::Q4_0, DType::Q8_0] {
+        let rows: Vec<Vec<u64>> = (0..8).map(|i| quantized(dt, &rnd_vec(&mut seed, cols, 0.5 + i as f32))).collect();
+        let rb = dt.row_bytes(cols as u64).unwrap() as usize;
+        let g = x8_group(dt, cols, std::array::from_fn(|i| Some(view(&rows[i], rb))));
+        let group = view(&g, 8 * rb);
+        for n in [1, 2, 3, 5, 8, 11, 16] {
+            let a: Vec<[f32; 8]> = (0..n)
+                .map(|t| {
+                    let v = rnd_vec(&mut seed, 8, 2.0);
+                    std::array::from_fn(|r| if (t + r) % 5 == 0 { 0.0 } else { v[r] })
+                })
+                .collect();
+            let init = rnd_vec(&mut seed, n * cols, 1.0);
+            let mut got = init.clone();
+            let mut outs: Vec<&mut [f32]> = got.chunks_mut(cols).collect();
+            axpy_x8_tokens(dt, group, &a, &mut outs);
+            // The last two column blocks alone, as a thread given them would.
+            let mut part = init.clone();
+            let mut pouts: Vec<&mut [f32]> = part.chunks_mut(cols).map(|r| &mut r[32..]).collect();
+            axpy_x8_tokens(dt, &group[(8 * rb / 3)..], &a, &mut pouts);
+            let mut want = init.clone();
+            for (t, at) in a.iter().enumerate() {
+                let o = &mut want[t * cols..(t + 1) * cols];
+                match dt {
+                    DType::Q4_0 => portable::axpy_x8_q4_0(group, *at, 0xFF, o),
+                    _ => portable::axpy_x8_q8_0(group, *at, 0xFF, o),
+                }
+            }
+            assert_eq!(got, want, "{dt}, {n} tokens");
+            for t in 0..n {
+                assert_eq!(
+                    part[t * cols + 32..(t + 1) * cols],
+                    want[t * cols + 32..(t + 1) * cols],
+                    "{dt}, columns 32.."
+                );
+            }
+        }
+    }
+}

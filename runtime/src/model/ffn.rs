@@ -17,7 +17,14 @@ use crate::error::Result;
 use crate::kernels::gemm::Dst;
 use crate::kernels::matrix::{direct_f32, gemm_tokens, Acts};
 use crate::kernels::{axpy_row, axpy_x8, gemm_x8, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Vec};
-use nflash_format::interleave::{pack_group, X8_ROWS};
+use nflash_format::interleave::{can_interleave, pack_group, X8_ROWS};
+
+/// Batches of at most this many tokens run the FFN's down projection
+/// straight from the quantized weights (`kernels::axpy_x8_tokens`); longer
+/// ones dequantize the down rows once and multiply in f32 panels
+/// (`kernels::gemm`), which pays off when many tokens share the
+/// dequantization.
+const DOWN_DIRECT_TOKENS: usize = 32;
 
 /// Element `p` of an optional bias vector (0 without bias).
 #[inline]
@@ -522,10 +529,7 @@ impl Ffn {
                     // [n, m]
                 }
             }
-            wd.resize(m * h, 0.0);
-            self.down_rows(&weights, &mut wd[..m * h]);
             let (a, u) = (&mut g[..n * m], &mut u[..n * m]);
-            let wd = &wd[..m * h];
             // Biases and the activation, tokens in parallel.
             let c = a
                 .par_chunks_mut(m)
@@ -537,7 +541,14 @@ impl Ffn {
                     x
                 });
             counts.add(&c);
-            crate::kernels::gemm::aw(&*a, wd, (n, m, h), &mut acc, true); // += [n, hidden]
+            if n <= DOWN_DIRECT_TOKENS && can_interleave(dt, X8_ROWS as u64, h as u64) {
+                self.down_direct(&weights, a, m, &mut acc);
+            } else {
+                wd.resize(m * h, 0.0);
+                self.down_rows(&weights, &mut wd[..m * h]);
+                crate::kernels::gemm::aw(&*a, &wd[..m * h], (n, m, h), &mut acc, true);
+                // += [n, hidden]
+            }
             group.clear();
             Ok(())
         };
@@ -732,6 +743,43 @@ impl Ffn {
                 }
             }
         }
+    }
+
+    /// `acc[t] += Σ_j a[t, j] · down_j` (`a`: `[n, m]` neuron outputs of
+    /// the `m` neurons of `weights`, `acc`: `[n, hidden]`) straight from the
+    /// quantized ×8 groups (`kernels::axpy_x8_tokens`; row-layout bundles
+    /// packed into a group first): the hidden columns split among the
+    /// threads, each summing the groups in order for every token.
+    fn down_direct(&self, weights: &[(usize, usize, GroupWeights)], a: &[f32], m: usize, acc: &mut [f32]) {
+        let (h, dt) = (self.hidden, self.layout.dtype);
+        let n = a.len() / m.max(1);
+        let (gbytes, nb) = (X8_ROWS * self.layout.row_bytes as usize, h / 32);
+        let gblock = gbytes / nb.max(1);
+        let per_task = nb.div_ceil(rayon::current_num_threads()).max(1);
+        let dst = Dst::new(acc, n, h, h);
+        (0..nb.div_ceil(per_task)).into_par_iter().for_each(|task| {
+            let (b0, b1) = (task * per_task, (task * per_task + per_task).min(nb));
+            // SAFETY: this task alone writes columns 32·b0 .. 32·b1 of every row.
+            let mut outs: Vec<&mut [f32]> = (0..n).map(|t| unsafe { dst.row(t, 32 * b0, 32 * (b1 - b0)) }).collect();
+            let mut buf = Vec::new();
+            let mut at = vec![[0f32; X8_ROWS]; n];
+            for &(j0, k, ref w) in weights {
+                for (t, row) in at.iter_mut().enumerate() {
+                    row[..k].copy_from_slice(&a[t * m + j0..][..k]);
+                    row[k..].fill(0.0);
+                }
+                let group = match w {
+                    GroupWeights::X8(b) => &b[2 * gbytes..3 * gbytes],
+                    GroupWeights::Rows(r) => {
+                        buf.resize(gbytes, 0);
+                        let rows: [Option<&[u8]>; X8_ROWS] = std::array::from_fn(|i| r.get(i).map(|b| b.2));
+                        pack_group(dt, h, rows, &mut buf);
+                        &buf[..]
+                    }
+                };
+                crate::kernels::axpy_x8_tokens(dt, &group[b0 * gblock..b1 * gblock], &at, &mut outs);
+            }
+        });
     }
 
     /// The down columns of `weights` ([`Self::group_weights`], `m` neurons)
