@@ -84,6 +84,10 @@ pub fn generate(
         return Err(Error::PromptTooLong { prompt: kv.len() + prompt.len(), context: kv.capacity(), reserve: 1 });
     }
     let mut stats = GenStats { prompt_tokens: prompt.len(), ..Default::default() };
+    // In memory, the other compute threads spin between the many short
+    // parallel regions of prefill and decode (`spin`); a model that reads
+    // from flash leaves the cores to the I/O threads.
+    let _awake = model.cache_regions().io_engine.is_none().then(crate::spin::KeepAwake::start);
     let t0 = Instant::now();
     let mut last_hidden = Vec::new();
     for chunk in prompt.chunks(nflash_plan::layout::prefill_chunk(&model.cfg)) {

@@ -29,6 +29,7 @@ pub mod model;
 pub mod offload;
 pub mod ppl;
 pub mod sampler;
+pub mod spin;
 pub mod stats;
 pub mod tokenizer;
 
