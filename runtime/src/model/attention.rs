@@ -157,34 +157,45 @@ fn lap(t: Instant, acc: &mut f64) -> Instant {
 /// (`[positions, n_kv_heads · head_dim]`, f16 or f32) into `out` (`[n,
 /// n_heads · head_dim]`), causal. One task per (token, KV head) computes
 /// the query heads that share that KV head (GQA) together, so each cached
-/// row is read once for all of them. The tasks run in parallel even for one
-/// decode token over a few cached positions: on one thread the other would
-/// idle long enough for rayon to put it to sleep, and waking it cost the
-/// next op more than attention saved (SmolLM2 q4_0 after a 16-token prompt:
-/// output projection 0.73 → 0.58 ms, decode 96 → 99 tokens/s, medians of 4;
-/// at 190 positions a 2¹⁸-product threshold had cost 2.2 ms of attention per
-/// token against 1.35 ms).
+/// row is read once for all of them; when that makes fewer than four tasks
+/// per thread (decode: one token, a few KV heads), one task per (token,
+/// query head) instead, so the threads finish together (SmolLM2's 3 KV
+/// heads on 2 threads left one thread a third idle). Each head's result
+/// has the same bits either way (the kernels sum each head on its own).
+/// The tasks run in parallel even for one decode token over a few cached
+/// positions: on one thread the other would idle long enough for rayon to
+/// put it to sleep, and waking it cost the next op more than attention
+/// saved (SmolLM2 q4_0 after a 16-token prompt: output projection 0.73 →
+/// 0.58 ms, decode 96 → 99 tokens/s, medians of 4; at 190 positions a
+/// 2¹⁸-product threshold had cost 2.2 ms of attention per token against
+/// 1.35 ms).
 fn attend(q: &[f32], kc: KvSlice, vc: KvSlice, p0: usize, h: &Heads, out: &mut [f32]) {
     let (nh, hd) = (h.n_heads, h.head_dim);
     let (qd, kvd) = (nh * hd, h.n_kv_heads * hd);
+    let n = q.len() / qd.max(1);
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nh / h.n_kv_heads;
+    // Query heads per task: a whole GQA group, or one head when that leaves
+    // too few tasks to share out.
+    let per = if n * h.n_kv_heads >= 4 * rayon::current_num_threads() { group } else { 1 };
+    let tasks_per_token = nh / per;
     let task = |scores: &mut Vec<f32>, idx: usize, out: &mut [f32]| {
-        let (t, kvh) = (idx / h.n_kv_heads, idx % h.n_kv_heads);
+        let (t, h0) = (idx / tasks_per_token, idx % tasks_per_token * per);
+        let kvh = h0 / group;
         let pos = p0 + t;
         // Sliding window: the current token and the `w` before it, as
         // flash-attention's window (w, 0) and candle-transformers' Mistral.
         let start = h.window.map_or(0, |w| pos.saturating_sub(w));
         let len = pos + 1 - start;
-        let qv = &q[t * qd + kvh * group * hd..t * qd + (kvh + 1) * group * hd];
+        let qv = &q[t * qd + h0 * hd..t * qd + (h0 + per) * hd];
         scores.clear();
-        scores.resize(group * len, 0.0);
+        scores.resize(per * len, 0.0);
         attn_scores(qv, hd, kc, kvd, kvh * hd, start, scale, scores);
         scores.chunks_exact_mut(len).for_each(softmax);
         out.fill(0.0);
         attn_values(scores, hd, vc, kvd, kvh * hd, start, out);
     };
-    out.par_chunks_mut(group * hd).enumerate().for_each_init(Vec::new, |scores, (idx, o)| task(scores, idx, o));
+    out.par_chunks_mut(per * hd).enumerate().for_each_init(Vec::new, |scores, (idx, o)| task(scores, idx, o));
 }
 
 /// `out = x · mᵀ` for `x` `[n, cols]`: in a batch, the quantized GEMM
