@@ -541,7 +541,7 @@ impl Ffn {
                     x
                 });
             counts.add(&c);
-            if n <= DOWN_DIRECT_TOKENS && can_interleave(dt, X8_ROWS as u64, h as u64) {
+            if self.down_direct_for(n) {
                 self.down_direct(&weights, a, m, &mut acc);
             } else {
                 wd.resize(m * h, 0.0);
@@ -743,6 +743,13 @@ impl Ffn {
                 }
             }
         }
+    }
+
+    /// Whether a batch of `n` tokens multiplies the down projection straight
+    /// from the quantized weights ([`DOWN_DIRECT_TOKENS`] at most, bundles
+    /// of a ×8 dtype), with no dequantized down tile.
+    pub(crate) fn down_direct_for(&self, n: usize) -> bool {
+        n <= DOWN_DIRECT_TOKENS && can_interleave(self.layout.dtype, X8_ROWS as u64, self.hidden as u64)
     }
 
     /// `acc[t] += Σ_j a[t, j] · down_j` (`a`: `[n, m]` neuron outputs of

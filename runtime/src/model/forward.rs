@@ -166,7 +166,16 @@ impl Model<'_> {
         work.needed.extend(0..layer.ffn.n_clusters() as u32);
         self.source.fetch(l, &work.needed, &mut work.table)?;
         let src = LayerClusters::new(self.source.as_ref(), l, &work.table);
-        let c = layer.ffn.forward_batch(&src, xn, mask.as_ref(), FFN_TILE_ELEMS, out)?;
+        // Short batches multiply the down projection from the quantized
+        // weights (no dequantized tile): their gate/up products may span as
+        // many neurons as a full pass's tile holds, in fewer, larger steps.
+        let n = xn.len() / self.cfg.hidden_size as usize;
+        let tile = if layer.ffn.down_direct_for(n) {
+            FFN_TILE_ELEMS * nflash_plan::layout::prefill_chunk(&self.cfg) / n.max(1)
+        } else {
+            FFN_TILE_ELEMS
+        };
+        let c = layer.ffn.forward_batch(&src, xn, mask.as_ref(), tile, out)?;
         tm.ffn_s += t_ffn.elapsed().as_secs_f64();
         Ok(c)
     }
