@@ -37,17 +37,24 @@ pub const PREFILL_ACTIVATION_BYTES: u64 = 8 << 20;
 /// Fewest and most tokens per prefill forward pass.
 pub const PREFILL_CHUNK_RANGE: (usize, usize) = (64, 512);
 
+/// Bytes of one token's activations in a prefill pass of a model `c`:
+/// `6·hidden + 2·(heads·head_dim) + 2·(kv_heads·head_dim)` f32 (the
+/// residual, normed input, attention output, FFN output and accumulators;
+/// Q and the attention result; K and V), HF config `hidden_size`,
+/// `num_attention_heads`, `num_key_value_heads`, `head_dim`.
+pub fn prefill_activation_bytes(c: &nflash_format::ModelConfig) -> u64 {
+    (6 * c.hidden_size + 2 * c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim) * 4
+}
+
 /// Tokens per prefill forward pass of a model `c` (bounds prefill scratch
 /// memory): the largest power of two in [`PREFILL_CHUNK_RANGE`] whose
-/// activations (`6·hidden + 2·(heads·head_dim) + 2·(kv_heads·head_dim)`
-/// f32 per token, HF config `hidden_size`, `num_attention_heads`,
-/// `num_key_value_heads`, `head_dim`) fit [`PREFILL_ACTIVATION_BYTES`].
+/// activations ([`prefill_activation_bytes`] per token) fit
+/// [`PREFILL_ACTIVATION_BYTES`].
 /// Longer passes amortize each layer's per-pass costs (thread wake-ups,
 /// weights streamed from memory once per pass): SmolLM2-135M prefills 256
 /// tokens per pass, a 7B model 64.
 pub fn prefill_chunk(c: &nflash_format::ModelConfig) -> usize {
-    let per_token = (6 * c.hidden_size + 2 * (c.num_heads + c.num_kv_heads) * c.head_dim).max(1) * 4;
-    let fit = (PREFILL_ACTIVATION_BYTES / per_token) as usize;
+    let fit = (PREFILL_ACTIVATION_BYTES / prefill_activation_bytes(c).max(1)) as usize;
     let (lo, hi) = PREFILL_CHUNK_RANGE;
     if fit < lo {
         return lo;
@@ -236,6 +243,7 @@ mod tests {
     #[test]
     fn prefill_chunks_keep_activations_within_their_bytes() {
         // SmolLM2-135M: (6·576 + 2·576 + 2·192)·4 = 19 968 bytes per token.
+        assert_eq!(prefill_activation_bytes(&shape(576, 9, 3, 64)), 19_968);
         assert_eq!(prefill_chunk(&shape(576, 9, 3, 64)), 256);
         // Llama-2-7B: 139 264 bytes per token, 60 fit: the floor of 64.
         assert_eq!(prefill_chunk(&shape(4096, 32, 32, 128)), 64);
@@ -243,7 +251,7 @@ mod tests {
         assert_eq!(prefill_chunk(&shape(64, 4, 2, 16)), 512);
         for c in [shape(576, 9, 3, 64), shape(2048, 32, 8, 64), shape(896, 14, 2, 64)] {
             let n = prefill_chunk(&c) as u64;
-            let per = (6 * c.hidden_size + 2 * (c.num_heads + c.num_kv_heads) * c.head_dim) * 4;
+            let per = prefill_activation_bytes(&c);
             assert!(n == PREFILL_CHUNK_RANGE.0 as u64 || n * per <= PREFILL_ACTIVATION_BYTES);
             assert!(n.is_power_of_two());
         }

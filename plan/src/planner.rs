@@ -129,14 +129,14 @@ impl FixedRegion {
 /// cache allocated later never coexist, but both must fit the budget.
 pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footprint>) -> FixedRegion {
     let c = &m.config;
-    let (h, qd, kvd) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let (h, kvd) = (c.hidden_size, c.num_kv_heads * c.head_dim);
     let resident = m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn).map(|s| s.bytes).sum();
     let kv = kv_cache_bytes(c.num_layers as usize, kvd as usize, ctx as usize, kv);
     // One prefill chunk: activations [n, ·], one FFN weight tile (gate, up, down,
     // f32), its [n, m] products, candle's copies of them, and the logits.
     let n = (ctx as u64).min(crate::layout::prefill_chunk(c) as u64);
     let tile_rows = (FFN_TILE_ELEMS as u64 / h.max(1)).clamp(1, c.intermediate_size.max(1));
-    let activations = n * (6 * h + 2 * qd + 2 * kvd) * 4;
+    let activations = n * crate::layout::prefill_activation_bytes(c);
     let tile = 3 * tile_rows * h * 4 + 4 * n * tile_rows * 4 + 2 * n * h * 4;
     let scores = n * ctx as u64 * 4;
     let scratch = activations + tile + scores + 2 * c.vocab_size * 4 + n * c.intermediate_size;

@@ -99,6 +99,13 @@ fn q8_bytes(y: &[BlockQ8_0]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(y.as_ptr() as *const u8, std::mem::size_of_val(y)) }
 }
 
+/// The bytes of Q8_0 blocks, writable: any bytes are a valid block (an f16
+/// and 32 × i8).
+fn q8_bytes_mut(y: &mut [BlockQ8_0]) -> &mut [u8] {
+    // SAFETY: as `q8_bytes`; every bit pattern is a valid BlockQ8_0.
+    unsafe { std::slice::from_raw_parts_mut(y.as_mut_ptr() as *mut u8, std::mem::size_of_val(y)) }
+}
+
 /// Quantizes `x` (`[32 · nb]`) into `nb` Q8_0 blocks `out` (34 bytes each)
 /// and their sums of quants `sums` (`[nb]`), with the bits of GGML's
 /// reference rounding (`portable::quantize_q8_0`) on every path.
@@ -134,9 +141,7 @@ impl Q8Vec {
         let nb = x.len() / 32;
         self.blocks.resize(nb, BlockQ8_0::zeros());
         self.sums.resize(nb, 0);
-        // SAFETY: as `q8_bytes`; any bytes are a valid BlockQ8_0 (f16 and i8 fields).
-        let bytes = unsafe { std::slice::from_raw_parts_mut(self.blocks.as_mut_ptr() as *mut u8, nb * 34) };
-        quantize_q8_0(&x[..nb * 32], bytes, &mut self.sums);
+        quantize_q8_0(&x[..nb * 32], q8_bytes_mut(&mut self.blocks), &mut self.sums);
     }
 
     /// `x` quantized (`[n]`, n a multiple of 32).
