@@ -260,6 +260,27 @@ pub unsafe fn dot_q8_0(cols: usize, row: &[u8], y: &[u8]) -> f32 {
     dot_row::<Q8Row>(cols, row, y, &[])
 }
 
+/// Software prefetch distance of the ×8 kernels, bytes ahead in a group's
+/// column-block stream (28 Q4_0×8 or 15 Q8_0×8 column blocks). A decode
+/// token streams every weight once, far more than the caches hold, and
+/// consecutive groups of a matrix or a cluster are adjacent, so the stream
+/// runs on past a group's end into the next one. On the dev host a
+/// 64 MiB Q4_0×8 matrix-vector product went from ~7 to ~11 GB/s on one
+/// thread (distances of 0, 576, 2 304, 4 608 and 9 216 bytes alternated:
+/// 6.5–7.8, 7.6–8.7, 9.3–12.3, 9.1–12.7, 10.6–11.9 GB/s).
+const X8_PF: usize = 4096;
+
+/// Prefetch the cache lines of the `len`-byte column block that starts
+/// [`X8_PF`] bytes past `p` (a hint: addresses past the slice are fine).
+#[inline(always)]
+unsafe fn prefetch_x8(p: *const u8, len: usize) {
+    let mut o = 0;
+    while o < len {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(X8_PF + o) as *const i8);
+        o += 64;
+    }
+}
+
 /// The 4 bytes at `p` broadcast to every 32-bit lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -303,9 +324,7 @@ pub unsafe fn gemm_x8_q4_0<const T: usize>(
     let mut acc = [_mm256_setzero_ps(); T];
     let mut p = group.as_ptr();
     for b in 0..nb {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(4 * Q4_0_X8_BLOCK) as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(4 * Q4_0_X8_BLOCK + 64) as *const i8);
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(4 * Q4_0_X8_BLOCK + 128) as *const i8);
+        prefetch_x8(p, Q4_0_X8_BLOCK);
         let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
         // Word run k: elements 4k..4k+4 (low nibbles) and 16+4k.. (high) of each row.
         let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
@@ -346,9 +365,7 @@ pub unsafe fn gemm_x8_q8_0<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]
     let mut acc = [_mm256_setzero_ps(); T];
     let mut p = group.as_ptr();
     for b in 0..nb {
-        for l in 0..5 {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(2 * Q8_0_X8_BLOCK + 64 * l) as *const i8);
-        }
+        prefetch_x8(p, Q8_0_X8_BLOCK);
         let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
         let (mut x, mut ax) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
         for k in 0..8 {
@@ -488,6 +505,7 @@ unsafe fn axpy_x8_blocks<B: RowBlock>(group: &[u8], a: [f32; X8_ROWS], mask: u8,
     let o = out.as_mut_ptr();
     let mut p = group.as_ptr();
     for b in 0..nb {
+        prefetch_x8(p, gblock);
         let mut s = [0f32; X8_ROWS];
         _mm256_storeu_ps(s.as_mut_ptr(), _mm256_mul_ps(av, _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))));
         let parts = B::x8_rows(p);
