@@ -7,7 +7,7 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 DEMO_PACK := models/smollm2-q8_0.nflash
 BIN      := target/release
 
-.PHONY: all build model demo test lint android test-aarch64 bench bench-offload bench-scale quality clean help
+.PHONY: all build model demo test lint android test-aarch64 mca bench bench-offload bench-scale quality clean help
 
 all: build
 
@@ -19,6 +19,7 @@ help:
 	@echo "make lint    - cargo fmt --check and clippy -D warnings on every target"
 	@echo "make android - static aarch64 nflash for phones (installs the Rust target and cross gcc; docs/android.md)"
 	@echo "make test-aarch64 - that build under qemu-user as cortex-a53, cortex-a76 and max: kernel tests, demo, offload"
+	@echo "make mca     - llvm-mca cycles of the aarch64 dot kernels vs llama.cpp's on phone-core models (installs llvm-19)"
 	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s,"
 	@echo "               and sparse vs dense decode of a sparse pack (calibrated on ../shared/data)"
 	@echo "make bench-offload - (root) nflash sparse vs llama.cpp mmap under cgroup v1 memory limits"
@@ -57,6 +58,11 @@ android:
 # The phone build under qemu-aarch64, once per CPU model (QEMU_CPUS=... to pick).
 test-aarch64: $(DEMO_PACK)
 	bash scripts/test_aarch64.sh $(DEMO_PACK)
+
+# llvm-mca cycles per block of the aarch64 dot kernels against llama.cpp's
+# (scripts/mca.py; installs llvm-19 and the cross g++ when run as root).
+mca: android
+	bash scripts/mca.sh --json bench-out/mca.json
 
 # Clippy in the release profile, so it reuses what `make build` compiled.
 lint:

@@ -51,7 +51,13 @@ unsafe fn f16_at(p: *const u8) -> f32 {
 /// Two bytes must be readable at each pointer.
 #[inline(always)]
 unsafe fn f16_at4(p: [*const u8; 4]) -> float32x4_t {
-    let h = [0, 1, 2, 3].map(|i| (p[i] as *const u16).read_unaligned());
+    // Spelled out: `array::map` stayed an out-of-line call in the block loop.
+    let h = [
+        (p[0] as *const u16).read_unaligned(),
+        (p[1] as *const u16).read_unaligned(),
+        (p[2] as *const u16).read_unaligned(),
+        (p[3] as *const u16).read_unaligned(),
+    ];
     f16x4_to_f32(vld1_u16(h.as_ptr()))
 }
 
@@ -167,7 +173,10 @@ unsafe fn dot4_rows<B: RowBlock, S: Sum>(cols: usize, rows: [&[u8]; 4], y: &[u8]
     let mut acc = vdupq_n_f32(0.0);
     for b in 0..nb {
         let (dy, yv) = y_block(y, b);
-        let p = [0, 1, 2, 3].map(|r| rows[r].as_ptr().add(b * B::BYTES));
+        // Spelled out: `[0, 1, 2, 3].map(..)` compiled to a call of
+        // `array::try_map` in every block of the NEON-only kernels (seen by `make mca`).
+        let o = b * B::BYTES;
+        let p = [rows[0].as_ptr().add(o), rows[1].as_ptr().add(o), rows[2].as_ptr().add(o), rows[3].as_ptr().add(o)];
         let l0 = S::lanes(B::values(p[0].add(2)), yv);
         let l1 = S::lanes(B::values(p[1].add(2)), yv);
         let l2 = S::lanes(B::values(p[2].add(2)), yv);
