@@ -331,3 +331,251 @@ pub unsafe fn axpy_q4_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut
 pub unsafe fn axpy_q8_0<const N: usize>(rows: [&[u8]; N], a: [f32; N], out: &mut [f32]) {
     axpy_rows::<Q8Row, N>(rows, a, out)
 }
+
+/// Bytes of a Q4_0×8 column block (formats/SPEC.md §5.1: 8 f16 scales, then
+/// four 32-byte word runs of 8 rows × 4 quant bytes).
+const Q4_0_X8_BLOCK: usize = 144;
+/// Bytes of a Q8_0×8 column block (8 f16 scales, eight word runs).
+const Q8_0_X8_BLOCK: usize = 272;
+
+/// `acc += sdot(a, b.4b[L])`: i32 lane `r` adds the dot of the four i8 of
+/// `a`'s lane `r` with the four i8 of `b`'s lane `L` (the indexed `sdot`
+/// that llama.cpp's repacked `ggml_gemv_q4_0_4x4_q8_0` is built on).
+///
+/// # Safety
+/// The CPU must have the dotprod extension.
+#[inline(always)]
+unsafe fn sdot_lane<const L: i32>(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    // SAFETY: `sdot` (by element) reads and writes registers only; the
+    // caller guarantees FEAT_DotProd.
+    unsafe {
+        asm!(
+            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.4b[{l}]",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            l = const L,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
+}
+
+/// A ×8 column-block type (SPEC §5.1).
+trait X8Block {
+    /// Bytes of one column block.
+    const BYTES: usize;
+    /// Whether the quants are stored as value + 8 (Q4_0: the dot is
+    /// corrected by `8 · Σy` per block).
+    const OFFSET: bool;
+    /// The block's quants as `[k][h]`: for word `k` (elements `4k .. 4k+4`
+    /// in `h = 0, 1`; `16 + 4k ..` in `h = 2, 3`) the 4 bytes of rows 0–3
+    /// (`h` even) or 4–7 (`h` odd), one row per 32-bit lane, as stored
+    /// (Q4_0 nibbles unsigned 0..15).
+    ///
+    /// # Safety
+    /// `BYTES` bytes must be readable at `p`.
+    unsafe fn words(p: *const u8) -> [[int8x16_t; 4]; 4];
+    /// Row `r` (0..8) of the block's 32 values as i8: elements `0..16`, `16..32`.
+    ///
+    /// # Safety
+    /// `BYTES` bytes must be readable at `p`.
+    unsafe fn rows(p: *const u8) -> [(int8x16_t, int8x16_t); 8];
+}
+
+/// Rows `4h .. 4h+4` of the four word runs at `p` (32 bytes apart), each
+/// row's four words gathered into one vector (a 4 × 4 transpose of u32).
+#[inline(always)]
+unsafe fn gather_rows(p: *const u8, h: usize) -> [uint8x16_t; 4] {
+    let run = |j: usize| vreinterpretq_u32_u8(vld1q_u8(p.add(32 * j + 16 * h)));
+    let v = [run(0), run(1), run(2), run(3)];
+    let (t0, t1) = (vtrn1q_u32(v[0], v[1]), vtrn2q_u32(v[0], v[1]));
+    let (t2, t3) = (vtrn1q_u32(v[2], v[3]), vtrn2q_u32(v[2], v[3]));
+    let (t0, t1, t2, t3) =
+        (vreinterpretq_u64_u32(t0), vreinterpretq_u64_u32(t1), vreinterpretq_u64_u32(t2), vreinterpretq_u64_u32(t3));
+    [
+        vreinterpretq_u8_u64(vtrn1q_u64(t0, t2)),
+        vreinterpretq_u8_u64(vtrn1q_u64(t1, t3)),
+        vreinterpretq_u8_u64(vtrn2q_u64(t0, t2)),
+        vreinterpretq_u8_u64(vtrn2q_u64(t1, t3)),
+    ]
+}
+
+/// Q4_0×8: word `k` holds quant bytes `4k .. 4k+4`, whose low nibbles are
+/// elements `4k ..` and high nibbles `16 + 4k ..`.
+struct Q4X8;
+impl X8Block for Q4X8 {
+    const BYTES: usize = Q4_0_X8_BLOCK;
+    const OFFSET: bool = true;
+    #[inline(always)]
+    unsafe fn words(p: *const u8) -> [[int8x16_t; 4]; 4] {
+        let m = vdupq_n_u8(0x0F);
+        let w = |k: usize, h: usize| vld1q_u8(p.add(16 + 32 * k + 16 * h));
+        let one = |k: usize| {
+            let (a, b) = (w(k, 0), w(k, 1));
+            [
+                vreinterpretq_s8_u8(vandq_u8(a, m)),
+                vreinterpretq_s8_u8(vandq_u8(b, m)),
+                vreinterpretq_s8_u8(vshrq_n_u8::<4>(a)),
+                vreinterpretq_s8_u8(vshrq_n_u8::<4>(b)),
+            ]
+        };
+        [one(0), one(1), one(2), one(3)]
+    }
+    #[inline(always)]
+    unsafe fn rows(p: *const u8) -> [(int8x16_t, int8x16_t); 8] {
+        let (eight, m) = (vdupq_n_s8(8), vdupq_n_u8(0x0F));
+        let (a, b) = (gather_rows(p.add(16), 0), gather_rows(p.add(16), 1));
+        let row = |v: uint8x16_t| {
+            let lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, m)), eight);
+            (lo, vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)), eight))
+        };
+        [row(a[0]), row(a[1]), row(a[2]), row(a[3]), row(b[0]), row(b[1]), row(b[2]), row(b[3])]
+    }
+}
+
+/// Q8_0×8: words `0..4` (from byte 16) hold elements `0..16`, words `4..8`
+/// (from byte 144) elements `16..32`.
+struct Q8X8;
+impl X8Block for Q8X8 {
+    const BYTES: usize = Q8_0_X8_BLOCK;
+    const OFFSET: bool = false;
+    #[inline(always)]
+    unsafe fn words(p: *const u8) -> [[int8x16_t; 4]; 4] {
+        let w = |o: usize| vld1q_s8(p.add(o) as *const i8);
+        let one = |k: usize| [w(16 + 32 * k), w(32 + 32 * k), w(144 + 32 * k), w(160 + 32 * k)];
+        [one(0), one(1), one(2), one(3)]
+    }
+    #[inline(always)]
+    unsafe fn rows(p: *const u8) -> [(int8x16_t, int8x16_t); 8] {
+        let lo = [gather_rows(p.add(16), 0), gather_rows(p.add(16), 1)];
+        let hi = [gather_rows(p.add(144), 0), gather_rows(p.add(144), 1)];
+        let row = |r: usize| (vreinterpretq_s8_u8(lo[r / 4][r % 4]), vreinterpretq_s8_u8(hi[r / 4][r % 4]));
+        [row(0), row(1), row(2), row(3), row(4), row(5), row(6), row(7)]
+    }
+}
+
+/// The 8 rows of one ×8 group dotted with `T` Q8_0 vectors `ys` (`sums[t]`:
+/// their per-block Σq, used for Q4_0's offset): `out[t][r]`. Rows 0–3 and
+/// 4–7 are one i32 vector each; per block and token, eight indexed `sdot`s
+/// (each word run against the token's 4 matching bytes), then one fused
+/// multiply-add by the scale products, the order of `portable::gemm_x8`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // `b` and `t` index several slices and registers at once
+unsafe fn gemm_x8_rows<B: X8Block, const T: usize>(
+    cols: usize,
+    group: &[u8],
+    ys: [&[u8]; T],
+    sums: [&[i32]; T],
+) -> [[f32; 8]; T] {
+    let nb = cols / 32;
+    assert!(group.len() >= nb * B::BYTES && ys.iter().all(|y| y.len() >= nb * Q8_0_BLOCK));
+    assert!(!B::OFFSET || sums.iter().all(|s| s.len() >= nb));
+    let mut acc = [[vdupq_n_f32(0.0); 2]; T];
+    for b in 0..nb {
+        let p = group.as_ptr().add(b * B::BYTES);
+        let h = vld1q_u16(p as *const u16);
+        let (d0, d1) = (f16x4_to_f32(vget_low_u16(h)), f16x4_to_f32(vget_high_u16(h)));
+        let w = B::words(p);
+        for t in 0..T {
+            let (dy, (y0, y1)) = y_block(ys[t], b);
+            let (mut s0, mut s1) = (vdupq_n_s32(0), vdupq_n_s32(0));
+            s0 = sdot_lane::<0>(sdot_lane::<0>(s0, w[0][0], y0), w[0][2], y1);
+            s1 = sdot_lane::<0>(sdot_lane::<0>(s1, w[0][1], y0), w[0][3], y1);
+            s0 = sdot_lane::<1>(sdot_lane::<1>(s0, w[1][0], y0), w[1][2], y1);
+            s1 = sdot_lane::<1>(sdot_lane::<1>(s1, w[1][1], y0), w[1][3], y1);
+            s0 = sdot_lane::<2>(sdot_lane::<2>(s0, w[2][0], y0), w[2][2], y1);
+            s1 = sdot_lane::<2>(sdot_lane::<2>(s1, w[2][1], y0), w[2][3], y1);
+            s0 = sdot_lane::<3>(sdot_lane::<3>(s0, w[3][0], y0), w[3][2], y1);
+            s1 = sdot_lane::<3>(sdot_lane::<3>(s1, w[3][1], y0), w[3][3], y1);
+            if B::OFFSET {
+                let o = vdupq_n_s32(8 * sums[t][b]);
+                (s0, s1) = (vsubq_s32(s0, o), vsubq_s32(s1, o));
+            }
+            acc[t][0] = vfmaq_f32(acc[t][0], vmulq_n_f32(d0, dy), vcvtq_f32_s32(s0));
+            acc[t][1] = vfmaq_f32(acc[t][1], vmulq_n_f32(d1, dy), vcvtq_f32_s32(s1));
+        }
+    }
+    let mut out = [[0f32; 8]; T];
+    for (o, a) in out.iter_mut().zip(acc) {
+        vst1q_f32(o.as_mut_ptr(), a[0]);
+        vst1q_f32(o.as_mut_ptr().add(4), a[1]);
+    }
+    out
+}
+
+/// The 8 rows of one Q4_0×8 group dotted with `T` Q8_0 vectors (`sums[t]`:
+/// their per-block Σq), with `sdot`: `out[t][r]`, the bits of
+/// `portable::gemm_x8_q4_0`.
+///
+/// # Safety
+/// The CPU must have dotprod (`is_aarch64_feature_detected!("dotprod")`);
+/// lengths are asserted.
+#[target_feature(enable = "dotprod")]
+pub unsafe fn gemm_x8_q4_0_dot<const T: usize>(
+    cols: usize,
+    group: &[u8],
+    ys: [&[u8]; T],
+    sums: [&[i32]; T],
+) -> [[f32; 8]; T] {
+    gemm_x8_rows::<Q4X8, T>(cols, group, ys, sums)
+}
+
+/// The 8 rows of one Q8_0×8 group dotted with `T` Q8_0 vectors, with `sdot`.
+///
+/// # Safety
+/// As [`gemm_x8_q4_0_dot`].
+#[target_feature(enable = "dotprod")]
+pub unsafe fn gemm_x8_q8_0_dot<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]; T]) -> [[f32; 8]; T] {
+    gemm_x8_rows::<Q8X8, T>(cols, group, ys, [&[][..]; T])
+}
+
+/// `out += Σ a[r] · row r` over the rows of one ×8 group whose bit is set
+/// in `mask`, ascending `r`: each block's rows gathered by a 4 × 4
+/// transpose per four word runs, then, row after row, the fused
+/// multiply-adds of [`axpy_rows`] (the bits of `portable::axpy_x8`).
+#[inline(always)]
+unsafe fn axpy_x8_rows<B: X8Block>(group: &[u8], a: [f32; 8], mask: u8, out: &mut [f32]) {
+    let nb = out.len() / 32;
+    assert!(out.len().is_multiple_of(32) && group.len() >= nb * B::BYTES);
+    for b in 0..nb {
+        let p = group.as_ptr().add(b * B::BYTES);
+        let o = out.as_mut_ptr().add(32 * b);
+        let mut acc = [vdupq_n_f32(0.0); 8];
+        for (j, v) in acc.iter_mut().enumerate() {
+            *v = vld1q_f32(o.add(4 * j));
+        }
+        let rows = B::rows(p);
+        for (r, &(lo, hi)) in rows.iter().enumerate() {
+            if mask & (1 << r) == 0 {
+                continue;
+            }
+            let s = a[r] * f16_at(p.add(2 * r));
+            let (fl, fh) = (to_f32(lo), to_f32(hi));
+            for j in 0..4 {
+                acc[j] = vfmaq_n_f32(acc[j], fl[j], s);
+                acc[4 + j] = vfmaq_n_f32(acc[4 + j], fh[j], s);
+            }
+        }
+        for (j, v) in acc.iter().enumerate() {
+            vst1q_f32(o.add(4 * j), *v);
+        }
+    }
+}
+
+/// `out += Σ a[r] · row r` over the rows of one Q4_0×8 group set in `mask`
+/// (`out.len()` columns, a multiple of 32), NEON.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn axpy_x8_q4_0(group: &[u8], a: [f32; 8], mask: u8, out: &mut [f32]) {
+    axpy_x8_rows::<Q4X8>(group, a, mask, out)
+}
+
+/// `out += Σ a[r] · row r` over the rows of one Q8_0×8 group set in `mask`, NEON.
+///
+/// # Safety
+/// As [`axpy_x8_q4_0`].
+pub unsafe fn axpy_x8_q8_0(group: &[u8], a: [f32; 8], mask: u8, out: &mut [f32]) {
+    axpy_x8_rows::<Q8X8>(group, a, mask, out)
+}

@@ -248,12 +248,13 @@ pub fn dot(dtype: DType, cols: usize, row: &[u8], y: &Q8Vec) -> f32 {
     }
 }
 
-/// Whether [`gemm_x8`] has a fast kernel on this CPU (AVX2, FMA, F16C):
-/// only then are Q4_0 and Q8_0 matrices worth reordering to the ×8 layout
-/// (elsewhere the row layout keeps four-row kernels). Either layout gives
-/// the same bits.
+/// Whether [`gemm_x8`] has a fast kernel on this CPU (x86-64 with AVX2,
+/// FMA and F16C; aarch64 with dotprod, whose indexed `sdot` takes a word
+/// run of 4 rows at a time): only then are Q4_0 and Q8_0 matrices worth
+/// reordering to the ×8 layout (elsewhere the row layout keeps four-row
+/// kernels). Either layout gives the same bits.
 pub fn x8_available() -> bool {
-    has_avx2()
+    has_avx2() || (has_neon() && has_dotprod())
 }
 
 /// Whether prefill multiplies weights of `dtype` by the quantized GEMM
@@ -285,6 +286,17 @@ pub fn gemm_x8<const T: usize>(dtype: DType, cols: usize, group: &[u8], ys: [&Q8
             match dtype {
                 DType::Q4_0 => x86::gemm_x8_q4_0(cols, group, yb, ys.map(|y| &y.sums[..])),
                 DType::Q8_0 => x86::gemm_x8_q8_0(cols, group, yb),
+                _ => unreachable!("gemm_x8 on {dtype}"),
+            }
+        };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() && has_dotprod() {
+        // SAFETY: dotprod presence checked above; lengths checked inside.
+        return unsafe {
+            match dtype {
+                DType::Q4_0 => aarch64::gemm_x8_q4_0_dot(cols, group, yb, ys.map(|y| &y.sums[..])),
+                DType::Q8_0 => aarch64::gemm_x8_q8_0_dot(cols, group, yb),
                 _ => unreachable!("gemm_x8 on {dtype}"),
             }
         };
@@ -573,6 +585,18 @@ pub fn axpy_x8(dtype: DType, group: &[u8], a: [f32; 8], mask: u8, out: &mut [f32
             match dtype {
                 DType::Q4_0 => x86::axpy_x8_q4_0(group, a, mask, out),
                 DType::Q8_0 => x86::axpy_x8_q8_0(group, a, mask, out),
+                _ => unreachable!("axpy_x8 on {dtype}"),
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: NEON checked; lengths checked inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => aarch64::axpy_x8_q4_0(group, a, mask, out),
+                DType::Q8_0 => aarch64::axpy_x8_q8_0(group, a, mask, out),
                 _ => unreachable!("axpy_x8 on {dtype}"),
             }
         }
