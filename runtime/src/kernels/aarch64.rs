@@ -579,3 +579,102 @@ pub unsafe fn axpy_x8_q4_0(group: &[u8], a: [f32; 8], mask: u8, out: &mut [f32])
 pub unsafe fn axpy_x8_q8_0(group: &[u8], a: [f32; 8], mask: u8, out: &mut [f32]) {
     axpy_x8_rows::<Q8X8>(group, a, mask, out)
 }
+
+/// One f32 GEMM tile, `T` tokens × 16 panel columns, in the order of
+/// `portable::panel_tile` (one fused multiply-add per term, `i`
+/// ascending): four 4-lane accumulators per token, each weight row loaded
+/// once for all `T` tokens. The prefill of Q8_0, f16 and f32 weights.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn panel_tile<const T: usize>(
+    depth: usize,
+    x: &[f32],
+    xs: usize,
+    w: &[f32],
+    ws: usize,
+) -> [[f32; super::PANEL]; T] {
+    super::check_panel_tile(T, depth, x.len(), xs, w.len(), ws);
+    let mut acc = [[vdupq_n_f32(0.0); 4]; T];
+    for i in 0..depth {
+        let wp = w.as_ptr().add(i * ws);
+        let wv = [vld1q_f32(wp), vld1q_f32(wp.add(4)), vld1q_f32(wp.add(8)), vld1q_f32(wp.add(12))];
+        for (t, a) in acc.iter_mut().enumerate() {
+            let xv = *x.as_ptr().add(t * xs + i);
+            for (a, &wj) in a.iter_mut().zip(&wv) {
+                *a = vfmaq_n_f32(*a, wj, xv);
+            }
+        }
+    }
+    let mut out = [[0f32; super::PANEL]; T];
+    for (o, a) in out.iter_mut().zip(acc) {
+        for (j, v) in a.into_iter().enumerate() {
+            vst1q_f32(o.as_mut_ptr().add(4 * j), v);
+        }
+    }
+    out
+}
+
+/// A KV-cache element type, loaded four at a time as f32 (f16 by `fcvtl`,
+/// exact as `Into<f32>`).
+pub trait KvLoad: Copy + Into<f32> {
+    /// Elements `p[0..4]` as f32.
+    ///
+    /// # Safety
+    /// Four elements must be readable at `p`.
+    unsafe fn load4(p: *const Self) -> float32x4_t;
+}
+
+impl KvLoad for f32 {
+    #[inline(always)]
+    unsafe fn load4(p: *const f32) -> float32x4_t {
+        vld1q_f32(p)
+    }
+}
+
+impl KvLoad for half::f16 {
+    #[inline(always)]
+    unsafe fn load4(p: *const half::f16) -> float32x4_t {
+        f16x4_to_f32(vld1_u16(p as *const u16))
+    }
+}
+
+/// `q · k` over f32 `q` and a cached key of `T`, in the order of
+/// `portable::dot_kv`: element `i` fused-multiply-added into lane `i mod
+/// 8` (two 4-lane accumulators), then `portable::sum8`.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn dot_kv<T: KvLoad>(q: &[f32], k: &[T]) -> f32 {
+    assert_eq!(q.len(), k.len());
+    let n8 = q.len() / 8 * 8;
+    let (mut l0, mut l1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+    for i in (0..n8).step_by(8) {
+        l0 = vfmaq_f32(l0, vld1q_f32(q.as_ptr().add(i)), T::load4(k.as_ptr().add(i)));
+        l1 = vfmaq_f32(l1, vld1q_f32(q.as_ptr().add(i + 4)), T::load4(k.as_ptr().add(i + 4)));
+    }
+    let mut l = [0f32; 8];
+    vst1q_f32(l.as_mut_ptr(), l0);
+    vst1q_f32(l.as_mut_ptr().add(4), l1);
+    for i in n8..q.len() {
+        l[i % 8] = q[i].mul_add(k[i].into(), l[i % 8]);
+    }
+    super::portable::sum8(l)
+}
+
+/// `out += a · v` over a cached value row of `T`, one fused multiply-add
+/// per element (the bits of `portable::axpy_kv`).
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn axpy_kv<T: KvLoad>(a: f32, v: &[T], out: &mut [f32]) {
+    assert_eq!(v.len(), out.len());
+    let n4 = v.len() / 4 * 4;
+    let o = out.as_mut_ptr();
+    for i in (0..n4).step_by(4) {
+        vst1q_f32(o.add(i), vfmaq_n_f32(vld1q_f32(o.add(i)), T::load4(v.as_ptr().add(i)), a));
+    }
+    for i in n4..v.len() {
+        out[i] = a.mul_add(v[i].into(), out[i]);
+    }
+}

@@ -369,6 +369,11 @@ pub fn panel_tile<const T: usize>(depth: usize, x: &[f32], xs: usize, w: &[f32],
         // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
         return unsafe { x86::panel_tile::<T>(depth, x, xs, w, ws) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: NEON checked; lengths asserted inside.
+        return unsafe { aarch64::panel_tile::<T>(depth, x, xs, w, ws) };
+    }
     portable::panel_tile::<T>(depth, x, xs, w, ws)
 }
 
@@ -406,6 +411,16 @@ pub fn dot_kv(q: &[f32], k: KvSlice) -> f32 {
             }
         };
     }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: NEON checked; lengths asserted inside.
+        return unsafe {
+            match k {
+                KvSlice::F16(k) => aarch64::dot_kv(q, k),
+                KvSlice::F32(k) => aarch64::dot_kv(q, k),
+            }
+        };
+    }
     match k {
         KvSlice::F16(k) => portable::dot_kv(q, k),
         KvSlice::F32(k) => portable::dot_kv(q, k),
@@ -423,6 +438,17 @@ pub fn axpy_kv(a: f32, v: KvSlice, out: &mut [f32]) {
             match v {
                 KvSlice::F16(v) => x86::axpy_kv(a, v, out),
                 KvSlice::F32(v) => x86::axpy_kv(a, v, out),
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: NEON checked; lengths asserted inside.
+        unsafe {
+            match v {
+                KvSlice::F16(v) => aarch64::axpy_kv(a, v, out),
+                KvSlice::F32(v) => aarch64::axpy_kv(a, v, out),
             }
         }
         return;

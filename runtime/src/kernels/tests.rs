@@ -452,7 +452,7 @@ fn x8_layout_matches_the_row_layout_bit_for_bit() {
 #[test]
 fn kv_kernels_match_portable_bit_for_bit() {
     let mut seed = 3u32;
-    for hd in [1usize, 20, 64, 72, 128] {
+    for hd in [1usize, 13, 20, 30, 47, 64, 72, 128] {
         let q = rnd_vec(&mut seed, hd, 2.0);
         let k = rnd_vec(&mut seed, hd, 2.0);
         let k16: Vec<f16> = k.iter().map(|&v| f16::from_f32(v)).collect();
