@@ -63,6 +63,10 @@ KERNELS = [
     ("nflash dot4_q8_0_dot", "nflash", "kernels::aarch64::dot4_q8_0_dot::", "q8_0", "dotprod"),
     ("llama.cpp ggml_vec_dot_q8_0_q8_0", "quants-dot", "ggml_vec_dot_q8_0_q8_0", "q8_0", "dotprod"),
     ("nflash gemm_x8_q8_0_dot", "nflash", "kernels::aarch64::gemm_x8_q8_0_dot::", "q8_0", "dotprod"),
+    # Prefill's Q4_0 GEMM, 4 tokens per call: nflash's sdot kernel (8 rows)
+    # against llama.cpp's smmla one for i8mm CPUs (4 rows, repacked).
+    ("nflash gemm_x8_q4_0_dot, 4 tokens", "nflash", "kernels::aarch64::gemm_x8_q4_0_dot::", "q4_0", "prefill"),
+    ("llama.cpp ggml_gemm_q4_0_4x8_q8_0 (i8mm)", "repack-mm", "ggml_gemm_q4_0_4x8_q8_0", "q4_0", "prefill"),
 ]
 
 MACS = {"sdot": 16, "smull": 8, "smull2": 8, "smlal": 8, "smlal2": 8, "smmla": 32}
@@ -100,6 +104,7 @@ def compile_llama(src, out, cc, cxx):
         ("quants-neon", cc, "quants.c", "armv8-a"),
         ("quants-dot", cc, "quants.c", "armv8.2-a+dotprod+fp16"),
         ("repack-dot", cxx, "repack.cpp", "armv8.2-a+dotprod+fp16"),
+        ("repack-mm", cxx, "repack.cpp", "armv8.2-a+dotprod+i8mm+fp16"),
     ]:
         obj = os.path.join(out, f"{key}.o")
         std = ["-std=c++17"] if file.endswith(".cpp") else ["-std=c11"]
@@ -108,9 +113,10 @@ def compile_llama(src, out, cc, cxx):
     return objs
 
 
-def symbol_range(nm, path, needle):
+def symbol_range(nm, path, needle, largest=False):
     """(start, end) address of the defined function whose (demangled) name
-    contains `needle`; exactly one must match."""
+    contains `needle`; exactly one must match (of a generic kernel's
+    instances, the smallest, or with `largest` the largest)."""
     hits = []
     for line in run([nm, "-C", "-S", "--defined-only", path]).splitlines():
         parts = line.split(None, 3)
@@ -120,8 +126,9 @@ def symbol_range(nm, path, needle):
     hits = [h for h in hits if not h[2].endswith("_generic")]
     if len(hits) > 1 and "gemm_x8" in needle:
         # One instance per token count T (1 to 4), alike in Rust's legacy
-        # symbol names: the smallest is T = 1, the decode kernel.
-        hits = [min(hits, key=lambda h: h[1])]
+        # symbol names: the smallest is T = 1 (decode), the largest T = 4
+        # (prefill's tile).
+        hits = [(max if largest else min)(hits, key=lambda h: h[1])]
     if len(hits) != 1:
         die(f"{path}: {len(hits)} functions match {needle!r}: {[h[2] for h in hits]}")
     start, size, _ = hits[0]
@@ -204,7 +211,7 @@ def main():
         objs["nflash"] = args.nflash
         rows = []
         for label, src, sym, dtype, isa in KERNELS:
-            start, end = symbol_range(nm, objs[src], sym)
+            start, end = symbol_range(nm, objs[src], sym, largest=isa == "prefill")
             body = inner_loop(disassemble(objdump, objs[src], start, end))
             blocks = macs([(0, mn, ops) for mn, ops in body]) / 32
             per_cpu = {cpu: mca(llvm_mca, body, cpu) / blocks for cpu, _ in CPUS}
