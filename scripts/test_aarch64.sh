@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make test-aarch64: the phone build, tested under qemu-user on three CPU
 # models: cortex-a53 (NEON only), cortex-a76 (+ dotprod), max (+ i8mm).
-# For each: the runtime's kernel and alignment unit tests, the demo prompt
+# For each: the runtime's kernel, alignment and model-op unit tests (the
+# last hold RoPE to values that do not depend on the C library), the demo prompt
 # on the q8_0 SmolLM2 pack (the answer must name Paris, and --stats-json
 # must name the kernels used), and a tiny synthetic sparse pack that must
 # give the same greedy tokens under a memory budget that reads clusters
@@ -82,7 +83,7 @@ expect_kernels() {
 for cpu in $CPUS; do
     t0=$(date +%s)
     say "== qemu-aarch64 -cpu $cpu"
-    QEMU_CPU=$cpu cargo test --release -p nflash-runtime --lib --target "$TARGET" -q -- kernels:: offload::align:: 2>&1 |
+    QEMU_CPU=$cpu cargo test --release -p nflash-runtime --lib --target "$TARGET" -q -- kernels:: offload::align:: model::ops:: 2>&1 |
         tee "$work/unit-$cpu.log" | grep -E "^test result|FAILED|panicked" || true
     grep -q "^test result: ok" "$work/unit-$cpu.log" || die "$cpu: unit tests failed (log above)"
 

@@ -48,7 +48,9 @@ impl Sampler {
         self.idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]));
         let max = logits[self.idx[0]];
         self.probs.clear();
-        self.probs.extend(self.idx.iter().map(|&i| ((logits[i] - max) / t).exp()));
+        // nflash's own e^x (`kernels::exp`), not the C library's: the same
+        // probabilities, and so the same tokens for a seed, on every platform.
+        self.probs.extend(self.idx.iter().map(|&i| crate::kernels::exp((logits[i] - max) / t)));
         let sum: f32 = self.probs.iter().sum();
         let mut cum = 0.0;
         let mut keep = self.probs.len();

@@ -295,23 +295,47 @@ unsafe fn axpy_rows<B: RowBlock, const N: usize>(rows: [&[u8]; N], a: [f32; N], 
     assert!(out.len().is_multiple_of(32) && rows.iter().all(|r| r.len() >= out.len() / 32 * B::BYTES));
     for b in 0..out.len() / 32 {
         let o = out.as_mut_ptr().add(32 * b);
-        let mut acc = [vdupq_n_f32(0.0); 8];
-        for (j, v) in acc.iter_mut().enumerate() {
-            *v = vld1q_f32(o.add(4 * j));
-        }
+        let mut acc = load_block(o);
         for r in 0..N {
             let p = rows[r].as_ptr().add(b * B::BYTES);
-            let s = a[r] * f16_at(p);
-            let (lo, hi) = B::values(p.add(2));
-            let (fl, fh) = (to_f32(lo), to_f32(hi));
-            for j in 0..4 {
-                acc[j] = vfmaq_n_f32(acc[j], fl[j], s);
-                acc[4 + j] = vfmaq_n_f32(acc[4 + j], fh[j], s);
-            }
+            fma_row(&mut acc, a[r] * f16_at(p), B::values(p.add(2)));
         }
-        for (j, v) in acc.iter().enumerate() {
-            vst1q_f32(o.add(4 * j), *v);
-        }
+        store_block(o, &acc);
+    }
+}
+
+/// The 32 f32 at `o` as eight 4-lane vectors.
+///
+/// # Safety
+/// 32 elements must be readable at `o`.
+#[inline(always)]
+unsafe fn load_block(o: *const f32) -> [float32x4_t; 8] {
+    let mut acc = [vdupq_n_f32(0.0); 8];
+    for (j, v) in acc.iter_mut().enumerate() {
+        *v = vld1q_f32(o.add(4 * j));
+    }
+    acc
+}
+
+/// Stores eight 4-lane vectors as the 32 f32 at `o`.
+///
+/// # Safety
+/// 32 elements must be writable at `o`.
+#[inline(always)]
+unsafe fn store_block(o: *mut f32, acc: &[float32x4_t; 8]) {
+    for (j, v) in acc.iter().enumerate() {
+        vst1q_f32(o.add(4 * j), *v);
+    }
+}
+
+/// `acc += s · row` for one row's 32 values (`lo`: elements 0..16, `hi`:
+/// 16..32), one fused multiply-add per element (`s · q + acc`).
+#[inline(always)]
+unsafe fn fma_row(acc: &mut [float32x4_t; 8], s: f32, (lo, hi): (int8x16_t, int8x16_t)) {
+    let (fl, fh) = (to_f32(lo), to_f32(hi));
+    for j in 0..4 {
+        acc[j] = vfmaq_n_f32(acc[j], fl[j], s);
+        acc[4 + j] = vfmaq_n_f32(acc[4 + j], fh[j], s);
     }
 }
 
@@ -541,25 +565,13 @@ unsafe fn axpy_x8_rows<B: X8Block>(group: &[u8], a: [f32; 8], mask: u8, out: &mu
     for b in 0..nb {
         let p = group.as_ptr().add(b * B::BYTES);
         let o = out.as_mut_ptr().add(32 * b);
-        let mut acc = [vdupq_n_f32(0.0); 8];
-        for (j, v) in acc.iter_mut().enumerate() {
-            *v = vld1q_f32(o.add(4 * j));
-        }
-        let rows = B::rows(p);
-        for (r, &(lo, hi)) in rows.iter().enumerate() {
-            if mask & (1 << r) == 0 {
-                continue;
-            }
-            let s = a[r] * f16_at(p.add(2 * r));
-            let (fl, fh) = (to_f32(lo), to_f32(hi));
-            for j in 0..4 {
-                acc[j] = vfmaq_n_f32(acc[j], fl[j], s);
-                acc[4 + j] = vfmaq_n_f32(acc[4 + j], fh[j], s);
+        let mut acc = load_block(o);
+        for (r, &row) in B::rows(p).iter().enumerate() {
+            if mask & (1 << r) != 0 {
+                fma_row(&mut acc, a[r] * f16_at(p.add(2 * r)), row);
             }
         }
-        for (j, v) in acc.iter().enumerate() {
-            vst1q_f32(o.add(4 * j), *v);
-        }
+        store_block(o, &acc);
     }
 }
 
