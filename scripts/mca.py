@@ -1,31 +1,36 @@
 #!/usr/bin/env python3
-"""Static throughput of nflash's aarch64 decode kernels against llama.cpp's,
-by llvm-mca (`make mca`; docs/android.md "Kernel speed without a phone").
+"""Static throughput of nflash's aarch64 dot-product kernels (decode's
+matrix-vector products and prefill's 4-token tile) against llama.cpp's, by
+llvm-mca 19 (`make mca`; docs/android.md "Kernel speed without a phone").
 
 No phone is reachable from the development machine, and qemu's timing says
 nothing about a phone's. llvm-mca replays a loop body on LLVM's scheduling
 model of a CPU and reports cycles per iteration. This script:
 
-1. takes the inner loop of each of nflash's NEON and dotprod dot-product
-   kernels from the aarch64 `nflash` binary (`make android`), and of
-   llama.cpp's (`ggml_vec_dot_q4_0_q8_0`, `ggml_vec_dot_q8_0_q8_0`, and the
-   repacked `ggml_gemv_q4_0_4x4_q8_0` llama.cpp uses for Q4_0 on dotprod
-   CPUs) compiled from its sources with the cross gcc, for the ARMv8.0
-   baseline and for ARMv8.2 + dotprod;
-2. picks each function's innermost loop with the most multiply-accumulates
-   (MACs: 16 per `sdot`, 8 per `smull`/`smull2`/`smlal`/`smlal2`, 32 per
-   `smmla`), drops its branches, and runs llvm-mca on it per CPU model;
-3. prints cycles per 32 MACs (one 32-element block of one row: the unit
-   of a Q4_0/Q8_0 dot product), the ratio llama.cpp / nflash's fastest
-   kernel for the same type and ISA (the one nflash runs there; above 1:
-   nflash needs fewer cycles), and writes the figures as JSON.
+1. takes each kernel's block loop from the aarch64 `nflash` binary (`make
+   android`) and from llama.cpp's ARM kernels compiled from its sources by
+   the cross gcc/g++ (`ggml_vec_dot_q4_0_q8_0` and `ggml_vec_dot_q8_0_q8_0`
+   for the ARMv8.0 baseline and for ARMv8.2 + dotprod; the repacked
+   `ggml_gemv_q4_0_4x4_q8_0` that llama.cpp runs for Q4_0 on dotprod CPUs;
+   `ggml_gemm_q4_0_4x8_q8_0`, its prefill GEMM for i8mm CPUs);
+2. the block loop is the innermost loop with the most multiply-accumulates
+   (MACs: 16 per vector `sdot`, 8 per vector `smull`/`smull2`/`smlal`/
+   `smlal2`, 32 per `smmla`). nflash's ×8 kernels are generic over the
+   token count (1 to 4), one instance each with alike symbol names: the
+   instance whose block loop holds 8 rows × 32 × tokens MACs is the one
+   asked for; where the token loop is not unrolled (it sits inside the
+   block loop with the same static MACs), the block loop is priced with
+   the token loop's body repeated once per token;
+3. runs llvm-mca on the loop body (branches dropped) per CPU model and
+   prints cycles per 32 MACs (one 32-element block of one row, for one
+   token), and the ratio llama.cpp / the fastest nflash kernel of the same
+   type and phase that such a CPU runs (above 1: nflash needs fewer
+   cycles); `--json` writes it all.
 
-The figures are a model, not a measurement: LLVM 14 has no model of the
-newest phone cores, so each core is priced on its nearest modelled
-relative (see CPUS), and the model sees no cache misses (decode on a phone
-is also bounded by memory bandwidth: profiles/oneplus-12.toml). LLVM 19
-is the newest LLVM Debian 12 ships; it has no model of its own for the
-Cortex-X4.
+The figures are a model, not a measurement: LLVM 19 (the newest Debian 12
+ships) has no model of its own for the newest phone cores, so each is
+priced on a modelled relative (see CPUS), and the model sees no cache
+misses (decode on a phone is also bounded by memory bandwidth).
 """
 
 import argparse
@@ -37,41 +42,47 @@ import subprocess
 import sys
 import tempfile
 
-# (llvm-mca -mcpu, the phone cores it stands for). LLVM 19 prices a
-# Cortex-A76, A78 or X1 on its Cortex-A57 model, so those are asked for as
-# the Neoverse N1 (the A76's server twin); it maps the A720 and the X4 to its
-# Neoverse N2 model and the A520 to its A510 model itself; the V2 (the X3's
-# server twin) is the widest modelled core, nearest the X4.
+# (llvm-mca -mcpu, column header, the phone cores it stands for). LLVM 19
+# prices a Cortex-A76, A78 or X1 on its Cortex-A57 model, so those are asked
+# for as the Neoverse N1 (the A76's server twin); it maps the A720 (and the
+# X3/X4) to its Neoverse N2 model and the A520 to its A510 model itself; the
+# V2 (the X3's server twin) is the widest modelled core, nearest the X4.
 CPUS = [
-    ("cortex-a55", "Cortex-A55 (little, in order; Snapdragon 8 Gen 1 and older)"),
-    ("cortex-a520", "Cortex-A520 (little; LLVM's A510 model; Snapdragon 8 Gen 3)"),
-    ("neoverse-n1", "Cortex-A76 / A77 / A78 (big, 2019-2021)"),
-    ("cortex-a720", "Cortex-A720 (big; LLVM's Neoverse N2 model; Snapdragon 8 Gen 3)"),
-    ("neoverse-v2", "Cortex-X3 / X4 class (prime; V2 is the X3's server twin)"),
+    ("cortex-a55", "A55", "Cortex-A55 (little, in order; Snapdragon 8 Gen 1 and older)"),
+    ("cortex-a520", "A520 (A510 model)", "Cortex-A520 (little; Snapdragon 8 Gen 3)"),
+    ("neoverse-n1", "A76/A78 (N1 model)", "Cortex-A76 / A77 / A78 (big, 2019-2021)"),
+    ("cortex-a720", "A720 (N2 model)", "Cortex-A720 (big; Snapdragon 8 Gen 3)"),
+    ("neoverse-v2", "X3/X4 (V2 model)", "Cortex-X3 / X4 class (prime)"),
 ]
 
-# label, source ("nflash" or a llama.cpp object key), symbol, dtype, ISA
+# Feature order: a CPU with an ISA here has the ones before it.
+ISAS = ["neon", "dotprod", "i8mm"]
+
+# label, source ("nflash" or a llama.cpp object key), symbol, dtype, ISA,
+# phase, tokens per call (nflash's generic ×8 kernels: which instance).
 KERNELS = [
-    ("nflash dot4_q4_0", "nflash", "kernels::aarch64::dot4_q4_0::", "q4_0", "neon"),
-    ("llama.cpp ggml_vec_dot_q4_0_q8_0", "quants-neon", "ggml_vec_dot_q4_0_q8_0", "q4_0", "neon"),
-    ("nflash dot4_q8_0", "nflash", "kernels::aarch64::dot4_q8_0::", "q8_0", "neon"),
-    ("llama.cpp ggml_vec_dot_q8_0_q8_0", "quants-neon", "ggml_vec_dot_q8_0_q8_0", "q8_0", "neon"),
-    ("nflash dot4_q4_0_dot", "nflash", "kernels::aarch64::dot4_q4_0_dot::", "q4_0", "dotprod"),
-    ("llama.cpp ggml_vec_dot_q4_0_q8_0", "quants-dot", "ggml_vec_dot_q4_0_q8_0", "q4_0", "dotprod"),
-    ("llama.cpp ggml_gemv_q4_0_4x4_q8_0", "repack-dot", "ggml_gemv_q4_0_4x4_q8_0", "q4_0", "dotprod"),
-    ("nflash gemm_x8_q4_0_dot", "nflash", "kernels::aarch64::gemm_x8_q4_0_dot::", "q4_0", "dotprod"),
-    ("nflash dot4_q8_0_dot", "nflash", "kernels::aarch64::dot4_q8_0_dot::", "q8_0", "dotprod"),
-    ("llama.cpp ggml_vec_dot_q8_0_q8_0", "quants-dot", "ggml_vec_dot_q8_0_q8_0", "q8_0", "dotprod"),
-    ("nflash gemm_x8_q8_0_dot", "nflash", "kernels::aarch64::gemm_x8_q8_0_dot::", "q8_0", "dotprod"),
-    # Prefill's Q4_0 GEMM, 4 tokens per call: nflash's sdot kernel (8 rows)
-    # against llama.cpp's smmla one for i8mm CPUs (4 rows, repacked).
-    ("nflash gemm_x8_q4_0_dot, 4 tokens", "nflash", "kernels::aarch64::gemm_x8_q4_0_dot::", "q4_0", "prefill"),
-    ("llama.cpp ggml_gemm_q4_0_4x8_q8_0 (i8mm)", "repack-mm", "ggml_gemm_q4_0_4x8_q8_0", "q4_0", "prefill"),
+    ("nflash dot4_q4_0", "nflash", "kernels::aarch64::dot4_q4_0::", "q4_0", "neon", "decode", None),
+    ("llama.cpp ggml_vec_dot_q4_0_q8_0", "quants-neon", "ggml_vec_dot_q4_0_q8_0", "q4_0", "neon", "decode", None),
+    ("nflash dot4_q8_0", "nflash", "kernels::aarch64::dot4_q8_0::", "q8_0", "neon", "decode", None),
+    ("llama.cpp ggml_vec_dot_q8_0_q8_0", "quants-neon", "ggml_vec_dot_q8_0_q8_0", "q8_0", "neon", "decode", None),
+    ("nflash dot4_q4_0_dot", "nflash", "kernels::aarch64::dot4_q4_0_dot::", "q4_0", "dotprod", "decode", None),
+    ("nflash gemm_x8_q4_0_dot", "nflash", "kernels::aarch64::gemm_x8_q4_0_dot::", "q4_0", "dotprod", "decode", 1),
+    ("llama.cpp ggml_vec_dot_q4_0_q8_0", "quants-dot", "ggml_vec_dot_q4_0_q8_0", "q4_0", "dotprod", "decode", None),
+    ("llama.cpp ggml_gemv_q4_0_4x4_q8_0", "repack-dot", "ggml_gemv_q4_0_4x4_q8_0", "q4_0", "dotprod", "decode", None),
+    ("nflash dot4_q8_0_dot", "nflash", "kernels::aarch64::dot4_q8_0_dot::", "q8_0", "dotprod", "decode", None),
+    ("nflash gemm_x8_q8_0_dot", "nflash", "kernels::aarch64::gemm_x8_q8_0_dot::", "q8_0", "dotprod", "decode", 1),
+    ("llama.cpp ggml_vec_dot_q8_0_q8_0", "quants-dot", "ggml_vec_dot_q8_0_q8_0", "q8_0", "dotprod", "decode", None),
+    # Prefill's Q4_0 GEMM: nflash's 8 rows × 4 tokens by sdot against
+    # llama.cpp's 4 rows × 4 tokens by smmla over weights repacked for it.
+    ("nflash gemm_x8_q4_0_dot, 4 tokens", "nflash", "kernels::aarch64::gemm_x8_q4_0_dot::", "q4_0", "dotprod",
+     "prefill", 4),
+    ("llama.cpp ggml_gemm_q4_0_4x8_q8_0", "repack-mm", "ggml_gemm_q4_0_4x8_q8_0", "q4_0", "i8mm", "prefill", None),
 ]
 
 MACS = {"sdot": 16, "smull": 8, "smull2": 8, "smlal": 8, "smlal2": 8, "smmla": 32}
 BRANCH = re.compile(r"^(b|b\.\w+|cbz|cbnz|tbz|tbnz)$")
 LINE = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
+LLVM = "19"
 
 
 def die(msg):
@@ -86,16 +97,46 @@ def run(cmd, **kw):
     return r.stdout
 
 
-def tool(names):
-    for n in names:
+def tool(name):
+    """The LLVM 19 (or cross gcc) tool `name`."""
+    for n in ([f"{name}-{LLVM}", f"/usr/lib/llvm-{LLVM}/bin/{name}"] if name.startswith("llvm") else [name]):
         if shutil.which(n):
             return n
-    die(f"none of {', '.join(names)} found: run `make mca`, which installs them")
+    die(f"{name} (LLVM {LLVM} for the llvm tools) not found: run `make mca` as root, which installs llvm-{LLVM} "
+        "and the aarch64 cross g++ with apt-get, or install them yourself")
+
+
+def check_inputs(args):
+    """Every input checked before any work: an aarch64 ELF, a llama.cpp
+    tree, a writable place for the JSON."""
+    path = args.nflash
+    if not os.path.exists(path):
+        die(f"{path} does not exist: build the phone binary with `make android` "
+            "(target/aarch64-unknown-linux-musl/release/nflash) or pass --nflash")
+    if not os.path.isfile(path):
+        die(f"{path} is not a file: pass the aarch64 nflash binary (`make android` builds it)")
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if head[:4] != b"\x7fELF":
+        die(f"{path} is not an ELF executable: pass the aarch64 nflash binary (`make android` builds it)")
+    machine = int.from_bytes(head[18:20], "little")
+    if machine != 0xB7:
+        kind = {0x3E: "x86-64"}.get(machine, f"machine {machine:#x}")
+        die(f"{path} is an {kind} binary, not aarch64: pass the `make android` build, "
+            "target/aarch64-unknown-linux-musl/release/nflash")
+    src = args.llama_src
+    if not os.path.isfile(os.path.join(src, "ggml/src/ggml-cpu/arch/arm/quants.c")):
+        die(f"{src} is not a llama.cpp source tree (no ggml/src/ggml-cpu/arch/arm/quants.c): pass the directory "
+            "holding ggml/, e.g. bench-out/mca/llama_cpp_python-<version>/vendor/llama.cpp (scripts/mca.sh unpacks it)")
+    if args.json:
+        d = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(d) or not os.access(d, os.W_OK):
+            die(f"cannot write {args.json}: {d} is not a writable directory")
 
 
 def compile_llama(src, out, cc, cxx):
     """The llama.cpp objects: quants.c for ARMv8.0 and for ARMv8.2+dotprod,
-    repack.cpp for ARMv8.2+dotprod. Returns {key: object path}."""
+    repack.cpp for ARMv8.2+dotprod and for +i8mm. Returns {key: path}."""
     ggml = os.path.join(src, "ggml")
     inc = ["-I", f"{ggml}/include", "-I", f"{ggml}/src", "-I", f"{ggml}/src/ggml-cpu"]
     arm = f"{ggml}/src/ggml-cpu/arch/arm"
@@ -109,30 +150,23 @@ def compile_llama(src, out, cc, cxx):
         obj = os.path.join(out, f"{key}.o")
         std = ["-std=c++17"] if file.endswith(".cpp") else ["-std=c11"]
         run([comp, "-O3", f"-march={march}", "-DNDEBUG", *std, *inc, "-c", f"{arm}/{file}", "-o", obj])
-        objs[key] = obj
+        objs[key] = (obj, march)
     return objs
 
 
-def symbol_range(nm, path, needle, largest=False):
-    """(start, end) address of the defined function whose (demangled) name
-    contains `needle`; exactly one must match (of a generic kernel's
-    instances, the smallest, or with `largest` the largest)."""
+def symbols(nm, path, needle):
+    """[(start, end, name)] of the defined functions whose (demangled) name
+    contains `needle` (nflash's generic kernels: one per instance)."""
     hits = []
     for line in run([nm, "-C", "-S", "--defined-only", path]).splitlines():
         parts = line.split(None, 3)
         if len(parts) == 4 and parts[2] in "tT" and needle in parts[3]:
-            if parts[3] == needle or "::" in needle or parts[3].startswith(needle):
-                hits.append((int(parts[0], 16), int(parts[1], 16), parts[3]))
-    hits = [h for h in hits if not h[2].endswith("_generic")]
-    if len(hits) > 1 and "gemm_x8" in needle:
-        # One instance per token count T (1 to 4), alike in Rust's legacy
-        # symbol names: the smallest is T = 1 (decode), the largest T = 4
-        # (prefill's tile).
-        hits = [(max if largest else min)(hits, key=lambda h: h[1])]
-    if len(hits) != 1:
-        die(f"{path}: {len(hits)} functions match {needle!r}: {[h[2] for h in hits]}")
-    start, size, _ = hits[0]
-    return start, start + size
+            if "::" in needle or parts[3] == needle:
+                start = int(parts[0], 16)
+                hits.append((start, start + int(parts[1], 16), parts[3]))
+    if not hits:
+        die(f"{path}: no function matches {needle!r}")
+    return hits
 
 
 def disassemble(objdump, path, start, end):
@@ -151,45 +185,78 @@ def disassemble(objdump, path, start, end):
 
 
 def macs(body):
-    return sum(MACS.get(mn, 0) for _, mn, _ in body)
+    """Multiply-accumulates of vector instructions (operands with a lane
+    arrangement: `smull x0, w1, w2` is scalar)."""
+    return sum(MACS.get(mn, 0) for _, mn, ops in body if "." in ops)
 
 
-def inner_loop(insns):
-    """The loop body (without its branches) with the most MACs; among loops
-    with as many, the shortest (the innermost)."""
+def loops(insns):
+    """Every loop as (first index, last index): a backward branch."""
     index = {a: i for i, (a, _, _) in enumerate(insns)}
-    best = None
+    out = []
     for i, (addr, mn, ops) in enumerate(insns):
-        if not BRANCH.match(mn):
-            continue
-        m = re.search(r"0x([0-9a-f]+)", ops)
-        if not m:
-            continue
-        target = int(m.group(1), 16)
-        if target > addr or target not in index:
-            continue
-        body = insns[index[target]:i + 1]
-        key = (macs(body), -len(body))
-        if best is None or key > best[0]:
-            best = (key, body)
-    if best is None or best[0][0] == 0:
+        m = re.search(r"0x([0-9a-f]+)", ops) if BRANCH.match(mn) else None
+        if m and int(m.group(1), 16) <= addr and int(m.group(1), 16) in index:
+            out.append((index[int(m.group(1), 16)], i))
+    return out
+
+
+def block_loop(insns, tokens):
+    """(body, nested) of the innermost loop with the most MACs, branches
+    dropped; `nested`: that loop sits inside a loop with as many static
+    MACs (a token loop inside nflash's block loop). Nested, with `tokens`
+    > 1, the body is the enclosing loop's with the inner one repeated
+    `tokens` times."""
+    found = loops(insns)
+    if not found:
+        die("no loop found")
+    best = max(found, key=lambda lp: (macs(insns[lp[0]:lp[1] + 1]), lp[0] - lp[1]))
+    n = macs(insns[best[0]:best[1] + 1])
+    if n == 0:
         die("no loop with multiply-accumulates found")
-    body = best[1]
+    body = insns[best[0]:best[1] + 1]
+    outer = [lp for lp in found if lp[0] <= best[0] and lp[1] >= best[1] and lp != best
+             and macs(insns[lp[0]:lp[1] + 1]) == n]
+    if tokens and tokens > 1 and outer:
+        o = min(outer, key=lambda lp: lp[1] - lp[0])
+        body = insns[o[0]:best[0]] + body * tokens + insns[best[1] + 1:o[1] + 1]
     calls = [ops for _, mn, ops in body if mn in ("bl", "blr")]
     if calls:
         die(f"the loop calls out ({', '.join(calls)}): an inlining failure in the kernel, whose cost llvm-mca would not see")
-    return [(mn, ops) for _, mn, ops in body if not BRANCH.match(mn)]
+    return [(a, mn, ops) for a, mn, ops in body if not BRANCH.match(mn)], bool(outer)
 
 
 def mca(llvm_mca, body, cpu):
     """Cycles per iteration of `body` on `cpu` (llvm-mca, 200 iterations:
     loop-carried dependencies included)."""
-    asm = "".join(f"\t{mn} {ops}\n" for mn, ops in body)
+    asm = "".join(f"\t{mn} {ops}\n" for _, mn, ops in body)
     out = run([llvm_mca, "-mtriple=aarch64-linux-gnu", f"-mcpu={cpu}", "-mattr=+dotprod,+i8mm,+fullfp16",
                "-iterations=200"], input=asm)
     it = int(re.search(r"Iterations:\s+(\d+)", out).group(1))
     cycles = int(re.search(r"Total Cycles:\s+(\d+)", out).group(1))
     return cycles / it
+
+
+def kernel_body(nm, objdump, path, sym, tokens):
+    """(symbol, loop body) of the kernel. For nflash's generic ×8 kernels
+    (`tokens` given), the one instance whose block loop holds 8 rows × 32
+    × `tokens` MACs; one token asked for, an instance with a token loop
+    inside its block loop (T > 1, not unrolled) is ruled out."""
+    hits = symbols(nm, path, sym)
+    if tokens is None:
+        if len(hits) != 1:
+            die(f"{path}: {len(hits)} functions match {sym!r}: {[h[2] for h in hits]}")
+        start, end, name = hits[0]
+        return name, block_loop(disassemble(objdump, path, start, end), None)[0]
+    chosen = []
+    for start, end, name in hits:
+        body, nested = block_loop(disassemble(objdump, path, start, end), tokens)
+        if macs(body) == 8 * 32 * tokens and not (nested and tokens == 1):
+            chosen.append((name, body))
+    if len(chosen) != 1:
+        die(f"{path}: {len(chosen)} instances of {sym!r} have a block loop of {8 * 32 * tokens} MACs "
+            f"({tokens} token(s)); expected one")
+    return chosen[0]
 
 
 def main():
@@ -199,41 +266,52 @@ def main():
     ap.add_argument("--llama-src", required=True, help="llama.cpp source tree (the directory holding ggml/)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    if not os.path.isfile(args.nflash):
-        die(f"no {args.nflash}: run `make android` first")
-    llvm_mca = tool(["llvm-mca-19", "llvm-mca"])
-    nm = tool(["llvm-nm-19", "llvm-nm"])
-    objdump = tool(["llvm-objdump-19", "llvm-objdump"])
-    cc = tool(["aarch64-linux-gnu-gcc"])
-    cxx = tool(["aarch64-linux-gnu-g++"])
+    check_inputs(args)
+    llvm_mca, nm, objdump = tool("llvm-mca"), tool("llvm-nm"), tool("llvm-objdump")
+    cc, cxx = tool("aarch64-linux-gnu-gcc"), tool("aarch64-linux-gnu-g++")
+    version = next((v.strip() for v in run([llvm_mca, "--version"]).splitlines() if "version" in v), "?")
     with tempfile.TemporaryDirectory() as tmp:
         objs = compile_llama(args.llama_src, tmp, cc, cxx)
-        objs["nflash"] = args.nflash
+        objs["nflash"] = (args.nflash, None)
         rows = []
-        for label, src, sym, dtype, isa in KERNELS:
-            start, end = symbol_range(nm, objs[src], sym, largest=isa == "prefill")
-            body = inner_loop(disassemble(objdump, objs[src], start, end))
-            blocks = macs([(0, mn, ops) for mn, ops in body]) / 32
-            per_cpu = {cpu: mca(llvm_mca, body, cpu) / blocks for cpu, _ in CPUS}
-            rows.append({"kernel": label, "dtype": dtype, "isa": isa, "loop_instructions": len(body),
-                         "blocks_per_iteration": blocks, "cycles_per_block": per_cpu})
-    version = run([llvm_mca, "--version"]).strip().splitlines()
-    print(f"llvm-mca cycles per 32-element block of one row ({next((v.strip() for v in version if 'version' in v), '?')}); "
-          "ratio = llama.cpp / nflash's fastest kernel for the same type and ISA (the one it runs), above 1: nflash faster")
-    print("| kernel | ISA | " + " | ".join(c for c, _ in CPUS) + " |")
-    print("|---|---|" + "---|" * len(CPUS))
+        for label, src, sym, dtype, isa, phase, tokens in KERNELS:
+            path, march = objs[src]
+            name, body = kernel_body(nm, objdump, path, sym, tokens)
+            blocks = macs(body) / 32
+            rows.append({"kernel": label, "symbol": name, "compiled_with": march, "dtype": dtype, "isa": isa,
+                         "phase": phase, "tokens_per_call": tokens, "loop_instructions": len(body),
+                         "blocks_per_iteration": blocks,
+                         "cycles_per_block": {cpu: mca(llvm_mca, body, cpu) / blocks for cpu, _, _ in CPUS}})
     for r in rows:
-        cells = []
-        for cpu, _ in CPUS:
-            c = r["cycles_per_block"][cpu]
-            mine = min(x["cycles_per_block"][cpu] for x in rows if x["kernel"].startswith("nflash")
-                       and x["dtype"] == r["dtype"] and x["isa"] == r["isa"])
-            cells.append(f"{c:.2f}" if r["kernel"].startswith("nflash") else f"{c:.2f} ({c / mine:.2f}×)")
-        print(f"| {r['kernel']} ({r['dtype']}) | {r['isa']} | " + " | ".join(cells) + " |")
-    print("cores: " + "; ".join(f"{c} = {d}" for c, d in CPUS))
+        if r["kernel"].startswith("nflash"):
+            continue
+        # What nflash runs on a CPU with this ISA: its kernels of the same type and phase using no more.
+        mine = [x for x in rows if x["kernel"].startswith("nflash") and x["dtype"] == r["dtype"]
+                and x["phase"] == r["phase"] and ISAS.index(x["isa"]) <= ISAS.index(r["isa"])]
+        r["ratio_over_nflash"] = {}
+        r["nflash_reference"] = {}
+        for cpu, _, _ in CPUS:
+            ref = min(mine, key=lambda x: x["cycles_per_block"][cpu])
+            r["ratio_over_nflash"][cpu] = r["cycles_per_block"][cpu] / ref["cycles_per_block"][cpu]
+            r["nflash_reference"][cpu] = ref["kernel"]
+    print(f"llvm-mca ({version}) cycles per 32 multiply-accumulates (one 32-element block of one row, one token); "
+          "in brackets llama.cpp / the fastest nflash kernel of the same type and phase such a CPU runs "
+          "(above 1: nflash needs fewer cycles)")
+    print("| kernel | type | ISA | phase | " + " | ".join(h for _, h, _ in CPUS) + " |")
+    print("|---|---|---|---|" + "---|" * len(CPUS))
+    for r in rows:
+        cells = [f"{r['cycles_per_block'][c]:.2f}" + (f" ({r['ratio_over_nflash'][c]:.2f})" if "ratio_over_nflash" in r else "")
+                 for c, _, _ in CPUS]
+        print(f"| {r['kernel']} | {r['dtype']} | {r['isa']} | {r['phase']} | " + " | ".join(cells) + " |")
+    print("cores: " + "; ".join(f"{h} = {d}" for _, h, d in CPUS))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpus": dict(CPUS), "kernels": rows}, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump({"llvm_mca": version, "unit": "cycles per 32 multiply-accumulates",
+                           "cpus": {c: {"header": h, "stands_for": d} for c, h, d in CPUS}, "kernels": rows}, f,
+                          indent=1)
+        except OSError as e:
+            die(f"cannot write {args.json}: {e.strerror}")
 
 
 if __name__ == "__main__":
