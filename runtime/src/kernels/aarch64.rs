@@ -79,12 +79,18 @@ impl RowBlock for Q4Row {
     const BYTES: usize = 18;
     #[inline(always)]
     unsafe fn values(q: *const u8) -> (int8x16_t, int8x16_t) {
-        let b = vld1q_u8(q);
-        let eight = vdupq_n_s8(8);
-        let lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), eight);
-        let hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8::<4>(b)), eight);
-        (lo, hi)
+        q4_values(vld1q_u8(q))
     }
+}
+
+/// A Q4_0 block's 16 quant bytes `b` as its 32 values in i8: elements
+/// `0..16` (low nibbles − 8) and `16..32` (high nibbles − 8).
+#[inline(always)]
+unsafe fn q4_values(b: uint8x16_t) -> (int8x16_t, int8x16_t) {
+    let eight = vdupq_n_s8(8);
+    let lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), eight);
+    let hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8::<4>(b)), eight);
+    (lo, hi)
 }
 
 /// GGML Q8_0: 32 × i8.
@@ -448,13 +454,18 @@ impl X8Block for Q4X8 {
     }
     #[inline(always)]
     unsafe fn rows(p: *const u8) -> [(int8x16_t, int8x16_t); 8] {
-        let (eight, m) = (vdupq_n_s8(8), vdupq_n_u8(0x0F));
+        // Each gathered row is its 16 quant bytes in order, as in the row layout.
         let (a, b) = (gather_rows(p.add(16), 0), gather_rows(p.add(16), 1));
-        let row = |v: uint8x16_t| {
-            let lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, m)), eight);
-            (lo, vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)), eight))
-        };
-        [row(a[0]), row(a[1]), row(a[2]), row(a[3]), row(b[0]), row(b[1]), row(b[2]), row(b[3])]
+        [
+            q4_values(a[0]),
+            q4_values(a[1]),
+            q4_values(a[2]),
+            q4_values(a[3]),
+            q4_values(b[0]),
+            q4_values(b[1]),
+            q4_values(b[2]),
+            q4_values(b[3]),
+        ]
     }
 }
 
