@@ -14,6 +14,16 @@
 use std::arch::aarch64::*;
 use std::arch::asm;
 
+/// `prfm pldl1keep` at `p`: a hint to load the line into L1 (`kernels::prefetch`).
+///
+/// # Safety
+/// None needed beyond the asm block: `prfm` never faults.
+#[inline(always)]
+pub unsafe fn prefetch(p: *const u8) {
+    // SAFETY: a prefetch hint reads nothing architecturally and cannot fault.
+    unsafe { asm!("prfm pldl1keep, [{0}]", in(reg) p, options(nostack, preserves_flags, readonly)) };
+}
+
 /// Bytes of a Q8_0 block (f16 scale, 32 × i8).
 const Q8_0_BLOCK: usize = 34;
 

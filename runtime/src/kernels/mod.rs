@@ -377,6 +377,30 @@ pub fn panel_tile<const T: usize>(depth: usize, x: &[f32], xs: usize, w: &[f32],
     portable::panel_tile::<T>(depth, x, xs, w, ws)
 }
 
+/// Hints the CPU to bring `bytes` into cache (one prefetch per 64-byte
+/// line; x86 `prefetcht0`, aarch64 `prfm pldl1keep`; nothing elsewhere).
+/// A hint only: no effect on results, no fault on any address. For a
+/// stream the hardware prefetcher does not follow, such as the next ×8
+/// group's column range in a down projection split among threads (each
+/// reads a piece of every group, pieces a group apart).
+#[inline]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for o in (0..bytes.len()).step_by(64) {
+        // SAFETY: a prefetch of an address inside the slice; SSE is in the x86-64 baseline.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(bytes.as_ptr().add(o) as *const i8)
+        };
+    }
+    #[cfg(target_arch = "aarch64")]
+    for o in (0..bytes.len()).step_by(64) {
+        // SAFETY: `prfm` is a hint in the ARMv8.0 baseline; it never faults.
+        unsafe { aarch64::prefetch(bytes.as_ptr().add(o)) };
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let _ = bytes;
+}
+
 /// `e^x` in f32: [`portable::exp`] (computed in f64 and rounded once: the
 /// correctly rounded value but within about 1e-5 of a tie, as glibc's
 /// `expf`; NaN for NaN). One formula on every path, scalar here and 8 lanes
