@@ -3,6 +3,7 @@
 //! logits. Decode (one token) runs the FFN sparse through the predictor
 //! and may start the next layer's cold reads early (speculative prefetch).
 
+use rayon::prelude::*;
 use std::time::Instant;
 
 use nflash_plan::layout::FFN_TILE_ELEMS;
@@ -297,9 +298,12 @@ impl Model<'_> {
     }
 }
 
-/// RMSNorms each row of `x` (`[n, hidden]`) into `out`.
+/// RMSNorms each row of `x` (`[n, hidden]`) into `out`, rows in parallel
+/// when there are several.
 fn norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    for (row, o) in x.chunks_exact(weight.len()).zip(out.chunks_exact_mut(weight.len())) {
-        rms_norm(row, weight, eps, o);
+    let h = weight.len();
+    if x.len() == h {
+        return rms_norm(x, weight, eps, out);
     }
+    out.par_chunks_exact_mut(h).zip(x.par_chunks_exact(h)).for_each(|(o, row)| rms_norm(row, weight, eps, o));
 }
