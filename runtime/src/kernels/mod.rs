@@ -811,6 +811,44 @@ pub fn group_to_f32(dtype: DType, cols: usize, group: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Elements `c0 .. c0 + PANEL` (`c0` a multiple of [`PANEL`]) of the 8 rows
+/// of one ×8 group of `dtype` (Q4_0 or Q8_0, `cols` elements per row) into 8
+/// rows of a weight panel: `out[r · stride + c]` = element `c0 + c` of row
+/// `r` (`d · q`, the bits of [`group_to_f32`]). The down projection's
+/// panels, whose rows are neurons (`[neurons, PANEL]` of hidden columns),
+/// straight from the ×8 groups: no `[neurons, hidden]` f32 copy.
+///
+/// Panics on another dtype or short slices (caller bugs).
+pub fn group_rows_to_panel(dtype: DType, cols: usize, group: &[u8], c0: usize, out: &mut [f32], stride: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => x86::dequant_x8_rows_panel_q4_0(group, cols, c0, out, stride),
+                DType::Q8_0 => x86::dequant_x8_rows_panel_q8_0(group, cols, c0, out, stride),
+                _ => unreachable!("group_rows_to_panel on {dtype}"),
+            }
+        }
+        return;
+    }
+    match dtype {
+        DType::Q4_0 => portable::dequant_x8_rows_panel_q4_0(group, cols, c0, out, stride),
+        DType::Q8_0 => portable::dequant_x8_rows_panel_q8_0(group, cols, c0, out, stride),
+        _ => unreachable!("group_rows_to_panel on {dtype}"),
+    }
+}
+
+/// Asserts that a ×8 group of `cols` elements per row (`gblock` bytes per
+/// block) holds the column block of `c0 .. c0 + PANEL`, and that 8 panel
+/// rows of [`PANEL`] elements, `stride` apart, fit in `out_len`.
+fn check_x8_rows_panel(group_len: usize, gblock: usize, cols: usize, c0: usize, out_len: usize, stride: usize) {
+    assert!(cols.is_multiple_of(32) && group_len >= cols / 32 * gblock, "×8 rows panel: group of {group_len} bytes");
+    assert!(c0.is_multiple_of(PANEL) && c0 + PANEL <= cols, "×8 rows panel: columns {c0}.. of {cols}");
+    let rows = nflash_format::interleave::X8_ROWS;
+    assert!(stride >= PANEL && out_len >= (rows - 1) * stride + PANEL, "×8 rows panel: out");
+}
+
 /// Asserts that a ×8 group of `cols` elements per row (`gblock` bytes per
 /// column block) and its panel (`out[k · stride + r]`, `k < cols`, `r < 8`)
 /// lie inside their slices.

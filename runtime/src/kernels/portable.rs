@@ -258,6 +258,37 @@ fn dequant_x8(group: &[u8], cols: usize, out: &mut [f32], gblock: usize, value: 
     }
 }
 
+/// Elements `c0 .. c0 + PANEL` of the 8 rows of one ×8 group into 8 panel
+/// rows: `out[r · stride + c] = d · q` (the values of [`dequant_x8`]).
+fn dequant_x8_rows_panel(
+    group: &[u8],
+    cols: usize,
+    c0: usize,
+    out: &mut [f32],
+    stride: usize,
+    gblock: usize,
+    value: fn(&[u8], usize, usize) -> i32,
+) {
+    super::check_x8_rows_panel(group.len(), gblock, cols, c0, out.len(), stride);
+    let blk = &group[c0 / 32 * gblock..][..gblock];
+    for r in 0..X8_ROWS {
+        let d = f16_le(&blk[2 * r..]);
+        for c in 0..super::PANEL {
+            out[r * stride + c] = d * value(blk, r, c0 % 32 + c) as f32;
+        }
+    }
+}
+
+/// [`dequant_x8_rows_panel`] for a Q4_0×8 group.
+pub fn dequant_x8_rows_panel_q4_0(group: &[u8], cols: usize, c0: usize, out: &mut [f32], stride: usize) {
+    dequant_x8_rows_panel(group, cols, c0, out, stride, Q4_0_X8_BLOCK, q4_x8_value)
+}
+
+/// [`dequant_x8_rows_panel`] for a Q8_0×8 group.
+pub fn dequant_x8_rows_panel_q8_0(group: &[u8], cols: usize, c0: usize, out: &mut [f32], stride: usize) {
+    dequant_x8_rows_panel(group, cols, c0, out, stride, Q8_0_X8_BLOCK, q8_x8_value)
+}
+
 /// One ×8 group into a weight panel: `out[k · stride + r] = d · q` for row
 /// `r < 8` and element `k < cols` (the values of [`dequant_x8`], in the
 /// `[cols, stride]` order of `super::panel_tile`'s weights).

@@ -593,6 +593,31 @@ fn group_to_f32_and_panel_match_row_to_f32_bit_for_bit() {
                 }
             }
         }
+        // The rows form (the down projection's panels): columns c0 .. c0 + 16
+        // of the 8 rows, row r at r · 19, both halves of a column block.
+        for c0 in (0..cols).step_by(PANEL) {
+            for which in ["dispatched", "portable"] {
+                let mut panel = vec![-1f32; 8 * 19];
+                let gv = view(&g, 8 * rb);
+                match (which, dt) {
+                    ("dispatched", _) => group_rows_to_panel(dt, cols, gv, c0, &mut panel, 19),
+                    (_, DType::Q4_0) => portable::dequant_x8_rows_panel_q4_0(gv, cols, c0, &mut panel, 19),
+                    _ => portable::dequant_x8_rows_panel_q8_0(gv, cols, c0, &mut panel, 19),
+                }
+                for r in 0..8 {
+                    for c in 0..19 {
+                        let expect = if c < PANEL { want[r * cols + c0 + c] } else { -1.0 };
+                        let v = panel[r * 19 + c];
+                        assert_eq!(
+                            v.to_bits(),
+                            expect.to_bits(),
+                            "{which} {} {dt} rows panel c0 {c0} ({r}, {c})",
+                            isa()
+                        );
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -1233,6 +1233,45 @@ unsafe fn dequant_x8_panel<B: RowBlock>(group: &[u8], cols: usize, out: &mut [f3
     }
 }
 
+/// Elements `c0 .. c0 + 16` of the 8 rows of one ×8 group into 8 panel
+/// rows (`out[r · stride + c]`): the bits of [`dequant_x8`] for one half
+/// of a column block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_x8_rows_panel<B: RowBlock>(group: &[u8], cols: usize, c0: usize, out: &mut [f32], stride: usize) {
+    super::check_x8_rows_panel(group.len(), B::X8_BLOCK, cols, c0, out.len(), stride);
+    let p = group.as_ptr().add(c0 / 32 * B::X8_BLOCK);
+    let half = c0 % 32 / 16;
+    let mut d = [0f32; X8_ROWS];
+    _mm256_storeu_ps(d.as_mut_ptr(), _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)));
+    let parts = B::x8_rows(p);
+    let o = out.as_mut_ptr();
+    for r in 0..X8_ROWS {
+        let dr = _mm256_set1_ps(d[r]);
+        for k in 0..2 {
+            _mm256_storeu_ps(o.add(r * stride + 8 * k), _mm256_mul_ps(dr, part_f32(parts[r][2 * half + k])));
+        }
+    }
+}
+
+/// [`dequant_x8_rows_panel`] for a Q4_0×8 group.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_x8_rows_panel_q4_0(group: &[u8], cols: usize, c0: usize, out: &mut [f32], stride: usize) {
+    dequant_x8_rows_panel::<Q4Row>(group, cols, c0, out, stride)
+}
+
+/// [`dequant_x8_rows_panel`] for a Q8_0×8 group.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_x8_rows_panel_q8_0(group: &[u8], cols: usize, c0: usize, out: &mut [f32], stride: usize) {
+    dequant_x8_rows_panel::<Q8Row>(group, cols, c0, out, stride)
+}
+
 /// One Q4_0×8 group into a weight panel (`out[k · stride + r]`).
 ///
 /// # Safety
@@ -1248,7 +1287,38 @@ pub unsafe fn dequant_x8_panel_q4_0(group: &[u8], cols: usize, out: &mut [f32], 
 /// The CPU must have AVX2, FMA and F16C; lengths are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dequant_x8_panel_q8_0(group: &[u8], cols: usize, out: &mut [f32], stride: usize) {
-    dequant_x8_panel::<Q8Row>(group, cols, out, stride)
+    super::check_x8_panel(group.len(), Q8_0_X8_BLOCK, cols, out.len(), stride);
+    // A 32-byte run of the group holds 4 consecutive elements of each of
+    // the 8 rows (lane = row): element `j`'s 8 values go to the top bytes of
+    // the lanes by one shuffle ([`q8_x8_f32_block`]), read as `q · 2^24`,
+    // and times `d · 2^-24` (exact: a power of two) they are the panel row
+    // `d · q` in row order. No transpose: the bits of `d · q` with 3 shuffles
+    // per 32 values where the row-wise unpack and an 8 × 8 transpose took
+    // about 18.
+    let top = |j: i8| {
+        let m: [i8; 16] = std::array::from_fn(|b| if b % 4 == 3 { (b - 3) as i8 + j } else { -128 });
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(m.as_ptr() as *const __m128i))
+    };
+    let (m0, m1, m2) = (top(0), top(1), top(2));
+    let hi = _mm256_set1_epi32(0xFF00_0000u32 as i32);
+    let unit = _mm256_set1_ps(1.0 / Q8_TOP_BYTE);
+    let o = out.as_mut_ptr();
+    for b in 0..cols / 32 {
+        let p = group.as_ptr().add(b * Q8_0_X8_BLOCK);
+        let d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), unit);
+        for k in 0..8 {
+            let w = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+            let q = [
+                _mm256_shuffle_epi8(w, m0),
+                _mm256_shuffle_epi8(w, m1),
+                _mm256_shuffle_epi8(w, m2),
+                _mm256_and_si256(w, hi),
+            ];
+            for (j, q) in q.into_iter().enumerate() {
+                _mm256_storeu_ps(o.add((32 * b + 4 * k + j) * stride), _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+            }
+        }
+    }
 }
 
 /// [`super::portable::exp`] on 4 f64 lanes, operation for operation.

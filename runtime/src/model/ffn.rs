@@ -543,6 +543,13 @@ impl Ffn {
             counts.add(&c);
             if self.down_direct_for(n) {
                 self.down_direct(&weights, a, m, &mut acc);
+            } else if can_interleave(dt, X8_ROWS as u64, h as u64) {
+                // Down panels (`[m, PANEL]` of hidden columns) filled straight
+                // from the quantized bundles.
+                let fill =
+                    |j0: usize, width: usize, panel: &mut [f32]| self.fill_down_panel(&weights, j0, width, panel);
+                crate::kernels::gemm::x_fill(a, &fill, (n, h, m), &mut acc, h, true);
+                // += [n, hidden]
             } else {
                 wd.resize(m * h, 0.0);
                 self.down_rows(&weights, &mut wd[..m * h]);
@@ -739,6 +746,42 @@ impl Ffn {
                     for j in lo..hi {
                         row_to_f32(dt, [r[j - g0].0, r[j - g0].1][which], &mut row);
                         crate::kernels::gemm::set_panel_column(panel, j - j0, &row);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Hidden columns `j0 .. j0 + width` (`width` = `PANEL`, `j0` a multiple
+    /// of it) of the down rows of the `m` neurons of `weights`
+    /// ([`Self::group_weights`]) into a panel of `kernels::gemm`
+    /// (`panel[j · PANEL + c]` = element `j0 + c` of neuron `j`'s down row):
+    /// 8 neurons at a time from a ×8 group (`kernels::group_rows_to_panel`),
+    /// others from the one block of their row that holds the columns. For
+    /// bundles of a ×8 dtype; the values of `row_to_f32`. Before, the tile's
+    /// down rows were dequantized to a `[m, hidden]` buffer and copied
+    /// into the panels from there, 64 bytes a row.
+    fn fill_down_panel(&self, weights: &[(usize, usize, GroupWeights)], j0: usize, width: usize, panel: &mut [f32]) {
+        use crate::kernels::PANEL;
+        let (h, dt) = (self.hidden, self.layout.dtype);
+        assert_eq!(width, PANEL, "down panel of {width} columns");
+        let gbytes = X8_ROWS * self.layout.row_bytes as usize;
+        let bb = dt.row_bytes(32).expect("a block's bytes") as usize;
+        let mut blk = [0f32; 32];
+        for &(g0, _, ref w) in weights {
+            match w {
+                GroupWeights::X8(b) => crate::kernels::group_rows_to_panel(
+                    dt,
+                    h,
+                    &b[2 * gbytes..3 * gbytes],
+                    j0,
+                    &mut panel[g0 * PANEL..],
+                    PANEL,
+                ),
+                GroupWeights::Rows(r) => {
+                    for (i, bundle) in r.iter().enumerate() {
+                        row_to_f32(dt, &bundle.2[j0 / 32 * bb..][..bb], &mut blk);
+                        panel[(g0 + i) * PANEL..][..PANEL].copy_from_slice(&blk[j0 % 32..][..PANEL]);
                     }
                 }
             }
