@@ -613,6 +613,144 @@ pub unsafe fn axpy_x8_q8_0(group: &[u8], a: [f32; 8], mask: u8, out: &mut [f32])
     axpy_x8_rows::<Q8X8>(group, a, mask, out)
 }
 
+/// `q · 2^24`: a Q8_0 byte moved to the top byte of a 32-bit lane with
+/// zeros below reads as that; [`q8_x8_top`] makes such lanes, and the
+/// callers take the factor out of the block scale (exact: a power of two).
+const Q8_TOP_BYTE: f32 = 16_777_216.0;
+
+/// Element `J` (0..4) of each of 4 rows from a 16-byte run of a Q8_0×8
+/// group (row `r`'s elements `4k .. 4k + 4` at bytes `4r ..`), as
+/// `q · 2^24` in f32 lane `r`: the byte moved to the top of its lane by
+/// one `tbl` (out-of-range indices give zeros) and converted. As the x86
+/// kernel does with `pshufb`: no widening chain, no transpose.
+#[inline(always)]
+unsafe fn q8_x8_top<const J: u8>(run: int8x16_t) -> float32x4_t {
+    let idx: [u8; 16] = std::array::from_fn(|b| if b % 4 == 3 { (b - 3) as u8 + J } else { 0xFF });
+    let t = vqtbl1q_s8(run, vld1q_u8(idx.as_ptr()));
+    vcvtq_f32_s32(vreinterpretq_s32_s8(t))
+}
+
+/// The 8 rows of one Q8_0×8 group (`cols` elements each) dotted with `T`
+/// f32 vectors `xs`: `out[t][r]`, the bits of `portable::gemm_x8_f32_q8_0`
+/// (per block `s = Σ q · x` by fused multiply-adds in element order, then
+/// `acc = d · s + acc`; here every `s` is `2^24 ×` the portable one and
+/// `d` is `2^-24 ×`, exact scalings, so the products and sums round alike
+/// unless a product is subnormal or a sum overflows). Short prefills of
+/// Q8_0 packs, exact activations.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn gemm_x8_f32_q8_0<const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; 8]; T] {
+    let nb = cols / 32;
+    assert!(group.len() >= nb * Q8_0_X8_BLOCK && xs.iter().all(|x| x.len() >= nb * 32));
+    let unit = vdupq_n_f32(1.0 / Q8_TOP_BYTE);
+    let mut acc = [[vdupq_n_f32(0.0); 2]; T];
+    for b in 0..nb {
+        let p = group.as_ptr().add(b * Q8_0_X8_BLOCK);
+        let h = vld1q_u16(p as *const u16);
+        let d = [vmulq_f32(f16x4_to_f32(vget_low_u16(h)), unit), vmulq_f32(f16x4_to_f32(vget_high_u16(h)), unit)];
+        let mut s = [[vdupq_n_f32(0.0); 2]; T];
+        for k in 0..8 {
+            // Run k: elements 4k .. 4k + 4 of rows 0-3 (16 bytes), then of rows 4-7.
+            let run = [vld1q_s8(p.add(16 + 32 * k) as *const i8), vld1q_s8(p.add(32 + 32 * k) as *const i8)];
+            let x: [float32x4_t; T] = std::array::from_fn(|t| vld1q_f32(xs[t].as_ptr().add(32 * b + 4 * k)));
+            for (half, &run) in run.iter().enumerate() {
+                let q = [q8_x8_top::<0>(run), q8_x8_top::<1>(run), q8_x8_top::<2>(run), q8_x8_top::<3>(run)];
+                for t in 0..T {
+                    let mut v = s[t][half];
+                    v = vfmaq_laneq_f32::<0>(v, q[0], x[t]);
+                    v = vfmaq_laneq_f32::<1>(v, q[1], x[t]);
+                    v = vfmaq_laneq_f32::<2>(v, q[2], x[t]);
+                    v = vfmaq_laneq_f32::<3>(v, q[3], x[t]);
+                    s[t][half] = v;
+                }
+            }
+        }
+        for t in 0..T {
+            acc[t][0] = vfmaq_f32(acc[t][0], d[0], s[t][0]);
+            acc[t][1] = vfmaq_f32(acc[t][1], d[1], s[t][1]);
+        }
+    }
+    let mut out = [[0f32; 8]; T];
+    for (o, a) in out.iter_mut().zip(acc) {
+        vst1q_f32(o.as_mut_ptr(), a[0]);
+        vst1q_f32(o.as_mut_ptr().add(4), a[1]);
+    }
+    out
+}
+
+/// One Q8_0×8 group into a weight panel: `out[k · stride + r] = d · q`
+/// for row `r < 8` and element `k < cols` (the bits of
+/// `portable::dequant_x8_panel_q8_0`: `(d · 2^-24) · (q · 2^24)` is the
+/// same product), one `tbl` per 4 values and no transpose.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn dequant_x8_panel_q8_0(group: &[u8], cols: usize, out: &mut [f32], stride: usize) {
+    super::check_x8_panel(group.len(), Q8_0_X8_BLOCK, cols, out.len(), stride);
+    let unit = vdupq_n_f32(1.0 / Q8_TOP_BYTE);
+    let o = out.as_mut_ptr();
+    for b in 0..cols / 32 {
+        let p = group.as_ptr().add(b * Q8_0_X8_BLOCK);
+        let h = vld1q_u16(p as *const u16);
+        let d = [vmulq_f32(f16x4_to_f32(vget_low_u16(h)), unit), vmulq_f32(f16x4_to_f32(vget_high_u16(h)), unit)];
+        for k in 0..8 {
+            for (half, &dh) in d.iter().enumerate() {
+                let run = vld1q_s8(p.add(16 + 32 * k + 16 * half) as *const i8);
+                let q = [q8_x8_top::<0>(run), q8_x8_top::<1>(run), q8_x8_top::<2>(run), q8_x8_top::<3>(run)];
+                for (j, q) in q.into_iter().enumerate() {
+                    vst1q_f32(o.add((32 * b + 4 * k + j) * stride + 4 * half), vmulq_f32(dh, q));
+                }
+            }
+        }
+    }
+}
+
+/// Elements `c0 .. c0 + 16` of the 8 rows of one ×8 group into 8 panel
+/// rows (`out[r · stride + c]` = `d · q`, the bits of
+/// `portable::dequant_x8_rows_panel_*`): the down projection's panels of
+/// long prefills.
+#[inline(always)]
+unsafe fn x8_rows_panel<B: X8Block>(group: &[u8], cols: usize, c0: usize, out: &mut [f32], stride: usize) {
+    super::check_x8_rows_panel(group.len(), B::BYTES, cols, c0, out.len(), stride);
+    let p = group.as_ptr().add(c0 / 32 * B::BYTES);
+    let h = vld1q_u16(p as *const u16);
+    let mut d = [0f32; 8];
+    vst1q_f32(d.as_mut_ptr(), f16x4_to_f32(vget_low_u16(h)));
+    vst1q_f32(d.as_mut_ptr().add(4), f16x4_to_f32(vget_high_u16(h)));
+    let o = out.as_mut_ptr();
+    for (r, (lo, hi)) in B::rows(p).into_iter().enumerate() {
+        let v = if c0.is_multiple_of(32) { lo } else { hi };
+        let dr = vdupq_n_f32(d[r]);
+        let (a, b) = (vmovl_s8(vget_low_s8(v)), vmovl_s8(vget_high_s8(v)));
+        let q = [
+            vmovl_s16(vget_low_s16(a)),
+            vmovl_s16(vget_high_s16(a)),
+            vmovl_s16(vget_low_s16(b)),
+            vmovl_s16(vget_high_s16(b)),
+        ];
+        for (k, q) in q.into_iter().enumerate() {
+            vst1q_f32(o.add(r * stride + 4 * k), vmulq_f32(dr, vcvtq_f32_s32(q)));
+        }
+    }
+}
+
+/// [`x8_rows_panel`] for a Q4_0×8 group, NEON.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn dequant_x8_rows_panel_q4_0(group: &[u8], cols: usize, c0: usize, out: &mut [f32], stride: usize) {
+    x8_rows_panel::<Q4X8>(group, cols, c0, out, stride)
+}
+
+/// [`x8_rows_panel`] for a Q8_0×8 group, NEON.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn dequant_x8_rows_panel_q8_0(group: &[u8], cols: usize, c0: usize, out: &mut [f32], stride: usize) {
+    x8_rows_panel::<Q8X8>(group, cols, c0, out, stride)
+}
+
 /// One f32 GEMM tile, `T` tokens × 16 panel columns, in the order of
 /// `portable::panel_tile` (one fused multiply-add per term, `i`
 /// ascending): four 4-lane accumulators per token, each weight row loaded

@@ -332,6 +332,10 @@ pub fn gemm_x8_f32<const T: usize>(dtype: DType, cols: usize, group: &[u8], xs: 
     }
     match dtype {
         DType::Q4_0 => portable::gemm_x8_f32_q4_0(cols, group, xs),
+        // SAFETY: NEON is in the aarch64 baseline; lengths asserted inside.
+        #[cfg(target_arch = "aarch64")]
+        DType::Q8_0 => unsafe { aarch64::gemm_x8_f32_q8_0(cols, group, xs) },
+        #[cfg(not(target_arch = "aarch64"))]
         DType::Q8_0 => portable::gemm_x8_f32_q8_0(cols, group, xs),
         _ => unreachable!("gemm_x8_f32 on {dtype}"),
     }
@@ -832,6 +836,16 @@ pub fn group_rows_to_panel(dtype: DType, cols: usize, group: &[u8], c0: usize, o
         }
         return;
     }
+    // SAFETY: NEON is in the aarch64 baseline; lengths asserted inside.
+    #[cfg(target_arch = "aarch64")]
+    unsafe {
+        match dtype {
+            DType::Q4_0 => aarch64::dequant_x8_rows_panel_q4_0(group, cols, c0, out, stride),
+            DType::Q8_0 => aarch64::dequant_x8_rows_panel_q8_0(group, cols, c0, out, stride),
+            _ => unreachable!("group_rows_to_panel on {dtype}"),
+        }
+    }
+    #[cfg(not(target_arch = "aarch64"))]
     match dtype {
         DType::Q4_0 => portable::dequant_x8_rows_panel_q4_0(group, cols, c0, out, stride),
         DType::Q8_0 => portable::dequant_x8_rows_panel_q8_0(group, cols, c0, out, stride),
@@ -880,6 +894,10 @@ pub fn group_to_panel(dtype: DType, cols: usize, group: &[u8], out: &mut [f32], 
     }
     match dtype {
         DType::Q4_0 => portable::dequant_x8_panel_q4_0(group, cols, out, stride),
+        // SAFETY: NEON is in the aarch64 baseline; lengths asserted inside.
+        #[cfg(target_arch = "aarch64")]
+        DType::Q8_0 => unsafe { aarch64::dequant_x8_panel_q8_0(group, cols, out, stride) },
+        #[cfg(not(target_arch = "aarch64"))]
         DType::Q8_0 => portable::dequant_x8_panel_q8_0(group, cols, out, stride),
         _ => unreachable!("group_to_panel on {dtype}"),
     }
