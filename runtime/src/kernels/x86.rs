@@ -659,6 +659,27 @@ pub unsafe fn axpy_x8_tokens_q8_0(group: &[u8], a: &[[f32; X8_ROWS]], outs: &mut
 /// directly, and [`gemm_x8_f32`] takes the factor out of the block scale.
 const Q8_TOP_BYTE: f32 = 16_777_216.0;
 
+/// Elements `4k .. 4k + 4` of the 8 rows from the 32-byte run `k` of a
+/// Q8_0×8 block at `p` (lane = row), as `q · 2^24` in f32: byte `j` of
+/// each lane moved to the lane's top byte, zeros below, by one shuffle
+/// (port 5; an `and` for byte 3), then converted (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_x8_top(p: *const u8, k: usize) -> [__m256; 4] {
+    // Shuffle masks: byte j of each lane to the lane's top byte, zeros below (0x80).
+    let top = |j: i8| {
+        let m: [i8; 16] = std::array::from_fn(|b| if b % 4 == 3 { (b - 3) as i8 + j } else { -128 });
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(m.as_ptr() as *const __m128i))
+    };
+    let w = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+    [
+        _mm256_cvtepi32_ps(_mm256_shuffle_epi8(w, top(0))),
+        _mm256_cvtepi32_ps(_mm256_shuffle_epi8(w, top(1))),
+        _mm256_cvtepi32_ps(_mm256_shuffle_epi8(w, top(2))),
+        _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(0xFF00_0000u32 as i32))),
+    ]
+}
+
 /// [`RowBlock::f32_block`] for Q8_0×8: elements in order 0..32, each sum
 /// `2^24 ·` the portable one. Byte `j` of each row's 4-byte run is moved to
 /// the top of its lane by one shuffle (port 5; `and` for byte 3) and
@@ -670,23 +691,8 @@ const Q8_TOP_BYTE: f32 = 16_777_216.0;
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_x8_f32_block<const T: usize>(p: *const u8, x: [*const f32; T], s: &mut [__m256; T]) {
-    // Shuffle masks: byte j of each lane to the lane's top byte, zeros below (0x80).
-    let top = |j: i8| {
-        let m: [i8; 16] = std::array::from_fn(|b| if b % 4 == 3 { (b - 3) as i8 + j } else { -128 });
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(m.as_ptr() as *const __m128i))
-    };
-    let (m0, m1, m2) = (top(0), top(1), top(2));
-    let hi = _mm256_set1_epi32(0xFF00_0000u32 as i32);
     for k in 0..8 {
-        let w = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
-        let q = [
-            _mm256_shuffle_epi8(w, m0),
-            _mm256_shuffle_epi8(w, m1),
-            _mm256_shuffle_epi8(w, m2),
-            _mm256_and_si256(w, hi),
-        ];
-        for j in 0..4 {
-            let qf = _mm256_cvtepi32_ps(q[j]);
+        for (j, qf) in q8_x8_top(p, k).into_iter().enumerate() {
             for t in 0..T {
                 s[t] = _mm256_fmadd_ps(qf, _mm256_broadcast_ss(&*x[t].add(4 * k + j)), s[t]);
             }
@@ -1290,32 +1296,19 @@ pub unsafe fn dequant_x8_panel_q8_0(group: &[u8], cols: usize, out: &mut [f32], 
     super::check_x8_panel(group.len(), Q8_0_X8_BLOCK, cols, out.len(), stride);
     // A 32-byte run of the group holds 4 consecutive elements of each of
     // the 8 rows (lane = row): element `j`'s 8 values go to the top bytes of
-    // the lanes by one shuffle ([`q8_x8_f32_block`]), read as `q · 2^24`,
+    // the lanes by one shuffle ([`q8_x8_top`]), read as `q · 2^24`,
     // and times `d · 2^-24` (exact: a power of two) they are the panel row
     // `d · q` in row order. No transpose: the bits of `d · q` with 3 shuffles
     // per 32 values where the row-wise unpack and an 8 × 8 transpose took
     // about 18.
-    let top = |j: i8| {
-        let m: [i8; 16] = std::array::from_fn(|b| if b % 4 == 3 { (b - 3) as i8 + j } else { -128 });
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(m.as_ptr() as *const __m128i))
-    };
-    let (m0, m1, m2) = (top(0), top(1), top(2));
-    let hi = _mm256_set1_epi32(0xFF00_0000u32 as i32);
     let unit = _mm256_set1_ps(1.0 / Q8_TOP_BYTE);
     let o = out.as_mut_ptr();
     for b in 0..cols / 32 {
         let p = group.as_ptr().add(b * Q8_0_X8_BLOCK);
         let d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)), unit);
         for k in 0..8 {
-            let w = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
-            let q = [
-                _mm256_shuffle_epi8(w, m0),
-                _mm256_shuffle_epi8(w, m1),
-                _mm256_shuffle_epi8(w, m2),
-                _mm256_and_si256(w, hi),
-            ];
-            for (j, q) in q.into_iter().enumerate() {
-                _mm256_storeu_ps(o.add((32 * b + 4 * k + j) * stride), _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+            for (j, q) in q8_x8_top(p, k).into_iter().enumerate() {
+                _mm256_storeu_ps(o.add((32 * b + 4 * k + j) * stride), _mm256_mul_ps(d, q));
             }
         }
     }
