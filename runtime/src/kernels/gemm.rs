@@ -142,18 +142,9 @@ fn product(
             let (j0, width) = span(p);
             // Columns past `width` are left as they are: no output reads them.
             match w {
-                // A full panel row is a fixed 64-byte copy (a variable length
-                // made each row a `memcpy` call: 12% of a 128-token prefill's
-                // GEMM time went to filling panels).
-                Weights::Cols(w, s) if width == PANEL => {
-                    for (i, row) in panel.chunks_exact_mut(PANEL).enumerate() {
-                        let src: &[f32; PANEL] = w[i * s + j0..][..PANEL].try_into().expect("a panel row");
-                        row.copy_from_slice(src);
-                    }
-                }
                 Weights::Cols(w, s) => {
                     for (i, row) in panel.chunks_exact_mut(PANEL).enumerate() {
-                        row[..width].copy_from_slice(&w[i * s + j0..i * s + j0 + width]);
+                        copy_panel_row(&mut row[..width], &w[i * s + j0..i * s + j0 + width]);
                     }
                 }
                 Weights::Fill(fill) => fill(j0, width, panel),
@@ -169,18 +160,27 @@ fn product(
                     // SAFETY: this task alone writes the columns of panels
                     // p0 .. p1; `dst` borrows the caller's slice for the call.
                     let o = unsafe { dst.row(t0 + t, j0, width) };
-                    // A full panel's row as a fixed-size array: a variable
-                    // length made each a `memcpy` call.
-                    match (<&mut [f32; PANEL]>::try_from(&mut *o), accumulate) {
-                        (Ok(o), true) => o.iter_mut().zip(rt).for_each(|(o, v)| *o += v),
-                        (Ok(o), false) => *o = *rt,
-                        (Err(_), true) => o.iter_mut().zip(rt).for_each(|(o, v)| *o += v),
-                        (Err(_), false) => o.copy_from_slice(&rt[..width]),
+                    if accumulate {
+                        o.iter_mut().zip(rt).for_each(|(o, v)| *o += v);
+                    } else {
+                        copy_panel_row(o, &rt[..width]);
                     }
                 }
             }
         }
     });
+}
+
+/// `dst.copy_from_slice(src)` for a panel row: a full one ([`PANEL`]
+/// elements) as a fixed-size copy. A variable length made each 64-byte row
+/// a `memcpy` call (12% of a 128-token prefill's GEMM time went to filling
+/// panels and writing tiles out).
+#[inline(always)]
+fn copy_panel_row(dst: &mut [f32], src: &[f32]) {
+    match (<&mut [f32; PANEL]>::try_from(&mut *dst), <&[f32; PANEL]>::try_from(src)) {
+        (Ok(d), Ok(s)) => *d = *s,
+        _ => dst.copy_from_slice(src),
+    }
 }
 
 /// Writes `values` (`[depth]`: the weights of one output feature, such as a

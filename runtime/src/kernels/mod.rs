@@ -389,20 +389,20 @@ pub fn panel_tile<const T: usize>(depth: usize, x: &[f32], xs: usize, w: &[f32],
 /// reads a piece of every group, pieces a group apart).
 #[inline]
 pub fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for o in (0..bytes.len()).step_by(64) {
-        // SAFETY: a prefetch of an address inside the slice; SSE is in the x86-64 baseline.
+    for line in bytes.chunks(64) {
+        let _p = line.as_ptr();
+        // SAFETY: a prefetch hint for an address inside the slice (SSE is in
+        // the x86-64 baseline, `prfm` in ARMv8.0); neither ever faults.
+        #[cfg(target_arch = "x86_64")]
         unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(bytes.as_ptr().add(o) as *const i8)
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(_p as *const i8)
+        };
+        // SAFETY: as above.
+        #[cfg(target_arch = "aarch64")]
+        unsafe {
+            aarch64::prefetch(_p)
         };
     }
-    #[cfg(target_arch = "aarch64")]
-    for o in (0..bytes.len()).step_by(64) {
-        // SAFETY: `prfm` is a hint in the ARMv8.0 baseline; it never faults.
-        unsafe { aarch64::prefetch(bytes.as_ptr().add(o)) };
-    }
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    let _ = bytes;
 }
 
 /// `e^x` in f32: [`portable::exp`] (computed in f64 and rounded once: the
