@@ -6,7 +6,9 @@
 # on the q8_0 SmolLM2 pack (the answer must name Paris, and --stats-json
 # must name the kernels used), and a tiny synthetic sparse pack that must
 # give the same greedy tokens under a memory budget that reads clusters
-# from the file as with no budget.
+# from the file as with no budget; and SmolLM2's q4_0 and q8_0 perplexity,
+# which must be within 0.1% of the x86 build's (so far it is the same to
+# the last digit).
 #
 # Usage: scripts/test_aarch64.sh DEMO_PACK   (the Makefile passes it)
 # QEMU_CPUS overrides the CPU list, e.g. QEMU_CPUS=max.
@@ -71,14 +73,45 @@ q() {
 }
 
 # The kernel set each CPU model must pick (nflash_runtime::kernels::isa):
-# NEON alone on the Cortex-A53, sdot where there is dotprod. (`max` has
-# i8mm too, which no kernel uses yet.)
+# NEON alone on the Cortex-A53, sdot where there is dotprod, and the smmla
+# prefill GEMM where there is i8mm too (`max`).
 expect_kernels() {
     case "$1" in
     cortex-a53 | cortex-a57 | cortex-a72 | cortex-a73) echo neon ;;
+    max) echo i8mm ;;
     *) echo dotprod ;;
     esac
 }
+
+# Perplexity text: the WikiText-2 test text where it is (CI has ../shared),
+# else this repository's docs. PPL_TOKENS tokens in one window, whose
+# prompt goes through prefill's GEMMs: under qemu a 128-token run takes
+# about a minute, so 2 000 tokens on three CPUs would not fit the
+# 15-minute budget of this target.
+PPL_TOKENS=${PPL_TOKENS:-128}
+PPL_TEXT=../shared/data/wikitext2-test.txt
+[ -f "$PPL_TEXT" ] || PPL_TEXT=docs/DESIGN.md
+# Q4_0 on every CPU model (its prefill GEMM differs on each: NEON rows,
+# sdot, smmla); Q8_0 where its kernels differ (its prefill has no i8mm path).
+ppl_quants() {
+    case "$1" in
+    max) echo q4_0 ;;
+    *) echo "q4_0 q8_0" ;;
+    esac
+}
+ppl_of() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["perplexity"])' "$1"; }
+# The q8_0 pack is the demo's; a q4_0 one is converted from the same checkpoint.
+MODEL_DIR=$(dirname "$DEMO_PACK")/SmolLM2-135M-Instruct
+"$PREP" convert --model "$MODEL_DIR" --out "$work/smollm2-q4_0.nflash" --quant q4_0 > "$work/convert-q4.log" 2>&1 ||
+    { cat "$work/convert-q4.log"; die "prep convert of $MODEL_DIR to q4_0 failed"; }
+pack_of() { if [ "$1" = q8_0 ]; then echo "$DEMO_PACK"; else echo "$work/smollm2-$1.nflash"; fi; }
+declare -A X86_PPL
+for quant in q4_0 q8_0; do
+    pack=$(pack_of $quant)
+    target/release/nflash ppl --model "$pack" --file "$PPL_TEXT" --max-tokens "$PPL_TOKENS" --json > "$work/ppl-x86-$quant.json" ||
+        die "x86 nflash ppl on $pack failed"
+    X86_PPL[$quant]=$(ppl_of "$work/ppl-x86-$quant.json")
+done
 
 for cpu in $CPUS; do
     t0=$(date +%s)
@@ -112,6 +145,18 @@ for cpu in $CPUS; do
     [ "$free" = "$tight" ] || die "$cpu: tokens differ under the budget:\n  unlimited: $free\n  budget:    $tight"
     python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) > 0 else 1)' "$read_mib" ||
         die "$cpu: the budgeted run read nothing from the file; the budget did not bind"
-    say "$cpu sparse pack: same tokens with and without a budget (${read_mib} MiB read per token); $(( $(date +%s) - t0 )) s"
+    say "$cpu sparse pack: same tokens with and without a budget (${read_mib} MiB read per token)"
+
+    # Perplexity against the x86 build's on the same pack and text.
+    for quant in $(ppl_quants "$cpu"); do
+        pack=$(pack_of $quant)
+        q "$cpu" ppl --model "$pack" --file "$PPL_TEXT" --max-tokens "$PPL_TOKENS" --threads 2 --json > "$work/ppl-$cpu-$quant.json" ||
+            die "$cpu: nflash ppl on $pack failed"
+        got=$(ppl_of "$work/ppl-$cpu-$quant.json")
+        python3 -c 'import sys; a, b = map(float, sys.argv[1:]); sys.exit(0 if abs(a - b) <= 1e-3 * b else 1)' "$got" "${X86_PPL[$quant]}" ||
+            die "$cpu: $quant perplexity $got, x86 ${X86_PPL[$quant]} (more than 0.1% apart)"
+        say "$cpu $quant perplexity ($PPL_TOKENS tokens of $PPL_TEXT): $got (x86: ${X86_PPL[$quant]})"
+    done
+    say "$cpu: $(( $(date +%s) - t0 )) s"
 done
 say "passed on: $CPUS ($(( $(date +%s) - start )) s)"

@@ -1,15 +1,18 @@
 //! NEON kernels for aarch64 (phones), chosen at run time by `super`: the
 //! ARMv8.0 baseline (NEON: `smull` + `sadalp`) on every aarch64 CPU, and
 //! `sdot` where the CPU has the dotprod extension (ARMv8.2+, Cortex-A55/A76
-//! and later), as llama.cpp's `ggml-cpu/arch/arm/quants.c` does.
+//! and later), as llama.cpp's `ggml-cpu/arch/arm/quants.c` does; the
+//! quantized prefill GEMM by `smmla` where it has i8mm (ARMv8.6,
+//! Cortex-A510/A710/X2 and later), as llama.cpp's `repack.cpp` GEMMs do.
 //!
 //! Every kernel follows the order of `portable.rs` (per 32-element block
 //! the exact integer sum of products, then one fused multiply-add by the
 //! product of the two scales), so it gives the portable bits; the tests in
 //! `tests.rs` check that bit for bit on each CPU they run on.
 //!
-//! `sdot` is emitted by inline assembly: its intrinsic (`vdotq_s32`) is
-//! not stable in Rust 1.95, plain NEON intrinsics are.
+//! `sdot` and `smmla` are emitted by inline assembly: their intrinsics
+//! (`vdotq_s32`, `vmmlaq_s32`) are not stable in Rust 1.95, plain NEON
+//! intrinsics are.
 
 use std::arch::aarch64::*;
 use std::arch::asm;
@@ -524,7 +527,10 @@ unsafe fn gemm_x8_rows<B: X8Block, const T: usize>(
         let w = B::words(p);
         for t in 0..T {
             let (dy, (y0, y1)) = y_block(ys[t], b);
-            let (mut s0, mut s1) = (vdupq_n_s32(0), vdupq_n_s32(0));
+            // Q4_0's offset `-8 · Σy` starts the sums (exact integers; one
+            // `dup` where a subtraction per half would follow the dots).
+            let start = vdupq_n_s32(if B::OFFSET { -8 * sums[t][b] } else { 0 });
+            let (mut s0, mut s1) = (start, start);
             s0 = sdot_lane::<0>(sdot_lane::<0>(s0, w[0][0], y0), w[0][2], y1);
             s1 = sdot_lane::<0>(sdot_lane::<0>(s1, w[0][1], y0), w[0][3], y1);
             s0 = sdot_lane::<1>(sdot_lane::<1>(s0, w[1][0], y0), w[1][2], y1);
@@ -533,10 +539,6 @@ unsafe fn gemm_x8_rows<B: X8Block, const T: usize>(
             s1 = sdot_lane::<2>(sdot_lane::<2>(s1, w[2][1], y0), w[2][3], y1);
             s0 = sdot_lane::<3>(sdot_lane::<3>(s0, w[3][0], y0), w[3][2], y1);
             s1 = sdot_lane::<3>(sdot_lane::<3>(s1, w[3][1], y0), w[3][3], y1);
-            if B::OFFSET {
-                let o = vdupq_n_s32(8 * sums[t][b]);
-                (s0, s1) = (vsubq_s32(s0, o), vsubq_s32(s1, o));
-            }
             acc[t][0] = vfmaq_f32(acc[t][0], vmulq_n_f32(d0, dy), vcvtq_f32_s32(s0));
             acc[t][1] = vfmaq_f32(acc[t][1], vmulq_n_f32(d1, dy), vcvtq_f32_s32(s1));
         }
@@ -573,6 +575,185 @@ pub unsafe fn gemm_x8_q4_0_dot<const T: usize>(
 #[target_feature(enable = "dotprod")]
 pub unsafe fn gemm_x8_q8_0_dot<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]; T]) -> [[f32; 8]; T] {
     gemm_x8_rows::<Q8X8, T>(cols, group, ys, [&[][..]; T])
+}
+
+/// `acc += A · Bᵀ` for two 2 × 8 i8 matrices (`a`: rows at bytes 0..8 and
+/// 8..16, as `b`): i32 lane `2i + j` adds row `i` of `a` dotted with row
+/// `j` of `b`, 32 multiply-accumulates in one `smmla` (FEAT_I8MM).
+///
+/// # Safety
+/// The CPU must have the i8mm extension.
+#[inline(always)]
+unsafe fn smmla(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    // SAFETY: `smmla` reads and writes registers only; the caller
+    // guarantees FEAT_I8MM.
+    unsafe {
+        asm!(
+            "smmla {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
+}
+
+/// Bytes of one column block of a ×8 group in the `smmla` order that
+/// [`mm_prepare`] writes: 16 operands of 16 bytes (row pair `p` = rows
+/// `2p, 2p+1`, chunk `c` = elements `8c .. 8c+8` of both rows as i8, at
+/// `16 · (4p + c)`), then 4 f32 vectors of scales (`d` of rows `2p, 2p,
+/// 2p+1, 2p+1` at `256 + 16p`).
+pub const MM_BLOCK: usize = 320;
+
+/// One ×8 group (SPEC §5.1, `cols` elements per row; Q4_0 if `q4`, else
+/// Q8_0) rewritten into `out` in the order `smmla` takes it ([`MM_BLOCK`]
+/// bytes per 32 columns): two rows' 8 consecutive values per operand, Q4_0
+/// nibbles as signed values (`q − 8`), scales widened to f32. Prefill does
+/// this once per group for all its tokens ([`gemm_x8_mm`]); the layout in
+/// memory stays the ×8 one, which decode's indexed `sdot` wants.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn mm_prepare(q4: bool, cols: usize, group: &[u8], out: &mut Vec<u8>) {
+    let nb = cols / 32;
+    let bytes = if q4 { Q4_0_X8_BLOCK } else { Q8_0_X8_BLOCK };
+    assert!(group.len() >= nb * bytes);
+    if out.len() < nb * MM_BLOCK {
+        out.resize(nb * MM_BLOCK, 0);
+    }
+    let (p, o) = (group.as_ptr(), out.as_mut_ptr());
+    // One loop per type, each block's work unrolled (`mm_block`).
+    if q4 {
+        for b in 0..nb {
+            mm_block::<true>(p.add(b * bytes), o.add(b * MM_BLOCK));
+        }
+    } else {
+        for b in 0..nb {
+            mm_block::<false>(p.add(b * bytes), o.add(b * MM_BLOCK));
+        }
+    }
+}
+
+/// One column block of [`mm_prepare`]: the ×8 block at `p` (Q4_0 if `Q4`)
+/// into the [`MM_BLOCK`] bytes at `o`.
+///
+/// # Safety
+/// The block's bytes must be readable at `p`, `MM_BLOCK` writable at `o`.
+#[inline(always)]
+unsafe fn mm_block<const Q4: bool>(p: *const u8, o: *mut u8) {
+    // Word run `j` (bytes `4j .. 4j+4` of each row), rows `4h .. 4h+4`.
+    let run = |j: usize, h: usize| vld1q_u32(p.add(16 + 32 * j + 16 * h) as *const u32);
+    let put = |pair: usize, c: usize, v: uint8x16_t| vst1q_u8(o.add(16 * (4 * pair + c)), v);
+    let (m, eight) = (vdupq_n_u8(0x0F), vdupq_n_u8(8));
+    for h in 0..2 {
+        for c in 0..if Q4 { 2 } else { 4 } {
+            // Words 2c and 2c+1 zipped: rows (4h, 4h+1), then (4h+2, 4h+3).
+            let (a, z) = (run(2 * c, h), run(2 * c + 1, h));
+            for (i, v) in [vzip1q_u32(a, z), vzip2q_u32(a, z)].into_iter().enumerate() {
+                let v = vreinterpretq_u8_u32(v);
+                if Q4 {
+                    // Low nibbles are elements 8c.., high ones 16 + 8c...
+                    put(2 * h + i, c, vsubq_u8(vandq_u8(v, m), eight));
+                    put(2 * h + i, c + 2, vsubq_u8(vshrq_n_u8::<4>(v), eight));
+                } else {
+                    put(2 * h + i, c, v);
+                }
+            }
+        }
+    }
+    let h = vld1q_u16(p as *const u16);
+    let (d0, d1) = (f16x4_to_f32(vget_low_u16(h)), f16x4_to_f32(vget_high_u16(h)));
+    let d = o.add(256) as *mut f32;
+    vst1q_f32(d, vzip1q_f32(d0, d0));
+    vst1q_f32(d.add(4), vzip2q_f32(d0, d0));
+    vst1q_f32(d.add(8), vzip1q_f32(d1, d1));
+    vst1q_f32(d.add(12), vzip2q_f32(d1, d1));
+}
+
+/// Bytes of one column block of a token pair in the order `smmla` takes
+/// it ([`mm_pair`]): 4 operands (chunk `c` = values `8c .. 8c+8` of both
+/// tokens) and the f32 scales `(dy0, dy1, dy0, dy1)`.
+pub const MM_PAIR_BLOCK: usize = 80;
+
+/// Two Q8_0 vectors (`cols / 32` blocks each) rewritten into `out` in the
+/// order `smmla` takes them ([`MM_PAIR_BLOCK`] bytes per block): done once
+/// per prefill batch, for every group of every matrix that multiplies it.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn mm_pair(cols: usize, y0: &[u8], y1: &[u8], out: &mut [u8]) {
+    let nb = cols / 32;
+    assert!(y0.len() >= nb * Q8_0_BLOCK && y1.len() >= nb * Q8_0_BLOCK && out.len() >= nb * MM_PAIR_BLOCK);
+    for b in 0..nb {
+        let (p0, p1) = (y0.as_ptr().add(b * Q8_0_BLOCK), y1.as_ptr().add(b * Q8_0_BLOCK));
+        let o = out.as_mut_ptr().add(b * MM_PAIR_BLOCK);
+        let load = |p: *const u8, k: usize| vld1q_u64(p.add(2 + 16 * k) as *const u64);
+        for k in 0..2 {
+            let (a, z) = (load(p0, k), load(p1, k));
+            vst1q_u64(o.add(32 * k) as *mut u64, vzip1q_u64(a, z));
+            vst1q_u64(o.add(32 * k + 16) as *mut u64, vzip2q_u64(a, z));
+        }
+        let d = [f16_at(p0), f16_at(p1)];
+        std::ptr::copy_nonoverlapping([d[0], d[1], d[0], d[1]].as_ptr(), o.add(64) as *mut f32, 4);
+    }
+}
+
+/// The 8 rows of one ×8 group prepared by [`mm_prepare`] dotted with `P`
+/// token pairs prepared by [`mm_pair`]: `out[p][t][r]` for token `t` (0, 1)
+/// of pair `p`. Per block and row pair, 4 `smmla`s per token pair (2 rows
+/// × 2 tokens × 32 values), the exact integer sums converted and added by
+/// one fused multiply-add by the scale products: the bits of
+/// `portable::gemm_x8` (Q4_0's `−8` is in the prepared values, so no
+/// offset is subtracted). The quantized prefill GEMM on CPUs with i8mm
+/// (Cortex-A510/A710/X2 and later): 32 MACs per instruction where `sdot`
+/// does 16.
+///
+/// # Safety
+/// The CPU must have i8mm (`is_aarch64_feature_detected!("i8mm")`); lengths
+/// are asserted.
+#[target_feature(enable = "i8mm")]
+#[allow(clippy::needless_range_loop)] // `p` and `rp` index several arrays and registers at once
+pub unsafe fn gemm_x8_mm<const P: usize>(cols: usize, prep: &[u8], pairs: [&[u8]; P]) -> [[[f32; 8]; 2]; P] {
+    let nb = cols / 32;
+    assert!(prep.len() >= nb * MM_BLOCK && pairs.iter().all(|y| y.len() >= nb * MM_PAIR_BLOCK));
+    let mut acc = [[vdupq_n_f32(0.0); 4]; P];
+    for b in 0..nb {
+        let w = prep.as_ptr().add(b * MM_BLOCK);
+        let y = pairs.map(|y| {
+            let q = y.as_ptr().add(b * MM_PAIR_BLOCK);
+            let op = |c: usize| vld1q_s8(q.add(16 * c) as *const i8);
+            ([op(0), op(1), op(2), op(3)], vld1q_f32(q.add(64) as *const f32))
+        });
+        for rp in 0..4 {
+            let op = |c: usize| vld1q_s8(w.add(16 * (4 * rp + c)) as *const i8);
+            let ops = [op(0), op(1), op(2), op(3)];
+            let d = vld1q_f32(w.add(256 + 16 * rp) as *const f32);
+            for p in 0..P {
+                let (yk, dy) = y[p];
+                let mut s = vdupq_n_s32(0);
+                s = smmla(s, ops[0], yk[0]);
+                s = smmla(s, ops[1], yk[1]);
+                s = smmla(s, ops[2], yk[2]);
+                s = smmla(s, ops[3], yk[3]);
+                acc[p][rp] = vfmaq_f32(acc[p][rp], vmulq_f32(d, dy), vcvtq_f32_s32(s));
+            }
+        }
+    }
+    let mut out = [[[0f32; 8]; 2]; P];
+    for p in 0..P {
+        for rp in 0..4 {
+            // Lane 2i + j: row 2rp + i, token j.
+            let mut l = [0f32; 4];
+            vst1q_f32(l.as_mut_ptr(), acc[p][rp]);
+            for i in 0..2 {
+                for j in 0..2 {
+                    out[p][j][2 * rp + i] = l[2 * i + j];
+                }
+            }
+        }
+    }
+    out
 }
 
 /// `out += Σ a[r] · row r` over the rows of one ×8 group whose bit is set

@@ -121,7 +121,7 @@ impl<'a> QMatrix<'a> {
         }
         if self.x8 {
             let ys: Vec<&Q8Vec> = xs.iter().map(q8_input).collect();
-            return self.x8_products(Acts::Q8(&ys), out);
+            return self.x8_products(Acts::Q8(&super::Q8Batch::new(&ys)), out);
         }
         let rb = par_chunk(self.rows, 16).next_multiple_of(X8_ROWS);
         let dst = Dst::new(out, n, self.rows, self.rows);
@@ -236,8 +236,8 @@ pub(crate) fn direct_f32(dtype: DType, rows: usize, cols: usize, n: usize) -> bo
 /// The tokens of a batch, as a ×8 kernel takes them.
 #[derive(Clone, Copy)]
 pub(crate) enum Acts<'a> {
-    /// Quantized to Q8_0 (`kernels::gemm_x8`).
-    Q8(&'a [&'a Q8Vec]),
+    /// Quantized to Q8_0 (`kernels::gemm_x8_tokens`).
+    Q8(&'a super::Q8Batch<'a>),
     /// Exact f32 rows `[cols]` (`kernels::gemm_x8_f32`).
     F32(&'a [&'a [f32]]),
 }
@@ -255,7 +255,7 @@ impl Acts<'_> {
 /// One ×8 group (`cols` elements per row) against every token of `acts`,
 /// into columns `c0 .. c0 + width` of `dst` (`[n, ·]`: row `i`'s dot with
 /// token `t` at `dst[t, c0 + i]`, `width` ≤ 8 of the group's rows kept):
-/// Q8_0 tokens four per kernel call and a tail of 1 to 3, f32 tokens eight
+/// Q8_0 tokens by [`super::gemm_x8_tokens`], f32 tokens eight
 /// per call, then 4, 2, 1.
 ///
 /// Panics if the columns lie outside `dst` or `width` > 8 (caller bugs).
@@ -281,21 +281,7 @@ pub(crate) unsafe fn gemm_tokens(
     };
     let n = acts.len();
     match acts {
-        Acts::Q8(ys) => {
-            let mut quads = ys.chunks_exact(4);
-            let mut t0 = 0;
-            for q in &mut quads {
-                put(t0, &super::gemm_x8(dtype, cols, group, [q[0], q[1], q[2], q[3]]));
-                t0 += 4;
-            }
-            match *quads.remainder() {
-                [] => {}
-                [a] => put(t0, &super::gemm_x8(dtype, cols, group, [a])),
-                [a, b] => put(t0, &super::gemm_x8(dtype, cols, group, [a, b])),
-                [a, b, c] => put(t0, &super::gemm_x8(dtype, cols, group, [a, b, c])),
-                _ => unreachable!("a remainder of chunks_exact(4)"),
-            }
-        }
+        Acts::Q8(ys) => super::gemm_x8_tokens(dtype, cols, group, ys, put),
         Acts::F32(xs) => {
             let mut t0 = 0;
             while t0 < n {

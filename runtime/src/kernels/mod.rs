@@ -76,14 +76,32 @@ fn has_dotprod() -> bool {
     }
 }
 
+/// Whether this aarch64 CPU has dotprod and the i8mm extension (`smmla`;
+/// ARMv8.6, checked once, then cached by std). Always false elsewhere.
+#[inline]
+fn has_i8mm() -> bool {
+    #[cfg(target_arch = "aarch64")]
+    {
+        has_dotprod() && std::arch::is_aarch64_feature_detected!("i8mm")
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    {
+        false
+    }
+}
+
 /// The name of the kernel set [`dot4`], [`gemm_x8`] and [`axpy`] use on
-/// this CPU: `"avx2"` (x86-64), `"dotprod"` or `"neon"` (aarch64), or
-/// `"portable"` (for `nflash probe` and `--stats`).
+/// this CPU: `"avx2"` (x86-64), `"i8mm"` (aarch64 with dotprod and i8mm:
+/// the dotprod kernels and the `smmla` prefill GEMM of
+/// [`gemm_x8_tokens`]), `"dotprod"` or `"neon"` (aarch64), or `"portable"`
+/// (for `nflash probe` and `--stats`).
 pub fn isa() -> &'static str {
     if has_avx2() {
         "avx2"
     } else if has_neon() {
-        if has_dotprod() {
+        if has_i8mm() {
+            "i8mm"
+        } else if has_dotprod() {
             "dotprod"
         } else {
             "neon"
@@ -305,6 +323,121 @@ pub fn gemm_x8<const T: usize>(dtype: DType, cols: usize, group: &[u8], ys: [&Q8
         DType::Q4_0 => portable::gemm_x8_q4_0(cols, group, yb),
         DType::Q8_0 => portable::gemm_x8_q8_0(cols, group, yb),
         _ => unreachable!("gemm_x8 on {dtype}"),
+    }
+}
+
+/// A prefill batch of activations quantized to Q8_0, as prefill's quantized
+/// GEMM ([`gemm_x8_tokens`]) takes it: the vectors (`[cols / 32]` blocks
+/// each) and, on CPUs with i8mm, their token pairs rewritten once for
+/// `smmla` (`aarch64::mm_pair`; 80 bytes per pair and 32 columns), used by
+/// every group of every matrix the batch multiplies.
+pub struct Q8Batch<'a> {
+    ys: &'a [&'a Q8Vec],
+    /// Pairs `(2p, 2p + 1)`, `pair_bytes` each (empty without i8mm).
+    #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
+    pairs: Vec<u8>,
+    #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
+    pair_bytes: usize,
+}
+
+impl<'a> Q8Batch<'a> {
+    /// The batch of `ys` (all of one length).
+    ///
+    /// Panics if the vectors differ in length (a caller bug).
+    pub fn new(ys: &'a [&'a Q8Vec]) -> Self {
+        let nb = ys.first().map_or(0, |y| y.blocks.len());
+        assert!(ys.iter().all(|y| y.blocks.len() == nb), "Q8Batch of vectors of different lengths");
+        #[allow(unused_mut)] // written on aarch64 only
+        let mut batch = Q8Batch { ys, pairs: Vec::new(), pair_bytes: 0 };
+        #[cfg(target_arch = "aarch64")]
+        if ys.len() >= 2 && has_i8mm() {
+            batch.pair_bytes = nb * aarch64::MM_PAIR_BLOCK;
+            batch.pairs = vec![0u8; ys.len() / 2 * batch.pair_bytes];
+            for (p, out) in batch.pairs.chunks_exact_mut(batch.pair_bytes).enumerate() {
+                // SAFETY: NEON is part of the aarch64 baseline; lengths checked inside.
+                unsafe { aarch64::mm_pair(32 * nb, ys[2 * p].bytes(), ys[2 * p + 1].bytes(), out) };
+            }
+        }
+        batch
+    }
+
+    /// Tokens.
+    pub fn len(&self) -> usize {
+        self.ys.len()
+    }
+
+    /// Whether the batch has no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.ys.is_empty()
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+thread_local! {
+    /// The ×8 group [`gemm_x8_tokens`] last rewrote for `smmla`
+    /// (`aarch64::mm_prepare`; `cols / 32 · 320` bytes, one per thread).
+    static MM_GROUP: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One ×8 group of `dtype` (Q4_0 or Q8_0, `cols` elements per row) dotted
+/// with every token of `batch`: `put(t0, out)` receives `out[t][r]` for
+/// tokens `t0 ..`, in order, each token the bits [`gemm_x8`] gives it.
+/// Prefill's quantized GEMM: [`gemm_x8`] four tokens per call (a tail of
+/// 1 to 3); on CPUs with i8mm the group is first rewritten once into the
+/// order `smmla` takes (`aarch64::mm_prepare`, 2.2× the Q4_0 group's
+/// bytes in a per-thread buffer) and the batch's prepared pairs go two per
+/// `aarch64::gemm_x8_mm` call, an odd last token through [`gemm_x8`].
+///
+/// Panics on another dtype or short slices (caller bugs).
+pub fn gemm_x8_tokens(
+    dtype: DType,
+    cols: usize,
+    group: &[u8],
+    batch: &Q8Batch,
+    mut put: impl FnMut(usize, &[[f32; 8]]),
+) {
+    let ys = batch.ys;
+    #[cfg(target_arch = "aarch64")]
+    if !batch.pairs.is_empty() {
+        assert!(matches!(dtype, DType::Q4_0 | DType::Q8_0), "gemm_x8_tokens on {dtype}");
+        assert_eq!(batch.pair_bytes, cols / 32 * aarch64::MM_PAIR_BLOCK, "a batch of another width");
+        MM_GROUP.with_borrow_mut(|prep| {
+            // SAFETY: i8mm presence was checked when the pairs were made;
+            // lengths are checked inside.
+            unsafe { aarch64::mm_prepare(dtype == DType::Q4_0, cols, group, prep) };
+            let mut pairs = batch.pairs.chunks_exact(batch.pair_bytes);
+            let mut t0 = 0;
+            while let Some(a) = pairs.next() {
+                if let Some(b) = pairs.next() {
+                    // SAFETY: as above.
+                    let [x, y] = unsafe { aarch64::gemm_x8_mm::<2>(cols, prep, [a, b]) };
+                    put(t0, &[x[0], x[1], y[0], y[1]]);
+                    t0 += 4;
+                } else {
+                    // SAFETY: as above.
+                    let [x] = unsafe { aarch64::gemm_x8_mm::<1>(cols, prep, [a]) };
+                    put(t0, &x);
+                    t0 += 2;
+                }
+            }
+            if t0 < ys.len() {
+                put(t0, &gemm_x8(dtype, cols, group, [ys[t0]]));
+            }
+        });
+        return;
+    }
+    let mut quads = ys.chunks_exact(4);
+    let mut t0 = 0;
+    for q in &mut quads {
+        put(t0, &gemm_x8(dtype, cols, group, [q[0], q[1], q[2], q[3]]));
+        t0 += 4;
+    }
+    match *quads.remainder() {
+        [] => {}
+        [a] => put(t0, &gemm_x8(dtype, cols, group, [a])),
+        [a, b] => put(t0, &gemm_x8(dtype, cols, group, [a, b])),
+        [a, b, c] => put(t0, &gemm_x8(dtype, cols, group, [a, b, c])),
+        _ => unreachable!("a remainder of chunks_exact(4)"),
     }
 }
 

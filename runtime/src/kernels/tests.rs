@@ -849,3 +849,59 @@ fn axpy_x8_tokens_gives_each_token_the_bits_of_axpy_x8() {
         }
     }
 }
+
+/// [`gemm_x8_tokens`] (prefill's quantized GEMM: `smmla` over the group
+/// rewritten once on CPUs with i8mm, `gemm_x8` by fours elsewhere) gives
+/// every token, in every position of a batch of 1 to 9, the bits of the
+/// portable one-token product; at the extremes too (nibbles 0 and 15,
+/// values ±127, where a wrong `q − 8` or a lane mix-up would show).
+#[test]
+fn gemm_x8_tokens_gives_each_token_the_bits_of_portable() {
+    let mut seed = 5u32;
+    for cols in [32usize, 64, 576] {
+        for dt in [DType::Q4_0, DType::Q8_0] {
+            let rb = dt.row_bytes(cols as u64).unwrap() as usize;
+            let mut rows: Vec<Vec<u64>> =
+                (0..8).map(|i| quantized(dt, &rnd_vec(&mut seed, cols, 0.5 + i as f32))).collect();
+            if cols == 64 {
+                // Rows 6 and 7: every quant at its smallest and largest.
+                let ext = |fill: u8| {
+                    let mut b = Vec::new();
+                    for k in 0..cols / 32 {
+                        b.extend_from_slice(&f16::from_f32(1.0 + k as f32).to_le_bytes());
+                        b.extend(std::iter::repeat_n(fill, rb / (cols / 32) - 2));
+                    }
+                    aligned(&b)
+                };
+                let (lo, hi) = if dt == DType::Q4_0 { (0x00, 0xFF) } else { (0x81, 0x7F) };
+                rows[6] = ext(lo);
+                rows[7] = ext(hi);
+            }
+            let g = x8_group(dt, cols, std::array::from_fn(|i| Some(view(&rows[i], rb))));
+            let group = view(&g, 8 * rb);
+            let mut ys: Vec<Q8Vec> = (0..9).map(|_| Q8Vec::from_slice(&rnd_vec(&mut seed, cols, 3.0))).collect();
+            ys[4] = Q8Vec::from_slice(&vec![-1.0; cols]);
+            ys[5] = Q8Vec::from_slice(&vec![1.0; cols]);
+            for n in 1..=9 {
+                let yr: Vec<&Q8Vec> = ys[..n].iter().collect();
+                let mut got = vec![[0f32; 8]; n];
+                let mut next = 0;
+                gemm_x8_tokens(dt, cols, group, &Q8Batch::new(&yr), |t0, d| {
+                    assert_eq!(t0, next, "tokens out of order");
+                    got[t0..t0 + d.len()].copy_from_slice(d);
+                    next = t0 + d.len();
+                });
+                assert_eq!(next, n, "{dt}: {next} of {n} tokens delivered");
+                for (t, row) in got.iter().enumerate() {
+                    let yt = ys[t].bytes();
+                    let [want] = match dt {
+                        DType::Q4_0 => portable::gemm_x8_q4_0(cols, group, [yt]),
+                        _ => portable::gemm_x8_q8_0(cols, group, [yt]),
+                    };
+                    let bits = |v: &[f32; 8]| v.map(f32::to_bits);
+                    assert_eq!(bits(row), bits(&want), "{} {dt} token {t} of {n} at {cols} columns", isa());
+                }
+            }
+        }
+    }
+}

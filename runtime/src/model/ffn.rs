@@ -16,7 +16,7 @@ use super::source::LayerClusters;
 use crate::error::Result;
 use crate::kernels::gemm::Dst;
 use crate::kernels::matrix::{direct_f32, gemm_tokens, Acts};
-use crate::kernels::{axpy_row, axpy_x8, gemm_x8, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Vec};
+use crate::kernels::{axpy_row, axpy_x8, gemm_x8, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Batch, Q8Vec};
 use nflash_format::interleave::{can_interleave, pack_group, X8_ROWS};
 
 /// Batches of at most this many tokens run the FFN's down projection
@@ -493,9 +493,10 @@ impl Ffn {
         let ys: Vec<Q8Vec> =
             if quantized { x.par_chunks_exact(h).map(Q8Vec::from_slice).collect() } else { Vec::new() };
         let yr: Vec<&Q8Vec> = ys.iter().collect();
+        let batch = Q8Batch::new(&yr);
         let xr: Vec<&[f32]> = if direct { x.chunks_exact(h).collect() } else { Vec::new() };
         let acts = if quantized {
-            Some(Acts::Q8(&yr))
+            Some(Acts::Q8(&batch))
         } else if direct {
             Some(Acts::F32(&xr))
         } else {
