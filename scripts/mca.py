@@ -78,7 +78,8 @@ KERNELS = [
      "prefill", 4),
     # nflash's smmla GEMM over a group rewritten once per batch (mm_prepare,
     # priced below as SETUP and added here for a batch of SETUP_TOKENS).
-    ("nflash gemm_x8_mm, 4 tokens", "nflash", "kernels::aarch64::gemm_x8_mm::", "q4_0", "i8mm", "prefill", 4),
+    ("nflash gemm_x8_q4_0_mm, 4 tokens", "nflash", "kernels::aarch64::gemm_x8_q4_0_mm::", "q4_0", "i8mm", "prefill",
+     4),
     ("llama.cpp ggml_gemm_q4_0_4x8_q8_0", "repack-mm", "ggml_gemm_q4_0_4x8_q8_0", "q4_0", "i8mm", "prefill", None),
 ]
 
@@ -87,10 +88,10 @@ KERNELS = [
 # the function's loops). mm_prepare rewrites a Q4_0 ×8 group for smmla
 # (its Q4_0 loop is the one with a vector `and`, the nibble mask); its cycles per
 # 8-row column block, spread over SETUP_TOKENS tokens, are added to
-# gemm_x8_mm's cycles per block, so the i8mm row compares with llama.cpp
+# gemm_x8_q4_0_mm's cycles per block, so the i8mm row compares with llama.cpp
 # (whose weights were repacked once at load) at a short prompt.
 SETUP = [("nflash mm_prepare, Q4_0 (once per group and batch)", "kernels::aarch64::mm_prepare",
-          "nflash gemm_x8_mm, 4 tokens", "and")]
+          "nflash gemm_x8_q4_0_mm, 4 tokens", "and")]
 SETUP_TOKENS = 16
 
 MACS = {"sdot": 16, "smull": 8, "smull2": 8, "smlal": 8, "smlal2": 8, "smmla": 32}

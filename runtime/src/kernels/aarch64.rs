@@ -609,8 +609,9 @@ pub const MM_BLOCK: usize = 320;
 /// One ×8 group (SPEC §5.1, `cols` elements per row; Q4_0 if `q4`, else
 /// Q8_0) rewritten into `out` in the order `smmla` takes it ([`MM_BLOCK`]
 /// bytes per 32 columns): two rows' 8 consecutive values per operand, Q4_0
-/// nibbles as signed values (`q − 8`), scales widened to f32. Prefill does
-/// this once per group for all its tokens ([`gemm_x8_mm`]); the layout in
+/// nibbles as stored (0..15: the `−8` is in the token pairs' start
+/// values, [`mm_pair`]), scales widened to f32. Prefill does
+/// this once per group for all its tokens ([`gemm_x8_q4_0_mm`]); the layout in
 /// memory stays the ×8 one, which decode's indexed `sdot` wants.
 ///
 /// # Safety
@@ -645,7 +646,7 @@ unsafe fn mm_block<const Q4: bool>(p: *const u8, o: *mut u8) {
     // Word run `j` (bytes `4j .. 4j+4` of each row), rows `4h .. 4h+4`.
     let run = |j: usize, h: usize| vld1q_u32(p.add(16 + 32 * j + 16 * h) as *const u32);
     let put = |pair: usize, c: usize, v: uint8x16_t| vst1q_u8(o.add(16 * (4 * pair + c)), v);
-    let (m, eight) = (vdupq_n_u8(0x0F), vdupq_n_u8(8));
+    let m = vdupq_n_u8(0x0F);
     for h in 0..2 {
         for c in 0..if Q4 { 2 } else { 4 } {
             // Words 2c and 2c+1 zipped: rows (4h, 4h+1), then (4h+2, 4h+3).
@@ -654,8 +655,8 @@ unsafe fn mm_block<const Q4: bool>(p: *const u8, o: *mut u8) {
                 let v = vreinterpretq_u8_u32(v);
                 if Q4 {
                     // Low nibbles are elements 8c.., high ones 16 + 8c...
-                    put(2 * h + i, c, vsubq_u8(vandq_u8(v, m), eight));
-                    put(2 * h + i, c + 2, vsubq_u8(vshrq_n_u8::<4>(v), eight));
+                    put(2 * h + i, c, vandq_u8(v, m));
+                    put(2 * h + i, c + 2, vshrq_n_u8::<4>(v));
                 } else {
                     put(2 * h + i, c, v);
                 }
@@ -673,18 +674,22 @@ unsafe fn mm_block<const Q4: bool>(p: *const u8, o: *mut u8) {
 
 /// Bytes of one column block of a token pair in the order `smmla` takes
 /// it ([`mm_pair`]): 4 operands (chunk `c` = values `8c .. 8c+8` of both
-/// tokens) and the f32 scales `(dy0, dy1, dy0, dy1)`.
-pub const MM_PAIR_BLOCK: usize = 80;
+/// tokens), the f32 scales `(dy0, dy1, dy0, dy1)` and the i32 start of a
+/// Q4_0 block's sums, `−8 · (Σy0, Σy1, Σy0, Σy1)` (the offset of its
+/// nibbles, as the `sdot` kernels start theirs).
+pub const MM_PAIR_BLOCK: usize = 96;
 
-/// Two Q8_0 vectors (`cols / 32` blocks each) rewritten into `out` in the
-/// order `smmla` takes them ([`MM_PAIR_BLOCK`] bytes per block): done once
-/// per prefill batch, for every group of every matrix that multiplies it.
+/// Two Q8_0 vectors (`cols / 32` blocks each; `s0`, `s1` their per-block
+/// sums of quants) rewritten into `out` in the order `smmla` takes them
+/// ([`MM_PAIR_BLOCK`] bytes per block): done once per prefill batch, for
+/// every group of every matrix that multiplies it.
 ///
 /// # Safety
 /// None beyond aarch64; lengths are asserted.
-pub unsafe fn mm_pair(cols: usize, y0: &[u8], y1: &[u8], out: &mut [u8]) {
+pub unsafe fn mm_pair(cols: usize, (y0, s0): (&[u8], &[i32]), (y1, s1): (&[u8], &[i32]), out: &mut [u8]) {
     let nb = cols / 32;
     assert!(y0.len() >= nb * Q8_0_BLOCK && y1.len() >= nb * Q8_0_BLOCK && out.len() >= nb * MM_PAIR_BLOCK);
+    assert!(s0.len() >= nb && s1.len() >= nb);
     for b in 0..nb {
         let (p0, p1) = (y0.as_ptr().add(b * Q8_0_BLOCK), y1.as_ptr().add(b * Q8_0_BLOCK));
         let o = out.as_mut_ptr().add(b * MM_PAIR_BLOCK);
@@ -696,6 +701,8 @@ pub unsafe fn mm_pair(cols: usize, y0: &[u8], y1: &[u8], out: &mut [u8]) {
         }
         let d = [f16_at(p0), f16_at(p1)];
         std::ptr::copy_nonoverlapping([d[0], d[1], d[0], d[1]].as_ptr(), o.add(64) as *mut f32, 4);
+        let st = [-8 * s0[b], -8 * s1[b]];
+        std::ptr::copy_nonoverlapping([st[0], st[1], st[0], st[1]].as_ptr(), o.add(80) as *mut i32, 4);
     }
 }
 
@@ -704,17 +711,20 @@ pub unsafe fn mm_pair(cols: usize, y0: &[u8], y1: &[u8], out: &mut [u8]) {
 /// of pair `p`. Per block and row pair, 4 `smmla`s per token pair (2 rows
 /// × 2 tokens × 32 values), the exact integer sums converted and added by
 /// one fused multiply-add by the scale products: the bits of
-/// `portable::gemm_x8` (Q4_0's `−8` is in the prepared values, so no
-/// offset is subtracted). The quantized prefill GEMM on CPUs with i8mm
+/// `portable::gemm_x8` (for Q4_0, `Q4`, the sums start at the pair's
+/// `−8 · Σy`). The quantized prefill GEMM on CPUs with i8mm
 /// (Cortex-A510/A710/X2 and later): 32 MACs per instruction where `sdot`
 /// does 16.
 ///
 /// # Safety
-/// The CPU must have i8mm (`is_aarch64_feature_detected!("i8mm")`); lengths
-/// are asserted.
-#[target_feature(enable = "i8mm")]
+/// The CPU must have i8mm; lengths are asserted.
+#[inline(always)]
 #[allow(clippy::needless_range_loop)] // `p` and `rp` index several arrays and registers at once
-pub unsafe fn gemm_x8_mm<const P: usize>(cols: usize, prep: &[u8], pairs: [&[u8]; P]) -> [[[f32; 8]; 2]; P] {
+unsafe fn gemm_x8_mm<const Q4: bool, const P: usize>(
+    cols: usize,
+    prep: &[u8],
+    pairs: [&[u8]; P],
+) -> [[[f32; 8]; 2]; P] {
     let nb = cols / 32;
     assert!(prep.len() >= nb * MM_BLOCK && pairs.iter().all(|y| y.len() >= nb * MM_PAIR_BLOCK));
     let mut acc = [[vdupq_n_f32(0.0); 4]; P];
@@ -723,15 +733,15 @@ pub unsafe fn gemm_x8_mm<const P: usize>(cols: usize, prep: &[u8], pairs: [&[u8]
         let y = pairs.map(|y| {
             let q = y.as_ptr().add(b * MM_PAIR_BLOCK);
             let op = |c: usize| vld1q_s8(q.add(16 * c) as *const i8);
-            ([op(0), op(1), op(2), op(3)], vld1q_f32(q.add(64) as *const f32))
+            let start = if Q4 { vld1q_s32(q.add(80) as *const i32) } else { vdupq_n_s32(0) };
+            ([op(0), op(1), op(2), op(3)], vld1q_f32(q.add(64) as *const f32), start)
         });
         for rp in 0..4 {
             let op = |c: usize| vld1q_s8(w.add(16 * (4 * rp + c)) as *const i8);
             let ops = [op(0), op(1), op(2), op(3)];
             let d = vld1q_f32(w.add(256 + 16 * rp) as *const f32);
             for p in 0..P {
-                let (yk, dy) = y[p];
-                let mut s = vdupq_n_s32(0);
+                let (yk, dy, mut s) = y[p];
                 s = smmla(s, ops[0], yk[0]);
                 s = smmla(s, ops[1], yk[1]);
                 s = smmla(s, ops[2], yk[2]);
@@ -754,6 +764,26 @@ pub unsafe fn gemm_x8_mm<const P: usize>(cols: usize, prep: &[u8], pairs: [&[u8]
         }
     }
     out
+}
+
+/// The 8 rows of one Q4_0×8 group, prepared by [`mm_prepare`], dotted with
+/// `P` token pairs prepared by [`mm_pair`], by `smmla`: `out[p][t][r]`.
+///
+/// # Safety
+/// The CPU must have i8mm (`is_aarch64_feature_detected!("i8mm")`); lengths
+/// are asserted.
+#[target_feature(enable = "i8mm")]
+pub unsafe fn gemm_x8_q4_0_mm<const P: usize>(cols: usize, prep: &[u8], pairs: [&[u8]; P]) -> [[[f32; 8]; 2]; P] {
+    gemm_x8_mm::<true, P>(cols, prep, pairs)
+}
+
+/// As [`gemm_x8_q4_0_mm`] for a prepared Q8_0×8 group.
+///
+/// # Safety
+/// As [`gemm_x8_q4_0_mm`].
+#[target_feature(enable = "i8mm")]
+pub unsafe fn gemm_x8_q8_0_mm<const P: usize>(cols: usize, prep: &[u8], pairs: [&[u8]; P]) -> [[[f32; 8]; 2]; P] {
+    gemm_x8_mm::<false, P>(cols, prep, pairs)
 }
 
 /// `out += Σ a[r] · row r` over the rows of one ×8 group whose bit is set

@@ -329,7 +329,7 @@ pub fn gemm_x8<const T: usize>(dtype: DType, cols: usize, group: &[u8], ys: [&Q8
 /// A prefill batch of activations quantized to Q8_0, as prefill's quantized
 /// GEMM ([`gemm_x8_tokens`]) takes it: the vectors (`[cols / 32]` blocks
 /// each) and, on CPUs with i8mm, their token pairs rewritten once for
-/// `smmla` (`aarch64::mm_pair`; 80 bytes per pair and 32 columns), used by
+/// `smmla` (`aarch64::mm_pair`; 96 bytes per pair and 32 columns), used by
 /// every group of every matrix the batch multiplies.
 pub struct Q8Batch<'a> {
     ys: &'a [&'a Q8Vec],
@@ -355,7 +355,8 @@ impl<'a> Q8Batch<'a> {
             batch.pairs = vec![0u8; ys.len() / 2 * batch.pair_bytes];
             for (p, out) in batch.pairs.chunks_exact_mut(batch.pair_bytes).enumerate() {
                 // SAFETY: NEON is part of the aarch64 baseline; lengths checked inside.
-                unsafe { aarch64::mm_pair(32 * nb, ys[2 * p].bytes(), ys[2 * p + 1].bytes(), out) };
+                let (a, b) = (ys[2 * p], ys[2 * p + 1]);
+                unsafe { aarch64::mm_pair(32 * nb, (a.bytes(), &a.sums), (b.bytes(), &b.sums), out) };
             }
         }
         batch
@@ -386,7 +387,7 @@ thread_local! {
 /// 1 to 3); on CPUs with i8mm the group is first rewritten once into the
 /// order `smmla` takes (`aarch64::mm_prepare`, 2.2× the Q4_0 group's
 /// bytes in a per-thread buffer) and the batch's prepared pairs go two per
-/// `aarch64::gemm_x8_mm` call, an odd last token through [`gemm_x8`].
+/// `aarch64::gemm_x8_q4_0_mm` (or `_q8_0_`) call, an odd last token through [`gemm_x8`].
 ///
 /// Panics on another dtype or short slices (caller bugs).
 pub fn gemm_x8_tokens(
@@ -401,21 +402,32 @@ pub fn gemm_x8_tokens(
     if !batch.pairs.is_empty() {
         assert!(matches!(dtype, DType::Q4_0 | DType::Q8_0), "gemm_x8_tokens on {dtype}");
         assert_eq!(batch.pair_bytes, cols / 32 * aarch64::MM_PAIR_BLOCK, "a batch of another width");
+        let q4 = dtype == DType::Q4_0;
         MM_GROUP.with_borrow_mut(|prep| {
-            // SAFETY: i8mm presence was checked when the pairs were made;
-            // lengths are checked inside.
-            unsafe { aarch64::mm_prepare(dtype == DType::Q4_0, cols, group, prep) };
+            // SAFETY (each call): i8mm presence was checked when the pairs
+            // were made; lengths are checked inside.
+            unsafe { aarch64::mm_prepare(q4, cols, group, prep) };
             let mut pairs = batch.pairs.chunks_exact(batch.pair_bytes);
             let mut t0 = 0;
             while let Some(a) = pairs.next() {
                 if let Some(b) = pairs.next() {
-                    // SAFETY: as above.
-                    let [x, y] = unsafe { aarch64::gemm_x8_mm::<2>(cols, prep, [a, b]) };
+                    let [x, y] = unsafe {
+                        if q4 {
+                            aarch64::gemm_x8_q4_0_mm(cols, prep, [a, b])
+                        } else {
+                            aarch64::gemm_x8_q8_0_mm(cols, prep, [a, b])
+                        }
+                    };
                     put(t0, &[x[0], x[1], y[0], y[1]]);
                     t0 += 4;
                 } else {
-                    // SAFETY: as above.
-                    let [x] = unsafe { aarch64::gemm_x8_mm::<1>(cols, prep, [a]) };
+                    let [x] = unsafe {
+                        if q4 {
+                            aarch64::gemm_x8_q4_0_mm(cols, prep, [a])
+                        } else {
+                            aarch64::gemm_x8_q8_0_mm(cols, prep, [a])
+                        }
+                    };
                     put(t0, &x);
                     t0 += 2;
                 }

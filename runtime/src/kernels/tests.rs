@@ -852,7 +852,7 @@ fn axpy_x8_tokens_gives_each_token_the_bits_of_axpy_x8() {
 
 /// [`gemm_x8_tokens`] (prefill's quantized GEMM: `smmla` over the group
 /// rewritten once on CPUs with i8mm, `gemm_x8` by fours elsewhere) gives
-/// every token, in every position of a batch of 1 to 9, the bits of the
+/// every token, in every position of a batch of 1 to 9, 16 or 19, the bits of the
 /// portable one-token product; at the extremes too (nibbles 0 and 15,
 /// values ±127, where a wrong `q − 8` or a lane mix-up would show).
 #[test]
@@ -879,10 +879,10 @@ fn gemm_x8_tokens_gives_each_token_the_bits_of_portable() {
             }
             let g = x8_group(dt, cols, std::array::from_fn(|i| Some(view(&rows[i], rb))));
             let group = view(&g, 8 * rb);
-            let mut ys: Vec<Q8Vec> = (0..9).map(|_| Q8Vec::from_slice(&rnd_vec(&mut seed, cols, 3.0))).collect();
+            let mut ys: Vec<Q8Vec> = (0..19).map(|_| Q8Vec::from_slice(&rnd_vec(&mut seed, cols, 3.0))).collect();
             ys[4] = Q8Vec::from_slice(&vec![-1.0; cols]);
             ys[5] = Q8Vec::from_slice(&vec![1.0; cols]);
-            for n in 1..=9 {
+            for n in (1..=9).chain([16, 19]) {
                 let yr: Vec<&Q8Vec> = ys[..n].iter().collect();
                 let mut got = vec![[0f32; 8]; n];
                 let mut next = 0;
