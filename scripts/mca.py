@@ -11,7 +11,8 @@ model of a CPU and reports cycles per iteration. This script:
    android`) and from llama.cpp's ARM kernels compiled from its sources by
    the cross gcc/g++ (`ggml_vec_dot_q4_0_q8_0` and `ggml_vec_dot_q8_0_q8_0`
    for the ARMv8.0 baseline and for ARMv8.2 + dotprod; the repacked
-   `ggml_gemv_q4_0_4x4_q8_0` that llama.cpp runs for Q4_0 on dotprod CPUs;
+   `ggml_gemv_q4_0_4x4_q8_0` that llama.cpp runs for Q4_0 on dotprod CPUs
+   and its prefill GEMM there, `ggml_gemm_q4_0_4x4_q8_0`;
    `ggml_gemm_q4_0_4x8_q8_0`, its prefill GEMM for i8mm CPUs);
 2. the block loop is the innermost loop with the most multiply-accumulates
    (MACs: 16 per vector `sdot`, 8 per vector `smull`/`smull2`/`smlal`/
@@ -72,10 +73,15 @@ KERNELS = [
     ("nflash dot4_q8_0_dot", "nflash", "kernels::aarch64::dot4_q8_0_dot::", "q8_0", "dotprod", "decode", None),
     ("nflash gemm_x8_q8_0_dot", "nflash", "kernels::aarch64::gemm_x8_q8_0_dot::", "q8_0", "dotprod", "decode", 1),
     ("llama.cpp ggml_vec_dot_q8_0_q8_0", "quants-dot", "ggml_vec_dot_q8_0_q8_0", "q8_0", "dotprod", "decode", None),
-    # Prefill's Q4_0 GEMM: nflash's 8 rows × 4 tokens by sdot against
-    # llama.cpp's 4 rows × 4 tokens by smmla over weights repacked for it.
+    # Prefill's Q4_0 GEMM: nflash's 8 rows × 4 tokens by sdot (batches of
+    # fewer than 8 tokens).
     ("nflash gemm_x8_q4_0_dot, 4 tokens", "nflash", "kernels::aarch64::gemm_x8_q4_0_dot::", "q4_0", "dotprod",
      "prefill", 4),
+    # On dotprod CPUs without i8mm, from 8 tokens on: half a ×8 group (4
+    # rows) × 8 tokens per call, as llama.cpp's 4 rows × 4 tokens GEMM.
+    ("nflash gemm_x8_half_q4_0_dot, 8 tokens", "nflash", "kernels::aarch64::gemm_x8_half_q4_0_dot::", "q4_0",
+     "dotprod", "prefill", (4, 8)),
+    ("llama.cpp ggml_gemm_q4_0_4x4_q8_0", "repack-dot", "ggml_gemm_q4_0_4x4_q8_0", "q4_0", "dotprod", "prefill", None),
     # nflash's smmla GEMM over a group rewritten once per batch (mm_prepare,
     # priced below as SETUP and added here for a batch of SETUP_TOKENS).
     ("nflash gemm_x8_q4_0_mm, 4 tokens", "nflash", "kernels::aarch64::gemm_x8_q4_0_mm::", "q4_0", "i8mm", "prefill",
@@ -255,8 +261,12 @@ def mca(llvm_mca, body, cpu):
 def kernel_body(nm, objdump, path, sym, tokens):
     """(symbol, loop body) of the kernel. For nflash's generic ×8 kernels
     (`tokens` given), the one instance whose block loop holds 8 rows × 32
-    × `tokens` MACs; one token asked for, an instance with a token loop
-    inside its block loop (T > 1, not unrolled) is ruled out."""
+    × `tokens` MACs (`tokens` = (rows, tokens) for a kernel over other than
+    8 rows); one token asked for, an instance with a token loop inside its
+    block loop (T > 1, not unrolled) is ruled out."""
+    if isinstance(tokens, tuple):
+        rows, t = tokens
+        tokens = rows * t // 8
     hits = symbols(nm, path, sym)
     if tokens is None:
         if len(hits) != 1:

@@ -338,6 +338,12 @@ pub struct Q8Batch<'a> {
     pairs: Vec<u8>,
     #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
     pair_bytes: usize,
+    /// Per token, `aarch64::half_aux` (`aux_bytes` each; CPUs with dotprod
+    /// and no i8mm, batches of at least 8 tokens; empty otherwise).
+    #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
+    aux: Vec<u8>,
+    #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
+    aux_bytes: usize,
 }
 
 impl<'a> Q8Batch<'a> {
@@ -348,7 +354,7 @@ impl<'a> Q8Batch<'a> {
         let nb = ys.first().map_or(0, |y| y.blocks.len());
         assert!(ys.iter().all(|y| y.blocks.len() == nb), "Q8Batch of vectors of different lengths");
         #[allow(unused_mut)] // written on aarch64 only
-        let mut batch = Q8Batch { ys, pairs: Vec::new(), pair_bytes: 0 };
+        let mut batch = Q8Batch { ys, pairs: Vec::new(), pair_bytes: 0, aux: Vec::new(), aux_bytes: 0 };
         #[cfg(target_arch = "aarch64")]
         if ys.len() >= 2 && has_i8mm() {
             batch.pair_bytes = nb * aarch64::MM_PAIR_BLOCK;
@@ -357,6 +363,12 @@ impl<'a> Q8Batch<'a> {
                 // SAFETY: NEON is part of the aarch64 baseline; lengths checked inside.
                 let (a, b) = (ys[2 * p], ys[2 * p + 1]);
                 unsafe { aarch64::mm_pair(32 * nb, (a.bytes(), &a.sums), (b.bytes(), &b.sums), out) };
+            }
+        } else if ys.len() >= 8 && has_dotprod() {
+            batch.aux_bytes = nb * aarch64::HALF_AUX;
+            batch.aux = vec![0u8; ys.len() * batch.aux_bytes];
+            for (y, out) in ys.iter().zip(batch.aux.chunks_exact_mut(batch.aux_bytes)) {
+                aarch64::half_aux(y.bytes(), &y.sums, out);
             }
         }
         batch
@@ -384,20 +396,18 @@ thread_local! {
 /// with every token of `batch`: `put(t0, out)` receives `out[t][r]` for
 /// tokens `t0 ..`, in order, each token the bits [`gemm_x8`] gives it.
 /// Prefill's quantized GEMM: [`gemm_x8`] four tokens per call (a tail of
-/// 1 to 3); on CPUs with i8mm the group is first rewritten once into the
+/// 1 to 3); on aarch64 CPUs with dotprod and no i8mm, batches of 8 or more
+/// first go 8 tokens per call through `aarch64::gemm_x8_half_*` (rows 0–3,
+/// then 4–7); on CPUs with i8mm the group is first rewritten once into the
 /// order `smmla` takes (`aarch64::mm_prepare`, 2.2× the Q4_0 group's
 /// bytes in a per-thread buffer) and the batch's prepared pairs go two per
 /// `aarch64::gemm_x8_q4_0_mm` (or `_q8_0_`) call, an odd last token through [`gemm_x8`].
 ///
 /// Panics on another dtype or short slices (caller bugs).
-pub fn gemm_x8_tokens(
-    dtype: DType,
-    cols: usize,
-    group: &[u8],
-    batch: &Q8Batch,
-    mut put: impl FnMut(usize, &[[f32; 8]]),
-) {
+pub fn gemm_x8_tokens(dtype: DType, cols: usize, group: &[u8], batch: &Q8Batch, put: impl FnMut(usize, &[[f32; 8]])) {
     let ys = batch.ys;
+    #[cfg(target_arch = "aarch64")]
+    let mut put = put;
     #[cfg(target_arch = "aarch64")]
     if !batch.pairs.is_empty() {
         assert!(matches!(dtype, DType::Q4_0 | DType::Q8_0), "gemm_x8_tokens on {dtype}");
@@ -438,6 +448,40 @@ pub fn gemm_x8_tokens(
         });
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    if !batch.aux.is_empty() {
+        // Eight tokens per call, rows 0–3 then 4–7 (`aarch64::gemm_x8_half_*`);
+        // a tail of 1 to 7 tokens by the quads below.
+        let mut t0 = 0;
+        while ys.len() - t0 >= 8 {
+            let y: [&[u8]; 8] = std::array::from_fn(|t| ys[t0 + t].bytes());
+            let a: [&[u8]; 8] = std::array::from_fn(|t| &batch.aux[(t0 + t) * batch.aux_bytes..][..batch.aux_bytes]);
+            let half = |h: usize| {
+                // SAFETY: dotprod presence was checked when the aux data
+                // was made; lengths are checked inside.
+                unsafe {
+                    match dtype {
+                        DType::Q4_0 => aarch64::gemm_x8_half_q4_0_dot(cols, group, h, y, a),
+                        DType::Q8_0 => aarch64::gemm_x8_half_q8_0_dot(cols, group, h, y, a),
+                        _ => unreachable!("gemm_x8_tokens on {dtype}"),
+                    }
+                }
+            };
+            let (lo, hi) = (half(0), half(1));
+            let out: [[f32; 8]; 8] =
+                std::array::from_fn(|t| std::array::from_fn(|r| if r < 4 { lo[t][r] } else { hi[t][r - 4] }));
+            put(t0, &out);
+            t0 += 8;
+        }
+        gemm_x8_quads(dtype, cols, group, &ys[t0..], |t, d| put(t0 + t, d));
+        return;
+    }
+    gemm_x8_quads(dtype, cols, group, ys, put);
+}
+
+/// [`gemm_x8`] over `ys`, four tokens per call and a tail of 1 to 3:
+/// `put(t0, out)` as [`gemm_x8_tokens`].
+fn gemm_x8_quads(dtype: DType, cols: usize, group: &[u8], ys: &[&Q8Vec], mut put: impl FnMut(usize, &[[f32; 8]])) {
     let mut quads = ys.chunks_exact(4);
     let mut t0 = 0;
     for q in &mut quads {
