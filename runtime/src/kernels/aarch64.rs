@@ -786,77 +786,78 @@ pub unsafe fn gemm_x8_q8_0_mm<const P: usize>(cols: usize, prep: &[u8], pairs: [
     gemm_x8_mm::<false, P>(cols, prep, pairs)
 }
 
-/// Bytes per block of a token's [`half_aux`].
-pub const HALF_AUX: usize = 32;
+/// Bytes per block of four tokens' [`half_quad`].
+pub const HALF_QUAD: usize = 256;
 
-/// What [`gemm_x8_half_q4_0_dot`] needs of a Q8_0 vector `y` (`sums`: its
-/// per-block Σq) besides its values, written once per prefill batch into
-/// `out` ([`HALF_AUX`] bytes per block): the i32 start of a Q4_0 block's
-/// sums, `−8 · Σy` in 4 lanes, then the block's scale as f32 in 4 lanes
-/// (so the kernel loads both and converts nothing).
+/// Four Q8_0 vectors (`(bytes, per-block Σq)` each) as
+/// [`gemm_x8_half_q4_0_dot`] reads them, written once per prefill batch
+/// into `out` ([`HALF_QUAD`] bytes per block): each token's start of a
+/// Q4_0 block's sums, `−8 · Σy` in 4 i32 lanes (bytes 0..64), its scale as
+/// f32 in 4 lanes (64..128), then 8 vectors of their values interleaved
+/// like llama.cpp's `block_q8_0x4`: vector `k` holds bytes `4k .. 4k+4` of
+/// token `j` in lane `j` (128..256), so one indexed `sdot` per token reads
+/// one register shared by four tokens.
 ///
-/// Panics if `out` or `sums` is shorter than `y`'s blocks need.
-pub fn half_aux(y: &[u8], sums: &[i32], out: &mut [u8]) {
-    for ((blk, s), o) in y.chunks_exact(Q8_0_BLOCK).zip(sums).zip(out.chunks_exact_mut(HALF_AUX)) {
-        let dy = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-        for l in 0..4 {
-            o[4 * l..4 * l + 4].copy_from_slice(&(-8 * s).to_le_bytes());
-            o[16 + 4 * l..20 + 4 * l].copy_from_slice(&dy.to_le_bytes());
+/// Panics if a slice is shorter than the blocks of `ys[0]` need.
+pub fn half_quad(ys: [(&[u8], &[i32]); 4], out: &mut [u8]) {
+    let nb = ys[0].0.len() / Q8_0_BLOCK;
+    assert!(ys.iter().all(|(y, s)| y.len() >= nb * Q8_0_BLOCK && s.len() >= nb) && out.len() >= nb * HALF_QUAD);
+    for (b, o) in out.chunks_exact_mut(HALF_QUAD).take(nb).enumerate() {
+        for (j, (y, sums)) in ys.iter().enumerate() {
+            let blk = &y[b * Q8_0_BLOCK..(b + 1) * Q8_0_BLOCK];
+            let dy = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+            for l in 0..4 {
+                o[16 * j + 4 * l..16 * j + 4 * l + 4].copy_from_slice(&(-8 * sums[b]).to_le_bytes());
+                o[64 + 16 * j + 4 * l..64 + 16 * j + 4 * l + 4].copy_from_slice(&dy.to_le_bytes());
+            }
+            for k in 0..8 {
+                o[128 + 16 * k + 4 * j..128 + 16 * k + 4 * j + 4].copy_from_slice(&blk[2 + 4 * k..6 + 4 * k]);
+            }
         }
     }
-    assert!(sums.len() >= y.len() / Q8_0_BLOCK && out.len() >= y.len() / Q8_0_BLOCK * HALF_AUX);
 }
 
 /// Rows `4h .. 4h+4` (one half of a ×8 group) dotted with 8 Q8_0 vectors
-/// `ys` (`aux[t]`: their [`half_aux`]): `out[t][i]` for row `4h + i`. Per block the half's 8 word runs are read and split
-/// once for the 8 tokens (llama.cpp's `ggml_gemm_q4_0_4x4_q8_0` shape: 4
-/// rows × many tokens), then per token eight indexed `sdot`s into one
-/// vector and one fused multiply-add by the scale products: the bits of
-/// `portable::gemm_x8`. Four rows (`H`: which half, a constant so that the
-/// other half's words are never split) rather than eight per pass keep 8
-/// tokens' accumulators and the weights in registers; the token steps are written
-/// out (LLVM keeps a loop over them otherwise, with the accumulators in
-/// memory).
+/// prepared by [`half_quad`] (tokens `4q .. 4q+4` in `quads[q]`):
+/// `out[t][i]` for row `4h + i`. Per block the half's 8 word runs are read
+/// and split once for the 8 tokens, then, word by word, each of the 8
+/// tokens' sums takes one indexed `sdot` from the interleaved values
+/// (llama.cpp's `ggml_gemm_q4_0_4x4_q8_0` order: 8 independent chains, few
+/// registers), and each token one fused multiply-add by the scale
+/// products: the bits of `portable::gemm_x8` (the integer sums are exact
+/// in any order). `H`: which half, a constant so that the other half's
+/// words are never split.
 #[inline(always)]
-unsafe fn gemm_x8_half<B: X8Block, const H: usize>(
-    cols: usize,
-    group: &[u8],
-    ys: [&[u8]; 8],
-    aux: [&[u8]; 8],
-) -> [[f32; 4]; 8] {
+#[allow(clippy::needless_range_loop)] // `k` and `t` index several arrays and registers at once
+unsafe fn gemm_x8_half<B: X8Block, const H: usize>(cols: usize, group: &[u8], quads: [&[u8]; 2]) -> [[f32; 4]; 8] {
     let (nb, h) = (cols / 32, H);
-    assert!(h < 2 && group.len() >= nb * B::BYTES && ys.iter().all(|y| y.len() >= nb * Q8_0_BLOCK));
-    assert!(aux.iter().all(|a| a.len() >= nb * HALF_AUX));
+    assert!(h < 2 && group.len() >= nb * B::BYTES && quads.iter().all(|q| q.len() >= nb * HALF_QUAD));
     // Raw pointers: the lengths are asserted above.
-    let yp = ys.map(|y| y.as_ptr());
-    let ap = aux.map(|a| a.as_ptr());
+    let qp = quads.map(|q| q.as_ptr());
     let mut acc = [vdupq_n_f32(0.0); 8];
     for b in 0..nb {
         let p = group.as_ptr().add(b * B::BYTES);
         let d = f16x4_to_f32(vld1_u16((p as *const u16).add(4 * h)));
         // Words [k][h] (elements 4k.., rows of this half) and [k][2 + h] (16 + 4k..).
         let w = B::words(p);
-        let step = |t: usize, acc: float32x4_t| {
-            let (y0, y1) = Q8Row::values(yp[t].add(b * Q8_0_BLOCK + 2));
-            let a = ap[t].add(b * HALF_AUX);
-            let dy = vld1q_f32(a.add(16) as *const f32);
-            let mut s = if B::OFFSET { vld1q_s32(a as *const i32) } else { vdupq_n_s32(0) };
-            s = sdot_lane::<0>(sdot_lane::<0>(s, w[0][h], y0), w[0][2 + h], y1);
-            s = sdot_lane::<1>(sdot_lane::<1>(s, w[1][h], y0), w[1][2 + h], y1);
-            s = sdot_lane::<2>(sdot_lane::<2>(s, w[2][h], y0), w[2][2 + h], y1);
-            s = sdot_lane::<3>(sdot_lane::<3>(s, w[3][h], y0), w[3][2 + h], y1);
-            vfmaq_f32(acc, vmulq_f32(d, dy), vcvtq_f32_s32(s))
-        };
-        acc = [
-            step(0, acc[0]),
-            step(1, acc[1]),
-            step(2, acc[2]),
-            step(3, acc[3]),
-            step(4, acc[4]),
-            step(5, acc[5]),
-            step(6, acc[6]),
-            step(7, acc[7]),
-        ];
+        let at = |t: usize| qp[t / 4].add(b * HALF_QUAD + 16 * (t % 4));
+        let mut s: [int32x4_t; 8] =
+            std::array::from_fn(|t| if B::OFFSET { vld1q_s32(at(t) as *const i32) } else { vdupq_n_s32(0) });
+        for q in 0..2 {
+            let y = |k: usize| vld1q_s8(qp[q].add(b * HALF_QUAD + 128 + 16 * k) as *const i8);
+            let s4: &mut [int32x4_t] = &mut s[4 * q..4 * q + 4];
+            for k in 0..4 {
+                let (lo, hi) = (y(k), y(4 + k));
+                s4[0] = sdot_lane::<0>(sdot_lane::<0>(s4[0], w[k][h], lo), w[k][2 + h], hi);
+                s4[1] = sdot_lane::<1>(sdot_lane::<1>(s4[1], w[k][h], lo), w[k][2 + h], hi);
+                s4[2] = sdot_lane::<2>(sdot_lane::<2>(s4[2], w[k][h], lo), w[k][2 + h], hi);
+                s4[3] = sdot_lane::<3>(sdot_lane::<3>(s4[3], w[k][h], lo), w[k][2 + h], hi);
+            }
+        }
+        for t in 0..8 {
+            let dy = vld1q_f32(at(t).add(64) as *const f32);
+            acc[t] = vfmaq_f32(acc[t], vmulq_f32(d, dy), vcvtq_f32_s32(s[t]));
+        }
     }
     let mut out = [[0f32; 4]; 8];
     for (o, a) in out.iter_mut().zip(acc) {
@@ -866,24 +867,18 @@ unsafe fn gemm_x8_half<B: X8Block, const H: usize>(
 }
 
 /// Rows `4h .. 4h+4` of one Q4_0×8 group dotted with 8 Q8_0 vectors
-/// (`aux[t]`: their [`half_aux`]), with `sdot`: `out[t][i]`, the bits of
+/// prepared by [`half_quad`], with `sdot`: `out[t][i]`, the bits of
 /// `portable::gemm_x8_q4_0`. Prefill's GEMM on CPUs with dotprod and no
 /// i8mm, 8 tokens per call.
 ///
 /// # Safety
 /// The CPU must have dotprod; lengths are asserted.
 #[target_feature(enable = "dotprod")]
-pub unsafe fn gemm_x8_half_q4_0_dot(
-    cols: usize,
-    group: &[u8],
-    h: usize,
-    ys: [&[u8]; 8],
-    aux: [&[u8]; 8],
-) -> [[f32; 4]; 8] {
+pub unsafe fn gemm_x8_half_q4_0_dot(cols: usize, group: &[u8], h: usize, quads: [&[u8]; 2]) -> [[f32; 4]; 8] {
     if h == 0 {
-        gemm_x8_half::<Q4X8, 0>(cols, group, ys, aux)
+        gemm_x8_half::<Q4X8, 0>(cols, group, quads)
     } else {
-        gemm_x8_half::<Q4X8, 1>(cols, group, ys, aux)
+        gemm_x8_half::<Q4X8, 1>(cols, group, quads)
     }
 }
 
@@ -892,17 +887,11 @@ pub unsafe fn gemm_x8_half_q4_0_dot(
 /// # Safety
 /// As [`gemm_x8_half_q4_0_dot`].
 #[target_feature(enable = "dotprod")]
-pub unsafe fn gemm_x8_half_q8_0_dot(
-    cols: usize,
-    group: &[u8],
-    h: usize,
-    ys: [&[u8]; 8],
-    aux: [&[u8]; 8],
-) -> [[f32; 4]; 8] {
+pub unsafe fn gemm_x8_half_q8_0_dot(cols: usize, group: &[u8], h: usize, quads: [&[u8]; 2]) -> [[f32; 4]; 8] {
     if h == 0 {
-        gemm_x8_half::<Q8X8, 0>(cols, group, ys, aux)
+        gemm_x8_half::<Q8X8, 0>(cols, group, quads)
     } else {
-        gemm_x8_half::<Q8X8, 1>(cols, group, ys, aux)
+        gemm_x8_half::<Q8X8, 1>(cols, group, quads)
     }
 }
 

@@ -338,8 +338,9 @@ pub struct Q8Batch<'a> {
     pairs: Vec<u8>,
     #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
     pair_bytes: usize,
-    /// Per token, `aarch64::half_aux` (`aux_bytes` each; CPUs with dotprod
-    /// and no i8mm, batches of at least 8 tokens; empty otherwise).
+    /// Per 4 tokens, `aarch64::half_quad` (`aux_bytes` each; CPUs with
+    /// dotprod and no i8mm, the whole eights of batches of at least 8
+    /// tokens; empty otherwise).
     #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
     aux: Vec<u8>,
     #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
@@ -365,10 +366,10 @@ impl<'a> Q8Batch<'a> {
                 unsafe { aarch64::mm_pair(32 * nb, (a.bytes(), &a.sums), (b.bytes(), &b.sums), out) };
             }
         } else if ys.len() >= 8 && has_dotprod() {
-            batch.aux_bytes = nb * aarch64::HALF_AUX;
-            batch.aux = vec![0u8; ys.len() * batch.aux_bytes];
-            for (y, out) in ys.iter().zip(batch.aux.chunks_exact_mut(batch.aux_bytes)) {
-                aarch64::half_aux(y.bytes(), &y.sums, out);
+            batch.aux_bytes = nb * aarch64::HALF_QUAD;
+            batch.aux = vec![0u8; ys.len() / 8 * 2 * batch.aux_bytes];
+            for (q, out) in batch.aux.chunks_exact_mut(batch.aux_bytes).enumerate() {
+                aarch64::half_quad(std::array::from_fn(|j| (ys[4 * q + j].bytes(), &ys[4 * q + j].sums[..])), out);
             }
         }
         batch
@@ -454,15 +455,15 @@ pub fn gemm_x8_tokens(dtype: DType, cols: usize, group: &[u8], batch: &Q8Batch, 
         // a tail of 1 to 7 tokens by the quads below.
         let mut t0 = 0;
         while ys.len() - t0 >= 8 {
-            let y: [&[u8]; 8] = std::array::from_fn(|t| ys[t0 + t].bytes());
-            let a: [&[u8]; 8] = std::array::from_fn(|t| &batch.aux[(t0 + t) * batch.aux_bytes..][..batch.aux_bytes]);
+            let q: [&[u8]; 2] =
+                std::array::from_fn(|i| &batch.aux[(t0 / 4 + i) * batch.aux_bytes..][..batch.aux_bytes]);
             let half = |h: usize| {
                 // SAFETY: dotprod presence was checked when the aux data
                 // was made; lengths are checked inside.
                 unsafe {
                     match dtype {
-                        DType::Q4_0 => aarch64::gemm_x8_half_q4_0_dot(cols, group, h, y, a),
-                        DType::Q8_0 => aarch64::gemm_x8_half_q8_0_dot(cols, group, h, y, a),
+                        DType::Q4_0 => aarch64::gemm_x8_half_q4_0_dot(cols, group, h, q),
+                        DType::Q8_0 => aarch64::gemm_x8_half_q8_0_dot(cols, group, h, q),
                         _ => unreachable!("gemm_x8_tokens on {dtype}"),
                     }
                 }
