@@ -895,6 +895,39 @@ pub unsafe fn gemm_x8_half_q8_0_dot(cols: usize, group: &[u8], h: usize, quads: 
     }
 }
 
+/// `x` (`[32 · nb]`) quantized to Q8_0 (`out`: `nb` blocks of 34 bytes)
+/// with each block's Σq in `sums`: the bytes of `portable::quantize_q8_0`.
+/// The block's largest magnitude by `fmaxnm` (NaN ignored, as `f32::max`
+/// does, from 0), the scale and its inverse in scalar code as there, then
+/// `q = round(x · id)` by `fcvtas` (to nearest, ties away from zero, as
+/// `f32::round`) and saturating narrows (as `as i8`). Decode quantizes
+/// every activation a Q4_0/Q8_0 matrix multiplies.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn quantize_q8_0(x: &[f32], out: &mut [u8], sums: &mut [i32]) {
+    let nb = x.len() / 32;
+    assert!(x.len() == nb * 32 && out.len() == nb * 34 && sums.len() == nb, "Q8_0 quantization lengths");
+    for (b, s) in sums.iter_mut().enumerate() {
+        let p = x.as_ptr().add(32 * b);
+        let v: [float32x4_t; 8] = std::array::from_fn(|i| vld1q_f32(p.add(4 * i)));
+        let m = v.iter().fold(vdupq_n_f32(0.0), |m, &v| vmaxnmq_f32(m, vabsq_f32(v)));
+        let amax = vmaxnmvq_f32(m);
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let o = out.as_mut_ptr().add(34 * b);
+        std::ptr::copy_nonoverlapping(half::f16::from_f32(d).to_bits().to_le_bytes().as_ptr(), o, 2);
+        let q: [int32x4_t; 8] = v.map(|v| vcvtaq_s32_f32(vmulq_n_f32(v, id)));
+        let h = |i: usize| vcombine_s16(vqmovn_s32(q[2 * i]), vqmovn_s32(q[2 * i + 1]));
+        let lo = vcombine_s8(vqmovn_s16(h(0)), vqmovn_s16(h(1)));
+        let hi = vcombine_s8(vqmovn_s16(h(2)), vqmovn_s16(h(3)));
+        vst1q_s8(o.add(2) as *mut i8, lo);
+        vst1q_s8(o.add(18) as *mut i8, hi);
+        // The sum of the stored (saturated) quants, as the portable code adds them.
+        *s = vaddlvq_s8(lo) as i32 + vaddlvq_s8(hi) as i32;
+    }
+}
+
 /// `out += Σ a[r] · row r` over the rows of one ×8 group whose bit is set
 /// in `mask`, ascending `r`: each block's rows gathered by a 4 × 4
 /// transpose per four word runs, then, row after row, the fused

@@ -135,6 +135,11 @@ pub fn quantize_q8_0(x: &[f32], out: &mut [u8], sums: &mut [i32]) {
         // SAFETY: AVX2/FMA/F16C presence checked above; lengths asserted inside.
         return unsafe { x86::quantize_q8_0(x, out, sums) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: NEON checked above; lengths asserted inside.
+        return unsafe { aarch64::quantize_q8_0(x, out, sums) };
+    }
     portable::quantize_q8_0(x, out, sums)
 }
 

@@ -779,6 +779,10 @@ fn quantize_q8_0_matches_portable_and_candle_byte_for_byte() {
     blocks.push((0..32).map(|i| f32::from_bits(i + 1) * if i % 2 == 0 { 1.0 } else { -1.0 }).collect());
     blocks.push((0..32).map(|i| if i == 3 { 1e-40 } else { 0.0 }).collect());
     blocks.push((0..32).map(|i| if i == 5 { f32::NAN } else { i as f32 }).collect());
+    // A NaN in the lane that holds the largest value, and a block of NaNs:
+    // the largest magnitude ignores NaN (as `f32::max` does), from 0.
+    blocks.push((0..32).map(|i| if i == 27 { f32::NAN } else { i as f32 }).collect());
+    blocks.push(vec![f32::NAN; 32]);
     blocks.push((0..32).map(|i| if i == 9 { f32::INFINITY } else { -(i as f32) }).collect());
     blocks.push((0..32).map(|i| if i == 1 { f32::MAX } else { -f32::MAX / (i as f32 + 1.0) }).collect());
     let x: Vec<f32> = blocks.concat();
