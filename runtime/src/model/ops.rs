@@ -3,6 +3,26 @@
 
 use nflash_format::{Activation, ModelConfig, RopeScaling};
 
+/// `x` folded into 8 lanes: lane `i mod 8` takes element `i` by `f`, in
+/// order, each lane starting at `init`. A fixed lane order (not a chain of
+/// `x.len()` dependent steps) that the compiler vectorizes and that gives
+/// the same bits in every build: the sums and maximum of [`rms_norm`] and
+/// [`softmax`].
+#[inline(always)]
+fn fold_lanes8(x: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> [f32; 8] {
+    let mut l = [init; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in l.iter_mut().zip(c) {
+            *a = f(*a, v);
+        }
+    }
+    for (a, &v) in l.iter_mut().zip(chunks.remainder()) {
+        *a = f(*a, v);
+    }
+    l
+}
+
 /// RMSNorm: `out = x / sqrt(mean(x²) + eps) * weight`. `x`, `weight`, `out`: `[hidden]`.
 /// The sum of squares runs in 8 lanes (element `i` into lane `i mod 8`, in
 /// order, then `kernels::portable::sum8`), as softmax's sum does: the
@@ -10,17 +30,7 @@ use nflash_format::{Activation, ModelConfig, RopeScaling};
 /// not a chain of `hidden` dependent additions (4.1 ms of a 128-token
 /// SmolLM2 prefill went to the norms).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let mut l = [0f32; 8];
-    let mut chunks = x.chunks_exact(8);
-    for c in &mut chunks {
-        for (a, &v) in l.iter_mut().zip(c) {
-            *a += v * v;
-        }
-    }
-    for (a, &v) in l.iter_mut().zip(chunks.remainder()) {
-        *a += v * v;
-    }
-    let ss = crate::kernels::portable::sum8(l) / x.len() as f32;
+    let ss = crate::kernels::portable::sum8(fold_lanes8(x, 0.0, |a, v| a + v * v)) / x.len() as f32;
     let scale = 1.0 / (ss + eps).sqrt();
     for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
         *o = v * scale * w;
@@ -33,30 +43,10 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// so the compiler vectorizes them and every build gives the same bits;
 /// NaNs are skipped by the maximum as `f32::max` skips them.
 pub fn softmax(x: &mut [f32]) {
-    let mut m = [f32::NEG_INFINITY; 8];
-    let mut chunks = x.chunks_exact(8);
-    for c in &mut chunks {
-        for (a, &v) in m.iter_mut().zip(c) {
-            *a = a.max(v);
-        }
-    }
-    for (a, &v) in m.iter_mut().zip(chunks.remainder()) {
-        *a = a.max(v);
-    }
-    let max = m.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = fold_lanes8(x, f32::NEG_INFINITY, f32::max).into_iter().fold(f32::NEG_INFINITY, f32::max);
     x.iter_mut().for_each(|v| *v -= max);
     crate::kernels::exp_slice(x);
-    let mut l = [0f32; 8];
-    let mut chunks = x.chunks_exact(8);
-    for c in &mut chunks {
-        for (a, &v) in l.iter_mut().zip(c) {
-            *a += v;
-        }
-    }
-    for (a, &v) in l.iter_mut().zip(chunks.remainder()) {
-        *a += v;
-    }
-    let inv = 1.0 / crate::kernels::portable::sum8(l);
+    let inv = 1.0 / crate::kernels::portable::sum8(fold_lanes8(x, 0.0, |a, v| a + v));
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
