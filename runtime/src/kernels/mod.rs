@@ -427,23 +427,11 @@ pub fn gemm_x8_tokens(dtype: DType, cols: usize, group: &[u8], batch: &Q8Batch, 
             let mut t0 = 0;
             while let Some(a) = pairs.next() {
                 if let Some(b) = pairs.next() {
-                    let [x, y] = unsafe {
-                        if q4 {
-                            aarch64::gemm_x8_q4_0_mm(cols, prep, [a, b])
-                        } else {
-                            aarch64::gemm_x8_q8_0_mm(cols, prep, [a, b])
-                        }
-                    };
+                    let [x, y] = unsafe { gemm_x8_mm(q4, cols, prep, [a, b]) };
                     put(t0, &[x[0], x[1], y[0], y[1]]);
                     t0 += 4;
                 } else {
-                    let [x] = unsafe {
-                        if q4 {
-                            aarch64::gemm_x8_q4_0_mm(cols, prep, [a])
-                        } else {
-                            aarch64::gemm_x8_q8_0_mm(cols, prep, [a])
-                        }
-                    };
+                    let [x] = unsafe { gemm_x8_mm(q4, cols, prep, [a]) };
                     put(t0, &x);
                     t0 += 2;
                 }
@@ -483,6 +471,23 @@ pub fn gemm_x8_tokens(dtype: DType, cols: usize, group: &[u8], batch: &Q8Batch, 
         return;
     }
     gemm_x8_quads(dtype, cols, group, ys, put);
+}
+
+/// `aarch64::gemm_x8_q4_0_mm` (`q4`) or `gemm_x8_q8_0_mm`: a group prepared
+/// by `aarch64::mm_prepare` against `P` prepared token pairs.
+///
+/// # Safety
+/// The CPU must have i8mm.
+#[cfg(target_arch = "aarch64")]
+unsafe fn gemm_x8_mm<const P: usize>(q4: bool, cols: usize, prep: &[u8], pairs: [&[u8]; P]) -> [[[f32; 8]; 2]; P] {
+    // SAFETY: the caller's contract; lengths are checked inside.
+    unsafe {
+        if q4 {
+            aarch64::gemm_x8_q4_0_mm(cols, prep, pairs)
+        } else {
+            aarch64::gemm_x8_q8_0_mm(cols, prep, pairs)
+        }
+    }
 }
 
 /// [`gemm_x8`] over `ys`, four tokens per call and a tail of 1 to 3:
