@@ -1202,3 +1202,432 @@ pub unsafe fn axpy_kv<T: KvLoad>(a: f32, v: &[T], out: &mut [f32]) {
         out[i] = a.mul_add(v[i].into(), out[i]);
     }
 }
+
+/// `q · k` of 8 lanes folded as `portable::sum8` does: lanes `i` and `i +
+/// 4` added (`l0 + l1`), then `(a0 + a2) + (a1 + a3)`.
+#[inline(always)]
+unsafe fn sum8(l0: float32x4_t, l1: float32x4_t) -> f32 {
+    let a = vaddq_f32(l0, l1);
+    let b = vadd_f32(vget_low_f32(a), vget_high_f32(a));
+    vget_lane_f32::<0>(b) + vget_lane_f32::<1>(b)
+}
+
+/// Attention scores of `N` query heads `q` (`[N, hd]`) over `n` cached
+/// positions, into `out` (`[N, n]`): `out[h][j] = scale · (q_h ·
+/// k[(start + j) · stride + off ..][..hd])`, `P` positions at a time, each
+/// key loaded (and converted from f16) once for the `N` heads; every score
+/// in the order of [`dot_kv`] (lane `i mod 8` in two 4-lane accumulators,
+/// then the `sum8` tree).
+#[inline(always)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // `u` and `h` index registers and rows at once
+unsafe fn scores_n<T: KvLoad, const N: usize, const P: usize>(
+    q: &[f32],
+    hd: usize,
+    k: &[T],
+    stride: usize,
+    off: usize,
+    start: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let n = out.len() / N;
+    assert!(hd.is_multiple_of(8) && q.len() == N * hd && out.len() == N * n);
+    assert!(n == 0 || (start + n - 1) * stride + off + hd <= k.len());
+    let row = |j: usize| k.as_ptr().add((start + j) * stride + off);
+    let qp = q.as_ptr();
+    let mut j = 0;
+    while j < n {
+        // `P` positions, then the tail one at a time.
+        let m = if j + P <= n { P } else { 1 };
+        let mut acc = [[[vdupq_n_f32(0.0); 2]; N]; P];
+        let r: [*const T; P] = std::array::from_fn(|u| row(j + u.min(m - 1)));
+        for c in (0..hd).step_by(8) {
+            let kv: [[float32x4_t; 2]; P] = std::array::from_fn(|u| [T::load4(r[u].add(c)), T::load4(r[u].add(c + 4))]);
+            for h in 0..N {
+                let qv = [vld1q_f32(qp.add(h * hd + c)), vld1q_f32(qp.add(h * hd + c + 4))];
+                for u in 0..P {
+                    acc[u][h][0] = vfmaq_f32(acc[u][h][0], qv[0], kv[u][0]);
+                    acc[u][h][1] = vfmaq_f32(acc[u][h][1], qv[1], kv[u][1]);
+                }
+            }
+        }
+        for u in 0..m {
+            for h in 0..N {
+                out[h * n + j + u] = sum8(acc[u][h][0], acc[u][h][1]) * scale;
+            }
+        }
+        j += m;
+    }
+}
+
+/// Attention scores of the query heads `q` (`[nq, hd]`, the heads sharing
+/// one KV head) over `n` cached positions into `out` (`[nq, n]`), up to
+/// four heads per pass over the keys (see [`scores_n`]).
+///
+/// # Safety
+/// None beyond aarch64; `hd` must be a multiple of 8 and the rows inside
+/// `k` (asserted).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attn_scores<T: KvLoad>(
+    q: &[f32],
+    hd: usize,
+    k: &[T],
+    stride: usize,
+    off: usize,
+    start: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let nq = q.len() / hd;
+    let n = out.len() / nq;
+    let (mut h, mut oh) = (0, 0);
+    while h < nq {
+        let m = (nq - h).min(4);
+        let (qs, os) = (&q[h * hd..(h + m) * hd], &mut out[oh..oh + m * n]);
+        match m {
+            1 => scores_n::<T, 1, 4>(qs, hd, k, stride, off, start, scale, os),
+            2 => scores_n::<T, 2, 4>(qs, hd, k, stride, off, start, scale, os),
+            3 => scores_n::<T, 3, 2>(qs, hd, k, stride, off, start, scale, os),
+            _ => scores_n::<T, 4, 2>(qs, hd, k, stride, off, start, scale, os),
+        }
+        h += m;
+        oh += m * n;
+    }
+}
+
+/// `out_h += Σ_j p_h[j] · v[(start + j) · stride + off ..][..hd]` for `N`
+/// heads (`p`: `[N, n]`, `out`: `[N, hd]`): each element takes one fused
+/// multiply-add per position, positions in order (as [`axpy_kv`]
+/// repeated), `W` 4-lane registers of each head's output held at a time
+/// and each value row loaded (and converted) once for the `N` heads.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // `h` and `u` index registers and rows at once
+unsafe fn values_n<T: KvLoad, const N: usize, const W: usize>(
+    p: &[f32],
+    v: &[T],
+    stride: usize,
+    off: usize,
+    start: usize,
+    out: &mut [f32],
+) {
+    let (hd, n) = (out.len() / N, p.len() / N);
+    assert!(hd.is_multiple_of(8) && out.len() == N * hd && p.len() == N * n);
+    assert!(n == 0 || (start + n - 1) * stride + off + hd <= v.len());
+    let o = out.as_mut_ptr();
+    for c0 in (0..hd).step_by(4 * W) {
+        let w = (hd - c0).min(4 * W) / 4;
+        let mut acc = [[vdupq_n_f32(0.0); W]; N];
+        for h in 0..N {
+            for u in 0..w {
+                acc[h][u] = vld1q_f32(o.add(h * hd + c0 + 4 * u));
+            }
+        }
+        for j in 0..n {
+            let r = v.as_ptr().add((start + j) * stride + off + c0);
+            let mut x = [vdupq_n_f32(0.0); W];
+            for u in 0..w {
+                x[u] = T::load4(r.add(4 * u));
+            }
+            for h in 0..N {
+                let s = p[h * n + j];
+                for u in 0..w {
+                    acc[h][u] = vfmaq_n_f32(acc[h][u], x[u], s);
+                }
+            }
+        }
+        for h in 0..N {
+            for u in 0..w {
+                vst1q_f32(o.add(h * hd + c0 + 4 * u), acc[h][u]);
+            }
+        }
+    }
+}
+
+/// `out_h += Σ_j p_h[j] · v_j` for the query heads sharing one KV head
+/// (`p`: `[nq, n]` probabilities, `out`: `[nq, hd]`), up to four heads per
+/// pass over the values (see [`values_n`]).
+///
+/// # Safety
+/// None beyond aarch64; `hd` must be a multiple of 8 and the rows inside
+/// `v` (asserted).
+pub unsafe fn attn_values<T: KvLoad>(
+    p: &[f32],
+    hd: usize,
+    v: &[T],
+    stride: usize,
+    off: usize,
+    start: usize,
+    out: &mut [f32],
+) {
+    let nq = out.len() / hd;
+    let n = p.len() / nq;
+    let mut h = 0;
+    while h < nq {
+        let m = (nq - h).min(4);
+        let (ps, os) = (&p[h * n..(h + m) * n], &mut out[h * hd..(h + m) * hd]);
+        match m {
+            1 => values_n::<T, 1, 8>(ps, v, stride, off, start, os),
+            2 => values_n::<T, 2, 8>(ps, v, stride, off, start, os),
+            3 => values_n::<T, 3, 6>(ps, v, stride, off, start, os),
+            _ => values_n::<T, 4, 4>(ps, v, stride, off, start, os),
+        }
+        h += m;
+    }
+}
+
+/// [`super::portable::exp`] on 2 f64 lanes, operation for operation: the
+/// clamp by compare-and-select (a NaN lane stays NaN, as the portable
+/// comparisons keep it), `frintn` (ties to even), two fused steps for `r`,
+/// Taylor's polynomial by fused multiply-adds, and `2^n` from its bits
+/// (`fcvtzs` gives 0 for NaN, as the portable code does).
+#[inline(always)]
+unsafe fn exp2_pd(x: float64x2_t) -> float64x2_t {
+    use super::portable::{EXP_RANGE, EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E};
+    let (lo, hi) = (vdupq_n_f64(EXP_RANGE.0), vdupq_n_f64(EXP_RANGE.1));
+    let x = vbslq_f64(vcgtq_f64(lo, x), lo, x);
+    let x = vbslq_f64(vcltq_f64(hi, x), hi, x);
+    let n = vrndnq_f64(vmulq_n_f64(x, LOG2E));
+    let r = vfmsq_f64(x, n, vdupq_n_f64(LN2_HI));
+    let r = vfmsq_f64(r, n, vdupq_n_f64(LN2_LO));
+    let mut p = vdupq_n_f64(EXP_TAYLOR[0]);
+    for c in &EXP_TAYLOR[1..] {
+        p = vfmaq_f64(vdupq_n_f64(*c), p, r);
+    }
+    let e = vshlq_n_s64::<52>(vaddq_s64(vcvtq_s64_f64(n), vdupq_n_s64(1023)));
+    vmulq_f64(p, vreinterpretq_f64_s64(e))
+}
+
+/// `x[i] = e^{x[i]}`, the bits of `portable::exp` lane by lane (softmax,
+/// SiLU), four f32 at a time through two f64 pairs.
+///
+/// # Safety
+/// None beyond aarch64.
+pub unsafe fn exp_slice(x: &mut [f32]) {
+    let mut chunks = x.chunks_exact_mut(4);
+    for c in &mut chunks {
+        let v = vld1q_f32(c.as_ptr());
+        let lo = exp2_pd(vcvt_f64_f32(vget_low_f32(v)));
+        let hi = exp2_pd(vcvt_high_f64_f32(v));
+        vst1q_f32(c.as_mut_ptr(), vcvt_high_f32_f64(vcvt_f32_f64(lo), hi));
+    }
+    chunks.into_remainder().iter_mut().for_each(|v| *v = super::portable::exp(*v));
+}
+
+/// `d · q` of one 32-value block (`lo`: elements 0..16, `hi`: 16..32) into
+/// the 32 f32 at `o`: one f32 product per element, the bits of every other
+/// dequantization.
+///
+/// # Safety
+/// 32 elements must be writable at `o`.
+#[inline(always)]
+unsafe fn store_scaled(o: *mut f32, d: f32, (lo, hi): (int8x16_t, int8x16_t)) {
+    for (j, v) in to_f32(lo).into_iter().chain(to_f32(hi)).enumerate() {
+        vst1q_f32(o.add(4 * j), vmulq_n_f32(v, d));
+    }
+}
+
+/// Dequantizes row-layout blocks of `B` into `out` (`[blocks · 32]`).
+#[inline(always)]
+unsafe fn dequant<B: RowBlock>(row: &[u8], out: &mut [f32]) {
+    let nb = out.len() / 32;
+    assert!(out.len().is_multiple_of(32) && row.len() >= nb * B::BYTES);
+    for b in 0..nb {
+        let p = row.as_ptr().add(b * B::BYTES);
+        store_scaled(out.as_mut_ptr().add(32 * b), f16_at(p), B::values(p.add(2)));
+    }
+}
+
+/// Q4_0 blocks → f32 (`out.len()` elements, a multiple of 32), NEON.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn dequant_q4_0(row: &[u8], out: &mut [f32]) {
+    dequant::<Q4Row>(row, out)
+}
+
+/// Q8_0 blocks → f32 (`out.len()` elements, a multiple of 32), NEON.
+///
+/// # Safety
+/// As [`dequant_q4_0`].
+pub unsafe fn dequant_q8_0(row: &[u8], out: &mut [f32]) {
+    dequant::<Q8Row>(row, out)
+}
+
+/// Dequantizes one ×8 group (`cols` elements per row) into its 8 rows
+/// `out` (`[8, cols]`), element = `d · q` as in [`dequant`].
+#[inline(always)]
+unsafe fn dequant_x8<B: X8Block>(group: &[u8], cols: usize, out: &mut [f32]) {
+    let nb = cols / 32;
+    assert!(cols.is_multiple_of(32) && out.len() >= 8 * cols && group.len() >= nb * B::BYTES);
+    for b in 0..nb {
+        let p = group.as_ptr().add(b * B::BYTES);
+        for (r, row) in B::rows(p).into_iter().enumerate() {
+            store_scaled(out.as_mut_ptr().add(r * cols + 32 * b), f16_at(p.add(2 * r)), row);
+        }
+    }
+}
+
+/// One Q4_0×8 group → its 8 rows in f32 (`out`: `[8, cols]`), NEON.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn dequant_x8_q4_0(group: &[u8], cols: usize, out: &mut [f32]) {
+    dequant_x8::<Q4X8>(group, cols, out)
+}
+
+/// One Q8_0×8 group → its 8 rows in f32 (`out`: `[8, cols]`), NEON.
+///
+/// # Safety
+/// As [`dequant_x8_q4_0`].
+pub unsafe fn dequant_x8_q8_0(group: &[u8], cols: usize, out: &mut [f32]) {
+    dequant_x8::<Q8X8>(group, cols, out)
+}
+
+/// `outs[t] += Σ_r a[t][r] · row r` over the 8 rows of one ×8 group for
+/// each token: per column block the rows are unpacked to f32 once (`w`,
+/// `[8][32]`) for all the tokens, then each token's 32 outputs take, row
+/// after row, `s = a · d` and one fused multiply-add per element (the bits
+/// of [`axpy_x8_rows`] with every row set). Short prefills' down projection.
+#[inline(always)]
+unsafe fn axpy_x8_tokens_blocks<B: X8Block>(group: &[u8], a: &[[f32; 8]], outs: &mut [&mut [f32]]) {
+    let cols = outs.first().map_or(0, |o| o.len());
+    let nb = cols / 32;
+    assert!(cols.is_multiple_of(32) && group.len() >= nb * B::BYTES && a.len() == outs.len());
+    assert!(outs.iter().all(|o| o.len() == cols), "×8 token axpy: output rows of different lengths");
+    let mut w = [[vdupq_n_f32(0.0); 8]; 8];
+    for b in 0..nb {
+        let p = group.as_ptr().add(b * B::BYTES);
+        let mut d = [0f32; 8];
+        for (r, (row, dr)) in B::rows(p).into_iter().zip(d.iter_mut()).enumerate() {
+            let (fl, fh) = (to_f32(row.0), to_f32(row.1));
+            w[r] = [fl[0], fl[1], fl[2], fl[3], fh[0], fh[1], fh[2], fh[3]];
+            *dr = f16_at(p.add(2 * r));
+        }
+        for (at, out) in a.iter().zip(outs.iter_mut()) {
+            let o = out.as_mut_ptr().add(32 * b);
+            let mut acc = load_block(o);
+            for r in 0..8 {
+                let s = at[r] * d[r];
+                for (acc, &wv) in acc.iter_mut().zip(&w[r]) {
+                    *acc = vfmaq_n_f32(*acc, wv, s);
+                }
+            }
+            store_block(o, &acc);
+        }
+    }
+}
+
+/// [`axpy_x8_tokens_blocks`] for Q4_0×8 groups, NEON.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn axpy_x8_tokens_q4_0(group: &[u8], a: &[[f32; 8]], outs: &mut [&mut [f32]]) {
+    axpy_x8_tokens_blocks::<Q4X8>(group, a, outs)
+}
+
+/// [`axpy_x8_tokens_blocks`] for Q8_0×8 groups, NEON.
+///
+/// # Safety
+/// As [`axpy_x8_tokens_q4_0`].
+pub unsafe fn axpy_x8_tokens_q8_0(group: &[u8], a: &[[f32; 8]], outs: &mut [&mut [f32]]) {
+    axpy_x8_tokens_blocks::<Q8X8>(group, a, outs)
+}
+
+/// Elements `4k + j` and `16 + 4k + j` (quant byte `4k + j`'s low and
+/// high nibble), `j = 0..4`, of 4 rows from one 16-byte run `k` of a
+/// Q4_0×8 block, as `q − 8` in f32 lane `r` (row): the run is XORed with
+/// `0x88` once, so each nibble reads as the signed 4-bit `q − 8`; each is
+/// shifted to the top of its 32-bit lane and arithmetically back down, then
+/// converted (exact). Two shifts per 4 values, no widening chain, no
+/// transpose, as the x86 kernel's shifts and masks.
+#[inline(always)]
+unsafe fn q4_x8_values(run: uint8x16_t) -> [(float32x4_t, float32x4_t); 4] {
+    let w = vreinterpretq_s32_u8(veorq_u8(run, vdupq_n_u8(0x88)));
+    let f = |v: int32x4_t| vcvtq_f32_s32(vshrq_n_s32::<28>(v));
+    [
+        (f(vshlq_n_s32::<28>(w)), f(vshlq_n_s32::<24>(w))),
+        (f(vshlq_n_s32::<20>(w)), f(vshlq_n_s32::<16>(w))),
+        (f(vshlq_n_s32::<12>(w)), f(vshlq_n_s32::<8>(w))),
+        (f(vshlq_n_s32::<4>(w)), f(w)),
+    ]
+}
+
+/// The 8 rows of one Q4_0×8 group (`cols` elements each) dotted with `T`
+/// f32 vectors `xs`: `out[t][r]`, the bits of `portable::gemm_x8_f32_q4_0`
+/// (per block `s = Σ q · x` by fused multiply-adds in the order 0, 16, 1,
+/// 17, …, 15, 31, then `acc = d · s + acc`). Short prefills with exact
+/// activations.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+#[allow(clippy::needless_range_loop)] // `t` indexes registers and slices at once
+pub unsafe fn gemm_x8_f32_q4_0<const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; 8]; T] {
+    let nb = cols / 32;
+    assert!(group.len() >= nb * Q4_0_X8_BLOCK && xs.iter().all(|x| x.len() >= nb * 32));
+    let mut acc = [[vdupq_n_f32(0.0); 2]; T];
+    for b in 0..nb {
+        let p = group.as_ptr().add(b * Q4_0_X8_BLOCK);
+        let h = vld1q_u16(p as *const u16);
+        let d = [f16x4_to_f32(vget_low_u16(h)), f16x4_to_f32(vget_high_u16(h))];
+        let mut s = [[vdupq_n_f32(0.0); 2]; T];
+        for k in 0..4 {
+            // Run k: bytes 4k .. 4k + 4 of rows 0-3 (16 bytes), then of rows 4-7.
+            let x: [[float32x4_t; 2]; T] = std::array::from_fn(|t| {
+                let xp = xs[t].as_ptr().add(32 * b + 4 * k);
+                [vld1q_f32(xp), vld1q_f32(xp.add(16))]
+            });
+            for half in 0..2 {
+                let q = q4_x8_values(vld1q_u8(p.add(16 + 32 * k + 16 * half)));
+                for t in 0..T {
+                    let (mut v, [xl, xh]) = (s[t][half], x[t]);
+                    v = vfmaq_laneq_f32::<0>(v, q[0].0, xl);
+                    v = vfmaq_laneq_f32::<0>(v, q[0].1, xh);
+                    v = vfmaq_laneq_f32::<1>(v, q[1].0, xl);
+                    v = vfmaq_laneq_f32::<1>(v, q[1].1, xh);
+                    v = vfmaq_laneq_f32::<2>(v, q[2].0, xl);
+                    v = vfmaq_laneq_f32::<2>(v, q[2].1, xh);
+                    v = vfmaq_laneq_f32::<3>(v, q[3].0, xl);
+                    v = vfmaq_laneq_f32::<3>(v, q[3].1, xh);
+                    s[t][half] = v;
+                }
+            }
+        }
+        for t in 0..T {
+            acc[t][0] = vfmaq_f32(acc[t][0], d[0], s[t][0]);
+            acc[t][1] = vfmaq_f32(acc[t][1], d[1], s[t][1]);
+        }
+    }
+    let mut out = [[0f32; 8]; T];
+    for (o, a) in out.iter_mut().zip(acc) {
+        vst1q_f32(o.as_mut_ptr(), a[0]);
+        vst1q_f32(o.as_mut_ptr().add(4), a[1]);
+    }
+    out
+}
+
+/// One Q4_0×8 group into a weight panel: `out[k · stride + r] = d · q`
+/// for row `r < 8` and element `k < cols` (the bits of
+/// `portable::dequant_x8_panel_q4_0`), by [`q4_x8_values`]: two shifts per
+/// 4 values and no transpose.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn dequant_x8_panel_q4_0(group: &[u8], cols: usize, out: &mut [f32], stride: usize) {
+    super::check_x8_panel(group.len(), Q4_0_X8_BLOCK, cols, out.len(), stride);
+    let o = out.as_mut_ptr();
+    for b in 0..cols / 32 {
+        let p = group.as_ptr().add(b * Q4_0_X8_BLOCK);
+        let h = vld1q_u16(p as *const u16);
+        let d = [f16x4_to_f32(vget_low_u16(h)), f16x4_to_f32(vget_high_u16(h))];
+        for k in 0..4 {
+            for (half, &dh) in d.iter().enumerate() {
+                let q = q4_x8_values(vld1q_u8(p.add(16 + 32 * k + 16 * half)));
+                for (j, (lo, hi)) in q.into_iter().enumerate() {
+                    let i = 32 * b + 4 * k + j;
+                    vst1q_f32(o.add(i * stride + 4 * half), vmulq_f32(dh, lo));
+                    vst1q_f32(o.add((i + 16) * stride + 4 * half), vmulq_f32(dh, hi));
+                }
+            }
+        }
+    }
+}

@@ -530,12 +530,18 @@ pub fn gemm_x8_f32<const T: usize>(dtype: DType, cols: usize, group: &[u8], xs: 
             }
         };
     }
+    // SAFETY: NEON is in the aarch64 baseline; lengths asserted inside.
+    #[cfg(target_arch = "aarch64")]
+    return unsafe {
+        match dtype {
+            DType::Q4_0 => aarch64::gemm_x8_f32_q4_0(cols, group, xs),
+            DType::Q8_0 => aarch64::gemm_x8_f32_q8_0(cols, group, xs),
+            _ => unreachable!("gemm_x8_f32 on {dtype}"),
+        }
+    };
+    #[cfg(not(target_arch = "aarch64"))]
     match dtype {
         DType::Q4_0 => portable::gemm_x8_f32_q4_0(cols, group, xs),
-        // SAFETY: NEON is in the aarch64 baseline; lengths asserted inside.
-        #[cfg(target_arch = "aarch64")]
-        DType::Q8_0 => unsafe { aarch64::gemm_x8_f32_q8_0(cols, group, xs) },
-        #[cfg(not(target_arch = "aarch64"))]
         DType::Q8_0 => portable::gemm_x8_f32_q8_0(cols, group, xs),
         _ => unreachable!("gemm_x8_f32 on {dtype}"),
     }
@@ -621,6 +627,11 @@ pub fn exp_slice(x: &mut [f32]) {
     if has_avx2() {
         // SAFETY: AVX2/FMA/F16C presence checked above.
         return unsafe { x86::exp_slice(x) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: NEON checked.
+        return unsafe { aarch64::exp_slice(x) };
     }
     portable::exp_slice(x)
 }
@@ -719,6 +730,17 @@ pub fn attn_scores(
         }
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() && head_dim.is_multiple_of(8) {
+        // SAFETY: NEON and the head size checked above; rows asserted inside.
+        unsafe {
+            match k {
+                KvSlice::F16(k) => aarch64::attn_scores(q, head_dim, k, stride, off, start, scale, out),
+                KvSlice::F32(k) => aarch64::attn_scores(q, head_dim, k, stride, off, start, scale, out),
+            }
+        }
+        return;
+    }
     let n = out.len() / (q.len() / head_dim);
     for (qh, oh) in q.chunks_exact(head_dim).zip(out.chunks_exact_mut(n.max(1))) {
         for (j, o) in oh.iter_mut().enumerate() {
@@ -743,6 +765,17 @@ pub fn attn_values(p: &[f32], head_dim: usize, v: KvSlice, stride: usize, off: u
             match v {
                 KvSlice::F16(v) => x86::attn_values(p, head_dim, v, stride, off, start, out),
                 KvSlice::F32(v) => x86::attn_values(p, head_dim, v, stride, off, start, out),
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() && head_dim.is_multiple_of(8) {
+        // SAFETY: NEON and the head size checked above; rows asserted inside.
+        unsafe {
+            match v {
+                KvSlice::F16(v) => aarch64::attn_values(p, head_dim, v, stride, off, start, out),
+                KvSlice::F32(v) => aarch64::attn_values(p, head_dim, v, stride, off, start, out),
             }
         }
         return;
@@ -886,6 +919,18 @@ pub fn axpy_x8_tokens(dtype: DType, group: &[u8], a: &[[f32; 8]], outs: &mut [&m
         }
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: NEON checked; lengths asserted inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => aarch64::axpy_x8_tokens_q4_0(group, a, outs),
+                DType::Q8_0 => aarch64::axpy_x8_tokens_q8_0(group, a, outs),
+                _ => unreachable!("axpy_x8_tokens on {dtype}"),
+            }
+        }
+        return;
+    }
     for (at, o) in a.iter().zip(outs.iter_mut()) {
         axpy_x8(dtype, group, *at, 0xFF, o);
     }
@@ -982,6 +1027,17 @@ pub fn row_to_f32(dtype: DType, row: &[u8], out: &mut [f32]) {
         }
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() && dtype.is_quantized() {
+        // SAFETY: NEON checked; lengths asserted inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => aarch64::dequant_q4_0(row, out),
+                _ => aarch64::dequant_q8_0(row, out),
+            }
+        }
+        return;
+    }
     match dtype {
         DType::F32 => out.copy_from_slice(cast::<f32>(row)),
         DType::F16 => f16::to_float(cast::<f16>(row), out),
@@ -1003,6 +1059,18 @@ pub fn group_to_f32(dtype: DType, cols: usize, group: &[u8], out: &mut [f32]) {
             match dtype {
                 DType::Q4_0 => x86::dequant_x8_q4_0(group, cols, out),
                 DType::Q8_0 => x86::dequant_x8_q8_0(group, cols, out),
+                _ => unreachable!("group_to_f32 on {dtype}"),
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if has_neon() {
+        // SAFETY: NEON checked; lengths asserted inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => aarch64::dequant_x8_q4_0(group, cols, out),
+                DType::Q8_0 => aarch64::dequant_x8_q8_0(group, cols, out),
                 _ => unreachable!("group_to_f32 on {dtype}"),
             }
         }
@@ -1092,12 +1160,18 @@ pub fn group_to_panel(dtype: DType, cols: usize, group: &[u8], out: &mut [f32], 
         }
         return;
     }
+    // SAFETY: NEON is in the aarch64 baseline; lengths asserted inside.
+    #[cfg(target_arch = "aarch64")]
+    unsafe {
+        match dtype {
+            DType::Q4_0 => aarch64::dequant_x8_panel_q4_0(group, cols, out, stride),
+            DType::Q8_0 => aarch64::dequant_x8_panel_q8_0(group, cols, out, stride),
+            _ => unreachable!("group_to_panel on {dtype}"),
+        }
+    }
+    #[cfg(not(target_arch = "aarch64"))]
     match dtype {
         DType::Q4_0 => portable::dequant_x8_panel_q4_0(group, cols, out, stride),
-        // SAFETY: NEON is in the aarch64 baseline; lengths asserted inside.
-        #[cfg(target_arch = "aarch64")]
-        DType::Q8_0 => unsafe { aarch64::dequant_x8_panel_q8_0(group, cols, out, stride) },
-        #[cfg(not(target_arch = "aarch64"))]
         DType::Q8_0 => portable::dequant_x8_panel_q8_0(group, cols, out, stride),
         _ => unreachable!("group_to_panel on {dtype}"),
     }
