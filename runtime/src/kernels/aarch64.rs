@@ -404,6 +404,28 @@ unsafe fn sdot_lane<const L: i32>(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t
     acc
 }
 
+/// The 16 bytes at `p + OFF` by one `ldr q`: never paired into an `ldp`,
+/// which in-order cores (Cortex-A55) issue as a multi-cycle load that
+/// stalls the next instruction.
+///
+/// # Safety
+/// 16 bytes must be readable at `p + OFF`.
+#[inline(always)]
+unsafe fn ldr_q<const OFF: usize>(p: *const u8) -> int8x16_t {
+    let v: int8x16_t;
+    // SAFETY: the caller guarantees the 16 bytes are readable.
+    unsafe {
+        asm!(
+            "ldr {v:q}, [{p}, #{off}]",
+            v = lateout(vreg) v,
+            p = in(reg) p,
+            off = const OFF,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    v
+}
+
 /// A ×8 column-block type (SPEC §5.1).
 trait X8Block {
     /// Bytes of one column block.
@@ -787,16 +809,16 @@ pub unsafe fn gemm_x8_q8_0_mm<const P: usize>(cols: usize, prep: &[u8], pairs: [
 }
 
 /// Bytes per block of four tokens' [`half_quad`].
-pub const HALF_QUAD: usize = 256;
+pub const HALF_QUAD: usize = 208;
 
 /// Four Q8_0 vectors (`(bytes, per-block Σq)` each) as
 /// [`gemm_x8_half_q4_0_dot`] reads them, written once per prefill batch
 /// into `out` ([`HALF_QUAD`] bytes per block): each token's start of a
-/// Q4_0 block's sums, `−8 · Σy` in 4 i32 lanes (bytes 0..64), its scale as
-/// f32 in 4 lanes (64..128), then 8 vectors of their values interleaved
-/// like llama.cpp's `block_q8_0x4`: vector `k` holds bytes `4k .. 4k+4` of
-/// token `j` in lane `j` (128..256), so one indexed `sdot` per token reads
-/// one register shared by four tokens.
+/// Q4_0 block's sums, `−8 · Σy` in 4 i32 lanes (bytes 0..64), the four
+/// scales as f32, token `j` in lane `j` (64..80), then 8 vectors of their
+/// values interleaved like llama.cpp's `block_q8_0x4`: vector `k` holds
+/// bytes `4k .. 4k+4` of token `j` in lane `j` (80..208), so one indexed
+/// `sdot` per token reads one register shared by four tokens.
 ///
 /// Panics if a slice is shorter than the blocks of `ys[0]` need.
 pub fn half_quad(ys: [(&[u8], &[i32]); 4], out: &mut [u8]) {
@@ -808,25 +830,57 @@ pub fn half_quad(ys: [(&[u8], &[i32]); 4], out: &mut [u8]) {
             let dy = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
             for l in 0..4 {
                 o[16 * j + 4 * l..16 * j + 4 * l + 4].copy_from_slice(&(-8 * sums[b]).to_le_bytes());
-                o[64 + 16 * j + 4 * l..64 + 16 * j + 4 * l + 4].copy_from_slice(&dy.to_le_bytes());
             }
+            o[64 + 4 * j..64 + 4 * j + 4].copy_from_slice(&dy.to_le_bytes());
             for k in 0..8 {
-                o[128 + 16 * k + 4 * j..128 + 16 * k + 4 * j + 4].copy_from_slice(&blk[2 + 4 * k..6 + 4 * k]);
+                o[80 + 16 * k + 4 * j..80 + 16 * k + 4 * j + 4].copy_from_slice(&blk[2 + 4 * k..6 + 4 * k]);
             }
         }
     }
 }
 
+/// The exact integer sums of one block for four tokens prepared by
+/// [`half_quad`] (`base`: the quad's block) against the words `w` of four
+/// rows (`[k][0]`: elements `4k ..`, `[k][1]`: `16 + 4k ..`, one row per
+/// lane, from [`X8Block::words`]): lane `i` of token `j`'s vector is row
+/// `i`'s sum, started at Q4_0's `−8 · Σy`. Word by word, each token takes
+/// one indexed `sdot` from the interleaved values (llama.cpp's
+/// `ggml_gemm_q4_0_4x4_q8_0` order: four independent chains); values and
+/// starts are loaded by [`ldr_q`].
+#[inline(always)]
+unsafe fn quad_sums<B: X8Block>(base: *const u8, w: &[[int8x16_t; 2]; 4]) -> [int32x4_t; 4] {
+    let mut s = if B::OFFSET {
+        [ldr_q::<0>(base), ldr_q::<16>(base), ldr_q::<32>(base), ldr_q::<48>(base)].map(|v| vreinterpretq_s32_s8(v))
+    } else {
+        [vdupq_n_s32(0); 4]
+    };
+    let y = [
+        (ldr_q::<80>(base), ldr_q::<144>(base)),
+        (ldr_q::<96>(base), ldr_q::<160>(base)),
+        (ldr_q::<112>(base), ldr_q::<176>(base)),
+        (ldr_q::<128>(base), ldr_q::<192>(base)),
+    ];
+    for k in 0..4 {
+        let (lo, hi) = y[k];
+        s[0] = sdot_lane::<0>(sdot_lane::<0>(s[0], w[k][0], lo), w[k][1], hi);
+        s[1] = sdot_lane::<1>(sdot_lane::<1>(s[1], w[k][0], lo), w[k][1], hi);
+        s[2] = sdot_lane::<2>(sdot_lane::<2>(s[2], w[k][0], lo), w[k][1], hi);
+        s[3] = sdot_lane::<3>(sdot_lane::<3>(s[3], w[k][0], lo), w[k][1], hi);
+    }
+    s
+}
+
 /// Rows `4h .. 4h+4` (one half of a ×8 group) dotted with 8 Q8_0 vectors
 /// prepared by [`half_quad`] (tokens `4q .. 4q+4` in `quads[q]`):
 /// `out[t][i]` for row `4h + i`. Per block the half's 8 word runs are read
-/// and split once for the 8 tokens, then, word by word, each of the 8
-/// tokens' sums takes one indexed `sdot` from the interleaved values
-/// (llama.cpp's `ggml_gemm_q4_0_4x4_q8_0` order: 8 independent chains, few
-/// registers), and each token one fused multiply-add by the scale
-/// products: the bits of `portable::gemm_x8` (the integer sums are exact
-/// in any order). `H`: which half, a constant so that the other half's
-/// words are never split.
+/// and split once for the 8 tokens, the sums of each quad taken by
+/// [`quad_sums`], then each token one fused multiply-add by the scale
+/// products (`d` times the token's lane of the quad's scales): the bits of
+/// `portable::gemm_x8` (the integer sums are exact in any order). `H`:
+/// which half, a constant so that the other half's words are never split.
+/// Every value and start is loaded by `ldr q`: paired `ldp q` loads made
+/// the llvm-mca Cortex-A55 model stall 6 cycles after each (5.19 cycles
+/// per block, llama.cpp's hand-scheduled `ldr q` kernel 4.22; now 3.97).
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // `k` and `t` index several arrays and registers at once
 unsafe fn gemm_x8_half<B: X8Block, const H: usize>(cols: usize, group: &[u8], quads: [&[u8]; 2]) -> [[f32; 4]; 8] {
@@ -838,25 +892,19 @@ unsafe fn gemm_x8_half<B: X8Block, const H: usize>(cols: usize, group: &[u8], qu
     for b in 0..nb {
         let p = group.as_ptr().add(b * B::BYTES);
         let d = f16x4_to_f32(vld1_u16((p as *const u16).add(4 * h)));
-        // Words [k][h] (elements 4k.., rows of this half) and [k][2 + h] (16 + 4k..).
+        // Words [k][0] (elements 4k.., rows of this half) and [k][1] (16 + 4k..).
         let w = B::words(p);
-        let at = |t: usize| qp[t / 4].add(b * HALF_QUAD + 16 * (t % 4));
-        let mut s: [int32x4_t; 8] =
-            std::array::from_fn(|t| if B::OFFSET { vld1q_s32(at(t) as *const i32) } else { vdupq_n_s32(0) });
+        let w = [[w[0][h], w[0][2 + h]], [w[1][h], w[1][2 + h]], [w[2][h], w[2][2 + h]], [w[3][h], w[3][2 + h]]];
+        // The two quads spelled out: a loop over them stayed a loop, with the sums on the stack.
+        let s = [quad_sums::<B>(qp[0].add(b * HALF_QUAD), &w), quad_sums::<B>(qp[1].add(b * HALF_QUAD), &w)];
         for q in 0..2 {
-            let y = |k: usize| vld1q_s8(qp[q].add(b * HALF_QUAD + 128 + 16 * k) as *const i8);
-            let s4: &mut [int32x4_t] = &mut s[4 * q..4 * q + 4];
-            for k in 0..4 {
-                let (lo, hi) = (y(k), y(4 + k));
-                s4[0] = sdot_lane::<0>(sdot_lane::<0>(s4[0], w[k][h], lo), w[k][2 + h], hi);
-                s4[1] = sdot_lane::<1>(sdot_lane::<1>(s4[1], w[k][h], lo), w[k][2 + h], hi);
-                s4[2] = sdot_lane::<2>(sdot_lane::<2>(s4[2], w[k][h], lo), w[k][2 + h], hi);
-                s4[3] = sdot_lane::<3>(sdot_lane::<3>(s4[3], w[k][h], lo), w[k][2 + h], hi);
-            }
-        }
-        for t in 0..8 {
-            let dy = vld1q_f32(at(t).add(64) as *const f32);
-            acc[t] = vfmaq_f32(acc[t], vmulq_f32(d, dy), vcvtq_f32_s32(s[t]));
+            let dy = vld1q_f32(qp[q].add(b * HALF_QUAD + 64) as *const f32);
+            let sf = s[q].map(|v| vcvtq_f32_s32(v));
+            let a = &mut acc[4 * q..4 * q + 4];
+            a[0] = vfmaq_f32(a[0], vmulq_laneq_f32::<0>(d, dy), sf[0]);
+            a[1] = vfmaq_f32(a[1], vmulq_laneq_f32::<1>(d, dy), sf[1]);
+            a[2] = vfmaq_f32(a[2], vmulq_laneq_f32::<2>(d, dy), sf[2]);
+            a[3] = vfmaq_f32(a[3], vmulq_laneq_f32::<3>(d, dy), sf[3]);
         }
     }
     let mut out = [[0f32; 4]; 8];
