@@ -696,10 +696,12 @@ unsafe fn mm_block<const Q4: bool>(p: *const u8, o: *mut u8) {
 
 /// Bytes of one column block of a token pair in the order `smmla` takes
 /// it ([`mm_pair`]): 4 operands (chunk `c` = values `8c .. 8c+8` of both
-/// tokens), the f32 scales `(dy0, dy1, dy0, dy1)` and the i32 start of a
-/// Q4_0 block's sums, `−8 · (Σy0, Σy1, Σy0, Σy1)` (the offset of its
-/// nibbles, as the `sdot` kernels start theirs).
-pub const MM_PAIR_BLOCK: usize = 96;
+/// tokens), the f32 scales `(dy0, dy1, dy0, dy1)` and, four times (one
+/// per row pair of a group: each accumulator loads its own, where one
+/// copy cost a register move per use), the i32 start of a Q4_0 block's
+/// sums, `−8 · (Σy0, Σy1, Σy0, Σy1)` (the offset of its nibbles, as the
+/// `sdot` kernels start theirs).
+pub const MM_PAIR_BLOCK: usize = 144;
 
 /// Two Q8_0 vectors (`cols / 32` blocks each; `s0`, `s1` their per-block
 /// sums of quants) rewritten into `out` in the order `smmla` takes them
@@ -724,7 +726,9 @@ pub unsafe fn mm_pair(cols: usize, (y0, s0): (&[u8], &[i32]), (y1, s1): (&[u8], 
         let d = [f16_at(p0), f16_at(p1)];
         std::ptr::copy_nonoverlapping([d[0], d[1], d[0], d[1]].as_ptr(), o.add(64) as *mut f32, 4);
         let st = [-8 * s0[b], -8 * s1[b]];
-        std::ptr::copy_nonoverlapping([st[0], st[1], st[0], st[1]].as_ptr(), o.add(80) as *mut i32, 4);
+        for rp in 0..4 {
+            std::ptr::copy_nonoverlapping([st[0], st[1], st[0], st[1]].as_ptr(), o.add(80 + 16 * rp) as *mut i32, 4);
+        }
     }
 }
 
@@ -752,18 +756,20 @@ unsafe fn gemm_x8_mm<const Q4: bool, const P: usize>(
     let mut acc = [[vdupq_n_f32(0.0); 4]; P];
     for b in 0..nb {
         let w = prep.as_ptr().add(b * MM_BLOCK);
-        let y = pairs.map(|y| {
-            let q = y.as_ptr().add(b * MM_PAIR_BLOCK);
+        let q = pairs.map(|y| y.as_ptr().add(b * MM_PAIR_BLOCK));
+        let y = q.map(|q| {
             let op = |c: usize| vld1q_s8(q.add(16 * c) as *const i8);
-            let start = if Q4 { vld1q_s32(q.add(80) as *const i32) } else { vdupq_n_s32(0) };
-            ([op(0), op(1), op(2), op(3)], vld1q_f32(q.add(64) as *const f32), start)
+            ([op(0), op(1), op(2), op(3)], vld1q_f32(q.add(64) as *const f32))
         });
         for rp in 0..4 {
             let op = |c: usize| vld1q_s8(w.add(16 * (4 * rp + c)) as *const i8);
             let ops = [op(0), op(1), op(2), op(3)];
             let d = vld1q_f32(w.add(256 + 16 * rp) as *const f32);
             for p in 0..P {
-                let (yk, dy, mut s) = y[p];
+                let (yk, dy) = y[p];
+                // Q4_0's start, one copy per row pair: one load each, where
+                // one copy took a register move (a vector pipe) per use.
+                let mut s = if Q4 { vld1q_s32(q[p].add(80 + 16 * rp) as *const i32) } else { vdupq_n_s32(0) };
                 s = smmla(s, ops[0], yk[0]);
                 s = smmla(s, ops[1], yk[1]);
                 s = smmla(s, ops[2], yk[2]);

@@ -334,7 +334,7 @@ pub fn gemm_x8<const T: usize>(dtype: DType, cols: usize, group: &[u8], ys: [&Q8
 /// A prefill batch of activations quantized to Q8_0, as prefill's quantized
 /// GEMM ([`gemm_x8_tokens`]) takes it: the vectors (`[cols / 32]` blocks
 /// each) and, on CPUs with i8mm, their token pairs rewritten once for
-/// `smmla` (`aarch64::mm_pair`; 96 bytes per pair and 32 columns), used by
+/// `smmla` (`aarch64::mm_pair`; 144 bytes per pair and 32 columns), used by
 /// every group of every matrix the batch multiplies.
 pub struct Q8Batch<'a> {
     ys: &'a [&'a Q8Vec],
