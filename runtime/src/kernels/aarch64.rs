@@ -1037,45 +1037,95 @@ unsafe fn q8_x8_top<const J: u8>(run: int8x16_t) -> float32x4_t {
     vcvtq_f32_s32(vreinterpretq_s32_s8(t))
 }
 
-/// The 8 rows of one Q8_0×8 group (`cols` elements each) dotted with `T`
-/// f32 vectors `xs`: `out[t][r]`, the bits of `portable::gemm_x8_f32_q8_0`
-/// (per block `s = Σ q · x` by fused multiply-adds in element order, then
-/// `acc = d · s + acc`; here every `s` is `2^24 ×` the portable one and
-/// `d` is `2^-24 ×`, exact scalings, so the products and sums round alike
-/// unless a product is subnormal or a sum overflows). Short prefills of
-/// Q8_0 packs, exact activations.
-///
-/// # Safety
-/// None beyond aarch64; lengths are asserted.
-pub unsafe fn gemm_x8_f32_q8_0<const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; 8]; T] {
-    let nb = cols / 32;
-    assert!(group.len() >= nb * Q8_0_X8_BLOCK && xs.iter().all(|x| x.len() >= nb * 32));
-    let unit = vdupq_n_f32(1.0 / Q8_TOP_BYTE);
-    let mut acc = [[vdupq_n_f32(0.0); 2]; T];
-    for b in 0..nb {
-        let p = group.as_ptr().add(b * Q8_0_X8_BLOCK);
-        let h = vld1q_u16(p as *const u16);
-        let d = [vmulq_f32(f16x4_to_f32(vget_low_u16(h)), unit), vmulq_f32(f16x4_to_f32(vget_high_u16(h)), unit)];
-        let mut s = [[vdupq_n_f32(0.0); 2]; T];
+/// A ×8 block type's per-block f32 sums for [`gemm_x8_f32`].
+trait F32Block: X8Block {
+    /// What each sum is times the portable one (a power of two, taken out
+    /// of the block scale: exact).
+    const SUM_SCALE: f32;
+    /// `s[t][h] += q · x` over the block at `p` for rows `4h .. 4h+4` and
+    /// `T` tokens (`x[t]`: the block's 32 activations), by fused
+    /// multiply-adds in the element order of `portable::gemm_x8_f32`.
+    ///
+    /// # Safety
+    /// `BYTES` bytes must be readable at `p` and 32 f32 at each `x[t]`.
+    unsafe fn f32_sums<const T: usize>(p: *const u8, x: [*const f32; T], s: &mut [[float32x4_t; 2]; T]);
+}
+
+impl F32Block for Q8X8 {
+    const SUM_SCALE: f32 = Q8_TOP_BYTE;
+    /// Elements in order 0..32, each `q · 2^24` ([`q8_x8_top`]).
+    #[inline(always)]
+    unsafe fn f32_sums<const T: usize>(p: *const u8, x: [*const f32; T], s: &mut [[float32x4_t; 2]; T]) {
         for k in 0..8 {
             // Run k: elements 4k .. 4k + 4 of rows 0-3 (16 bytes), then of rows 4-7.
             let run = [vld1q_s8(p.add(16 + 32 * k) as *const i8), vld1q_s8(p.add(32 + 32 * k) as *const i8)];
-            let x: [float32x4_t; T] = std::array::from_fn(|t| vld1q_f32(xs[t].as_ptr().add(32 * b + 4 * k)));
+            let xv: [float32x4_t; T] = std::array::from_fn(|t| vld1q_f32(x[t].add(4 * k)));
             for (half, &run) in run.iter().enumerate() {
                 let q = [q8_x8_top::<0>(run), q8_x8_top::<1>(run), q8_x8_top::<2>(run), q8_x8_top::<3>(run)];
-                for t in 0..T {
-                    let mut v = s[t][half];
-                    v = vfmaq_laneq_f32::<0>(v, q[0], x[t]);
-                    v = vfmaq_laneq_f32::<1>(v, q[1], x[t]);
-                    v = vfmaq_laneq_f32::<2>(v, q[2], x[t]);
-                    v = vfmaq_laneq_f32::<3>(v, q[3], x[t]);
-                    s[t][half] = v;
+                for (st, &xt) in s.iter_mut().zip(&xv) {
+                    let mut v = st[half];
+                    v = vfmaq_laneq_f32::<0>(v, q[0], xt);
+                    v = vfmaq_laneq_f32::<1>(v, q[1], xt);
+                    v = vfmaq_laneq_f32::<2>(v, q[2], xt);
+                    v = vfmaq_laneq_f32::<3>(v, q[3], xt);
+                    st[half] = v;
                 }
             }
         }
-        for t in 0..T {
-            acc[t][0] = vfmaq_f32(acc[t][0], d[0], s[t][0]);
-            acc[t][1] = vfmaq_f32(acc[t][1], d[1], s[t][1]);
+    }
+}
+
+impl F32Block for Q4X8 {
+    const SUM_SCALE: f32 = 1.0;
+    /// Elements in the order 0, 16, 1, 17, …, 15, 31 ([`q4_x8_values`]).
+    #[inline(always)]
+    unsafe fn f32_sums<const T: usize>(p: *const u8, x: [*const f32; T], s: &mut [[float32x4_t; 2]; T]) {
+        for k in 0..4 {
+            // Run k: bytes 4k .. 4k + 4 of rows 0-3 (16 bytes), then of rows 4-7.
+            let xv: [[float32x4_t; 2]; T] =
+                std::array::from_fn(|t| [vld1q_f32(x[t].add(4 * k)), vld1q_f32(x[t].add(16 + 4 * k))]);
+            for half in 0..2 {
+                let q = q4_x8_values(vld1q_u8(p.add(16 + 32 * k + 16 * half)));
+                for (st, &[xl, xh]) in s.iter_mut().zip(&xv) {
+                    let mut v = st[half];
+                    v = vfmaq_laneq_f32::<0>(v, q[0].0, xl);
+                    v = vfmaq_laneq_f32::<0>(v, q[0].1, xh);
+                    v = vfmaq_laneq_f32::<1>(v, q[1].0, xl);
+                    v = vfmaq_laneq_f32::<1>(v, q[1].1, xh);
+                    v = vfmaq_laneq_f32::<2>(v, q[2].0, xl);
+                    v = vfmaq_laneq_f32::<2>(v, q[2].1, xh);
+                    v = vfmaq_laneq_f32::<3>(v, q[3].0, xl);
+                    v = vfmaq_laneq_f32::<3>(v, q[3].1, xh);
+                    st[half] = v;
+                }
+            }
+        }
+    }
+}
+
+/// The 8 rows of one ×8 group (`cols` elements each) dotted with `T` f32
+/// vectors `xs`: `out[t][r]`, the bits of `portable::gemm_x8_f32_*` (per
+/// block `s = Σ q · x` by fused multiply-adds, [`F32Block::f32_sums`], then
+/// `acc = d · s + acc`; Q8_0's sums are `2^24 ×` the portable ones and its
+/// `d` is `2^-24 ×`, exact scalings, so the products and sums round alike
+/// unless a product is subnormal or a sum overflows). Short prefills with
+/// exact activations.
+#[inline(always)]
+unsafe fn gemm_x8_f32<B: F32Block, const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; 8]; T] {
+    let nb = cols / 32;
+    assert!(group.len() >= nb * B::BYTES && xs.iter().all(|x| x.len() >= nb * 32));
+    let unit = vdupq_n_f32(1.0 / B::SUM_SCALE);
+    let mut acc = [[vdupq_n_f32(0.0); 2]; T];
+    for b in 0..nb {
+        let p = group.as_ptr().add(b * B::BYTES);
+        let h = vld1q_u16(p as *const u16);
+        let d = [f16x4_to_f32(vget_low_u16(h)), f16x4_to_f32(vget_high_u16(h))];
+        let d = if B::SUM_SCALE == 1.0 { d } else { d.map(|d| vmulq_f32(d, unit)) };
+        let mut s = [[vdupq_n_f32(0.0); 2]; T];
+        B::f32_sums(p, xs.map(|x| x.as_ptr().add(32 * b)), &mut s);
+        for (a, s) in acc.iter_mut().zip(s) {
+            a[0] = vfmaq_f32(a[0], d[0], s[0]);
+            a[1] = vfmaq_f32(a[1], d[1], s[1]);
         }
     }
     let mut out = [[0f32; 8]; T];
@@ -1084,6 +1134,22 @@ pub unsafe fn gemm_x8_f32_q8_0<const T: usize>(cols: usize, group: &[u8], xs: [&
         vst1q_f32(o.as_mut_ptr().add(4), a[1]);
     }
     out
+}
+
+/// [`gemm_x8_f32`] for a Q8_0×8 group, NEON.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn gemm_x8_f32_q8_0<const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; 8]; T] {
+    gemm_x8_f32::<Q8X8, T>(cols, group, xs)
+}
+
+/// [`gemm_x8_f32`] for a Q4_0×8 group, NEON.
+///
+/// # Safety
+/// None beyond aarch64; lengths are asserted.
+pub unsafe fn gemm_x8_f32_q4_0<const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; 8]; T] {
+    gemm_x8_f32::<Q4X8, T>(cols, group, xs)
 }
 
 /// One Q8_0×8 group into a weight panel: `out[k · stride + r] = d · q`
@@ -1604,59 +1670,6 @@ unsafe fn q4_x8_values(run: uint8x16_t) -> [(float32x4_t, float32x4_t); 4] {
         (f(vshlq_n_s32::<12>(w)), f(vshlq_n_s32::<8>(w))),
         (f(vshlq_n_s32::<4>(w)), f(w)),
     ]
-}
-
-/// The 8 rows of one Q4_0×8 group (`cols` elements each) dotted with `T`
-/// f32 vectors `xs`: `out[t][r]`, the bits of `portable::gemm_x8_f32_q4_0`
-/// (per block `s = Σ q · x` by fused multiply-adds in the order 0, 16, 1,
-/// 17, …, 15, 31, then `acc = d · s + acc`). Short prefills with exact
-/// activations.
-///
-/// # Safety
-/// None beyond aarch64; lengths are asserted.
-#[allow(clippy::needless_range_loop)] // `t` indexes registers and slices at once
-pub unsafe fn gemm_x8_f32_q4_0<const T: usize>(cols: usize, group: &[u8], xs: [&[f32]; T]) -> [[f32; 8]; T] {
-    let nb = cols / 32;
-    assert!(group.len() >= nb * Q4_0_X8_BLOCK && xs.iter().all(|x| x.len() >= nb * 32));
-    let mut acc = [[vdupq_n_f32(0.0); 2]; T];
-    for b in 0..nb {
-        let p = group.as_ptr().add(b * Q4_0_X8_BLOCK);
-        let h = vld1q_u16(p as *const u16);
-        let d = [f16x4_to_f32(vget_low_u16(h)), f16x4_to_f32(vget_high_u16(h))];
-        let mut s = [[vdupq_n_f32(0.0); 2]; T];
-        for k in 0..4 {
-            // Run k: bytes 4k .. 4k + 4 of rows 0-3 (16 bytes), then of rows 4-7.
-            let x: [[float32x4_t; 2]; T] = std::array::from_fn(|t| {
-                let xp = xs[t].as_ptr().add(32 * b + 4 * k);
-                [vld1q_f32(xp), vld1q_f32(xp.add(16))]
-            });
-            for half in 0..2 {
-                let q = q4_x8_values(vld1q_u8(p.add(16 + 32 * k + 16 * half)));
-                for t in 0..T {
-                    let (mut v, [xl, xh]) = (s[t][half], x[t]);
-                    v = vfmaq_laneq_f32::<0>(v, q[0].0, xl);
-                    v = vfmaq_laneq_f32::<0>(v, q[0].1, xh);
-                    v = vfmaq_laneq_f32::<1>(v, q[1].0, xl);
-                    v = vfmaq_laneq_f32::<1>(v, q[1].1, xh);
-                    v = vfmaq_laneq_f32::<2>(v, q[2].0, xl);
-                    v = vfmaq_laneq_f32::<2>(v, q[2].1, xh);
-                    v = vfmaq_laneq_f32::<3>(v, q[3].0, xl);
-                    v = vfmaq_laneq_f32::<3>(v, q[3].1, xh);
-                    s[t][half] = v;
-                }
-            }
-        }
-        for t in 0..T {
-            acc[t][0] = vfmaq_f32(acc[t][0], d[0], s[t][0]);
-            acc[t][1] = vfmaq_f32(acc[t][1], d[1], s[t][1]);
-        }
-    }
-    let mut out = [[0f32; 8]; T];
-    for (o, a) in out.iter_mut().zip(acc) {
-        vst1q_f32(o.as_mut_ptr(), a[0]);
-        vst1q_f32(o.as_mut_ptr().add(4), a[1]);
-    }
-    out
 }
 
 /// One Q4_0×8 group into a weight panel: `out[k · stride + r] = d · q`
