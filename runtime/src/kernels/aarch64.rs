@@ -525,6 +525,18 @@ impl X8Block for Q8X8 {
     }
 }
 
+/// `T` tokens' results over the 8 rows of a group, held as two 4-lane
+/// vectors (rows 0–3, 4–7) each, as `out[t][r]`.
+#[inline(always)]
+unsafe fn store8<const T: usize>(acc: [[float32x4_t; 2]; T]) -> [[f32; 8]; T] {
+    let mut out = [[0f32; 8]; T];
+    for (o, a) in out.iter_mut().zip(acc) {
+        vst1q_f32(o.as_mut_ptr(), a[0]);
+        vst1q_f32(o.as_mut_ptr().add(4), a[1]);
+    }
+    out
+}
+
 /// The 8 rows of one ×8 group dotted with `T` Q8_0 vectors `ys` (`sums[t]`:
 /// their per-block Σq, used for Q4_0's offset): `out[t][r]`. Rows 0–3 and
 /// 4–7 are one i32 vector each; per block and token, eight indexed `sdot`s
@@ -565,12 +577,7 @@ unsafe fn gemm_x8_rows<B: X8Block, const T: usize>(
             acc[t][1] = vfmaq_f32(acc[t][1], vmulq_n_f32(d1, dy), vcvtq_f32_s32(s1));
         }
     }
-    let mut out = [[0f32; 8]; T];
-    for (o, a) in out.iter_mut().zip(acc) {
-        vst1q_f32(o.as_mut_ptr(), a[0]);
-        vst1q_f32(o.as_mut_ptr().add(4), a[1]);
-    }
-    out
+    store8(acc)
 }
 
 /// The 8 rows of one Q4_0×8 group dotted with `T` Q8_0 vectors (`sums[t]`:
@@ -1128,12 +1135,7 @@ unsafe fn gemm_x8_f32<B: F32Block, const T: usize>(cols: usize, group: &[u8], xs
             a[1] = vfmaq_f32(a[1], d[1], s[1]);
         }
     }
-    let mut out = [[0f32; 8]; T];
-    for (o, a) in out.iter_mut().zip(acc) {
-        vst1q_f32(o.as_mut_ptr(), a[0]);
-        vst1q_f32(o.as_mut_ptr().add(4), a[1]);
-    }
-    out
+    store8(acc)
 }
 
 /// [`gemm_x8_f32`] for a Q8_0×8 group, NEON.
@@ -1194,16 +1196,8 @@ unsafe fn x8_rows_panel<B: X8Block>(group: &[u8], cols: usize, c0: usize, out: &
     let o = out.as_mut_ptr();
     for (r, (lo, hi)) in B::rows(p).into_iter().enumerate() {
         let v = if c0.is_multiple_of(32) { lo } else { hi };
-        let dr = vdupq_n_f32(d[r]);
-        let (a, b) = (vmovl_s8(vget_low_s8(v)), vmovl_s8(vget_high_s8(v)));
-        let q = [
-            vmovl_s16(vget_low_s16(a)),
-            vmovl_s16(vget_high_s16(a)),
-            vmovl_s16(vget_low_s16(b)),
-            vmovl_s16(vget_high_s16(b)),
-        ];
-        for (k, q) in q.into_iter().enumerate() {
-            vst1q_f32(o.add(r * stride + 4 * k), vmulq_f32(dr, vcvtq_f32_s32(q)));
+        for (k, q) in to_f32(v).into_iter().enumerate() {
+            vst1q_f32(o.add(r * stride + 4 * k), vmulq_n_f32(q, d[r]));
         }
     }
 }
