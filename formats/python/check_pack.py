@@ -284,7 +284,8 @@ def cmd_weights(a) -> None:
         name = t["name"]
         if name.startswith("nflash.predictor.") or not st.has(name):
             continue
-        if "layers." in name and int(name.split(".")[2]) not in (0, len(m["ffn"]) - 1):
+        last = m["config"]["num_layers"] - 1
+        if "layers." in name and int(name.split(".")[2]) not in (0, last):
             continue
         _, data = pack.tensor(name)
         rows = t["shape"][0] if len(t["shape"]) > 1 else 1
@@ -301,23 +302,35 @@ def cmd_weights(a) -> None:
             worst, checked = max(worst, w), checked + 1
     # FFN bundles: gate row, up row, down column of original neuron order[p].
     bundles = 0
-    for f in m["ffn"]:
-        if f["layer"] not in (0, len(m["ffn"]) - 1) and not a.all_layers:
+    for unit, f in enumerate(m["ffn"]):
+        if f["layer"] not in (0, m["config"]["num_layers"] - 1) and not a.all_layers:
             continue
+        gate_w, up_w, down_w = ffn_names(m["config"], unit)
         p_all = [0, f["n_neurons"] - 1] + [rng.randrange(f["n_neurons"]) for _ in range(a.rows)]
         for p in sorted(set(p_all)):
             i = f["order"][p]
-            g, u, d = pack.bundle(f["layer"], p)
-            pre = f"model.layers.{f['layer']}.mlp"
+            g, u, d = pack.bundle(unit, p)
             dt = f["bundle"]["dtype"]
-            worst = max(worst, compare_row(f"layer {f['layer']} bundle {p} gate (neuron {i})", dt, g, st.row(f"{pre}.gate_proj.weight", i)))
-            worst = max(worst, compare_row(f"layer {f['layer']} bundle {p} up (neuron {i})", dt, u, st.row(f"{pre}.up_proj.weight", i)))
-            worst = max(worst, compare_row(f"layer {f['layer']} bundle {p} down (neuron {i})", dt, d, st.column(f"{pre}.down_proj.weight", i)))
+            what = f"FFN unit {unit} (layer {f['layer']}) bundle {p}"
+            worst = max(worst, compare_row(f"{what} gate (neuron {i})", dt, g, st.row(gate_w, i)))
+            worst = max(worst, compare_row(f"{what} up (neuron {i})", dt, u, st.row(up_w, i)))
+            worst = max(worst, compare_row(f"{what} down (neuron {i})", dt, d, st.column(down_w, i)))
             bundles += 1
     print(
         f"ok  {a.pack}: {checked} resident tensor rows and {bundles} FFN bundles (gate row, up row, down column) "
         f"match {a.model} after dequantizing per SPEC §5; worst error {worst:.3f} block steps"
     )
+
+
+def ffn_names(c: dict, unit: int) -> tuple[str, str, str]:
+    """Checkpoint names of FFN unit `unit`'s gate, up and down weights (SPEC §4.1, §4.4)."""
+    arch, n_exp = c["architecture"], nf.experts(c)
+    layer, expert = unit // n_exp, unit % n_exp
+    if isinstance(arch, dict) and "Mixtral" in arch:
+        pre = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
+        return f"{pre}.w1.weight", f"{pre}.w3.weight", f"{pre}.w2.weight"
+    pre = f"model.layers.{layer}.mlp" + (f".experts.{expert}" if isinstance(arch, dict) else "")
+    return f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight", f"{pre}.down_proj.weight"
 
 
 # --- corrupt: damaged copies must be refused ---------------------------------

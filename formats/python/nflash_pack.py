@@ -31,7 +31,7 @@ import zlib
 MAGIC = b"NFLASHPK"
 HEADER_BYTES = 64
 VERSION_MAJOR = 3  # the version this reader implements (SPEC title)
-VERSION_MINOR = 2
+VERSION_MINOR = 3
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_TOKENIZER_BYTES = 256 << 20
 MAX_METADATA_BYTES = 1 << 20
@@ -196,7 +196,14 @@ STRUCTS: dict[str, list[tuple[str, object]]] = {
 ENUMS: dict[str, list[tuple[str, object]]] = {
     "SegmentKind": [("Tokenizer", None), ("Resident", None), ("Ffn", None), ("Metadata", None)],
     "DType": [("F32", None), ("F16", None), ("Q8_0", None), ("Q4_0", None)],
-    "Architecture": [("Llama", None), ("Mistral", None), ("Qwen2", None)],
+    # Since 3.3, the mixtures of experts carry their `Moe` fields (SPEC §4.1).
+    "Architecture": [
+        ("Llama", None),
+        ("Mistral", None),
+        ("Qwen2", None),
+        ("Mixtral", [("num_experts", "u32"), ("experts_per_token", "u32"), ("norm_topk_prob", "bool")]),
+        ("Qwen3Moe", [("num_experts", "u32"), ("experts_per_token", "u32"), ("norm_topk_prob", "bool")]),
+    ],
     "Activation": [("Silu", None), ("Relu", None), ("Gelu", None), ("GeluTanh", None), ("DRelu", None)],
     "RopeScaling": [
         ("Linear", [("factor", "f64")]),
@@ -500,6 +507,30 @@ def check_config(c: dict) -> None:
     for k in ("rms_norm_eps", "rope_theta"):
         if not (math.isfinite(c[k]) and c[k] > 0):
             raise PackError(f"model config (SPEC §4.1): {k} {c[k]} is not a positive number")
+    moe = moe_of(c)
+    if moe is not None:
+        if not 1 <= moe["num_experts"] <= 1024:
+            raise PackError(f"model config (SPEC §4.1): {moe['num_experts']} experts per layer")
+        if not 1 <= moe["experts_per_token"] <= moe["num_experts"]:
+            raise PackError(f"model config (SPEC §4.1): {moe['experts_per_token']} experts per token of {moe['num_experts']}")
+        if c["num_layers"] * moe["num_experts"] > 1 << 16:
+            raise PackError("model config (SPEC §4.1): more than 2^16 FFN units")
+        if c["mlp_bias"]:
+            raise PackError("model config (SPEC §4.1): mlp_bias with a mixture of experts")
+
+
+def moe_of(c: dict) -> dict | None:
+    """The `Moe` fields of a mixture-of-experts architecture (SPEC §4.1), or None."""
+    a = c["architecture"]
+    if isinstance(a, dict):
+        return next(iter(a.values()))
+    return None
+
+
+def experts(c: dict) -> int:
+    """Experts per layer: 1 for a dense model (SPEC §4.1)."""
+    moe = moe_of(c)
+    return 1 if moe is None else moe["num_experts"]
 
 
 def validate(m: dict, h: dict, file_len: int) -> None:
@@ -545,12 +576,15 @@ def validate(m: dict, h: dict, file_len: int) -> None:
         if t["offset"] % 64:
             raise PackError(f"{what}: offset {t['offset']} not a multiple of 64")
 
-    if len(m["ffn"]) != c["num_layers"]:
-        raise PackError(f"FFN index (SPEC §4.4): {len(m['ffn'])} layers, config has {c['num_layers']}")
+    if moe_of(c) is not None and h["minor"] < 3:
+        raise PackError(f"model config (SPEC §4.1): a mixture of experts in a pack of version {h['major']}.{h['minor']}")
+    n_exp = experts(c)
+    if len(m["ffn"]) != c["num_layers"] * n_exp:
+        raise PackError(f"FFN index (SPEC §4.4): {len(m['ffn'])} entries, config has {c['num_layers']} layers × {n_exp} experts")
     for l, f in enumerate(m["ffn"]):
-        what = f"FFN layer {l} (SPEC §4.4)"
+        what = f"FFN unit {l} (SPEC §4.4)"
         s = seg(f["segment"], what)
-        if s["kind"] != "Ffn" or f["layer"] != l:
+        if s["kind"] != "Ffn" or f["layer"] != l // n_exp:
             raise PackError(f"{what}: segment {s['name']!r} of kind {s['kind']}, layer number {f['layer']}")
         n = f["n_neurons"]
         if n != c["intermediate_size"]:

@@ -9,6 +9,28 @@ use serde::{Deserialize, Serialize};
 /// from an absurd number (SPEC §4.1, §6).
 pub const MAX_CONTEXT: u64 = 1 << 20;
 
+/// Mixture-of-experts routing of a decoder layer's FFN (SPEC §4.1): a
+/// router `[num_experts, hidden]` scores the experts of each token, the top
+/// `experts_per_token` run, and their outputs are summed weighted by the
+/// softmax of the router logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Moe {
+    /// Experts per layer (Mixtral `num_local_experts`, Qwen3-MoE `num_experts`).
+    pub num_experts: u32,
+    /// Experts each token is routed to (`num_experts_per_tok`, top-k).
+    pub experts_per_token: u32,
+    /// Whether the top-k routing weights are divided by their sum
+    /// (`norm_topk_prob`; Mixtral always does).
+    pub norm_topk_prob: bool,
+}
+
+/// Largest `num_experts` a pack may declare: far above any released model
+/// (Qwen3-MoE has 128), low enough to bound what is sized from it.
+pub const MAX_EXPERTS: u32 = 1024;
+
+/// Largest number of FFN units (`num_layers × num_experts`) of a pack.
+pub const MAX_FFN_UNITS: u64 = 1 << 16;
+
 /// Supported model architectures (HF `architectures[0]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
@@ -18,13 +40,21 @@ pub enum Architecture {
     Mistral,
     /// `Qwen2ForCausalLM` (bias on the Q, K and V projections).
     Qwen2,
+    /// `MixtralForCausalLM` (format 3.3): Mistral attention, a mixture of
+    /// experts in place of the FFN (`block_sparse_moe`, experts `w1`/`w3`/`w2`).
+    Mixtral(Moe),
+    /// `Qwen3MoeForCausalLM` (format 3.3): RMSNorm on each query and key head
+    /// (`q_norm`, `k_norm`), a mixture of many small experts (`mlp.experts`).
+    Qwen3Moe(Moe),
 }
 
 impl Architecture {
-    /// The HF class names accepted, in the order they map to variants.
-    pub const SUPPORTED: [&'static str; 3] = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+    /// The HF class names accepted.
+    pub const SUPPORTED: [&'static str; 5] =
+        ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"];
 
-    /// Parses an HF `architectures` entry.
+    /// Parses an HF `architectures` entry of a dense model (the mixtures of
+    /// experts need their routing settings: `prep` reads them from config.json).
     pub fn from_hf(name: &str) -> Option<Self> {
         match name {
             "LlamaForCausalLM" => Some(Architecture::Llama),
@@ -36,7 +66,22 @@ impl Architecture {
 
     /// The HF class name.
     pub fn hf_name(self) -> &'static str {
-        Self::SUPPORTED[self as usize]
+        let i = match self {
+            Architecture::Llama => 0,
+            Architecture::Mistral => 1,
+            Architecture::Qwen2 => 2,
+            Architecture::Mixtral(_) => 3,
+            Architecture::Qwen3Moe(_) => 4,
+        };
+        Self::SUPPORTED[i]
+    }
+
+    /// The routing settings of a mixture of experts; `None` for a dense model.
+    pub fn moe(self) -> Option<Moe> {
+        match self {
+            Architecture::Mixtral(m) | Architecture::Qwen3Moe(m) => Some(m),
+            _ => None,
+        }
     }
 }
 
@@ -147,7 +192,9 @@ impl ModelConfig {
     /// dReLU (TurboSparse / Bamboo) models, which are stored with Mistral
     /// attention but are not Mistral models to their users.
     pub fn family(&self) -> &'static str {
-        if self.activation == Activation::DRelu {
+        if self.activation == Activation::DRelu && self.architecture.moe().is_some() {
+            "drelu-moe"
+        } else if self.activation == Activation::DRelu {
             "drelu"
         } else {
             self.architecture.hf_name()
@@ -158,10 +205,78 @@ impl ModelConfig {
     /// just `drelu` for dReLU models.
     pub fn family_and_activation(&self) -> String {
         if self.activation == Activation::DRelu {
-            "drelu".to_string()
+            self.family().to_string()
         } else {
             format!("{} ({})", self.architecture.hf_name(), self.activation.name())
         }
+    }
+
+    /// Experts per layer: 1 for a dense model.
+    pub fn experts(&self) -> u64 {
+        self.architecture.moe().map_or(1, |m| u64::from(m.num_experts))
+    }
+
+    /// FFN units (SPEC §4.4): one per decoder layer, or one per expert of
+    /// each layer for a mixture of experts (`num_layers × num_experts`).
+    pub fn ffn_units(&self) -> u64 {
+        self.num_layers.saturating_mul(self.experts())
+    }
+
+    /// (decoder layer, expert) of FFN unit `u`: unit `u` is expert
+    /// `u mod num_experts` of layer `⌊u / num_experts⌋` (expert 0 when dense).
+    pub fn unit_layer_expert(&self, u: usize) -> (usize, usize) {
+        let e = self.experts() as usize;
+        (u / e, u % e)
+    }
+
+    /// How FFN unit `u` is named in segment and predictor names: `{layer}`,
+    /// or `{layer}.{expert}` for a mixture of experts (SPEC §3, §4.5).
+    pub fn unit_name(&self, u: usize) -> String {
+        let (l, e) = self.unit_layer_expert(u);
+        if self.architecture.moe().is_some() {
+            format!("{l}.{e}")
+        } else {
+            l.to_string()
+        }
+    }
+
+    /// The checkpoint's names of FFN unit `u`'s gate, up and down projection
+    /// weights (`[inter, hidden]`, `[inter, hidden]`, `[hidden, inter]`):
+    /// `model.layers.{l}.mlp.{gate,up,down}_proj.weight`; Mixtral
+    /// `model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`;
+    /// Qwen3-MoE `model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`.
+    pub fn ffn_tensor_names(&self, u: usize) -> [String; 3] {
+        let (l, e) = self.unit_layer_expert(u);
+        match self.architecture {
+            Architecture::Mixtral(_) => {
+                let p = format!("model.layers.{l}.block_sparse_moe.experts.{e}");
+                [format!("{p}.w1.weight"), format!("{p}.w3.weight"), format!("{p}.w2.weight")]
+            }
+            Architecture::Qwen3Moe(_) => {
+                let p = format!("model.layers.{l}.mlp.experts.{e}");
+                [format!("{p}.gate_proj.weight"), format!("{p}.up_proj.weight"), format!("{p}.down_proj.weight")]
+            }
+            _ => {
+                let p = format!("model.layers.{l}.mlp");
+                [format!("{p}.gate_proj.weight"), format!("{p}.up_proj.weight"), format!("{p}.down_proj.weight")]
+            }
+        }
+    }
+
+    /// Name of layer `l`'s router `[num_experts, hidden]` (a resident F32
+    /// tensor, SPEC §4.3); `None` for a dense model.
+    pub fn router_name(&self, l: usize) -> Option<String> {
+        match self.architecture {
+            Architecture::Mixtral(_) => Some(format!("model.layers.{l}.block_sparse_moe.gate.weight")),
+            Architecture::Qwen3Moe(_) => Some(format!("model.layers.{l}.mlp.gate.weight")),
+            _ => None,
+        }
+    }
+
+    /// Whether attention RMSNorms each query and key head before RoPE
+    /// (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, `[head_dim]`: Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        matches!(self.architecture, Architecture::Qwen3Moe(_))
     }
 
     /// Checks internal consistency; returns a description of the first problem.
@@ -210,6 +325,26 @@ impl ModelConfig {
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(format!("rope_theta {} is not a positive number", self.rope_theta));
+        }
+        if let Some(m) = self.architecture.moe() {
+            if m.num_experts == 0 || m.num_experts > MAX_EXPERTS {
+                return Err(format!("{} experts per layer (supported: 1 to {MAX_EXPERTS})", m.num_experts));
+            }
+            if m.experts_per_token == 0 || m.experts_per_token > m.num_experts {
+                return Err(format!(
+                    "num_experts_per_tok {} is not between 1 and the {} experts of a layer",
+                    m.experts_per_token, m.num_experts
+                ));
+            }
+            if self.ffn_units() > MAX_FFN_UNITS {
+                return Err(format!(
+                    "{} layers × {} experts exceed the supported {MAX_FFN_UNITS} expert FFNs",
+                    self.num_layers, m.num_experts
+                ));
+            }
+            if self.mlp_bias {
+                return Err("mlp_bias with a mixture of experts is not supported".into());
+            }
         }
         Ok(())
     }

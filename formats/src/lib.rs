@@ -17,7 +17,7 @@ pub mod plan;
 pub mod reader;
 pub mod writer;
 
-pub use config::{Activation, Architecture, ModelConfig, RopeScaling, MAX_CONTEXT};
+pub use config::{Activation, Architecture, ModelConfig, Moe, RopeScaling, MAX_CONTEXT, MAX_EXPERTS, MAX_FFN_UNITS};
 pub use device::{DeviceProfile, KernelSpeeds};
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -563,13 +563,31 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             return Err(invalid(what(), format!("offset {} not 64-byte aligned", t.offset)));
         }
     }
-    if m.ffn.len() as u64 != m.config.num_layers {
-        return Err(invalid("FFN index".into(), format!("{} layers, config has {}", m.ffn.len(), m.config.num_layers)));
+    if m.config.architecture.moe().is_some() && header.minor < 3 {
+        return Err(invalid(
+            "config".into(),
+            format!(
+                "a mixture of experts in a pack of version {}.{} (mixtures of experts exist since 3.3)",
+                header.major, header.minor
+            ),
+        ));
     }
-    for (l, f) in m.ffn.iter().enumerate() {
-        let what = || format!("FFN layer {l}");
+    if m.ffn.len() as u64 != m.config.ffn_units() {
+        return Err(invalid(
+            "FFN index".into(),
+            format!(
+                "{} FFN entries, config has {} ({} layers × {} experts)",
+                m.ffn.len(),
+                m.config.ffn_units(),
+                m.config.num_layers,
+                m.config.experts()
+            ),
+        ));
+    }
+    for (u, f) in m.ffn.iter().enumerate() {
+        let what = || format!("FFN {}", m.config.unit_name(u));
         let s = seg(f.segment, &what)?;
-        if s.kind != SegmentKind::Ffn || f.layer as usize != l {
+        if s.kind != SegmentKind::Ffn || f.layer as usize != m.config.unit_layer_expert(u).0 {
             return Err(invalid(what(), "wrong segment kind or layer number".into()));
         }
         if f.n_neurons as u64 != m.config.intermediate_size {

@@ -100,6 +100,13 @@ pub struct TinySpec {
     pub sliding_window: Option<usize>,
     /// Bias on gate/up/down projections (`mlp_bias`).
     pub mlp_bias: bool,
+    /// Mixture of experts (`MixtralForCausalLM`, `TurboSparseMixtralForCausalLM`,
+    /// `Qwen3MoeForCausalLM`): experts per layer; `inter` is each expert's width.
+    pub experts: usize,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Qwen3-MoE `norm_topk_prob`.
+    pub norm_topk_prob: bool,
 }
 
 impl Default for TinySpec {
@@ -122,6 +129,9 @@ impl Default for TinySpec {
             head_dim: None,
             sliding_window: None,
             mlp_bias: false,
+            experts: 4,
+            top_k: 2,
+            norm_topk_prob: true,
         }
     }
 }
@@ -131,7 +141,15 @@ impl TinySpec {
     pub fn config(&self) -> Value {
         let mut c = json!({
             "architectures": [self.arch],
-            "model_type": match self.arch { "Qwen2ForCausalLM" => "qwen2", "MistralForCausalLM" => "mistral", "BambooForCausalLM" => "bamboo", _ => "llama" },
+            "model_type": match self.arch {
+                "Qwen2ForCausalLM" => "qwen2",
+                "MistralForCausalLM" => "mistral",
+                "BambooForCausalLM" => "bamboo",
+                "MixtralForCausalLM" => "mixtral",
+                "TurboSparseMixtralForCausalLM" => "turbosparse_mixtral",
+                "Qwen3MoeForCausalLM" => "qwen3_moe",
+                _ => "llama",
+            },
             "hidden_size": self.hidden,
             "intermediate_size": self.inter,
             "num_hidden_layers": self.layers,
@@ -157,12 +175,39 @@ impl TinySpec {
         if self.arch == "MistralForCausalLM" || self.arch == "BambooForCausalLM" {
             c["sliding_window"] = json!(self.sliding_window);
         }
+        if self.is_mixtral() {
+            c["num_local_experts"] = json!(self.experts);
+            c["num_experts_per_tok"] = json!(self.top_k);
+            // candle-transformers' Mixtral config needs a window and this key.
+            c["sliding_window"] = json!(self.sliding_window.unwrap_or(4096));
+            c["use_flash_attn"] = json!(false);
+        }
+        if self.arch == "Qwen3MoeForCausalLM" {
+            c["num_experts"] = json!(self.experts);
+            c["num_experts_per_tok"] = json!(self.top_k);
+            c["norm_topk_prob"] = json!(self.norm_topk_prob);
+            c["moe_intermediate_size"] = json!(self.inter);
+            // The width of dense layers, which this model has none of.
+            c["intermediate_size"] = json!(self.inter * 3);
+            c["decoder_sparse_step"] = json!(1);
+            c["mlp_only_layers"] = json!([]);
+            c["head_dim"] = json!(self.head_dim.unwrap_or(self.hidden / self.heads));
+            c["attention_bias"] = json!(false);
+            c["sliding_window"] = Value::Null;
+            c["max_window_layers"] = json!(self.layers);
+            c["use_sliding_window"] = json!(false);
+        }
         if self.arch == "Qwen2ForCausalLM" {
             c["sliding_window"] = json!(256);
             c["max_window_layers"] = json!(self.layers);
             c["use_sliding_window"] = json!(false);
         }
         c
+    }
+
+    /// Whether the spec is Mixtral-shaped (Mixtral or TurboSparse-Mixtral).
+    pub fn is_mixtral(&self) -> bool {
+        matches!(self.arch, "MixtralForCausalLM" | "TurboSparseMixtralForCausalLM")
     }
 
     /// Tensor names and shapes, PyTorch order.
@@ -183,9 +228,28 @@ impl TinySpec {
                 t.push((format!("{p}.self_attn.k_proj.bias"), vec![kvd]));
                 t.push((format!("{p}.self_attn.v_proj.bias"), vec![kvd]));
             }
-            t.push((format!("{p}.mlp.gate_proj.weight"), vec![self.inter, self.hidden]));
-            t.push((format!("{p}.mlp.up_proj.weight"), vec![self.inter, self.hidden]));
-            t.push((format!("{p}.mlp.down_proj.weight"), vec![self.hidden, self.inter]));
+            if self.arch == "Qwen3MoeForCausalLM" {
+                t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+                t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+            }
+            let ffn = |t: &mut Vec<(String, Vec<usize>)>, prefix: String, [g, u, d]: [&str; 3]| {
+                t.push((format!("{prefix}.{g}.weight"), vec![self.inter, self.hidden]));
+                t.push((format!("{prefix}.{u}.weight"), vec![self.inter, self.hidden]));
+                t.push((format!("{prefix}.{d}.weight"), vec![self.hidden, self.inter]));
+            };
+            if self.is_mixtral() {
+                t.push((format!("{p}.block_sparse_moe.gate.weight"), vec![self.experts, self.hidden]));
+                for e in 0..self.experts {
+                    ffn(&mut t, format!("{p}.block_sparse_moe.experts.{e}"), ["w1", "w3", "w2"]);
+                }
+            } else if self.arch == "Qwen3MoeForCausalLM" {
+                t.push((format!("{p}.mlp.gate.weight"), vec![self.experts, self.hidden]));
+                for e in 0..self.experts {
+                    ffn(&mut t, format!("{p}.mlp.experts.{e}"), ["gate_proj", "up_proj", "down_proj"]);
+                }
+            } else {
+                ffn(&mut t, format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"]);
+            }
             if self.mlp_bias {
                 t.push((format!("{p}.mlp.gate_proj.bias"), vec![self.inter]));
                 t.push((format!("{p}.mlp.up_proj.bias"), vec![self.inter]));
@@ -248,7 +312,14 @@ pub fn write_tiny_checkpoint(dir: &Path, spec: &TinySpec) {
             (0..n).map(|_| 0.1 * rng.next_f32()).collect()
         } else {
             let fan_in = *shape.last().unwrap() as f32;
-            let scale = if name.contains("embed") || name.contains("lm_head") { 1.0 } else { 1.7 / fan_in.sqrt() };
+            // Routers a little sharper than uniform, so top-k choices are not near-ties.
+            let scale = if name.contains("embed") || name.contains("lm_head") {
+                1.0
+            } else if name.ends_with(".gate.weight") {
+                8.0 / fan_in.sqrt()
+            } else {
+                1.7 / fan_in.sqrt()
+            };
             (0..n).map(|_| scale * rng.next_f32()).collect()
         };
         data.push((name, shape, encode(&vals, spec.dtype)));

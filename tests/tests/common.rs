@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{llama, mistral, qwen2};
+use candle_transformers::models::{llama, mistral, mixtral, qwen2, qwen3_moe};
 use nflash_format::Pack;
 use nflash_plan::CacheConfig;
 
@@ -54,6 +54,22 @@ pub fn reference_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
                 model.clear_kv_cache();
                 let x = Tensor::new(&tokens[..=i], &dev).unwrap().unsqueeze(0).unwrap();
                 let l = model.forward(&x, 0).unwrap();
+                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            }
+        }
+        "MixtralForCausalLM" => {
+            let c: mixtral::Config = serde_json::from_str(&cfg_text).unwrap();
+            let mut model = mixtral::Model::new(&c, vb).unwrap();
+            for (i, &t) in tokens.iter().enumerate() {
+                let l = model.forward(&step(t), i).unwrap();
+                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            }
+        }
+        "Qwen3MoeForCausalLM" => {
+            let c: qwen3_moe::Config = serde_json::from_str(&cfg_text).unwrap();
+            let mut model = qwen3_moe::ModelForCausalLM::new(&c, vb).unwrap();
+            for (i, &t) in tokens.iter().enumerate() {
+                let l = model.forward(&step(t), i).unwrap();
                 out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
             }
         }

@@ -12,6 +12,7 @@ static A: nflash_tests::CountingAlloc = nflash_tests::CountingAlloc;
 mod android;
 mod bad_input;
 mod common;
+mod moe;
 mod no_alloc;
 mod no_alloc_cache;
 mod offload;

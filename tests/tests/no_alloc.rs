@@ -86,7 +86,12 @@ fn sparse_ffn_decode_does_not_allocate_per_token_alone() {
             ffn.forward_token(&src, xin, Selection::List(&list), Some((sp.criterion, sp.threshold)), &mut fs, out)
                 .unwrap()
         };
-        step(&mut xin, &mut out); // grows the scratch buffers
+        // Grows the scratch buffers; a few steps, so that each worker has
+        // taken part (a worker's first stolen task may grow its job deque,
+        // and on a loaded host one worker can sit out the first step).
+        for _ in 0..5 {
+            step(&mut xin, &mut out);
+        }
         let before = ALLOCS.load(Ordering::SeqCst);
         let mut computed = 0;
         for _ in 0..20 {

@@ -59,3 +59,52 @@ fn mistral_explicit_head_dim_sliding_window() {
         },
     );
 }
+
+/// Greedy decoding of 32 tokens after the prompt by our decode path, each
+/// token checked against the reference's argmax at that position (so the
+/// reference, decoding greedily, would choose the same 32 tokens).
+fn check_greedy(name: &str, spec: TinySpec) {
+    let (_tmp, dir, pack, tokens) = tiny_f32_pack(&spec);
+    let prompt = &tokens[..8];
+    let p = nflash_format::Pack::open(&pack).unwrap();
+    let model = nflash_runtime::load_model(&p, &nflash_plan::CacheConfig::all_hot(&p)).unwrap();
+    let (_, ours) = nflash_tests::greedy(&model, prompt, 32);
+    let mut all = prompt.to_vec();
+    all.extend(&ours);
+    let reference = reference_logits(&dir, &all);
+    let theirs: Vec<u32> =
+        reference[prompt.len() - 1..all.len() - 1].iter().map(|l| crate::common::argmax(l) as u32).collect();
+    assert_eq!(ours, theirs, "{name}: greedy tokens differ from the reference");
+}
+
+#[test]
+fn mixtral_top2_of_4_experts() {
+    let spec = TinySpec { arch: "MixtralForCausalLM", tied: false, rope_theta: 1e6, seed: 17, ..Default::default() };
+    check("mixtral 4 experts top-2", spec.clone());
+    check_greedy("mixtral 4 experts top-2", spec);
+}
+
+#[test]
+fn qwen3_moe_qk_norm_top3_of_8_unnormalized_bf16() {
+    let spec = TinySpec {
+        arch: "Qwen3MoeForCausalLM",
+        experts: 8,
+        top_k: 3,
+        norm_topk_prob: false,
+        inter: 32,
+        head_dim: Some(32),
+        dtype: "BF16",
+        rope_theta: 1e6,
+        seed: 18,
+        ..Default::default()
+    };
+    check("qwen3-moe 8 experts top-3", spec.clone());
+    check_greedy("qwen3-moe 8 experts top-3", spec);
+}
+
+#[test]
+fn qwen3_moe_normalized_tied() {
+    let spec = TinySpec { arch: "Qwen3MoeForCausalLM", tied: true, seed: 19, ..Default::default() };
+    check("qwen3-moe normalized tied", spec.clone());
+    check_greedy("qwen3-moe normalized tied", spec);
+}

@@ -43,4 +43,14 @@ fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
         check_pack(&["compare", p.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
         check_pack(&["weights", p.to_str().unwrap(), "--model", ckpt.to_str().unwrap()]);
     }
+    // Mixtures of experts (format 3.3): one FFN unit per expert.
+    for (arch, experts) in [("MixtralForCausalLM", 4), ("Qwen3MoeForCausalLM", 6)] {
+        let spec = TinySpec { arch, experts, top_k: 2, inter: 64, tied: false, ..TinySpec::default() };
+        let ckpt = dir.path().join(arch);
+        write_tiny_checkpoint(&ckpt, &spec);
+        let pack = dir.path().join(format!("{arch}.nflash"));
+        convert_with(&ckpt, &pack, &["--quant", "q4_0"]);
+        check_pack(&["compare", pack.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
+        check_pack(&["weights", pack.to_str().unwrap(), "--model", ckpt.to_str().unwrap(), "--all-layers"]);
+    }
 }

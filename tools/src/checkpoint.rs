@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
-use nflash_format::{Activation, Architecture, ModelConfig, RopeScaling};
+use nflash_format::{Activation, Architecture, ModelConfig, Moe, RopeScaling, MAX_EXPERTS};
 use rayon::prelude::*;
 use safetensors::tensor::Metadata;
 use safetensors::Dtype;
@@ -160,6 +160,58 @@ pub fn generation_defaults(g: &Value) -> Result<nflash_format::GenerationDefault
 /// (`relu(gate·x) · relu(up·x)`, TurboSparse arXiv 2406.05955).
 pub const BAMBOO: &str = "BambooForCausalLM";
 
+/// HF class of TurboSparse-Mixtral checkpoints (TurboSparse arXiv
+/// 2406.05955): Mixtral with dReLU experts. Read as Mixtral: the keys
+/// `num_local_experts`, `num_experts_per_tok` and `hidden_act` (`"relu"`,
+/// which means dReLU for this class, or `"drelu"`), and the Mixtral tensor
+/// names (`block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w3/w2`).
+/// Other tensors the checkpoint holds (its own activation predictors) are
+/// not read: prep builds its own from the profile.
+pub const TURBOSPARSE_MIXTRAL: &str = "TurboSparseMixtralForCausalLM";
+
+/// Mixture-of-experts settings of `config.json` for the HF class `arch_name`
+/// (`None` for a dense class): Mixtral `num_local_experts`,
+/// `num_experts_per_tok` (top-k weights always renormalized); Qwen3-MoE
+/// `num_experts`, `num_experts_per_tok`, `norm_topk_prob` (default false, as
+/// transformers' `Qwen3MoeConfig`), with every layer a mixture
+/// (`decoder_sparse_step` 1, `mlp_only_layers` empty).
+///
+/// # Errors
+/// A missing or malformed key, a top-k above the expert count, a layout
+/// of dense and mixture layers nflash does not run.
+fn parse_moe(cfg: &Value, arch_name: &str) -> Result<Option<Architecture>> {
+    let routing = |experts_key: &str, norm: bool| -> Result<Moe> {
+        let experts = req_u64(cfg, experts_key)?;
+        let top_k = req_u64(cfg, "num_experts_per_tok")?;
+        if experts == 0 || experts > u64::from(MAX_EXPERTS) {
+            bail!("config.json: {experts_key} = {experts}; supported: 1 to {MAX_EXPERTS} experts per layer");
+        }
+        if top_k == 0 || top_k > experts {
+            bail!("config.json: num_experts_per_tok = {top_k}, but a layer has {experts} experts ({experts_key}); a token is routed to between 1 and {experts} of them: fix the config");
+        }
+        Ok(Moe { num_experts: experts as u32, experts_per_token: top_k as u32, norm_topk_prob: norm })
+    };
+    match arch_name {
+        "MixtralForCausalLM" | TURBOSPARSE_MIXTRAL => {
+            Ok(Some(Architecture::Mixtral(routing("num_local_experts", true)?)))
+        }
+        "Qwen3MoeForCausalLM" => {
+            let step = get_u64(cfg, "decoder_sparse_step")?.unwrap_or(1);
+            let dense_layers = cfg.get("mlp_only_layers").and_then(Value::as_array).map_or(0, Vec::len);
+            if step != 1 || dense_layers != 0 {
+                bail!("config.json: decoder_sparse_step = {step} with {dense_layers} mlp_only_layers: nflash runs Qwen3-MoE models whose every layer is a mixture of experts (decoder_sparse_step 1, mlp_only_layers [])");
+            }
+            if get_bool(cfg, "use_sliding_window", false)? {
+                bail!(
+                    "config.json: use_sliding_window is true; sliding-window attention is not supported for Qwen3-MoE"
+                );
+            }
+            Ok(Some(Architecture::Qwen3Moe(routing("num_experts", get_bool(cfg, "norm_topk_prob", false)?)?)))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// Parses HF `config.json` (+ `generation_config.json` for extra EOS ids).
 pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
     let arch_name = cfg
@@ -167,15 +219,19 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         .and_then(|a| a.get(0))
         .and_then(Value::as_str)
         .ok_or_else(|| anyhow!("config.json has no \"architectures\" list"))?;
-    // TurboSparse (dReLU) checkpoints are Mistral-shaped "Bamboo" models.
-    let bamboo = arch_name == BAMBOO;
-    let architecture =
-        if bamboo { Some(Architecture::Mistral) } else { Architecture::from_hf(arch_name) }.ok_or_else(|| {
-            anyhow!(
-                "unsupported architecture {arch_name:?}; supported: {}, {BAMBOO} (dReLU)",
-                Architecture::SUPPORTED.join(", ")
-            )
-        })?;
+    // TurboSparse (dReLU) checkpoints are Mistral-shaped "Bamboo" models, or Mixtral-shaped.
+    let bamboo = arch_name == BAMBOO || arch_name == TURBOSPARSE_MIXTRAL;
+    let architecture = match parse_moe(cfg, arch_name)? {
+        Some(a) => Some(a),
+        None if arch_name == BAMBOO => Some(Architecture::Mistral),
+        None => Architecture::from_hf(arch_name),
+    }
+    .ok_or_else(|| {
+        anyhow!(
+            "unsupported architecture {arch_name:?}; supported: {}, {BAMBOO} and {TURBOSPARSE_MIXTRAL} (dReLU)",
+            Architecture::SUPPORTED.join(", ")
+        )
+    })?;
     let hidden_size = req_u64(cfg, "hidden_size")?;
     let num_heads = req_u64(cfg, "num_attention_heads")?;
     if num_heads == 0 {
@@ -188,7 +244,9 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         None => bail!("config.json: hidden_act {act_name:?} is not supported; supported: silu, relu, drelu, gelu, gelu_pytorch_tanh"),
     };
     if bamboo && activation != Activation::DRelu {
-        bail!("config.json: {BAMBOO} with hidden_act {act_name:?}: TurboSparse (Bamboo) models use dReLU, hidden_act \"relu\"");
+        bail!(
+            "config.json: {arch_name} with hidden_act {act_name:?}: TurboSparse models use dReLU, hidden_act \"relu\""
+        );
     }
     // Special token ids, each list read once: (file and key, ids).
     let ids = |file: &'static str, v: &Value, key: &'static str| -> Result<(String, Vec<u32>)> {
@@ -210,7 +268,7 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         }
     }
     let sliding_window = match architecture {
-        Architecture::Mistral => get_u64(cfg, "sliding_window")?,
+        Architecture::Mistral | Architecture::Mixtral(_) => get_u64(cfg, "sliding_window")?,
         Architecture::Qwen2 if get_bool(cfg, "use_sliding_window", false)? => get_u64(cfg, "sliding_window")?,
         _ => None,
     };
@@ -218,7 +276,11 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         architecture,
         vocab_size: req_u64(cfg, "vocab_size")?,
         hidden_size,
-        intermediate_size: req_u64(cfg, "intermediate_size")?,
+        // Qwen3-MoE: the experts' width (its intermediate_size is that of dense layers it has none of).
+        intermediate_size: match architecture {
+            Architecture::Qwen3Moe(_) => req_u64(cfg, "moe_intermediate_size")?,
+            _ => req_u64(cfg, "intermediate_size")?,
+        },
         num_layers: req_u64(cfg, "num_hidden_layers")?,
         num_heads,
         num_kv_heads: get_u64(cfg, "num_key_value_heads")?.unwrap_or(num_heads),

@@ -136,6 +136,12 @@ impl SparseArgs {
         quant: DType,
         stages: &mut Stages,
     ) -> Result<Option<SparsePlan>> {
+        if ck.config.architecture.moe().is_some() && (self.calib.is_some() || self.profile.is_some()) {
+            bail!(
+                "{} is a mixture of experts: this build writes dense packs of mixtures of experts only; convert without --calib and --profile",
+                ck.config.architecture.hf_name()
+            );
+        }
         let profile = match (&self.calib, &self.profile) {
             (None, None) => return Ok(None),
             (_, Some(p)) => {

@@ -97,6 +97,15 @@ pub fn run(a: InspectArgs) -> Result<()> {
         c.sliding_window.map_or(String::new(), |w| format!(", sliding window {w}")),
         if c.tie_word_embeddings { "tied" } else { "untied" }
     );
+    if let Some(moe) = c.architecture.moe() {
+        println!(
+            "       mixture of experts: {} experts per layer (FFN {} each), {} per token{}",
+            moe.num_experts,
+            c.intermediate_size,
+            moe.experts_per_token,
+            if moe.norm_topk_prob { ", weights renormalized" } else { "" }
+        );
+    }
     let g = meta.generation.clone().unwrap_or_default();
     // Where each default of `nflash run` comes from (flags override all).
     let src =
@@ -131,8 +140,9 @@ pub fn run(a: InspectArgs) -> Result<()> {
             );
         }
         println!(
-            "FFN: {} layers × {} neurons as {} bundles of {} bytes, {} neuron clusters in all, {:.2} MiB",
+            "FFN: {} {} × {} neurons as {} bundles of {} bytes, {} neuron clusters in all, {:.2} MiB",
             m.ffn.len(),
+            if c.architecture.moe().is_some() { "experts" } else { "layers" },
             f.n_neurons,
             f.bundle.dtype,
             f.bundle.bundle_bytes,

@@ -67,6 +67,14 @@ fn resident_list(cfg: &ModelConfig, quant: DType) -> Vec<Resident> {
         out.push(mat(format!("{p}.self_attn.k_proj.weight"), kvd, h));
         out.push(mat(format!("{p}.self_attn.v_proj.weight"), kvd, h));
         out.push(mat(format!("{p}.self_attn.o_proj.weight"), h, qd));
+        if cfg.qk_norm() {
+            out.push(vec32(format!("{p}.self_attn.q_norm.weight"), cfg.head_dim as usize));
+            out.push(vec32(format!("{p}.self_attn.k_norm.weight"), cfg.head_dim as usize));
+        }
+        if let (Some(router), Some(moe)) = (cfg.router_name(l as usize), cfg.architecture.moe()) {
+            // Kept in f32, as llama.cpp keeps `ffn_gate_inp`: routing is exact.
+            out.push(Resident { name: router, shape: vec![moe.num_experts as usize, h], dtype: DType::F32 });
+        }
         if qkv_bias {
             out.push(vec32(format!("{p}.self_attn.q_proj.bias"), qd));
             out.push(vec32(format!("{p}.self_attn.k_proj.bias"), kvd));
@@ -98,11 +106,11 @@ pub fn check_tensors(ck: &Checkpoint) -> Result<()> {
     }
     let mut need: Vec<(String, Vec<usize>)> =
         resident_list(cfg, DType::F32).into_iter().map(|r| (r.name, r.shape)).collect();
-    for l in 0..cfg.num_layers {
-        let p = format!("model.layers.{l}.mlp");
-        need.push((format!("{p}.gate_proj.weight"), vec![inter, h]));
-        need.push((format!("{p}.up_proj.weight"), vec![inter, h]));
-        need.push((format!("{p}.down_proj.weight"), vec![h, inter]));
+    for u in 0..cfg.ffn_units() as usize {
+        let [gate, up, down] = cfg.ffn_tensor_names(u);
+        need.push((gate, vec![inter, h]));
+        need.push((up, vec![inter, h]));
+        need.push((down, vec![h, inter]));
     }
     for (name, shape) in need {
         let got = ck.shape(&name)?;
@@ -165,7 +173,8 @@ pub fn write_pack(
     // Resident tensors.
     let residents = resident_list(&cfg, opts.quant);
     report_f16_fallback(&residents, opts.quant);
-    let pb = bar((residents.len() + cfg.num_layers as usize) as u64, "convert");
+    let units = cfg.ffn_units() as usize;
+    let pb = bar((residents.len() + units) as u64, "convert");
     w.begin_segment("resident", SegmentKind::Resident)?;
     let seg_idx = w.segments().len() as u32;
     let mut tensors = Vec::with_capacity(residents.len());
@@ -180,7 +189,7 @@ pub fn write_pack(
         write_tensor(&mut w, seg_idx, &r.name, &r.shape, r.dtype, &data, &mut buf, &mut tensors)?;
         pb.inc(1);
     }
-    let mut predictor_bytes = vec![0u64; cfg.num_layers as usize];
+    let mut predictor_bytes = vec![0u64; units];
     if let Some(plan) = plan {
         let pd = crate::sparsify::predictor_dtype(opts.quant);
         for (l, lp) in plan.layers.iter().enumerate() {
@@ -192,7 +201,7 @@ pub fn write_pack(
                     Cow::Borrowed(data)
                 };
                 let dtype = if shape.len() == 1 { DType::F32 } else { matrix_dtype(pd, shape[1]) };
-                let name = format!("nflash.predictor.{l}.{suffix}");
+                let name = format!("nflash.predictor.{}.{suffix}", cfg.unit_name(l));
                 check_range(&name, shape, &data, dtype)?;
                 write_tensor(&mut w, seg_idx, &name, shape, dtype, &data, &mut buf, &mut tensors)?;
                 predictor_bytes[l] += tensors.last().map_or(0, |t| t.bytes);
@@ -201,19 +210,22 @@ pub fn write_pack(
     }
     w.end_segment()?;
 
-    // FFN neuron clusters, one segment per layer.
+    // FFN neuron clusters, one segment per FFN unit (layer, or expert of a layer).
     let per_cluster = neurons_per_cluster(opts.cluster_bytes, layout.bundle_bytes, inter as u64) as usize;
-    let mut ffn = Vec::with_capacity(cfg.num_layers as usize);
-    // `l` names the layer's tensors and indexes the plan's layers as well.
+    let mut ffn = Vec::with_capacity(units);
+    // `l` indexes the plan's units as well.
     #[allow(clippy::needless_range_loop)]
-    for l in 0..cfg.num_layers as usize {
-        let p = format!("model.layers.{l}.mlp");
-        pb.set_message(format!("ffn.{l}"));
-        let gate = ck.tensor_f32(&format!("{p}.gate_proj.weight"), &[inter, h])?; // [inter, hidden]
-        let up = ck.tensor_f32(&format!("{p}.up_proj.weight"), &[inter, h])?; // [inter, hidden]
-        let down = ck.tensor_f32(&format!("{p}.down_proj.weight"), &[h, inter])?; // [hidden, inter]
-        for (part, t, shape) in [("gate", &gate, [inter, h]), ("up", &up, [inter, h]), ("down", &down, [h, inter])] {
-            check_range(&format!("{p}.{part}_proj.weight"), &shape, t, opts.quant)?;
+    for l in 0..units {
+        let unit = cfg.unit_name(l);
+        pb.set_message(format!("ffn.{unit}"));
+        let names = cfg.ffn_tensor_names(l);
+        let gate = ck.tensor_f32(&names[0], &[inter, h])?; // [inter, hidden]
+        let up = ck.tensor_f32(&names[1], &[inter, h])?; // [inter, hidden]
+        let down = ck.tensor_f32(&names[2], &[h, inter])?; // [hidden, inter]
+        for (name, t, shape) in
+            [(&names[0], &gate, [inter, h]), (&names[1], &up, [inter, h]), (&names[2], &down, [h, inter])]
+        {
+            check_range(name, &shape, t, opts.quant)?;
         }
 
         // Packed order: hot first for a sparse pack, original order for a dense one.
@@ -231,7 +243,7 @@ pub fn write_pack(
                 b
             })
             .collect();
-        let seg_name = format!("ffn.{l}");
+        let seg_name = format!("ffn.{unit}");
         w.begin_segment(&seg_name, SegmentKind::Ffn)?;
         let seg = w.segments().len() as u32;
         let mut clusters = Vec::new();
@@ -244,7 +256,7 @@ pub fn write_pack(
         }
         w.end_segment()?;
         ffn.push(FfnLayer {
-            layer: l as u32,
+            layer: cfg.unit_layer_expert(l).0 as u32,
             segment: seg,
             n_neurons: inter as u32,
             bundle: layout,

@@ -8,7 +8,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use super::kv_cache::KvCache;
-use super::ops::{softmax, Rope};
+use super::ops::{rms_norm, softmax, Rope};
 use super::Timings;
 use crate::error::Result;
 use crate::kernels::{attn_scores, attn_values, matvec_many, quantized_prefill, DotInput, KvSlice, QMatrix};
@@ -28,6 +28,10 @@ pub(crate) struct Attention<'a> {
     pub k_bias: Option<Vec<f32>>,
     pub v_bias: Option<Vec<f32>>,
     pub o_bias: Option<Vec<f32>>,
+    /// RMSNorm weights `[head_dim]` applied to each query and key head
+    /// before RoPE (Qwen3 `self_attn.q_norm`, `self_attn.k_norm`).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
 }
 
 /// Head geometry (HF config `num_attention_heads`, `num_key_value_heads`,
@@ -42,6 +46,8 @@ pub(crate) struct Heads {
     pub head_dim: usize,
     /// Sliding window, positions before the current one; `None` = full causal.
     pub window: Option<usize>,
+    /// RMSNorm epsilon of the per-head query and key norms (`rms_norm_eps`).
+    pub eps: f32,
 }
 
 /// Buffers of one forward pass over `n` tokens, reused by every layer.
@@ -124,6 +130,9 @@ impl Attention<'_> {
         add_bias(&mut s.q, self.q_bias.as_deref());
         add_bias(&mut s.k, self.k_bias.as_deref());
         add_bias(&mut s.v, self.v_bias.as_deref());
+        // Qwen3: RMSNorm of each query and key head.
+        head_norm(&mut s.q, self.q_norm.as_deref(), h.eps);
+        head_norm(&mut s.k, self.k_norm.as_deref(), h.eps);
         // RoPE on queries and keys.
         let half = h.head_dim / 2;
         for t in 0..n {
@@ -209,6 +218,17 @@ pub(crate) fn project(m: &QMatrix, x: &[f32], batched: bool, out: &mut [f32]) ->
     }
     m.matmul(&DotInput::rows(m.dtype, x, m.cols), out);
     Ok(())
+}
+
+/// RMSNorms each head (`weight.len()` elements) of `x` (`[n, heads · head_dim]`) in place.
+fn head_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
+    if let Some(w) = weight {
+        let mut head = vec![0f32; w.len()];
+        for v in x.chunks_exact_mut(w.len()) {
+            head.copy_from_slice(v);
+            rms_norm(&head, w, eps, v);
+        }
+    }
 }
 
 /// Adds `bias` (`[d]`) to every row of `x` (`[n, d]`).

@@ -14,7 +14,7 @@ use super::kv_cache::KvCache;
 use super::ops::rms_norm;
 use super::predictor::{LayerCounts, LayerSparse};
 use super::source::LayerClusters;
-use super::{Model, Pass, SpecScratch, Speculation, Timings, Work};
+use super::{Layer, Model, Pass, Router, SpecScratch, Speculation, Timings, Unit, Work};
 use crate::error::{Error, Result};
 use crate::kernels::gemm::MIN_BATCH;
 use crate::kernels::DotInput;
@@ -52,6 +52,7 @@ impl Model<'_> {
             n_kv_heads: self.cfg.num_kv_heads as usize,
             head_dim: self.cfg.head_dim as usize,
             window: self.cfg.sliding_window.map(|w| w as usize),
+            eps,
         };
         let batched = n >= MIN_BATCH;
         let sparse_on = self.sparse_enabled && pass != Pass::Prefill;
@@ -81,20 +82,20 @@ impl Model<'_> {
             let t = Instant::now();
             norm_rows(&x, &layer.ffn_norm, eps, &mut xn);
             tm.norm_s += t.elapsed().as_secs_f64();
-            // 4. FFN through the neuron engine, added to the residual.
-            let sparse = layer.sparse.as_ref().filter(|_| sparse_on);
-            let counts = if batched {
-                self.ffn_batch(l, sparse, &xn, work, &mut tm, &mut x)?
-            } else {
-                let mut c = LayerCounts::default();
-                for (xr, outr) in xn.chunks_exact(h).zip(x.chunks_exact_mut(h)) {
-                    c.add(&self.ffn_token(l, sparse, xr, work, &mut tm, outr)?);
+            // 4. FFN through the neuron engine (a mixture of experts: routed,
+            //    then each chosen expert), added to the residual.
+            let counts = match &layer.router {
+                None => {
+                    let unit = &layer.units[0];
+                    let sparse = unit.sparse.as_ref().filter(|_| sparse_on);
+                    let c = self.ffn_rows(unit, sparse, batched, &xn, work, &mut tm, &mut x)?;
+                    // Decode: start the next layer's cold reads before its attention.
+                    if n == 1 && sparse.is_some() {
+                        self.speculate(l + 1, &x, &work.layer_wait, &mut work.spec, &mut tm);
+                    }
+                    c
                 }
-                // Decode: start the next layer's cold reads before its attention.
-                if n == 1 && sparse.is_some() {
-                    self.speculate(l + 1, &x, &work.layer_wait, &mut work.spec, &mut tm);
-                }
-                c
+                Some(router) => self.ffn_moe(layer, router, sparse_on, batched, &xn, work, &mut tm, &mut x)?,
             };
             if pass != Pass::Prefill {
                 work.counts[l].add(&counts);
@@ -138,20 +139,117 @@ impl Model<'_> {
         Ok(x)
     }
 
-    /// A batch's FFN (prefill or evaluation): `xn` `[n, hidden]` normed,
+    /// One FFN unit over rows `xn` (`[n, hidden]`, normed), added to `out`
+    /// (`[n, hidden]`): as one batch ([`Self::ffn_batch`]) when `batched`,
+    /// else token by token ([`Self::ffn_token`]).
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_rows(
+        &self,
+        unit: &Unit,
+        sparse: Option<&LayerSparse>,
+        batched: bool,
+        xn: &[f32],
+        work: &mut Work,
+        tm: &mut Timings,
+        out: &mut [f32],
+    ) -> Result<LayerCounts> {
+        if batched {
+            return self.ffn_batch(unit, sparse, xn, work, tm, out);
+        }
+        let h = self.cfg.hidden_size as usize;
+        let mut c = LayerCounts::default();
+        for (xr, outr) in xn.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+            c.add(&self.ffn_token(unit, sparse, xr, work, tm, outr)?);
+        }
+        Ok(c)
+    }
+
+    /// A mixture-of-experts FFN over `xn` (`[n, hidden]`, normed), added to
+    /// the residual `out` (`[n, hidden]`): each token is routed (exactly:
+    /// the router is computed, never predicted), then each expert runs the
+    /// tokens routed to it, as one batch when they are at least `MIN_BATCH`
+    /// of a batched pass (prefill grouped per expert), and its outputs are
+    /// added to those tokens' rows times their routing weights, experts in
+    /// ascending order.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_moe(
+        &self,
+        layer: &Layer,
+        router: &Router,
+        sparse_on: bool,
+        batched: bool,
+        xn: &[f32],
+        work: &mut Work,
+        tm: &mut Timings,
+        out: &mut [f32],
+    ) -> Result<LayerCounts> {
+        let h = self.cfg.hidden_size as usize;
+        let n = xn.len() / h;
+        let k = router.moe.experts_per_token as usize;
+        // Route every token: `routes[t·k ..]` its experts, ascending, with weights.
+        let t = Instant::now();
+        let mut routes = std::mem::take(&mut work.routes);
+        routes.clear();
+        for xr in xn.chunks_exact(h) {
+            router.route(xr, &mut work.router_probs, &mut routes);
+        }
+        tm.router_s += t.elapsed().as_secs_f64();
+        let (mut xs, mut ys) = (std::mem::take(&mut work.expert_x), std::mem::take(&mut work.expert_y));
+        let mut counts = LayerCounts::default();
+        let result = (|| -> Result<()> {
+            if batched {
+                // Prefill grouped per expert: each expert's tokens as one batch.
+                let mut rows: Vec<(usize, f32)> = Vec::new();
+                for (e, unit) in layer.units.iter().enumerate() {
+                    rows.clear();
+                    rows.extend((0..n * k).filter(|&i| routes[i].0 as usize == e).map(|i| (i / k, routes[i].1)));
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    xs.clear();
+                    rows.iter().for_each(|&(t, _)| xs.extend_from_slice(&xn[t * h..(t + 1) * h]));
+                    ys.clear();
+                    ys.resize(rows.len() * h, 0.0);
+                    let sparse = unit.sparse.as_ref().filter(|_| sparse_on);
+                    let c = self.ffn_rows(unit, sparse, rows.len() >= MIN_BATCH, &xs, work, tm, &mut ys)?;
+                    counts.add(&c);
+                    for (&(t, w), y) in rows.iter().zip(ys.chunks_exact(h)) {
+                        out[t * h..(t + 1) * h].iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
+                    }
+                }
+            } else {
+                for (t, outr) in out.chunks_exact_mut(h).enumerate() {
+                    let xr = &xn[t * h..(t + 1) * h];
+                    for &(e, w) in &routes[t * k..(t + 1) * k] {
+                        let unit = &layer.units[e as usize];
+                        let sparse = unit.sparse.as_ref().filter(|_| sparse_on);
+                        ys.clear();
+                        ys.resize(h, 0.0);
+                        counts.add(&self.ffn_token(unit, sparse, xr, work, tm, &mut ys)?);
+                        outr.iter_mut().zip(&ys).for_each(|(o, y)| *o += w * y);
+                    }
+                }
+            }
+            Ok(())
+        })();
+        (work.routes, work.expert_x, work.expert_y) = (routes, xs, ys);
+        result.map(|_| counts)
+    }
+
+    /// A batch's FFN (prefill or evaluation) of one unit: `xn` `[n, hidden]` normed,
     /// `out` `[n, hidden]` the residual it adds to. Every cluster is
     /// fetched (cold ones streamed in large merged reads); with `sparse`,
     /// the neurons decode would skip are dropped and counted.
     fn ffn_batch(
         &self,
-        l: usize,
+        unit: &Unit,
         sparse: Option<&LayerSparse>,
         xn: &[f32],
         work: &mut Work,
         tm: &mut Timings,
         out: &mut [f32],
     ) -> Result<LayerCounts> {
-        let layer = &self.layers[l];
+        let (u, ffn) = (unit.index, &unit.ffn);
         let t_pred = Instant::now();
         let mask = match sparse {
             Some(sp) => Some(BatchMask {
@@ -164,39 +262,39 @@ impl Model<'_> {
         let t_ffn = Instant::now();
         tm.predictor_s += (t_ffn - t_pred).as_secs_f64();
         work.needed.clear();
-        work.needed.extend(0..layer.ffn.n_clusters() as u32);
-        self.source.fetch(l, &work.needed, &mut work.table)?;
-        let src = LayerClusters::new(self.source.as_ref(), l, &work.table);
+        work.needed.extend(0..ffn.n_clusters() as u32);
+        self.source.fetch(u, &work.needed, &mut work.table)?;
+        let src = LayerClusters::new(self.source.as_ref(), u, &work.table);
         // Short batches multiply the down projection from the quantized
         // weights (no dequantized tile): their gate/up products may span as
         // many neurons as a full pass's tile holds, in fewer, larger steps.
         let n = xn.len() / self.cfg.hidden_size as usize;
-        let tile = if layer.ffn.down_direct_for(n) {
+        let tile = if ffn.down_direct_for(n) {
             FFN_TILE_ELEMS * nflash_plan::layout::prefill_chunk(&self.cfg) / n.max(1)
         } else {
             FFN_TILE_ELEMS
         };
-        let c = layer.ffn.forward_batch(&src, xn, mask.as_ref(), tile, out)?;
+        let c = ffn.forward_batch(&src, xn, mask.as_ref(), tile, out)?;
         tm.ffn_s += t_ffn.elapsed().as_secs_f64();
         Ok(c)
     }
 
-    /// One token's FFN (`x`: normed input `[hidden]`, `out`: residual `[hidden]`), sparse when `sparse` is given:
+    /// One token's FFN through one unit (`x`: normed input `[hidden]`, `out`: residual `[hidden]`), sparse when `sparse` is given:
     /// predict, fetch the clusters of the selected neurons, compute. Time spent goes to `tm`.
     fn ffn_token(
         &self,
-        l: usize,
+        unit: &Unit,
         sparse: Option<&LayerSparse>,
         x: &[f32],
         work: &mut Work,
         tm: &mut Timings,
         out: &mut [f32],
     ) -> Result<LayerCounts> {
-        let layer = &self.layers[l];
-        let n = layer.ffn.n_neurons() as u64;
+        let (u, ffn_unit) = (unit.index, &unit.ffn);
+        let n = ffn_unit.n_neurons() as u64;
         let t0 = Instant::now();
         let Work { ffn, predict, list, xin, needed, table, .. } = work;
-        let xin = xin.get_or_insert_with(|| DotInput::new(layer.ffn.dtype()));
+        let xin = xin.get_or_insert_with(|| DotInput::new(ffn_unit.dtype()));
         xin.set(x);
         // Predict, then fetch the clusters holding the selected neurons.
         let (listed, gate) = match sparse {
@@ -208,20 +306,20 @@ impl Model<'_> {
         let t1 = Instant::now();
         tm.predictor_s += (t1 - t0).as_secs_f64();
         if listed {
-            layer.ffn.clusters_of(list, needed);
+            ffn_unit.clusters_of(list, needed);
         } else {
             needed.clear();
-            needed.extend(0..layer.ffn.n_clusters() as u32);
+            needed.extend(0..ffn_unit.n_clusters() as u32);
         }
-        self.source.fetch(l, needed, table)?;
-        let src = LayerClusters::new(self.source.as_ref(), l, table);
+        self.source.fetch(u, needed, table)?;
+        let src = LayerClusters::new(self.source.as_ref(), u, table);
         let (sel, read) = if listed { (Selection::List(list), list.len() as u64) } else { (Selection::All, n) };
         let wait0 = self.source.wait_s();
-        let computed = layer.ffn.forward_token(&src, xin, sel, gate, ffn, out)?;
+        let computed = ffn_unit.forward_token(&src, xin, sel, gate, ffn, out)?;
         tm.ffn_s += t1.elapsed().as_secs_f64();
         // Compute threads wait side by side: their summed wait over the thread count is wall time.
         let waited = (self.source.wait_s() - wait0) / rayon::current_num_threads() as f64;
-        work.layer_wait[l] = (waited, (t1 - t0).as_secs_f64());
+        work.layer_wait[u] = (waited, (t1 - t0).as_secs_f64());
         Ok(LayerCounts { neurons: n, read, computed, ..Default::default() })
     }
 
@@ -233,13 +331,16 @@ impl Model<'_> {
     /// when the reads are hidden anyway). Time goes to the predictor.
     fn speculate(&self, l: usize, x: &[f32], layer_wait: &[(f64, f64)], sc: &mut SpecScratch, tm: &mut Timings) {
         let Some(layer) = self.layers.get(l) else { return };
-        let Some(sp) = layer.sparse.as_ref() else { return };
+        // Dense layers: a mixture of experts is not speculated on here.
+        let [unit] = &layer.units[..] else { return };
+        let Some(sp) = unit.sparse.as_ref() else { return };
+        let (u, ffn) = (unit.index, &unit.ffn);
         // Worth a predictor evaluation only if the layer's last FFN call
         // waited longer than that for its reads.
-        let (waited, pred) = layer_wait[l];
+        let (waited, pred) = layer_wait[u];
         let go = match self.speculation {
             Speculation::Auto => waited > pred,
-            Speculation::Always => self.source.first_cold_cluster(l) < layer.ffn.n_clusters(),
+            Speculation::Always => self.source.first_cold_cluster(u) < ffn.n_clusters(),
             Speculation::Never => false,
         };
         if !go {
@@ -249,13 +350,13 @@ impl Model<'_> {
         let SpecScratch { x: xn, xin, predict, list, needed } = sc;
         xn.resize(x.len(), 0.0);
         rms_norm(x, &layer.ffn_norm, self.cfg.rms_norm_eps as f32, xn);
-        let xin = xin.get_or_insert_with(|| DotInput::new(layer.ffn.dtype()));
+        let xin = xin.get_or_insert_with(|| DotInput::new(ffn.dtype()));
         xin.set(xn);
         // Scores for the cold neurons only: the hot ones are always in memory.
-        let first = layer.ffn.first_neuron(self.source.first_cold_cluster(l));
+        let first = ffn.first_neuron(self.source.first_cold_cluster(u));
         if sp.predict_token_from(self.cfg.activation, xin, xn, first, predict, list) {
-            layer.ffn.clusters_of(list, needed);
-            self.source.speculate(l, needed);
+            ffn.clusters_of(list, needed);
+            self.source.speculate(u, needed);
         }
         tm.predictor_s += t0.elapsed().as_secs_f64();
     }

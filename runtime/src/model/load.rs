@@ -11,7 +11,7 @@ use super::ffn::Ffn;
 use super::ops::Rope;
 use super::predictor::{LayerCounts, LayerSparse};
 use super::source::ClusterSource;
-use super::{Layer, Model, Speculation, Work};
+use super::{Layer, Model, Router, Speculation, Unit, Work};
 use crate::error::{Error, Result};
 use crate::kernels::QMatrix;
 
@@ -85,20 +85,32 @@ impl<'a> Model<'a> {
         let sparse_info = pack.manifest().sparse.clone();
         let qkv_bias = cfg.attention_bias || cfg.architecture == Architecture::Qwen2;
         let mut layers = Vec::with_capacity(cfg.num_layers as usize);
+        let experts = cfg.experts() as usize;
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
-            let f = pack.ffn_layer(l as usize)?;
-            let sparse = match (&sparse_info, &f.sparse) {
-                (Some(si), Some(ls)) => Some(LayerSparse::load(pack, l as usize, si.predictor, si.criterion, ls)?),
+            // The FFN units of this layer: one, or one per expert (SPEC §4.4).
+            let mut units = Vec::with_capacity(experts);
+            for index in l as usize * experts..(l as usize + 1) * experts {
+                let f = pack.ffn_layer(index)?;
+                let sparse = match (&sparse_info, &f.sparse) {
+                    (Some(si), Some(ls)) => Some(LayerSparse::load(pack, index, si.predictor, si.criterion, ls)?),
+                    _ => None,
+                };
+                let ffn = Ffn::new(
+                    f,
+                    cfg.activation,
+                    opt_vector(pack, &format!("{p}.mlp.gate_proj.bias"), inter, cfg.mlp_bias)?,
+                    opt_vector(pack, &format!("{p}.mlp.up_proj.bias"), inter, cfg.mlp_bias)?,
+                    opt_vector(pack, &format!("{p}.mlp.down_proj.bias"), h, cfg.mlp_bias)?,
+                );
+                units.push(Unit { index, ffn, sparse });
+            }
+            let router = match (cfg.router_name(l as usize), cfg.architecture.moe()) {
+                (Some(name), Some(moe)) => {
+                    Some(Router { weight: matrix(pack, &name, u64::from(moe.num_experts), h)?, moe })
+                }
                 _ => None,
             };
-            let ffn = Ffn::new(
-                f,
-                cfg.activation,
-                opt_vector(pack, &format!("{p}.mlp.gate_proj.bias"), inter, cfg.mlp_bias)?,
-                opt_vector(pack, &format!("{p}.mlp.up_proj.bias"), inter, cfg.mlp_bias)?,
-                opt_vector(pack, &format!("{p}.mlp.down_proj.bias"), h, cfg.mlp_bias)?,
-            );
             let attn = Attention {
                 q: matrix(pack, &format!("{p}.self_attn.q_proj.weight"), qd, h)?,
                 k: matrix(pack, &format!("{p}.self_attn.k_proj.weight"), kvd, h)?,
@@ -113,13 +125,15 @@ impl<'a> Model<'a> {
                     h,
                     cfg.attention_bias && cfg.architecture != Architecture::Qwen2,
                 )?,
+                q_norm: opt_vector(pack, &format!("{p}.self_attn.q_norm.weight"), cfg.head_dim, cfg.qk_norm())?,
+                k_norm: opt_vector(pack, &format!("{p}.self_attn.k_norm.weight"), cfg.head_dim, cfg.qk_norm())?,
             };
             layers.push(Layer {
                 attn_norm: vector(pack, &format!("{p}.input_layernorm.weight"), h)?,
                 ffn_norm: vector(pack, &format!("{p}.post_attention_layernorm.weight"), h)?,
                 attn,
-                ffn,
-                sparse,
+                units,
+                router,
             });
         }
         Ok(Model {
@@ -133,7 +147,7 @@ impl<'a> Model<'a> {
             source,
             work: Mutex::new(Work {
                 counts: vec![LayerCounts::default(); layers.len()],
-                layer_wait: vec![(0.0, 0.0); layers.len()],
+                layer_wait: vec![(0.0, 0.0); cfg.ffn_units() as usize],
                 ..Default::default()
             }),
             layers,

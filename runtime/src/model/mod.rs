@@ -18,13 +18,14 @@ pub mod ffn;
 mod forward;
 pub mod kv_cache;
 mod load;
+mod moe;
 pub mod ops;
 pub mod predictor;
 pub mod source;
 
 use std::sync::Mutex;
 
-use nflash_format::ModelConfig;
+use nflash_format::{ModelConfig, Moe};
 
 use crate::error::{Error, Result};
 use crate::kernels::{DotInput, QMatrix};
@@ -37,6 +38,24 @@ use source::Loc;
 
 pub use source::{CacheStats, ClusterSource, LayerClusters, Regions, SegmentClusters};
 
+/// One FFN unit (SPEC §4.4): a dense layer's FFN, or one expert of a
+/// mixture of experts, with its own neuron clusters and predictor.
+struct Unit<'a> {
+    /// Its index among the pack's FFN entries, as the [`ClusterSource`] numbers them.
+    index: usize,
+    ffn: Ffn,
+    /// Sparse-decode settings; `None` for a dense pack.
+    sparse: Option<LayerSparse<'a>>,
+}
+
+/// The router of a mixture-of-experts layer (HF `block_sparse_moe.gate`,
+/// `mlp.gate`): exact, computed for every token, never predicted.
+struct Router<'a> {
+    /// `[num_experts, hidden]`, F32.
+    weight: QMatrix<'a>,
+    moe: Moe,
+}
+
 /// One decoder layer's weights.
 struct Layer<'a> {
     /// RMSNorm weight before attention `[hidden]`.
@@ -44,9 +63,9 @@ struct Layer<'a> {
     /// RMSNorm weight before the FFN `[hidden]`.
     ffn_norm: Vec<f32>,
     attn: Attention<'a>,
-    ffn: Ffn,
-    /// Sparse-decode settings; `None` for a dense pack.
-    sparse: Option<LayerSparse<'a>>,
+    /// The FFN: one unit, or one per expert (in expert order) with a router.
+    units: Vec<Unit<'a>>,
+    router: Option<Router<'a>>,
 }
 
 /// How a forward pass computes the FFN.
@@ -77,6 +96,8 @@ pub struct Timings {
     pub o_proj_s: f64,
     /// Predictor evaluation (sparse decode).
     pub predictor_s: f64,
+    /// Mixture-of-experts routing: router logits, softmax and top-k.
+    pub router_s: f64,
     /// FFN neuron engine (gate/up/down projections, cluster fetch and wait).
     pub ffn_s: f64,
     /// Output projection to logits.
@@ -90,6 +111,7 @@ impl Timings {
         self.attend_s += o.attend_s;
         self.o_proj_s += o.o_proj_s;
         self.predictor_s += o.predictor_s;
+        self.router_s += o.router_s;
         self.ffn_s += o.ffn_s;
         self.lm_head_s += o.lm_head_s;
     }
@@ -100,14 +122,15 @@ impl Timings {
     }
 
     /// Every step, with its name (`norm`, `qkv`, `attend`, `o_proj`,
-    /// `predictor`, `ffn`, `lm_head`), seconds.
-    pub fn steps(&self) -> [(&'static str, f64); 7] {
+    /// `predictor`, `router`, `ffn`, `lm_head`), seconds.
+    pub fn steps(&self) -> [(&'static str, f64); 8] {
         [
             ("norm", self.norm_s),
             ("qkv", self.qkv_s),
             ("attend", self.attend_s),
             ("o_proj", self.o_proj_s),
             ("predictor", self.predictor_s),
+            ("router", self.router_s),
             ("ffn", self.ffn_s),
             ("lm_head", self.lm_head_s),
         ]
@@ -127,9 +150,17 @@ struct Work {
     counts: Vec<LayerCounts>,
     /// Speculative prefetch buffers.
     spec: SpecScratch,
-    /// `[n_layers]` the last decode step's (I/O wait, predictor) wall time of
-    /// each layer's FFN, seconds: whether a speculative prefetch pays.
+    /// `[n_units]` the last decode step's (I/O wait, predictor) wall time of
+    /// each FFN unit, seconds: whether a speculative prefetch pays.
     layer_wait: Vec<(f64, f64)>,
+    /// Mixture of experts: `[n, experts_per_token]` each token's experts and
+    /// their routing weights, from [`Router::route`].
+    routes: Vec<(u32, f32)>,
+    /// `[n_experts]` router logits, then probabilities, of one token.
+    router_probs: Vec<f32>,
+    /// `[m, hidden]` one expert's tokens' inputs (batched), and `[m, hidden]` (or `[hidden]`) its output.
+    expert_x: Vec<f32>,
+    expert_y: Vec<f32>,
     /// Clusters the current layer call needs, ascending.
     needed: Vec<u32>,
     /// `[n_clusters]` where each needed cluster is.
@@ -214,7 +245,7 @@ pub struct Model<'a> {
 impl Model<'_> {
     /// Whether the pack has sparse-decode settings.
     pub fn is_sparse_pack(&self) -> bool {
-        self.layers.iter().any(|l| l.sparse.is_some())
+        self.layers.iter().flat_map(|l| &l.units).any(|u| u.sparse.is_some())
     }
 
     /// Forces dense FFN evaluation everywhere (`--dense`) or restores the pack's sparsity.

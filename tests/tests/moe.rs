@@ -1,0 +1,176 @@
+//! Mixtures of experts (Mixtral, TurboSparse-Mixtral, Qwen3-MoE): bad
+//! configs refused by `prep convert`, and quantized packs giving the same
+//! tokens wherever their experts' neuron clusters live.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use nflash_tests::{
+    assert_fails, assert_no_output, check_placement_and_threads, convert, run, write_tiny_checkpoint, TinySpec,
+};
+use serde_json::{json, Value};
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn mixtral() -> TinySpec {
+    TinySpec { arch: "MixtralForCausalLM", tied: false, rope_theta: 1e6, seed: 31, ..Default::default() }
+}
+
+fn qwen3_moe() -> TinySpec {
+    TinySpec { arch: "Qwen3MoeForCausalLM", experts: 8, top_k: 3, inter: 64, seed: 32, ..Default::default() }
+}
+
+/// `prep convert` of `dir` (after `edit` changed its config.json) fails
+/// naming `needles`, and leaves no output.
+#[track_caller]
+fn config_refused(spec: &TinySpec, edit: impl FnOnce(&mut Value), needles: &[&str]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    write_tiny_checkpoint(&dir, spec);
+    let path = dir.join("config.json");
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let out = tmp.path().join("out.nflash");
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&out), "--quant", "q8_0"]);
+    assert_fails("prep convert", &o, needles);
+    assert_no_output(&out);
+}
+
+#[test]
+fn bad_moe_configs_are_clear_errors() {
+    config_refused(&mixtral(), |c| c["num_experts_per_tok"] = json!(5), &["num_experts_per_tok = 5", "4 experts"]);
+    config_refused(&mixtral(), |c| c["num_experts_per_tok"] = json!(0), &["num_experts_per_tok = 0"]);
+    config_refused(&qwen3_moe(), |c| c["num_experts"] = json!(0), &["num_experts = 0"]);
+    config_refused(
+        &mixtral(),
+        |c| {
+            c.as_object_mut().unwrap().remove("num_local_experts");
+        },
+        &["num_local_experts", "required"],
+    );
+    config_refused(&qwen3_moe(), |c| c["decoder_sparse_step"] = json!(2), &["decoder_sparse_step = 2"]);
+    config_refused(&qwen3_moe(), |c| c["mlp_only_layers"] = json!([0]), &["mlp_only_layers"]);
+    config_refused(&qwen3_moe(), |c| c["num_experts_per_tok"] = json!("3"), &["num_experts_per_tok", "integer"]);
+    // More experts in the config than in the weights: the first missing one is named.
+    config_refused(
+        &mixtral(),
+        |c| c["num_local_experts"] = json!(6),
+        &["block_sparse_moe.gate.weight", "[4, 64]", "[6, 64]"],
+    );
+    config_refused(
+        &TinySpec { arch: "TurboSparseMixtralForCausalLM", act: "silu", ..mixtral() },
+        |_| {},
+        &["TurboSparseMixtralForCausalLM", "dReLU"],
+    );
+}
+
+/// Rewrites the checkpoint's `model.safetensors` with `f` applied to its tensors.
+fn edit_tensors(dir: &Path, f: impl FnOnce(&mut HashMap<String, (Vec<usize>, Vec<u8>)>)) {
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut t: HashMap<String, (Vec<usize>, Vec<u8>)> =
+        st.tensors().into_iter().map(|(n, v)| (n, (v.shape().to_vec(), v.data().to_vec()))).collect();
+    f(&mut t);
+    let views: HashMap<String, safetensors::tensor::TensorView> = t
+        .iter()
+        .map(|(n, (shape, data))| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &file).unwrap();
+}
+
+#[test]
+fn missing_expert_and_bad_router_are_named() {
+    for (spec, missing) in [
+        (mixtral(), "model.layers.1.block_sparse_moe.experts.3.w3.weight"),
+        (qwen3_moe(), "model.layers.0.mlp.experts.7.down_proj.weight"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ckpt");
+        write_tiny_checkpoint(&dir, &spec);
+        edit_tensors(&dir, |t| {
+            t.remove(missing).unwrap();
+        });
+        let out = tmp.path().join("out.nflash");
+        let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&out)]);
+        assert_fails("prep convert", &o, &[missing, "missing"]);
+        assert_no_output(&out);
+    }
+    // A router with a row too few.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    write_tiny_checkpoint(&dir, &qwen3_moe());
+    let router = "model.layers.1.mlp.gate.weight";
+    edit_tensors(&dir, |t| {
+        let (shape, data) = t.get_mut(router).unwrap();
+        shape[0] -= 1;
+        data.truncate(shape[0] * shape[1] * 4);
+    });
+    let out = tmp.path().join("out.nflash");
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&out)]);
+    assert_fails("prep convert", &o, &[router, "[7, 64]", "[8, 64]"]);
+    assert_no_output(&out);
+}
+
+/// A q4_0 pack of `spec` in `tmp`.
+fn pack(tmp: &Path, spec: &TinySpec, quant: &str) -> std::path::PathBuf {
+    let dir = tmp.join("ckpt");
+    write_tiny_checkpoint(&dir, spec);
+    let out = tmp.join("moe.nflash");
+    convert(&dir, &out, quant);
+    out
+}
+
+#[test]
+fn mixtral_q4_0_same_tokens_under_every_placement() {
+    let tmp = tempfile::tempdir().unwrap();
+    check_placement_and_threads(&pack(tmp.path(), &TinySpec { vocab: 96, ..mixtral() }, "q4_0"));
+}
+
+#[test]
+fn qwen3_moe_q8_0_same_tokens_under_every_placement() {
+    let tmp = tempfile::tempdir().unwrap();
+    check_placement_and_threads(&pack(tmp.path(), &TinySpec { vocab: 96, ..qwen3_moe() }, "q8_0"));
+}
+
+#[test]
+fn turbosparse_mixtral_is_mixtral_with_drelu_experts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec { arch: "TurboSparseMixtralForCausalLM", act: "relu", vocab: 96, ..mixtral() };
+    let p = pack(tmp.path(), &spec, "q8_0");
+    let o = run("prep", &["inspect", "--json", s(&p)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["config"]["activation"], json!("DRelu"), "{j}");
+    assert!(j["config"]["architecture"].to_string().contains("Mixtral"), "{j}");
+    check_placement_and_threads(&p);
+    let o = run("prep", &["inspect", s(&p)]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("4 experts per layer") && text.contains("2 per token") && text.contains("drelu-moe"),
+        "{text}"
+    );
+    assert!(text.contains("FFN: 8 experts × 96 neurons"), "{text}");
+}
+
+#[test]
+fn nflash_run_generates_from_a_moe_pack_with_and_without_a_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = pack(tmp.path(), &TinySpec { vocab: 96, ..mixtral() }, "q4_0");
+    let gen = |extra: &[&str]| {
+        let mut args =
+            vec!["run", "--model", s(&p), "--prompt", "w5 w9 w11", "--max-tokens", "12", "--temperature", "0"];
+        args.extend_from_slice(extra);
+        let o = run("nflash", &args);
+        assert!(o.status.success(), "nflash run {extra:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let free = gen(&[]);
+    assert!(!free.trim().is_empty());
+    assert_eq!(gen(&["--memory-budget", "14MiB"]), free);
+}
