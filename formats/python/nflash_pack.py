@@ -747,6 +747,15 @@ class Pack:
                 raise PackError(f"metadata generation defaults: top_p {p} (SPEC §4.9)")
             if k is not None and not (isinstance(k, int) and 0 <= k < 1 << 32):
                 raise PackError(f"metadata generation defaults: top_k {k} (SPEC §4.9)")
+        e = meta.get("experts")
+        if e is not None:
+            if moe_of(self.manifest["config"]) is None:
+                raise PackError("metadata experts: expert statistics in a pack of a dense model (SPEC §4.9)")
+            share = e.get("routed_share") if isinstance(e, dict) else None
+            if not isinstance(share, list) or len(share) != len(self.manifest["ffn"]):
+                raise PackError(f"metadata experts: routed_share is not one number per FFN unit (SPEC §4.9)")
+            if not all(isinstance(v, (int, float)) and 0 <= v <= 1 for v in share):
+                raise PackError("metadata experts: a routed share outside [0, 1] (SPEC §4.9)")
         self.checks.append("metadata JSON object (SPEC §4.9)")
         return meta
 

@@ -26,7 +26,7 @@ pub use manifest::{
     BundleLayout, Criterion, FfnLayer, LayerSparsity, Manifest, NeuronCluster, PredictorKind, PredictorQuality,
     Segment, SegmentKind, SparseInfo, TensorEntry, TokenizerInfo,
 };
-pub use metadata::{GenerationDefaults, Metadata};
+pub use metadata::{ExpertStats, GenerationDefaults, Metadata};
 pub use plan::Plan;
 pub use reader::Pack;
 pub use writer::PackWriter;

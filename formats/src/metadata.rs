@@ -41,10 +41,38 @@ impl GenerationDefaults {
     }
 }
 
+/// Router statistics of a mixture of experts from calibration (SPEC §4.9
+/// `experts`, since 3.3).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExpertStats {
+    /// `[num_layers · num_experts]`, FFN unit order: the fraction of the
+    /// calibration tokens the router sent to each expert (each in [0, 1]; a
+    /// layer's sum is `experts_per_token`).
+    pub routed_share: Vec<f32>,
+}
+
+impl ExpertStats {
+    /// Checks the shares against `units` FFN units; returns a description of the first problem.
+    pub fn check(&self, units: usize) -> std::result::Result<(), String> {
+        if self.routed_share.len() != units {
+            return Err(format!("{} routed shares for {units} FFN units", self.routed_share.len()));
+        }
+        if let Some((u, s)) =
+            self.routed_share.iter().enumerate().find(|(_, s)| !(s.is_finite() && (0.0..=1.0).contains(*s)))
+        {
+            return Err(format!("routed share {s} of FFN unit {u} is not in [0, 1]"));
+        }
+        Ok(())
+    }
+}
+
 /// The metadata object (SPEC §4.9). Unknown keys are ignored.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Metadata {
     /// Sampling defaults (`"generation"`), from the checkpoint's `generation_config.json`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generation: Option<GenerationDefaults>,
+    /// Router statistics of a sparse mixture-of-experts pack (`"experts"`, 3.3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertStats>,
 }

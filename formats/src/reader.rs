@@ -455,7 +455,29 @@ impl Pack {
         if let Some(g) = &m.generation {
             g.check().map_err(|why| invalid(format!("generation defaults: {why}")))?;
         }
+        if let Some(e) = &m.experts {
+            if self.manifest.config.architecture.moe().is_none() {
+                return Err(invalid("expert statistics in a pack of a dense model".into()));
+            }
+            e.check(self.manifest.ffn.len()).map_err(|why| invalid(format!("experts: {why}")))?;
+        }
         Ok(m)
+    }
+
+    /// The probability that decode runs each FFN unit for a token (`[units]`,
+    /// SPEC §4.4): 1 for a dense model; for a mixture of experts the
+    /// calibration's routed share of each expert (SPEC §4.9 `experts`), or
+    /// without it `experts_per_token / num_experts` for every expert.
+    ///
+    /// # Errors
+    /// As [`Self::metadata`].
+    pub fn unit_share(&self) -> Result<Vec<f64>> {
+        let cfg = &self.manifest.config;
+        let Some(moe) = cfg.architecture.moe() else { return Ok(vec![1.0; self.manifest.ffn.len()]) };
+        Ok(match self.metadata()?.experts {
+            Some(e) => e.routed_share.iter().map(|&s| s as f64).collect(),
+            None => vec![moe.experts_per_token as f64 / moe.num_experts as f64; self.manifest.ffn.len()],
+        })
     }
 
     /// Decompressed `tokenizer.json` bytes.

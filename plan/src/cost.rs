@@ -7,11 +7,25 @@ use nflash_format::{DeviceProfile, Manifest, Plan, PredictorKind};
 
 use crate::layout::{hot_clusters, kv_cache_bytes, KvType, MAX_MERGE_BYTES};
 
-/// Probability that decode needs each neuron of layer `l` (packed order):
-/// the profiled activation frequency scaled by the predictor's
-/// recall / precision (1 for a dense pack or the exact predictor, which read every bundle).
-pub(crate) fn need_probability(m: &Manifest, l: usize) -> Vec<f64> {
-    neuron_need_probability(m.sparse.as_ref(), m.ffn[l].sparse.as_ref(), m.ffn[l].n_neurons as usize)
+/// Probability that decode needs each neuron of FFN unit `l` (packed order):
+/// the unit's share of the tokens (`share[l]`: 1 for a dense layer, an
+/// expert's routed share) times the profiled activation frequency scaled by
+/// the predictor's recall / precision (1 for a dense pack or the exact
+/// predictor, which read every bundle). For a mixture of experts this is
+/// P(expert chosen) × P(neuron needed | expert).
+pub(crate) fn need_probability(m: &Manifest, share: &[f64], l: usize) -> Vec<f64> {
+    let s = share.get(l).copied().unwrap_or(1.0);
+    let p = neuron_need_probability(m.sparse.as_ref(), m.ffn[l].sparse.as_ref(), m.ffn[l].n_neurons as usize);
+    p.into_iter().map(|q| q * s).collect()
+}
+
+/// The probability that decode runs each FFN unit for a token when the pack
+/// records no routing statistics (`[units]`): 1 for a dense model,
+/// `experts_per_token / num_experts` for every expert of a mixture.
+/// `Pack::unit_share` gives the measured shares where the pack has them.
+pub fn uniform_unit_share(m: &Manifest) -> Vec<f64> {
+    let s = m.config.architecture.moe().map_or(1.0, |e| e.experts_per_token as f64 / e.num_experts as f64);
+    vec![s; m.ffn.len()]
 }
 
 /// Probability that decode needs each of a layer's `n` neurons (packed
@@ -79,12 +93,13 @@ pub(crate) fn io_term(dev: &DeviceProfile, c: &Cl) -> f64 {
     c.p * c.bytes as f64 / dev.random_read_bytes_per_s(run as u64)
 }
 
-/// Every layer's clusters with their read size and need probability.
-pub(crate) fn cluster_needs(m: &Manifest) -> Vec<Vec<Cl>> {
+/// Every FFN unit's clusters with their read size and need probability
+/// (`share`: each unit's share of the tokens, [`need_probability`]).
+pub(crate) fn cluster_needs(m: &Manifest, share: &[f64]) -> Vec<Vec<Cl>> {
     (0..m.ffn.len())
         .map(|l| {
             let f = &m.ffn[l];
-            let p = need_probability(m, l);
+            let p = need_probability(m, share, l);
             f.clusters
                 .iter()
                 .map(|c| Cl {
@@ -106,10 +121,36 @@ fn kv_read_bytes(m: &Manifest, position: u32, kv: KvType) -> u64 {
     kv_cache_bytes(1, (c.num_kv_heads * c.head_dim) as usize, seen as usize, kv)
 }
 
-/// Bytes of layer `l`'s attention weights (read once per decode token).
+/// Bytes of decoder layer `l`'s attention weights, and of a mixture of
+/// experts its router (read once per decode token).
 pub(crate) fn attention_bytes(m: &Manifest, l: usize) -> u64 {
     let prefix = format!("model.layers.{l}.self_attn.");
-    m.tensors.iter().filter(|t| t.name.starts_with(&prefix)).map(|t| t.bytes).sum()
+    let router = m.config.router_name(l);
+    m.tensors
+        .iter()
+        .filter(|t| t.name.starts_with(&prefix) || router.as_deref() == Some(t.name.as_str()))
+        .map(|t| t.bytes)
+        .sum()
+}
+
+/// Each FFN unit's share of its decoder layer's attention time: 1 for a
+/// dense layer; for an expert its share of the tokens over the sum of its
+/// layer's shares, so a layer's experts together get its attention once.
+pub(crate) fn attention_split(m: &Manifest, share: &[f64]) -> Vec<f64> {
+    let e = m.config.experts() as usize;
+    (0..m.ffn.len())
+        .map(|u| {
+            let layer = &share[u / e * e..(u / e + 1) * e];
+            let sum: f64 = layer.iter().sum();
+            if e == 1 {
+                1.0
+            } else if sum > 0.0 {
+                share[u] / sum
+            } else {
+                1.0 / e as f64
+            }
+        })
+        .collect()
 }
 
 /// Expected decode cost per token of a plan, split by resource (what
@@ -174,10 +215,13 @@ impl Estimate {
     }
 }
 
-/// The expected decode cost of plan `p` for `m` on `dev` (see [`Estimate`]).
-pub fn estimate(m: &Manifest, dev: &DeviceProfile, p: &Plan) -> Estimate {
+/// The expected decode cost of plan `p` for `m` on `dev` (see [`Estimate`]);
+/// `share`: each FFN unit's share of the tokens (`Pack::unit_share`, or
+/// [`uniform_unit_share`]).
+pub fn estimate(m: &Manifest, share: &[f64], dev: &DeviceProfile, p: &Plan) -> Estimate {
     let hot: Vec<usize> = m.ffn.iter().zip(&p.hot_neurons).map(|(f, &h)| hot_clusters(f, h)).collect();
-    estimate_with(m, dev, p.threads, (p.ctx, KvType::of_plan(m, p)), &cluster_needs(m), &hot, p.cold_bytes)
+    let needs = cluster_needs(m, share);
+    estimate_with(m, share, dev, p.threads, (p.ctx, KvType::of_plan(m, p)), &needs, &hot, p.cold_bytes)
 }
 
 /// [`estimate`] from the planner's per-layer clusters and hot cluster counts,
@@ -193,8 +237,10 @@ pub fn estimate(m: &Manifest, dev: &DeviceProfile, p: &Plan) -> Estimate {
 /// misses are read at the profile's random-read bandwidth for the merged
 /// read size, hidden behind the layer's FFN (and, speculated, its
 /// attention and predictor: [`Estimate::io_exposed_ms`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn estimate_with(
     m: &Manifest,
+    share: &[f64],
     dev: &DeviceProfile,
     threads: u32,
     (ctx, kv): (u32, KvType),
@@ -216,10 +262,14 @@ pub(crate) fn estimate_with(
     let (mut needed, mut found, mut found_hot) = (0.0, 0.0, 0.0);
     for (l, cs) in layers.iter().enumerate() {
         let f = &m.ffn[l];
-        let q = need_probability(m, l);
-        let attn_ms = attention_bytes(m, l) as f64 / attention * 1e3 + kv_ms;
+        let q = need_probability(m, share, l);
+        // A decoder layer's attention once, at its first FFN unit; an expert's
+        // predictor only when the router picks it.
+        let first = l == 0 || m.ffn[l - 1].layer != f.layer;
+        let attn_ms = if first { attention_bytes(m, f.layer as usize) as f64 / attention * 1e3 + kv_ms } else { 0.0 };
         e.attention_ms += attn_ms;
-        let pred_ms = f.sparse.as_ref().map_or(0, |s| s.predictor_bytes) as f64 / predictor * 1e3;
+        let run = share.get(l).copied().unwrap_or(1.0);
+        let pred_ms = f.sparse.as_ref().map_or(0, |s| s.predictor_bytes) as f64 * run / predictor * 1e3;
         e.predictor_ms += pred_ms;
         let ffn_ms = q.iter().sum::<f64>() * f.bundle.bundle_bytes as f64 / ffn_speed * 1e3;
         e.ffn_ms += ffn_ms;

@@ -15,7 +15,9 @@
 
 use nflash_format::{DeviceProfile, Manifest, Plan, SegmentKind};
 
-use crate::cost::{attention_bytes, cluster_need, cluster_needs, estimate_with, io_seconds, io_term, Cl};
+use crate::cost::{
+    attention_bytes, attention_split, cluster_need, cluster_needs, estimate_with, io_seconds, io_term, Cl,
+};
 use crate::error::{Error, Result};
 use crate::layout::{align_up, cluster_read_bytes, hot_clusters, kv_cache_bytes, KvType, FFN_TILE_ELEMS};
 
@@ -76,6 +78,9 @@ pub struct PlanRequest {
     /// loaded (`nflash run` measures itself); replaces the estimate of the
     /// resident + runtime part of the fixed region.
     pub measured: Option<Footprint>,
+    /// Each FFN unit's share of the tokens (`[units]`: `Pack::unit_share`,
+    /// an expert's routed share); `None` = [`crate::cost::uniform_unit_share`].
+    pub unit_share: Option<Vec<f64>>,
 }
 
 /// What a process measured of itself once loaded, bytes.
@@ -218,9 +223,13 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
     }
     let avail = budget - fixed.total();
     let matvec = dev.matvec_bytes_per_s(req.threads);
-    // Per layer: clusters with their need probability, and attention compute time.
-    let layers = cluster_needs(m);
-    let t_attn: Vec<f64> = (0..m.ffn.len()).map(|l| attention_bytes(m, l) as f64 / matvec).collect();
+    // Per FFN unit: clusters with their need probability (an expert's times
+    // its routed share), and its part of its layer's attention compute time.
+    let share = req.unit_share.clone().unwrap_or_else(|| crate::cost::uniform_unit_share(m));
+    let layers = cluster_needs(m, &share);
+    let split = attention_split(m, &share);
+    let t_attn: Vec<f64> =
+        (0..m.ffn.len()).map(|u| attention_bytes(m, m.ffn[u].layer as usize) as f64 / matvec * split[u]).collect();
     let total: u64 = layers.iter().flatten().map(|c| c.bytes).sum();
     let mut hot = vec![0usize; layers.len()];
     let cold_of = |l: usize, h: usize| -> u64 { layers[l][h..].iter().map(|c| c.bytes).sum() };
@@ -263,7 +272,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         }
         (hot_bytes, avail - hot_bytes)
     };
-    let est = estimate_with(m, dev, req.threads, (req.ctx, req.kv), &layers, &hot, cold_bytes);
+    let est = estimate_with(m, &share, dev, req.threads, (req.ctx, req.kv), &layers, &hot, cold_bytes);
     let io_threads = req.io_threads.unwrap_or_else(|| dev.flash.io_queues.min(MAX_IO_THREADS)).max(1);
     let hot_neurons = hot.iter().zip(&m.ffn).map(|(&h, f)| f.clusters[..h].iter().map(|c| c.n_neurons).sum()).collect();
     let cluster_bytes =

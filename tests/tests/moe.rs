@@ -174,3 +174,83 @@ fn nflash_run_generates_from_a_moe_pack_with_and_without_a_budget() {
     assert!(!free.trim().is_empty());
     assert_eq!(gen(&["--memory-budget", "14MiB"]), free);
 }
+
+/// A sparse pack of `spec` calibrated on tiny words, in `tmp`.
+fn sparse_pack(tmp: &Path, spec: &TinySpec, extra: &[&str]) -> std::path::PathBuf {
+    let dir = tmp.join("ckpt");
+    write_tiny_checkpoint(&dir, spec);
+    let calib = tmp.join("calib.txt");
+    std::fs::write(&calib, nflash_tests::tiny_words(3000, spec.vocab, 5)).unwrap();
+    let out = tmp.join("sparse.nflash");
+    let mut flags = vec!["--quant", "q4_0", "--cluster-bytes", "1KiB", "--calib", s(&calib)];
+    flags.extend(["--tokens", "3000", "--window", "100", "--sample", "3000", "--epochs", "3"]);
+    flags.extend_from_slice(extra);
+    nflash_tests::convert_with(&dir, &out, &flags);
+    out
+}
+
+#[test]
+fn sparse_turbosparse_mixtral_same_tokens_under_every_placement() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec {
+        arch: "TurboSparseMixtralForCausalLM",
+        act: "relu",
+        vocab: 96,
+        inter: 256,
+        experts: 6,
+        top_k: 2,
+        ..mixtral()
+    };
+    let p = sparse_pack(tmp.path(), &spec, &[]);
+    let pack = nflash_format::Pack::open(&p).unwrap();
+    let m = pack.manifest();
+    assert!(m.sparse.is_some() && m.ffn.iter().all(|f| f.sparse.is_some()));
+    // The routed shares: a layer's experts sum to experts_per_token.
+    let share = pack.unit_share().unwrap();
+    assert_eq!(share.len(), 12);
+    for layer in share.chunks(6) {
+        assert!((layer.iter().sum::<f64>() - 2.0).abs() < 1e-4, "{share:?}");
+    }
+    assert!(pack.metadata().unwrap().experts.is_some());
+    check_placement_and_threads(&p);
+}
+
+/// Greedy tokens and logits of `path` under `cfg`, with the layer-ahead
+/// expert prediction misguided or not; the counters after.
+fn decode(
+    path: &Path,
+    cfg: &nflash_plan::CacheConfig,
+    misguide: bool,
+) -> (Vec<Vec<f32>>, Vec<u32>, nflash_runtime::model::CacheStats, nflash_runtime::model::ExpertPrefetch) {
+    let pack = nflash_format::Pack::open_resident(path).unwrap();
+    let mut model = nflash_runtime::load_model(&pack, cfg).unwrap();
+    model.set_speculation(nflash_runtime::model::Speculation::Always);
+    model.misguide_expert_prefetch(misguide);
+    let prompt: Vec<u32> = (0..12).map(|i| 3 + (i * 5) % 70).collect();
+    let (logits, tokens) = nflash_tests::greedy(&model, &prompt, 16);
+    (logits, tokens, model.cache_stats(), model.expert_prefetch())
+}
+
+#[test]
+fn wrong_expert_prefetch_costs_reads_never_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec { vocab: 96, inter: 256, experts: 8, top_k: 2, ..mixtral() };
+    let dense = pack(tmp.path(), &spec, "q4_0");
+    let (ref_logits, ref_tokens, _, _) =
+        decode(&dense, &nflash_plan::CacheConfig::all_hot(&nflash_format::Pack::open(&dense).unwrap()), false);
+    // Nothing hot: every expert's clusters come from flash.
+    let placements = nflash_tests::placements(&dense);
+    let cold = &placements[2].1;
+    let (logits, tokens, st, ep) = decode(&dense, cold, false);
+    assert_eq!(tokens, ref_tokens);
+    assert!(logits == ref_logits, "logits differ with expert prefetch");
+    assert!(st.speculated > 0 && st.speculated_used > 0, "{st:?}");
+    assert!(ep.guessed > 0 && ep.precision() > 0.5 && ep.recall() > 0.5, "{ep:?}");
+    // The router's lowest-ranked experts instead: the same tokens, few of the reads used.
+    let (logits, tokens, st_wrong, ep_wrong) = decode(&dense, cold, true);
+    assert_eq!(tokens, ref_tokens);
+    assert!(logits == ref_logits, "logits differ with a misguided expert prefetch");
+    assert!(st_wrong.speculated > 0, "{st_wrong:?}");
+    assert_eq!(ep_wrong.hit, 0, "the lowest-ranked experts were chosen: {ep_wrong:?}");
+    assert!(st_wrong.speculated_used < st.speculated_used, "{st_wrong:?} vs {st:?}");
+}

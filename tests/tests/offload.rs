@@ -397,6 +397,7 @@ fn the_planner_fills_the_budget_hot_first_and_bounds_the_hot_set_by_io_time() {
         threads: 2,
         io_threads: None,
         measured: None,
+        unit_share: None,
     };
     let fixed = fixed_region(m, 64, KvType::F16, None).total();
     let ffn: u64 = m.segments.iter().filter(|s| s.kind == nflash_format::SegmentKind::Ffn).map(|s| s.bytes).sum();

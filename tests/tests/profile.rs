@@ -29,6 +29,8 @@ struct ProfileModel {
     intermediate_size: u64,
     num_layers: u64,
     activation: String,
+    experts: u32,
+    experts_per_token: u32,
 }
 
 #[derive(Deserialize, Debug)]
@@ -64,7 +66,7 @@ struct Profile {
 fn load(path: &Path) -> Profile {
     let bytes = std::fs::read(path).unwrap();
     assert_eq!(&bytes[..8], b"NFPROFIL");
-    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 2, "profile version");
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 3, "profile version");
     let raw = zstd::decode_all(&bytes[12..]).unwrap();
     use bincode::Options;
     bincode::DefaultOptions::new()
@@ -195,6 +197,41 @@ fn profile_of_other_architectures() {
             let zf = h.zeros as f64 / h.total as f64;
             assert!(zf > 0.2, "ReLU gives exact zeros: {zf}");
             assert_eq!(p.layers[0].gate_thresholds[0], 0.0);
+        }
+    }
+}
+
+/// A mixture of experts: one profile per expert, each over the tokens the
+/// router sent it; a layer's experts together saw every token `top_k` times;
+/// each count and sample within the expert's own tokens.
+#[test]
+fn profile_of_a_mixture_of_experts() {
+    for spec in [
+        TinySpec { arch: "MixtralForCausalLM", act: "relu", experts: 4, top_k: 2, ..TinySpec::default() },
+        TinySpec { arch: "Qwen3MoeForCausalLM", experts: 6, top_k: 3, inter: 64, ..TinySpec::default() },
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, calib) = setup(tmp.path(), &spec, 700);
+        let out = tmp.path().join("p.profile");
+        let p = profile_ok(&dir, &calib, &out, &["--window", "64", "--sample", "200"]);
+        assert_eq!((p.model.experts, p.model.experts_per_token), (spec.experts as u32, spec.top_k as u32));
+        assert_eq!(p.layers.len(), spec.layers * spec.experts);
+        let pairs = 700 * spec.inter as u64;
+        for (l, layer) in p.layers.chunks(spec.experts).enumerate() {
+            let seen: u64 = layer.iter().map(|e| e.gate.total).sum();
+            assert_eq!(seen, pairs * spec.top_k as u64, "{} layer {l}", spec.arch);
+            let sampled: usize = layer.iter().map(|e| e.sample.len() / spec.hidden).sum();
+            assert_eq!(sampled, 200 * spec.top_k, "{} layer {l}: every sampled token once per routing", spec.arch);
+            for (e, ep) in layer.iter().enumerate() {
+                let routed = ep.gate.total / spec.inter as u64;
+                assert!(routed < 700, "{} layer {l} expert {e}: all tokens routed to one expert", spec.arch);
+                for c in ep.gate_counts.iter().chain(&ep.gate_up_counts) {
+                    assert!(c.iter().all(|&v| v as u64 <= routed));
+                }
+            }
+        }
+        if spec.act == "relu" {
+            assert!(p.layers.iter().all(|e| e.gate.zeros > 0), "ReLU experts give exact zeros");
         }
     }
 }

@@ -44,12 +44,18 @@ fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
         check_pack(&["weights", p.to_str().unwrap(), "--model", ckpt.to_str().unwrap()]);
     }
     // Mixtures of experts (format 3.3): one FFN unit per expert.
-    for (arch, experts) in [("MixtralForCausalLM", 4), ("Qwen3MoeForCausalLM", 6)] {
-        let spec = TinySpec { arch, experts, top_k: 2, inter: 64, tied: false, ..TinySpec::default() };
+    for (arch, experts, sparse) in [("MixtralForCausalLM", 4, true), ("Qwen3MoeForCausalLM", 6, false)] {
+        let spec = TinySpec { arch, experts, top_k: 2, inter: 64, tied: false, act: "relu", ..TinySpec::default() };
         let ckpt = dir.path().join(arch);
         write_tiny_checkpoint(&ckpt, &spec);
         let pack = dir.path().join(format!("{arch}.nflash"));
-        convert_with(&ckpt, &pack, &["--quant", "q4_0"]);
+        let mut flags = vec!["--quant", "q4_0"];
+        if sparse {
+            // Calibrated: expert statistics in the metadata, predictors per expert.
+            flags.extend(["--cluster-bytes", "1KiB", "--calib", calib]);
+            flags.extend(QUICK_CALIB);
+        }
+        convert_with(&ckpt, &pack, &flags);
         check_pack(&["compare", pack.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
         check_pack(&["weights", pack.to_str().unwrap(), "--model", ckpt.to_str().unwrap(), "--all-layers"]);
     }

@@ -136,12 +136,6 @@ impl SparseArgs {
         quant: DType,
         stages: &mut Stages,
     ) -> Result<Option<SparsePlan>> {
-        if ck.config.architecture.moe().is_some() && (self.calib.is_some() || self.profile.is_some()) {
-            bail!(
-                "{} is a mixture of experts: this build writes dense packs of mixtures of experts only; convert without --calib and --profile",
-                ck.config.architecture.hf_name()
-            );
-        }
         let profile = match (&self.calib, &self.profile) {
             (None, None) => return Ok(None),
             (_, Some(p)) => {
@@ -318,6 +312,11 @@ pub fn run(a: ConvertArgs) -> Result<()> {
             threads: a.device.threads.unwrap_or_else(|| dev.n_cores()),
             io_threads: None,
             measured: None,
+            // A mixture of experts: each expert's routed share, as profiled.
+            unit_share: plan
+                .as_ref()
+                .and_then(|p| p.routed_share.as_ref())
+                .map(|s| s.iter().map(|&v| v as f64).collect()),
         };
         move |m: &nflash_format::Manifest| -> Result<nflash_format::Plan> {
             Ok(nflash_plan::planner::plan(m, dev, &req)?)

@@ -14,7 +14,8 @@ use std::ops::Range;
 use anyhow::{bail, Result};
 use candle_core::quantized::GgmlType;
 use candle_core::{Device, Tensor, D};
-use nflash_format::{Activation, Architecture, ModelConfig};
+use nflash_format::{Activation, Architecture, ModelConfig, Moe};
+use nflash_runtime::model::moe::top_k;
 use nflash_runtime::model::ops::{activate, activate_up, rms_norm, softmax, Rope};
 use rayon::prelude::*;
 
@@ -63,6 +64,18 @@ struct Attention {
     k_bias: Option<Tensor>,
     v_bias: Option<Tensor>,
     o_bias: Option<Tensor>,
+    /// Qwen3: RMSNorm weights `[head_dim]` of each query and key head, before RoPE.
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+}
+
+/// A mixture-of-experts layer's router (`[num_experts, hidden]`) and routing
+/// settings (SPEC §4.1).
+pub struct Router {
+    norm: Vec<f32>, // [hidden], post_attention_layernorm
+    weight: Tensor, // [num_experts, hidden]
+    moe: Moe,
+    eps: f32,
 }
 
 /// One layer's FFN weights: `down · (act(gate·xn + bg) ⊙ (up·xn + bu)) + bd`
@@ -90,6 +103,14 @@ pub struct Activations {
 
 fn matrix(ck: &dyn WeightSource, name: &str, rows: usize, cols: usize) -> Result<Tensor> {
     Ok(Tensor::from_vec(ck.tensor_f32(name, &[rows, cols])?, (rows, cols), &Device::Cpu)?)
+}
+
+/// Qwen3's per-head norm weight `name` (`[head_dim]`), or `None` for a model without.
+fn head_norm(ck: &dyn WeightSource, name: &str, cfg: &ModelConfig) -> Result<Option<Vec<f32>>> {
+    if !cfg.qk_norm() {
+        return Ok(None);
+    }
+    Ok(Some(ck.tensor_f32(name, &[cfg.head_dim as usize])?))
 }
 
 fn bias(ck: &dyn WeightSource, name: &str, len: usize, present: bool) -> Result<Option<Tensor>> {
@@ -127,6 +148,15 @@ fn attend(cfg: &ModelConfig, rope: &Rope, w: &Attention, x: &[f32], b: usize, le
     };
     let mut q = project(&w.q, w.q_bias.as_ref())?; // [b, len, nh, hd]
     let mut k = project(&w.k, w.k_bias.as_ref())?; // [b, len, nkv, hd]
+                                                   // Qwen3: RMSNorm of each query and key head.
+    for (m, norm) in [(&mut q, &w.q_norm), (&mut k, &w.k_norm)] {
+        if let Some(wt) = norm {
+            m.par_chunks_mut(hd).for_each(|head| {
+                let v = head.to_vec();
+                rms_norm(&v, wt, cfg.rms_norm_eps as f32, head);
+            });
+        }
+    }
     let v = project(&w.v, w.v_bias.as_ref())?; // [b, len, nkv, hd]
     let (cos, sin) = rope.tables(0, len); // [len, hd/2] each; every window starts at position 0
     for (m, width) in [(&mut q, nh * hd), (&mut k, nkv * hd)] {
@@ -222,6 +252,8 @@ impl<'a> Forward<'a> {
             k_bias: bias(ck, &format!("{p}.k_proj.bias"), kvd, qkv_bias)?,
             v_bias: bias(ck, &format!("{p}.v_proj.bias"), kvd, qkv_bias)?,
             o_bias: bias(ck, &format!("{p}.o_proj.bias"), h, cfg.attention_bias && !qwen2)?,
+            q_norm: head_norm(ck, &format!("{p}.q_norm.weight"), cfg)?,
+            k_norm: head_norm(ck, &format!("{p}.k_norm.weight"), cfg)?,
         })
     }
 
@@ -247,25 +279,81 @@ impl<'a> Forward<'a> {
         Ok(())
     }
 
-    /// Loads layer `l`'s FFN weights.
+    /// Loads FFN unit `u`'s weights (SPEC §4.4): layer `u`'s FFN, or of a
+    /// mixture of experts expert `u mod num_experts` of layer `⌊u / num_experts⌋`.
     ///
     /// # Errors
     /// Missing or misshapen FFN tensors.
-    pub fn ffn(&self, l: usize) -> Result<Ffn> {
+    pub fn ffn(&self, u: usize) -> Result<Ffn> {
         let (ck, cfg) = (self.ck, &self.cfg);
         let (h, inter) = (cfg.hidden_size as usize, cfg.intermediate_size as usize);
+        let l = cfg.unit_layer_expert(u).0;
         let p = format!("model.layers.{l}.mlp");
+        let [gate, up, down] = cfg.ffn_tensor_names(u);
         Ok(Ffn {
             norm: ck.tensor_f32(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h])?,
-            gate: matrix(ck, &format!("{p}.gate_proj.weight"), inter, h)?,
-            up: matrix(ck, &format!("{p}.up_proj.weight"), inter, h)?,
-            down: matrix(ck, &format!("{p}.down_proj.weight"), h, inter)?,
+            gate: matrix(ck, &gate, inter, h)?,
+            up: matrix(ck, &up, inter, h)?,
+            down: matrix(ck, &down, h, inter)?,
             gate_bias: bias(ck, &format!("{p}.gate_proj.bias"), inter, cfg.mlp_bias)?,
             up_bias: bias(ck, &format!("{p}.up_proj.bias"), inter, cfg.mlp_bias)?,
             down_bias: bias(ck, &format!("{p}.down_proj.bias"), h, cfg.mlp_bias)?,
             act: cfg.activation,
             eps: cfg.rms_norm_eps as f32,
         })
+    }
+
+    /// Layer `l`'s router, or `None` for a dense model.
+    ///
+    /// # Errors
+    /// A missing or misshapen router or norm.
+    pub fn router(&self, l: usize) -> Result<Option<Router>> {
+        let (Some(name), Some(moe)) = (self.cfg.router_name(l), self.cfg.architecture.moe()) else { return Ok(None) };
+        let h = self.cfg.hidden_size as usize;
+        Ok(Some(Router {
+            norm: self.ck.tensor_f32(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h])?,
+            weight: matrix(self.ck, &name, moe.num_experts as usize, h)?,
+            moe,
+            eps: self.cfg.rms_norm_eps as f32,
+        }))
+    }
+
+    /// Routes every calibration token through `r` as the runtime does
+    /// (`nflash_runtime::model::moe`: softmax of the router logits, top-k,
+    /// weights renormalized per `norm_topk_prob`): `[n_tokens · k]` (expert,
+    /// weight), each token's experts ascending.
+    ///
+    /// # Errors
+    /// Tensor op failures.
+    pub fn route(&self, r: &Router) -> Result<Vec<(u32, f32)>> {
+        let (h, e) = (self.cfg.hidden_size as usize, r.moe.num_experts as usize);
+        let n = self.n_tokens();
+        let mut routes = Vec::with_capacity(n * r.moe.experts_per_token as usize);
+        for s in (0..n).step_by(ATTN_BATCH_TOKENS) {
+            let rows = s..(s + ATTN_BATCH_TOKENS).min(n);
+            let xn = Tensor::from_vec(
+                norm_rows(&self.x[rows.start * h..rows.end * h], &r.norm, r.eps),
+                (rows.len(), h),
+                &Device::Cpu,
+            )?;
+            let mut logits = linear(&xn, &r.weight, None)?.flatten_all()?.to_vec1::<f32>()?;
+            for p in logits.chunks_exact_mut(e) {
+                softmax(p);
+                top_k(p, r.moe.experts_per_token as usize, r.moe.norm_topk_prob, &mut routes);
+            }
+        }
+        Ok(routes)
+    }
+
+    /// FFN inputs of the calibration tokens `idx` (ascending or not): their
+    /// rows of the residual stream RMSNormed with `ffn`'s norm, `[idx.len(), hidden]`.
+    pub fn ffn_input_of(&self, ffn: &Ffn, idx: &[usize]) -> Vec<f32> {
+        let h = self.cfg.hidden_size as usize;
+        let mut out = vec![0f32; idx.len() * h];
+        out.par_chunks_mut(h)
+            .zip(idx.par_iter())
+            .for_each(|(o, &t)| rms_norm(&self.x[t * h..(t + 1) * h], &ffn.norm, ffn.eps, o));
+        out
     }
 
     /// RMSNorm with the `[hidden]` weight tensor `norm` of token rows `rows`: `[rows.len(), hidden]`.
@@ -370,8 +458,10 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
-    /// The runtime's per-token attention (runtime/src/model/attention.rs) on plain vectors.
-    fn reference(c: &ModelConfig, raw: &[Vec<f32>], x: &[f32], len: usize) -> Vec<f32> {
+    /// The runtime's per-token attention (runtime/src/model/attention.rs) on
+    /// plain vectors; with `qk_norm`, each query and key head RMSNormed by
+    /// `raw[9]` / `raw[10]` before RoPE (Qwen3).
+    fn reference(c: &ModelConfig, raw: &[Vec<f32>], x: &[f32], len: usize, qk_norm: bool) -> Vec<f32> {
         let (h, nh, nkv, hd) = (16, 4, 2, 8);
         let (qd, kvd) = (nh * hd, nkv * hd);
         let rope = Rope::new(c);
@@ -389,6 +479,14 @@ mod tests {
                 let mut xn = vec![0f32; h];
                 rms_norm(&wx[t * h..(t + 1) * h], &raw[0], 1e-5, &mut xn);
                 let (mut qt, mut kt) = (mv(&raw[1], &raw[5], &xn), mv(&raw[2], &raw[6], &xn));
+                if qk_norm {
+                    for (v, w) in [(&mut qt, &raw[9]), (&mut kt, &raw[10])] {
+                        for head in v.chunks_mut(hd) {
+                            let copy = head.to_vec();
+                            rms_norm(&copy, w, 1e-5, head);
+                        }
+                    }
+                }
                 rope.rotate(&mut qt, &cos[t * hd / 2..(t + 1) * hd / 2], &sin[t * hd / 2..(t + 1) * hd / 2]);
                 rope.rotate(&mut kt, &cos[t * hd / 2..(t + 1) * hd / 2], &sin[t * hd / 2..(t + 1) * hd / 2]);
                 q.extend(qt);
@@ -431,8 +529,10 @@ mod tests {
             rng.vec(kvd, 0.1),
             rng.vec(kvd, 0.1),
             rng.vec(h, 0.1),
+            rng.vec(8, 0.3).iter().map(|v| 1.0 + v).collect(),
+            rng.vec(8, 0.3).iter().map(|v| 1.0 + v).collect(),
         ];
-        let w = Attention {
+        let mut w = Attention {
             norm: raw[0].clone(),
             q: t(raw[1].clone(), &[qd, h]),
             k: t(raw[2].clone(), &[kvd, h]),
@@ -442,15 +542,23 @@ mod tests {
             k_bias: Some(t(raw[6].clone(), &[kvd])),
             v_bias: Some(t(raw[7].clone(), &[kvd])),
             o_bias: Some(t(raw[8].clone(), &[h])),
+            q_norm: None,
+            k_norm: None,
         };
         let (b, len) = (3, 11);
         let x = rng.vec(b * len * h, 1.0);
-        for sliding in [None, Some(3)] {
+        for (sliding, qk_norm) in [(None, false), (Some(3), false), (None, true)] {
             let c = cfg(sliding);
-            let want = reference(&c, &raw, &x, len);
+            (w.q_norm, w.k_norm) = if qk_norm { (Some(raw[9].clone()), Some(raw[10].clone())) } else { (None, None) };
+            let want = reference(&c, &raw, &x, len, qk_norm);
             let got = attend(&c, &Rope::new(&c), &w, &x, b, len).unwrap();
             let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(err < 1e-4, "sliding {sliding:?}: max error {err}");
+            assert!(err < 1e-4, "sliding {sliding:?}, q/k norm {qk_norm}: max error {err}");
+            if qk_norm {
+                // The norms change the result: the test sees them.
+                let plain = reference(&c, &raw, &x, len, false);
+                assert!(got.iter().zip(&plain).any(|(a, b)| (a - b).abs() > 1e-3));
+            }
         }
     }
 

@@ -165,7 +165,12 @@ pub fn write_pack(
     w.end_segment()?;
 
     // Metadata (SPEC §4.9): the checkpoint's sampling defaults.
-    let meta = nflash_format::Metadata { generation: Some(ck.generation.clone()).filter(|g| !g.is_empty()) };
+    let meta = nflash_format::Metadata {
+        generation: Some(ck.generation.clone()).filter(|g| !g.is_empty()),
+        experts: plan
+            .and_then(|p| p.routed_share.clone())
+            .map(|routed_share| nflash_format::ExpertStats { routed_share }),
+    };
     w.begin_segment("metadata", SegmentKind::Metadata)?;
     w.write(&serde_json::to_vec(&meta)?)?;
     w.end_segment()?;

@@ -161,6 +161,38 @@ pub fn quality(scores: &[f32], active: &[bool], tau: f32, tokens: usize) -> Pred
     }
 }
 
+/// Fewest sampled FFN inputs [`build`] trains and calibrates a predictor on.
+pub const MIN_PREDICTOR_SAMPLE: usize = 10;
+
+/// A predictor that selects every neuron: zero tensors of the shapes
+/// `kind` and `rank` give (`n` neurons, `hidden`), every score 0, threshold
+/// `f32::MIN`. For an expert the router sent too few calibration tokens to
+/// train one on ([`MIN_PREDICTOR_SAMPLE`]): decode reads all of its
+/// neurons whenever it runs. `sparsity`: the unit's measured fraction of
+/// inactive neurons, for the reported quality.
+pub fn keep_all(kind: PredictorKind, rank: usize, n: usize, hidden: usize, sparsity: f32) -> Built {
+    let tensors: Tensors = match kind {
+        PredictorKind::Exact => Vec::new(),
+        PredictorKind::LowRank => vec![
+            ("proj", vec![rank, hidden], vec![0.0; rank * hidden]),
+            ("gate", vec![n, rank], vec![0.0; n * rank]),
+            ("up", vec![n, rank], vec![0.0; n * rank]),
+        ],
+        PredictorKind::Mlp => vec![
+            ("w1", vec![rank, hidden], vec![0.0; rank * hidden]),
+            ("b1", vec![rank], vec![0.0; rank]),
+            ("w2", vec![n, rank], vec![0.0; n * rank]),
+            ("b2", vec![n], vec![0.0; n]),
+        ],
+    };
+    Built {
+        tensors,
+        threshold: if kind == PredictorKind::Exact { 0.0 } else { f32::MIN },
+        quality: PredictorQuality { recall: 1.0, precision: 1.0 - sparsity, bundles_skipped: 0.0, sparsity, tokens: 0 },
+        training: None,
+    }
+}
+
 /// Builds and calibrates one layer's predictor from sample inputs `x`
 /// `[s, hidden]`: the first 80% of the tokens train it, the next 10% set its
 /// decision threshold for the recall target, the last 10% measure it (so the
@@ -172,8 +204,8 @@ pub fn quality(scores: &[f32], active: &[bool], tau: f32, tokens: usize) -> Pred
 pub fn build(w: &GateUp, x: &[f32], act: Activation, t: f32, o: &PredictorOptions) -> Result<Built> {
     let h = w.hidden;
     let s = x.len() / h;
-    if s < 10 {
-        bail!("the profile holds {s} sampled FFN inputs; predictors need at least 10: calibrate on more tokens (a longer text, --tokens, --sample)");
+    if s < MIN_PREDICTOR_SAMPLE {
+        bail!("the profile holds {s} sampled FFN inputs; predictors need at least {MIN_PREDICTOR_SAMPLE}: calibrate on more tokens (a longer text, --tokens, --sample)");
     }
     let n_train = s * 4 / 5;
     let (train, held) = x.split_at(n_train * h);

@@ -28,7 +28,7 @@ pub use collect::{profile, ProfileOptions};
 /// First bytes of a profile file.
 pub const PROFILE_MAGIC: [u8; 8] = *b"NFPROFIL";
 /// Version of the encoding after the magic; bumped on any change of [`Profile`].
-pub const PROFILE_VERSION: u32 = 2;
+pub const PROFILE_VERSION: u32 = 3;
 /// Largest decoded profile accepted or written, bytes (a 7B model with the
 /// default 8192-token sample is about 2 GiB).
 pub const MAX_PROFILE_BYTES: u64 = 16 << 30;
@@ -54,6 +54,11 @@ pub struct ProfileModel {
     pub num_layers: u64,
     /// HF `hidden_act` name: `silu`, `relu`, `gelu`, `gelu_pytorch_tanh`.
     pub activation: String,
+    /// Experts per layer (1: dense); the profile has a [`LayerProfile`] per
+    /// FFN unit, `num_layers × experts` (SPEC §4.4).
+    pub experts: u32,
+    /// Experts each token is routed to (1: dense).
+    pub experts_per_token: u32,
 }
 
 impl ProfileModel {
@@ -65,7 +70,14 @@ impl ProfileModel {
             intermediate_size: cfg.intermediate_size,
             num_layers: cfg.num_layers,
             activation: cfg.activation.name().to_string(),
+            experts: cfg.architecture.moe().map_or(1, |m| m.num_experts),
+            experts_per_token: cfg.architecture.moe().map_or(1, |m| m.experts_per_token),
         }
+    }
+
+    /// FFN units: one per layer, or per expert of each layer.
+    pub fn units(&self) -> u64 {
+        self.num_layers * u64::from(self.experts)
     }
 }
 
@@ -75,7 +87,11 @@ impl std::fmt::Display for ProfileModel {
             f,
             "{} with {} layers, hidden {}, FFN {}, {}",
             self.architecture, self.num_layers, self.hidden_size, self.intermediate_size, self.activation
-        )
+        )?;
+        if self.experts > 1 {
+            write!(f, ", {} experts ({} per token)", self.experts, self.experts_per_token)?;
+        }
+        Ok(())
     }
 }
 
@@ -92,7 +108,10 @@ pub struct CalibInfo {
     pub n_windows: u32,
 }
 
-/// Statistics of one decoder layer's FFN over all calibration tokens.
+/// Statistics of one FFN unit (a decoder layer's FFN, or one expert of a
+/// mixture of experts) over the calibration tokens it ran: all of them, or
+/// for an expert those the router sent to it (so `n_tokens()` is how many
+/// were routed to it, and its counts are out of those).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct LayerProfile {
     /// `|act(gate·xn)|` over all (token, neuron) pairs.
@@ -110,7 +129,8 @@ pub struct LayerProfile {
     /// `[grid][n_neurons]`: tokens where `|a·u| > gate_up_thresholds[k]`.
     pub gate_up_counts: Vec<Vec<u32>>,
     /// f16 bits `[n_sample, hidden]`: FFN inputs `xn` (post_attention_layernorm
-    /// output) of calibration tokens `i · n_tokens / n_sample`, `i` in `0..n_sample`.
+    /// output) of calibration tokens `i · n_tokens / n_sample`, `i` in
+    /// `0..n_sample` (of an expert: those of them routed to it).
     pub sample: Vec<u16>,
 }
 
@@ -123,7 +143,7 @@ pub struct Profile {
     pub checkpoint: String,
     /// Calibration run.
     pub calib: CalibInfo,
-    /// One per decoder layer.
+    /// One per FFN unit: per decoder layer, or per expert of each layer in order.
     pub layers: Vec<LayerProfile>,
 }
 
@@ -219,19 +239,43 @@ impl Profile {
     /// Consistency of every size and count with `model` and `calib`.
     fn check(&self) -> std::result::Result<(), String> {
         let (h, inter) = (self.model.hidden_size as usize, self.model.intermediate_size as usize);
-        if self.layers.len() as u64 != self.model.num_layers {
-            return Err(format!("{} layers, model has {}", self.layers.len(), self.model.num_layers));
+        let (experts, k) = (self.model.experts as u64, self.model.experts_per_token as u64);
+        if experts == 0 || k == 0 || k > experts || experts > u64::from(nflash_format::MAX_EXPERTS) {
+            return Err(format!("{k} of {experts} experts per token"));
+        }
+        if self.layers.len() as u64 != self.model.units() {
+            return Err(format!("{} FFN units, model has {}", self.layers.len(), self.model.units()));
         }
         let pairs = self.calib.n_tokens.checked_mul(inter as u64).ok_or("sizes overflow")?;
-        let sample_len = self.layers.first().map_or(0, |l| l.sample.len());
-        if h == 0 || !sample_len.is_multiple_of(h) || sample_len / h > self.calib.n_tokens as usize {
-            return Err(format!("sample of {sample_len} values for hidden size {h}"));
+        let n_sample = self.n_sample_max();
+        if h == 0 || n_sample > self.calib.n_tokens as usize {
+            return Err(format!("sample of {n_sample} tokens for {} calibration tokens", self.calib.n_tokens));
+        }
+        // Per decoder layer: its experts saw k routings of every token in all.
+        for (li, layer) in self.layers.chunks(experts as usize).enumerate() {
+            let seen: u64 = layer.iter().map(|l| l.gate.total).sum();
+            if seen != pairs.saturating_mul(k) {
+                return Err(format!(
+                    "layer {li}: histograms count {seen} values, expected {}",
+                    pairs.saturating_mul(k)
+                ));
+            }
         }
         for (i, l) in self.layers.iter().enumerate() {
-            let e = |m: String| format!("layer {i}: {m}");
+            let e = |m: String| format!("FFN unit {i}: {m}");
             l.gate.check().map_err(|m| e(format!("gate histogram: {m}")))?;
             l.gate_up.check().map_err(|m| e(format!("gate_up histogram: {m}")))?;
-            if l.gate.total != pairs || l.gate_up.total != pairs {
+            let routed = l.gate.total / inter.max(1) as u64;
+            if l.gate.total != l.gate_up.total
+                || !l.gate.total.is_multiple_of(inter.max(1) as u64)
+                || routed > self.calib.n_tokens
+            {
+                return Err(e(format!(
+                    "histograms count {} and {} values for {inter} neurons",
+                    l.gate.total, l.gate_up.total
+                )));
+            }
+            if experts == 1 && l.gate.total != pairs {
                 return Err(e(format!("histograms count {} values, expected {pairs}", l.gate.total)));
             }
             let g = l.grid.len();
@@ -242,12 +286,15 @@ impl Profile {
                 if counts.len() != g || counts.iter().any(|c| c.len() != inter) {
                     return Err(e(format!("counts are not [{g}][{inter}]")));
                 }
-                if counts.iter().flatten().any(|&c| c as u64 > self.calib.n_tokens) {
-                    return Err(e(format!("a count exceeds the {} calibration tokens", self.calib.n_tokens)));
+                if counts.iter().flatten().any(|&c| c as u64 > routed) {
+                    return Err(e(format!("a count exceeds the {routed} calibration tokens it ran")));
                 }
             }
-            if l.sample.len() != sample_len {
-                return Err(e(format!("sample of {} values, layer 0 has {sample_len}", l.sample.len())));
+            if !l.sample.len().is_multiple_of(h) || l.sample.len() / h > routed as usize {
+                return Err(e(format!("sample of {} values for hidden size {h} and {routed} tokens", l.sample.len())));
+            }
+            if experts == 1 && l.sample.len() != n_sample * h {
+                return Err(e(format!("sample of {} values, layer 0 has {}", l.sample.len(), n_sample * h)));
             }
         }
         Ok(())
@@ -291,10 +338,23 @@ impl Profile {
         self.layers[layer].sample.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect()
     }
 
-    /// Tokens in the sample of every layer.
+    /// Tokens in the sample of every layer (of a mixture of experts, the
+    /// largest expert sample: each expert has the sampled tokens routed to it).
     pub fn n_sample(&self) -> usize {
+        self.n_sample_max()
+    }
+
+    fn n_sample_max(&self) -> usize {
         let h = self.model.hidden_size as usize;
-        self.layers.first().map_or(0, |l| l.sample.len() / h.max(1))
+        self.layers.iter().map(|l| l.sample.len() / h.max(1)).max().unwrap_or(0)
+    }
+
+    /// Fraction of the calibration tokens each FFN unit ran (`[units]`): 1
+    /// for a dense layer, for an expert the share the router sent to it
+    /// (a layer's experts sum to `experts_per_token`).
+    pub fn routed_share(&self) -> Vec<f32> {
+        let n = self.calib.n_tokens.max(1) as f64;
+        self.layers.iter().map(|l| (l.n_tokens() as f64 / n) as f32).collect()
     }
 }
 
@@ -396,6 +456,8 @@ mod tests {
                 intermediate_size: 2,
                 num_layers: 1,
                 activation: "silu".into(),
+                experts: 1,
+                experts_per_token: 1,
             },
             checkpoint: "0123456789abcdef".into(),
             calib: CalibInfo { source: "a.txt".into(), n_tokens: 100, window: 50, n_windows: 2 },
@@ -421,7 +483,7 @@ mod tests {
         assert!(err(&bytes[..bytes.len() - 5]).contains("corrupt or truncated"));
         assert!(err(b"hello world, not a profile").contains("bad magic"));
         let mut v2 = bytes.clone();
-        v2[8] = 3;
+        v2[8] = 2;
         assert!(err(&v2).contains("re-run `prep profile`"));
         let mut flipped = bytes.clone();
         let mid = 12 + (bytes.len() - 12) / 2;

@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 use nflash_format::{Criterion, DType, LayerSparsity, PredictorKind, SparseInfo};
 
 use crate::checkpoint::Checkpoint;
-use crate::predictor::{build, GateUp, PredictorOptions};
+use crate::predictor::{build, keep_all, GateUp, PredictorOptions, MIN_PREDICTOR_SAMPLE};
 use crate::profile::Profile;
 
 /// Choices for `prep convert --calib`.
@@ -48,8 +48,11 @@ pub struct LayerPlan {
 pub struct SparsePlan {
     /// Manifest-wide settings.
     pub info: SparseInfo,
-    /// Per layer.
+    /// Per FFN unit (layer, or expert of a layer).
     pub layers: Vec<LayerPlan>,
+    /// Mixture of experts: the fraction of calibration tokens routed to each
+    /// unit (`[units]`, SPEC §4.9 `experts.routed_share`); `None` when dense.
+    pub routed_share: Option<Vec<f32>>,
 }
 
 /// Storage type of predictor matrices: Q8_0 for quantized packs (the Q8_0
@@ -92,14 +95,20 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
         PredictorKind::Exact => 0,
         k => o.rank.unwrap_or_else(|| rank_for_budget(k, o.budget, h, n, quant)),
     };
+    let moe = cfg.architecture.moe().is_some();
     let pb = crate::progress::Progress::new(
-        cfg.num_layers,
-        "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}",
+        cfg.ffn_units(),
+        if moe {
+            "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} experts eta {eta}"
+        } else {
+            "{msg:>10} [{elapsed_precise}] {wide_bar} {pos}/{len} layers eta {eta}"
+        },
         "predictors",
     );
     pb.set_message(format!("{} r={rank}", o.predictor.name()));
-    let mut layers = Vec::with_capacity(cfg.num_layers as usize);
+    let mut layers = Vec::with_capacity(cfg.ffn_units() as usize);
     let mut natural = Vec::new();
+    let mut few = Vec::new(); // experts with too few sampled tokens for a predictor
     for (l, lp) in profile.layers.iter().enumerate() {
         // ReLU family: active ⇔ act > 0, whatever the requested sparsity.
         let (t, s) = if relu {
@@ -115,8 +124,9 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
         order.sort_by(|&a, &b| freq[b as usize].total_cmp(&freq[a as usize]).then(a.cmp(&b)));
         let curve = (0..=32).map(|k| freq[order[(k * (n - 1) + 16) / 32] as usize]).collect();
         let p = format!("model.layers.{l}.mlp");
-        let gate = ck.tensor_f32(&format!("{p}.gate_proj.weight"), &[n, h])?;
-        let up = ck.tensor_f32(&format!("{p}.up_proj.weight"), &[n, h])?;
+        let [gate_name, up_name, _] = cfg.ffn_tensor_names(l);
+        let gate = ck.tensor_f32(&gate_name, &[n, h])?;
+        let up = ck.tensor_f32(&up_name, &[n, h])?;
         let (gb, ub) = if cfg.mlp_bias {
             (
                 Some(ck.tensor_f32(&format!("{p}.gate_proj.bias"), &[n])?),
@@ -126,21 +136,29 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
             (None, None)
         };
         let w = GateUp { gate: &gate, up: &up, gate_bias: gb.as_deref(), up_bias: ub.as_deref(), n, hidden: h };
-        let built = build(
-            &w,
-            &profile.sample(l),
-            cfg.activation,
-            t,
-            &PredictorOptions {
-                kind: o.predictor,
-                rank,
-                recall: o.recall,
-                criterion: o.criterion,
-                epochs: o.epochs,
-                seed: o.seed.wrapping_add(l as u64),
-                init: o.init,
-            },
-        )?;
+        let sample = profile.sample(l);
+        let built = if moe && sample.len() / h < MIN_PREDICTOR_SAMPLE {
+            // A rarely routed expert: decode reads all of it when it runs.
+            few.push((cfg.unit_name(l), sample.len() / h));
+            let sparsity = 1.0 - freq.iter().sum::<f32>() / n.max(1) as f32;
+            keep_all(o.predictor, rank, n, h, sparsity)
+        } else {
+            build(
+                &w,
+                &sample,
+                cfg.activation,
+                t,
+                &PredictorOptions {
+                    kind: o.predictor,
+                    rank,
+                    recall: o.recall,
+                    criterion: o.criterion,
+                    epochs: o.epochs,
+                    seed: o.seed.wrapping_add(l as u64),
+                    init: o.init,
+                },
+            )?
+        };
         layers.push(LayerPlan {
             order,
             sparse: LayerSparsity {
@@ -156,6 +174,15 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
         pb.inc(1);
     }
     pb.finish_and_clear();
+    if !few.is_empty() {
+        let names: Vec<String> = few.iter().take(8).map(|(u, s)| format!("{u} ({s})")).collect();
+        nflash_runtime::message!(
+            "{} expert(s) got fewer than {MIN_PREDICTOR_SAMPLE} of the sampled calibration tokens, too few to train a predictor: {}{}; decode reads every neuron of those when the router picks them (calibrate on more tokens, --tokens and --sample, to train them)",
+            few.len(),
+            names.join(", "),
+            if few.len() > 8 { ", …" } else { "" }
+        );
+    }
     let target = if relu { natural.iter().sum::<f64>() / natural.len().max(1) as f64 } else { o.sparsity };
     Ok(SparsePlan {
         info: SparseInfo {
@@ -168,5 +195,6 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
             calib_source: profile.calib.source.clone(),
         },
         layers,
+        routed_share: moe.then(|| profile.routed_share()),
     })
 }

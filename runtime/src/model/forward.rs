@@ -95,7 +95,14 @@ impl Model<'_> {
                     }
                     c
                 }
-                Some(router) => self.ffn_moe(layer, router, sparse_on, batched, &xn, work, &mut tm, &mut x)?,
+                Some(router) => {
+                    let c = self.ffn_moe(l, layer, router, sparse_on, batched, &xn, work, &mut tm, &mut x)?;
+                    // Decode: read the next layer's likely experts before its attention.
+                    if n == 1 {
+                        self.speculate(l + 1, &x, &work.layer_wait, &mut work.spec, &mut tm);
+                    }
+                    c
+                }
             };
             if pass != Pass::Prefill {
                 work.counts[l].add(&counts);
@@ -174,6 +181,7 @@ impl Model<'_> {
     #[allow(clippy::too_many_arguments)]
     fn ffn_moe(
         &self,
+        l: usize,
         layer: &Layer,
         router: &Router,
         sparse_on: bool,
@@ -194,6 +202,13 @@ impl Model<'_> {
             router.route(xr, &mut work.router_probs, &mut routes);
         }
         tm.router_s += t.elapsed().as_secs_f64();
+        // The experts a speculative prefetch guessed for this layer, against the router's choice.
+        if n == 1 && std::mem::replace(&mut work.spec.guess_layer, usize::MAX) == l {
+            let g = &work.spec.guess;
+            let hit = routes.iter().filter(|r| g.iter().any(|q| q.0 == r.0)).count() as u64;
+            let p = &mut work.expert_prefetch;
+            (p.guessed, p.routed, p.hit) = (p.guessed + g.len() as u64, p.routed + k as u64, p.hit + hit);
+        }
         let (mut xs, mut ys) = (std::mem::take(&mut work.expert_x), std::mem::take(&mut work.expert_y));
         let mut counts = LayerCounts::default();
         let result = (|| -> Result<()> {
@@ -331,34 +346,80 @@ impl Model<'_> {
     /// when the reads are hidden anyway). Time goes to the predictor.
     fn speculate(&self, l: usize, x: &[f32], layer_wait: &[(f64, f64)], sc: &mut SpecScratch, tm: &mut Timings) {
         let Some(layer) = self.layers.get(l) else { return };
-        // Dense layers: a mixture of experts is not speculated on here.
-        let [unit] = &layer.units[..] else { return };
-        let Some(sp) = unit.sparse.as_ref() else { return };
-        let (u, ffn) = (unit.index, &unit.ffn);
         // Worth a predictor evaluation only if the layer's last FFN call
-        // waited longer than that for its reads.
-        let (waited, pred) = layer_wait[u];
+        // waited longer than that for its reads (a mixture of experts: its
+        // experts' last calls together).
+        let (waited, pred) =
+            layer.units.iter().map(|u| layer_wait[u.index]).fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let has_cold = layer.units.iter().any(|u| self.source.first_cold_cluster(u.index) < u.ffn.n_clusters());
         let go = match self.speculation {
-            Speculation::Auto => waited > pred,
-            Speculation::Always => self.source.first_cold_cluster(u) < ffn.n_clusters(),
+            Speculation::Auto => waited > pred && (layer.router.is_some() || layer.units[0].sparse.is_some()),
+            Speculation::Always => has_cold,
             Speculation::Never => false,
         };
         if !go {
             return;
         }
         let t0 = Instant::now();
-        let SpecScratch { x: xn, xin, predict, list, needed } = sc;
-        xn.resize(x.len(), 0.0);
-        rms_norm(x, &layer.ffn_norm, self.cfg.rms_norm_eps as f32, xn);
+        sc.x.resize(x.len(), 0.0);
+        rms_norm(x, &layer.ffn_norm, self.cfg.rms_norm_eps as f32, &mut sc.x);
+        match &layer.router {
+            None => {
+                if layer.units[0].sparse.is_some() {
+                    self.speculate_unit(&layer.units[0], sc);
+                }
+            }
+            Some(router) => {
+                // Layer-ahead expert prediction: this layer's router on the
+                // current hidden state picks the experts to read ahead.
+                let mut guess = std::mem::take(&mut sc.guess);
+                guess.clear();
+                router.route(&sc.x, &mut sc.probs, &mut guess);
+                if self.misguide_prefetch {
+                    // Tests: the experts the router ranks lowest instead.
+                    guess.clear();
+                    sc.probs.iter_mut().for_each(|p| *p = -*p);
+                    super::moe::top_k(&sc.probs, router.moe.experts_per_token as usize, false, &mut guess);
+                }
+                // Descending, so the expert the layer runs first is the last
+                // speculated: the cache protects the last speculation's reads.
+                for &(e, _) in guess.iter().rev() {
+                    self.speculate_unit(&layer.units[e as usize], sc);
+                }
+                sc.guess = guess;
+                sc.guess_layer = l;
+            }
+        }
+        tm.predictor_s += t0.elapsed().as_secs_f64();
+    }
+
+    /// Starts reading the cold clusters of `unit` that decode will likely
+    /// need for the FFN input `sc.x` (normed): those its predictor selects,
+    /// or all of them without one (a dense expert).
+    fn speculate_unit(&self, unit: &Unit, sc: &mut SpecScratch) {
+        let (u, ffn) = (unit.index, &unit.ffn);
+        let first_cluster = self.source.first_cold_cluster(u);
+        if first_cluster >= ffn.n_clusters() {
+            return;
+        }
+        let SpecScratch { x: xn, xin, predict, list, needed, .. } = sc;
+        let Some(sp) = unit.sparse.as_ref() else {
+            needed.clear();
+            needed.extend(first_cluster as u32..ffn.n_clusters() as u32);
+            self.source.speculate(u, needed);
+            return;
+        };
         let xin = xin.get_or_insert_with(|| DotInput::new(ffn.dtype()));
         xin.set(xn);
         // Scores for the cold neurons only: the hot ones are always in memory.
-        let first = ffn.first_neuron(self.source.first_cold_cluster(u));
+        let first = ffn.first_neuron(first_cluster);
         if sp.predict_token_from(self.cfg.activation, xin, xn, first, predict, list) {
             ffn.clusters_of(list, needed);
-            self.source.speculate(u, needed);
+        } else {
+            needed.clear();
+            needed.extend(first_cluster as u32..ffn.n_clusters() as u32);
         }
-        tm.predictor_s += t0.elapsed().as_secs_f64();
+        self.source.speculate(u, needed);
     }
 
     /// Logits `[vocab]` for one final hidden state `[hidden]`; errors on NaN or

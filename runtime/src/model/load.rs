@@ -11,7 +11,7 @@ use super::ffn::Ffn;
 use super::ops::Rope;
 use super::predictor::{LayerCounts, LayerSparse};
 use super::source::ClusterSource;
-use super::{Layer, Model, Router, Speculation, Unit, Work};
+use super::{Layer, Model, Router, SpecScratch, Speculation, Unit, Work};
 use crate::error::{Error, Result};
 use crate::kernels::QMatrix;
 
@@ -144,10 +144,12 @@ impl<'a> Model<'a> {
             sparse_enabled: sparse_info.is_some(),
             kv_type: Default::default(),
             speculation: Speculation::Auto,
+            misguide_prefetch: false,
             source,
             work: Mutex::new(Work {
                 counts: vec![LayerCounts::default(); layers.len()],
                 layer_wait: vec![(0.0, 0.0); cfg.ffn_units() as usize],
+                spec: SpecScratch { guess_layer: usize::MAX, ..Default::default() },
                 ..Default::default()
             }),
             layers,

@@ -18,7 +18,7 @@ pub mod ffn;
 mod forward;
 pub mod kv_cache;
 mod load;
-mod moe;
+pub mod moe;
 pub mod ops;
 pub mod predictor;
 pub mod source;
@@ -150,6 +150,8 @@ struct Work {
     counts: Vec<LayerCounts>,
     /// Speculative prefetch buffers.
     spec: SpecScratch,
+    /// Layer-ahead expert prediction counters (decode).
+    expert_prefetch: ExpertPrefetch,
     /// `[n_units]` the last decode step's (I/O wait, predictor) wall time of
     /// each FFN unit, seconds: whether a speculative prefetch pays.
     layer_wait: Vec<(f64, f64)>,
@@ -216,6 +218,46 @@ struct SpecScratch {
     list: Vec<u32>,
     /// Their clusters, ascending.
     needed: Vec<u32>,
+    /// `[n_experts]` router probabilities of the layer-ahead expert prediction.
+    probs: Vec<f32>,
+    /// The experts guessed for layer `guess_layer` (ascending, with weights).
+    guess: Vec<(u32, f32)>,
+    /// The layer `guess` is for; `usize::MAX` when none is pending.
+    guess_layer: usize,
+}
+
+/// How well decode's layer-ahead expert prediction (speculative prefetch of
+/// a mixture of experts' next layer, from that layer's router applied to
+/// the hidden state before its attention) guessed the router's choice.
+/// Counts are (token, layer, expert) routings.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertPrefetch {
+    /// Experts guessed (and their cold clusters read ahead).
+    pub guessed: u64,
+    /// Experts the router then chose, in layers that were guessed for.
+    pub routed: u64,
+    /// Guessed experts the router chose.
+    pub hit: u64,
+}
+
+impl ExpertPrefetch {
+    /// Fraction of guessed experts the router chose (1 when nothing was guessed).
+    pub fn precision(&self) -> f64 {
+        if self.guessed == 0 {
+            1.0
+        } else {
+            self.hit as f64 / self.guessed as f64
+        }
+    }
+
+    /// Fraction of chosen experts that were guessed (1 when nothing was guessed).
+    pub fn recall(&self) -> f64 {
+        if self.routed == 0 {
+            1.0
+        } else {
+            self.hit as f64 / self.routed as f64
+        }
+    }
 }
 
 /// A model whose weights are views into an open pack, and whose FFN neuron
@@ -237,6 +279,9 @@ pub struct Model<'a> {
     kv_type: KvType,
     /// When decode reads the next layer's likely clusters ahead of its attention.
     speculation: Speculation,
+    /// Tests: the layer-ahead expert prediction picks the experts the router
+    /// ranks lowest, so speculative reads are wrong on purpose.
+    misguide_prefetch: bool,
     /// Where the FFN's neuron clusters come from.
     source: Box<dyn ClusterSource + 'a>,
     work: Mutex<Work>,
@@ -270,6 +315,19 @@ impl Model<'_> {
         self.speculation = s;
     }
 
+    /// Makes decode's layer-ahead expert prediction guess the experts the
+    /// router ranks lowest (tests: a wrong guess costs reads, never tokens).
+    #[doc(hidden)]
+    pub fn misguide_expert_prefetch(&mut self, on: bool) {
+        self.misguide_prefetch = on;
+    }
+
+    /// Layer-ahead expert prediction counters of decode since load or the
+    /// last [`Self::reset_counters`] (all 0 for a dense model).
+    pub fn expert_prefetch(&self) -> ExpertPrefetch {
+        self.work.lock().unwrap_or_else(|e| e.into_inner()).expert_prefetch
+    }
+
     /// Per-layer sparse-FFN counters and the decode (and evaluation) step
     /// timings since load or the last [`Self::reset_counters`].
     pub fn counters(&self) -> (Vec<LayerCounts>, Timings) {
@@ -298,6 +356,7 @@ impl Model<'_> {
         w.counts.iter_mut().for_each(|c| *c = LayerCounts::default());
         w.timings = Timings::default();
         w.prefill_timings = Timings::default();
+        w.expert_prefetch = ExpertPrefetch::default();
     }
 
     /// A KV cache for `capacity` tokens (of [`Self::kv_type`] elements), or

@@ -31,8 +31,8 @@ impl Router<'_> {
 
 /// Appends the `k` largest of `probs` (ties to the lower index) to `out` as
 /// (index, weight) in ascending index order; weights divided by their sum
-/// when `normalize`.
-pub(crate) fn top_k(probs: &[f32], k: usize, normalize: bool, out: &mut Vec<(u32, f32)>) {
+/// when `normalize` (`norm_topk_prob`). `prep`'s profiler routes with it too.
+pub fn top_k(probs: &[f32], k: usize, normalize: bool, out: &mut Vec<(u32, f32)>) {
     let start = out.len();
     for _ in 0..k.min(probs.len()) {
         // Largest not yet chosen; the first of equal values.

@@ -77,7 +77,8 @@ fn rows(pack: &Pack, name: &str) -> u64 {
 }
 
 impl<'a> LayerSparse<'a> {
-    /// Loads layer `l`'s settings and predictor tensors (`nflash.predictor.{l}.*`, SPEC §4.5).
+    /// Loads FFN unit `l`'s settings and predictor tensors (`nflash.predictor.{l}.*`,
+    /// of an expert `nflash.predictor.{layer}.{expert}.*`; SPEC §4.5).
     ///
     /// # Errors
     /// [`Error::MissingTensor`], [`Error::Shape`] (the rank must agree between tensors).
@@ -90,7 +91,8 @@ impl<'a> LayerSparse<'a> {
     ) -> Result<Self> {
         let cfg = &pack.manifest().config;
         let (h, n) = (cfg.hidden_size, cfg.intermediate_size);
-        let name = |t: &str| format!("nflash.predictor.{l}.{t}");
+        let unit = cfg.unit_name(l);
+        let name = |t: &str| format!("nflash.predictor.{unit}.{t}");
         let predictor = match kind {
             PredictorKind::Exact => Predictor::Exact,
             PredictorKind::LowRank => {

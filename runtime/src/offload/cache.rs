@@ -490,7 +490,9 @@ fn layouts(pack: &Pack, cfg: &CacheConfig) -> (Vec<LayerLayout>, usize) {
     let m = pack.manifest();
     let mut layers = Vec::with_capacity(m.ffn.len());
     let mut hot_total = 0usize;
-    for (f, &hot_n) in m.ffn.iter().zip(&cfg.hot_neurons) {
+    // Each unit's share of the tokens: an expert's clusters are needed only when it is routed to.
+    let share = pack.unit_share().unwrap_or_else(|_| nflash_plan::cost::uniform_unit_share(m));
+    for ((f, &hot_n), &run) in m.ffn.iter().zip(&cfg.hot_neurons).zip(&share) {
         let base = pack.segment_file_offset(f.segment);
         let clusters: Vec<ClusterSpan> = f
             .clusters
@@ -513,7 +515,7 @@ fn layouts(pack: &Pack, cfg: &CacheConfig) -> (Vec<LayerLayout>, usize) {
             .clusters
             .iter()
             .map(|c| {
-                nflash_plan::cost::cluster_need(&p[c.first as usize..(c.first + c.n_neurons) as usize])
+                run * nflash_plan::cost::cluster_need(&p[c.first as usize..(c.first + c.n_neurons) as usize])
                     >= PREFETCH_MIN_P
             })
             .collect();

@@ -170,14 +170,42 @@ pub fn profile(ck: &Checkpoint, calib: &Path, opts: &ProfileOptions) -> Result<P
     let mut fwd = Forward::new(ck, &tokens, windows)?;
     let n = fwd.n_tokens();
     let samples = sample_indices(n, opts.sample);
-    let n_layers = ck.config.num_layers as usize;
-    let pb = progress_bar(STAGES * (n * n_layers) as u64, n_layers as u64);
-    let mut layers = Vec::with_capacity(n_layers);
+    let cfg = &ck.config;
+    let n_layers = cfg.num_layers as usize;
+    // Per token and layer: attention, then the FFN's two passes over each of
+    // the token's routings (1 dense, experts_per_token for a mixture).
+    let k = cfg.architecture.moe().map_or(1, |m| m.experts_per_token as u64);
+    let pb = progress_bar((1 + (STAGES - 1) * k) * (n * n_layers) as u64, n_layers as u64);
+    let mut layers = Vec::with_capacity(cfg.ffn_units() as usize);
     for l in 0..n_layers {
         pb.set_message(format!("layer {}/{n_layers}", l + 1));
         fwd.attention(l, |t| pb.inc(t as u64))?;
-        let ffn = fwd.ffn(l)?;
-        layers.push(profile_layer(&mut fwd, &ffn, &samples, &pb)?);
+        match fwd.router(l)? {
+            None => {
+                let ffn = fwd.ffn(l)?;
+                layers.push(profile_unit(&mut fwd, &ffn, Tokens::All, &samples, &pb)?);
+            }
+            Some(router) => {
+                // Every token routed first (the router reads the FFN input
+                // before any expert adds to the residual), then each expert
+                // on its tokens, its output weighted into `delta`.
+                let routes = fwd.route(&router)?;
+                let experts = cfg.experts() as usize;
+                let mut delta = vec![0f32; fwd.n_tokens() * cfg.hidden_size as usize];
+                for e in 0..experts {
+                    let (idx, weights): (Vec<usize>, Vec<f32>) = routes
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| r.0 as usize == e)
+                        .map(|(i, r)| (i / k as usize, r.1))
+                        .unzip();
+                    let ffn = fwd.ffn(l * experts + e)?;
+                    let tokens = Tokens::Routed { idx: &idx, weights: &weights, delta: &mut delta };
+                    layers.push(profile_unit(&mut fwd, &ffn, tokens, &samples, &pb)?);
+                }
+                fwd.add_residual(0..fwd.n_tokens(), &delta);
+            }
+        }
     }
     pb.finish_and_clear();
     Ok(Profile {
@@ -193,22 +221,72 @@ pub fn profile(ck: &Checkpoint, calib: &Path, opts: &ProfileOptions) -> Result<P
     })
 }
 
+/// The calibration tokens an FFN unit runs, and where its output goes.
+enum Tokens<'t> {
+    /// Every token; the output is added to the residual stream.
+    All,
+    /// The tokens `idx` (ascending) routed to an expert with routing
+    /// `weights`; `weight · output` is added to `delta` (`[n_tokens, hidden]`).
+    Routed { idx: &'t [usize], weights: &'t [f32], delta: &'t mut Vec<f32> },
+}
+
+impl Tokens<'_> {
+    /// How many tokens the unit runs, of `n` calibration tokens.
+    fn len(&self, n: usize) -> usize {
+        match self {
+            Tokens::All => n,
+            Tokens::Routed { idx, .. } => idx.len(),
+        }
+    }
+
+    /// Calibration token index of the unit's `i`-th token.
+    fn token(&self, i: usize) -> usize {
+        match self {
+            Tokens::All => i,
+            Tokens::Routed { idx, .. } => idx[i],
+        }
+    }
+}
+
+/// FFN inputs of the unit's tokens `rows` (positions in its token list).
+fn unit_input(fwd: &Forward, ffn: &Ffn, tokens: &Tokens, rows: Range<usize>) -> Vec<f32> {
+    match tokens {
+        Tokens::All => fwd.ffn_input(ffn, rows),
+        Tokens::Routed { idx, .. } => fwd.ffn_input_of(ffn, &idx[rows]),
+    }
+}
+
 fn chunks(n: usize) -> impl Iterator<Item = Range<usize>> {
     (0..n).step_by(FFN_CHUNK).map(move |s| s..(s + FFN_CHUNK).min(n))
 }
 
-/// One layer's FFN statistics; adds the FFN output to the residual stream.
-fn profile_layer(fwd: &mut Forward, ffn: &Ffn, samples: &[usize], pb: &ProgressBar) -> Result<LayerProfile> {
+/// One FFN unit's statistics over the tokens it runs; adds its output to
+/// the residual stream (or, weighted, to the layer's expert sum).
+fn profile_unit(
+    fwd: &mut Forward,
+    ffn: &Ffn,
+    mut tokens: Tokens,
+    samples: &[usize],
+    pb: &ProgressBar,
+) -> Result<LayerProfile> {
     let inter = ffn.n_neurons();
-    // Pass 1: histograms and the input sample.
+    let n_unit = tokens.len(fwd.n_tokens());
+    // Pass 1: histograms and the input sample (the sampled tokens this unit runs).
     let (mut gate, mut gate_up) = (Histogram::new(), Histogram::new());
     let mut sample = Vec::new();
-    for rows in chunks(fwd.n_tokens()) {
-        let xn = fwd.ffn_input(ffn, rows.clone());
+    let mut next = 0; // first sample index not yet reached
+    for rows in chunks(n_unit) {
+        let xn = unit_input(fwd, ffn, &tokens, rows.clone());
         let h = xn.len() / rows.len();
-        for &t in samples.iter().filter(|&&t| rows.contains(&t)) {
-            let r = &xn[(t - rows.start) * h..(t - rows.start + 1) * h];
-            sample.extend(r.iter().map(|&v| half::f16::from_f32(v).to_bits()));
+        for i in rows.clone() {
+            let t = tokens.token(i);
+            while next < samples.len() && samples[next] < t {
+                next += 1;
+            }
+            if samples.get(next) == Some(&t) {
+                let r = &xn[(i - rows.start) * h..(i - rows.start + 1) * h];
+                sample.extend(r.iter().map(|&v| half::f16::from_f32(v).to_bits()));
+            }
         }
         let act = ffn.activations(xn, rows.len())?;
         gate.merge(&histogram(&act.a, inter));
@@ -221,13 +299,22 @@ fn profile_layer(fwd: &mut Forward, ffn: &Ffn, samples: &[usize], pb: &ProgressB
     // Pass 2: per-neuron counts, then the FFN output.
     let levels = grid.len() + 1;
     let (mut gate_lv, mut gate_up_lv) = (vec![0u32; inter * levels], vec![0u32; inter * levels]);
-    for rows in chunks(fwd.n_tokens()) {
-        let xn = fwd.ffn_input(ffn, rows.clone());
+    for rows in chunks(n_unit) {
+        let xn = unit_input(fwd, ffn, &tokens, rows.clone());
         let Activations { a, hv } = ffn.activations(xn, rows.len())?;
         count_levels(&a, &gate_thr, &mut gate_lv);
         count_levels(&hv, &gate_up_thr, &mut gate_up_lv);
         let out = ffn.down(hv, rows.len())?;
-        fwd.add_residual(rows.clone(), &out);
+        match &mut tokens {
+            Tokens::All => fwd.add_residual(rows.clone(), &out),
+            Tokens::Routed { idx, weights, delta } => {
+                let h = out.len() / rows.len();
+                for (i, o) in rows.clone().zip(out.chunks_exact(h)) {
+                    let (t, w) = (idx[i], weights[i]);
+                    delta[t * h..(t + 1) * h].iter_mut().zip(o).for_each(|(d, v)| *d += w * v);
+                }
+            }
+        }
         pb.inc(rows.len() as u64);
     }
     Ok(LayerProfile {

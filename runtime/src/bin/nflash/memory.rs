@@ -117,6 +117,7 @@ pub fn resolve(
                 threads: threads as u32,
                 io_threads: a.io_threads.map(|n| n as u32),
                 measured,
+                unit_share: Some(pack.unit_share()?),
             };
             let from_pack = a.memory_budget.is_none();
             Some(planner::plan(m, &dev, &req).with_context(|| {

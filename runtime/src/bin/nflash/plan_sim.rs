@@ -139,8 +139,10 @@ struct Case {
     est: std::result::Result<Estimate, String>,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn simulate(
     m: &Manifest,
+    share: &[f64],
     dev: &DeviceProfile,
     a: &PlanSimArgs,
     threads: u32,
@@ -180,8 +182,15 @@ fn simulate(
                     size(dev.memory.available_bytes)
                 ));
             }
-            let req =
-                PlanRequest { budget_bytes: budget, ctx: a.ctx, kv: a.kv, threads, io_threads: None, measured: None };
+            let req = PlanRequest {
+                budget_bytes: budget,
+                ctx: a.ctx,
+                kv: a.kv,
+                threads,
+                io_threads: None,
+                measured: None,
+                unit_share: Some(share.to_vec()),
+            };
             match planner::plan(m, dev, &req) {
                 Ok(p) => Case {
                     label: label.to_string(),
@@ -190,7 +199,7 @@ fn simulate(
                     ffn_bytes,
                     fixed: p.fixed_bytes,
                     hot_share: p.hot_bytes as f64 / ffn_bytes.max(1) as f64,
-                    est: Ok(cost::estimate(m, dev, &p)),
+                    est: Ok(cost::estimate(m, share, dev, &p)),
                 },
                 Err(e) => Case {
                     label: label.to_string(),
@@ -235,7 +244,8 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         let m = pack.manifest();
         let s = m.sparse.as_ref().map(|s| s.target_sparsity as f64);
         let name = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-        cases.extend(simulate(m, &dev, &a, threads, &name, s, &mut notes));
+        let share = pack.unit_share()?;
+        cases.extend(simulate(m, &share, &dev, &a, threads, &name, s, &mut notes));
         pb.inc(1);
     }
     for name in &a.shape {
@@ -257,7 +267,8 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
             };
             let m = sim::synthetic_manifest(&shape, &o, &dev)
                 .with_context(|| format!("{} cannot be stored as {}", shape.name, so.quant))?;
-            cases.extend(simulate(&m, &dev, &a, threads, shape.name, Some(s), &mut notes));
+            let share = cost::uniform_unit_share(&m);
+            cases.extend(simulate(&m, &share, &dev, &a, threads, shape.name, Some(s), &mut notes));
             pb.inc(1);
         }
     }

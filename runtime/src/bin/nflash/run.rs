@@ -256,6 +256,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         percentile(&ms, 0.99).unwrap_or(0.0),
     );
     let c = &st.decode_cache;
+    let ep = model.expert_prefetch();
     let steps = st.decode_steps.max(1) as f64;
     let bytes_per_token = c.bytes_read as f64 / steps;
     // Compute threads wait in parallel: their summed wait over the thread count is wall time.
@@ -334,9 +335,18 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         );
         if c.speculated > 0 {
             message!(
-                "speculative prefetch: {:.1} clusters per token, {:.1}% of them used",
+                "speculative prefetch: {:.1} clusters per token, {:.1}% of them used; {:.1}% of the cold misses were read ahead",
                 c.speculated as f64 / steps,
-                100.0 * c.speculated_used as f64 / c.speculated as f64
+                100.0 * c.speculated_used as f64 / c.speculated as f64,
+                100.0 * c.speculated_used as f64 / c.misses.max(1) as f64
+            );
+        }
+        if ep.guessed > 0 {
+            message!(
+                "expert prefetch (next layer's router on the hidden state): precision {:.1}%, recall {:.1}% over {} routings",
+                100.0 * ep.precision(),
+                100.0 * ep.recall(),
+                ep.routed
             );
         }
     }
@@ -390,6 +400,10 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
             "ctx": ctx,
             "kv_cache": model.kv_type().name(),
         });
+        let mut j = j;
+        j["misses_read_ahead"] = serde_json::json!((c.misses > 0).then(|| c.speculated_used as f64 / c.misses as f64));
+        j["expert_prefetch_precision"] = serde_json::json!((ep.guessed > 0).then(|| ep.precision()));
+        j["expert_prefetch_recall"] = serde_json::json!((ep.guessed > 0).then(|| ep.recall()));
         write_atomic(path, format!("{j}\n").as_bytes())?;
     }
     Ok(())
