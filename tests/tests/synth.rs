@@ -309,6 +309,116 @@ fn peak_rss_stays_within_a_budget_just_above_the_minimum() {
     assert!(ran > 0, "every budget up to the minimum + 1.2 MiB was refused (minimum {min_mib} MiB)");
 }
 
+/// `prep synth --shape tiny-moe`: the profile shows both the router's skew
+/// (some experts get far more than their uniform share of the tokens) and
+/// each expert's ReLU sparsity and hot neurons; the sparse pack gives the
+/// same tokens with the whole FFN in memory and under a tight budget.
+#[test]
+fn synthetic_moe_shows_router_skew_and_expert_sparsity_and_keeps_its_tokens_under_a_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("moe");
+    let tok = tokenizer_dir(tmp.path());
+    let o = run(
+        "prep",
+        &[
+            "synth",
+            "--shape",
+            "tiny-moe",
+            "--out",
+            out.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--router-skew",
+            "1.2",
+        ],
+    );
+    assert!(o.status.success(), "prep synth failed: {}", String::from_utf8_lossy(&o.stderr));
+    let calib = text(tmp.path(), 5);
+    let pack = tmp.path().join("moe.nflash");
+    let args = [
+        "convert",
+        "--model",
+        out.to_str().unwrap(),
+        "--out",
+        pack.to_str().unwrap(),
+        "--quant",
+        "q4_0",
+        "--cluster-bytes",
+        "2KiB",
+        "--calib",
+        calib.to_str().unwrap(),
+        "--tokens",
+        "6000",
+        "--window",
+        "200",
+    ];
+    let o = run("prep", &args);
+    assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
+    let p = Pack::open(&pack).unwrap();
+    let m = p.manifest();
+    let moe = m.config.architecture.moe().expect("a mixture of experts");
+    assert_eq!((moe.num_experts, moe.experts_per_token), (8, 2));
+    // Router skew: per layer, the most popular expert gets well over the uniform share.
+    let share = p.unit_share().unwrap();
+    eprintln!("routed shares: {share:?}");
+    for layer in share.chunks(8) {
+        let max = layer.iter().cloned().fold(0.0, f64::max);
+        assert!(max > 2.0 * 0.25, "no popular expert: {layer:?}");
+        assert!((layer.iter().sum::<f64>() - 2.0).abs() < 1e-3);
+    }
+    // In-expert sparsity and hotness, on the tokens each expert gets.
+    let used: Vec<_> =
+        m.ffn.iter().zip(&share).filter(|(_, &s)| s > 0.05).map(|(f, _)| f.sparse.as_ref().unwrap()).collect();
+    let mean = used.iter().map(|s| s.quality.sparsity as f64).sum::<f64>() / used.len() as f64;
+    assert!((mean - 0.9).abs() < 0.03, "mean in-expert sparsity {mean}");
+    assert!(used.iter().all(|s| s.frequency_curve[0] > 0.8), "an expert without hot neurons");
+    drop(p);
+    check_placement_and_threads(&pack);
+    // `nflash run` under a tight budget: the same greedy tokens.
+    let gen = |extra: &[&str]| {
+        let mut a = vec!["run", "--model", pack.to_str().unwrap(), "--prompt", "w5 w17 w90", "--max-tokens", "16"];
+        a.extend_from_slice(&["--temperature", "0", "--ignore-eos", "--ctx", "64"]);
+        a.extend_from_slice(extra);
+        let o = run("nflash", &a);
+        assert!(o.status.success(), "nflash run {extra:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let free = gen(&[]);
+    let err = assert_fails(
+        "1 MiB budget",
+        &run(
+            "nflash",
+            &["run", "--model", pack.to_str().unwrap(), "--prompt", "w5", "--memory-budget", "1MiB", "--ctx", "64"],
+        ),
+        &["short of the minimum"],
+    );
+    let min_mib: f64 =
+        err.split("short of the minimum, ").nth(1).unwrap().split(" MiB").next().unwrap().parse().unwrap();
+    // Budgets around the stated minimum (it has slack): every run that starts
+    // gives the same tokens within its budget, and some read experts from flash.
+    let stats = tmp.path().join("stats.json");
+    let mut offloaded = 0;
+    for delta in [-1.5, -1.0, -0.6, -0.3, 0.0] {
+        let budget = format!("{}KiB", ((min_mib + delta) * 1024.0) as u64);
+        let mut a = vec!["run", "--model", pack.to_str().unwrap(), "--prompt", "w5 w17 w90", "--max-tokens", "16"];
+        a.extend_from_slice(&["--temperature", "0", "--ignore-eos", "--ctx", "64", "--memory-budget", &budget]);
+        a.extend_from_slice(&["--stats-json", stats.to_str().unwrap()]);
+        let o = run("nflash", &a);
+        if !o.status.success() {
+            assert!(String::from_utf8_lossy(&o.stderr).contains("short of the minimum"));
+            continue;
+        }
+        assert_eq!(String::from_utf8(o.stdout).unwrap(), free, "tokens differ under --memory-budget {budget}");
+        let st: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+        let (peak, limit) = (st["peak_rss_bytes"].as_u64().unwrap(), st["memory_budget_bytes"].as_u64().unwrap());
+        assert!(peak <= limit, "budget {budget}: peak RSS {peak} > {limit}");
+        if st["bytes_read_per_token"].as_f64().unwrap() > 0.0 {
+            offloaded += 1;
+        }
+    }
+    assert!(offloaded > 0, "no budget near the minimum ({min_mib} MiB) read experts from flash");
+}
+
 #[test]
 fn bad_synth_arguments_are_refused() {
     let tmp = tempfile::tempdir().unwrap();

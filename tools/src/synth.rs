@@ -19,6 +19,17 @@
 //!   a low-dimensional projection in trained models (Deja Vu, PowerInfer):
 //!   the trained predictors can then reach their recall target.
 //!
+//! Mixtures of experts (`mixtral-47b`, `qwen3-30b-a3b`, `tiny-moe`) have no
+//! FFN biases (neither Hugging Face's Mixtral nor llama.cpp has them), so
+//! the same control goes through a *bias channel*: hidden dimension 0 of
+//! every embedding is the constant [`BIAS_CHANNEL`], and no attention or
+//! expert output writes to it, so after each RMSNorm it is nearly the same
+//! for every token; column 0 of a weight then acts as a bias. Each expert's
+//! gate (dReLU: and up) column 0 sets its neurons' activation probabilities
+//! from the statistics of the tokens the router sends it, and the router's
+//! column 0 sets the experts' popularity: a power law over a random ranking
+//! per layer (`--router-skew`), calibrated on the calibration tokens.
+//!
 //! Writing streams one tensor at a time: every tensor is regenerated from the
 //! seed when its shard is written, so peak memory is one tensor plus one
 //! layer's weights during calibration, whatever the model size.
@@ -33,7 +44,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use clap::{Args, ValueEnum};
 use indicatif::ProgressBar;
-use nflash_format::{Activation, Architecture, ModelConfig};
+use nflash_format::{Activation, Architecture, ModelConfig, Moe};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -60,6 +71,17 @@ pub enum Shape {
     Mistral7b,
     /// For tests: hidden 128, FFN 512, 2 layers, 4 heads, 2 KV heads.
     Tiny,
+    /// Mixtral-8x7B (TurboSparse-Mixtral-47B's shape): hidden 4096, 8 experts
+    /// of FFN 14336, 2 per token, 32 layers, 32 heads, 8 KV heads.
+    #[value(name = "mixtral-47b")]
+    Mixtral47b,
+    /// Qwen3-30B-A3B: hidden 2048, 128 experts of FFN 768, 8 per token, 48
+    /// layers, 32 heads of 128, 4 KV heads, q/k RMSNorm.
+    #[value(name = "qwen3-30b-a3b")]
+    Qwen3MoeA3b,
+    /// For tests: a Mixtral of hidden 128, 8 experts of FFN 256, 2 per token, 2 layers.
+    #[value(name = "tiny-moe")]
+    TinyMoe,
 }
 
 /// FFN activation of the generated model.
@@ -120,6 +142,11 @@ pub struct SynthArgs {
     /// Calibration tokens (uniformly random ids) whose statistics set the biases, 16 to 65536.
     #[arg(long, default_value_t = 512)]
     calib_tokens: usize,
+    /// Mixtures of experts: power-law exponent of expert popularity over a
+    /// random ranking per layer (0: every expert equally often; 1: the most
+    /// popular of 8 about 3× as often as the mean).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    router_skew: f64,
 }
 
 /// The command-line spelling of a `--shape`/`--act` value (`llama-7b`, `drelu`).
@@ -127,14 +154,49 @@ fn cli_name(v: impl ValueEnum) -> String {
     v.to_possible_value().map_or_else(String::new, |p| p.get_name().to_string())
 }
 
-/// Shape parameters: (architecture, hidden, FFN, layers, heads, KV heads, rope θ, max positions).
-fn dims(shape: Shape) -> (Architecture, u64, u64, u64, u64, u64, f64, u64) {
+/// A shape's dimensions.
+struct Dims {
+    arch: Architecture,
+    hidden: u64,
+    /// FFN neurons (per expert for a mixture of experts).
+    inter: u64,
+    layers: u64,
+    heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    theta: f64,
+    max_pos: u64,
+}
+
+/// The dimensions of `shape`.
+fn dims(shape: Shape) -> Dims {
+    let moe = |num_experts, experts_per_token| Moe { num_experts, experts_per_token, norm_topk_prob: true };
+    let d = |arch, hidden, inter, layers, heads, kv_heads, theta, max_pos| Dims {
+        arch,
+        hidden,
+        inter,
+        layers,
+        heads,
+        kv_heads,
+        head_dim: hidden / heads,
+        theta,
+        max_pos,
+    };
     match shape {
-        Shape::Llama7b => (Architecture::Llama, 4096, 11008, 32, 32, 32, 10000.0, 4096),
-        Shape::Mistral7b => (Architecture::Mistral, 4096, 14336, 32, 32, 8, 1e6, 32768),
-        Shape::Tiny => (Architecture::Llama, 128, 512, 2, 4, 2, 10000.0, 512),
+        Shape::Llama7b => d(Architecture::Llama, 4096, 11008, 32, 32, 32, 10000.0, 4096),
+        Shape::Mistral7b => d(Architecture::Mistral, 4096, 14336, 32, 32, 8, 1e6, 32768),
+        Shape::Tiny => d(Architecture::Llama, 128, 512, 2, 4, 2, 10000.0, 512),
+        Shape::Mixtral47b => d(Architecture::Mixtral(moe(8, 2)), 4096, 14336, 32, 32, 8, 1e6, 32768),
+        Shape::Qwen3MoeA3b => {
+            Dims { head_dim: 128, ..d(Architecture::Qwen3Moe(moe(128, 8)), 2048, 768, 48, 32, 4, 1e6, 32768) }
+        }
+        Shape::TinyMoe => d(Architecture::Mixtral(moe(8, 2)), 128, 256, 2, 4, 2, 1e6, 512),
     }
 }
+
+/// The constant of hidden dimension 0 in every embedding of a synthetic
+/// mixture of experts (the bias channel, module docs).
+const BIAS_CHANNEL: f32 = 4.0;
 
 /// The generator: a [`WeightSource`] whose tensors are functions of the seed.
 pub struct Synth {
@@ -144,6 +206,9 @@ pub struct Synth {
     rank: usize,
     /// Calibrated biases by tensor name (`…gate_proj.bias`, `…up_proj.bias`), `[n_neurons]`.
     biases: Mutex<HashMap<String, Vec<f32>>>,
+    /// Mixtures of experts: calibrated column 0 (the bias channel) of the
+    /// experts' gate (dReLU: and up) weights and of the routers, by tensor name, `[rows]`.
+    col0: Mutex<HashMap<String, Vec<f32>>>,
 }
 
 /// splitmix64 finalizer: decorrelates nearby seeds.
@@ -167,10 +232,53 @@ fn fill_row(seed: u64, name_key: u64, row: u64, std: f32, out: &mut [f32]) {
 }
 
 impl Synth {
-    /// Whether `name` is a low-rank projection (gate; dReLU: up too).
+    /// Whether `name` is a low-rank projection (gate; dReLU: up too), of a
+    /// dense FFN or an expert (Mixtral `w1`/`w3`, Qwen3-MoE `gate_proj`/`up_proj`).
     fn is_low_rank(&self, name: &str) -> bool {
+        let drelu = self.cfg.activation == Activation::DRelu;
         name.ends_with("mlp.gate_proj.weight")
-            || (self.cfg.activation == Activation::DRelu && name.ends_with("mlp.up_proj.weight"))
+            || (drelu && name.ends_with("mlp.up_proj.weight"))
+            || (name.contains(".experts.")
+                && (name.ends_with(".w1.weight")
+                    || name.ends_with(".gate_proj.weight")
+                    || (drelu && (name.ends_with(".w3.weight") || name.ends_with(".up_proj.weight")))))
+    }
+
+    /// Whether this is a synthetic mixture of experts (bias channel in hidden dimension 0).
+    fn moe(&self) -> bool {
+        self.cfg.architecture.moe().is_some()
+    }
+
+    /// Whether `name` is a router (`[num_experts, hidden]`).
+    fn is_router(name: &str) -> bool {
+        name.ends_with("block_sparse_moe.gate.weight") || name.ends_with("mlp.gate.weight")
+    }
+
+    /// Whether `name` writes to the residual stream (attention output, expert down projection).
+    fn writes_residual(name: &str) -> bool {
+        name.ends_with("o_proj.weight")
+            || (name.contains(".experts.") && (name.ends_with(".w2.weight") || name.ends_with(".down_proj.weight")))
+    }
+
+    /// Applies the bias channel to rows `rows` (`out`: `[rows.len(), cols]`)
+    /// of tensor `name` of a synthetic mixture of experts: the embedding's
+    /// column 0 is [`BIAS_CHANNEL`]; residual writers' row 0 is zero; a
+    /// calibrated column 0 (expert gate/up, router) is set.
+    fn bias_channel(&self, name: &str, rows: Range<usize>, cols: usize, out: &mut [f32]) -> Result<()> {
+        if name.contains("embed_tokens") {
+            out.chunks_exact_mut(cols).for_each(|r| r[0] = BIAS_CHANNEL);
+        } else if Self::writes_residual(name) && rows.start == 0 {
+            out[..cols].fill(0.0);
+        } else if Self::is_router(name) || self.is_low_rank(name) {
+            let c = self.col0.lock().unwrap_or_else(|e| e.into_inner());
+            // Before calibration (its own statistics) column 0 is 0.
+            if let Some(v) = c.get(name) {
+                out.chunks_exact_mut(cols).zip(&v[rows]).for_each(|(r, &b)| r[0] = b);
+            } else {
+                out.chunks_exact_mut(cols).for_each(|r| r[0] = 0.0);
+            }
+        }
+        Ok(())
     }
 
     /// Standard deviation of a full-rank random tensor of `shape` named `name`:
@@ -212,10 +320,14 @@ impl Synth {
                 (self.rank, cols),
                 &Device::Cpu,
             )?)?;
-            return Ok(w.flatten_all()?.to_vec1::<f32>()?);
+            out = w.flatten_all()?.to_vec1::<f32>()?;
+        } else {
+            let (k, std) = (key(name), Self::std_of(name, shape));
+            out.par_chunks_mut(cols).zip(rows.clone()).for_each(|(o, r)| fill_row(self.seed, k, r as u64, std, o));
         }
-        let (k, std) = (key(name), Self::std_of(name, shape));
-        out.par_chunks_mut(cols).zip(rows).for_each(|(o, r)| fill_row(self.seed, k, r as u64, std, o));
+        if self.moe() && cols > 1 {
+            self.bias_channel(name, rows, cols, &mut out)?;
+        }
         Ok(out)
     }
 
@@ -237,14 +349,30 @@ impl Synth {
         g
     }
 
-    /// Target activation probability of every neuron of layer `l` `[n_neurons]`:
-    /// a power law over a random hotness ranking, mean `1 − sparsity`.
+    /// Target activation probability of every neuron of FFN unit `l` (a
+    /// layer, or an expert of one) `[n_neurons]`: a power law over a random
+    /// hotness ranking, mean `1 − sparsity`.
     pub fn targets(&self, l: usize, sparsity: f64, skew: f64) -> Vec<f64> {
         let n = self.cfg.intermediate_size as usize;
-        let curve = power_law(n, 1.0 - sparsity, skew);
+        self.ranked(power_law(n, 1.0 - sparsity, skew), 0x686f74 ^ l as u64)
+    }
+
+    /// Target share of the tokens of each expert of layer `l` `[num_experts]`
+    /// (summing to `experts_per_token`): a power law of exponent `skew` over
+    /// a random popularity ranking.
+    fn expert_targets(&self, l: usize, skew: f64) -> Vec<f64> {
+        let m = self.cfg.architecture.moe().expect("a mixture of experts");
+        let e = m.num_experts as usize;
+        self.ranked(power_law(e, m.experts_per_token as f64 / e as f64, skew), 0x726f75746572 ^ l as u64)
+    }
+
+    /// `curve` (by rank) assigned to a random permutation drawn from `stream`:
+    /// element `order[k]` gets `curve[k]`.
+    fn ranked(&self, curve: Vec<f64>, stream: u64) -> Vec<f64> {
+        let n = curve.len();
         let mut order: Vec<usize> = (0..n).collect();
-        // Fisher–Yates with a per-layer RNG: neuron order[k] gets rank k.
-        let mut rng = SmallRng::seed_from_u64(mix(self.seed ^ mix(0x686f74 ^ l as u64)));
+        // Fisher–Yates with a per-stream RNG: element order[k] gets rank k.
+        let mut rng = SmallRng::seed_from_u64(mix(self.seed ^ mix(stream)));
         for i in (1..n).rev() {
             order.swap(i, rng.random_range(0..=i));
         }
@@ -276,15 +404,30 @@ impl WeightSource for Synth {
 fn tensor_list(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let (h, n, v) = (cfg.hidden_size as usize, cfg.intermediate_size as usize, cfg.vocab_size as usize);
     let (qd, kvd) = ((cfg.num_heads * cfg.head_dim) as usize, (cfg.num_kv_heads * cfg.head_dim) as usize);
+    let experts = cfg.experts() as usize;
     let mut t = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-    for l in 0..cfg.num_layers {
+    for l in 0..cfg.num_layers as usize {
         let p = format!("model.layers.{l}");
         t.push((format!("{p}.input_layernorm.weight"), vec![h]));
         t.push((format!("{p}.self_attn.q_proj.weight"), vec![qd, h]));
         t.push((format!("{p}.self_attn.k_proj.weight"), vec![kvd, h]));
         t.push((format!("{p}.self_attn.v_proj.weight"), vec![kvd, h]));
         t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, qd]));
+        if cfg.qk_norm() {
+            t.push((format!("{p}.self_attn.q_norm.weight"), vec![cfg.head_dim as usize]));
+            t.push((format!("{p}.self_attn.k_norm.weight"), vec![cfg.head_dim as usize]));
+        }
         t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        if let Some(router) = cfg.router_name(l) {
+            t.push((router, vec![experts, h]));
+            for u in l * experts..(l + 1) * experts {
+                let [gate, up, down] = cfg.ffn_tensor_names(u);
+                t.push((gate, vec![n, h]));
+                t.push((up, vec![n, h]));
+                t.push((down, vec![h, n]));
+            }
+            continue;
+        }
         t.push((format!("{p}.mlp.gate_proj.weight"), vec![n, h]));
         t.push((format!("{p}.mlp.gate_proj.bias"), vec![n]));
         t.push((format!("{p}.mlp.up_proj.weight"), vec![n, h]));
@@ -346,6 +489,11 @@ fn calibrate(s: &Synth, a: &SynthArgs, pb: &ProgressBar) -> Result<Vec<f64>> {
     let mut achieved = Vec::new();
     for l in 0..cfg.num_layers as usize {
         fwd.attention(l, |_| {})?;
+        if s.moe() {
+            achieved.push(calibrate_moe_layer(s, a, &mut fwd, l)?);
+            pb.inc(1);
+            continue;
+        }
         let xn = fwd.normed(&format!("model.layers.{l}.post_attention_layernorm.weight"), rows.clone())?; // [t, hidden]
         let t = xn.len() / h;
         let x = Tensor::from_vec(xn.clone(), (t, h), &Device::Cpu)?;
@@ -378,6 +526,104 @@ fn calibrate(s: &Synth, a: &SynthArgs, pb: &ProgressBar) -> Result<Vec<f64>> {
         pb.inc(1);
     }
     Ok(achieved)
+}
+
+/// Calibrates layer `l` of a mixture of experts (module docs: the bias
+/// channel): the router's column 0 so that the experts' shares of the
+/// calibration tokens follow [`Synth::expert_targets`], then each expert's
+/// gate (dReLU: and up) column 0 from the statistics of the tokens routed to
+/// it, then runs the experts to move the residual stream on. Returns the
+/// fraction of inactive (token, neuron) pairs over the experts' tokens.
+fn calibrate_moe_layer(s: &Synth, a: &SynthArgs, fwd: &mut Forward, l: usize) -> Result<f64> {
+    let cfg = &s.cfg;
+    let moe = cfg.architecture.moe().expect("a mixture of experts");
+    let (h, n, e, k) = (
+        cfg.hidden_size as usize,
+        cfg.intermediate_size as usize,
+        moe.num_experts as usize,
+        moe.experts_per_token as usize,
+    );
+    let rows = 0..fwd.n_tokens();
+    let t = rows.len();
+    let mut xn = fwd.normed(&format!("model.layers.{l}.post_attention_layernorm.weight"), rows.clone())?; // [t, hidden]
+                                                                                                          // The bias channel's value after the norm, and the inputs without it.
+    let m0 = (xn.chunks_exact(h).map(|r| r[0] as f64).sum::<f64>() / t as f64) as f32;
+    xn.chunks_exact_mut(h).for_each(|r| r[0] = 0.0);
+    let x = Tensor::from_vec(xn.clone(), (t, h), &Device::Cpu)?;
+    // 1. Router: offsets so that each expert gets its target share of the tokens.
+    let rname = cfg.router_name(l).expect("a router");
+    let r = s.gen_rows(&rname, &[e, h], 0..e)?;
+    let logits = x.matmul(&Tensor::from_vec(r, (e, h), &Device::Cpu)?.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+    let target = s.expert_targets(l, a.router_skew);
+    let mut off: Vec<f64> = target.iter().map(|p| p.max(1e-6).ln()).collect();
+    let shares = |off: &[f64]| -> Vec<f64> {
+        let mut count = vec![0f64; e];
+        let mut row = vec![0f32; e];
+        let mut top = Vec::with_capacity(k);
+        for lg in logits.chunks_exact(e) {
+            row.iter_mut().zip(lg).zip(off).for_each(|((r, &z), &o)| *r = z + o as f32);
+            top.clear();
+            nflash_runtime::model::moe::top_k(&row, k, false, &mut top);
+            top.iter().for_each(|&(i, _)| count[i as usize] += 1.0);
+        }
+        count.iter().map(|c| c / t as f64).collect()
+    };
+    for _ in 0..60 {
+        let got = shares(&off);
+        for ((o, &want), &g) in off.iter_mut().zip(&target).zip(&got) {
+            *o += 0.7 * (want.max(1e-6).ln() - g.max(0.5 / t as f64).ln());
+        }
+    }
+    let lock = |m: &Mutex<HashMap<String, Vec<f32>>>, name: String, v: Vec<f32>| {
+        m.lock().unwrap_or_else(|e| e.into_inner()).insert(name, v);
+    };
+    lock(&s.col0, rname, off.iter().map(|&o| o as f32 / m0).collect());
+    // 2. Each expert on the tokens the calibrated router sends it.
+    let router = fwd.router(l)?.expect("a router");
+    let routes = fwd.route(&router)?;
+    let drelu = cfg.activation == Activation::DRelu;
+    let mut delta = vec![0f32; t * h];
+    let (mut inactive, mut pairs) = (0f64, 0f64);
+    for ex in 0..e {
+        let u = l * e + ex;
+        let (idx, w): (Vec<usize>, Vec<f32>) =
+            routes.iter().enumerate().filter(|(_, r)| r.0 as usize == ex).map(|(i, r)| (i / k, r.1)).unzip();
+        // Statistics over the expert's tokens (all tokens when it gets too few to estimate them).
+        let stat_rows: Vec<usize> = if idx.len() >= 16 { idx.clone() } else { (0..t).collect() };
+        let sub: Vec<f32> = stat_rows.iter().flat_map(|&i| xn[i * h..(i + 1) * h].iter().copied()).collect();
+        let xs = Tensor::from_vec(sub, (stat_rows.len(), h), &Device::Cpu)?;
+        let p = s.targets(u, a.sparsity, a.skew);
+        let p_each: Vec<f64> = if drelu { p.iter().map(|v| v.sqrt()).collect() } else { p.clone() };
+        let mut active = vec![true; stat_rows.len() * n];
+        let names = cfg.ffn_tensor_names(u);
+        for name in if drelu { &names[..2] } else { &names[..1] } {
+            let basis = Tensor::from_vec(s.basis(name, h), (s.rank, h), &Device::Cpu)?;
+            let coef = Tensor::from_vec(s.coefficients(name, 0..n), (n, s.rank), &Device::Cpu)?;
+            let z = xs.matmul(&basis.t()?)?.matmul(&coef.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+            let (mu, sd) = column_stats(&z, n);
+            let b = biases_for(&mu, &sd, &p_each);
+            for (row, act) in z.chunks_exact(n).zip(active.chunks_exact_mut(n)) {
+                row.iter().zip(&b).zip(act.iter_mut()).for_each(|((zi, bi), a)| *a &= zi + bi > 0.0);
+            }
+            lock(&s.col0, name.clone(), b.iter().map(|&v| v / m0).collect());
+        }
+        if idx.len() >= 16 {
+            inactive += active.iter().filter(|&&v| !v).count() as f64;
+            pairs += active.len() as f64;
+        }
+        if idx.is_empty() {
+            continue;
+        }
+        let ffn = fwd.ffn(u)?;
+        let xin = fwd.ffn_input_of(&ffn, &idx);
+        let act = ffn.activations(xin, idx.len())?;
+        let out = ffn.down(act.hv, idx.len())?;
+        for ((&i, &wt), o) in idx.iter().zip(&w).zip(out.chunks_exact(h)) {
+            delta[i * h..(i + 1) * h].iter_mut().zip(o).for_each(|(d, v)| *d += wt * v);
+        }
+    }
+    fwd.add_residual(rows, &delta);
+    Ok(if pairs > 0.0 { inactive / pairs } else { 0.0 })
 }
 
 /// A tensor written lazily: its bytes are generated when the shard is written.
@@ -439,6 +685,12 @@ pub fn run(a: SynthArgs) -> Result<()> {
     }
     if !(0.0..=8.0).contains(&a.skew) {
         bail!("--skew {} is outside [0, 8]: 0 means no hot neurons, 1.5 is the default", a.skew);
+    }
+    if !(0.0..=8.0).contains(&a.router_skew) {
+        bail!(
+            "--router-skew {} is outside [0, 8]: 0 means every expert equally popular, 1 is the default",
+            a.router_skew
+        );
     }
     if !(16..=MAX_CALIB_TOKENS).contains(&a.calib_tokens) {
         bail!("--calib-tokens {} is outside 16..={MAX_CALIB_TOKENS}: at least 16 to estimate neuron statistics, at most {MAX_CALIB_TOKENS} (memory grows with them; default 512)", a.calib_tokens);
@@ -533,11 +785,18 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
             tok_json.display()
         );
     }
-    let (arch, hidden, inter, layers, heads, kv_heads, theta, max_pos) = dims(a.shape);
+    let Dims { arch, hidden, inter, layers, heads, kv_heads, head_dim, theta, max_pos } = dims(a.shape);
     let layers = a.layers.map_or(layers, |l| l as u64);
-    let rank = a.active_rank.unwrap_or(if a.shape == Shape::Tiny { 16 } else { 128 });
+    let tiny = matches!(a.shape, Shape::Tiny | Shape::TinyMoe);
+    let rank = a.active_rank.unwrap_or(if tiny { 16 } else { 128 });
     if rank == 0 || rank > hidden as usize {
         bail!("--active-rank {rank} must be in 1..={hidden} (hidden size)");
+    }
+    if a.act == SynthAct::Drelu && matches!(arch, Architecture::Qwen3Moe(_)) {
+        bail!(
+            "--act drelu: dReLU checkpoints are TurboSparse models (Mistral and Mixtral shapes); use --act relu for {}",
+            cli_name(a.shape)
+        );
     }
     let activation = match a.act {
         SynthAct::Relu => Activation::Relu,
@@ -553,7 +812,7 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
         num_layers: layers,
         num_heads: heads,
         num_kv_heads: kv_heads,
-        head_dim: hidden / heads,
+        head_dim,
         rms_norm_eps: 1e-5,
         rope_theta: theta,
         rope_scaling: None,
@@ -562,14 +821,24 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
         activation,
         tie_word_embeddings: false,
         attention_bias: false,
-        mlp_bias: true,
+        // Mixtures of experts use the bias channel instead (module docs).
+        mlp_bias: arch.moe().is_none(),
         bos_token_id: bos,
         eos_token_ids: eos.clone(),
     };
-    let synth = Synth { cfg: cfg.clone(), seed: a.seed, rank, biases: Mutex::new(HashMap::new()) };
+    let synth = Synth {
+        cfg: cfg.clone(),
+        seed: a.seed,
+        rank,
+        biases: Mutex::new(HashMap::new()),
+        col0: Mutex::new(HashMap::new()),
+    };
     let t0 = std::time::Instant::now();
+    let experts = arch.moe().map_or(String::new(), |m| {
+        format!(", {} experts of which {} per token, router skew {}", m.num_experts, m.experts_per_token, a.router_skew)
+    });
     message!(
-        "synthesizing {} ({} layers, hidden {hidden}, FFN {inter}, {} KV heads, {}) with target sparsity {} and skew {} into {}",
+        "synthesizing {} ({} layers, hidden {hidden}, FFN {inter}, {} KV heads, {}{experts}) with target sparsity {} and skew {} into {}",
         cli_name(a.shape), layers, kv_heads, cli_name(a.act), a.sparsity, a.skew, a.out.display()
     );
 
@@ -594,6 +863,16 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
         curve[0],
         curve[curve.len() - 1]
     );
+    if let Some(m) = cfg.architecture.moe() {
+        let shares =
+            power_law(m.num_experts as usize, m.experts_per_token as f64 / m.num_experts as f64, a.router_skew);
+        message!(
+            "router: each layer's most popular expert takes {:.1}% of the tokens' routings, the least popular {:.2}% (mean {:.1}%)",
+            100.0 * shares[0] / m.experts_per_token as f64,
+            100.0 * shares[shares.len() - 1] / m.experts_per_token as f64,
+            100.0 / m.num_experts as f64
+        );
+    }
 
     // 2. Shards, streamed into the temporary directory.
     write_dir(&synth, a, tmp, &cfg, &eos)?;
@@ -656,6 +935,9 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
     std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_vec_pretty(&index)?)?;
     let drelu = cfg.activation == Activation::DRelu;
     let (arch, model_type) = match (drelu, cfg.architecture) {
+        (true, Architecture::Mixtral(_)) => (crate::checkpoint::TURBOSPARSE_MIXTRAL, "turbosparse_mixtral"),
+        (_, Architecture::Qwen3Moe(_)) => ("Qwen3MoeForCausalLM", "qwen3_moe"),
+        (false, Architecture::Mixtral(_)) => ("MixtralForCausalLM", "mixtral"),
         (true, _) => (crate::checkpoint::BAMBOO, "bamboo"),
         (false, Architecture::Mistral) => ("MistralForCausalLM", "mistral"),
         _ => ("LlamaForCausalLM", "llama"),
@@ -673,7 +955,7 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
         "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings,
         "hidden_act": "relu",
-        "mlp_bias": true,
+        "mlp_bias": cfg.mlp_bias,
         "attention_bias": false,
         "tie_word_embeddings": false,
         "bos_token_id": cfg.bos_token_id,
@@ -684,6 +966,26 @@ fn write_dir(s: &Synth, a: &SynthArgs, dir: &Path, cfg: &ModelConfig, eos: &[u32
             "active_rank": s.rank, "seed": a.seed, "calib_tokens": a.calib_tokens,
         },
     });
+    match cfg.architecture {
+        Architecture::Mixtral(m) => {
+            config["num_local_experts"] = json!(m.num_experts);
+            config["num_experts_per_tok"] = json!(m.experts_per_token);
+            config["sliding_window"] = Value::Null;
+            config["nflash_synth"]["router_skew"] = json!(a.router_skew);
+        }
+        Architecture::Qwen3Moe(m) => {
+            config["num_experts"] = json!(m.num_experts);
+            config["num_experts_per_tok"] = json!(m.experts_per_token);
+            config["norm_topk_prob"] = json!(m.norm_topk_prob);
+            config["moe_intermediate_size"] = json!(cfg.intermediate_size);
+            config["decoder_sparse_step"] = json!(1);
+            config["mlp_only_layers"] = json!([]);
+            config["head_dim"] = json!(cfg.head_dim);
+            config["use_sliding_window"] = json!(false);
+            config["nflash_synth"]["router_skew"] = json!(a.router_skew);
+        }
+        _ => {}
+    }
     if cfg.architecture == Architecture::Mistral || drelu {
         config["sliding_window"] = Value::Null;
     }

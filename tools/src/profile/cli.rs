@@ -97,12 +97,25 @@ fn summary(p: &Profile, out: &std::path::Path, secs: f64) {
         p.n_sample()
     );
     let mid = p.layers.len() / 2;
+    let experts = p.model.experts as usize;
+    if experts > 1 {
+        let share = p.routed_share();
+        let (lo, hi) = share.iter().fold((f32::MAX, 0f32), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        message!(
+            "router: experts get {:.1}% to {:.1}% of the tokens (uniform routing: {:.1}%)",
+            100.0 * lo,
+            100.0 * hi,
+            100.0 * p.model.experts_per_token as f64 / experts as f64
+        );
+    }
     for (i, l) in p.layers.iter().enumerate() {
         if i == 0 || i == mid || i + 1 == p.layers.len() {
             let f = l.frequency(Criterion::GateUp, 0.5);
             let hot = f.iter().filter(|&&v| v > 0.8).count();
+            let name =
+                if experts > 1 { format!("expert {}.{}", i / experts, i % experts) } else { format!("layer {i:>3}") };
             message!(
-                "layer {i:>3}: |act(gate)| zero {:.1}%, |act(gate)·up| zero {:.1}%, gate-up threshold at 50% sparsity {:.4}, neurons active > 80% of tokens there: {hot}/{}",
+                "{name}: |act(gate)| zero {:.1}%, |act(gate)·up| zero {:.1}%, gate-up threshold at 50% sparsity {:.4}, neurons active > 80% of tokens there: {hot}/{}",
                 100.0 * l.gate.zero_fraction(),
                 100.0 * l.gate_up.zero_fraction(),
                 l.threshold(Criterion::GateUp, 0.5),
