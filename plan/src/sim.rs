@@ -4,15 +4,16 @@
 //! planner ([`crate::planner::plan`]) and its cost model
 //! ([`crate::cost::estimate`]) can be applied to any device profile.
 //!
-//! Mixture-of-experts shapes are approximated as one FFN pool of
-//! `experts × intermediate` neurons per layer whose mean activation is
-//! `(active experts / experts) · (1 − sparsity)`: routing is folded into the
-//! neuron frequencies (expert popularity is skewed too), and neurons are
-//! treated as independent, so clustering gains from routing are not counted.
+//! Mixture-of-experts shapes have one FFN unit per expert (SPEC §4.4), as
+//! `prep convert` writes them: each expert's neurons follow the power law
+//! within the expert (mean `1 − sparsity` over the tokens routed to it),
+//! and the experts' shares of the tokens follow a power law of exponent
+//! `router_skew` (0: every expert equally often), so the planner ranks
+//! clusters by P(expert) × P(neuron | expert) per byte as for a real pack.
 
 use nflash_format::{
     Activation, Architecture, BundleLayout, Criterion, DType, DeviceProfile, FfnLayer, LayerSparsity, Manifest,
-    ModelConfig, NeuronCluster, PredictorKind, PredictorQuality, Segment, SegmentKind, SparseInfo, TensorEntry,
+    ModelConfig, Moe, NeuronCluster, PredictorKind, PredictorQuality, Segment, SegmentKind, SparseInfo, TensorEntry,
     TokenizerInfo,
 };
 
@@ -99,6 +100,8 @@ pub struct SimOptions {
     pub precision: f64,
     /// Predictor size as a fraction of a layer's FFN bytes (MLP predictor, Q8_0).
     pub predictor_budget: f64,
+    /// Mixtures of experts: power-law exponent of expert popularity (0: uniform routing).
+    pub router_skew: f64,
 }
 
 /// `p_k = min(0.999, c·(k+1)^-skew)` for hotness ranks `k = 0..n`, with `c`
@@ -126,50 +129,58 @@ pub fn power_law(n: usize, mean: f64, skew: f64) -> Vec<f64> {
 
 /// A manifest of `shape` as `prep convert --quant` would write it with a
 /// sparse MLP predictor, clusters sized for `dev` (no tensor data: only what
-/// the planner reads). Returns `None` if `hidden` is not a multiple of the
-/// quantization block.
-pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) -> Option<Manifest> {
-    let (h, l) = (shape.hidden, shape.layers);
-    let n = shape.inter * shape.experts;
+/// the planner reads), and each FFN unit's share of the tokens (1 per
+/// dense layer; an expert's from `o.router_skew`). Returns `None` if
+/// `hidden` is not a multiple of the quantization block.
+pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) -> Option<(Manifest, Vec<f64>)> {
+    let (h, l, e) = (shape.hidden, shape.layers, shape.experts.max(1));
+    let n = shape.inter;
     let head_dim = h / shape.heads;
     let (qd, kvd) = (shape.heads * head_dim, shape.kv_heads * head_dim);
     let row = o.quant.row_bytes(h)?;
     let bundle = BundleLayout::new(o.quant, h)?;
-    let mean = (1.0 - o.sparsity) * shape.active_experts as f64 / shape.experts as f64;
+    // Within a unit: the frequencies over the tokens it runs.
+    let mean = 1.0 - o.sparsity;
     let freq = power_law(n as usize, mean, o.skew);
     let curve: Vec<f32> = (0..=32).map(|k| freq[(k * (n as usize - 1) + 16) / 32] as f32).collect();
     let scale = o.recall / o.precision.max(1e-6);
     let need: Vec<f64> = freq.iter().map(|p| (p * scale).min(1.0)).collect();
     let cluster_bytes = crate::planner::choose_cluster_bytes(dev, bundle.bundle_bytes, &need);
     let per = (cluster_bytes / bundle.bundle_bytes).max(1) as u32;
-    // MLP predictor: rank r with (hidden + n) Q8_0 weights per rank ≈ budget × layer FFN bytes.
+    // MLP predictor: rank r with (hidden + n) Q8_0 weights per rank ≈ budget × the unit's FFN bytes.
     let q8 = DType::Q8_0.row_bytes(32)? as f64 / 32.0;
-    let ffn_layer = n as f64 * bundle.bundle_bytes as f64;
-    let rank = ((o.predictor_budget * ffn_layer / ((h + n) as f64 * q8)) as u64 / 32 * 32).clamp(32, h);
+    let ffn_unit = n as f64 * bundle.bundle_bytes as f64;
+    let rank = ((o.predictor_budget * ffn_unit / ((h + n) as f64 * q8)) as u64 / 32 * 32).clamp(32, h);
     let predictor_bytes = (rank as f64 * (h + n) as f64 * q8) as u64;
-    // Mixture of experts: all experts' predictors are resident, only the routed ones run.
-    let predictor_run_bytes = predictor_bytes * shape.active_experts / shape.experts;
+    let moe = (e > 1).then_some(Moe {
+        num_experts: e as u32,
+        experts_per_token: shape.active_experts as u32,
+        norm_topk_prob: true,
+    });
     let mut tensors = Vec::new();
-    let mut tensor = |name: String, rows: u64, bytes_per_row: u64| {
+    let mut tensor = |name: String, rows: u64, bytes_per_row: u64, dtype: DType| {
         tensors.push(TensorEntry {
             name,
             segment: 1,
             offset: 0,
             bytes: rows * bytes_per_row,
-            dtype: o.quant,
+            dtype,
             shape: vec![rows, h],
         });
     };
-    tensor("model.embed_tokens.weight".into(), shape.vocab, row);
-    tensor("lm_head.weight".into(), shape.vocab, row);
+    tensor("model.embed_tokens.weight".into(), shape.vocab, row, o.quant);
+    tensor("lm_head.weight".into(), shape.vocab, row, o.quant);
     for i in 0..l {
         let p = format!("model.layers.{i}.self_attn");
-        tensor(format!("{p}.q_proj.weight"), qd, row);
-        tensor(format!("{p}.k_proj.weight"), kvd, row);
-        tensor(format!("{p}.v_proj.weight"), kvd, row);
-        tensor(format!("{p}.o_proj.weight"), h, o.quant.row_bytes(qd)?);
+        tensor(format!("{p}.q_proj.weight"), qd, row, o.quant);
+        tensor(format!("{p}.k_proj.weight"), kvd, row, o.quant);
+        tensor(format!("{p}.v_proj.weight"), kvd, row, o.quant);
+        tensor(format!("{p}.o_proj.weight"), h, o.quant.row_bytes(qd)?, o.quant);
+        if moe.is_some() {
+            tensor(format!("model.layers.{i}.block_sparse_moe.gate.weight"), e, 4 * h, DType::F32);
+        }
     }
-    let resident: u64 = tensors.iter().map(|t| t.bytes).sum::<u64>() + l * (predictor_bytes + 2 * h * 4) + h * 4;
+    let resident: u64 = tensors.iter().map(|t| t.bytes).sum::<u64>() + l * (e * predictor_bytes + 2 * h * 4) + h * 4;
     let mut segments = vec![
         Segment { name: "tokenizer".into(), kind: SegmentKind::Tokenizer, offset: 0, bytes: 1 << 20, crc32: 0 },
         Segment { name: "resident".into(), kind: SegmentKind::Resident, offset: 0, bytes: resident, crc32: 0 },
@@ -178,7 +189,7 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
         .step_by(per as usize)
         .map(|first| NeuronCluster { offset: 0, first, n_neurons: per.min(n as u32 - first) })
         .collect();
-    let layer_bytes: u64 = clusters.iter().map(|c| align_up(c.n_neurons as u64 * bundle.bundle_bytes)).sum();
+    let unit_bytes: u64 = clusters.iter().map(|c| align_up(c.n_neurons as u64 * bundle.bundle_bytes)).sum();
     let quality = PredictorQuality {
         recall: o.recall as f32,
         precision: o.precision as f32,
@@ -186,17 +197,18 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
         sparsity: 1.0 - mean as f32,
         tokens: 0,
     };
-    let ffn = (0..l as u32)
-        .map(|i| {
+    let ffn = (0..(l * e) as u32)
+        .map(|u| {
+            let (layer, expert) = (u / e as u32, u % e as u32);
             segments.push(Segment {
-                name: format!("ffn.{i}"),
+                name: if moe.is_some() { format!("ffn.{layer}.{expert}") } else { format!("ffn.{layer}") },
                 kind: SegmentKind::Ffn,
                 offset: 0,
-                bytes: layer_bytes,
+                bytes: unit_bytes,
                 crc32: 0,
             });
             FfnLayer {
-                layer: i,
+                layer,
                 segment: segments.len() as u32 - 1,
                 n_neurons: n as u32,
                 bundle,
@@ -206,17 +218,25 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
                 sparse: Some(LayerSparsity {
                     threshold: 0.0,
                     predictor_threshold: 0.0,
-                    predictor_bytes: predictor_run_bytes,
+                    predictor_bytes,
                     quality,
                     frequency_curve: curve.clone(),
                 }),
             }
         })
         .collect();
-    Some(Manifest {
+    // Each expert's share of the tokens: the power law of the router skew, summing to the active experts.
+    let share: Vec<f64> = match moe {
+        Some(m) => {
+            let one = power_law(e as usize, m.experts_per_token as f64 / e as f64, o.router_skew);
+            (0..l).flat_map(|_| one.iter().copied()).collect()
+        }
+        None => vec![1.0; l as usize],
+    };
+    let manifest = Manifest {
         producer: format!("nflash plan-sim ({})", shape.name),
         config: ModelConfig {
-            architecture: Architecture::Mistral,
+            architecture: moe.map_or(Architecture::Mistral, Architecture::Mixtral),
             vocab_size: shape.vocab,
             hidden_size: h,
             intermediate_size: n,
@@ -232,7 +252,7 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
             activation: Activation::Relu,
             tie_word_embeddings: false,
             attention_bias: false,
-            mlp_bias: true,
+            mlp_bias: moe.is_none(),
             bos_token_id: None,
             eos_token_ids: Vec::new(),
         },
@@ -257,7 +277,8 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
             calib_source: "synthetic".into(),
         }),
         plan: None,
-    })
+    };
+    Some((manifest, share))
 }
 
 #[cfg(test)]

@@ -31,6 +31,10 @@ pub struct PlanSimArgs {
     /// Power-law exponent of neuron hotness for the shapes [default: 1.5, prep synth's].
     #[arg(long)]
     skew: Option<f64>,
+    /// Mixture-of-experts shapes: power-law exponent of expert popularity
+    /// [default: 0, every expert equally often; prep synth's default is 1].
+    #[arg(long)]
+    router_skew: Option<f64>,
     /// Predictor recall of the shapes [default: 0.99].
     #[arg(long)]
     recall: Option<f64>,
@@ -66,6 +70,7 @@ pub struct PlanSimArgs {
 struct ShapeOptions {
     sparsity: Vec<f64>,
     skew: f64,
+    router_skew: f64,
     recall: f64,
     precision: f64,
     quant: DType,
@@ -81,6 +86,7 @@ fn check(a: &PlanSimArgs) -> Result<(ShapeOptions, Option<String>)> {
     let o = ShapeOptions {
         sparsity: if a.sparsity.is_empty() { vec![0.9, 0.8, 0.6] } else { a.sparsity.clone() },
         skew: a.skew.unwrap_or(1.5),
+        router_skew: a.router_skew.unwrap_or(0.0),
         recall: a.recall.unwrap_or(0.99),
         precision: a.precision.unwrap_or(1.0),
         quant: a.quant.unwrap_or(DType::Q4_0),
@@ -97,9 +103,13 @@ fn check(a: &PlanSimArgs) -> Result<(ShapeOptions, Option<String>)> {
     if !(0.0..=8.0).contains(&o.skew) {
         bail!("--skew {} is outside [0, 8]", o.skew);
     }
+    if !(0.0..=8.0).contains(&o.router_skew) {
+        bail!("--router-skew {} is outside [0, 8]", o.router_skew);
+    }
     let given: Vec<&str> = [
         ("--sparsity", !a.sparsity.is_empty()),
         ("--skew", a.skew.is_some()),
+        ("--router-skew", a.router_skew.is_some()),
         ("--recall", a.recall.is_some()),
         ("--precision", a.precision.is_some()),
         ("--quant", a.quant.is_some()),
@@ -264,10 +274,10 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
                 recall: so.recall,
                 precision: so.precision,
                 predictor_budget: 0.1,
+                router_skew: so.router_skew,
             };
-            let m = sim::synthetic_manifest(&shape, &o, &dev)
+            let (m, share) = sim::synthetic_manifest(&shape, &o, &dev)
                 .with_context(|| format!("{} cannot be stored as {}", shape.name, so.quant))?;
-            let share = cost::uniform_unit_share(&m);
             cases.extend(simulate(&m, &share, &dev, &a, threads, shape.name, Some(s), &mut notes));
             pb.inc(1);
         }
