@@ -7,7 +7,7 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 DEMO_PACK := models/smollm2-q8_0.nflash
 BIN      := target/release
 
-.PHONY: all build model demo test lint android test-aarch64 mca bench bench-offload bench-scale quality clean help
+.PHONY: all build model demo test lint android test-aarch64 mca bench bench-offload bench-scale bench-moe quality clean help
 
 all: build
 
@@ -23,6 +23,8 @@ help:
 	@echo "make bench   - nflash vs llama.cpp (built from llama-cpp-python), prefill/decode tokens/s,"
 	@echo "               and sparse vs dense decode of a sparse pack (calibrated on ../shared/data)"
 	@echo "make bench-offload - (root) nflash sparse vs llama.cpp mmap under cgroup v1 memory limits"
+	@echo "make bench-moe     - (root) nflash vs llama.cpp on a synthetic Mixtral (8 of 32 layers, full width) under"
+	@echo "                     memory limits of the whole model, fixed + 50% and + 25% of the experts"
 	@echo "make bench-scale   - (root) the same at 7B scale on synthetic ReLU models (sparsity 0.9/0.8/0.6;"
 	@echo "               SPARSITIES=0.9 makes and runs only the 0.9 model, the one the targets are set for)"
 	@echo "               (model + headroom, minus 25/50/75% of the FFN): decode tok/s, hit rate, I/O, kills"
@@ -82,6 +84,11 @@ bench-offload: build model
 bench-scale: build model
 	bash scripts/bench_setup.sh
 	.venv-bench/bin/python scripts/bench_scale.py $(if $(SPARSITIES),--sparsities $(SPARSITIES))
+
+# Needs root, ~35 GB of free disk (the BF16 checkpoint, deleted after conversion) and ~2 h the first time.
+bench-moe: build model
+	bash scripts/bench_setup.sh
+	.venv-bench/bin/python scripts/bench_moe.py $(BENCH_MOE_ARGS)
 
 quality: build model
 	bash scripts/quality.sh

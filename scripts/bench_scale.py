@@ -72,10 +72,10 @@ common.PROG = "bench-scale"
 validate_sim = scale.validate_sim
 
 
-def parse_args(argv):
+def parse_args(argv, shapes=("llama-7b", "tiny")):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--shape", default="llama-7b", choices=("llama-7b", "tiny"),
+    ap.add_argument("--shape", default=shapes[0], choices=shapes,
                     help="prep synth shape (tiny: a quick check of the script itself)")
     ap.add_argument("--sparsities", default="0.9,0.8,0.6")
     ap.add_argument("--limits", default="a,b,c")

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Writes a Q4_0 GGUF of a Llama-architecture Hugging Face checkpoint (the
-synthetic models of `prep synth`) for llama.cpp, with the `gguf` package.
+"""Writes a Q4_0 GGUF of a Llama- or Mixtral-architecture Hugging Face
+checkpoint (the synthetic models of `prep synth`) for llama.cpp, with the
+`gguf` package.
 
     hf_to_gguf.py CKPT_DIR OUT.gguf --tokenizer-gguf SMOLLM2.gguf
 
@@ -9,6 +10,10 @@ synthetic models of `prep synth`) for llama.cpp, with the `gguf` package.
   RoPE layout (the inverse of scripts/gguf_to_hf.py).
 - The tokenizer metadata (byte-level BPE) is copied from an existing GGUF of
   the same tokenizer (the synthetic models reuse SmolLM2's).
+- Mixtral (`MixtralForCausalLM`, also the dReLU `TurboSparseMixtralForCausalLM`)
+  is written as llama.cpp writes it: the `llama` architecture with
+  `expert_count` / `expert_used_count`, each layer's experts stacked into
+  `ffn_{gate,up,down}_exps` (Q4_0) and the router `ffn_gate_inp` (F32).
 - llama.cpp's `llama` architecture always applies SiLU to the gate: on a ReLU
   checkpoint its *outputs* differ from the model's, but it computes every FFN
   neuron densely whatever the activation, so its *speed* is that of the model
@@ -82,8 +87,11 @@ def main(argv) -> int:
                     help="a GGUF with the same tokenizer (e.g. bench-out/smollm2-q4_0.gguf)")
     a = ap.parse_args(argv)
     cfg = json.loads((a.ckpt / "config.json").read_text())
-    if cfg["architectures"][0] != "LlamaForCausalLM":
-        sys.exit(f"hf_to_gguf: {cfg['architectures'][0]} is not supported (LlamaForCausalLM only)")
+    arch = cfg["architectures"][0]
+    moe = arch in ("MixtralForCausalLM", "TurboSparseMixtralForCausalLM")
+    if arch != "LlamaForCausalLM" and not moe:
+        sys.exit(f"hf_to_gguf: {arch} is not supported (LlamaForCausalLM, MixtralForCausalLM)")
+    n_exp, k_exp = (cfg["num_local_experts"], cfg["num_experts_per_tok"]) if moe else (0, 0)
     h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     L, ff, vocab = cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
     idx = shards(a.ckpt)
@@ -102,6 +110,9 @@ def main(argv) -> int:
     w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-5)))
     w.add_vocab_size(vocab)
+    if moe:
+        w.add_expert_count(n_exp)
+        w.add_expert_used_count(k_exp)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     # Tokenizer: copied field by field from the reference GGUF.
     for key, field in tok.fields.items():
@@ -132,6 +143,11 @@ def main(argv) -> int:
     def vec(name: str, hf: str):
         w.add_tensor(name, np.ascontiguousarray(load(idx, hf), dtype=np.float32))
 
+    def experts(name: str, hf: list[str]):
+        """The experts' matrices stacked `[n_expert, rows, cols]`, Q4_0 along the rows."""
+        x = np.stack([np.asarray(load(idx, n), dtype=np.float32) for n in hf])
+        w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(x), q4), raw_dtype=q4)
+
     mat("token_embd.weight", "model.embed_tokens.weight")
     for l in range(L):
         p, g = f"model.layers.{l}", f"blk.{l}"
@@ -141,6 +157,13 @@ def main(argv) -> int:
         mat(f"{g}.attn_v.weight", f"{p}.self_attn.v_proj.weight")
         mat(f"{g}.attn_output.weight", f"{p}.self_attn.o_proj.weight")
         vec(f"{g}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight")
+        if moe:
+            e = f"{p}.block_sparse_moe"
+            vec(f"{g}.ffn_gate_inp.weight", f"{e}.gate.weight")
+            for gg, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                experts(f"{g}.ffn_{gg}_exps.weight", [f"{e}.experts.{j}.{hf}.weight" for j in range(n_exp)])
+            print(f"hf_to_gguf: layer {l + 1}/{L} quantized ({time.perf_counter() - t0:.0f} s)", flush=True)
+            continue
         mat(f"{g}.ffn_gate.weight", f"{p}.mlp.gate_proj.weight")
         mat(f"{g}.ffn_up.weight", f"{p}.mlp.up_proj.weight")
         mat(f"{g}.ffn_down.weight", f"{p}.mlp.down_proj.weight")

@@ -116,7 +116,7 @@ def log_prepared(b: Scale) -> None:
 
 def prepare(a, s: float, make_gguf: bool) -> tuple[Path, Path | None, dict]:
     """The pack (and GGUF) of sparsity s, made if missing; returns prep's measurements."""
-    tag = f"{a.shape}-s{s:g}"
+    tag = f"{a.shape}-s{s:g}" + (f"-l{a.layers}" if getattr(a, "layers", None) else "")
     ckpt, pack = a.work_dir / tag, a.work_dir / f"{tag}-q4_0.nflash"
     gguf = a.work_dir / f"{tag}-q4_0.gguf" if make_gguf else None
     meas_file = a.work_dir / f"prep-{tag}.json"
@@ -140,6 +140,11 @@ def synth(a, s: float, ckpt: Path) -> dict:
     """`prep synth` of the checkpoint; its wall time, peak RSS and log tail."""
     cmd = [str(a.prep), "synth", "--shape", a.shape, "--sparsity", str(s), "--out", str(ckpt),
            "--tokenizer", str(a.tokenizer)]
+    # bench-moe: fewer layers of full width, and the experts' popularity.
+    if getattr(a, "layers", None):
+        cmd += ["--layers", str(a.layers)]
+    if getattr(a, "router_skew", None) is not None:
+        cmd += ["--router-skew", str(a.router_skew)]
     log("running " + " ".join(cmd))
     code, rss, so, se, wall = run_measured(cmd, 4 * 3600)
     if code != 0:
