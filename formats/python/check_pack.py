@@ -66,7 +66,7 @@ def diff(a, b, path="") -> list[str]:
 def same_f32(a: float, b: float) -> bool:
     """`prep inspect --json` prints some f32 fields widened to f64 (0.997 as 0.996999979019165): equal as f32."""
     try:
-        return math.isfinite(a) and math.isfinite(b) and struct.pack("<f", a) == struct.pack("<f", b) and abs(a - b) <= 1e-7 * abs(b)
+        return math.isfinite(a) and math.isfinite(b) and nf.pack_f32(a) == nf.pack_f32(b) and abs(a - b) <= 1e-7 * abs(b)
     except OverflowError:
         return False
 

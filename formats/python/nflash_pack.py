@@ -281,6 +281,20 @@ class PackError(Exception):
 # --- bincode decoding (SPEC §4) --------------------------------------------
 
 
+F32_MAX = 3.4028234663852886e38
+# Decimals above F32_MAX by less than half an ulp round to it (IEEE round to
+# nearest); Python's struct refuses them, so pack_f32 rounds them itself.
+F32_ROUNDS_TO_MAX = 3.4028235677973366e38
+
+
+def pack_f32(v: float) -> bytes:
+    """`v` rounded to the nearest f32, little-endian (as Rust's `as f32`: past
+    the f32 range, infinity)."""
+    if math.isfinite(v) and abs(v) > F32_MAX:
+        v = math.copysign(F32_MAX if abs(v) < F32_ROUNDS_TO_MAX else math.inf, v)
+    return struct.pack("<f", v)
+
+
 def f32_value(bits: bytes) -> float:
     """The f32 as the shortest decimal that reads back to the same f32 (as serde_json prints it)."""
     (x,) = struct.unpack("<f", bits)
@@ -288,7 +302,7 @@ def f32_value(bits: bytes) -> float:
         return x
     for p in range(1, 10):
         s = f"{x:.{p}g}"
-        if struct.pack("<f", float(s)) == bits:
+        if pack_f32(float(s)) == bits:
             return float(s)
     return x
 
@@ -420,7 +434,9 @@ def encode(t, v) -> bytes:
         return struct.pack("<Q", len(b)) + b
     if t == "bool":
         return bytes([int(v)])
-    return struct.pack({"u8": "<B", "u32": "<I", "u64": "<Q", "f32": "<f", "f64": "<d"}[t], v)
+    if t == "f32":
+        return pack_f32(v)
+    return struct.pack({"u8": "<B", "u32": "<I", "u64": "<Q", "f64": "<d"}[t], v)
 
 
 def encode_manifest(m: dict) -> bytes:
@@ -611,6 +627,11 @@ def validate(m: dict, h: dict, file_len: int) -> None:
         if (f["sparse"] is None) != (m["sparse"] is None):
             raise PackError(f"{what}: sparsity settings present in only some of the manifest (SPEC §4.5)")
         sp = f["sparse"]
+        if sp is not None:
+            q = sp["quality"]
+            figs = list(sp["frequency_curve"]) + [q["recall"], q["precision"], q["bundles_skipped"], q["sparsity"]]
+            if not all(0 <= v <= 1 for v in figs):
+                raise PackError(f"{what}: a frequency or predictor quality figure is not a fraction in [0, 1] (SPEC §4.5)")
         if sp is not None and (
             not math.isfinite(sp["threshold"]) or not math.isfinite(sp["predictor_threshold"]) or len(sp["frequency_curve"]) > 33
         ):
@@ -756,6 +777,11 @@ class Pack:
                 raise PackError(f"metadata experts: routed_share is not one number per FFN unit (SPEC §4.9)")
             if not all(isinstance(v, (int, float)) and 0 <= v <= 1 for v in share):
                 raise PackError("metadata experts: a routed share outside [0, 1] (SPEC §4.9)")
+            moe = moe_of(self.manifest["config"])
+            k, e = moe["experts_per_token"], moe["num_experts"]
+            for l in range(0, len(share), e):
+                if abs(sum(share[l:l + e]) - k) > 0.01 * k:
+                    raise PackError(f"metadata experts: layer {l // e}'s routed shares do not sum to {k} (SPEC §4.9)")
         self.checks.append("metadata JSON object (SPEC §4.9)")
         return meta
 

@@ -189,22 +189,23 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     /// How tools name the model family: the HF class, except `drelu` for
-    /// dReLU (TurboSparse / Bamboo) models, which are stored with Mistral
-    /// attention but are not Mistral models to their users.
+    /// dReLU Mistral-shaped models (TurboSparse / Bamboo) and `drelu-moe`
+    /// for dReLU Mixtrals (TurboSparse-Mixtral), which are stored as Mistral
+    /// and Mixtral but are not those models to their users.
     pub fn family(&self) -> &'static str {
-        if self.activation == Activation::DRelu && self.architecture.moe().is_some() {
-            "drelu-moe"
-        } else if self.activation == Activation::DRelu {
-            "drelu"
-        } else {
-            self.architecture.hf_name()
+        match (self.activation, self.architecture) {
+            (Activation::DRelu, Architecture::Mixtral(_)) => "drelu-moe",
+            (Activation::DRelu, Architecture::Mistral) => "drelu",
+            _ => self.architecture.hf_name(),
         }
     }
 
     /// [`Self::family`] with the FFN activation, e.g. `LlamaForCausalLM (silu)`;
     /// just `drelu` for dReLU models.
     pub fn family_and_activation(&self) -> String {
-        if self.activation == Activation::DRelu {
+        if self.activation == Activation::DRelu
+            && matches!(self.architecture, Architecture::Mistral | Architecture::Mixtral(_))
+        {
             self.family().to_string()
         } else {
             format!("{} ({})", self.architecture.hf_name(), self.activation.name())

@@ -52,8 +52,10 @@ pub struct ExpertStats {
 }
 
 impl ExpertStats {
-    /// Checks the shares against `units` FFN units; returns a description of the first problem.
-    pub fn check(&self, units: usize) -> std::result::Result<(), String> {
+    /// Checks the shares against `units` FFN units of layers of `moe`'s
+    /// experts (each in [0, 1], each layer's summing to `experts_per_token`
+    /// within 1%); returns a description of the first problem.
+    pub fn check(&self, units: usize, moe: crate::Moe) -> std::result::Result<(), String> {
         if self.routed_share.len() != units {
             return Err(format!("{} routed shares for {units} FFN units", self.routed_share.len()));
         }
@@ -61,6 +63,13 @@ impl ExpertStats {
             self.routed_share.iter().enumerate().find(|(_, s)| !(s.is_finite() && (0.0..=1.0).contains(*s)))
         {
             return Err(format!("routed share {s} of FFN unit {u} is not in [0, 1]"));
+        }
+        let k = moe.experts_per_token as f32;
+        for (l, layer) in self.routed_share.chunks(moe.num_experts.max(1) as usize).enumerate() {
+            let sum: f32 = layer.iter().sum();
+            if (sum - k).abs() > 0.01 * k {
+                return Err(format!("layer {l}'s routed shares sum to {sum}, not to the {k} experts each token runs"));
+            }
         }
         Ok(())
     }

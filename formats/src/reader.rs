@@ -456,10 +456,13 @@ impl Pack {
             g.check().map_err(|why| invalid(format!("generation defaults: {why}")))?;
         }
         if let Some(e) = &m.experts {
-            if self.manifest.config.architecture.moe().is_none() {
-                return Err(invalid("expert statistics in a pack of a dense model".into()));
-            }
-            e.check(self.manifest.ffn.len()).map_err(|why| invalid(format!("experts: {why}")))?;
+            let Some(moe) = self.manifest.config.architecture.moe() else {
+                return Err(invalid(
+                    "expert statistics in a pack of a dense model; convert the checkpoint again".into(),
+                ));
+            };
+            e.check(self.manifest.ffn.len(), moe)
+                .map_err(|why| invalid(format!("experts: {why}; convert the checkpoint again")))?;
         }
         Ok(m)
     }
@@ -473,8 +476,9 @@ impl Pack {
     /// As [`Self::metadata`].
     pub fn unit_share(&self) -> Result<Vec<f64>> {
         let cfg = &self.manifest.config;
+        let meta = self.metadata()?;
         let Some(moe) = cfg.architecture.moe() else { return Ok(vec![1.0; self.manifest.ffn.len()]) };
-        Ok(match self.metadata()?.experts {
+        Ok(match meta.experts {
             Some(e) => e.routed_share.iter().map(|&s| s as f64).collect(),
             None => vec![moe.experts_per_token as f64 / moe.num_experts as f64; self.manifest.ffn.len()],
         })
@@ -662,6 +666,14 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             return Err(invalid(what(), "sparsity settings present in only some of the manifest".into()));
         }
         if let Some(sp) = &f.sparse {
+            let q = &sp.quality;
+            let fractions = sp.frequency_curve.iter().chain([&q.recall, &q.precision, &q.bundles_skipped, &q.sparsity]);
+            if let Some(v) = fractions.into_iter().find(|v| !(0.0..=1.0).contains(*v)) {
+                return Err(invalid(
+                    what(),
+                    format!("a frequency or predictor quality figure is {v}, not a fraction in [0, 1]"),
+                ));
+            }
             if !sp.threshold.is_finite() || !sp.predictor_threshold.is_finite() || sp.frequency_curve.len() > 33 {
                 return Err(invalid(
                     what(),
@@ -679,14 +691,17 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
         if p.hot_neurons.len() != m.ffn.len() {
             return Err(invalid(
                 "plan".into(),
-                format!("{} hot-set sizes for {} layers", p.hot_neurons.len(), m.ffn.len()),
+                format!("{} hot-set sizes for {} FFN units", p.hot_neurons.len(), m.ffn.len()),
             ));
         }
-        for (f, &h) in m.ffn.iter().zip(&p.hot_neurons) {
+        for (u, (f, &h)) in m.ffn.iter().zip(&p.hot_neurons).enumerate() {
             if h != f.n_neurons && !f.clusters.iter().any(|c| c.first == h) {
                 return Err(invalid(
                     "plan".into(),
-                    format!("layer {} hot set of {h} neurons does not end on a neuron-cluster boundary", f.layer),
+                    format!(
+                        "FFN {} hot set of {h} neurons does not end on a neuron-cluster boundary",
+                        m.config.unit_name(u)
+                    ),
                 ));
             }
         }

@@ -7,16 +7,19 @@ use nflash_format::{DeviceProfile, Manifest, Plan, PredictorKind};
 
 use crate::layout::{hot_clusters, kv_cache_bytes, KvType, MAX_MERGE_BYTES};
 
-/// Probability that decode needs each neuron of FFN unit `l` (packed order):
-/// the unit's share of the tokens (`share[l]`: 1 for a dense layer, an
-/// expert's routed share) times the profiled activation frequency scaled by
-/// the predictor's recall / precision (1 for a dense pack or the exact
-/// predictor, which read every bundle). For a mixture of experts this is
-/// P(expert chosen) × P(neuron needed | expert).
-pub(crate) fn need_probability(m: &Manifest, share: &[f64], l: usize) -> Vec<f64> {
-    let s = share.get(l).copied().unwrap_or(1.0);
-    let p = neuron_need_probability(m.sparse.as_ref(), m.ffn[l].sparse.as_ref(), m.ffn[l].n_neurons as usize);
-    p.into_iter().map(|q| q * s).collect()
+/// Probability that decode needs each neuron of FFN unit `l` (packed order)
+/// when the unit runs: the profiled activation frequency scaled by the
+/// predictor's recall / precision (1 for a dense pack or the exact
+/// predictor, which read every bundle). For an expert this is P(neuron
+/// needed | expert chosen); times its share of the tokens
+/// ([`unit_share_of`]) it is the probability per token.
+pub(crate) fn need_probability(m: &Manifest, l: usize) -> Vec<f64> {
+    neuron_need_probability(m.sparse.as_ref(), m.ffn[l].sparse.as_ref(), m.ffn[l].n_neurons as usize)
+}
+
+/// FFN unit `l`'s share of the tokens (1 when `share` has no entry).
+pub(crate) fn unit_share_of(share: &[f64], l: usize) -> f64 {
+    share.get(l).copied().unwrap_or(1.0)
 }
 
 /// The probability that decode runs each FFN unit for a token when the pack
@@ -93,18 +96,23 @@ pub(crate) fn io_term(dev: &DeviceProfile, c: &Cl) -> f64 {
     c.p * c.bytes as f64 / dev.random_read_bytes_per_s(run as u64)
 }
 
-/// Every FFN unit's clusters with their read size and need probability
-/// (`share`: each unit's share of the tokens, [`need_probability`]).
+/// Every FFN unit's clusters with their read size and need probability per
+/// token: the unit's share of the tokens (`share`: 1 for a dense layer, an
+/// expert's routed share) times the probability that the unit, when it
+/// runs, needs a neuron of the cluster. (Not the product of per-neuron
+/// probabilities scaled by the share: the neurons of an expert are needed
+/// together, only when the router picks it.)
 pub(crate) fn cluster_needs(m: &Manifest, share: &[f64]) -> Vec<Vec<Cl>> {
     (0..m.ffn.len())
         .map(|l| {
             let f = &m.ffn[l];
-            let p = need_probability(m, share, l);
+            let p = need_probability(m, l);
+            let s = unit_share_of(share, l);
             f.clusters
                 .iter()
                 .map(|c| Cl {
                     bytes: crate::layout::cluster_read_bytes(f, c),
-                    p: cluster_need(&p[c.first as usize..(c.first + c.n_neurons) as usize]),
+                    p: s * cluster_need(&p[c.first as usize..(c.first + c.n_neurons) as usize]),
                 })
                 .collect()
         })
@@ -262,16 +270,16 @@ pub(crate) fn estimate_with(
     let (mut needed, mut found, mut found_hot) = (0.0, 0.0, 0.0);
     for (l, cs) in layers.iter().enumerate() {
         let f = &m.ffn[l];
-        let q = need_probability(m, share, l);
+        let q = need_probability(m, l);
         // A decoder layer's attention once, at its first FFN unit; an expert's
         // predictor only when the router picks it.
         let first = l == 0 || m.ffn[l - 1].layer != f.layer;
         let attn_ms = if first { attention_bytes(m, f.layer as usize) as f64 / attention * 1e3 + kv_ms } else { 0.0 };
         e.attention_ms += attn_ms;
-        let run = share.get(l).copied().unwrap_or(1.0);
+        let run = unit_share_of(share, l);
         let pred_ms = f.sparse.as_ref().map_or(0, |s| s.predictor_bytes) as f64 * run / predictor * 1e3;
         e.predictor_ms += pred_ms;
-        let ffn_ms = q.iter().sum::<f64>() * f.bundle.bundle_bytes as f64 / ffn_speed * 1e3;
+        let ffn_ms = run * q.iter().sum::<f64>() * f.bundle.bundle_bytes as f64 / ffn_speed * 1e3;
         e.ffn_ms += ffn_ms;
         // read_cpu_ms: the reads' CPU time per compute thread.
         let (mut io_s, mut read_cpu_ms, mut bytes) = (0.0, 0.0, 0.0);
@@ -417,6 +425,51 @@ pub fn lru_hit(p: f64, k_tokens: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An expert picked for a quarter of the tokens needs its cluster of 256
+    /// neurons a quarter of the time, however many of them it needs when
+    /// picked (not 1 − Π(1 − ¼·qᵢ), which is nearly 1).
+    #[test]
+    fn an_experts_clusters_are_needed_only_when_it_is_routed_to() {
+        let dev = nflash_format::DeviceProfile::parse(include_str!("../../profiles/dev-host.toml")).unwrap();
+        let shape = crate::sim::Shape {
+            name: "t",
+            hidden: 64,
+            inter: 256,
+            layers: 1,
+            heads: 4,
+            kv_heads: 2,
+            vocab: 64,
+            experts: 4,
+            active_experts: 1,
+            head_dim: 16,
+        };
+        let o = crate::sim::SimOptions {
+            sparsity: 0.9,
+            skew: 0.0,
+            quant: nflash_format::DType::Q8_0,
+            recall: 1.0,
+            precision: 1.0,
+            predictor_budget: 0.1,
+            router_skew: 0.0,
+        };
+        let (mut m, share) = crate::sim::synthetic_manifest(&shape, &o, &dev).unwrap();
+        // One cluster per expert.
+        for f in &mut m.ffn {
+            f.clusters = vec![nflash_format::NeuronCluster { offset: 0, first: 0, n_neurons: 256 }];
+        }
+        assert_eq!(share, vec![0.25; 4]);
+        let needs = cluster_needs(&m, &share);
+        for cs in &needs {
+            assert_eq!(cs.len(), 1);
+            assert!((cs[0].p - 0.25).abs() < 1e-6, "{}", cs[0].p);
+        }
+        // The FFN's compute counts the routed expert's neurons only.
+        let est = estimate_with(&m, &share, &dev, 2, (64, KvType::F16), &needs, &[1, 1, 1, 1], 0);
+        let all =
+            estimate_with(&m, &[1.0; 4], &dev, 2, (64, KvType::F16), &cluster_needs(&m, &[1.0; 4]), &[1, 1, 1, 1], 0);
+        assert!((est.ffn_ms * 4.0 - all.ffn_ms).abs() < 1e-9 * all.ffn_ms.max(1.0), "{} {}", est.ffn_ms, all.ffn_ms);
+    }
 
     #[test]
     fn overlap_hides_all_but_a_share_of_the_shorter_side() {

@@ -302,8 +302,9 @@ pub fn describe(p: &Plan, m: &Manifest) -> String {
     let hot_n: u64 = p.hot_neurons.iter().map(|&h| h as u64).sum();
     let all_n: u64 = m.ffn.iter().map(|f| f.n_neurons as u64).sum();
     let (lo, hi) = (p.hot_neurons.iter().min().copied().unwrap_or(0), p.hot_neurons.iter().max().copied().unwrap_or(0));
+    let unit = if m.config.architecture.moe().is_some() { "expert" } else { "layer" };
     format!(
-        "plan for {} at {:.1} MiB (ctx {}, {} threads):\n  fixed region {:.1} MiB (resident {:.1} MiB, KV cache {:.1} MiB, scratch and runtime {:.1} MiB)\n  hot region   {:.1} MiB: {hot_n} of {all_n} neurons ({:.0}%), {lo}–{hi} per layer\n  cold region  {:.1} MiB (LRU of {:.0} KiB neuron clusters), {} I/O thread(s)\n  FFN on flash {:.1} MiB; expected {:.2} MiB read and {:.1} ms per decode token",
+        "plan for {} at {:.1} MiB (ctx {}, {} threads):\n  fixed region {:.1} MiB (resident {:.1} MiB, KV cache {:.1} MiB, scratch and runtime {:.1} MiB)\n  hot region   {:.1} MiB: {hot_n} of {all_n} neurons ({:.0}%), {lo}–{hi} per {unit}\n  cold region  {:.1} MiB (LRU of {:.0} KiB neuron clusters), {} I/O thread(s)\n  FFN on flash {:.1} MiB; expected {:.2} MiB read and {:.1} ms per decode token",
         p.device.name,
         mib(p.memory_budget_bytes),
         p.ctx,

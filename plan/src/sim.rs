@@ -40,11 +40,15 @@ pub struct Shape {
     pub experts: u64,
     /// Experts each token is routed to.
     pub active_experts: u64,
+    /// `head_dim` (`hidden / heads` but for Qwen3).
+    pub head_dim: u64,
 }
 
 /// Shapes `plan-sim` knows: Llama-2-7B, Mistral-7B (the shapes `prep synth`
-/// writes, with Llama's 32000-token vocabulary) and Mixtral-8x7B (47B, top-2).
-pub const SHAPES: [Shape; 3] = [
+/// writes, with Llama's 32000-token vocabulary), Mixtral-8x7B (47B, top-2),
+/// Qwen3-30B-A3B (128 experts, top-8, its 151 936-token vocabulary) and
+/// `prep synth`'s tiny-moe (with SmolLM2's 49 152 tokens).
+pub const SHAPES: [Shape; 5] = [
     Shape {
         name: "llama-7b",
         hidden: 4096,
@@ -55,6 +59,7 @@ pub const SHAPES: [Shape; 3] = [
         vocab: 32000,
         experts: 1,
         active_experts: 1,
+        head_dim: 128,
     },
     Shape {
         name: "mistral-7b",
@@ -66,6 +71,7 @@ pub const SHAPES: [Shape; 3] = [
         vocab: 32000,
         experts: 1,
         active_experts: 1,
+        head_dim: 128,
     },
     Shape {
         name: "mixtral-47b",
@@ -77,6 +83,31 @@ pub const SHAPES: [Shape; 3] = [
         vocab: 32000,
         experts: 8,
         active_experts: 2,
+        head_dim: 128,
+    },
+    Shape {
+        name: "qwen3-30b-a3b",
+        hidden: 2048,
+        inter: 768,
+        layers: 48,
+        heads: 32,
+        kv_heads: 4,
+        vocab: 151936,
+        experts: 128,
+        active_experts: 8,
+        head_dim: 128,
+    },
+    Shape {
+        name: "tiny-moe",
+        hidden: 128,
+        inter: 256,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        vocab: 49152,
+        experts: 8,
+        active_experts: 2,
+        head_dim: 32,
     },
 ];
 
@@ -135,7 +166,7 @@ pub fn power_law(n: usize, mean: f64, skew: f64) -> Vec<f64> {
 pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) -> Option<(Manifest, Vec<f64>)> {
     let (h, l, e) = (shape.hidden, shape.layers, shape.experts.max(1));
     let n = shape.inter;
-    let head_dim = h / shape.heads;
+    let head_dim = shape.head_dim;
     let (qd, kvd) = (shape.heads * head_dim, shape.kv_heads * head_dim);
     let row = o.quant.row_bytes(h)?;
     let bundle = BundleLayout::new(o.quant, h)?;

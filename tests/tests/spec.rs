@@ -44,18 +44,35 @@ fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
         check_pack(&["weights", p.to_str().unwrap(), "--model", ckpt.to_str().unwrap()]);
     }
     // Mixtures of experts (format 3.3): one FFN unit per expert.
-    for (arch, experts, sparse) in [("MixtralForCausalLM", 4, true), ("Qwen3MoeForCausalLM", 6, false)] {
+    // Sparse with few calibration tokens: some experts get too few to train a
+    // predictor, and select every neuron (predictor threshold the lowest f32).
+    let few = ["--cluster-bytes", "1KiB", "--calib", calib, "--tokens", "40", "--window", "8", "--sample", "16"];
+    for (arch, experts, sparse) in [
+        ("MixtralForCausalLM", 4, Some(&[][..])),
+        ("Qwen3MoeForCausalLM", 6, None),
+        ("Qwen3MoeForCausalLM", 6, Some(&few[..])),
+    ] {
         let spec = TinySpec { arch, experts, top_k: 2, inter: 64, tied: false, act: "relu", ..TinySpec::default() };
         let ckpt = dir.path().join(arch);
         write_tiny_checkpoint(&ckpt, &spec);
-        let pack = dir.path().join(format!("{arch}.nflash"));
+        let pack = dir.path().join(format!("{arch}-{}.nflash", sparse.map_or(0, <[&str]>::len)));
         let mut flags = vec!["--quant", "q4_0"];
-        if sparse {
+        match sparse {
             // Calibrated: expert statistics in the metadata, predictors per expert.
-            flags.extend(["--cluster-bytes", "1KiB", "--calib", calib]);
-            flags.extend(QUICK_CALIB);
+            Some([]) => {
+                flags.extend(["--cluster-bytes", "1KiB", "--calib", calib]);
+                flags.extend(QUICK_CALIB);
+            }
+            Some(f) => flags.extend_from_slice(f),
+            None => {}
         }
         convert_with(&ckpt, &pack, &flags);
+        if sparse.is_some_and(|f| !f.is_empty()) {
+            let p = nflash_format::Pack::open(&pack).unwrap();
+            let keep_all =
+                p.manifest().ffn.iter().filter(|f| f.sparse.as_ref().unwrap().predictor_threshold == f32::MIN);
+            assert!(keep_all.count() > 0, "no expert fell back to reading every neuron");
+        }
         check_pack(&["compare", pack.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
         check_pack(&["weights", pack.to_str().unwrap(), "--model", ckpt.to_str().unwrap(), "--all-layers"]);
     }

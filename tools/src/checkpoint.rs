@@ -197,7 +197,11 @@ fn parse_moe(cfg: &Value, arch_name: &str) -> Result<Option<Architecture>> {
         }
         "Qwen3MoeForCausalLM" => {
             let step = get_u64(cfg, "decoder_sparse_step")?.unwrap_or(1);
-            let dense_layers = cfg.get("mlp_only_layers").and_then(Value::as_array).map_or(0, Vec::len);
+            let dense_layers = match cfg.get("mlp_only_layers") {
+                None | Some(Value::Null) => 0,
+                Some(Value::Array(a)) => a.len(),
+                Some(v) => bail!("config.json: mlp_only_layers = {v} is not a list of layer indices"),
+            };
             if step != 1 || dense_layers != 0 {
                 bail!("config.json: decoder_sparse_step = {step} with {dense_layers} mlp_only_layers: nflash runs Qwen3-MoE models whose every layer is a mixture of experts (decoder_sparse_step 1, mlp_only_layers [])");
             }

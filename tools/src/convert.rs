@@ -171,12 +171,23 @@ impl SparseArgs {
             },
             quant,
         )?;
-        let n = plan.layers.len().max(1) as f32;
-        let mean = |f: &dyn Fn(&nflash_format::PredictorQuality) -> f32| {
-            plan.layers.iter().map(|l| f(&l.sparse.quality)).sum::<f32>() / n
+        // Means over layers; over experts weighted by the tokens routed to
+        // each, leaving out those too rarely routed to have a predictor.
+        let weight: Vec<f32> = match &plan.routed_share {
+            Some(share) => share
+                .iter()
+                .zip(&plan.layers)
+                .map(|(&s, l)| if l.sparse.quality.tokens > 0 { s } else { 0.0 })
+                .collect(),
+            None => vec![1.0; plan.layers.len()],
         };
+        let total = weight.iter().sum::<f32>().max(f32::MIN_POSITIVE);
+        let mean = |f: &dyn Fn(&nflash_format::PredictorQuality) -> f32| {
+            plan.layers.iter().zip(&weight).map(|(l, w)| w * f(&l.sparse.quality)).sum::<f32>() / total
+        };
+        let over = if plan.routed_share.is_some() { "means over experts, by tokens routed" } else { "layer means" };
         message!(
-            "{} predictor (rank {}) built in {:.1} s: held-out recall {:.3}, precision {:.3}, bundles skipped {:.1}%, sparsity {:.1}% (layer means)",
+            "{} predictor (rank {}) built in {:.1} s: held-out recall {:.3}, precision {:.3}, bundles skipped {:.1}%, sparsity {:.1}% ({over})",
             plan.info.predictor.name(),
             plan.info.rank,
             t.elapsed().as_secs_f64(),
@@ -189,10 +200,14 @@ impl SparseArgs {
         // predictor too weak to rank the neurons still falls short of it.
         let achieved = f64::from(mean(&|q| q.recall));
         if plan.info.predictor != PredictorKind::Exact && achieved < recall - RECALL_SHORTFALL {
+            let others = match plan.info.predictor {
+                PredictorKind::Mlp => "calibrate on more tokens (--tokens, --sample), or use --predictor exact",
+                _ => "or use --predictor mlp or exact",
+            };
             message!(
                 "warning: the {} predictor reaches held-out recall {achieved:.3}, short of the target {recall}: \
                  it misses active neurons, which costs quality (check with `prep verify --quality`); \
-                 raise --rank (or --predictor-budget), or use --predictor mlp or exact",
+                 raise --rank (or --predictor-budget), {others}",
                 plan.info.predictor.name()
             );
         }

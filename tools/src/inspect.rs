@@ -150,7 +150,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
             mib(ffn_bytes)
         );
     }
-    print_sparse(m);
+    print_sparse(m, meta.experts.as_ref().map(|e| &e.routed_share[..]));
     match &m.plan {
         Some(p) => println!("{}", nflash_plan::planner::describe(p, m)),
         None => {
@@ -210,9 +210,10 @@ fn sparse_json(m: &Manifest) -> serde_json::Value {
     })
 }
 
-/// Text form of [`sparse_json`]: settings, then one line per layer with the
+/// Text form of [`sparse_json`]: settings, then one line per FFN unit (layer,
+/// or expert `layer.expert` with its routed share of the tokens) with the
 /// held-out predictor quality and the hot-first activation frequency curve.
-fn print_sparse(m: &Manifest) {
+fn print_sparse(m: &Manifest, routed_share: Option<&[f32]>) {
     let Some(si) = &m.sparse else {
         println!("sparsity: none (dense pack; convert with --calib for sparse decode)");
         return;
@@ -229,14 +230,28 @@ fn print_sparse(m: &Manifest) {
         si.calib_tokens,
         si.calib_source
     );
-    println!("  layer  threshold  sparsity  recall  precision  skipped  activation frequency, hottest → coldest (9 of 33 points)");
-    for f in &m.ffn {
+    let moe = m.config.architecture.moe().is_some();
+    if moe {
+        println!("  (per expert, over the tokens routed to it; routed: its share of the tokens; no predictor: too few calibration tokens to train one, every neuron read)");
+    }
+    println!(
+        "  {}  threshold  sparsity  recall  precision  skipped  activation frequency, hottest → coldest (9 of 33 points)",
+        if moe { "expert  routed" } else { "layer" }
+    );
+    for (u, f) in m.ffn.iter().enumerate() {
         let Some(s) = &f.sparse else { continue };
         let q = &s.quality;
         let curve: Vec<String> = s.frequency_curve.iter().step_by(4).map(|v| format!("{v:.2}")).collect();
+        let unit = if moe {
+            let share = routed_share.and_then(|r| r.get(u)).map_or("-".to_string(), |v| format!("{:.1}%", 100.0 * v));
+            format!("{:>6}  {share:>6}", m.config.unit_name(u))
+        } else {
+            format!("{:>5}", f.layer)
+        };
+        let note = if q.tokens == 0 && s.predictor_threshold == f32::MIN { "  (no predictor)" } else { "" };
         println!(
-            "  {:>5}  {:>9.3e}  {:>7.1}%  {:>6.3}  {:>9.3}  {:>6.1}%  {}",
-            f.layer,
+            "  {}  {:>9.3e}  {:>7.1}%  {:>6.3}  {:>9.3}  {:>6.1}%  {}{note}",
+            unit,
             s.threshold,
             100.0 * q.sparsity,
             q.recall,

@@ -39,7 +39,7 @@ enum Command {
     Verify(verify::VerifyArgs),
     /// Profile FFN neuron activity on calibration text.
     Profile(profile::ProfileArgs),
-    /// Write a synthetic Hugging Face checkpoint (llama-7b, mistral-7b, tiny shapes) with
+    /// Write a synthetic Hugging Face checkpoint (llama-7b, mistral-7b, tiny; mixtures of experts mixtral-47b, qwen3-30b-a3b, tiny-moe) with
     /// controlled FFN activation sparsity and hot-neuron skew.
     Synth(synth::SynthArgs),
 }

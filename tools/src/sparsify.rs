@@ -177,13 +177,23 @@ pub fn plan(ck: &Checkpoint, profile: &Profile, o: &SparseOptions, quant: DType)
     if !few.is_empty() {
         let names: Vec<String> = few.iter().take(8).map(|(u, s)| format!("{u} ({s})")).collect();
         nflash_runtime::message!(
-            "{} expert(s) got fewer than {MIN_PREDICTOR_SAMPLE} of the sampled calibration tokens, too few to train a predictor: {}{}; decode reads every neuron of those when the router picks them (calibrate on more tokens, --tokens and --sample, to train them)",
+            "{} expert(s) got fewer than {MIN_PREDICTOR_SAMPLE} of the sampled calibration tokens, too few to train a predictor (layer.expert (sampled tokens)): {}{}; decode reads every neuron of those when the router picks them (calibrate on more tokens, --tokens and --sample, to train them)",
             few.len(),
             names.join(", "),
             if few.len() > 8 { ", …" } else { "" }
         );
     }
-    let target = if relu { natural.iter().sum::<f64>() / natural.len().max(1) as f64 } else { o.sparsity };
+    // The mean over units weighted by the tokens each ran (an expert that got
+    // no calibration token says nothing about the model's sparsity).
+    let weights: Vec<f64> = profile.layers.iter().map(|l| l.n_tokens() as f64).collect();
+    let total: f64 = weights.iter().sum();
+    let target = if relu && total > 0.0 {
+        natural.iter().zip(&weights).map(|(s, w)| s * w).sum::<f64>() / total
+    } else if relu {
+        0.0
+    } else {
+        o.sparsity
+    };
     Ok(SparsePlan {
         info: SparseInfo {
             criterion: o.criterion,

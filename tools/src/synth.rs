@@ -867,10 +867,10 @@ fn synthesize(a: &SynthArgs, tmp: &Path) -> Result<std::time::Instant> {
         let shares =
             power_law(m.num_experts as usize, m.experts_per_token as f64 / m.num_experts as f64, a.router_skew);
         message!(
-            "router: each layer's most popular expert takes {:.1}% of the tokens' routings, the least popular {:.2}% (mean {:.1}%)",
-            100.0 * shares[0] / m.experts_per_token as f64,
-            100.0 * shares[shares.len() - 1] / m.experts_per_token as f64,
-            100.0 / m.num_experts as f64
+            "router (target): each layer's most popular expert gets {:.1}% of the tokens, the least popular {:.2}% (uniform routing: {:.1}%)",
+            100.0 * shares[0],
+            100.0 * shares[shares.len() - 1],
+            100.0 * m.experts_per_token as f64 / m.num_experts as f64
         );
     }
 

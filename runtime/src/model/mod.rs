@@ -1,12 +1,16 @@
-//! The decoder-only transformer (Llama / Mistral / Qwen2) over a pack.
+//! The decoder-only transformer (Llama / Mistral / Qwen2, and the mixtures
+//! of experts Mixtral / Qwen3-MoE) over a pack.
 //!
 //! Per layer: `x += Wo · attn(RoPE(Wq·norm(x)), RoPE(Wk·norm(x)), Wv·norm(x))`,
 //! then `x += FFN(norm(x))` through the neuron engine, whose neuron clusters
 //! come from a [`ClusterSource`]: the model knows nothing of flash or I/O.
+//! In a mixture of experts the FFN is `Σ w_e · FFN_e(norm(x))` over the
+//! experts the router picks, each expert an FFN unit of its own (SPEC §4.4).
 //! Tensor names are the Hugging Face ones (formats/SPEC.md §4.3).
 //!
 //! - [`load`](Model::load): pack → tensors;
 //! - `attention`: the attention block;
+//! - [`moe`]: expert routing (router softmax, top-k);
 //! - [`ffn`]: the FFN neuron engine (dense and sparse);
 //! - [`predictor`]: activation predictors and sparsity counters;
 //! - `forward`: the forward pass, as named steps;

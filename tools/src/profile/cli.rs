@@ -108,6 +108,9 @@ fn summary(p: &Profile, out: &std::path::Path, secs: f64) {
             100.0 * p.model.experts_per_token as f64 / experts as f64
         );
     }
+    if experts > 1 {
+        message!("3 of the {} experts (layer.expert):", p.layers.len());
+    }
     for (i, l) in p.layers.iter().enumerate() {
         if i == 0 || i == mid || i + 1 == p.layers.len() {
             let f = l.frequency(Criterion::GateUp, 0.5);

@@ -139,7 +139,28 @@ pub fn resolve(
         if !(0.0..=1.0).contains(&f) || f.is_nan() {
             bail!("--hot-fraction {f} is outside [0, 1]");
         }
-        cfg.hot_neurons = m.ffn.iter().map(|l| (l.n_neurons as f64 * f).round() as u32).collect();
+        // Whole neuron clusters only: each FFN unit's cluster boundary nearest
+        // the fraction (rounding down would pin nothing of a unit, such as a
+        // small expert, whose clusters are few).
+        cfg.hot_neurons = m
+            .ffn
+            .iter()
+            .map(|l| {
+                let want = l.n_neurons as f64 * f;
+                let bounds = l.clusters.iter().map(|c| c.first).chain([l.n_neurons]);
+                bounds.min_by(|a, b| (*a as f64 - want).abs().total_cmp(&(*b as f64 - want).abs())).unwrap_or(0)
+            })
+            .collect();
+        let (hot, all): (u64, u64) =
+            m.ffn.iter().zip(&cfg.hot_neurons).fold((0, 0), |(h, a), (l, &n)| (h + n as u64, a + l.n_neurons as u64));
+        let got = hot as f64 / all.max(1) as f64;
+        if (got - f).abs() > 0.1 {
+            nflash_runtime::message!(
+                "note: --hot-fraction {f} pins {:.0}% of the FFN's neurons: hot sets are whole neuron clusters, and this pack's are {} neurons each; convert with a smaller --cluster-bytes for finer hot sets",
+                100.0 * got,
+                m.ffn.first().and_then(|l| l.clusters.first()).map_or(0, |c| c.n_neurons)
+            );
+        }
     }
     if let Some(c) = a.cold_cache {
         cfg.cold_bytes = c;

@@ -343,9 +343,9 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         }
         if ep.guessed > 0 {
             message!(
-                "expert prefetch (next layer's router on the hidden state): precision {:.1}%, recall {:.1}% over {} routings",
-                100.0 * ep.precision(),
+                "expert prefetch: the next layer's router applied to the hidden state before its attention guessed {:.1}% of the experts the router then chose ({} of {} token-layer-expert routings; it guesses as many experts as the router picks, so precision = recall)",
                 100.0 * ep.recall(),
+                ep.hit,
                 ep.routed
             );
         }
