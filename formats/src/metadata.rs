@@ -75,6 +75,26 @@ impl ExpertStats {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::ExpertStats;
+    use crate::Moe;
+
+    #[test]
+    fn routed_shares_are_fractions_summing_to_the_experts_per_token() {
+        let moe = Moe { num_experts: 4, experts_per_token: 2, norm_topk_prob: true };
+        let ok = ExpertStats { routed_share: vec![0.9, 0.5, 0.4, 0.2, 0.5, 0.5, 0.5, 0.5] };
+        assert!(ok.check(8, moe).is_ok());
+        assert!(ok.check(4, moe).unwrap_err().contains("8 routed shares for 4"));
+        let zeros = ExpertStats { routed_share: vec![0.0; 8] };
+        assert!(zeros.check(8, moe).unwrap_err().contains("layer 0's routed shares sum to 0"));
+        let over = ExpertStats { routed_share: vec![1.5, 0.5, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5] };
+        assert!(over.check(8, moe).unwrap_err().contains("routed share 1.5 of FFN unit 0"));
+        let nan = ExpertStats { routed_share: vec![f32::NAN, 1.0, 1.0, 0.0, 0.5, 0.5, 0.5, 0.5] };
+        assert!(nan.check(8, moe).is_err());
+    }
+}
+
 /// The metadata object (SPEC §4.9). Unknown keys are ignored.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Metadata {

@@ -53,6 +53,7 @@ fn bad_moe_configs_are_clear_errors() {
     );
     config_refused(&qwen3_moe(), |c| c["decoder_sparse_step"] = json!(2), &["decoder_sparse_step = 2"]);
     config_refused(&qwen3_moe(), |c| c["mlp_only_layers"] = json!([0]), &["mlp_only_layers"]);
+    config_refused(&qwen3_moe(), |c| c["mlp_only_layers"] = json!(5), &["mlp_only_layers = 5", "not a list"]);
     config_refused(&qwen3_moe(), |c| c["num_experts_per_tok"] = json!("3"), &["num_experts_per_tok", "integer"]);
     // More experts in the config than in the weights: the first missing one is named.
     config_refused(
@@ -156,6 +157,42 @@ fn turbosparse_mixtral_is_mixtral_with_drelu_experts() {
         "{text}"
     );
     assert!(text.contains("FFN: 8 experts × 96 neurons"), "{text}");
+}
+
+/// `--hot-fraction` pins whole clusters: with one cluster per expert, 0.9
+/// pins every expert (the nearest boundary) rather than none (rounding down).
+#[test]
+fn hot_fraction_pins_the_nearest_cluster_boundary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = pack(tmp.path(), &TinySpec { vocab: 96, ..mixtral() }, "q4_0");
+    let n = nflash_format::Pack::open(&p).unwrap();
+    assert!(n.manifest().ffn.iter().all(|f| f.clusters.len() == 1), "the fixture needs one cluster per expert");
+    drop(n);
+    let stats = tmp.path().join("s.json");
+    for (f, hot) in [("0.9", true), ("0.2", false)] {
+        let o = run(
+            "nflash",
+            &[
+                "run",
+                "--model",
+                s(&p),
+                "--prompt",
+                "w5 w9",
+                "--max-tokens",
+                "4",
+                "--hot-fraction",
+                f,
+                "--stats-json",
+                s(&stats),
+            ],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let st: Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+        assert_eq!(st["hot_bytes"].as_u64().unwrap() > 0, hot, "--hot-fraction {f}: {st}");
+        if !hot {
+            assert!(String::from_utf8_lossy(&o.stderr).contains("pins 0% of the FFN"));
+        }
+    }
 }
 
 #[test]
