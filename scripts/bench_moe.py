@@ -14,8 +14,9 @@ Run as root with the bench venv's python (`make bench-moe` does both):
 
 Models (cached in --work-dir): `prep synth` (BF16, ~22 GB at 8 layers,
 deleted after conversion unless --keep-checkpoints), `prep convert --quant
-q4_0 --calib TEXT` (per-expert profiles, predictors and routed shares; the
-plan for --device), scripts/hf_to_gguf.py (llama.cpp's Mixtral layout:
+q4_0 --calib TEXT --rank 256 --epochs 4` (per-expert profiles, predictors and
+routed shares; the plan for --device; rank twice the synthetic gates' active
+rank, as bench-scale: at rank 128 the predictors reached precision 0.31), scripts/hf_to_gguf.py (llama.cpp's Mixtral layout:
 stacked experts, F32 router; llama.cpp applies SiLU where the model has
 ReLU, so its text differs but its dense FFN work, and so its speed, is the
 model's).
@@ -63,7 +64,7 @@ def parse_args(argv):
         else:
             own[k] = v
     defaults = ["--shape", "mixtral-47b", "--sparsities", "0.9", "--work-dir", str(REPO / "bench-out/moe"),
-                "--out-dir", str(REPO / "bench-out/moe"), "--tokens", "16", "--convert-extra", "--rank 128 --epochs 3"]
+                "--out-dir", str(REPO / "bench-out/moe"), "--tokens", "16", "--convert-extra", "--rank 256 --epochs 4"]
     # The caller's flags win: they come after the defaults.
     a = bench_scale.parse_args(defaults + ap_argv, shapes=("mixtral-47b", "tiny-moe"))
     a.layers = int(own["--layers"])
