@@ -154,19 +154,8 @@ def main(argv) -> int:
     need_root("bench-moe")
     remove_stale_groups()
     b = scale.Scale(a, t_start)
-    scale.check_prerequisites(b)
-    scale.make_dirs(b)
-    scale.prepare_models(b)
-    if a.prepare_only:
-        scale.log_prepared(b)
+    if not scale.prepare_and_measure(b):
         return 0
-    scale.prepare_prompt(b)
-    scale.probe_disk(b)
-    scale.make_runners(b)
-    scale.measure_unlimited(b)
-    scale.set_limits(b)
-    scale.measure_limits(b)
-    scale.summarize_runs(b)
     t = moe_targets(b)
     b.targets = {f"{b.first:g}": t}
     print_moe(b, t)

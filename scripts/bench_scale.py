@@ -128,21 +128,8 @@ def main(argv) -> int:
     need_root("bench-scale")
     remove_stale_groups()
     b = scale.Scale(a, t_start)
-    scale.check_prerequisites(b)
-    scale.make_dirs(b)
-    scale.prepare_models(b)
-    if a.prepare_only:
-        scale.log_prepared(b)
+    if not scale.prepare_and_measure(b):
         return 0
-    scale.prepare_prompt(b)
-    scale.probe_disk(b)
-    scale.make_runners(b)
-    # 1. Unlimited: nflash's fixed region per sparsity and llama.cpp's headroom.
-    scale.measure_unlimited(b)
-    scale.set_limits(b)
-    # 2. The limits, round by round.
-    scale.measure_limits(b)
-    scale.summarize_runs(b)
     scale.compute_targets(b)
     scale.print_results(b)
     scale.print_targets(b)

@@ -78,6 +78,28 @@ class Scale:
 # Set-up and models
 # --------------------------------------------------------------------------
 
+def prepare_and_measure(b: Scale) -> bool:
+    """Every step up to the summary of the runs: models (made if missing),
+    prompt, disk probe, the unlimited runs, the limits, the limited runs.
+    False after --prepare-only (the models are ready, nothing was measured)."""
+    check_prerequisites(b)
+    make_dirs(b)
+    prepare_models(b)
+    if b.a.prepare_only:
+        log_prepared(b)
+        return False
+    prepare_prompt(b)
+    probe_disk(b)
+    make_runners(b)
+    # 1. Unlimited: nflash's fixed region per sparsity and llama.cpp's headroom.
+    measure_unlimited(b)
+    set_limits(b)
+    # 2. The limits, round by round.
+    measure_limits(b)
+    summarize_runs(b)
+    return True
+
+
 def check_prerequisites(b: Scale) -> None:
     """Exits with status 2 without the binaries or --calib; b.llama: whether llama.cpp can run."""
     a = b.a
