@@ -159,10 +159,7 @@ def main(argv) -> int:
     t = moe_targets(b)
     b.targets = {f"{b.first:g}": t}
     print_moe(b, t)
-    scale.print_prep(b)
-    scale.check_plan_sim(b)
-    scale.print_warnings(b)
-    scale.write_outputs(b)
+    scale.finish(b)
     return 0
 
 

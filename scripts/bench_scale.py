@@ -133,10 +133,7 @@ def main(argv) -> int:
     scale.compute_targets(b)
     scale.print_results(b)
     scale.print_targets(b)
-    scale.print_prep(b)
-    scale.check_plan_sim(b)
-    scale.print_warnings(b)
-    scale.write_outputs(b)
+    scale.finish(b)
     return 0
 
 

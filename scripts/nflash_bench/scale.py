@@ -484,6 +484,15 @@ def check_plan_sim(b: Scale) -> None:
                               run_probe(a, a.out_dir, "probe-after.toml"), "after")
 
 
+def finish(b: Scale) -> None:
+    """After a driver's own table: prep's figures, plan-sim against the
+    measurement, warnings, and OUT/results.json and OUT/scale.png."""
+    print_prep(b)
+    check_plan_sim(b)
+    print_warnings(b)
+    write_outputs(b)
+
+
 def print_warnings(b: Scale) -> None:
     if b.busy_runs:
         print(f"WARNING: {b.busy_runs} runs started while the CPUs were > {BUSY_LIMIT:.0%} busy")

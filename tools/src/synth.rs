@@ -502,17 +502,7 @@ fn calibrate(s: &Synth, a: &SynthArgs, pb: &ProgressBar) -> Result<Vec<f64>> {
         let mut active: Vec<bool> = vec![true; t * n];
         for proj in if drelu { &["gate_proj", "up_proj"][..] } else { &["gate_proj"][..] } {
             let name = format!("model.layers.{l}.mlp.{proj}.weight");
-            // z = (x · Pᵀ) · Gᵀ `[t, n]`, without materializing the `[n, hidden]` matrix.
-            let basis = Tensor::from_vec(s.basis(&name, h), (s.rank, h), &Device::Cpu)?;
-            let coef = Tensor::from_vec(s.coefficients(&name, 0..n), (n, s.rank), &Device::Cpu)?;
-            let z = x.matmul(&basis.t()?)?.matmul(&coef.t()?)?.flatten_all()?.to_vec1::<f32>()?;
-            let (mu, sd) = column_stats(&z, n);
-            let b = biases_for(&mu, &sd, &p_each);
-            for (row, act) in z.chunks_exact(n).zip(active.chunks_exact_mut(n)) {
-                for ((zi, bi), a) in row.iter().zip(&b).zip(act.iter_mut()) {
-                    *a &= zi + bi > 0.0;
-                }
-            }
+            let b = calibrated_bias(s, &name, &x, &p_each, &mut active)?;
             s.biases
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -526,6 +516,24 @@ fn calibrate(s: &Synth, a: &SynthArgs, pb: &ProgressBar) -> Result<Vec<f64>> {
         pb.inc(1);
     }
     Ok(achieved)
+}
+
+/// The bias of each neuron of the low-rank projection `name` that makes it
+/// fire with probability `p` on the inputs `x` (`[t, hidden]`), from the
+/// statistics of its pre-activations `z = (x · Pᵀ) · Gᵀ` (`[t, n]`, computed
+/// without materializing the `[n, hidden]` matrix); clears `active`
+/// (`[t, n]`) where `z + b ≤ 0`.
+fn calibrated_bias(s: &Synth, name: &str, x: &Tensor, p: &[f64], active: &mut [bool]) -> Result<Vec<f32>> {
+    let (h, n) = (s.cfg.hidden_size as usize, p.len());
+    let basis = Tensor::from_vec(s.basis(name, h), (s.rank, h), &Device::Cpu)?;
+    let coef = Tensor::from_vec(s.coefficients(name, 0..n), (n, s.rank), &Device::Cpu)?;
+    let z = x.matmul(&basis.t()?)?.matmul(&coef.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+    let (mu, sd) = column_stats(&z, n);
+    let b = biases_for(&mu, &sd, p);
+    for (row, act) in z.chunks_exact(n).zip(active.chunks_exact_mut(n)) {
+        row.iter().zip(&b).zip(act.iter_mut()).for_each(|((zi, bi), a)| *a &= zi + bi > 0.0);
+    }
+    Ok(b)
 }
 
 /// Calibrates layer `l` of a mixture of experts (module docs: the bias
@@ -586,8 +594,7 @@ fn calibrate_moe_layer(s: &Synth, a: &SynthArgs, fwd: &mut Forward, l: usize) ->
     let (mut inactive, mut pairs) = (0f64, 0f64);
     for ex in 0..e {
         let u = l * e + ex;
-        let (idx, w): (Vec<usize>, Vec<f32>) =
-            routes.iter().enumerate().filter(|(_, r)| r.0 as usize == ex).map(|(i, r)| (i / k, r.1)).unzip();
+        let (idx, w): (Vec<usize>, Vec<f32>) = nflash_runtime::model::moe::routed_to(&routes, k, ex).unzip();
         // Statistics over the expert's tokens (all tokens when it gets too few to estimate them).
         let stat_rows: Vec<usize> = if idx.len() >= 16 { idx.clone() } else { (0..t).collect() };
         let sub: Vec<f32> = stat_rows.iter().flat_map(|&i| xn[i * h..(i + 1) * h].iter().copied()).collect();
@@ -597,14 +604,7 @@ fn calibrate_moe_layer(s: &Synth, a: &SynthArgs, fwd: &mut Forward, l: usize) ->
         let mut active = vec![true; stat_rows.len() * n];
         let names = cfg.ffn_tensor_names(u);
         for name in if drelu { &names[..2] } else { &names[..1] } {
-            let basis = Tensor::from_vec(s.basis(name, h), (s.rank, h), &Device::Cpu)?;
-            let coef = Tensor::from_vec(s.coefficients(name, 0..n), (n, s.rank), &Device::Cpu)?;
-            let z = xs.matmul(&basis.t()?)?.matmul(&coef.t()?)?.flatten_all()?.to_vec1::<f32>()?;
-            let (mu, sd) = column_stats(&z, n);
-            let b = biases_for(&mu, &sd, &p_each);
-            for (row, act) in z.chunks_exact(n).zip(active.chunks_exact_mut(n)) {
-                row.iter().zip(&b).zip(act.iter_mut()).for_each(|((zi, bi), a)| *a &= zi + bi > 0.0);
-            }
+            let b = calibrated_bias(s, name, &xs, &p_each, &mut active)?;
             lock(&s.col0, name.clone(), b.iter().map(|&v| v / m0).collect());
         }
         if idx.len() >= 16 {

@@ -217,7 +217,7 @@ impl Model<'_> {
                 let mut rows: Vec<(usize, f32)> = Vec::new();
                 for (e, unit) in layer.units.iter().enumerate() {
                     rows.clear();
-                    rows.extend((0..n * k).filter(|&i| routes[i].0 as usize == e).map(|i| (i / k, routes[i].1)));
+                    rows.extend(super::moe::routed_to(&routes, k, e));
                     if rows.is_empty() {
                         continue;
                     }

@@ -29,6 +29,13 @@ impl Router<'_> {
     }
 }
 
+/// The tokens routed to expert `e`, with their weights, in token order:
+/// `routes` is `[n_tokens · k]` (expert, weight), each token's `k` routings
+/// in a row (as [`Router::route`] and [`top_k`] append them).
+pub fn routed_to(routes: &[(u32, f32)], k: usize, e: usize) -> impl Iterator<Item = (usize, f32)> + '_ {
+    routes.iter().enumerate().filter(move |(_, r)| r.0 as usize == e).map(move |(i, r)| (i / k, r.1))
+}
+
 /// Appends the `k` largest of `probs` (ties to the lower index) to `out` as
 /// (index, weight) in ascending index order; weights divided by their sum
 /// when `normalize` (`norm_topk_prob`). `prep`'s profiler routes with it too.

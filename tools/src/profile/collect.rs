@@ -193,12 +193,8 @@ pub fn profile(ck: &Checkpoint, calib: &Path, opts: &ProfileOptions) -> Result<P
                 let experts = cfg.experts() as usize;
                 let mut delta = vec![0f32; fwd.n_tokens() * cfg.hidden_size as usize];
                 for e in 0..experts {
-                    let (idx, weights): (Vec<usize>, Vec<f32>) = routes
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, r)| r.0 as usize == e)
-                        .map(|(i, r)| (i / k as usize, r.1))
-                        .unzip();
+                    let (idx, weights): (Vec<usize>, Vec<f32>) =
+                        nflash_runtime::model::moe::routed_to(&routes, k as usize, e).unzip();
                     let ffn = fwd.ffn(l * experts + e)?;
                     let tokens = Tokens::Routed { idx: &idx, weights: &weights, delta: &mut delta };
                     layers.push(profile_unit(&mut fwd, &ffn, tokens, &samples, &pb)?);
