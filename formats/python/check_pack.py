@@ -6,6 +6,7 @@ against packs written by `prep`. Python 3.11, standard library only.
     check_pack.py weights PACK --model DIR    dequantized tensors and FFN bundles against the checkpoint
     check_pack.py corrupt PACK --prep BIN --workdir DIR
                                               damaged copies: our reader and `prep verify` must both refuse each
+    check_pack.py downgrade PACK OUT          PACK as format 3.3 wrote it (no neuron-cluster checksums), for tests
 
 Each prints what it checked and exits 1 on the first disagreement.
 """
@@ -361,8 +362,8 @@ def cmd_corrupt(a) -> None:
     cases.append(("truncated header", src[:40], "shorter than the 64-byte header"))
     b = bytearray(src); b[0:8] = b"NOTAPACK"
     cases.append(("bad magic", bytes(b), "bad magic"))
-    b = bytearray(src); b[10:12] = struct.pack("<H", 2); refix_header(b)
-    cases.append(("minor 2", bytes(b), "newer than this reader"))
+    b = bytearray(src); b[10:12] = struct.pack("<H", nf.VERSION_MINOR + 1); refix_header(b)
+    cases.append((f"minor {nf.VERSION_MINOR + 1}", bytes(b), "newer than this reader"))
     b = bytearray(src); b[8:10] = struct.pack("<H", 2); refix_header(b)
     cases.append(("major 2", bytes(b), "older than this reader"))
     b = bytearray(src); b[45] ^= 0x01
@@ -430,6 +431,33 @@ def cmd_corrupt(a) -> None:
     print(f"ok  {len(cases)} damaged copies of {a.pack}: refused by both readers")
 
 
+# --- downgrade: the same pack as format 3.3 wrote it ------------------------
+
+
+def cmd_downgrade(a) -> None:
+    """Writes OUT: PACK as a 3.3 writer would have written it, without the
+    neuron-cluster checksum table (SPEC §4.10, §8.2): the table's segment
+    entry dropped from the manifest (its bytes stay, a gap no CRC covers) and
+    the header's minor set to 3. For testing readers of older packs."""
+    src = open(a.pack, "rb").read()
+    pack = nf.Pack(a.pack)
+    h, m = pack.header, pack.manifest
+    if m["segments"][-1]["kind"] != "ClusterChecksums":
+        fail(f"{a.pack}: its last segment is not the checksum table; nothing to downgrade")
+    m2 = json.loads(json.dumps(m))
+    m2["segments"].pop()
+    mb = nf.encode_manifest(m2)
+    b = bytearray(src[: h["manifest_offset"]]) + mb
+    b[10:12] = struct.pack("<H", 3)
+    b[24:32] = struct.pack("<Q", len(mb))
+    b[32:36] = struct.pack("<I", zlib.crc32(mb))
+    refix_header(b)
+    with open(a.out, "wb") as f:
+        f.write(b)
+    nf.Pack(a.out)
+    print(f"ok  {a.out}: {a.pack} as format 3.3, without neuron-cluster checksums")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -446,9 +474,12 @@ def main() -> None:
     k.add_argument("pack")
     k.add_argument("--prep", required=True)
     k.add_argument("--workdir", required=True)
+    d = sub.add_parser("downgrade")
+    d.add_argument("pack")
+    d.add_argument("out")
     a = ap.parse_args()
     try:
-        {"compare": cmd_compare, "weights": cmd_weights, "corrupt": cmd_corrupt}[a.cmd](a)
+        {"compare": cmd_compare, "weights": cmd_weights, "corrupt": cmd_corrupt, "downgrade": cmd_downgrade}[a.cmd](a)
     except nf.PackError as e:
         fail(f"{a.pack}: {e}")
 

@@ -31,7 +31,7 @@ import zlib
 MAGIC = b"NFLASHPK"
 HEADER_BYTES = 64
 VERSION_MAJOR = 3  # the version this reader implements (SPEC title)
-VERSION_MINOR = 3
+VERSION_MINOR = 4
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_TOKENIZER_BYTES = 256 << 20
 MAX_METADATA_BYTES = 1 << 20
@@ -194,7 +194,7 @@ STRUCTS: dict[str, list[tuple[str, object]]] = {
 }
 
 ENUMS: dict[str, list[tuple[str, object]]] = {
-    "SegmentKind": [("Tokenizer", None), ("Resident", None), ("Ffn", None), ("Metadata", None)],
+    "SegmentKind": [("Tokenizer", None), ("Resident", None), ("Ffn", None), ("Metadata", None), ("ClusterChecksums", None)],
     "DType": [("F32", None), ("F16", None), ("Q8_0", None), ("Q4_0", None)],
     # Since 3.3, the mixtures of experts carry their `Moe` fields (SPEC §4.1).
     "Architecture": [
@@ -463,6 +463,27 @@ def zstd_content_size(frame: bytes) -> int | None:
 # --- the pack ---------------------------------------------------------------
 
 
+def _crc32c_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), SPEC Conventions: reflected 0x82F63B78, init and final XOR 0xFFFFFFFF."""
+    crc, t = 0xFFFFFFFF, CRC32C_TABLE
+    for b in data:
+        crc = t[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
 def crc_of_range(f, offset: int, length: int) -> int:
     f.seek(offset)
     crc, left = 0, length
@@ -571,6 +592,14 @@ def validate(m: dict, h: dict, file_len: int) -> None:
         raise PackError("segments (SPEC §4.9): more than one metadata segment")
     if n_meta and h["minor"] < 2:
         raise PackError(f"segments (SPEC §4.9): a metadata segment in a pack of version {h['major']}.{h['minor']}")
+    tables = [s for s in segs if s["kind"] == "ClusterChecksums"]
+    if len(tables) > 1:
+        raise PackError("segments (SPEC §4.10): more than one neuron-cluster checksum table")
+    if tables and h["minor"] < 4:
+        raise PackError(f"segments (SPEC §4.10): a checksum table in a pack of version {h['major']}.{h['minor']}")
+    n_clusters = sum(len(f["clusters"]) for f in m["ffn"])
+    if tables and tables[0]["bytes"] != 4 * n_clusters:
+        raise PackError(f"segment 'checksums' (SPEC §4.10): {tables[0]['bytes']} bytes for {n_clusters} neuron clusters (4 each)")
 
     def seg(idx: int, what: str) -> dict:
         if idx >= len(segs):
@@ -717,6 +746,30 @@ class Pack:
                         f"stored {s['crc32']:#010x}, computed {crc:#010x} (SPEC §3)"
                     )
             self.checks.append(f"crc32 of all {len(self.manifest['segments'])} segments")
+            self._check_clusters(f)
+
+    def _check_clusters(self, f) -> None:
+        """SPEC §4.10: each neuron cluster's bundles against its CRC-32C in the table."""
+        tables = [s for s in self.manifest["segments"] if s["kind"] == "ClusterChecksums"]
+        if not tables:
+            return
+        f.seek(tables[0]["offset"])
+        raw = f.read(tables[0]["bytes"])
+        want = struct.unpack(f"<{len(raw) // 4}I", raw)
+        k = 0
+        for u, ff in enumerate(self.manifest["ffn"]):
+            base = self.manifest["segments"][ff["segment"]]["offset"]
+            for i, cl in enumerate(ff["clusters"]):
+                n = cl["n_neurons"] * ff["bundle"]["bundle_bytes"]
+                f.seek(base + cl["offset"])
+                got = crc32c(f.read(n))
+                if got != want[k]:
+                    raise PackError(
+                        f"neuron cluster {i} of FFN unit {u} (file offset {base + cl['offset']}, {n} bytes): "
+                        f"CRC-32C stored {want[k]:#010x}, computed {got:#010x} (SPEC §4.10)"
+                    )
+                k += 1
+        self.checks.append(f"crc32c of all {k} neuron clusters")
 
     def _check_tokenizer(self, f) -> None:
         """SPEC §3: the tokenizer segment is one zstd frame of json_bytes bytes (header only: no zstd in the stdlib)."""

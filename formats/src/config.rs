@@ -241,6 +241,17 @@ impl ModelConfig {
         }
     }
 
+    /// FFN unit `u` in messages: `layer {l}`, or `layer {l} expert {e}` for
+    /// a mixture of experts.
+    pub fn unit_label(&self, u: usize) -> String {
+        let (l, e) = self.unit_layer_expert(u);
+        if self.architecture.moe().is_some() {
+            format!("layer {l} expert {e}")
+        } else {
+            format!("layer {l}")
+        }
+    }
+
     /// The checkpoint's names of FFN unit `u`'s gate, up and down projection
     /// weights (`[inter, hidden]`, `[inter, hidden]`, `[hidden, inter]`):
     /// `model.layers.{l}.mlp.{gate,up,down}_proj.weight`; Mixtral

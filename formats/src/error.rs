@@ -32,6 +32,11 @@ pub enum Error {
     /// A stored CRC32 does not match the bytes (SPEC §6).
     #[error("{path}: checksum mismatch in {what}: stored {stored:#010x}, computed {computed:#010x}; the file is corrupt, copy or convert it again")]
     Checksum { path: PathBuf, what: String, stored: u32, computed: u32 },
+    /// A neuron cluster's bytes do not match its CRC-32C (SPEC §4.10):
+    /// `unit` names the decoder layer (and expert), `offset` is the
+    /// cluster's absolute file offset, `len` its bytes of bundles.
+    #[error("{path}: neuron cluster {cluster} of {unit} (file offset {offset}, {len} bytes) is damaged: CRC-32C stored {stored:#010x}, computed {computed:#010x}. This copy of the pack is corrupt (bad flash or an interrupted copy): push or copy it again, or convert the checkpoint again; `prep verify` checks a whole pack")]
+    ClusterChecksum { path: PathBuf, unit: String, cluster: usize, offset: u64, len: u64, stored: u32, computed: u32 },
     /// The file is shorter than its header says (the manifest ends past EOF).
     #[error("{path}: file is {len} bytes but its header records {expected} bytes (manifest at offset {manifest_offset}): the file is truncated, e.g. by an interrupted copy or conversion; copy or convert it again")]
     Truncated { path: PathBuf, len: u64, expected: u64, manifest_offset: u64 },

@@ -5,6 +5,7 @@
 //! bincode [`Manifest`] describing them. [`PackWriter`] writes one atomically;
 //! [`Pack::open`] validates one before any access.
 
+pub mod checksums;
 pub mod config;
 pub mod device;
 pub mod dtype;
@@ -17,6 +18,7 @@ pub mod plan;
 pub mod reader;
 pub mod writer;
 
+pub use checksums::{cluster_crc32c, ClusterChecksums};
 pub use config::{Activation, Architecture, ModelConfig, Moe, RopeScaling, MAX_CONTEXT, MAX_EXPERTS, MAX_FFN_UNITS};
 pub use device::{DeviceProfile, KernelSpeeds};
 pub use dtype::DType;

@@ -20,12 +20,14 @@ pub enum SegmentKind {
     Ffn,
     /// A UTF-8 JSON object of optional settings (SPEC §4.9; format 3.2).
     Metadata,
+    /// The CRC-32C of every neuron cluster (SPEC §4.10; format 3.4).
+    ClusterChecksums,
 }
 
 /// One aligned byte range of the file (SPEC §3).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Segment {
-    /// Unique name: `tokenizer`, `resident`, `ffn.{layer}`.
+    /// Unique name: `tokenizer`, `metadata`, `resident`, `ffn.{layer}` (`ffn.{layer}.{expert}`), `checksums`.
     pub name: String,
     /// Content kind.
     pub kind: SegmentKind,

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use crate::checksums::ClusterChecksums;
 use crate::error::{Error, Result};
 use crate::header::{Header, HEADER_BYTES, MAGIC, VERSION_MAJOR, VERSION_MINOR};
 use crate::manifest::{bincode_options, FfnLayer, Manifest, Segment, SegmentKind, TensorEntry};
@@ -425,6 +426,88 @@ impl Pack {
         self.metadata().map(|_| ())
     }
 
+    /// The neuron-cluster checksum table (SPEC §4.10), after checking its
+    /// segment CRC; `None` for a pack without one (before 3.4).
+    ///
+    /// # Errors
+    /// [`Error::Checksum`] if the table is damaged; [`Error::Invalid`] if it
+    /// does not fit the manifest.
+    pub fn cluster_checksums(&self) -> Result<Option<ClusterChecksums>> {
+        let Some(idx) = self.manifest.segments.iter().position(|s| s.kind == SegmentKind::ClusterChecksums) else {
+            return Ok(None);
+        };
+        let idx = idx as u32;
+        self.verify_segment(idx)?;
+        ClusterChecksums::decode(self.segment_in_memory(idx)?, &self.manifest).map(Some).map_err(|why| Error::Invalid {
+            path: self.path.clone(),
+            what: format!("segment {:?}", self.manifest.segments[idx as usize].name),
+            why,
+        })
+    }
+
+    /// Checks every neuron cluster's CRC-32C against the table (SPEC
+    /// §4.10), reading the clusters in pieces of at most 8 MiB. Returns the
+    /// clusters checked, or `None` when the pack has no table (before 3.4).
+    ///
+    /// # Errors
+    /// [`Error::ClusterChecksum`] naming the first damaged cluster, its unit
+    /// and file offset; [`Error::Io`] on a read error; as
+    /// [`Self::cluster_checksums`].
+    pub fn verify_clusters(&self) -> Result<Option<u64>> {
+        let Some(table) = self.cluster_checksums()? else { return Ok(None) };
+        let mut buf = Vec::new();
+        let mut checked = 0u64;
+        for (u, f) in self.manifest.ffn.iter().enumerate() {
+            let seg_off = self.segment_file_offset(f.segment);
+            let seg = self.segment(f.segment);
+            let crcs = table.unit(u);
+            let len_of = |c: &crate::NeuronCluster| c.n_neurons as u64 * f.bundle.bundle_bytes;
+            let mut i = 0;
+            while i < f.clusters.len() {
+                // A run of clusters in ascending file order, at most 8 MiB (or one cluster).
+                let start = f.clusters[i].offset;
+                let mut end = start + len_of(&f.clusters[i]);
+                let mut j = i + 1;
+                while j < f.clusters.len() {
+                    let c = &f.clusters[j];
+                    if c.offset < end || c.offset + len_of(c) - start > 8 << 20 {
+                        break;
+                    }
+                    end = c.offset + len_of(c);
+                    j += 1;
+                }
+                let bytes: &[u8] = match (seg, &self.storage) {
+                    (Some(b), _) => &b[start as usize..end as usize],
+                    (None, Storage::Loaded { file, .. }) => {
+                        use std::os::unix::fs::FileExt;
+                        buf.resize((end - start) as usize, 0);
+                        file.read_exact_at(&mut buf, seg_off + start).map_err(|e| Error::io(&self.path, e))?;
+                        &buf
+                    }
+                    (None, Storage::Mmap(_)) => unreachable!("a mapped pack has every segment"),
+                };
+                for (k, c) in f.clusters[i..j].iter().enumerate() {
+                    let at = (c.offset - start) as usize;
+                    let computed = crate::checksums::cluster_crc32c(&bytes[at..at + len_of(c) as usize]);
+                    if computed != crcs[i + k] {
+                        return Err(Error::ClusterChecksum {
+                            path: self.path.clone(),
+                            unit: self.manifest.config.unit_label(u),
+                            cluster: i + k,
+                            offset: seg_off + c.offset,
+                            len: len_of(c),
+                            stored: crcs[i + k],
+                            computed,
+                        });
+                    }
+                }
+                checked += (j - i) as u64;
+                i = j;
+            }
+        }
+        Ok(Some(checked))
+    }
+
     /// The metadata object (SPEC §4.9): the default (nothing set) when the
     /// pack has no metadata segment (packs before 3.2). Its CRC is checked.
     ///
@@ -564,6 +647,33 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             ))
         }
         _ => return Err(invalid("segments".into(), "more than one metadata segment".into())),
+    }
+    let tables: Vec<&Segment> = m.segments.iter().filter(|s| s.kind == SegmentKind::ClusterChecksums).collect();
+    match tables[..] {
+        [] => {}
+        [t] if header.minor >= 4 => {
+            let need = crate::checksums::total_clusters(m).and_then(|n| n.checked_mul(crate::checksums::ENTRY_BYTES));
+            if need != Some(t.bytes) {
+                return Err(invalid(
+                    format!("segment {:?}", t.name),
+                    format!(
+                        "{} bytes of neuron-cluster checksums, but the manifest's clusters need {} (4 bytes each)",
+                        t.bytes,
+                        need.map_or_else(|| "more than 2^64".into(), |n| n.to_string())
+                    ),
+                ));
+            }
+        }
+        [_] => {
+            return Err(invalid(
+                "segments".into(),
+                format!(
+                    "a neuron-cluster checksum table in a pack of version {}.{} (it exists since 3.4)",
+                    header.major, header.minor
+                ),
+            ))
+        }
+        _ => return Err(invalid("segments".into(), "more than one neuron-cluster checksum table".into())),
     }
     let seg = |idx: u32, what: &dyn Fn() -> String| -> Result<&Segment> {
         m.segments.get(idx as usize).ok_or_else(|| invalid(what(), format!("segment index {idx} out of range")))

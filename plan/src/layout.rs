@@ -68,6 +68,29 @@ pub fn prefill_chunk(c: &nflash_format::ModelConfig) -> usize {
 /// on the memory budget).
 pub const FFN_TILE_ELEMS: usize = 1 << 18;
 
+/// Bytes the runtime allocates at load per FFN neuron, after it measured
+/// its footprint: each neuron's bundle offset and cluster index
+/// (`runtime/src/model/ffn.rs`, `Ffn::new`) and its predictor bias
+/// (`runtime/src/model/predictor.rs`), 4 bytes each.
+pub const INDEX_BYTES_PER_NEURON: u64 = 12;
+
+/// Bytes the runtime allocates at load per neuron cluster, after it
+/// measured its footprint: the FFN's cluster table (16), the neuron cache's
+/// span (16), CRC-32C (4), cold slot (4) and prefetch flag (1)
+/// (`runtime/src/offload/cache.rs`), rounded up. One-neuron clusters make
+/// these tens of MiB (a Mixtral expert has 14336): they are part of the
+/// plan's scratch ([`index_bytes`]).
+pub const INDEX_BYTES_PER_CLUSTER: u64 = 48;
+
+/// Bytes of the runtime's per-neuron and per-cluster tables for manifest
+/// `m` ([`INDEX_BYTES_PER_NEURON`], [`INDEX_BYTES_PER_CLUSTER`]).
+pub fn index_bytes(m: &nflash_format::Manifest) -> u64 {
+    m.ffn
+        .iter()
+        .map(|f| f.n_neurons as u64 * INDEX_BYTES_PER_NEURON + f.clusters.len() as u64 * INDEX_BYTES_PER_CLUSTER)
+        .sum()
+}
+
 /// Bytes read for cluster `c` of layer `f`: its bundles rounded up to
 /// [`read_align`] (the cluster's size in the hot or cold region).
 pub fn cluster_read_bytes(f: &FfnLayer, c: &NeuronCluster) -> u64 {
@@ -158,6 +181,10 @@ pub struct CacheConfig {
     pub io_threads: usize,
     /// How reads are issued.
     pub io_engine: IoEngine,
+    /// Check each neuron cluster's CRC-32C (formats/SPEC.md §4.10) after it
+    /// is read and before it is used: hot clusters at load, cold ones on the
+    /// I/O threads. No effect on packs without checksums (before 3.4).
+    pub verify: bool,
 }
 
 /// How the runtime issues neuron-cluster reads.
@@ -197,6 +224,7 @@ impl CacheConfig {
             cold_bytes: 0,
             io_threads: 1,
             io_engine: IoEngine::Auto,
+            verify: true,
         }
     }
 
@@ -207,6 +235,7 @@ impl CacheConfig {
             cold_bytes: p.cold_bytes,
             io_threads: p.io_threads as usize,
             io_engine: IoEngine::Auto,
+            verify: true,
         }
     }
 }

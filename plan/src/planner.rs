@@ -101,7 +101,8 @@ pub struct FixedRegion {
     pub resident: u64,
     /// KV cache at the context length.
     pub kv: u64,
-    /// Prefill and decode scratch buffers.
+    /// Prefill and decode scratch buffers, and the runtime's per-neuron and
+    /// per-cluster tables ([`crate::layout::index_bytes`]).
     pub scratch: u64,
     /// Runtime code, libraries, in-memory tokenizer.
     pub runtime: u64,
@@ -144,7 +145,9 @@ pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footpri
     let activations = n * crate::layout::prefill_activation_bytes(c);
     let tile = 3 * tile_rows * h * 4 + 4 * n * tile_rows * 4 + 2 * n * h * 4;
     let scores = n * ctx as u64 * 4;
-    let scratch = activations + tile + scores + 2 * c.vocab_size * 4 + n * c.intermediate_size;
+    // The runtime's per-neuron and per-cluster tables, allocated after it measured itself.
+    let index = crate::layout::index_bytes(m);
+    let scratch = activations + tile + scores + 2 * c.vocab_size * 4 + n * c.intermediate_size + index;
     let runtime = match measured {
         Some(f) => {
             (f.rss.saturating_sub(resident) + RUNTIME_MARGIN_BYTES).max(f.peak.saturating_sub(resident + kv + scratch))

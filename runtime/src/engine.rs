@@ -62,7 +62,8 @@ impl<'a> Engine<'a> {
     pub fn load_planned(pack: &'a Pack, plan: impl FnOnce() -> Result<CacheConfig>) -> Result<Self> {
         // The tokenizer and resident segments are read whole at start anyway,
         // so their checksums are always checked (cheap next to the read);
-        // FFN segments are checked by `nflash run --verify` / `prep verify`.
+        // FFN segments are checked cluster by cluster as they are read (CRC-32C,
+        // SPEC §4.10), or whole by `nflash run --verify full` / `prep verify`.
         for (i, s) in pack.manifest().segments.iter().enumerate() {
             if s.kind != nflash_format::SegmentKind::Ffn {
                 pack.verify_segment(i as u32)?;

@@ -55,10 +55,10 @@ pub enum Error {
     #[error("internal error: {0}")]
     Internal(String),
     /// The model produced NaN or infinite logits.
-    #[error("the model produced non-finite logits (NaN or infinity) at position {position}: the output layer's weights are damaged or overflow; check every segment with `nflash run --verify` or `prep verify`, and if they pass, convert the checkpoint again with a current prep (it refuses non-finite and out-of-range weights)")]
+    #[error("the model produced non-finite logits (NaN or infinity) at position {position}: the output layer's weights are damaged or overflow; check every segment with `nflash run --verify full` or `prep verify`, and if they pass, convert the checkpoint again with a current prep (it refuses non-finite and out-of-range weights)")]
     NonFinite { position: usize },
     /// A decoder layer's output holds NaN or infinity (checked after every layer).
-    #[error("non-finite activations (NaN or infinity) in layer {layer} at position {position}: that layer's weights are damaged or overflow; check every segment with `nflash run --verify` or `prep verify`, and if they pass, convert the checkpoint again with a current prep (it refuses non-finite and out-of-range weights)")]
+    #[error("non-finite activations (NaN or infinity) in layer {layer} at position {position}: that layer's weights are damaged or overflow; check every segment with `nflash run --verify full` or `prep verify`, and if they pass, convert the checkpoint again with a current prep (it refuses non-finite and out-of-range weights)")]
     NonFiniteActivations { layer: usize, position: usize },
 }
 

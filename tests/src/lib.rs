@@ -548,6 +548,7 @@ pub fn placements(pack: &Path) -> Vec<(&'static str, CacheConfig)> {
         cold_bytes: cold,
         io_threads: io,
         io_engine: Default::default(),
+        verify: true,
     };
     vec![
         ("whole FFN in memory", all),

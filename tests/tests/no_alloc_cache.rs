@@ -54,7 +54,13 @@ fn fetching_cold_clusters_through_the_cache_does_not_allocate_per_token_alone() 
     // Nothing hot, the minimum cold region: every token reads again.
     let cache = NeuronCache::open(
         &pack,
-        &CacheConfig { hot_neurons: vec![0; n_layers], cold_bytes: 0, io_threads: 2, io_engine: Default::default() },
+        &CacheConfig {
+            hot_neurons: vec![0; n_layers],
+            cold_bytes: 0,
+            io_threads: 2,
+            io_engine: Default::default(),
+            verify: true,
+        },
     )
     .unwrap();
     let f = &pack.manifest().ffn[0];

@@ -117,7 +117,13 @@ fn a_pack_shrunk_while_running_gives_an_error_not_a_crash() {
     let path = pack(dir.path(), "t.nflash", "q8_0", &[]);
     let p = Pack::open_resident(&path).unwrap();
     let n = p.manifest().ffn.len();
-    let cfg = CacheConfig { hot_neurons: vec![0; n], cold_bytes: 0, io_threads: 1, io_engine: Default::default() };
+    let cfg = CacheConfig {
+        hot_neurons: vec![0; n],
+        cold_bytes: 0,
+        io_threads: 1,
+        io_engine: Default::default(),
+        verify: true,
+    };
     let model = nflash_runtime::load_model(&p, &cfg).unwrap();
     let mut kv = model.new_kv_cache(16);
     model.forward(&mut kv, &[5]).expect("reads work before the truncation");
@@ -441,11 +447,13 @@ fn damaged_weights_huge_contexts_and_clobbering_outputs_are_refused() {
     let mut bytes = std::fs::read(&bad).unwrap();
     bytes[seg.offset as usize..(seg.offset + seg.bytes) as usize].fill(0xFF);
     std::fs::write(&bad, &bytes).unwrap();
-    let o = run(
-        "nflash",
-        &["run", "--model", bad.to_str().unwrap(), "--prompt", "a b", "--max-tokens", "3", "--temperature", "0"],
-    );
-    assert_fails("NaN weights", &o, &["non-finite", "--verify"]);
+    let args = ["run", "--model", bad.to_str().unwrap(), "--prompt", "a b", "--max-tokens", "3", "--temperature", "0"];
+    // The cluster checksums (SPEC §4.10) catch it at load.
+    let o = run("nflash", &args);
+    assert_fails("NaN weights", &o, &["neuron cluster 0 of layer 0", "CRC-32C"]);
+    // Unchecked (or a pack without checksums), the NaN activations are caught and named.
+    let o = run("nflash", &[&args[..], &["--verify", "off"]].concat());
+    assert_fails("NaN weights, --verify off", &o, &["non-finite", "--verify full"]);
     // A context whose KV cache cannot be reserved: an error, not an abort.
     let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--ctx", "4000000000000"]);
     assert_fails("huge --ctx", &o, &["KV cache", "--ctx"]);

@@ -313,12 +313,17 @@ fn non_finite_activations_name_the_layer_and_sparse_ppl_fails_as_dense() {
     let mut bytes = std::fs::read(&pack).unwrap();
     bytes[at..at + 2].copy_from_slice(&0x7E00u16.to_le_bytes());
     std::fs::write(&pack, bytes).unwrap();
+    // The cluster's checksum (SPEC §4.10) catches it first; unchecked, the
+    // NaN activations it produces are caught and named.
     let o = nflash_run(&pack, &["--raw", "--prompt", "w3 w4", "--temperature", "0"]);
+    assert_fails("run", &o, &["neuron cluster 0 of layer 1", "CRC-32C"]);
+    let o = nflash_run(&pack, &["--raw", "--prompt", "w3 w4", "--temperature", "0", "--verify", "off"]);
     assert_fails("run", &o, &["non-finite activations", "in layer 1", "prep verify"]);
     let text = tmp.path().join("eval.txt");
     std::fs::write(&text, tiny_words(300, 80, 9)).unwrap();
     for extra in [&[][..], &["--dense"][..]] {
-        let mut a = vec!["ppl", "--model", s(&pack), "--file", s(&text), "--ctx", "32", "--threads", "1"];
+        let mut a =
+            vec!["ppl", "--model", s(&pack), "--file", s(&text), "--ctx", "32", "--threads", "1", "--verify", "off"];
         a.extend_from_slice(extra);
         let o = run("nflash", &a);
         assert_fails(&format!("ppl {extra:?}"), &o, &["non-finite activations", "in layer 1"]);

@@ -218,6 +218,7 @@ pub fn write_pack(
     // FFN neuron clusters, one segment per FFN unit (layer, or expert of a layer).
     let per_cluster = neurons_per_cluster(opts.cluster_bytes, layout.bundle_bytes, inter as u64) as usize;
     let mut ffn = Vec::with_capacity(units);
+    let mut cluster_crcs = Vec::new();
     // `l` indexes the plan's units as well.
     #[allow(clippy::needless_range_loop)]
     for l in 0..units {
@@ -254,9 +255,13 @@ pub fn write_pack(
         let mut clusters = Vec::new();
         for (ci, chunk) in bundles.chunks(per_cluster).enumerate() {
             let offset = w.pad_segment_to(opts.cluster_align)?;
+            // The cluster's CRC-32C covers its bundles, not the padding (SPEC §4.10).
+            let mut crc = 0;
             for b in chunk {
+                crc = nflash_format::checksums::cluster_crc32c_append(crc, b);
                 w.write(b)?;
             }
+            cluster_crcs.push(crc);
             clusters.push(NeuronCluster { offset, first: (ci * per_cluster) as u32, n_neurons: chunk.len() as u32 });
         }
         w.end_segment()?;
@@ -273,6 +278,11 @@ pub fn write_pack(
         pb.inc(1);
     }
     pb.finish_and_clear();
+
+    // Every cluster's checksum, so the runtime checks each one it reads (SPEC §4.10).
+    w.begin_segment(nflash_format::checksums::SEGMENT_NAME, SegmentKind::ClusterChecksums)?;
+    w.write(&nflash_format::checksums::encode(&cluster_crcs))?;
+    w.end_segment()?;
 
     let tc = &ck.tokenizer_config;
     let manifest = Manifest {

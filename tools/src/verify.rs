@@ -1,4 +1,5 @@
-//! `prep verify`: check every checksum of one or more packs and, with
+//! `prep verify`: check every checksum (segments' CRC-32, neuron clusters'
+//! CRC-32C) of one or more packs and, with
 //! `--quality`, measure sparse against dense quality on held-out text.
 
 use std::path::PathBuf;
@@ -54,8 +55,18 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             }
         }
         pack.metadata()?;
+        // Each neuron cluster against its CRC-32C (SPEC §4.10), naming the damaged one.
+        let clusters = pack.verify_clusters()?;
         if !a.json {
-            println!("{}: header, manifest and {} segments verified", f.display(), segs.len());
+            let what = match clusters {
+                Some(n) => format!("and {n} neuron-cluster checksums"),
+                None => format!(
+                    "(format {}.{}: no neuron-cluster checksums; convert again for lazy verification by nflash run)",
+                    pack.header().major,
+                    pack.header().minor
+                ),
+            };
+            println!("{}: header, manifest, {} segments {what} verified", f.display(), segs.len());
         }
     }
     if !a.quality {

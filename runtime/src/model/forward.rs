@@ -14,7 +14,7 @@ use super::kv_cache::KvCache;
 use super::ops::rms_norm;
 use super::predictor::{LayerCounts, LayerSparse};
 use super::source::LayerClusters;
-use super::{Layer, Model, Pass, Router, SpecScratch, Speculation, Timings, Unit, Work};
+use super::{ExpertPrefetch, Layer, Model, Pass, Router, SpecScratch, Speculation, Timings, Unit, Work};
 use crate::error::{Error, Result};
 use crate::kernels::gemm::MIN_BATCH;
 use crate::kernels::DotInput;
@@ -84,6 +84,7 @@ impl Model<'_> {
             tm.norm_s += t.elapsed().as_secs_f64();
             // 4. FFN through the neuron engine (a mixture of experts: routed,
             //    then each chosen expert), added to the residual.
+            work.layer_wait[l] = (0.0, 0.0);
             let counts = match &layer.router {
                 None => {
                     let unit = &layer.units[0];
@@ -91,7 +92,8 @@ impl Model<'_> {
                     let c = self.ffn_rows(unit, sparse, batched, &xn, work, &mut tm, &mut x)?;
                     // Decode: start the next layer's cold reads before its attention.
                     if n == 1 && sparse.is_some() {
-                        self.speculate(l + 1, &x, &work.layer_wait, &mut work.spec, &mut tm);
+                        let useful = self.speculation_yield(&work.expert_prefetch);
+                        self.speculate(l + 1, &x, &work.layer_wait, useful, &mut work.spec, &mut tm);
                     }
                     c
                 }
@@ -99,7 +101,8 @@ impl Model<'_> {
                     let c = self.ffn_moe(l, layer, router, sparse_on, batched, &xn, work, &mut tm, &mut x)?;
                     // Decode: read the next layer's likely experts before its attention.
                     if n == 1 {
-                        self.speculate(l + 1, &x, &work.layer_wait, &mut work.spec, &mut tm);
+                        let useful = self.speculation_yield(&work.expert_prefetch);
+                        self.speculate(l + 1, &x, &work.layer_wait, useful, &mut work.spec, &mut tm);
                     }
                     c
                 }
@@ -334,26 +337,48 @@ impl Model<'_> {
         tm.ffn_s += t1.elapsed().as_secs_f64();
         // Compute threads wait side by side: their summed wait over the thread count is wall time.
         let waited = (self.source.wait_s() - wait0) / rayon::current_num_threads() as f64;
-        work.layer_wait[u] = (waited, (t1 - t0).as_secs_f64());
+        let w = &mut work.layer_wait[self.cfg.unit_layer_expert(u).0];
+        (w.0, w.1) = (w.0 + waited, w.1 + (t1 - t0).as_secs_f64());
         Ok(LayerCounts { neurons: n, read, computed, ..Default::default() })
+    }
+
+    /// The share of a speculative prefetch's work that has paid so far
+    /// (1 until there is evidence): speculative reads the layer then used,
+    /// times, for a mixture of experts, guessed experts the router chose
+    /// (`guess`). Counters are cumulative since load.
+    fn speculation_yield(&self, guess: &ExpertPrefetch) -> f64 {
+        const EVIDENCE: u64 = 64;
+        let st = self.source.stats();
+        let used = if st.speculated >= EVIDENCE { st.speculated_used as f64 / st.speculated as f64 } else { 1.0 };
+        let chosen = if guess.guessed >= EVIDENCE { guess.precision() } else { 1.0 };
+        used * chosen
     }
 
     /// Speculative prefetch for layer `l` during decode: its predictor run on
     /// its FFN norm of `x` (`[hidden]`, the layer's input, before its
     /// attention adds to it) selects the clusters to read while the attention
-    /// computes ([`super::ClusterSource::speculate`]). Skipped unless the layer's last
-    /// FFN call waited for reads longer than its predictor took (so it stops
-    /// when the reads are hidden anyway). Time goes to the predictor.
-    fn speculate(&self, l: usize, x: &[f32], layer_wait: &[(f64, f64)], sc: &mut SpecScratch, tm: &mut Timings) {
+    /// computes ([`super::ClusterSource::speculate`]). With
+    /// [`Speculation::Auto`], skipped unless the wait it is expected to hide
+    /// (the layer's last FFN call's wait for reads times `useful`, the share
+    /// of speculative work that paid so far, [`Self::speculation_yield`])
+    /// outweighs that call's predictor time, which the prefetch spends
+    /// again: on the 2-core dev host the synthetic Mixtral's prefetch hid
+    /// less than its predictors cost (docs/benchmarks.md). Time goes to the
+    /// predictor.
+    fn speculate(
+        &self,
+        l: usize,
+        x: &[f32],
+        layer_wait: &[(f64, f64)],
+        useful: f64,
+        sc: &mut SpecScratch,
+        tm: &mut Timings,
+    ) {
         let Some(layer) = self.layers.get(l) else { return };
-        // Worth a predictor evaluation only if the layer's last FFN call
-        // waited longer than that for its reads (a mixture of experts: its
-        // experts' last calls together).
-        let (waited, pred) =
-            layer.units.iter().map(|u| layer_wait[u.index]).fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let (waited, pred) = layer_wait[l];
         let has_cold = layer.units.iter().any(|u| self.source.first_cold_cluster(u.index) < u.ffn.n_clusters());
         let go = match self.speculation {
-            Speculation::Auto => waited > pred && (layer.router.is_some() || layer.units[0].sparse.is_some()),
+            Speculation::Auto => waited * useful > pred && (layer.router.is_some() || layer.units[0].sparse.is_some()),
             Speculation::Always => has_cold,
             Speculation::Never => false,
         };

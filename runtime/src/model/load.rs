@@ -148,7 +148,7 @@ impl<'a> Model<'a> {
             source,
             work: Mutex::new(Work {
                 counts: vec![LayerCounts::default(); layers.len()],
-                layer_wait: vec![(0.0, 0.0); cfg.ffn_units() as usize],
+                layer_wait: vec![(0.0, 0.0); layers.len()],
                 spec: SpecScratch { guess_layer: usize::MAX, ..Default::default() },
                 ..Default::default()
             }),

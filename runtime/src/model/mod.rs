@@ -156,8 +156,9 @@ struct Work {
     spec: SpecScratch,
     /// Layer-ahead expert prediction counters (decode).
     expert_prefetch: ExpertPrefetch,
-    /// `[n_units]` the last decode step's (I/O wait, predictor) wall time of
-    /// each FFN unit, seconds: whether a speculative prefetch pays.
+    /// `[n_layers]` the last decode step's (I/O wait, predictor) wall time
+    /// of each layer's FFN (a mixture of experts: summed over the experts it
+    /// ran), seconds: whether a speculative prefetch pays.
     layer_wait: Vec<(f64, f64)>,
     /// Mixture of experts: `[n, experts_per_token]` each token's experts and
     /// their routing weights, from [`Router::route`].
@@ -181,8 +182,11 @@ struct Work {
 /// `nflash run --speculate`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Speculation {
-    /// For a layer whose last FFN call waited for reads longer than its
-    /// predictor took (the default).
+    /// For a layer whose expected hidden wait outweighs the prefetch's
+    /// predictor time: its last FFN call's wait for reads, times the share
+    /// of speculative reads used so far (and, for a mixture of experts, of
+    /// guessed experts the router chose), against that call's predictor
+    /// time (the default).
     #[default]
     Auto,
     /// Before every sparse layer that has cold neurons.

@@ -15,7 +15,7 @@ use nflash_plan::layout::{cluster_read_bytes, hot_clusters, MAX_MERGE_BYTES, REA
 use nflash_plan::CacheConfig;
 
 use super::io::{FlashFile, IoPipeline, Shared};
-use super::slots::{AlignedBuf, Claim, ReadRequest, Slots, FAILED, READY};
+use super::slots::{AlignedBuf, Claim, ReadRequest, Slots, CORRUPT, FAILED, READY};
 use crate::error::{Error, Result};
 use crate::model::source::{CacheStats, ClusterSource, Loc, Regions};
 
@@ -26,19 +26,26 @@ pub const PREFETCH_MIN_P: f64 = 0.9;
 /// Sentinel for "no slot" / "no owner".
 const NONE: u32 = u32::MAX;
 
-/// One cluster on flash.
+/// One cluster on flash (16 bytes: a Mixtral expert's FFN has 14336
+/// one-neuron clusters, so this table is counted in the plan,
+/// `nflash_plan::layout::INDEX_BYTES_PER_CLUSTER`).
 #[derive(Debug, Clone, Copy)]
 struct ClusterSpan {
     /// Absolute file offset (direct-I/O aligned).
     offset: u64,
     /// Bytes of bundles (`n_neurons × bundle_bytes`).
-    need: u64,
+    need: u32,
     /// Bytes read: `need` rounded up to the direct-I/O alignment.
-    read: u64,
+    read: u32,
 }
 
 struct LayerLayout {
+    /// The FFN unit in messages (`layer 3`, `layer 3 expert 1`).
+    label: String,
     clusters: Vec<ClusterSpan>,
+    /// `[n_clusters]` CRC-32C of each cluster's `need` bytes (formats/SPEC.md
+    /// §4.10), checked after every read; empty when not checked.
+    crcs: Vec<u32>,
     /// Clusters `0..hot` are pinned.
     hot: usize,
     /// `[n_clusters]` whether decode usually needs the cluster (read ahead while the previous layer computes).
@@ -158,7 +165,7 @@ struct Merger {
 impl Merger {
     fn push(&mut self, io: &IoPipeline, span: ClusterSpan, claim: Claim) {
         let claim = match &mut self.req {
-            Some(r) => match r.try_append(span.offset, span.need, claim, span.read as u32, MAX_MERGE_BYTES) {
+            Some(r) => match r.try_append(span.offset, span.need as u64, claim, span.read, MAX_MERGE_BYTES) {
                 Ok(()) => return,
                 Err(claim) => claim,
             },
@@ -167,7 +174,7 @@ impl Merger {
         if let Some(r) = self.req.take() {
             io.submit(r);
         }
-        self.req = Some(ReadRequest::new(span.offset, span.need, claim, span.read as u32));
+        self.req = Some(ReadRequest::new(span.offset, span.need as u64, claim, span.read));
     }
 
     /// Queues the request being built and starts every queued read.
@@ -181,6 +188,8 @@ impl Merger {
 
 /// The hot and cold regions plus the I/O pipeline feeding the cold one.
 pub struct NeuronCache {
+    /// The pack file, for messages.
+    path: std::path::PathBuf,
     layers: Vec<LayerLayout>,
     hot: AlignedBuf,
     shared: Arc<Shared>,
@@ -192,9 +201,14 @@ pub struct NeuronCache {
 impl NeuronCache {
     /// Reads the hot clusters of every layer of `pack` (large sequential
     /// reads) and sets up a cold region of `cfg.cold_bytes` (at least one
-    /// layer's cold clusters) with `cfg.io_threads` I/O threads.
+    /// layer's cold clusters) with `cfg.io_threads` I/O threads. With
+    /// `cfg.verify` and a pack that has neuron-cluster checksums (SPEC
+    /// §4.10), every cluster is checked after it is read and before it is
+    /// used: hot ones here, cold ones on the I/O thread that reads them.
     ///
     /// # Errors
+    /// [`nflash_format::Error::ClusterChecksum`] (as [`Error::Format`]) for a
+    /// damaged hot cluster, as the checksum table's own errors;
     /// [`Error::Io`] if the pack cannot be reopened or read,
     /// [`Error::Usage`] if the hot-set list does not match the layers,
     /// [`Error::Alloc`] if the regions cannot be allocated,
@@ -207,9 +221,11 @@ impl NeuronCache {
         let meta = std::fs::metadata(pack.path()).map_err(|e| Error::Io { path: pack.path().to_path_buf(), err: e })?;
         let read_align = m.ffn.iter().map(nflash_plan::layout::read_align).max().unwrap_or(READ_ALIGN as u64);
         let flash = FlashFile::open(pack.path(), &meta, read_align)?;
-        let (mut layers, hot_total) = layouts(pack, cfg);
+        let checksums = if cfg.verify { pack.cluster_checksums()? } else { None };
+        let (mut layers, hot_total) = layouts(pack, cfg, checksums.as_ref())?;
         let mut hot = AlignedBuf::zeroed(hot_total, "the hot region")?;
         read_hot(&flash, &layers, hot.as_mut_slice())?;
+        check_hot(pack.path(), &layers, hot.as_slice())?;
         if crate::kernels::x8_available() {
             interleave_hot(pack, &mut layers, hot.as_mut_slice());
         }
@@ -228,6 +244,7 @@ impl NeuronCache {
             IoPipeline::start(Arc::clone(&shared), cfg.io_threads, cfg.io_engine)?
         };
         Ok(NeuronCache {
+            path: pack.path().to_path_buf(),
             lru: Mutex::new(Lru::new(&layers, n_slots)),
             layers,
             hot,
@@ -391,7 +408,11 @@ impl NeuronCache {
     /// cluster `c` of `layer` (marked pending); `None` if every slot is in use.
     fn claim(&self, lru: &mut Lru, layer: usize, c: usize) -> Option<Claim> {
         let s = lru.evict(layer, c)?;
-        Some(self.shared.slots.claim(s))
+        let lay = &self.layers[layer];
+        Some(match lay.crcs.get(c) {
+            Some(&crc) => self.shared.slots.claim_checked(s, lay.clusters[c].need, crc),
+            None => self.shared.slots.claim(s),
+        })
     }
 
     /// The bytes (`n_neurons × bundle_bytes`) of cluster `c` of `layer` at
@@ -399,7 +420,9 @@ impl NeuronCache {
     ///
     /// # Errors
     /// [`Error::ClusterRead`] if its read failed (e.g. the file shrank while
-    /// running); [`Error::Internal`] if it was not fetched.
+    /// running); [`nflash_format::Error::ClusterChecksum`] (as
+    /// [`Error::Format`]) if the bytes read do not match its CRC-32C;
+    /// [`Error::Internal`] if it was not fetched.
     pub fn cluster(&self, layer: usize, c: usize, loc: Loc) -> Result<&[u8]> {
         let span = self.layers[layer].clusters[c];
         match loc {
@@ -429,13 +452,20 @@ impl NeuronCache {
                             .ok()
                             .flatten()
                             .unwrap_or_else(|| "read failed".into());
-                        Err(Error::ClusterRead { layer, cluster: c, offset: span.offset, len: span.need, msg })
+                        Err(Error::ClusterRead { layer, cluster: c, offset: span.offset, len: span.need as u64, msg })
                     }
+                    // The next fetch of this cluster reads it again.
+                    CORRUPT => Err(self.damaged(layer, c, self.shared.slots.seen_crc(s))),
                     _ => Err(Error::Internal(format!("cold slot {s} used before it was fetched"))),
                 }
             }
             Loc::None => Err(Error::Internal(format!("layer {layer} cluster {c} used but not fetched"))),
         }
+    }
+
+    /// The error for cluster `c` of `layer` read with CRC-32C `computed`.
+    fn damaged(&self, layer: usize, c: usize, computed: u32) -> Error {
+        damaged(&self.path, &self.layers[layer], c, computed)
     }
 
     /// Counters since load (cumulative; subtract with [`CacheStats::since`]).
@@ -484,30 +514,45 @@ impl ClusterSource for NeuronCache {
     }
 }
 
-/// Every layer's clusters on flash, hot prefix and prefetch flags (from
-/// the pack's activation statistics), and the hot region's total size, bytes.
-fn layouts(pack: &Pack, cfg: &CacheConfig) -> (Vec<LayerLayout>, usize) {
+/// Every layer's clusters on flash (with their CRC-32C from `checksums`,
+/// to check), hot prefix and prefetch flags (from the pack's activation
+/// statistics), and the hot region's total size, bytes.
+///
+/// # Errors
+/// [`Error::Usage`] for a cluster too large for one read (over 4 GiB).
+fn layouts(
+    pack: &Pack,
+    cfg: &CacheConfig,
+    checksums: Option<&nflash_format::ClusterChecksums>,
+) -> Result<(Vec<LayerLayout>, usize)> {
     let m = pack.manifest();
     let mut layers = Vec::with_capacity(m.ffn.len());
     let mut hot_total = 0usize;
     // Each unit's share of the tokens: an expert's clusters are needed only when it is routed to.
     let share = pack.unit_share().unwrap_or_else(|_| nflash_plan::cost::uniform_unit_share(m));
-    for ((f, &hot_n), &run) in m.ffn.iter().zip(&cfg.hot_neurons).zip(&share) {
+    for (u, ((f, &hot_n), &run)) in m.ffn.iter().zip(&cfg.hot_neurons).zip(&share).enumerate() {
         let base = pack.segment_file_offset(f.segment);
-        let clusters: Vec<ClusterSpan> = f
+        let crcs = checksums.map_or_else(Vec::new, |t| t.unit(u).to_vec());
+        let clusters = f
             .clusters
             .iter()
-            .map(|c| ClusterSpan {
-                offset: base + c.offset,
-                need: c.n_neurons as u64 * f.bundle.bundle_bytes,
-                read: cluster_read_bytes(f, c),
+            .enumerate()
+            .map(|(i, c)| {
+                let (need, read) = (c.n_neurons as u64 * f.bundle.bundle_bytes, cluster_read_bytes(f, c));
+                match (u32::try_from(need), u32::try_from(read)) {
+                    (Ok(need), Ok(read)) => Ok(ClusterSpan { offset: base + c.offset, need, read }),
+                    _ => Err(Error::Usage(format!(
+                        "neuron cluster {i} of {} is {need} bytes, more than one read can hold (4 GiB); convert the checkpoint again with a smaller --cluster-bytes",
+                        m.config.unit_label(u)
+                    ))),
+                }
             })
-            .collect();
+            .collect::<Result<Vec<ClusterSpan>>>()?;
         let hot = hot_clusters(f, hot_n);
         let hot_len = if hot == 0 {
             0
         } else {
-            (clusters[hot - 1].offset + clusters[hot - 1].read - clusters[0].offset) as usize
+            (clusters[hot - 1].offset + clusters[hot - 1].read as u64 - clusters[0].offset) as usize
         };
         // Read ahead the clusters needed by most tokens (PREFETCH_MIN_P).
         let p = nflash_plan::cost::neuron_need_probability(m.sparse.as_ref(), f.sparse.as_ref(), f.n_neurons as usize);
@@ -519,10 +564,11 @@ fn layouts(pack: &Pack, cfg: &CacheConfig) -> (Vec<LayerLayout>, usize) {
                     >= PREFETCH_MIN_P
             })
             .collect();
-        layers.push(LayerLayout { clusters, hot, prefetch, hot_base: hot_total, x8: 0 });
+        let label = m.config.unit_label(u);
+        layers.push(LayerLayout { label, clusters, crcs, hot, prefetch, hot_base: hot_total, x8: 0 });
         hot_total += hot_len;
     }
-    (layers, hot_total)
+    Ok((layers, hot_total))
 }
 
 /// The cold region for `layers` and a requested size of `cold_bytes`:
@@ -531,8 +577,9 @@ fn layouts(pack: &Pack, cfg: &CacheConfig) -> (Vec<LayerLayout>, usize) {
 /// layer's reads) and at most as many as all cold clusters (more is never
 /// used); none when every cluster is hot.
 fn cold_slots(layers: &[LayerLayout], cold_bytes: u64) -> (usize, u64) {
-    let max_cold = layers.iter().map(|l| l.clusters[l.hot..].iter().map(|c| c.read).sum::<u64>()).max().unwrap_or(0);
-    let slot_bytes = layers.iter().flat_map(|l| l.clusters.iter().map(|c| c.read)).max().unwrap_or(0);
+    let max_cold =
+        layers.iter().map(|l| l.clusters[l.hot..].iter().map(|c| c.read as u64).sum::<u64>()).max().unwrap_or(0);
+    let slot_bytes = layers.iter().flat_map(|l| l.clusters.iter().map(|c| c.read as u64)).max().unwrap_or(0);
     let all_cold: usize = layers.iter().map(|l| l.clusters.len() - l.hot).sum();
     let n_slots = if max_cold == 0 { 0 } else { (cold_bytes.max(max_cold) / slot_bytes).min(all_cold as u64) as usize };
     (n_slots.max(layers.iter().map(|l| l.clusters.len() - l.hot).max().unwrap_or(0)), slot_bytes)
@@ -542,8 +589,9 @@ fn cold_slots(layers: &[LayerLayout], cold_bytes: u64) -> (usize, u64) {
 /// Each prefix is one contiguous file range, read in 8 MiB pieces.
 fn read_hot(flash: &FlashFile, layers: &[LayerLayout], hot: &mut [u8]) -> Result<()> {
     for l in layers.iter().filter(|l| l.hot > 0) {
-        let (start, end) = (l.clusters[0].offset, l.clusters[l.hot - 1].offset + l.clusters[l.hot - 1].read);
-        let need_end = l.clusters[l.hot - 1].offset + l.clusters[l.hot - 1].need;
+        let last = l.clusters[l.hot - 1];
+        let (start, end) = (l.clusters[0].offset, last.offset + last.read as u64);
+        let need_end = last.offset + last.need as u64;
         let mut at = start;
         while at < end {
             let n = (end - at).min(8 << 20);
@@ -553,6 +601,37 @@ fn read_hot(flash: &FlashFile, layers: &[LayerLayout], hot: &mut [u8]) -> Result
         }
     }
     Ok(())
+}
+
+/// Checks every hot cluster in `hot` (laid out as [`layouts`] says, in the
+/// file's row layout: before [`interleave_hot`]) against its CRC-32C.
+/// Layers are checked in parallel on the compute threads.
+fn check_hot(path: &std::path::Path, layers: &[LayerLayout], hot: &[u8]) -> Result<()> {
+    use rayon::prelude::*;
+    layers.par_iter().try_for_each(|l| {
+        for (c, (span, &want)) in l.clusters[..l.hot].iter().zip(&l.crcs).enumerate() {
+            let at = l.hot_base + (span.offset - l.clusters[0].offset) as usize;
+            let got = nflash_format::checksums::cluster_crc32c(&hot[at..at + span.need as usize]);
+            if got != want {
+                return Err(damaged(path, l, c, got));
+            }
+        }
+        Ok(())
+    })
+}
+
+/// The error for cluster `c` of layer `l` of the pack at `path`, read with CRC-32C `computed`.
+fn damaged(path: &std::path::Path, l: &LayerLayout, c: usize, computed: u32) -> Error {
+    let span = &l.clusters[c];
+    Error::Format(nflash_format::Error::ClusterChecksum {
+        path: path.to_path_buf(),
+        unit: l.label.clone(),
+        cluster: c,
+        offset: span.offset,
+        len: span.need as u64,
+        stored: l.crcs.get(c).copied().unwrap_or(0),
+        computed,
+    })
 }
 
 /// Reorders every layer's hot clusters to the ×8 bundle layout (SPEC §5.1)
@@ -581,9 +660,11 @@ mod tests {
 
     fn layout(n_clusters: usize, hot: usize) -> LayerLayout {
         LayerLayout {
+            label: "layer 0".into(),
             clusters: (0..n_clusters as u64)
                 .map(|c| ClusterSpan { offset: c * 4096, need: 4000, read: 4096 })
                 .collect(),
+            crcs: Vec::new(),
             hot,
             prefetch: vec![false; n_clusters],
             hot_base: 0,

@@ -7,14 +7,16 @@
 //! - [`Slots`]: the cold region, `n` fixed-size slots shared by the compute
 //!   threads and the I/O threads. Each slot has a state: [`EMPTY`] →
 //!   [`PENDING`] (claimed for a read by the compute side, [`Slots::claim`])
-//!   → [`READY`] or [`FAILED`] (published by the I/O thread that read it,
-//!   release ordering) → read by the compute side (acquire ordering). A
+//!   → [`READY`], [`FAILED`] or [`CORRUPT`] (published by the I/O thread
+//!   that read it, release ordering, after checking the cluster's CRC-32C
+//!   when the claim carries one, [`Slots::claim_checked`]) → read by the
+//!   compute side (acquire ordering). A
 //!   [`Claim`] is the only way to put a slot into a [`ReadRequest`], and
 //!   neither can be copied, so a pending slot is written by exactly one
 //!   request and read by nobody until it is published.
 
 use std::alloc::Layout;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::time::Instant;
 
 use super::align::buffer_align;
@@ -32,6 +34,9 @@ pub const PENDING: u8 = 1;
 pub const READY: u8 = 2;
 /// Slot state: the read failed.
 pub const FAILED: u8 = 3;
+/// Slot state: the read landed but the cluster's CRC-32C does not match
+/// (formats/SPEC.md §4.10); [`Slots::seen_crc`] holds what was computed.
+pub const CORRUPT: u8 = 4;
 
 /// A zeroed heap buffer aligned to the page size ([`buffer_align`], as
 /// `O_DIRECT` reads into it need; pages are only committed when touched).
@@ -254,6 +259,13 @@ pub struct Slots {
     buf: AlignedBuf,
     slot_bytes: usize,
     state: Vec<AtomicU8>,
+    /// Per slot: bytes of the claimed cluster to check (0 = not checked),
+    /// set by [`Slots::claim_checked`].
+    check_len: Vec<AtomicU32>,
+    /// Per slot: the claimed cluster's expected CRC-32C.
+    want: Vec<AtomicU32>,
+    /// Per slot: the CRC-32C computed of a [`CORRUPT`] read.
+    seen: Vec<AtomicU32>,
 }
 
 impl Slots {
@@ -267,6 +279,9 @@ impl Slots {
             buf: AlignedBuf::zeroed(bytes, "the cold region")?,
             slot_bytes,
             state: (0..n).map(|_| AtomicU8::new(EMPTY)).collect(),
+            check_len: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            want: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            seen: (0..n).map(|_| AtomicU32::new(0)).collect(),
         })
     }
 
@@ -299,18 +314,40 @@ impl Slots {
             std::thread::yield_now();
         }
         self.state[s as usize].store(PENDING, Ordering::Relaxed);
+        self.check_len[s as usize].store(0, Ordering::Relaxed);
         Claim(s)
     }
 
-    /// Marks a slot whose read failed as [`EMPTY`]; returns whether it had failed.
+    /// As [`Self::claim`], for a cluster whose first `len` bytes (its
+    /// bundles, at least 1) must have CRC-32C `crc` (formats/SPEC.md
+    /// §4.10): the thread that completes the read checks them
+    /// ([`Self::finish`]). The expectation reaches that thread with the
+    /// request (the queue's send and receive order it).
+    pub fn claim_checked(&self, s: u32, len: u32, crc: u32) -> Claim {
+        let c = self.claim(s);
+        self.want[s as usize].store(crc, Ordering::Relaxed);
+        self.check_len[s as usize].store(len, Ordering::Relaxed);
+        c
+    }
+
+    /// Marks a slot whose read failed or whose cluster was damaged as
+    /// [`EMPTY`] (a later fetch reads it again); returns whether it was either.
     pub fn forget_failed(&self, s: u32) -> bool {
-        self.state[s as usize].compare_exchange(FAILED, EMPTY, Ordering::AcqRel, Ordering::Acquire).is_ok()
+        let st = &self.state[s as usize];
+        [FAILED, CORRUPT]
+            .iter()
+            .any(|&from| st.compare_exchange(from, EMPTY, Ordering::AcqRel, Ordering::Acquire).is_ok())
+    }
+
+    /// The CRC-32C computed of slot `s`'s cluster when its state is [`CORRUPT`].
+    pub fn seen_crc(&self, s: u32) -> u32 {
+        self.seen[s as usize].load(Ordering::Acquire)
     }
 
     /// Runs `read` on the buffers of `req`'s slots (back to back, `lens[i]`
-    /// bytes each) and publishes each slot as [`READY`] if it returns `Ok`,
-    /// [`FAILED`] otherwise (release: the bytes written are visible to
-    /// whoever sees the state). Called by the I/O thread that took `req`.
+    /// bytes each) and publishes each slot as [`Self::finish`] does
+    /// (release: the bytes written are visible to whoever sees the state).
+    /// Called by the I/O thread that took `req`.
     ///
     /// # Errors
     /// `read`'s error, after the slots are marked [`FAILED`].
@@ -344,11 +381,31 @@ impl Slots {
         InFlight { req, iov }
     }
 
-    /// Publishes the slots of a read begun by [`Self::begin`]: [`READY`] if
-    /// `ok`, else [`FAILED`] (release, as [`Self::fill`]).
-    pub fn finish(&self, f: InFlight, ok: bool) {
-        let state = if ok { READY } else { FAILED };
-        for &s in f.req.slots() {
+    /// Publishes the slots of a read begun by [`Self::begin`] (release, as
+    /// [`Self::fill`]): [`FAILED`] unless `ok`; else a slot claimed with
+    /// [`Self::claim_checked`] is checked here, on the thread that completed
+    /// the read, and becomes [`CORRUPT`] if its CRC-32C differs; the others
+    /// [`READY`].
+    pub fn finish(&self, mut f: InFlight, ok: bool) {
+        let slots = f.req.slots;
+        let mut states = [FAILED; MAX_IOVECS];
+        if ok {
+            f.with_buffers(|bufs| {
+                for ((state, buf), &s) in states.iter_mut().zip(bufs.iter()).zip(&slots) {
+                    let s = s as usize;
+                    let len = (self.check_len[s].load(Ordering::Relaxed) as usize).min(buf.len());
+                    *state = READY;
+                    if len > 0 {
+                        let got = nflash_format::checksums::cluster_crc32c(&buf[..len]);
+                        if got != self.want[s].load(Ordering::Relaxed) {
+                            self.seen[s].store(got, Ordering::Relaxed);
+                            *state = CORRUPT;
+                        }
+                    }
+                }
+            });
+        }
+        for (&s, &state) in f.req.slots().iter().zip(&states) {
             self.state[s as usize].store(state, Ordering::Release);
         }
     }
@@ -431,6 +488,43 @@ mod tests {
         assert!(slots.forget_failed(2));
         assert!(!slots.forget_failed(2), "already empty");
         assert_eq!(slots.state(2), EMPTY);
+    }
+
+    #[test]
+    fn a_checked_claim_is_ready_only_if_its_crc32c_matches() {
+        let slots = Slots::new(3, 4096).unwrap();
+        let good = nflash_format::checksums::cluster_crc32c(&[7u8; 100]);
+        // Slot 0: the expected bytes; slot 1: one byte differs; slot 2: unchecked.
+        let mut req = ReadRequest::new(0, 4096, slots.claim_checked(0, 100, good), 4096);
+        req.try_append(4096, 4096, slots.claim_checked(1, 100, good), 4096, 1 << 20).unwrap();
+        req.try_append(8192, 4096, slots.claim(2), 4096, 1 << 20).unwrap();
+        slots
+            .fill(req, |bufs| {
+                bufs[0][..100].fill(7);
+                bufs[1][..100].fill(7);
+                bufs[1][99] = 8;
+                // Bytes past a cluster's length (its padding) are not covered.
+                bufs[0][100] = 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(slots.state(0), READY);
+        assert_eq!(slots.state(1), CORRUPT);
+        assert_eq!(slots.state(2), READY);
+        let mut bad = [7u8; 100];
+        bad[99] = 8;
+        assert_eq!(slots.seen_crc(1), nflash_format::checksums::cluster_crc32c(&bad));
+        assert!(slots.ready_bytes(1, 100).is_none(), "a damaged cluster is never handed out");
+        // Forgotten like a failed read, so a later fetch reads it again, unchecked unless claimed so.
+        assert!(slots.forget_failed(1));
+        let c = slots.claim(1);
+        slots
+            .fill(ReadRequest::new(0, 100, c, 4096), |b| {
+                b[0][0] = 0;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(slots.state(1), READY);
     }
 
     #[test]

@@ -62,13 +62,45 @@ pub fn read_text(path: &Path) -> Result<String> {
     })
 }
 
+/// Which checksums `nflash run` and `nflash ppl` check (`--verify`). The
+/// tokenizer and resident segments' CRC-32 are checked at load in every mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Verify {
+    /// Each neuron cluster's CRC-32C after it is read and before it is used
+    /// (formats/SPEC.md §4.10): hot clusters at load, cold ones as they are read.
+    Lazy,
+    /// As `lazy`, and every segment's CRC-32 at start (reads the whole file).
+    Full,
+    /// No neuron-cluster checks: only to measure what the check costs.
+    Off,
+}
+
+impl Verify {
+    /// Whether neuron clusters are checked as they are read.
+    pub fn clusters(self) -> bool {
+        self != Verify::Off
+    }
+}
+
 /// Opens a pack for running (resident segments in memory, Q4_0 and Q8_0
 /// matrices reordered to the ×8 layout where this CPU has its kernels),
-/// optionally verifying every segment checksum first.
-pub fn open_pack(path: &Path, verify: bool) -> Result<nflash_format::Pack> {
+/// verifying every segment checksum first with [`Verify::Full`]. A pack
+/// without neuron-cluster checksums (before format 3.4) gets a one-line
+/// notice unless checks are off.
+pub fn open_pack(path: &Path, verify: Verify) -> Result<nflash_format::Pack> {
     let mut pack = nflash_format::Pack::open_resident(path)?;
-    if verify {
+    if verify == Verify::Full {
         pack.verify()?;
+    }
+    let has_table = pack.manifest().segments.iter().any(|s| s.kind == nflash_format::SegmentKind::ClusterChecksums);
+    if verify.clusters() && !has_table {
+        let h = pack.header();
+        nflash_runtime::message!(
+            "note: {} is format {}.{}, without neuron-cluster checksums, so clusters are not checked as they are read (--verify full checks the whole file at start); convert the checkpoint again with this prep to get them",
+            path.display(),
+            h.major,
+            h.minor
+        );
     }
     if nflash_runtime::kernels::x8_available() {
         // Matrices in groups of 8 rows: one stream per group, 8 rows per kernel call.

@@ -200,12 +200,14 @@ pub fn resolve(
 /// resident tensors and tokenizer are in memory, measured from this
 /// process's footprint at that point, and KV caches of `--kv` elements;
 /// returns the plan too.
-/// `device`: from [`MemoryArgs::device_profile`].
+/// `device`: from [`MemoryArgs::device_profile`]; `verify`: check each
+/// neuron cluster's CRC-32C as it is read ([`CacheConfig::verify`]).
 pub fn load_engine<'p>(
     pack: &'p Pack,
     a: &MemoryArgs,
     device: Option<DeviceProfile>,
     ctx: usize,
+    verify: bool,
 ) -> Result<(Engine<'p>, Option<Plan>)> {
     if ctx as u64 > nflash_format::MAX_CONTEXT {
         let m = &pack.manifest().config;
@@ -225,7 +227,7 @@ pub fn load_engine<'p>(
         let (cache, p) = resolve(pack, a, device, ctx, rayon::current_num_threads(), footprint)
             .map_err(|e| nflash_runtime::Error::Usage(format!("{e:#}")))?;
         plan = p;
-        Ok(cache)
+        Ok(CacheConfig { verify, ..cache })
     })?;
     engine.model.set_kv_type(a.kv);
     Ok((engine, plan))

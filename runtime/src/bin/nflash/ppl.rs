@@ -7,7 +7,7 @@ use clap::Args;
 use nflash_runtime::model::predictor::SparsitySummary;
 use nflash_runtime::ppl;
 
-use crate::common::{in_pool, open_pack, read_text};
+use crate::common::{in_pool, open_pack, read_text, Verify};
 use crate::memory::{load_engine, MemoryArgs};
 use nflash_runtime::message;
 use nflash_runtime::message::ProgressLine;
@@ -34,9 +34,12 @@ pub struct PplArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
-    /// Check every segment checksum before running.
-    #[arg(long)]
-    verify: bool,
+    /// Checksums to check: lazy = each neuron cluster's CRC-32C after it is
+    /// read, before it is used; full = that and every segment's CRC-32 at
+    /// start (reads the whole file; `--verify` alone means full); off = no
+    /// cluster checks (to measure their cost).
+    #[arg(long, value_enum, default_value = "lazy", num_args = 0..=1, default_missing_value = "full")]
+    verify: Verify,
     /// Evaluate a sparse pack densely (every FFN neuron), for comparison.
     #[arg(long)]
     dense: bool,
@@ -55,7 +58,7 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
     let text = read_text(&a.file)?;
     let device = a.memory.device_profile()?;
     let pack = open_pack(&a.model, a.verify)?;
-    let (mut engine, _) = load_engine(&pack, &a.memory, device, a.ctx)?;
+    let (mut engine, _) = load_engine(&pack, &a.memory, device, a.ctx, a.verify.clusters())?;
     engine.model.set_dense(a.dense);
     let max_pos = engine.model.cfg.max_position_embeddings;
     if a.ctx as u64 > max_pos {

@@ -14,7 +14,7 @@ use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::stats::{peak_rss_bytes, percentile};
 use nflash_runtime::{Engine, Model};
 
-use crate::common::{check_output, in_pool, open_pack, read_text, write_atomic};
+use crate::common::{check_output, in_pool, open_pack, read_text, write_atomic, Verify};
 use crate::memory::{load_engine, MemoryArgs};
 use nflash_runtime::{message, message_part};
 
@@ -73,9 +73,12 @@ pub struct RunArgs {
     /// Write speed and memory figures as one JSON object to this file.
     #[arg(long)]
     stats_json: Option<PathBuf>,
-    /// Check every segment checksum before running (reads the whole file).
-    #[arg(long)]
-    verify: bool,
+    /// Checksums to check: lazy = each neuron cluster's CRC-32C after it is
+    /// read, before it is used; full = that and every segment's CRC-32 at
+    /// start (reads the whole file; `--verify` alone means full); off = no
+    /// cluster checks (to measure their cost).
+    #[arg(long, value_enum, default_value = "lazy", num_args = 0..=1, default_missing_value = "full")]
+    verify: Verify,
     /// Do not stop at end-of-sequence tokens (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
@@ -83,7 +86,8 @@ pub struct RunArgs {
     #[arg(long)]
     dense: bool,
     /// Speculative prefetch: read the next layer's likely cold neuron clusters
-    /// while its attention runs. auto = for layers that waited for reads.
+    /// while its attention runs. auto = where the wait it is expected to
+    /// hide (measured) outweighs its predictor time.
     #[arg(
         long,
         default_value = "auto",
@@ -114,7 +118,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     let max_pos = pack.manifest().config.max_position_embeddings as usize;
     // Default context: the one the pack's plan was made for, else min(4096, the model's).
     let ctx = a.ctx.or(pack.manifest().plan.as_ref().map(|p| p.ctx as usize)).unwrap_or(max_pos.clamp(2, 4096));
-    let (mut engine, plan) = load_engine(&pack, &a.memory, device, ctx)?;
+    let (mut engine, plan) = load_engine(&pack, &a.memory, device, ctx, a.verify.clusters())?;
     if a.stats {
         if let Some(p) = &plan {
             message!(
