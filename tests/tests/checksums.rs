@@ -131,7 +131,7 @@ fn a_pack_without_checksums_runs_with_a_one_line_notice() {
     let err = String::from_utf8_lossy(&o.stderr);
     let notes: Vec<&str> = err.lines().filter(|l| l.starts_with("note:")).collect();
     assert_eq!(notes.len(), 1, "{err}");
-    for needle in ["format 3.3", "without neuron-cluster checksums", "--verify full", "convert the checkpoint again"] {
+    for needle in ["format 3.3", "without neuron-cluster checksums", "--verify full", "prep upgrade"] {
         assert!(notes[0].contains(needle), "{needle:?} not in {:?}", notes[0]);
     }
     // Checks off: no notice. `prep verify` says what it could not check.
@@ -140,6 +140,17 @@ fn a_pack_without_checksums_runs_with_a_one_line_notice() {
     let o = std::process::Command::new(bin("prep")).args(["verify", s(&old)]).output().unwrap();
     assert!(o.status.success());
     assert!(String::from_utf8_lossy(&o.stdout).contains("no neuron-cluster checksums"));
+    // `prep upgrade` adds them: the same bytes as prep writes today, the same tokens, no notice.
+    let up = tmp.path().join("upgraded.nflash");
+    let o = run("prep", &["upgrade", s(&old), "--out", s(&up)]);
+    assert!(o.status.success(), "prep upgrade: {}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read(&up).unwrap(), std::fs::read(&pack).unwrap(), "upgrade gives what convert writes");
+    let o = run("prep", &["upgrade", s(&up), "--out", s(&tmp.path().join("again.nflash"))]);
+    assert_fails("prep upgrade of a 3.4 pack", &o, &["already has neuron-cluster checksums"]);
+    assert!(!tmp.path().join("again.nflash").exists());
+    let o = run("prep", &["upgrade", s(&old), "--out", s(&old)]);
+    assert_fails("prep upgrade onto its input", &o, &["--out"]);
+    assert!(nflash_format::Pack::open(&old).is_ok(), "the input survived");
 }
 
 #[test]

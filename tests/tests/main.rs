@@ -13,6 +13,7 @@ mod android;
 mod bad_input;
 mod checksums;
 mod common;
+mod fuzz;
 mod moe;
 mod no_alloc;
 mod no_alloc_cache;

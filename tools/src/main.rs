@@ -15,6 +15,7 @@ mod progress;
 mod quality;
 mod sparsify;
 mod synth;
+mod upgrade;
 mod verify;
 
 use clap::{Parser, Subcommand};
@@ -37,6 +38,9 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Check every checksum of packs; with --quality, measure sparse vs dense quality.
     Verify(verify::VerifyArgs),
+    /// Rewrite a pack of format 3.2 or 3.3 as the current format, adding neuron-cluster checksums
+    /// (no checkpoint needed; the file is read and written once).
+    Upgrade(upgrade::UpgradeArgs),
     /// Profile FFN neuron activity on calibration text.
     Profile(profile::ProfileArgs),
     /// Write a synthetic Hugging Face checkpoint (llama-7b, mistral-7b, tiny; mixtures of experts mixtral-47b, qwen3-30b-a3b, tiny-moe) with
@@ -106,6 +110,7 @@ fn main() {
         Command::Convert(a) => convert::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Verify(a) => verify::run(a),
+        Command::Upgrade(a) => upgrade::run(a),
         Command::Profile(a) => profile::run(a),
         Command::Synth(a) => synth::run(a),
     };

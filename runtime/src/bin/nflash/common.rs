@@ -96,7 +96,7 @@ pub fn open_pack(path: &Path, verify: Verify) -> Result<nflash_format::Pack> {
     if verify.clusters() && !has_table {
         let h = pack.header();
         nflash_runtime::message!(
-            "note: {} is format {}.{}, without neuron-cluster checksums, so clusters are not checked as they are read (--verify full checks the whole file at start); convert the checkpoint again with this prep to get them",
+            "note: {} is format {}.{}, without neuron-cluster checksums, so clusters are not checked as they are read (--verify full checks the whole file at start); add them with `prep upgrade` (or convert the checkpoint again) on the workstation",
             path.display(),
             h.major,
             h.minor
