@@ -9,7 +9,7 @@ BIN      := target/release
 
 FUZZ_SECS ?= 600
 
-.PHONY: all build model demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe quality clean help
+.PHONY: all build model demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe bench-verify quality clean help
 
 all: build
 
@@ -29,6 +29,8 @@ help:
 	@echo "make bench-offload - (root) nflash sparse vs llama.cpp mmap under cgroup v1 memory limits"
 	@echo "make bench-moe     - (root) nflash vs llama.cpp on a synthetic Mixtral (8 of 32 layers, full width) under"
 	@echo "                     memory limits of the whole model, fixed + 50% and + 25% of the experts"
+	@echo "make bench-verify  - (root) what checking neuron-cluster CRC-32Cs costs: --verify lazy vs off on SmolLM2 and"
+	@echo "                     the bench-scale 7B pack, in memory and from flash, plus callgrind instruction counts"
 	@echo "make bench-scale   - (root) the same at 7B scale on synthetic ReLU models (sparsity 0.9/0.8/0.6;"
 	@echo "               SPARSITIES=0.9 makes and runs only the 0.9 model, the one the targets are set for)"
 	@echo "               (model + headroom, minus 25/50/75% of the FFN): decode tok/s, hit rate, I/O, kills"
@@ -97,6 +99,10 @@ bench-scale: build model
 bench-moe: build model
 	bash scripts/bench_setup.sh
 	.venv-bench/bin/python scripts/bench_moe.py $(BENCH_MOE_ARGS)
+
+# Needs root; uses bench-scale's 7B pack when present (--skip-7b otherwise: BENCH_VERIFY_ARGS=--skip-7b).
+bench-verify: build model
+	$(PYTHON) scripts/bench_verify.py $(BENCH_VERIFY_ARGS)
 
 quality: build model
 	bash scripts/quality.sh

@@ -18,7 +18,7 @@ pub mod plan;
 pub mod reader;
 pub mod writer;
 
-pub use checksums::{cluster_crc32c, ClusterChecksums};
+pub use checksums::{cluster_crc32c, ClusterChecksums, ClusterHasher};
 pub use config::{Activation, Architecture, ModelConfig, Moe, RopeScaling, MAX_CONTEXT, MAX_EXPERTS, MAX_FFN_UNITS};
 pub use device::{DeviceProfile, KernelSpeeds};
 pub use dtype::DType;

@@ -256,12 +256,12 @@ pub fn write_pack(
         for (ci, chunk) in bundles.chunks(per_cluster).enumerate() {
             let offset = w.pad_segment_to(opts.cluster_align)?;
             // The cluster's CRC-32C covers its bundles, not the padding (SPEC §4.10).
-            let mut crc = 0;
+            let mut crc = nflash_format::ClusterHasher::default();
             for b in chunk {
-                crc = nflash_format::checksums::cluster_crc32c_append(crc, b);
+                crc.update(b);
                 w.write(b)?;
             }
-            cluster_crcs.push(crc);
+            cluster_crcs.push(crc.finish());
             clusters.push(NeuronCluster { offset, first: (ci * per_cluster) as u32, n_neurons: chunk.len() as u32 });
         }
         w.end_segment()?;
