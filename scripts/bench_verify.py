@@ -7,7 +7,8 @@ same packs, alternating run by run.
 Packs: SmolLM2-135M-Instruct q8_0 (converted here from `make model`'s
 checkpoint) and the synthetic 7B ReLU pack of `make bench-scale`
 (bench-out/scale/llama-7b-s0.9-q4_0.nflash; `prep upgrade` adds the
-checksums if it predates them). Placements: in memory (every cluster read
+checksums if it predates them; made here with 512 calibration tokens when
+absent). Placements: in memory (every cluster read
 and checked at load; decode then reads nothing) and from flash (half of
 each layer's FFN hot, the other half read from flash for every token through
 the smallest cold region, page cache dropped first; the 7B pack's own sparse
@@ -66,7 +67,7 @@ def ensure_packs(a) -> dict[str, Path]:
     if a.skip_7b:
         return packs
     if not src.exists():
-        die(f"{src} missing: run `make bench-scale SPARSITIES=0.9` first (or pass --skip-7b)")
+        src = make_7b(a, out)
     up = out / "llama-7b-s0.9-q4_0.nflash"
     if not up.exists() or up.stat().st_mtime < src.stat().st_mtime:
         r = subprocess.run([str(BIN / "prep"), "upgrade", str(src), "--out", str(up)], capture_output=True, text=True)
@@ -79,6 +80,28 @@ def ensure_packs(a) -> dict[str, Path]:
             log(r.stderr.strip().splitlines()[-1])
     packs["llama-7b-s0.9-q4_0"] = up
     return packs
+
+
+def make_7b(a, out: Path) -> Path:
+    """The synthetic 7B ReLU pack (sparsity 0.9, q4_0) when bench-scale's is absent:
+    `prep synth` then `prep convert` with --calib-tokens of calibration text
+    (fewer than bench-scale's 2048: the check's cost depends on the bytes read,
+    not on the predictor's quality); the 13 GiB checkpoint is removed after."""
+    pack = out / "llama-7b-s0.9-q4_0-src.nflash"
+    if pack.exists():
+        return pack
+    if not a.calib.exists():
+        die(f"{a.calib} missing: pass --calib TEXT (calibration text for the 7B pack) or --skip-7b")
+    ckpt = out / "llama-7b-s0.9"
+    if not (ckpt / "config.json").exists():
+        log(f"prep synth --shape llama-7b -> {ckpt} (about 5 minutes, 13 GiB)")
+        subprocess.run([str(BIN / "prep"), "synth", "--shape", "llama-7b", "--sparsity", "0.9", "--out", str(ckpt),
+                        "--tokenizer", str(REPO / "models/SmolLM2-135M-Instruct")], check=True)
+    log(f"prep convert {ckpt} -> {pack} ({a.calib_tokens} calibration tokens)")
+    subprocess.run([str(BIN / "prep"), "convert", "--model", str(ckpt), "--out", str(pack), "--quant", "q4_0",
+                    "--calib", str(a.calib), "--tokens", str(a.calib_tokens)], check=True)
+    subprocess.run(["rm", "-rf", str(ckpt)], check=True)
+    return pack
 
 
 def nflash_run(pack: Path, verify: str, placement: str, tokens: int, threads: int, prompt: str) -> dict:
@@ -138,6 +161,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench-out/verify")
     ap.add_argument("--skip-7b", action="store_true", help="SmolLM2 only (no bench-scale pack needed)")
     ap.add_argument("--no-callgrind", action="store_true")
+    ap.add_argument("--calib", type=Path, default=REPO.parent / "shared/data/wikitext2-valid.txt",
+                    help="calibration text for the 7B pack when bench-scale's is absent")
+    ap.add_argument("--calib-tokens", type=int, default=512)
     a = ap.parse_args()
     if os.geteuid() != 0:
         die("needs root to drop the page cache between runs (sudo)")

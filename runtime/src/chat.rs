@@ -22,6 +22,7 @@ impl Message {
 }
 
 /// A compiled chat template.
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos: String,

@@ -26,6 +26,7 @@ pub struct Engine<'a> {
 }
 
 /// How a raw prompt starts (SPEC §4.2 `add_bos_token`).
+#[derive(Clone, Copy)]
 enum RawBos {
     /// Packs before 3.2: the tokenizer's post-processor decides.
     PostProcessor,
@@ -97,13 +98,59 @@ impl<'a> Engine<'a> {
     /// # Errors
     /// [`Error::Tokenizer`].
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
-        match self.raw_bos {
-            RawBos::PostProcessor => self.tokenizer.encode(text, true),
-            RawBos::Prepend(bos) => {
-                let mut ids: Vec<u32> = bos.into_iter().collect();
-                ids.extend(self.tokenizer.encode(text, false)?);
-                Ok(ids)
-            }
+        encode_raw(&self.tokenizer, self.raw_bos, text)
+    }
+
+    /// An owned copy of the tokenizer and chat template, to turn requests
+    /// into token ids on another thread while this engine generates.
+    pub fn prompter(&self) -> Prompter {
+        Prompter { tokenizer: self.tokenizer.clone(), template: self.template.clone(), raw_bos: self.raw_bos }
+    }
+}
+
+/// Turns prompts and chat messages into token ids as [`Engine`] does,
+/// without the model ([`Engine::prompter`]).
+#[derive(Clone)]
+pub struct Prompter {
+    /// The packed tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The packed chat template, if the pack has one.
+    pub template: Option<ChatTemplate>,
+    raw_bos: RawBos,
+}
+
+impl Prompter {
+    /// As [`Engine::encode_raw`].
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`].
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
+        encode_raw(&self.tokenizer, self.raw_bos, text)
+    }
+
+    /// Token ids of `messages` rendered by the chat template with the
+    /// assistant's turn opened (`add_generation_prompt`), or `None` when
+    /// the pack has no template.
+    ///
+    /// # Errors
+    /// [`Error::Template`] when the template refuses the messages (e.g. a
+    /// role it does not know), [`Error::Tokenizer`].
+    pub fn encode_chat(&self, messages: &[crate::chat::Message]) -> Result<Option<Vec<u32>>> {
+        match &self.template {
+            None => Ok(None),
+            Some(t) => Ok(Some(self.tokenizer.encode(&t.render(messages)?, false)?)),
+        }
+    }
+}
+
+/// A raw prompt's ids: see [`Engine::encode_raw`].
+fn encode_raw(tok: &Tokenizer, raw_bos: RawBos, text: &str) -> Result<Vec<u32>> {
+    match raw_bos {
+        RawBos::PostProcessor => tok.encode(text, true),
+        RawBos::Prepend(bos) => {
+            let mut ids: Vec<u32> = bos.into_iter().collect();
+            ids.extend(tok.encode(text, false)?);
+            Ok(ids)
         }
     }
 }

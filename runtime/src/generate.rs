@@ -1,6 +1,7 @@
 //! The generation loop: batched prefill, then token-by-token decode with
 //! streaming output and timing.
 
+use std::ops::ControlFlow;
 use std::time::Instant;
 
 use crate::error::{Error, Result};
@@ -29,6 +30,24 @@ pub struct GenStats {
     pub step_s: Vec<f64>,
     /// Neuron-cache counters over decode only.
     pub decode_cache: crate::model::CacheStats,
+    /// Neuron-cache counters over prefill only.
+    pub prefill_cache: crate::model::CacheStats,
+    /// Why generation ended.
+    pub finish: Finish,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Finish {
+    /// A stop token was sampled.
+    #[default]
+    Stop,
+    /// `max_tokens` tokens were generated.
+    Length,
+    /// The KV cache is full (its capacity is in [`GenStats::context_full`]).
+    ContextFull,
+    /// The caller's `on_text` asked to stop.
+    Cancelled,
 }
 
 impl GenStats {
@@ -77,6 +96,28 @@ pub fn generate(
     opts: &GenerateOptions,
     mut on_text: impl FnMut(&str),
 ) -> Result<(Vec<u32>, GenStats)> {
+    generate_until(model, kv, tok, prompt, sampler, opts, |piece| {
+        on_text(piece);
+        ControlFlow::Continue(())
+    })
+}
+
+/// As [`generate`], with `on_text` able to stop generation: after
+/// [`ControlFlow::Break`] no further token is computed and the stats say
+/// [`Finish::Cancelled`]. The KV cache then holds the prompt and every
+/// generated token but the last (which was never run through the model).
+///
+/// # Errors
+/// As [`generate`].
+pub fn generate_until(
+    model: &Model,
+    kv: &mut KvCache,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    opts: &GenerateOptions,
+    mut on_text: impl FnMut(&str) -> ControlFlow<()>,
+) -> Result<(Vec<u32>, GenStats)> {
     if prompt.is_empty() {
         return Err(Error::EmptyPrompt);
     }
@@ -89,6 +130,7 @@ pub fn generate(
     // from flash leaves the cores to the I/O threads.
     let _awake = model.cache_regions().io_engine.is_none().then(crate::spin::KeepAwake::start);
     let t0 = Instant::now();
+    let prefill0 = model.cache_stats();
     let mut last_hidden = Vec::new();
     for chunk in prompt.chunks(nflash_plan::layout::prefill_chunk(&model.cfg)) {
         let hs = model.forward_with(kv, chunk, crate::model::Pass::Prefill)?;
@@ -97,23 +139,34 @@ pub fn generate(
     }
     let mut next = sampler.sample(&model.checked_logits(&last_hidden, kv.len() - 1)?);
     stats.prefill_s = t0.elapsed().as_secs_f64();
+    stats.prefill_cache = model.cache_stats().since(&prefill0);
     let mut out = Vec::new();
     let mut stream = TextStream::default();
     let t1 = Instant::now();
     let cache0 = model.cache_stats();
     loop {
-        if opts.max_tokens == 0 || (!opts.ignore_eos && opts.stop_ids.contains(&next)) {
+        if opts.max_tokens == 0 {
+            stats.finish = Finish::Length;
+            break;
+        }
+        if !opts.ignore_eos && opts.stop_ids.contains(&next) {
+            stats.finish = Finish::Stop;
             break;
         }
         out.push(next);
         if let Some(piece) = stream.push(tok, next)? {
-            on_text(&piece);
+            if on_text(&piece).is_break() {
+                stats.finish = Finish::Cancelled;
+                break;
+            }
         }
         if out.len() >= opts.max_tokens {
+            stats.finish = Finish::Length;
             break;
         }
         if kv.len() + 1 >= kv.capacity() {
             stats.context_full = Some(kv.capacity());
+            stats.finish = Finish::ContextFull;
             break;
         }
         let ts = Instant::now();
@@ -125,7 +178,9 @@ pub fn generate(
     stats.decode_s = t1.elapsed().as_secs_f64();
     stats.decode_cache = model.cache_stats().since(&cache0);
     if let Some(piece) = stream.finish(tok)? {
-        on_text(&piece);
+        if stats.finish != Finish::Cancelled {
+            let _ = on_text(&piece);
+        }
     }
     stats.generated_tokens = out.len();
     Ok((out, stats))

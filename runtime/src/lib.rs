@@ -10,8 +10,9 @@
 //!   clusters from a [`model::ClusterSource`] and knows nothing of I/O;
 //! - [`offload`]: the segmented neuron cache, the aligned slots and the I/O
 //!   pipeline — the [`model::ClusterSource`] that reads from flash;
-//! - [`engine`], [`generate`], [`ppl`]: a loaded pack with its tokenizer
-//!   and chat template, the generation loop, perplexity.
+//! - [`engine`], [`generate`], [`session`], [`ppl`]: a loaded pack with its
+//!   tokenizer and chat template, the generation loop, a conversation's KV
+//!   cache kept across requests (prefix reuse), perplexity.
 //!
 //! Planning (how much is hot, how big the cold cache is) is the
 //! `nflash-plan` crate. Entry points: [`nflash_format::Pack::open_resident`],
@@ -29,10 +30,11 @@ pub mod model;
 pub mod offload;
 pub mod ppl;
 pub mod sampler;
+pub mod session;
 pub mod spin;
 pub mod stats;
 pub mod tokenizer;
 
-pub use engine::{load_model, Engine};
+pub use engine::{load_model, Engine, Prompter};
 pub use error::{Error, Result};
 pub use model::Model;

@@ -3,6 +3,7 @@
 use crate::error::{Error, Result};
 
 /// A `tokenizers` tokenizer loaded from the pack's `tokenizer.json`.
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
 }

@@ -24,6 +24,7 @@ mod profile;
 mod reference;
 mod relu;
 mod rough_edges;
+mod serve;
 mod smollm2;
 mod sparse;
 mod spec;

@@ -14,7 +14,7 @@ const CHATML_PROMPT: &str = "<|im_start|>user\nWhat is the capital of France?<|i
 const CHATML_IDS: [u32; 16] = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198];
 
 /// The SmolLM2 pack for `quant`, converted once per test run.
-fn pack(quant: &str) -> PathBuf {
+pub fn pack(quant: &str) -> PathBuf {
     static PACKS: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
     let mut map = PACKS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     map.entry(quant.to_string())

@@ -109,6 +109,21 @@ pub fn open_pack(path: &Path, verify: Verify) -> Result<nflash_format::Pack> {
     Ok(pack)
 }
 
+/// The context length (KV cache tokens) to run `pack` with: `--ctx`, else
+/// the one the pack's plan was made for, else min(4096, the model's
+/// `max_position_embeddings`). Warns past the model's trained context.
+pub fn context_len(pack: &nflash_format::Pack, flag: Option<usize>) -> Result<usize> {
+    let max_pos = pack.manifest().config.max_position_embeddings as usize;
+    let ctx = flag.or(pack.manifest().plan.as_ref().map(|p| p.ctx as usize)).unwrap_or(max_pos.clamp(2, 4096));
+    if ctx < 2 {
+        anyhow::bail!("--ctx must be at least 2");
+    }
+    if ctx > max_pos {
+        message!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); quality past it is not guaranteed");
+    }
+    Ok(ctx)
+}
+
 /// Checks before any work that `out` (given with `flag`) can be written: not
 /// a directory, its directory exists, and it is none of `inputs`.
 pub fn check_output(out: &Path, flag: &str, inputs: &[&Path]) -> Result<()> {

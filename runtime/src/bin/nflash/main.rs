@@ -6,6 +6,8 @@ mod plan_sim;
 mod ppl;
 mod probe;
 mod run;
+mod sampling;
+mod serve;
 
 use clap::{Parser, Subcommand};
 use nflash_runtime::message;
@@ -22,6 +24,8 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, or chat interactively when no prompt is given.
     Run(run::RunArgs),
+    /// Serve the model to apps over HTTP: OpenAI-compatible chat and text completions, streaming
+    Serve(serve::ServeArgs),
     /// Measure perplexity of the model on a text file.
     Ppl(ppl::PplArgs),
     /// Measure this device (flash read bandwidth, memory bandwidth, Q4_0 matvec and sparse FFN speeds) and write a device profile
@@ -67,6 +71,7 @@ fn main() {
     }
     let result = match cli.command {
         Command::Run(a) => run::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Ppl(a) => ppl::run(a),
         Command::Probe(a) => probe::run(a),
         Command::PlanSim(a) => plan_sim::run(a),

@@ -1,6 +1,7 @@
 //! `nflash run`: generate from a prompt, or chat interactively.
 
 use std::io::{BufRead, Write};
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -10,12 +11,14 @@ use nflash_runtime::chat::Message;
 use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
 use nflash_runtime::model::predictor::SparsitySummary;
 use nflash_runtime::model::Speculation;
-use nflash_runtime::sampler::{Sampler, SamplerConfig};
+use nflash_runtime::sampler::Sampler;
+use nflash_runtime::session::Session;
 use nflash_runtime::stats::{peak_rss_bytes, percentile};
 use nflash_runtime::{Engine, Model};
 
-use crate::common::{check_output, in_pool, open_pack, read_text, write_atomic, Verify};
+use crate::common::{check_output, context_len, in_pool, open_pack, read_text, write_atomic, Verify};
 use crate::memory::{load_engine, MemoryArgs};
+use crate::sampling::SamplingArgs;
 use nflash_runtime::{message, message_part};
 
 /// Arguments of `nflash run`.
@@ -45,21 +48,8 @@ pub struct RunArgs {
     /// Maximum tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
-    /// Sampling temperature, a finite number ≥ 0; 0 = greedy (deterministic)
-    /// [default: the checkpoint's generation_config.json value stored in the pack, else 0.8].
-    #[arg(long, allow_negative_numbers = true, value_parser = parse_temperature)]
-    temperature: Option<f32>,
-    /// Sample from the k most likely tokens, 0 = all
-    /// [default: the checkpoint's generation_config.json value stored in the pack, else 40].
-    #[arg(long, allow_negative_numbers = true)]
-    top_k: Option<usize>,
-    /// Nucleus sampling mass in (0, 1], 1 = off
-    /// [default: the checkpoint's generation_config.json value stored in the pack, else 0.95].
-    #[arg(long, allow_negative_numbers = true, value_parser = parse_top_p)]
-    top_p: Option<f32>,
-    /// RNG seed (default: from the clock).
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Compute threads (default: the big cores where a phone has big and
     /// little ones, pinned there; else all cores).
     #[arg(long)]
@@ -115,9 +105,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     };
     let device = a.memory.device_profile()?;
     let pack = open_pack(&a.model, a.verify)?;
-    let max_pos = pack.manifest().config.max_position_embeddings as usize;
-    // Default context: the one the pack's plan was made for, else min(4096, the model's).
-    let ctx = a.ctx.or(pack.manifest().plan.as_ref().map(|p| p.ctx as usize)).unwrap_or(max_pos.clamp(2, 4096));
+    let ctx = context_len(&pack, a.ctx)?;
     let (mut engine, plan) = load_engine(&pack, &a.memory, device, ctx, a.verify.clusters())?;
     if a.stats {
         if let Some(p) = &plan {
@@ -139,16 +127,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     let budget = plan.as_ref().map(|p| p.memory_budget_bytes);
     engine.model.set_dense(a.dense);
     engine.model.set_speculation(a.speculate);
-    if ctx > max_pos {
-        message!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); quality past it is not guaranteed");
-    }
-    if ctx < 2 {
-        bail!("--ctx must be at least 2");
-    }
-    let seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
-    });
-    let (sampling, sources) = sampling(&a, &engine.generation, seed);
+    let (sampling, sources) = a.sampling.resolve(&engine.generation);
     if a.stats {
         message!(
             "sampling: temperature {} ({}), top-k {} ({}), top-p {} ({})",
@@ -163,12 +142,12 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     let mut sampler = Sampler::new(sampling);
     let opts =
         GenerateOptions { max_tokens: a.max_tokens, stop_ids: engine.stop_ids.clone(), ignore_eos: a.ignore_eos };
-    let mut kv = engine.model.try_new_kv_cache(ctx)?;
     let Some(prompt) = prompt else {
         if a.raw {
             bail!("--raw applies to --prompt or --prompt-file; interactive mode always chats through the template");
         }
-        return interactive(&engine, &mut kv, &mut sampler, &opts, &a, budget);
+        let mut session = Session::new(&engine, ctx)?;
+        return interactive(&engine, &mut session, &mut sampler, &opts, &a, budget);
     };
     if prompt.trim().is_empty() {
         match &a.prompt_file {
@@ -197,6 +176,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     } else {
         engine.encode_raw(&prompt)?
     };
+    let mut kv = engine.model.try_new_kv_cache(ctx)?;
     let mut stdout = std::io::stdout().lock();
     let (_, st) = generate(&engine.model, &mut kv, &engine.tokenizer, &ids, &mut sampler, &opts, |piece| {
         let _ = stdout.write_all(piece.as_bytes());
@@ -204,38 +184,6 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     })?;
     let _ = writeln!(stdout);
     report(&a, &st, &engine.model, budget, kv.capacity())
-}
-
-/// `--temperature`: a finite number ≥ 0.
-fn parse_temperature(s: &str) -> std::result::Result<f32, String> {
-    match s.parse::<f32>() {
-        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
-        _ => Err("must be a finite number ≥ 0 (0 = greedy), e.g. 0.7".into()),
-    }
-}
-
-/// `--top-p`: a number in (0, 1].
-fn parse_top_p(s: &str) -> std::result::Result<f32, String> {
-    match s.parse::<f32>() {
-        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
-        _ => Err("must be a number in (0, 1] (1 = off), e.g. 0.9".into()),
-    }
-}
-
-/// The sampler settings in force and where each came from: the flag, the
-/// pack (the checkpoint's generation_config.json), or nflash's default.
-fn sampling(a: &RunArgs, g: &nflash_format::GenerationDefaults, seed: u64) -> (SamplerConfig, [&'static str; 3]) {
-    fn pick<T>(flag: Option<T>, pack: Option<T>, default: T) -> (T, &'static str) {
-        match (flag, pack) {
-            (Some(v), _) => (v, "flag"),
-            (None, Some(v)) => (v, "pack: generation_config.json"),
-            (None, None) => (default, "nflash default"),
-        }
-    }
-    let (temperature, st) = pick(a.temperature, g.temperature, 0.8);
-    let (top_k, sk) = pick(a.top_k, g.top_k.map(|k| k as usize), 40);
-    let (top_p, sp) = pick(a.top_p, g.top_p, 0.95);
-    (SamplerConfig { temperature, top_k, top_p, seed }, [st, sk, sp])
 }
 
 /// Prints / writes the stats; `budget`: the memory budget in force, bytes;
@@ -414,10 +362,11 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
 }
 
 /// A read–eval–print chat. The whole conversation is re-rendered each turn
-/// and only the tokens past the prefix already in the KV cache are run.
+/// and only the tokens past the prefix already in the KV cache are run
+/// ([`Session`]).
 fn interactive(
     engine: &Engine,
-    kv: &mut nflash_runtime::model::kv_cache::KvCache,
+    session: &mut Session,
     sampler: &mut Sampler,
     opts: &GenerateOptions,
     a: &RunArgs,
@@ -432,7 +381,6 @@ fn interactive(
     if let Some(s) = system {
         msgs.push(Message::new("system", s));
     }
-    let mut cached: Vec<u32> = Vec::new();
     message!("nflash chat — type a message, an empty line or Ctrl-D to quit.");
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
@@ -444,31 +392,23 @@ fn interactive(
         }
         msgs.push(Message::new("user", line.trim_end()));
         let ids = engine.tokenizer.encode(&template.render(&msgs)?, false)?;
-        let common = cached.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
-        kv.truncate(common);
-        cached.truncate(common);
-        let new = &ids[common..];
         engine.model.reset_counters();
-        let result = generate(&engine.model, kv, &engine.tokenizer, new, sampler, opts, |p| {
+        let result = session.generate(engine, &ids, sampler, opts, |p| {
             let _ = stdout.write_all(p.as_bytes());
             let _ = stdout.flush();
+            ControlFlow::Continue(())
         });
         println!();
-        let (out, st) = match result {
+        let turn = match result {
             Ok(r) => r,
             Err(e) => {
                 message!("error: {e}");
                 msgs.pop();
-                kv.truncate(cached.len());
                 continue;
             }
         };
-        report(a, &st, &engine.model, budget, kv.capacity())?;
-        cached.extend_from_slice(new);
-        cached.extend_from_slice(&out);
-        // The last sampled token was never run through the model.
-        cached.truncate(kv.len());
-        let reply = engine.tokenizer.decode(&out)?;
+        report(a, &turn.stats, &engine.model, budget, session.capacity())?;
+        let reply = engine.tokenizer.decode(&turn.tokens)?;
         msgs.push(Message::new("assistant", &reply));
     }
     Ok(())

@@ -1,0 +1,67 @@
+//! The sampling flags shared by `nflash run` and `nflash serve`.
+
+use clap::Args;
+use nflash_runtime::sampler::SamplerConfig;
+
+/// Sampling options; each defaults to the checkpoint's
+/// `generation_config.json` value stored in the pack (SPEC §4.9), else
+/// nflash's own default.
+#[derive(Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Sampling temperature, a finite number ≥ 0; 0 = greedy (deterministic)
+    /// [default: the checkpoint's generation_config.json value stored in the pack, else 0.8].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_temperature)]
+    pub temperature: Option<f32>,
+    /// Sample from the k most likely tokens, 0 = all
+    /// [default: the checkpoint's generation_config.json value stored in the pack, else 40].
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_k: Option<usize>,
+    /// Nucleus sampling mass in (0, 1], 1 = off
+    /// [default: the checkpoint's generation_config.json value stored in the pack, else 0.95].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_top_p)]
+    pub top_p: Option<f32>,
+    /// RNG seed (default: from the clock).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+/// `--temperature`: a finite number ≥ 0.
+fn parse_temperature(s: &str) -> std::result::Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err("must be a finite number ≥ 0 (0 = greedy), e.g. 0.7".into()),
+    }
+}
+
+/// `--top-p`: a number in (0, 1].
+fn parse_top_p(s: &str) -> std::result::Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err("must be a number in (0, 1] (1 = off), e.g. 0.9".into()),
+    }
+}
+
+impl SamplingArgs {
+    /// The sampler settings in force and where each came from: the flag,
+    /// the pack (the checkpoint's generation_config.json), or nflash's
+    /// default. The seed is `--seed`, else the clock.
+    pub fn resolve(&self, g: &nflash_format::GenerationDefaults) -> (SamplerConfig, [&'static str; 3]) {
+        fn pick<T>(flag: Option<T>, pack: Option<T>, default: T) -> (T, &'static str) {
+            match (flag, pack) {
+                (Some(v), _) => (v, "flag"),
+                (None, Some(v)) => (v, "pack: generation_config.json"),
+                (None, None) => (default, "nflash default"),
+            }
+        }
+        let seed = self.seed.unwrap_or_else(clock_seed);
+        let (temperature, st) = pick(self.temperature, g.temperature, 0.8);
+        let (top_k, sk) = pick(self.top_k, g.top_k.map(|k| k as usize), 40);
+        let (top_p, sp) = pick(self.top_p, g.top_p, 0.95);
+        (SamplerConfig { temperature, top_k, top_p, seed }, [st, sk, sp])
+    }
+}
+
+/// A seed from the clock, nanoseconds.
+pub fn clock_seed() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+}

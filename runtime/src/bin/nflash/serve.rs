@@ -1,0 +1,863 @@
+//! `nflash serve`: an OpenAI-compatible HTTP server for apps —
+//! `POST /v1/chat/completions`, `POST /v1/completions` (both with
+//! `stream: true` as server-sent events), `GET /v1/models`, `GET /health`.
+//!
+//! One model, one generation at a time (a phone has one set of big cores):
+//! the generation thread, a worker of the compute pool, owns the model and a
+//! [`Session`] (so a chat whose tokens start with the previous request's
+//! reuses that KV cache); requests wait in a bounded queue and get 503 with
+//! `Retry-After` when it is full. The HTTP side is axum (hyper's HTTP/1) on
+//! a one-thread tokio runtime: it checks the API key, parses and bounds the
+//! request and turns it into token ids, so a bad request is answered at once
+//! even while a generation runs. A client that goes away (its connection
+//! closed, so its response is dropped) cancels its generation at the next
+//! token.
+
+use std::convert::Infallible;
+use std::net::{TcpListener, ToSocketAddrs};
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use clap::Args;
+use nflash_plan::planner::parse_bytes;
+use nflash_runtime::chat::Message;
+use nflash_runtime::generate::{Finish, GenerateOptions};
+use nflash_runtime::sampler::{Sampler, SamplerConfig};
+use nflash_runtime::session::{Session, Turn};
+use nflash_runtime::{message, Engine, Prompter};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio_stream::StreamExt;
+
+use crate::common::{context_len, in_pool, open_pack, Verify};
+use crate::memory::{load_engine, MemoryArgs};
+use crate::sampling::{clock_seed, SamplingArgs};
+
+/// Arguments of `nflash serve`.
+#[derive(Args)]
+pub struct ServeArgs {
+    /// The .nflash pack (from `prep convert`).
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on. Any address but a loopback one (127.0.0.1,
+    /// ::1) needs an API key.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// TCP port; 0 picks a free one (printed at start).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// API key clients must send as `Authorization: Bearer KEY` (every
+    /// endpoint but /health). Other users of the machine can read it in the
+    /// process list: prefer --api-key-file.
+    #[arg(long, conflicts_with = "api_key_file")]
+    api_key: Option<String>,
+    /// File whose first line is the API key.
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
+    /// Model name in /v1/models and responses [default: the pack's file
+    /// name without .nflash]. Requests may name any model: this server has one.
+    #[arg(long)]
+    alias: Option<String>,
+    /// Requests that may wait while one generates; more get 503 with Retry-After.
+    #[arg(long, default_value_t = 8)]
+    queue: usize,
+    /// Tokens to generate when a request gives no max_tokens [default: 256, at most --max-tokens-limit].
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Largest max_tokens a request may ask for [default: the context length].
+    #[arg(long)]
+    max_tokens_limit: Option<usize>,
+    /// Largest request body (e.g. 1MiB); a larger one gets 400.
+    #[arg(long, default_value = "1MiB", value_parser = parse_bytes)]
+    max_body: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Compute threads (default: the big cores where a phone has big and
+    /// little ones, pinned there; else all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Context length in tokens (KV cache size), which bounds a request's
+    /// prompt plus reply; default: the pack plan's, else min(4096, model maximum).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Checksums to check: lazy = each neuron cluster's CRC-32C after it is
+    /// read, before it is used; full = that and every segment's CRC-32 at
+    /// start; off = no cluster checks.
+    #[arg(long, value_enum, default_value = "lazy", num_args = 0..=1, default_missing_value = "full")]
+    verify: Verify,
+    #[command(flatten)]
+    memory: MemoryArgs,
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let key = api_key(&a)?;
+    let addr = (a.host.as_str(), a.port)
+        .to_socket_addrs()
+        .with_context(|| format!("--host {}: not an address or a name that resolves", a.host))?
+        .next()
+        .with_context(|| format!("--host {} resolves to no address", a.host))?;
+    if !addr.ip().is_loopback() && key.is_none() {
+        bail!(
+            "refusing to listen on {addr} without an API key: anyone who can reach that address could use the model; pass --api-key-file FILE (or --api-key KEY), or listen on 127.0.0.1"
+        );
+    }
+    if a.max_body > (1 << 30) {
+        bail!("--max-body {} is over 1 GiB; requests are JSON text, a few MiB at most", a.max_body);
+    }
+    // Bind before loading the model, so a port in use fails at once.
+    let listener = TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+    in_pool(a.threads, || serve_in_pool(a, key, listener))
+}
+
+/// The API key from --api-key or the first line of --api-key-file.
+fn api_key(a: &ServeArgs) -> Result<Option<String>> {
+    let key = match (&a.api_key, &a.api_key_file) {
+        (Some(k), _) => k.clone(),
+        (None, Some(f)) => {
+            let text =
+                std::fs::read_to_string(f).with_context(|| format!("cannot read --api-key-file {}", f.display()))?;
+            text.lines().next().unwrap_or("").trim().to_string()
+        }
+        (None, None) => return Ok(None),
+    };
+    if key.is_empty() || key.chars().any(|c| c.is_control() || c == ' ') {
+        bail!("the API key is empty or holds spaces or control characters; use a printable token such as the output of `openssl rand -hex 16`");
+    }
+    Ok(Some(key))
+}
+
+/// What the HTTP handlers share.
+struct Shared {
+    model_id: String,
+    created: u64,
+    key: Option<String>,
+    prompter: Prompter,
+    /// Sampling defaults (flags, else the pack's generation_config.json,
+    /// else nflash's); the seed only when --seed was given.
+    sampling: SamplerConfig,
+    fixed_seed: bool,
+    max_tokens: usize,
+    max_tokens_limit: usize,
+    max_body: usize,
+    ctx: usize,
+    jobs: SyncSender<Job>,
+    queue: usize,
+    counters: Arc<Counters>,
+    budget: Option<u64>,
+}
+
+/// The queue's state, kept by the HTTP side and the generation thread.
+#[derive(Default)]
+struct Counters {
+    /// Jobs sent and not yet taken by the generation thread.
+    waiting: AtomicUsize,
+    /// A generation runs.
+    busy: AtomicBool,
+    /// Wall time of the last generation, milliseconds (for Retry-After).
+    last_ms: AtomicU64,
+}
+
+/// One request for the generation thread.
+struct Job {
+    ids: Vec<u32>,
+    ignore_eos: bool,
+    sampling: SamplerConfig,
+    max_tokens: usize,
+    stop: Vec<String>,
+    events: UnboundedSender<Event>,
+    enqueued: Instant,
+}
+
+/// What the generation thread sends back for a job.
+enum Event {
+    /// The generation thread took the job.
+    Started,
+    /// A piece of the reply's text.
+    Text(String),
+    /// The end: counts, why it stopped, timings.
+    Done { prompt_tokens: usize, completion_tokens: usize, finish_reason: &'static str, timings: Value },
+    /// Generation failed (the model's error).
+    Failed(String),
+}
+
+fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Result<()> {
+    let device = a.memory.device_profile()?;
+    let pack = open_pack(&a.model, a.verify)?;
+    let ctx = context_len(&pack, a.ctx)?;
+    let (engine, plan) = load_engine(&pack, &a.memory, device, ctx, a.verify.clusters())?;
+    let mut session = Session::new(&engine, ctx)?;
+    let (sampling, _) = a.sampling.resolve(&engine.generation);
+    let model_id = a.alias.clone().unwrap_or_else(|| {
+        a.model.file_stem().map_or_else(|| "nflash".to_string(), |s| s.to_string_lossy().into_owned())
+    });
+    let max_tokens_limit = a.max_tokens_limit.unwrap_or(ctx);
+    if max_tokens_limit == 0 {
+        bail!("--max-tokens-limit must be at least 1");
+    }
+    let max_tokens = a.max_tokens.unwrap_or(256.min(max_tokens_limit));
+    if max_tokens == 0 || max_tokens > max_tokens_limit {
+        bail!("--max-tokens {max_tokens} must be between 1 and --max-tokens-limit ({max_tokens_limit})");
+    }
+    let (jobs, rx) = sync_channel(a.queue);
+    let counters = Arc::new(Counters::default());
+    let shared = Arc::new(Shared {
+        model_id,
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        key,
+        prompter: engine.prompter(),
+        sampling,
+        fixed_seed: a.sampling.seed.is_some(),
+        max_tokens,
+        max_tokens_limit,
+        max_body: a.max_body as usize,
+        ctx,
+        jobs,
+        queue: a.queue,
+        counters: counters.clone(),
+        budget: plan.as_ref().map(|p| p.memory_budget_bytes),
+    });
+    let addr = listener.local_addr().context("the listening socket has no address")?;
+    listener.set_nonblocking(true).context("cannot make the listening socket non-blocking")?;
+    let app = router(shared.clone());
+    let http = std::thread::Builder::new()
+        .name("nflash-http".into())
+        .spawn(move || -> Result<()> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("cannot start the HTTP runtime")?;
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::from_std(listener).context("cannot use the listening socket")?;
+                axum::serve(l, app).await.context("the HTTP server stopped")
+            })
+        })
+        .context("cannot start the HTTP thread")?;
+    message!(
+        "nflash serve: {} on http://{addr} (context {ctx} tokens{}; {} request(s) may wait) — POST /v1/chat/completions, /v1/completions; GET /v1/models, /health",
+        shared.model_id,
+        shared.budget.map_or(String::new(), |b| format!(", memory budget {:.1} MiB", b as f64 / (1u64 << 20) as f64)),
+        a.queue
+    );
+    // The shared state holds the job sender; the generation loop ends when
+    // the HTTP thread (and with it the router) is gone.
+    drop(shared);
+    generation_loop(&engine, &mut session, rx, &counters);
+    match http.join() {
+        Ok(r) => r,
+        Err(_) => bail!("the HTTP thread panicked"),
+    }
+}
+
+/// Runs jobs one at a time until every sender is gone (the HTTP thread
+/// stopped).
+fn generation_loop(engine: &Engine, session: &mut Session, rx: Receiver<Job>, counters: &Counters) {
+    for job in rx {
+        counters.waiting.fetch_sub(1, Ordering::SeqCst);
+        counters.busy.store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        run_job(engine, session, job);
+        counters.last_ms.store(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
+        counters.busy.store(false, Ordering::SeqCst);
+    }
+}
+
+/// One request: generate, streaming text back; cancelled when the client
+/// is gone.
+fn run_job(engine: &Engine, session: &mut Session, job: Job) {
+    // A client that went away while its request waited gets nothing.
+    if job.events.send(Event::Started).is_err() {
+        return;
+    }
+    let t0 = Instant::now();
+    engine.model.reset_counters();
+    let mut sampler = Sampler::new(job.sampling);
+    let opts =
+        GenerateOptions { max_tokens: job.max_tokens, stop_ids: engine.stop_ids.clone(), ignore_eos: job.ignore_eos };
+    let mut stops = StopScan::new(job.stop.clone());
+    let mut gone = false;
+    let result = session.generate(engine, &job.ids, &mut sampler, &opts, |piece| {
+        let emit = stops.push(piece);
+        if !emit.is_empty() && job.events.send(Event::Text(emit)).is_err() || job.events.is_closed() {
+            gone = true;
+            return ControlFlow::Break(());
+        }
+        if stops.hit {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    });
+    match result {
+        Ok(turn) => {
+            let rest = stops.finish();
+            if !rest.is_empty() {
+                let _ = job.events.send(Event::Text(rest));
+            }
+            let finish_reason = match turn.stats.finish {
+                _ if stops.hit => "stop",
+                Finish::Stop | Finish::Cancelled => "stop",
+                Finish::Length | Finish::ContextFull => "length",
+            };
+            let wall = t0.elapsed().as_secs_f64();
+            message!(
+                "{} prompt tokens ({} reused), {} generated at {:.1} tokens/s in {:.2} s{}",
+                job.ids.len(),
+                turn.reused_tokens,
+                turn.tokens.len(),
+                turn.stats.decode_tokens_per_s(),
+                wall,
+                if gone { "; the client went away, generation cancelled" } else { "" }
+            );
+            let timings = timings(&job, &turn, (t0 - job.enqueued).as_secs_f64());
+            let _ = job.events.send(Event::Done {
+                prompt_tokens: job.ids.len(),
+                completion_tokens: turn.tokens.len(),
+                finish_reason,
+                timings,
+            });
+        }
+        Err(e) => {
+            message!("error: {e}");
+            let _ = job.events.send(Event::Failed(e.to_string()));
+        }
+    }
+}
+
+/// nflash's timings of one request (the response's `timings` object).
+fn timings(job: &Job, turn: &Turn, queue_s: f64) -> Value {
+    let st = &turn.stats;
+    json!({
+        "queue_ms": queue_s * 1e3,
+        "prompt_tokens": job.ids.len(),
+        "reused_tokens": turn.reused_tokens,
+        "prefill_tokens": st.prompt_tokens,
+        "prefill_ms": st.prefill_s * 1e3,
+        "prefill_tokens_per_s": st.prefill_tokens_per_s(),
+        "decode_tokens": st.decode_steps,
+        "decode_ms": st.decode_s * 1e3,
+        "decode_tokens_per_s": st.decode_tokens_per_s(),
+        "cache_hit_rate": st.decode_cache.hit_rate(),
+        "bytes_read": st.prefill_cache.bytes_read + st.decode_cache.bytes_read,
+    })
+}
+
+/// Finds stop strings in streamed text, holding back a tail that could be
+/// the start of one, so no part of a stop string is ever sent.
+struct StopScan {
+    stops: Vec<String>,
+    pending: String,
+    hit: bool,
+}
+
+impl StopScan {
+    fn new(stops: Vec<String>) -> Self {
+        StopScan { stops, pending: String::new(), hit: false }
+    }
+
+    /// Text that can be sent after `piece`; sets `hit` at a stop string
+    /// (the text before it is returned, the rest dropped).
+    fn push(&mut self, piece: &str) -> String {
+        if self.hit {
+            return String::new();
+        }
+        self.pending.push_str(piece);
+        if self.stops.is_empty() {
+            return std::mem::take(&mut self.pending);
+        }
+        if let Some(at) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+            self.hit = true;
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return out;
+        }
+        // Keep the longest tail that a stop string starts with.
+        let keep = (1..=self.pending.len())
+            .rev()
+            .filter(|&n| self.pending.is_char_boundary(self.pending.len() - n))
+            .find(|&n| self.stops.iter().any(|s| s.starts_with(&self.pending[self.pending.len() - n..])))
+            .unwrap_or(0);
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        out
+    }
+
+    /// What is still held back, at the end of generation.
+    fn finish(&mut self) -> String {
+        if self.hit {
+            String::new()
+        } else {
+            std::mem::take(&mut self.pending)
+        }
+    }
+}
+
+fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth))
+        .route("/health", get(health))
+        .fallback(not_found)
+        .with_state(shared)
+}
+
+/// An error response in OpenAI's shape: `{"error": {"message", "type", "code"}}`.
+struct ApiError {
+    status: StatusCode,
+    message: String,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), retry_after: None }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND => "invalid_request_error",
+            StatusCode::SERVICE_UNAVAILABLE => "server_busy",
+            _ => "server_error",
+        };
+        let body = json!({"error": {"message": self.message, "type": kind, "code": self.status.as_u16()}});
+        let mut r = (self.status, axum::Json(body)).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+/// Checks `Authorization: Bearer KEY` when the server has a key.
+async fn auth(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &s.key {
+        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
+        let given = given.strip_prefix("Bearer ").unwrap_or("").trim();
+        // Compare in time independent of where the strings differ.
+        let same = given.len() == key.len() && given.bytes().zip(key.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
+        if !same {
+            return ApiError {
+                status: StatusCode::UNAUTHORIZED,
+                message: "missing or wrong API key: send the header `Authorization: Bearer KEY` with the key nflash serve was started with".into(),
+                retry_after: None,
+            }
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: format!(
+            "no endpoint {} {}: nflash serve has POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health",
+            req.method(),
+            req.uri().path()
+        ),
+        retry_after: None,
+    }
+}
+
+async fn health(State(s): State<Arc<Shared>>) -> Response {
+    axum::Json(json!({
+        "status": "ok",
+        "model": s.model_id,
+        "busy": s.counters.busy.load(Ordering::SeqCst),
+        "waiting": s.counters.waiting.load(Ordering::SeqCst),
+        "queue": s.queue,
+        "context_tokens": s.ctx,
+        "memory_budget_bytes": s.budget,
+        "peak_rss_bytes": nflash_runtime::stats::peak_rss_bytes(),
+    }))
+    .into_response()
+}
+
+async fn models(State(s): State<Arc<Shared>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": s.model_id, "object": "model", "created": s.created, "owned_by": "nflash"}],
+    }))
+    .into_response()
+}
+
+/// The request fields both endpoints take (OpenAI's names; others are ignored).
+#[derive(Deserialize)]
+struct Params {
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<u64>,
+    seed: Option<i64>,
+    n: Option<u64>,
+    stop: Option<Value>,
+    /// nflash (and llama-server) extension: keep going past end-of-sequence tokens.
+    #[serde(default)]
+    ignore_eos: bool,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    messages: Vec<ChatMessage>,
+}
+
+#[derive(Deserialize)]
+struct ChatMessage {
+    role: String,
+    #[serde(default)]
+    content: Value,
+}
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    prompt: Value,
+}
+
+/// Which endpoint a reply is for.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+async fn chat(State(s): State<Arc<Shared>>, req: Request) -> Response {
+    let r = async {
+        let (r, p): (ChatRequest, _) = parse(&read_body(&s, req).await?)?;
+        if r.messages.is_empty() {
+            return Err(ApiError::bad("messages is empty: send at least one message"));
+        }
+        let msgs = r
+            .messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Ok(Message::new(&m.role, &content_text(&m.content, i)?)))
+            .collect::<Result<Vec<_>, ApiError>>()?;
+        let ids = s
+            .prompter
+            .encode_chat(&msgs)
+            .map_err(|e| ApiError::bad(format!("messages: the pack's chat template cannot render them: {e}")))?
+            .ok_or_else(|| {
+                ApiError::bad("this pack has no chat template (a base model): use /v1/completions with a prompt")
+            })?;
+        submit(&s, ids, &p, Kind::Chat).await
+    };
+    r.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(State(s): State<Arc<Shared>>, req: Request) -> Response {
+    let r = async {
+        let (r, p): (CompletionRequest, _) = parse(&read_body(&s, req).await?)?;
+        let prompt = match &r.prompt {
+            Value::String(p) => p.as_str(),
+            Value::Array(a) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or(""),
+            _ => return Err(ApiError::bad("prompt must be a string (one prompt per request)")),
+        };
+        if prompt.is_empty() {
+            return Err(ApiError::bad("prompt is empty"));
+        }
+        let ids = s.prompter.encode_raw(prompt).map_err(|e| ApiError::bad(format!("prompt: {e}")))?;
+        submit(&s, ids, &p, Kind::Completion).await
+    };
+    r.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The request body, at most --max-body bytes.
+async fn read_body(s: &Shared, req: Request) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(req.into_body(), s.max_body).await.map_err(|e| {
+        ApiError::bad(format!("cannot read the request body: {e} (the limit is {} bytes, --max-body)", s.max_body))
+    })
+}
+
+/// Parses a JSON object into the endpoint's fields and the shared
+/// [`Params`], naming the field at fault.
+fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<(T, Params), ApiError> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("the request body is not valid JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::bad("the request body must be a JSON object"));
+    }
+    Ok((typed(&v)?, typed(&v)?))
+}
+
+fn typed<T: DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(v).map_err(|e| match e.path().to_string().as_str() {
+        "." => ApiError::bad(e.inner().to_string()),
+        path => ApiError::bad(format!("{path}: {}", e.inner())),
+    })
+}
+
+/// A message's text: a string, an array of `{"type": "text", "text": …}`
+/// parts, or null (an assistant message with only tool calls).
+fn content_text(c: &Value, i: usize) -> Result<String, ApiError> {
+    match c {
+        Value::String(s) => Ok(s.clone()),
+        Value::Null => Ok(String::new()),
+        Value::Array(parts) => parts
+            .iter()
+            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                (Some("text"), Some(t)) => Ok(t),
+                _ => Err(ApiError::bad(format!(
+                    "messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported"
+                ))),
+            })
+            .collect::<Result<String, _>>(),
+        _ => Err(ApiError::bad(format!("messages[{i}].content must be a string or an array of text parts"))),
+    }
+}
+
+/// Checks the request's bounds, queues it and answers (streamed or whole).
+async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Result<Response, ApiError> {
+    if p.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad("n must be 1: nflash serve generates one choice per request"));
+    }
+    let max_tokens = match p.max_completion_tokens.or(p.max_tokens) {
+        None => s.max_tokens,
+        Some(0) => return Err(ApiError::bad("max_tokens must be at least 1")),
+        Some(m) if m > s.max_tokens_limit as u64 => {
+            return Err(ApiError::bad(format!(
+                "max_tokens {m} is over this server's limit of {} (--max-tokens-limit)",
+                s.max_tokens_limit
+            )))
+        }
+        Some(m) => m as usize,
+    };
+    if ids.len() + 1 > s.ctx {
+        return Err(ApiError::bad(format!(
+            "the prompt is {} tokens; this server's context holds {} (--ctx) with at least one for the reply: shorten the conversation",
+            ids.len(),
+            s.ctx
+        )));
+    }
+    let mut sampling = s.sampling;
+    if let Some(t) = p.temperature {
+        if !t.is_finite() || t < 0.0 {
+            return Err(ApiError::bad(format!("temperature {t} must be a finite number ≥ 0 (0 = greedy)")));
+        }
+        sampling.temperature = t;
+    }
+    if let Some(t) = p.top_p {
+        if !(t > 0.0 && t <= 1.0) {
+            return Err(ApiError::bad(format!("top_p {t} must be in (0, 1]")));
+        }
+        sampling.top_p = t;
+    }
+    if let Some(k) = p.top_k {
+        sampling.top_k = k.min(u32::MAX as u64) as usize;
+    }
+    sampling.seed = match p.seed {
+        Some(seed) => seed as u64,
+        None if s.fixed_seed => s.sampling.seed,
+        None => clock_seed(),
+    };
+    let stop = stop_strings(p.stop.as_ref())?;
+    let (tx, rx) = unbounded_channel();
+    let job = Job { ids, ignore_eos: p.ignore_eos, sampling, max_tokens, stop, events: tx, enqueued: Instant::now() };
+    s.counters.waiting.fetch_add(1, Ordering::SeqCst);
+    if let Err(e) = s.jobs.try_send(job) {
+        s.counters.waiting.fetch_sub(1, Ordering::SeqCst);
+        return Err(match e {
+            TrySendError::Full(_) => {
+                let waiting = s.counters.waiting.load(Ordering::SeqCst) as u64 + 1;
+                let secs = (s.counters.last_ms.load(Ordering::Relaxed) * waiting).div_ceil(1000).max(1);
+                ApiError {
+                    status: StatusCode::SERVICE_UNAVAILABLE,
+                    message: format!(
+                        "busy: one request is generating and {} are waiting (--queue {}); retry later",
+                        s.queue, s.queue
+                    ),
+                    retry_after: Some(secs),
+                }
+            }
+            TrySendError::Disconnected(_) => ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                message: "the generation thread has stopped; restart nflash serve".into(),
+                retry_after: None,
+            },
+        });
+    }
+    let include_usage = p.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    if p.stream {
+        Ok(stream_response(s, rx, kind, include_usage))
+    } else {
+        whole_response(s, rx, kind).await
+    }
+}
+
+/// `stop`: a string or an array of up to 4 non-empty strings.
+fn stop_strings(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let list = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => {
+            a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect()
+        }
+        _ => return Err(ApiError::bad("stop must be a string or an array of strings")),
+    };
+    if list.len() > 4 || list.iter().any(|s| s.is_empty() || s.len() > 256) {
+        return Err(ApiError::bad("stop takes at most 4 strings, each 1 to 256 bytes"));
+    }
+    Ok(list)
+}
+
+/// `id`, `object`, `created` and `model` of a response or chunk.
+fn envelope(s: &Shared, kind: Kind, stream: bool) -> serde_json::Map<String, Value> {
+    let n = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let (prefix, object) = match (kind, stream) {
+        (Kind::Chat, false) => ("chatcmpl", "chat.completion"),
+        (Kind::Chat, true) => ("chatcmpl", "chat.completion.chunk"),
+        (Kind::Completion, _) => ("cmpl", "text_completion"),
+    };
+    let mut m = serde_json::Map::new();
+    m.insert("id".into(), json!(format!("{prefix}-{}-{n}", s.created)));
+    m.insert("object".into(), json!(object));
+    m.insert("created".into(), json!(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())));
+    m.insert("model".into(), json!(s.model_id));
+    m
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+}
+
+fn failed(message: String) -> ApiError {
+    ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message, retry_after: None }
+}
+
+/// Waits for the whole reply and answers with one JSON object.
+async fn whole_response(s: &Shared, mut rx: UnboundedReceiver<Event>, kind: Kind) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    loop {
+        match rx.recv().await {
+            Some(Event::Started) => {}
+            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Done { prompt_tokens, completion_tokens, finish_reason, timings }) => {
+                let mut m = envelope(s, kind, false);
+                let choice = match kind {
+                    Kind::Chat => {
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason})
+                    }
+                    Kind::Completion => {
+                        json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason})
+                    }
+                };
+                m.insert("choices".into(), json!([choice]));
+                m.insert("usage".into(), usage(prompt_tokens, completion_tokens));
+                m.insert("timings".into(), timings);
+                return Ok(axum::Json(Value::Object(m)).into_response());
+            }
+            Some(Event::Failed(e)) => return Err(failed(e)),
+            None => return Err(failed("the generation thread stopped before answering; restart nflash serve".into())),
+        }
+    }
+}
+
+/// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+fn stream_response(s: &Arc<Shared>, rx: UnboundedReceiver<Event>, kind: Kind, include_usage: bool) -> Response {
+    let s = s.clone();
+    let sse = |v: &Value| format!("data: {v}\n\n");
+    let chunk = {
+        let s = s.clone();
+        move |delta: Value, finish: Value| {
+            let mut m = envelope(&s, kind, true);
+            let choice = match kind {
+                Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish}),
+                Kind::Completion => json!({
+                    "index": 0,
+                    "text": delta.get("content").cloned().unwrap_or(json!("")),
+                    "logprobs": null,
+                    "finish_reason": finish
+                }),
+            };
+            m.insert("choices".into(), json!([choice]));
+            Value::Object(m)
+        }
+    };
+    let head = match kind {
+        Kind::Chat => sse(&chunk(json!({"role": "assistant", "content": ""}), Value::Null)),
+        Kind::Completion => String::new(),
+    };
+    let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(move |ev| {
+        let out = match ev {
+            Event::Started => String::new(),
+            Event::Text(t) => sse(&chunk(json!({"content": t}), Value::Null)),
+            Event::Done { prompt_tokens, completion_tokens, finish_reason, timings } => {
+                let mut last = chunk(json!({}), json!(finish_reason));
+                last["usage"] = usage(prompt_tokens, completion_tokens);
+                last["timings"] = timings;
+                let mut out = sse(&last);
+                if include_usage {
+                    let mut u = envelope(&s, kind, true);
+                    u.insert("choices".into(), json!([]));
+                    u.insert("usage".into(), usage(prompt_tokens, completion_tokens));
+                    out += &sse(&Value::Object(u));
+                }
+                out + "data: [DONE]\n\n"
+            }
+            Event::Failed(e) => {
+                sse(&json!({"error": {"message": e, "type": "server_error", "code": 500}})) + "data: [DONE]\n\n"
+            }
+        };
+        Ok::<_, Infallible>(Bytes::from(out))
+    });
+    let body = Body::from_stream(tokio_stream::iter([Ok(Bytes::from(head))]).chain(events));
+    let mut r = Response::new(body);
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopScan;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let mut s = StopScan::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut out = String::new();
+        for p in pieces {
+            out += &s.push(p);
+        }
+        out += &s.finish();
+        (out, s.hit)
+    }
+
+    #[test]
+    fn stop_strings_split_across_pieces_are_never_sent() {
+        assert_eq!(run(&["END"], &["ab", "cE", "N", "Dxyz"]), ("abc".into(), true));
+        assert_eq!(run(&["END"], &["ab", "cE", "Nx"]), ("abcENx".into(), false));
+        assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
+        assert_eq!(run(&["\n\n", "é!"], &["xé", "!"]), ("x".into(), true));
+        assert_eq!(run(&["zz"], &["éé"]), ("éé".into(), false));
+    }
+}

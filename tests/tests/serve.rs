@@ -1,0 +1,379 @@
+//! `nflash serve`: the OpenAI-compatible endpoints over real HTTP, their
+//! bounds and errors, the queue, cancellation by disconnect, prefix reuse
+//! and the API key. (The `openai` Python client is tested by
+//! scripts/test_openai_client.py in `make test`.)
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nflash_tests::{bin, convert, write_tiny_checkpoint, TinySpec};
+use serde_json::{json, Value};
+
+/// A running `nflash serve`; killed on drop.
+struct Server {
+    child: Child,
+    url: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `nflash serve --model pack --port 0 args…` and waits until it listens.
+    fn start(pack: &Path, args: &[&str]) -> Server {
+        let mut child = Command::new(bin("nflash"))
+            .args(["serve", "--model", pack.to_str().unwrap(), "--port", "0"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let log = Arc::new(Mutex::new(String::new()));
+        let mut url = None;
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            log.lock().unwrap().push_str(&format!("{line}\n"));
+            if let Some(at) = line.find("http://") {
+                url = Some(line[at..].split_whitespace().next().unwrap().to_string());
+                break;
+            }
+        }
+        let url = url.unwrap_or_else(|| panic!("nflash serve did not start: {}", log.lock().unwrap()));
+        let l = log.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                l.lock().unwrap().push_str(&format!("{line}\n"));
+            }
+        });
+        Server { child, url, log }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// A request: its status, Retry-After and body (parsed when JSON).
+    fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> (u16, Option<String>, Value) {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(120)))
+            .build()
+            .into();
+        let url = format!("{}{path}", self.url);
+        let mut resp = match (method, body) {
+            ("GET", _) => {
+                let mut r = agent.get(&url);
+                if let Some(k) = key {
+                    r = r.header("Authorization", &format!("Bearer {k}"));
+                }
+                r.call().unwrap()
+            }
+            (_, b) => {
+                let mut r = agent.post(&url);
+                if let Some(k) = key {
+                    r = r.header("Authorization", &format!("Bearer {k}"));
+                }
+                r.send(b.unwrap_or("")).unwrap()
+            }
+        };
+        let retry = resp.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+        let text = resp.body_mut().read_to_string().unwrap();
+        let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (resp.status().as_u16(), retry, v)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (s, _, v) = self.call("POST", path, None, Some(&body.to_string()));
+        (s, v)
+    }
+
+    /// The data lines of a streamed request, in order.
+    fn stream(&self, path: &str, body: &Value) -> Vec<String> {
+        let (status, _, v) = self.call("POST", path, None, Some(&body.to_string()));
+        assert_eq!(status, 200, "{v}");
+        let text = v.as_str().expect("an event stream is not one JSON value").to_string();
+        text.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+    }
+
+    /// Waits until /health says nothing runs.
+    fn wait_idle(&self, within: Duration) -> bool {
+        let t = Instant::now();
+        while t.elapsed() < within {
+            let (_, _, h) = self.call("GET", "/health", None, None);
+            if h["busy"] == false && h["waiting"] == 0 {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn chat(messages: Value, extra: Value) -> Value {
+    let mut b = json!({"model": "any", "messages": messages, "temperature": 0, "max_tokens": 24});
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+fn reply(v: &Value) -> String {
+    v["choices"][0]["message"]["content"].as_str().unwrap_or_else(|| panic!("no reply in {v}")).to_string()
+}
+
+#[test]
+fn chat_stream_and_prefix_reuse_give_the_greedy_tokens_of_a_fresh_prefill() {
+    let pack = crate::smollm2::pack("q8_0");
+    let s = Server::start(&pack, &[]);
+    let q = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let (st, r) = s.post("/v1/chat/completions", &chat(q.clone(), json!({})));
+    assert_eq!(st, 200, "{r}");
+    let first = reply(&r);
+    assert!(first.contains("Paris"), "{r}");
+    assert_eq!(r["object"], "chat.completion");
+    assert!(r["usage"]["completion_tokens"].as_u64().unwrap() >= r["timings"]["decode_tokens"].as_u64().unwrap());
+    assert_eq!(
+        r["usage"]["total_tokens"].as_u64().unwrap(),
+        r["usage"]["prompt_tokens"].as_u64().unwrap() + r["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    // Streamed: the chunks' text is the same greedy reply, then [DONE].
+    let events = s.stream("/v1/chat/completions", &chat(q.clone(), json!({"stream": true})));
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let joined: String =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<Vec<_>>().concat();
+    assert_eq!(joined, first);
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "stop");
+    assert_eq!(last["usage"]["prompt_tokens"], r["usage"]["prompt_tokens"]);
+    // A second turn reuses the first turn's KV cache...
+    let turn2 = json!([
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "And of Germany?"}
+    ]);
+    let (_, r2) = s.post("/v1/chat/completions", &chat(turn2.clone(), json!({})));
+    let reused = r2["timings"]["reused_tokens"].as_u64().unwrap();
+    assert!(reused >= r["usage"]["prompt_tokens"].as_u64().unwrap(), "{r2}");
+    assert_eq!(
+        r2["timings"]["prefill_tokens"].as_u64().unwrap() + reused,
+        r2["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    // ...and answers as a fresh server, which prefills it whole.
+    drop(s);
+    let fresh = Server::start(&pack, &[]);
+    let (_, r3) = fresh.post("/v1/chat/completions", &chat(turn2, json!({})));
+    assert_eq!(r3["timings"]["reused_tokens"], 0);
+    assert_eq!(reply(&r2), reply(&r3));
+    assert!(reply(&r3).contains("Berlin"), "{r3}");
+}
+
+#[test]
+fn completions_stop_strings_and_models() {
+    let pack = crate::smollm2::pack("q8_0");
+    let s = Server::start(&pack, &["--alias", "smol"]);
+    let (_, _, m) = s.call("GET", "/v1/models", None, None);
+    assert_eq!(m["data"][0]["id"], "smol");
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
+    let (st, r) = s.post("/v1/completions", &body);
+    assert_eq!(st, 200, "{r}");
+    let text = r["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(text.contains("Paris"), "{r}");
+    assert_eq!(r["object"], "text_completion");
+    // A stop string ends the text before it, and nothing of it is sent.
+    let stop = text.split_whitespace().nth(1).unwrap().to_string();
+    let (_, r) = s.post(
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "stop": [stop.clone()]}),
+    );
+    let cut = r["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(cut, &text[..text.find(&stop).unwrap()], "{r}");
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    let events = s.stream("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "stream": true, "stop": stop}));
+    let joined: String = events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(joined, cut);
+}
+
+#[test]
+fn bad_requests_get_400_naming_the_problem_and_a_missing_key_401() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A template that, like many, refuses roles it does not know.
+    let dir = tmp.path().join("ckpt");
+    write_tiny_checkpoint(&dir, &TinySpec::default());
+    let tc = dir.join("tokenizer_config.json");
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(&tc).unwrap()).unwrap();
+    cfg["chat_template"] = json!("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['role'] + ' ' + m['content'] + ' ' }}{% endfor %}");
+    std::fs::write(&tc, cfg.to_string()).unwrap();
+    let pack = tmp.path().join("tiny.nflash");
+    convert(&dir, &pack, "q8_0");
+    let key_file = tmp.path().join("key");
+    std::fs::write(&key_file, "s3cret\n").unwrap();
+    let s = Server::start(
+        &pack,
+        &[
+            "--api-key-file",
+            key_file.to_str().unwrap(),
+            "--ctx",
+            "64",
+            "--max-body",
+            "2KiB",
+            "--max-tokens-limit",
+            "32",
+        ],
+    );
+    let key = Some("s3cret");
+    let post = |body: &str| s.call("POST", "/v1/chat/completions", key, Some(body));
+    // The key: /health is open, everything else needs it.
+    assert_eq!(s.call("GET", "/health", None, None).0, 200);
+    let (st, _, v) = s.call("GET", "/v1/models", None, None);
+    assert_eq!(st, 401, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("Authorization: Bearer"), "{v}");
+    assert_eq!(s.call("GET", "/v1/models", Some("wrong"), None).0, 401);
+    assert_eq!(s.call("POST", "/v1/chat/completions", Some("s3cre"), Some("{}")).0, 401);
+    assert_eq!(s.call("GET", "/v1/models", key, None).0, 200);
+    let ok = json!({"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2}).to_string();
+    assert_eq!(post(&ok).0, 200);
+    let long = format!("{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}", "a b ".repeat(40));
+    let huge = format!("{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}", "a".repeat(4000));
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("malformed JSON", "{\"messages\": [".into(), "not valid JSON"),
+        ("not an object", "[1, 2]".into(), "JSON object"),
+        ("no messages", "{}".into(), "messages"),
+        ("empty messages", "{\"messages\": []}".into(), "messages is empty"),
+        (
+            "wrong type",
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"temperature\": \"hot\"}".into(),
+            "temperature",
+        ),
+        ("wrong content type", "{\"messages\": [{\"role\": \"user\", \"content\": 5}]}".into(), "messages[0].content"),
+        (
+            "role the template refuses",
+            "{\"messages\": [{\"role\": \"wizard\", \"content\": \"a\"}]}".into(),
+            "unknown role wizard",
+        ),
+        (
+            "max_tokens over the bound",
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"max_tokens\": 33}".into(),
+            "--max-tokens-limit",
+        ),
+        (
+            "negative temperature",
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"temperature\": -1}".into(),
+            "temperature",
+        ),
+        ("n of 2", "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"n\": 2}".into(), "n must be 1"),
+        ("prompt over the context", long, "--ctx"),
+        ("body over the bound", huge, "--max-body"),
+    ];
+    for (what, body, needle) in cases {
+        let (st, _, v) = post(&body);
+        assert_eq!(st, 400, "{what}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("{what}: {v}"));
+        assert!(msg.contains(needle), "{what}: {msg:?} should name {needle:?}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    let (st, _, v) = s.call("POST", "/v1/completions", key, Some("{\"prompt\": 3}"));
+    assert_eq!(st, 400, "{v}");
+    // After all that, the server still answers.
+    assert_eq!(post(&ok).0, 200);
+    assert!(!s.log().contains("panicked"), "{}", s.log());
+}
+
+#[test]
+fn listening_beyond_loopback_needs_a_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tmp.path().join("absent.nflash");
+    let o = Command::new(bin("nflash"))
+        .args(["serve", "--model", pack.to_str().unwrap(), "--host", "0.0.0.0", "--port", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("refusing to listen on 0.0.0.0") && err.contains("--api-key-file"), "{err}");
+}
+
+/// Sends a raw streaming request and returns the connection once the
+/// answer's first bytes arrived (the request was accepted: queued or running).
+fn start_stream(url: &str, body: &Value) -> TcpStream {
+    let addr = url.trim_start_matches("http://");
+    let mut c = TcpStream::connect(addr).unwrap();
+    let b = body.to_string();
+    write!(c, "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len()).unwrap();
+    let mut buf = [0u8; 256];
+    let n = c.read(&mut buf).unwrap();
+    assert!(n > 0 && buf.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&buf[..n]));
+    c
+}
+
+#[test]
+fn a_full_queue_gets_503_and_a_client_that_leaves_cancels_its_generation() {
+    let pack = crate::smollm2::pack("q8_0");
+    let s = Server::start(&pack, &["--queue", "1", "--threads", "1"]);
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": true, "stream": true});
+    // One generating, one waiting: the third is turned away.
+    let a = start_stream(&s.url, &long);
+    let t = Instant::now();
+    while s.call("GET", "/health", None, None).2["busy"] != true {
+        assert!(t.elapsed() < Duration::from_secs(60), "the first request never ran: {}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let b = std::thread::spawn({
+        let url = s.url.clone();
+        let long = long.clone();
+        // Hangs up while it waits: the generation thread skips it.
+        move || drop(start_stream(&url, &long))
+    });
+    let t = Instant::now();
+    while s.call("GET", "/health", None, None).2["waiting"] != 1 {
+        assert!(t.elapsed() < Duration::from_secs(60), "the second request never queued: {}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (st, retry, v) =
+        s.call("POST", "/v1/completions", None, Some(&json!({"prompt": "x", "max_tokens": 1}).to_string()));
+    assert_eq!(st, 503, "{v}");
+    assert!(retry.is_some_and(|r| r.parse::<u64>().unwrap() >= 1), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--queue 1"), "{v}");
+    // The running client hangs up: its generation stops at its next
+    // token, long before 2000 tokens.
+    b.join().unwrap();
+    drop(a);
+    assert!(s.wait_idle(Duration::from_secs(30)), "still generating after the clients left: {}", s.log());
+    let t = Instant::now();
+    while !s.log().contains("the client went away, generation cancelled") {
+        assert!(t.elapsed() < Duration::from_secs(10), "{}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (st, r) =
+        s.post("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}));
+    assert_eq!(st, 200, "{r}");
+}
+
+#[test]
+fn the_memory_budget_holds_while_serving() {
+    let pack = crate::smollm2::pack("q8_0");
+    let s = Server::start(&pack, &["--memory-budget", "120MiB", "--ctx", "512"]);
+    for i in 0..3 {
+        let q = json!([{"role": "user", "content": format!("Write a short poem number {i}.")}]);
+        let (st, r) = s.post("/v1/chat/completions", &chat(q, json!({"max_tokens": 32})));
+        assert_eq!(st, 200, "{r}");
+        assert!(r["timings"]["bytes_read"].as_u64().unwrap() > 0, "the budget should make it read from flash: {r}");
+    }
+    let (_, _, h) = s.call("GET", "/health", None, None);
+    let (rss, budget) = (h["peak_rss_bytes"].as_u64().unwrap(), h["memory_budget_bytes"].as_u64().unwrap());
+    assert!(rss <= budget, "peak RSS {rss} over the budget {budget}");
+}
