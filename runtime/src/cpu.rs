@@ -17,6 +17,55 @@ use std::sync::OnceLock;
 /// A720s, 2.27 GHz A520s) the six X4 and A720 cores, not the A520s.
 pub const BIG_SHARE: f64 = 0.8;
 
+/// The compute thread pool: `threads` threads (`None`: the big cores where
+/// a phone has big and little ones, else every core), each pinned to the
+/// big cores when there are both kinds. Warns once if pinning fails.
+///
+/// # Errors
+/// [`crate::Error::Usage`] for 0 or more than 1024 threads;
+/// [`crate::Error::Thread`] when the pool cannot start.
+pub fn compute_pool(threads: Option<usize>) -> crate::Result<rayon::ThreadPool> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match threads {
+        Some(0) => return Err(crate::Error::Usage("--threads must be at least 1".into())),
+        Some(t) if t > 1024 => {
+            return Err(crate::Error::Usage(format!(
+                "--threads {t} is more than 1024; use at most the number of cores ({cores})"
+            )))
+        }
+        Some(t) if t > 4 * cores => {
+            crate::message!("warning: --threads {t} is far more than the {cores} cores here; decode will be slow")
+        }
+        _ => {}
+    }
+    // Phones: compute on the big cores, one thread each, pinned there (I/O
+    // threads go to the little ones: `pin_io_thread`).
+    let topo = Topology::system();
+    let n = threads.unwrap_or(topo.default_threads(cores));
+    let pin = topo.compute_cores(n);
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .start_handler(move |_| {
+            if let Some(big) = &pin {
+                if let Err(e) = pin_current_thread(big) {
+                    warn_unpinned(&e);
+                }
+            }
+        })
+        .build()
+        .map_err(|e| crate::Error::Thread { what: "compute thread pool", err: std::io::Error::other(e.to_string()) })
+}
+
+/// One warning per process when compute threads cannot be pinned.
+fn warn_unpinned(e: &std::io::Error) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        crate::message!(
+            "warning: could not pin compute threads to the big cores ({e}); they run where the OS puts them"
+        );
+    }
+}
+
 /// Plausible maximum clocks, kHz (100 MHz to 10 GHz); a value outside is
 /// taken as unknown.
 const KHZ_RANGE: std::ops::RangeInclusive<u64> = 100_000..=10_000_000;

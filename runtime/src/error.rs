@@ -46,7 +46,7 @@ pub enum Error {
     #[error("cannot reserve the KV cache for a context of {ctx} tokens ({mib:.1} MiB); lower --ctx")]
     KvCache { ctx: usize, mib: f64 },
     /// A thread could not be started.
-    #[error("cannot start an {what}: {err}")]
+    #[error("cannot start the {what}: {err}")]
     Thread { what: &'static str, err: std::io::Error },
     /// A plan could not be made (names the budget and its parts).
     #[error(transparent)]

@@ -12,7 +12,9 @@
 //!   pipeline — the [`model::ClusterSource`] that reads from flash;
 //! - [`engine`], [`generate`], [`session`], [`ppl`]: a loaded pack with its
 //!   tokenizer and chat template, the generation loop, a conversation's KV
-//!   cache kept across requests (prefix reuse), perplexity.
+//!   cache kept across requests (prefix reuse), perplexity;
+//! - [`placement`]: memory budget → plan → where neuron clusters live, and
+//!   the engine loaded that way (what `nflash` and the C library run).
 //!
 //! Planning (how much is hot, how big the cold cache is) is the
 //! `nflash-plan` crate. Entry points: [`nflash_format::Pack::open_resident`],
@@ -28,6 +30,7 @@ pub mod kernels;
 pub mod message;
 pub mod model;
 pub mod offload;
+pub mod placement;
 pub mod ppl;
 pub mod sampler;
 pub mod session;

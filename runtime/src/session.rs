@@ -11,11 +11,21 @@ use crate::generate::{generate_until, GenStats, GenerateOptions};
 use crate::model::kv_cache::KvCache;
 use crate::sampler::Sampler;
 
+/// Fewest tokens run again after a reused prefix: prefill passes of fewer
+/// tokens take other kernel paths (one token: the decode matvec), whose
+/// results differ in the last bits from a longer pass's.
+pub const MIN_SUFFIX: usize = crate::kernels::gemm::MIN_BATCH;
+
 /// A KV cache and the token ids whose keys and values it holds.
 pub struct Session {
     kv: KvCache,
     /// The ids in `kv`, one per position: `cached.len() == kv.len()`.
     cached: Vec<u32>,
+    /// Leading positions of `kv` computed by prefill (the prompts), as
+    /// opposed to decode (the generated tokens, computed one at a time by
+    /// other kernels): only these are reused, so a reused prefix holds the
+    /// keys and values a fresh prefill would compute.
+    prefilled: usize,
 }
 
 /// What one [`Session::generate`] did.
@@ -36,7 +46,7 @@ impl Session {
     /// # Errors
     /// [`crate::Error::KvCache`] when the KV cache cannot be reserved.
     pub fn new(engine: &Engine, ctx: usize) -> Result<Self> {
-        Ok(Session { kv: engine.model.try_new_kv_cache(ctx)?, cached: Vec::new() })
+        Ok(Session { kv: engine.model.try_new_kv_cache(ctx)?, cached: Vec::new(), prefilled: 0 })
     }
 
     /// The context length, tokens (the KV cache's capacity).
@@ -53,13 +63,19 @@ impl Session {
     pub fn clear(&mut self) {
         self.kv.truncate(0);
         self.cached.clear();
+        self.prefilled = 0;
     }
 
     /// Generates after `ids`, the whole conversation's token ids: the
-    /// longest prefix of `ids` already in the KV cache is kept (at most
-    /// all but the last id, whose logits are needed), the rest is
-    /// prefilled, then decoding runs as [`generate_until`] does. After an
-    /// error the cache keeps only the reused prefix.
+    /// longest prefix of `ids` already in the KV cache from an earlier
+    /// prefill is kept (at most all but the last [`MIN_SUFFIX`] ids), the
+    /// rest is prefilled, then decoding runs as
+    /// [`generate_until`] does. Earlier replies (computed by decode) are
+    /// prefilled again, and where prefill results depend on the pass
+    /// ([`crate::Model::prefill_batch_invariant`]: Q4_0) only whole
+    /// prefill passes are reused, so the tokens are always those of a
+    /// fresh prefill of `ids`. After an error the cache keeps only the
+    /// reused prefix.
     ///
     /// # Errors
     /// As [`crate::generate::generate`]: [`crate::Error::EmptyPrompt`],
@@ -72,13 +88,24 @@ impl Session {
         opts: &GenerateOptions,
         on_text: impl FnMut(&str) -> ControlFlow<()>,
     ) -> Result<Turn> {
-        let common = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count().min(ids.len().saturating_sub(1));
+        let same = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        let mut common = same.min(self.prefilled).min(ids.len().saturating_sub(MIN_SUFFIX));
+        // Where a token's prefill result depends on its pass (Q4_0), only
+        // whole passes are reused, each run at the offset a fresh prefill
+        // runs it: the rest is computed exactly as a fresh prefill would.
+        let pass = nflash_plan::layout::prefill_chunk(&engine.model.cfg);
+        let invariant = engine.model.prefill_batch_invariant();
+        if !invariant {
+            common -= common % pass;
+        }
         self.kv.truncate(common);
         self.cached.truncate(common);
         let new = &ids[common..];
         match generate_until(&engine.model, &mut self.kv, &engine.tokenizer, new, sampler, opts, on_text) {
             Ok((tokens, stats)) => {
                 self.cached.extend_from_slice(new);
+                self.prefilled =
+                    if invariant { self.cached.len() } else { self.cached.len() - self.cached.len() % pass };
                 self.cached.extend_from_slice(&tokens);
                 // The last sampled token was never run through the model.
                 self.cached.truncate(self.kv.len());
@@ -86,6 +113,7 @@ impl Session {
             }
             Err(e) => {
                 self.kv.truncate(common);
+                self.prefilled = common;
                 Err(e)
             }
         }

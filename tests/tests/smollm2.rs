@@ -250,3 +250,50 @@ fn interactive_chat_keeps_the_conversation() {
     assert!(first.contains("Paris"), "{out:?}");
     assert!(second.contains("Berlin"), "the second turn must see the first: {out:?}");
 }
+
+/// A conversation continued through [`nflash_runtime::session::Session`]
+/// (its prefix's keys and values reused) gives the greedy tokens of a fresh
+/// session prefilling the whole conversation: for a repeated request, a
+/// continued chat, a suffix of a few tokens and a prompt across prefill
+/// chunks, in Q8_0 (f32 prefill tiles) and Q4_0 (quantized prefill GEMM).
+#[test]
+fn reused_prefixes_give_the_tokens_of_a_fresh_prefill() {
+    use nflash_runtime::generate::GenerateOptions;
+    use nflash_runtime::sampler::{Sampler, SamplerConfig};
+    use nflash_runtime::session::Session;
+    for quant in ["q8_0", "q4_0"] {
+        let p = pack(quant);
+        let pack = Pack::open_resident(&p).unwrap();
+        let engine = Engine::load(&pack).unwrap();
+        let opts = GenerateOptions { max_tokens: 12, stop_ids: vec![], ignore_eos: true };
+        let greedy = || Sampler::new(SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 });
+        let fresh = |ids: &[u32]| {
+            let mut s = Session::new(&engine, 1024).unwrap();
+            s.generate(&engine, ids, &mut greedy(), &opts, |_| std::ops::ControlFlow::Continue(())).unwrap().tokens
+        };
+        let text = eval_tokens(700);
+        let chat = CHATML_IDS.to_vec();
+        // (earlier request, later request)
+        let cases: Vec<(Vec<u32>, Vec<u32>)> = vec![
+            (chat.clone(), chat.clone()),
+            (chat.clone(), [chat.clone(), fresh(&chat), chat[..6].to_vec()].concat()),
+            (text[..40].to_vec(), text[..43].to_vec()),
+            (text[..40].to_vec(), text[..52].to_vec()),
+            (text[..300].to_vec(), text[..640].to_vec()),
+        ];
+        for (i, (first, second)) in cases.iter().enumerate() {
+            let mut s = Session::new(&engine, 1024).unwrap();
+            s.generate(&engine, first, &mut greedy(), &opts, |_| std::ops::ControlFlow::Continue(())).unwrap();
+            let t = s.generate(&engine, second, &mut greedy(), &opts, |_| std::ops::ControlFlow::Continue(())).unwrap();
+            let same = first.iter().zip(second).take_while(|(a, b)| a == b).count();
+            let mut expect =
+                same.min(first.len()).min(second.len().saturating_sub(nflash_runtime::session::MIN_SUFFIX));
+            if quant == "q4_0" {
+                // Whole prefill passes only (256 tokens for SmolLM2).
+                expect -= expect % 256;
+            }
+            assert_eq!(t.reused_tokens, expect, "{quant} case {i}");
+            assert_eq!(t.tokens, fresh(second), "{quant} case {i}: reused {} tokens", t.reused_tokens);
+        }
+    }
+}

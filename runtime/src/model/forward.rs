@@ -54,7 +54,11 @@ impl Model<'_> {
             window: self.cfg.sliding_window.map(|w| w as usize),
             eps,
         };
-        let batched = n >= MIN_BATCH;
+        // Prefill always takes the batched kernels, whose per-token results do
+        // not depend on the batch (kernels/gemm.rs `product`): a prompt then
+        // gives the same keys, values and logits whether it is run whole or
+        // after a reused prefix (session.rs), in chunks of any length.
+        let batched = n >= MIN_BATCH || pass == Pass::Prefill;
         let sparse_on = self.sparse_enabled && pass != Pass::Prefill;
         let (cos, sin) = self.rope.tables(p0, n);
         let rope = RopeTables { rope: &self.rope, cos, sin };

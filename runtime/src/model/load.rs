@@ -142,6 +142,8 @@ impl<'a> Model<'a> {
             embed,
             lm_head,
             sparse_enabled: sparse_info.is_some(),
+            prefill_invariant: !pack.manifest().tensors.iter().any(|t| crate::kernels::quantized_prefill(t.dtype))
+                && !pack.manifest().ffn.iter().any(|l| crate::kernels::quantized_prefill(l.bundle.dtype)),
             kv_type: Default::default(),
             speculation: Speculation::Auto,
             misguide_prefetch: false,
