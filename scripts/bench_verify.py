@@ -22,6 +22,8 @@ the instructions spent in the CRC-32C itself. Root is needed to drop the
 page cache. Outputs: the table and OUT/results.json.
 
     python3 scripts/bench_verify.py [--runs 5] [--out bench-out/verify]
+
+NFLASH_BIN_DIR points at other prep/nflash binaries (default target/release).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from nflash_bench import common  # noqa: E402
 from nflash_bench.common import REPO, die, fmt, log, median, run_info  # noqa: E402
 
 common.PROG = "bench-verify"
-BIN = REPO / "target" / "release"
+BIN = Path(os.environ.get("NFLASH_BIN_DIR", REPO / "target" / "release"))
 
 
 def drop_caches() -> None:

@@ -129,17 +129,37 @@ impl Prompter {
     }
 
     /// Token ids of `messages` rendered by the chat template with the
-    /// assistant's turn opened (`add_generation_prompt`), or `None` when
-    /// the pack has no template.
+    /// assistant's turn opened (`add_generation_prompt`), at most `limit`
+    /// of them ([`Tokenizer::encode_at_most`]), or `None` when the pack has
+    /// no template.
     ///
     /// # Errors
     /// [`Error::Template`] when the template refuses the messages (e.g. a
-    /// role it does not know), [`Error::Tokenizer`].
-    pub fn encode_chat(&self, messages: &[crate::chat::Message]) -> Result<Option<Vec<u32>>> {
+    /// role it does not know), [`Error::PromptTooLong`], [`Error::Tokenizer`].
+    pub fn encode_chat(&self, messages: &[crate::chat::Message], limit: usize) -> Result<Option<Vec<u32>>> {
         match &self.template {
             None => Ok(None),
-            Some(t) => Ok(Some(self.tokenizer.encode(&t.render(messages)?, false)?)),
+            Some(t) => Ok(Some(self.tokenizer.encode_at_most(&t.render(messages)?, false, limit)?)),
         }
+    }
+
+    /// As [`Self::encode_raw`], at most `limit` tokens ([`Tokenizer::encode_at_most`]).
+    ///
+    /// # Errors
+    /// [`Error::PromptTooLong`], [`Error::Tokenizer`].
+    pub fn encode_raw_at_most(&self, text: &str, limit: usize) -> Result<Vec<u32>> {
+        let ids = match self.raw_bos {
+            RawBos::PostProcessor => self.tokenizer.encode_at_most(text, true, limit)?,
+            RawBos::Prepend(bos) => {
+                let mut ids: Vec<u32> = bos.into_iter().collect();
+                ids.extend(self.tokenizer.encode_at_most(text, false, limit)?);
+                ids
+            }
+        };
+        if ids.len() > limit {
+            return Err(Error::PromptTooLong { prompt: ids.len(), context: limit, reserve: 0 });
+        }
+        Ok(ids)
     }
 }
 

@@ -2,6 +2,10 @@
 
 use crate::error::{Error, Result};
 
+/// Bytes of text tokenized at once by [`Tokenizer::encode_at_most`] when
+/// counting a long text's tokens.
+pub const PIECE_BYTES: usize = 16 << 10;
+
 /// A `tokenizers` tokenizer loaded from the pack's `tokenizer.json`.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -45,6 +49,46 @@ impl Tokenizer {
             .encode(text, add_special_tokens)
             .map_err(|e| Error::Tokenizer(format!("encoding failed: {e}")))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// As [`Self::encode`], refusing text of more than `limit` tokens without
+    /// tokenizing it whole: text over [`PIECE_BYTES`] is first counted piece
+    /// by piece (pieces cut after whitespace), so the memory it takes stays
+    /// that of a piece (the tokenizer keeps some hundred bytes per token)
+    /// however long the text is.
+    ///
+    /// # Errors
+    /// [`Error::PromptTooLong`] (`prompt`: the tokens counted so far, at
+    /// least `limit` + 1; `reserve` 0) and as [`Self::encode`].
+    pub fn encode_at_most(&self, text: &str, add_special_tokens: bool, limit: usize) -> Result<Vec<u32>> {
+        if text.len() > PIECE_BYTES {
+            let mut counted = 0usize;
+            let mut rest = text;
+            while !rest.is_empty() {
+                let mut cut = rest.len().min(PIECE_BYTES);
+                while !rest.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                if cut < rest.len() {
+                    // After the last whitespace of the piece, where there is one.
+                    cut = rest[..cut].rfind(char::is_whitespace).map_or(cut, |i| i + 1).max(1);
+                    while !rest.is_char_boundary(cut) {
+                        cut += 1;
+                    }
+                }
+                counted += self.encode(&rest[..cut], false)?.len();
+                // Pieces may split what the whole text merges: a few tokens of slack per cut.
+                if counted > limit.saturating_add(8 * (text.len() - rest.len()).div_ceil(PIECE_BYTES) + 8) {
+                    return Err(Error::PromptTooLong { prompt: counted, context: limit, reserve: 0 });
+                }
+                rest = &rest[cut..];
+            }
+        }
+        let ids = self.encode(text, add_special_tokens)?;
+        if ids.len() > limit {
+            return Err(Error::PromptTooLong { prompt: ids.len(), context: limit, reserve: 0 });
+        }
+        Ok(ids)
     }
 
     /// Decodes `ids`, skipping special tokens.

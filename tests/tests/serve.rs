@@ -154,6 +154,7 @@ fn chat_stream_and_prefix_reuse_give_the_greedy_tokens_of_a_fresh_prefill() {
         chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect::<Vec<_>>().concat();
     assert_eq!(joined, first);
     assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"]), "one id for every chunk of a stream");
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"][0]["finish_reason"], "stop");
     assert_eq!(last["usage"]["prompt_tokens"], r["usage"]["prompt_tokens"]);
@@ -279,6 +280,16 @@ fn bad_requests_get_400_naming_the_problem_and_a_missing_key_401() {
         ("n of 2", "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"n\": 2}".into(), "n must be 1"),
         ("prompt over the context", long, "--ctx"),
         ("body over the bound", huge, "--max-body"),
+        (
+            "tools",
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"tools\": [{\"type\": \"function\"}]}".into(),
+            "tools",
+        ),
+        (
+            "logprobs",
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}], \"logprobs\": true}".into(),
+            "logprobs",
+        ),
     ];
     for (what, body, needle) in cases {
         let (st, _, v) = post(&body);
@@ -289,9 +300,37 @@ fn bad_requests_get_400_naming_the_problem_and_a_missing_key_401() {
     }
     let (st, _, v) = s.call("POST", "/v1/completions", key, Some("{\"prompt\": 3}"));
     assert_eq!(st, 400, "{v}");
+    // The scheme is case-insensitive; unknown methods and models get JSON errors.
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let r = agent.get(&format!("{}/v1/models", s.url)).header("Authorization", "bearer s3cret").call().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let (st, _, v) = s.call("POST", "/health", key, Some("{}"));
+    assert!(st == 404 && v["error"]["message"].as_str().is_some(), "{st} {v}");
+    let (st, _, v) = s.call("GET", "/v1/models/tiny", key, None);
+    assert_eq!((st, v["id"].as_str()), (200, Some("tiny")), "{v}");
+    assert_eq!(s.call("GET", "/v1/models/other", key, None).0, 404);
+    // Almost a megabyte of digits (a token each) is refused without being
+    // tokenized whole (which took some 500 MB), within the default --max-body.
+    let big = Server::start(&crate::smollm2::pack("q8_0"), &["--ctx", "64"]);
+    let digits = format!("{{\"prompt\": \"{}\"}}", "1".repeat(1_000_000));
+    let (st, _, v) = big.call("POST", "/v1/completions", None, Some(&digits));
+    assert_eq!(st, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--ctx"), "{v}");
+    let (_, _, h) = big.call("GET", "/health", None, None);
+    assert!(h["peak_rss_bytes"].as_u64().unwrap() < 300 << 20, "{h}");
     // After all that, the server still answers.
     assert_eq!(post(&ok).0, 200);
     assert!(!s.log().contains("panicked"), "{}", s.log());
+}
+
+#[test]
+fn with_no_queue_one_request_at_a_time_is_always_served() {
+    let pack = crate::smollm2::pack("q8_0");
+    let s = Server::start(&pack, &["--queue", "0"]);
+    for _ in 0..6 {
+        let (st, r) = s.post("/v1/completions", &json!({"prompt": "a b c", "max_tokens": 2}));
+        assert_eq!(st, 200, "{r}");
+    }
 }
 
 #[test]
@@ -332,12 +371,8 @@ fn a_full_queue_gets_503_and_a_client_that_leaves_cancels_its_generation() {
         assert!(t.elapsed() < Duration::from_secs(60), "the first request never ran: {}", s.log());
         std::thread::sleep(Duration::from_millis(20));
     }
-    let b = std::thread::spawn({
-        let url = s.url.clone();
-        let long = long.clone();
-        // Hangs up while it waits: the generation thread skips it.
-        move || drop(start_stream(&url, &long))
-    });
+    // Accepted (a stream's headers come at once) and waiting.
+    let b = start_stream(&s.url, &long);
     let t = Instant::now();
     while s.call("GET", "/health", None, None).2["waiting"] != 1 {
         assert!(t.elapsed() < Duration::from_secs(60), "the second request never queued: {}", s.log());
@@ -348,9 +383,15 @@ fn a_full_queue_gets_503_and_a_client_that_leaves_cancels_its_generation() {
     assert_eq!(st, 503, "{v}");
     assert!(retry.is_some_and(|r| r.parse::<u64>().unwrap() >= 1), "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("--queue 1"), "{v}");
+    // The waiting client hangs up: its place is free at once.
+    drop(b);
+    let t = Instant::now();
+    while s.call("GET", "/health", None, None).2["waiting"] != 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "a client that left still holds its place: {}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // The running client hangs up: its generation stops at its next
     // token, long before 2000 tokens.
-    b.join().unwrap();
     drop(a);
     assert!(s.wait_idle(Duration::from_secs(30)), "still generating after the clients left: {}", s.log());
     let t = Instant::now();

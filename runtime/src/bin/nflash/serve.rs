@@ -17,10 +17,10 @@ use std::convert::Infallible;
 use std::net::{TcpListener, ToSocketAddrs};
 use std::ops::ControlFlow;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
-use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use axum::body::{Body, Bytes};
@@ -81,9 +81,12 @@ pub struct ServeArgs {
     /// Largest max_tokens a request may ask for [default: the context length].
     #[arg(long)]
     max_tokens_limit: Option<usize>,
-    /// Largest request body (e.g. 1MiB); a larger one gets 400.
+    /// Largest request body (e.g. 1MiB, at least 1KiB); a larger one gets 400.
     #[arg(long, default_value = "1MiB", value_parser = parse_bytes)]
     max_body: u64,
+    /// Open connections at most; more wait to be accepted.
+    #[arg(long, default_value_t = 64)]
+    max_connections: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Compute threads (default: the big cores where a phone has big and
@@ -115,8 +118,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
             "refusing to listen on {addr} without an API key: anyone who can reach that address could use the model; pass --api-key-file FILE (or --api-key KEY), or listen on 127.0.0.1"
         );
     }
-    if a.max_body > (1 << 30) {
-        bail!("--max-body {} is over 1 GiB; requests are JSON text, a few MiB at most", a.max_body);
+    if !(1024..=(1 << 30)).contains(&a.max_body) {
+        bail!("--max-body {} must be between 1KiB and 1GiB; requests are JSON text, a few MiB at most", a.max_body);
+    }
+    if a.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
     }
     // Bind before loading the model, so a port in use fails at once.
     let listener = TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
@@ -163,16 +169,55 @@ struct Shared {
 /// The queue's state, kept by the HTTP side and the generation thread.
 #[derive(Default)]
 struct Counters {
-    /// Jobs sent and not yet taken by the generation thread.
-    waiting: AtomicUsize,
-    /// A generation runs.
-    busy: AtomicBool,
+    state: Mutex<QueueState>,
     /// Wall time of the last generation, milliseconds (for Retry-After).
     last_ms: AtomicU64,
 }
 
+#[derive(Default, Clone, Copy)]
+struct QueueState {
+    /// Requests accepted and not yet taken by the generation thread (nor
+    /// given up by their clients).
+    waiting: usize,
+    /// A generation runs.
+    busy: bool,
+}
+
+impl Counters {
+    fn get(&self) -> QueueState {
+        *self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn update<T>(&self, f: impl FnOnce(&mut QueueState) -> T) -> T {
+        f(&mut self.state.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// Where a job is: waiting, taken by the generation thread, or given up
+/// by its client while it waited.
+const QUEUED: u8 = 0;
+const TAKEN: u8 = 1;
+const ABANDONED: u8 = 2;
+
+/// Held by the request's handler (or its response stream): when the client
+/// goes away before the generation thread takes the job, the job leaves
+/// the queue at once.
+struct Waiter {
+    counters: Arc<Counters>,
+    job: Arc<AtomicU8>,
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        if self.job.compare_exchange(QUEUED, ABANDONED, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            self.counters.update(|q| q.waiting -= 1);
+        }
+    }
+}
+
 /// One request for the generation thread.
 struct Job {
+    state: Arc<AtomicU8>,
     ids: Vec<u32>,
     ignore_eos: bool,
     sampling: SamplerConfig,
@@ -212,7 +257,8 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
     if max_tokens == 0 || max_tokens > max_tokens_limit {
         bail!("--max-tokens {max_tokens} must be between 1 and --max-tokens-limit ({max_tokens_limit})");
     }
-    let (jobs, rx) = sync_channel(a.queue);
+    // Admission is decided by `Counters`; the channel only carries the jobs.
+    let (jobs, rx) = sync_channel(a.queue + 1);
     let counters = Arc::new(Counters::default());
     let shared = Arc::new(Shared {
         model_id,
@@ -233,6 +279,7 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
     let addr = listener.local_addr().context("the listening socket has no address")?;
     listener.set_nonblocking(true).context("cannot make the listening socket non-blocking")?;
     let app = router(shared.clone());
+    let max_connections = a.max_connections;
     let http = std::thread::Builder::new()
         .name("nflash-http".into())
         .spawn(move || -> Result<()> {
@@ -242,7 +289,7 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
                 .context("cannot start the HTTP runtime")?;
             rt.block_on(async move {
                 let l = tokio::net::TcpListener::from_std(listener).context("cannot use the listening socket")?;
-                axum::serve(l, app).await.context("the HTTP server stopped")
+                serve_http(l, app, max_connections).await
             })
         })
         .context("cannot start the HTTP thread")?;
@@ -262,16 +309,49 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
     }
 }
 
+/// Accepts connections (at most `max` open: more wait in the kernel's
+/// backlog) and serves each with hyper's HTTP/1, closing those whose
+/// request headers take longer than [`HEADER_TIMEOUT`] (idle ones too).
+async fn serve_http(listener: tokio::net::TcpListener, app: Router, max: usize) -> Result<()> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(max));
+    loop {
+        let slot = slots.clone().acquire_owned().await.context("the connection limit was closed")?;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors and the like: say so, wait, go on.
+                message!("warning: cannot accept a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(HEADER_TIMEOUT);
+            // Errors here are the client's (closed, timed out, malformed): nothing to report.
+            let _ = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
+            drop(slot);
+        });
+    }
+}
+
 /// Runs jobs one at a time until every sender is gone (the HTTP thread
 /// stopped).
 fn generation_loop(engine: &Engine, session: &mut Session, rx: Receiver<Job>, counters: &Counters) {
     for job in rx {
-        counters.waiting.fetch_sub(1, Ordering::SeqCst);
-        counters.busy.store(true, Ordering::SeqCst);
+        // A job its client gave up while it waited has left the queue already.
+        if job.state.compare_exchange(QUEUED, TAKEN, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            continue;
+        }
+        counters.update(|q| {
+            q.waiting -= 1;
+            q.busy = true;
+        });
         let t0 = Instant::now();
         run_job(engine, session, job);
         counters.last_ms.store(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
-        counters.busy.store(false, Ordering::SeqCst);
+        counters.update(|q| q.busy = false);
     }
 }
 
@@ -411,9 +491,11 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth))
         .route("/health", get(health))
         .fallback(not_found)
+        .method_not_allowed_fallback(not_found)
         .with_state(shared)
 }
 
@@ -450,8 +532,12 @@ impl IntoResponse for ApiError {
 /// Checks `Authorization: Bearer KEY` when the server has a key.
 async fn auth(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
     if let Some(key) = &s.key {
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
-        let given = given.strip_prefix("Bearer ").unwrap_or("").trim();
+        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("").trim();
+        // The scheme's name is case-insensitive (RFC 9110 §11.1).
+        let given = match given.split_once(' ') {
+            Some((scheme, key)) if scheme.eq_ignore_ascii_case("bearer") => key.trim(),
+            _ => "",
+        };
         // Compare in time independent of where the strings differ.
         let same = given.len() == key.len() && given.bytes().zip(key.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
         if !same {
@@ -470,7 +556,7 @@ async fn not_found(req: Request) -> ApiError {
     ApiError {
         status: StatusCode::NOT_FOUND,
         message: format!(
-            "no endpoint {} {}: nflash serve has POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health",
+            "no endpoint {} {}: nflash serve has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/ID and GET /health",
             req.method(),
             req.uri().path()
         ),
@@ -482,8 +568,8 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
     axum::Json(json!({
         "status": "ok",
         "model": s.model_id,
-        "busy": s.counters.busy.load(Ordering::SeqCst),
-        "waiting": s.counters.waiting.load(Ordering::SeqCst),
+        "busy": s.counters.get().busy,
+        "waiting": s.counters.get().waiting,
         "queue": s.queue,
         "context_tokens": s.ctx,
         "memory_budget_bytes": s.budget,
@@ -492,19 +578,34 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
     .into_response()
 }
 
+fn model_card(s: &Shared) -> Value {
+    json!({"id": s.model_id, "object": "model", "created": s.created, "owned_by": "nflash"})
+}
+
 async fn models(State(s): State<Arc<Shared>>) -> Response {
-    axum::Json(json!({
-        "object": "list",
-        "data": [{"id": s.model_id, "object": "model", "created": s.created, "owned_by": "nflash"}],
-    }))
-    .into_response()
+    axum::Json(json!({"object": "list", "data": [model_card(&s)]})).into_response()
+}
+
+async fn model(State(s): State<Arc<Shared>>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    if id == s.model_id {
+        axum::Json(model_card(&s)).into_response()
+    } else {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("no model {id:?}: this server has one, {:?}", s.model_id),
+            retry_after: None,
+        }
+        .into_response()
+    }
 }
 
 /// The request fields both endpoints take (OpenAI's names; others are ignored).
 #[derive(Deserialize)]
 struct Params {
-    #[serde(default)]
-    stream: bool,
+    stream: Option<bool>,
+    tools: Option<Value>,
+    logprobs: Option<Value>,
+    echo: Option<bool>,
     stream_options: Option<StreamOptions>,
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
@@ -561,10 +662,13 @@ async fn chat(State(s): State<Arc<Shared>>, req: Request) -> Response {
             .enumerate()
             .map(|(i, m)| Ok(Message::new(&m.role, &content_text(&m.content, i)?)))
             .collect::<Result<Vec<_>, ApiError>>()?;
-        let ids = s
-            .prompter
-            .encode_chat(&msgs)
-            .map_err(|e| ApiError::bad(format!("messages: the pack's chat template cannot render them: {e}")))?
+        let s2 = s.clone();
+        let ids = blocking(move || s2.prompter.encode_chat(&msgs, s2.ctx - 1))
+            .await?
+            .map_err(|e| match e {
+                nflash_runtime::Error::PromptTooLong { prompt, .. } => too_long(&s, prompt),
+                e => ApiError::bad(format!("messages: the pack's chat template cannot render them: {e}")),
+            })?
             .ok_or_else(|| {
                 ApiError::bad("this pack has no chat template (a base model): use /v1/completions with a prompt")
             })?;
@@ -584,18 +688,53 @@ async fn completions(State(s): State<Arc<Shared>>, req: Request) -> Response {
         if prompt.is_empty() {
             return Err(ApiError::bad("prompt is empty"));
         }
-        let ids = s.prompter.encode_raw(prompt).map_err(|e| ApiError::bad(format!("prompt: {e}")))?;
+        let (s2, prompt) = (s.clone(), prompt.to_string());
+        let ids =
+            blocking(move || s2.prompter.encode_raw_at_most(&prompt, s2.ctx - 1)).await?.map_err(|e| match e {
+                nflash_runtime::Error::PromptTooLong { prompt, .. } => too_long(&s, prompt),
+                e => ApiError::bad(format!("prompt: {e}")),
+            })?;
         submit(&s, ids, &p, Kind::Completion).await
     };
     r.await.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// Runs `f` (tokenizing: up to a second for a long prompt) off the HTTP thread.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| failed(format!("tokenizing the request failed: {e}")))
+}
+
+/// 400 for a prompt of (at least) `tokens` tokens.
+fn too_long(s: &Shared, tokens: usize) -> ApiError {
+    ApiError::bad(format!(
+        "the prompt is {tokens} tokens or more; this server's context holds {} (--ctx) with at least one for the reply: shorten the conversation",
+        s.ctx
+    ))
+}
+
 /// The request body, at most --max-body bytes.
 async fn read_body(s: &Shared, req: Request) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(req.into_body(), s.max_body).await.map_err(|e| {
-        ApiError::bad(format!("cannot read the request body: {e} (the limit is {} bytes, --max-body)", s.max_body))
-    })
+    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > s.max_body as u64) {
+        return Err(ApiError::bad(format!(
+            "the request body is {n} bytes, over the limit of {} bytes (--max-body)",
+            s.max_body
+        )));
+    }
+    match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(req.into_body(), s.max_body)).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => Err(ApiError::bad(format!(
+            "cannot read the request body: {e} (the limit is {} bytes, --max-body)",
+            s.max_body
+        ))),
+        Err(_) => Err(ApiError::bad(format!("the request body did not arrive within {} s", BODY_TIMEOUT.as_secs()))),
+    }
 }
+
+/// How long a request's headers may take to arrive (then the connection is closed).
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a request's body may take to arrive (then 400).
+const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Parses a JSON object into the endpoint's fields and the shared
 /// [`Params`], naming the field at fault.
@@ -636,6 +775,17 @@ fn content_text(c: &Value, i: usize) -> Result<String, ApiError> {
 
 /// Checks the request's bounds, queues it and answers (streamed or whole).
 async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Result<Response, ApiError> {
+    if p.tools.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())) {
+        return Err(ApiError::bad(
+            "tools (function calling) are not supported by nflash serve; send the request without them",
+        ));
+    }
+    if p.logprobs.as_ref().is_some_and(|l| !matches!(l, Value::Null | Value::Bool(false))) {
+        return Err(ApiError::bad("logprobs are not supported by nflash serve; send the request without them"));
+    }
+    if p.echo == Some(true) {
+        return Err(ApiError::bad("echo is not supported by nflash serve; send the request without it"));
+    }
     if p.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad("n must be 1: nflash serve generates one choice per request"));
     }
@@ -679,36 +829,48 @@ async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Resul
         None => clock_seed(),
     };
     let stop = stop_strings(p.stop.as_ref())?;
-    let (tx, rx) = unbounded_channel();
-    let job = Job { ids, ignore_eos: p.ignore_eos, sampling, max_tokens, stop, events: tx, enqueued: Instant::now() };
-    s.counters.waiting.fetch_add(1, Ordering::SeqCst);
-    if let Err(e) = s.jobs.try_send(job) {
-        s.counters.waiting.fetch_sub(1, Ordering::SeqCst);
-        return Err(match e {
-            TrySendError::Full(_) => {
-                let waiting = s.counters.waiting.load(Ordering::SeqCst) as u64 + 1;
-                let secs = (s.counters.last_ms.load(Ordering::Relaxed) * waiting).div_ceil(1000).max(1);
-                ApiError {
-                    status: StatusCode::SERVICE_UNAVAILABLE,
-                    message: format!(
-                        "busy: one request is generating and {} are waiting (--queue {}); retry later",
-                        s.queue, s.queue
-                    ),
-                    retry_after: Some(secs),
-                }
-            }
-            TrySendError::Disconnected(_) => ApiError {
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                message: "the generation thread has stopped; restart nflash serve".into(),
-                retry_after: None,
-            },
+    // Admitted while fewer than --queue wait (one more when nothing runs:
+    // the generation thread takes it at once).
+    let admitted = s.counters.update(|q| {
+        let room = q.waiting < s.queue + usize::from(!q.busy && q.waiting == 0);
+        if room {
+            q.waiting += 1;
+        }
+        room
+    });
+    if !admitted {
+        let waiting = s.counters.get().waiting as u64 + 1;
+        let secs = (s.counters.last_ms.load(Ordering::Relaxed) * waiting).div_ceil(1000).max(1);
+        return Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: format!(
+                "busy: one request is generating and {} are waiting (--queue {}); retry later",
+                s.queue, s.queue
+            ),
+            retry_after: Some(secs),
         });
     }
+    let state = Arc::new(AtomicU8::new(QUEUED));
+    let waiter = Waiter { counters: s.counters.clone(), job: state.clone() };
+    let (tx, rx) = unbounded_channel();
+    let job =
+        Job { state, ids, ignore_eos: p.ignore_eos, sampling, max_tokens, stop, events: tx, enqueued: Instant::now() };
+    if s.jobs.try_send(job).is_err() {
+        return Err(failed("the generation thread has stopped; restart nflash serve".into()));
+    }
     let include_usage = p.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    if p.stream {
-        Ok(stream_response(s, rx, kind, include_usage))
+    let id = format!(
+        "{}-{}-{}",
+        if kind == Kind::Chat { "chatcmpl" } else { "cmpl" },
+        s.created,
+        NEXT_ID.fetch_add(1, Ordering::Relaxed)
+    );
+    if p.stream == Some(true) {
+        Ok(stream_response(s, rx, kind, include_usage, id, waiter))
     } else {
-        whole_response(s, rx, kind).await
+        let r = whole_response(s, rx, kind, &id).await;
+        drop(waiter);
+        r
     }
 }
 
@@ -729,15 +891,14 @@ fn stop_strings(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
 }
 
 /// `id`, `object`, `created` and `model` of a response or chunk.
-fn envelope(s: &Shared, kind: Kind, stream: bool) -> serde_json::Map<String, Value> {
-    let n = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    let (prefix, object) = match (kind, stream) {
-        (Kind::Chat, false) => ("chatcmpl", "chat.completion"),
-        (Kind::Chat, true) => ("chatcmpl", "chat.completion.chunk"),
-        (Kind::Completion, _) => ("cmpl", "text_completion"),
+fn envelope(s: &Shared, kind: Kind, stream: bool, id: &str) -> serde_json::Map<String, Value> {
+    let object = match (kind, stream) {
+        (Kind::Chat, false) => "chat.completion",
+        (Kind::Chat, true) => "chat.completion.chunk",
+        (Kind::Completion, _) => "text_completion",
     };
     let mut m = serde_json::Map::new();
-    m.insert("id".into(), json!(format!("{prefix}-{}-{n}", s.created)));
+    m.insert("id".into(), json!(id));
     m.insert("object".into(), json!(object));
     m.insert("created".into(), json!(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())));
     m.insert("model".into(), json!(s.model_id));
@@ -755,14 +916,19 @@ fn failed(message: String) -> ApiError {
 }
 
 /// Waits for the whole reply and answers with one JSON object.
-async fn whole_response(s: &Shared, mut rx: UnboundedReceiver<Event>, kind: Kind) -> Result<Response, ApiError> {
+async fn whole_response(
+    s: &Shared,
+    mut rx: UnboundedReceiver<Event>,
+    kind: Kind,
+    id: &str,
+) -> Result<Response, ApiError> {
     let mut text = String::new();
     loop {
         match rx.recv().await {
             Some(Event::Started) => {}
             Some(Event::Text(t)) => text.push_str(&t),
             Some(Event::Done { prompt_tokens, completion_tokens, finish_reason, timings }) => {
-                let mut m = envelope(s, kind, false);
+                let mut m = envelope(s, kind, false, id);
                 let choice = match kind {
                     Kind::Chat => {
                         json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason})
@@ -783,13 +949,21 @@ async fn whole_response(s: &Shared, mut rx: UnboundedReceiver<Event>, kind: Kind
 }
 
 /// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
-fn stream_response(s: &Arc<Shared>, rx: UnboundedReceiver<Event>, kind: Kind, include_usage: bool) -> Response {
+fn stream_response(
+    s: &Arc<Shared>,
+    rx: UnboundedReceiver<Event>,
+    kind: Kind,
+    include_usage: bool,
+    id: String,
+    waiter: Waiter,
+) -> Response {
     let s = s.clone();
+    let id = Arc::new(id);
     let sse = |v: &Value| format!("data: {v}\n\n");
     let chunk = {
-        let s = s.clone();
+        let (s, id) = (s.clone(), id.clone());
         move |delta: Value, finish: Value| {
-            let mut m = envelope(&s, kind, true);
+            let mut m = envelope(&s, kind, true, &id);
             let choice = match kind {
                 Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish}),
                 Kind::Completion => json!({
@@ -808,6 +982,8 @@ fn stream_response(s: &Arc<Shared>, rx: UnboundedReceiver<Event>, kind: Kind, in
         Kind::Completion => String::new(),
     };
     let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(move |ev| {
+        // The stream holds the waiter: a client that hangs up drops both.
+        let _ = &waiter;
         let out = match ev {
             Event::Started => String::new(),
             Event::Text(t) => sse(&chunk(json!({"content": t}), Value::Null)),
@@ -817,7 +993,7 @@ fn stream_response(s: &Arc<Shared>, rx: UnboundedReceiver<Event>, kind: Kind, in
                 last["timings"] = timings;
                 let mut out = sse(&last);
                 if include_usage {
-                    let mut u = envelope(&s, kind, true);
+                    let mut u = envelope(&s, kind, true, &id);
                     u.insert("choices".into(), json!([]));
                     u.insert("usage".into(), usage(prompt_tokens, completion_tokens));
                     out += &sse(&Value::Object(u));
