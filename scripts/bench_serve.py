@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import random
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from nflash_bench import common  # noqa: E402
 from nflash_bench.common import MIB, REPO, die, log, run_info  # noqa: E402
 
 common.PROG = "bench-serve"
-BIN = REPO / "target" / "release"
+BIN = Path(os.environ.get("NFLASH_BIN_DIR", REPO / "target" / "release"))
 
 
 def ensure_packs(out: Path) -> dict[str, Path]:
@@ -150,7 +151,7 @@ def main() -> None:
     ap.add_argument("--secs", type=float, default=60)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--queue", type=int, default=8)
-    ap.add_argument("--budget-tiny", default="48MiB")
+    ap.add_argument("--budget-tiny", default="56MiB")
     ap.add_argument("--budget-smollm2", default="120MiB")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--seed", type=int, default=1)
