@@ -343,18 +343,24 @@ pub unsafe extern "C" fn nflash_params_default(model: *const NflashModel, out: *
             return Err(invalid("out is a null pointer"));
         }
         let inner = m.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let g = inner.loaded.with_dependent(|_, r| r.engine.generation.clone());
-        let p = NflashParams {
-            max_tokens: 256,
-            temperature: g.temperature.unwrap_or(0.8),
-            top_k: g.top_k.map_or(40, |k| k),
-            top_p: g.top_p.unwrap_or(0.95),
-            seed: 0,
-        };
+        let p = inner.loaded.with_dependent(|_, r| pack_params(&r.engine));
         // SAFETY: non-null and writable, per the caller.
         unsafe { out.write(p) };
         Ok(NflashStatus::Ok)
     })
+}
+
+/// The pack's sampling defaults (its `generation_config.json`, else
+/// temperature 0.8, top-k 40, top-p 0.95), 256 tokens, seed 0.
+fn pack_params(engine: &Engine) -> NflashParams {
+    let g = &engine.generation;
+    NflashParams {
+        max_tokens: 256,
+        temperature: g.temperature.unwrap_or(0.8),
+        top_k: g.top_k.unwrap_or(40),
+        top_p: g.top_p.unwrap_or(0.95),
+        seed: 0,
+    }
 }
 
 /// What to generate after.
@@ -376,16 +382,7 @@ fn generate(
     let Inner { loaded, last } = &mut *inner;
     m.cancel.store(false, Ordering::SeqCst);
     loaded.with_dependent_mut(|_, r| {
-        let p = match params {
-            Some(p) => p,
-            None => NflashParams {
-                max_tokens: 256,
-                temperature: r.engine.generation.temperature.unwrap_or(0.8),
-                top_k: r.engine.generation.top_k.map_or(40, |k| k),
-                top_p: r.engine.generation.top_p.unwrap_or(0.95),
-                seed: 0,
-            },
-        };
+        let p = params.unwrap_or_else(|| pack_params(&r.engine));
         if p.max_tokens == 0 {
             return Err(invalid("params.max_tokens must be at least 1"));
         }
