@@ -392,17 +392,13 @@ fn generate(
         if !(p.top_p > 0.0 && p.top_p <= 1.0) {
             return Err(invalid(format!("params.top_p {} must be in (0, 1]", p.top_p)));
         }
+        // At most a context's worth, counted before a long text is tokenized whole.
+        let limit = r.session.capacity() - 1;
         let ids = match &req {
-            Request::Chat(msgs) => {
-                let t = r.engine.template.as_ref().ok_or_else(|| {
-                    Fail(
-                        NflashStatus::Prompt,
-                        "this pack has no chat template (a base model): use nflash_complete".into(),
-                    )
-                })?;
-                r.engine.tokenizer.encode(&t.render(msgs)?, false)?
-            }
-            Request::Raw(text) => r.engine.encode_raw(text)?,
+            Request::Chat(msgs) => r.engine.encode_chat(msgs, limit)?.ok_or_else(|| {
+                Fail(NflashStatus::Prompt, "this pack has no chat template (a base model): use nflash_complete".into())
+            })?,
+            Request::Raw(text) => r.engine.encode_raw_at_most(text, limit)?,
         };
         let opts = GenerateOptions {
             max_tokens: p.max_tokens as usize,

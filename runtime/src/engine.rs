@@ -98,7 +98,23 @@ impl<'a> Engine<'a> {
     /// # Errors
     /// [`Error::Tokenizer`].
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
-        encode_raw(&self.tokenizer, self.raw_bos, text)
+        encode_raw(&self.tokenizer, self.raw_bos, text, usize::MAX)
+    }
+
+    /// As [`Prompter::encode_chat`].
+    ///
+    /// # Errors
+    /// As [`Prompter::encode_chat`].
+    pub fn encode_chat(&self, messages: &[crate::chat::Message], limit: usize) -> Result<Option<Vec<u32>>> {
+        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit)
+    }
+
+    /// As [`Prompter::encode_raw_at_most`].
+    ///
+    /// # Errors
+    /// As [`Prompter::encode_raw_at_most`].
+    pub fn encode_raw_at_most(&self, text: &str, limit: usize) -> Result<Vec<u32>> {
+        encode_raw(&self.tokenizer, self.raw_bos, text, limit)
     }
 
     /// An owned copy of the tokenizer and chat template, to turn requests
@@ -120,14 +136,6 @@ pub struct Prompter {
 }
 
 impl Prompter {
-    /// As [`Engine::encode_raw`].
-    ///
-    /// # Errors
-    /// [`Error::Tokenizer`].
-    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
-        encode_raw(&self.tokenizer, self.raw_bos, text)
-    }
-
     /// Token ids of `messages` rendered by the chat template with the
     /// assistant's turn opened (`add_generation_prompt`), at most `limit`
     /// of them ([`Tokenizer::encode_at_most`]), or `None` when the pack has
@@ -137,42 +145,42 @@ impl Prompter {
     /// [`Error::Template`] when the template refuses the messages (e.g. a
     /// role it does not know), [`Error::PromptTooLong`], [`Error::Tokenizer`].
     pub fn encode_chat(&self, messages: &[crate::chat::Message], limit: usize) -> Result<Option<Vec<u32>>> {
-        match &self.template {
-            None => Ok(None),
-            Some(t) => Ok(Some(self.tokenizer.encode_at_most(&t.render(messages)?, false, limit)?)),
-        }
+        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit)
     }
 
-    /// As [`Self::encode_raw`], at most `limit` tokens ([`Tokenizer::encode_at_most`]).
+    /// As [`Engine::encode_raw`], at most `limit` tokens ([`Tokenizer::encode_at_most`]).
     ///
     /// # Errors
     /// [`Error::PromptTooLong`], [`Error::Tokenizer`].
     pub fn encode_raw_at_most(&self, text: &str, limit: usize) -> Result<Vec<u32>> {
-        let ids = match self.raw_bos {
-            RawBos::PostProcessor => self.tokenizer.encode_at_most(text, true, limit)?,
-            RawBos::Prepend(bos) => {
-                let mut ids: Vec<u32> = bos.into_iter().collect();
-                ids.extend(self.tokenizer.encode_at_most(text, false, limit)?);
-                ids
-            }
-        };
-        if ids.len() > limit {
-            return Err(Error::PromptTooLong { prompt: ids.len(), context: limit, reserve: 0 });
-        }
-        Ok(ids)
+        encode_raw(&self.tokenizer, self.raw_bos, text, limit)
     }
 }
 
-/// A raw prompt's ids: see [`Engine::encode_raw`].
-fn encode_raw(tok: &Tokenizer, raw_bos: RawBos, text: &str) -> Result<Vec<u32>> {
-    match raw_bos {
-        RawBos::PostProcessor => tok.encode(text, true),
+/// A chat's ids: see [`Prompter::encode_chat`].
+fn encode_chat(
+    tok: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    messages: &[crate::chat::Message],
+    limit: usize,
+) -> Result<Option<Vec<u32>>> {
+    template.map(|t| tok.encode_at_most(&t.render(messages)?, false, limit)).transpose()
+}
+
+/// A raw prompt's ids, at most `limit`: see [`Engine::encode_raw`].
+fn encode_raw(tok: &Tokenizer, raw_bos: RawBos, text: &str, limit: usize) -> Result<Vec<u32>> {
+    let ids = match raw_bos {
+        RawBos::PostProcessor => tok.encode_at_most(text, true, limit)?,
         RawBos::Prepend(bos) => {
             let mut ids: Vec<u32> = bos.into_iter().collect();
-            ids.extend(tok.encode(text, false)?);
-            Ok(ids)
+            ids.extend(tok.encode_at_most(text, false, limit)?);
+            ids
         }
+    };
+    if ids.len() > limit {
+        return Err(Error::PromptTooLong { prompt: ids.len(), context: limit, reserve: 0 });
     }
+    Ok(ids)
 }
 
 /// The model of `pack` with its FFN neuron clusters served by a

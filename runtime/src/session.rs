@@ -54,11 +54,6 @@ impl Session {
         self.kv.capacity()
     }
 
-    /// Tokens now in the KV cache.
-    pub fn cached_tokens(&self) -> usize {
-        self.cached.len()
-    }
-
     /// Forgets the conversation (the next request is prefilled whole).
     pub fn clear(&mut self) {
         self.kv.truncate(0);

@@ -52,16 +52,17 @@ impl Tokenizer {
     }
 
     /// As [`Self::encode`], refusing text of more than `limit` tokens without
-    /// tokenizing it whole: text over [`PIECE_BYTES`] is first counted piece
-    /// by piece (pieces cut after whitespace), so the memory it takes stays
-    /// that of a piece (the tokenizer keeps some hundred bytes per token)
-    /// however long the text is.
+    /// tokenizing it whole: text of more than [`PIECE_BYTES`] bytes and more
+    /// bytes than `limit` (a token covers at least one byte, so shorter text
+    /// cannot be over) is first counted piece by piece (pieces cut after
+    /// whitespace), so the memory it takes stays that of a piece (the
+    /// tokenizer keeps some hundred bytes per token) however long the text is.
     ///
     /// # Errors
     /// [`Error::PromptTooLong`] (`prompt`: the tokens counted so far, at
     /// least `limit` + 1; `reserve` 0) and as [`Self::encode`].
     pub fn encode_at_most(&self, text: &str, add_special_tokens: bool, limit: usize) -> Result<Vec<u32>> {
-        if text.len() > PIECE_BYTES {
+        if text.len() > PIECE_BYTES && text.len() > limit {
             let mut counted = 0usize;
             let mut rest = text;
             while !rest.is_empty() {

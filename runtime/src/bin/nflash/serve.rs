@@ -13,13 +13,13 @@
 //! closed, so its response is dropped) cancels its generation at the next
 //! token.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::{TcpListener, ToSocketAddrs};
 use std::ops::ControlFlow;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
@@ -160,64 +160,92 @@ struct Shared {
     max_tokens_limit: usize,
     max_body: usize,
     ctx: usize,
-    jobs: SyncSender<Job>,
+    /// --queue: requests that may wait.
     queue: usize,
-    counters: Arc<Counters>,
+    jobs: Arc<Queue>,
     budget: Option<u64>,
 }
 
-/// The queue's state, kept by the HTTP side and the generation thread.
+/// The requests waiting for the generation thread, and whether it runs one.
 #[derive(Default)]
-struct Counters {
+struct Queue {
     state: Mutex<QueueState>,
+    /// Signalled when a job arrives or the queue closes.
+    ready: Condvar,
     /// Wall time of the last generation, milliseconds (for Retry-After).
     last_ms: AtomicU64,
 }
 
-#[derive(Default, Clone, Copy)]
+#[derive(Default)]
 struct QueueState {
-    /// Requests accepted and not yet taken by the generation thread (nor
-    /// given up by their clients).
-    waiting: usize,
+    /// Accepted requests, oldest first, not yet taken (a client that goes
+    /// away takes its own out: [`Waiter`]).
+    jobs: VecDeque<Job>,
     /// A generation runs.
     busy: bool,
+    /// The HTTP side has stopped: the generation thread ends.
+    closed: bool,
 }
 
-impl Counters {
-    fn get(&self) -> QueueState {
-        *self.state.lock().unwrap_or_else(|e| e.into_inner())
+impl Queue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn update<T>(&self, f: impl FnOnce(&mut QueueState) -> T) -> T {
-        f(&mut self.state.lock().unwrap_or_else(|e| e.into_inner()))
+    /// Queues `job` if fewer than `max` wait (one more when nothing runs:
+    /// the generation thread takes it at once); gives it back otherwise.
+    fn push(&self, job: Job, max: usize) -> Result<(), Job> {
+        let mut q = self.lock();
+        if q.jobs.len() >= max + usize::from(!q.busy && q.jobs.is_empty()) {
+            return Err(job);
+        }
+        q.jobs.push_back(job);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    /// The next job, marking the generation thread busy; `None` once closed.
+    fn take(&self) -> Option<Job> {
+        let mut q = self.lock();
+        loop {
+            if let Some(job) = q.jobs.pop_front() {
+                q.busy = true;
+                return Some(job);
+            }
+            if q.closed {
+                return None;
+            }
+            q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.ready.notify_all();
     }
 }
-
-/// Where a job is: waiting, taken by the generation thread, or given up
-/// by its client while it waited.
-const QUEUED: u8 = 0;
-const TAKEN: u8 = 1;
-const ABANDONED: u8 = 2;
 
 /// Held by the request's handler (or its response stream): when the client
-/// goes away before the generation thread takes the job, the job leaves
+/// goes away before the generation thread takes its job, the job leaves
 /// the queue at once.
 struct Waiter {
-    counters: Arc<Counters>,
-    job: Arc<AtomicU8>,
+    queue: Arc<Queue>,
+    id: u64,
 }
 
 impl Drop for Waiter {
     fn drop(&mut self) {
-        if self.job.compare_exchange(QUEUED, ABANDONED, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
-            self.counters.update(|q| q.waiting -= 1);
+        let mut q = self.queue.lock();
+        if let Some(i) = q.jobs.iter().position(|j| j.id == self.id) {
+            q.jobs.remove(i);
         }
     }
 }
 
 /// One request for the generation thread.
 struct Job {
-    state: Arc<AtomicU8>,
+    /// Also the response's id number.
+    id: u64,
     ids: Vec<u32>,
     ignore_eos: bool,
     sampling: SamplerConfig,
@@ -229,8 +257,6 @@ struct Job {
 
 /// What the generation thread sends back for a job.
 enum Event {
-    /// The generation thread took the job.
-    Started,
     /// A piece of the reply's text.
     Text(String),
     /// The end: counts, why it stopped, timings.
@@ -257,9 +283,7 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
     if max_tokens == 0 || max_tokens > max_tokens_limit {
         bail!("--max-tokens {max_tokens} must be between 1 and --max-tokens-limit ({max_tokens_limit})");
     }
-    // Admission is decided by `Counters`; the channel only carries the jobs.
-    let (jobs, rx) = sync_channel(a.queue + 1);
-    let counters = Arc::new(Counters::default());
+    let jobs = Arc::new(Queue::default());
     let shared = Arc::new(Shared {
         model_id,
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -271,26 +295,31 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         max_tokens_limit,
         max_body: a.max_body as usize,
         ctx,
-        jobs,
         queue: a.queue,
-        counters: counters.clone(),
+        jobs: jobs.clone(),
         budget: plan.as_ref().map(|p| p.memory_budget_bytes),
     });
     let addr = listener.local_addr().context("the listening socket has no address")?;
     listener.set_nonblocking(true).context("cannot make the listening socket non-blocking")?;
     let app = router(shared.clone());
     let max_connections = a.max_connections;
+    let closer = jobs.clone();
     let http = std::thread::Builder::new()
         .name("nflash-http".into())
         .spawn(move || -> Result<()> {
-            let rt = tokio::runtime::Builder::new_current_thread()
+            let served = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .context("cannot start the HTTP runtime")?;
-            rt.block_on(async move {
-                let l = tokio::net::TcpListener::from_std(listener).context("cannot use the listening socket")?;
-                serve_http(l, app, max_connections).await
-            })
+                .context("cannot start the HTTP runtime")
+                .and_then(|rt| {
+                    rt.block_on(async move {
+                        let l =
+                            tokio::net::TcpListener::from_std(listener).context("cannot use the listening socket")?;
+                        serve_http(l, app, max_connections).await
+                    })
+                });
+            closer.close();
+            served
         })
         .context("cannot start the HTTP thread")?;
     message!(
@@ -299,10 +328,8 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         shared.budget.map_or(String::new(), |b| format!(", memory budget {:.1} MiB", b as f64 / (1u64 << 20) as f64)),
         a.queue
     );
-    // The shared state holds the job sender; the generation loop ends when
-    // the HTTP thread (and with it the router) is gone.
     drop(shared);
-    generation_loop(&engine, &mut session, rx, &counters);
+    generation_loop(&engine, &mut session, &jobs);
     match http.join() {
         Ok(r) => r,
         Err(_) => bail!("the HTTP thread panicked"),
@@ -336,32 +363,19 @@ async fn serve_http(listener: tokio::net::TcpListener, app: Router, max: usize) 
     }
 }
 
-/// Runs jobs one at a time until every sender is gone (the HTTP thread
-/// stopped).
-fn generation_loop(engine: &Engine, session: &mut Session, rx: Receiver<Job>, counters: &Counters) {
-    for job in rx {
-        // A job its client gave up while it waited has left the queue already.
-        if job.state.compare_exchange(QUEUED, TAKEN, Ordering::SeqCst, Ordering::SeqCst).is_err() {
-            continue;
-        }
-        counters.update(|q| {
-            q.waiting -= 1;
-            q.busy = true;
-        });
+/// Runs jobs one at a time until the queue closes (the HTTP thread stopped).
+fn generation_loop(engine: &Engine, session: &mut Session, jobs: &Queue) {
+    while let Some(job) = jobs.take() {
         let t0 = Instant::now();
         run_job(engine, session, job);
-        counters.last_ms.store(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
-        counters.update(|q| q.busy = false);
+        jobs.last_ms.store(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
+        jobs.lock().busy = false;
     }
 }
 
 /// One request: generate, streaming text back; cancelled when the client
 /// is gone.
 fn run_job(engine: &Engine, session: &mut Session, job: Job) {
-    // A client that went away while its request waited gets nothing.
-    if job.events.send(Event::Started).is_err() {
-        return;
-    }
     let t0 = Instant::now();
     engine.model.reset_counters();
     let mut sampler = Sampler::new(job.sampling);
@@ -568,8 +582,8 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
     axum::Json(json!({
         "status": "ok",
         "model": s.model_id,
-        "busy": s.counters.get().busy,
-        "waiting": s.counters.get().waiting,
+        "busy": s.jobs.lock().busy,
+        "waiting": s.jobs.lock().jobs.len(),
         "queue": s.queue,
         "context_tokens": s.ctx,
         "memory_budget_bytes": s.budget,
@@ -829,18 +843,13 @@ async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Resul
         None => clock_seed(),
     };
     let stop = stop_strings(p.stop.as_ref())?;
-    // Admitted while fewer than --queue wait (one more when nothing runs:
-    // the generation thread takes it at once).
-    let admitted = s.counters.update(|q| {
-        let room = q.waiting < s.queue + usize::from(!q.busy && q.waiting == 0);
-        if room {
-            q.waiting += 1;
-        }
-        room
-    });
-    if !admitted {
-        let waiting = s.counters.get().waiting as u64 + 1;
-        let secs = (s.counters.last_ms.load(Ordering::Relaxed) * waiting).div_ceil(1000).max(1);
+    let (tx, rx) = unbounded_channel();
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let job =
+        Job { id, ids, ignore_eos: p.ignore_eos, sampling, max_tokens, stop, events: tx, enqueued: Instant::now() };
+    if s.jobs.push(job, s.queue).is_err() {
+        let waiting = s.jobs.lock().jobs.len() as u64 + 1;
+        let secs = (s.jobs.last_ms.load(Ordering::Relaxed) * waiting).div_ceil(1000).max(1);
         return Err(ApiError {
             status: StatusCode::SERVICE_UNAVAILABLE,
             message: format!(
@@ -850,21 +859,9 @@ async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Resul
             retry_after: Some(secs),
         });
     }
-    let state = Arc::new(AtomicU8::new(QUEUED));
-    let waiter = Waiter { counters: s.counters.clone(), job: state.clone() };
-    let (tx, rx) = unbounded_channel();
-    let job =
-        Job { state, ids, ignore_eos: p.ignore_eos, sampling, max_tokens, stop, events: tx, enqueued: Instant::now() };
-    if s.jobs.try_send(job).is_err() {
-        return Err(failed("the generation thread has stopped; restart nflash serve".into()));
-    }
+    let waiter = Waiter { queue: s.jobs.clone(), id };
     let include_usage = p.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let id = format!(
-        "{}-{}-{}",
-        if kind == Kind::Chat { "chatcmpl" } else { "cmpl" },
-        s.created,
-        NEXT_ID.fetch_add(1, Ordering::Relaxed)
-    );
+    let id = format!("{}-{}-{id}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, s.created);
     if p.stream == Some(true) {
         Ok(stream_response(s, rx, kind, include_usage, id, waiter))
     } else {
@@ -925,7 +922,6 @@ async fn whole_response(
     let mut text = String::new();
     loop {
         match rx.recv().await {
-            Some(Event::Started) => {}
             Some(Event::Text(t)) => text.push_str(&t),
             Some(Event::Done { prompt_tokens, completion_tokens, finish_reason, timings }) => {
                 let mut m = envelope(s, kind, false, id);
@@ -985,7 +981,6 @@ fn stream_response(
         // The stream holds the waiter: a client that hangs up drops both.
         let _ = &waiter;
         let out = match ev {
-            Event::Started => String::new(),
             Event::Text(t) => sse(&chunk(json!({"content": t}), Value::Null)),
             Event::Done { prompt_tokens, completion_tokens, finish_reason, timings } => {
                 let mut last = chunk(json!({}), json!(finish_reason));
