@@ -367,15 +367,18 @@ async fn serve_http(listener: tokio::net::TcpListener, app: Router, max: usize) 
 fn generation_loop(engine: &Engine, session: &mut Session, jobs: &Queue) {
     while let Some(job) = jobs.take() {
         let t0 = Instant::now();
-        run_job(engine, session, job);
+        let last = run_job(engine, session, &job);
         jobs.last_ms.store(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
+        // Idle before the client hears the end, so its next request finds room.
         jobs.lock().busy = false;
+        let _ = job.events.send(last);
     }
 }
 
 /// One request: generate, streaming text back; cancelled when the client
-/// is gone.
-fn run_job(engine: &Engine, session: &mut Session, job: Job) {
+/// is gone. Returns the last event ([`Event::Done`] or [`Event::Failed`]),
+/// for the caller to send once the generation thread is idle.
+fn run_job(engine: &Engine, session: &mut Session, job: &Job) -> Event {
     let t0 = Instant::now();
     engine.model.reset_counters();
     let mut sampler = Sampler::new(job.sampling);
@@ -416,17 +419,12 @@ fn run_job(engine: &Engine, session: &mut Session, job: Job) {
                 wall,
                 if gone { "; the client went away, generation cancelled" } else { "" }
             );
-            let timings = timings(&job, &turn, (t0 - job.enqueued).as_secs_f64());
-            let _ = job.events.send(Event::Done {
-                prompt_tokens: job.ids.len(),
-                completion_tokens: turn.tokens.len(),
-                finish_reason,
-                timings,
-            });
+            let timings = timings(job, &turn, (t0 - job.enqueued).as_secs_f64());
+            Event::Done { prompt_tokens: job.ids.len(), completion_tokens: turn.tokens.len(), finish_reason, timings }
         }
         Err(e) => {
             message!("error: {e}");
-            let _ = job.events.send(Event::Failed(e.to_string()));
+            Event::Failed(e.to_string())
         }
     }
 }
