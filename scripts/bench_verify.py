@@ -12,7 +12,9 @@ absent). Placements: in memory (every cluster read
 and checked at load; decode then reads nothing) and from flash (half of
 each layer's FFN hot, the other half read from flash for every token through
 the smallest cold region, page cache dropped first; the 7B pack's own sparse
-decode reads what its predictor selects).
+decode reads what its predictor selects), and under a memory budget
+(the planner's hot set and cold cache: SmolLM2 130 MiB, 7B 3 GiB, both at
+--ctx 512; hot clusters read and checked at load, misses read from flash).
 
 Reported per pack and placement: medians over --runs of decode tokens/s and
 of load time (process wall time less prefill and decode), the ratio lazy /
@@ -106,15 +108,27 @@ def make_7b(a, out: Path) -> Path:
     return pack
 
 
-def nflash_run(pack: Path, verify: str, placement: str, tokens: int, threads: int, prompt: str) -> dict:
+# `--memory-budget` per pack for the "budget" placement: the fixed region
+# plus about a fifth (SmolLM2) or two fifths (7B) of the FFN bytes.
+BUDGET = {"smollm2-q8_0": "130MiB", "llama-7b-s0.9-q4_0": "3GiB"}
+
+
+def placement_args(name: str, placement: str) -> list[str]:
+    """`nflash run` options of a placement."""
+    if placement == "flash":
+        return ["--hot-fraction", "0.5", "--cold-cache", "0B"]
+    if placement == "budget":
+        return ["--ctx", "512", "--memory-budget", BUDGET[name]]
+    return []
+
+
+def nflash_run(pack: Path, verify: str, args: list[str], tokens: int, threads: int, prompt: str) -> dict:
     """One `nflash run`; its --stats-json plus wall and load time, seconds."""
     with tempfile.TemporaryDirectory() as d:
         j = Path(d) / "stats.json"
         cmd = [str(BIN / "nflash"), "run", "--model", str(pack), "--raw", "--prompt", prompt, "--max-tokens",
                str(tokens), "--temperature", "0", "--ignore-eos", "--threads", str(threads), "--verify", verify,
-               "--stats-json", str(j)]
-        if placement == "flash":
-            cmd += ["--hot-fraction", "0.5", "--cold-cache", "0B"]
+               "--stats-json", str(j), *args]
         drop_caches()
         t0 = time.monotonic()
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -174,12 +188,12 @@ def main() -> None:
     rows = []
     for name, pack in packs.items():
         tokens = a.tokens if "smollm2" in name else max(8, a.tokens // 2)
-        for placement in ["memory", "flash"]:
+        for placement in ["memory", "flash", "budget"]:
             runs = {"lazy": [], "off": []}
             for i in range(a.runs):
                 order = ["lazy", "off"] if i % 2 == 0 else ["off", "lazy"]
                 for v in order:
-                    s = nflash_run(pack, v, placement, tokens, a.threads, prompt)
+                    s = nflash_run(pack, v, placement_args(name, placement), tokens, a.threads, prompt)
                     runs[v].append(s)
                     log(f"{name} {placement:<6} --verify {v:<4} run {i + 1}/{a.runs}: decode "
                         f"{s['decode_tokens_per_s']:.2f} tok/s, load {s['load_s']:.2f} s, "

@@ -204,7 +204,8 @@ impl NeuronCache {
     /// layer's cold clusters) with `cfg.io_threads` I/O threads. With
     /// `cfg.verify` and a pack that has neuron-cluster checksums (SPEC
     /// §4.10), every cluster is checked after it is read and before it is
-    /// used: hot ones here, cold ones on the I/O thread that reads them.
+    /// used: hot ones here, cold ones on the I/O thread that reads them (or
+    /// on a compute thread that needs one before that thread got to it).
     ///
     /// # Errors
     /// [`nflash_format::Error::ClusterChecksum`] (as [`Error::Format`]) for a

@@ -7,10 +7,15 @@
 //! - [`Slots`]: the cold region, `n` fixed-size slots shared by the compute
 //!   threads and the I/O threads. Each slot has a state: [`EMPTY`] →
 //!   [`PENDING`] (claimed for a read by the compute side, [`Slots::claim`])
-//!   → [`READY`], [`FAILED`] or [`CORRUPT`] (published by the I/O thread
-//!   that read it, release ordering, after checking the cluster's CRC-32C
-//!   when the claim carries one, [`Slots::claim_checked`]) → read by the
-//!   compute side (acquire ordering). A
+//!   → [`READY`] or [`FAILED`] (published by the I/O thread that read it,
+//!   release ordering) → read by the compute side (acquire ordering). A
+//!   claim that carries the cluster's CRC-32C ([`Slots::claim_checked`])
+//!   goes [`PENDING`] → [`LANDED`] → [`CHECKING`] → [`READY`] or
+//!   [`CORRUPT`]: the I/O thread publishes every slot of a read as landed
+//!   at once, then checks them one by one ([`Slots::settle`]), and a
+//!   compute thread that needs a landed cluster before the I/O thread got
+//!   to it checks it itself instead of waiting ([`Slots::wait`]); whoever
+//!   moves it to [`CHECKING`] first checks it, the other waits. A
 //!   [`Claim`] is the only way to put a slot into a [`ReadRequest`], and
 //!   neither can be copied, so a pending slot is written by exactly one
 //!   request and read by nobody until it is published.
@@ -37,6 +42,10 @@ pub const FAILED: u8 = 3;
 /// Slot state: the read landed but the cluster's CRC-32C does not match
 /// (formats/SPEC.md §4.10); [`Slots::seen_crc`] holds what was computed.
 pub const CORRUPT: u8 = 4;
+/// Slot state: the read of a checked claim landed; its CRC-32C is not yet checked.
+pub const LANDED: u8 = 5;
+/// Slot state: one thread is checking the landed cluster's CRC-32C.
+pub const CHECKING: u8 = 6;
 
 /// A zeroed heap buffer aligned to the page size ([`buffer_align`], as
 /// `O_DIRECT` reads into it need; pages are only committed when touched).
@@ -254,6 +263,19 @@ impl InFlight {
     }
 }
 
+/// The slots of a read just published by [`Slots::finish`].
+pub struct Published {
+    slots: [u32; MAX_IOVECS],
+    n: usize,
+}
+
+impl Published {
+    /// The slots, in the read's order.
+    pub fn slots(&self) -> &[u32] {
+        &self.slots[..self.n]
+    }
+}
+
 /// The cold region: `n` slots of `slot_bytes` each, with their states.
 pub struct Slots {
     buf: AlignedBuf,
@@ -310,19 +332,28 @@ impl Slots {
     /// it [`PENDING`]. The caller (the cache's LRU, under its lock) makes sure
     /// no reader uses the slot's old contents any more.
     pub fn claim(&self, s: u32) -> Claim {
-        while self.state[s as usize].load(Ordering::Acquire) == PENDING {
-            std::thread::yield_now();
+        let st = &self.state[s as usize];
+        // A landed cluster nobody needed may still be checked by the I/O
+        // thread: take it from LANDED first (then that thread's check does
+        // not start), or wait until a check already running has ended.
+        loop {
+            let now = st.load(Ordering::Acquire);
+            if now == PENDING || now == CHECKING {
+                std::thread::yield_now();
+            } else if st.compare_exchange(now, PENDING, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                break;
+            }
         }
-        self.state[s as usize].store(PENDING, Ordering::Relaxed);
         self.check_len[s as usize].store(0, Ordering::Relaxed);
         Claim(s)
     }
 
     /// As [`Self::claim`], for a cluster whose first `len` bytes (its
     /// bundles, at least 1) must have CRC-32C `crc` (formats/SPEC.md
-    /// §4.10): the thread that completes the read checks them
-    /// ([`Self::finish`]). The expectation reaches that thread with the
-    /// request (the queue's send and receive order it).
+    /// §4.10): the read lands as [`LANDED`] and is checked by the thread
+    /// that completed it ([`Self::settle`]) or by a compute thread that
+    /// needs it first ([`Self::wait`]). The expectation reaches those
+    /// threads with the request and the slot state (release/acquire).
     pub fn claim_checked(&self, s: u32, len: u32, crc: u32) -> Claim {
         let c = self.claim(s);
         self.want[s as usize].store(crc, Ordering::Relaxed);
@@ -345,16 +376,19 @@ impl Slots {
     }
 
     /// Runs `read` on the buffers of `req`'s slots (back to back, `lens[i]`
-    /// bytes each) and publishes each slot as [`Self::finish`] does
-    /// (release: the bytes written are visible to whoever sees the state).
-    /// Called by the I/O thread that took `req`.
+    /// bytes each), publishes each slot as [`Self::finish`] does (release:
+    /// the bytes written are visible to whoever sees the state), then
+    /// checks the landed ones ([`Self::settle`]). Called by the I/O thread
+    /// that took `req`.
     ///
     /// # Errors
     /// `read`'s error, after the slots are marked [`FAILED`].
     pub fn fill(&self, req: ReadRequest, read: impl FnOnce(&mut [&mut [u8]]) -> Result<()>) -> Result<()> {
         let mut f = self.begin(req);
         let res = f.with_buffers(read);
-        self.finish(f, res.is_ok());
+        for &s in self.finish(f, res.is_ok()).slots() {
+            self.settle(s);
+        }
         res
     }
 
@@ -382,49 +416,66 @@ impl Slots {
     }
 
     /// Publishes the slots of a read begun by [`Self::begin`] (release, as
-    /// [`Self::fill`]): [`FAILED`] unless `ok`; else a slot claimed with
-    /// [`Self::claim_checked`] is checked here, on the thread that completed
-    /// the read, and becomes [`CORRUPT`] if its CRC-32C differs; the others
-    /// [`READY`].
-    pub fn finish(&self, mut f: InFlight, ok: bool) {
+    /// [`Self::fill`]): [`FAILED`] unless `ok`; else [`LANDED`] for a slot
+    /// claimed with [`Self::claim_checked`] (to be checked by
+    /// [`Self::settle`] or [`Self::wait`]) and [`READY`] for the others.
+    /// Returns the request's slots.
+    pub fn finish(&self, f: InFlight, ok: bool) -> Published {
         let slots = f.req.slots;
-        let mut states = [FAILED; MAX_IOVECS];
-        if ok {
-            f.with_buffers(|bufs| {
-                for ((state, buf), &s) in states.iter_mut().zip(bufs.iter()).zip(&slots) {
-                    let s = s as usize;
-                    let len = (self.check_len[s].load(Ordering::Relaxed) as usize).min(buf.len());
-                    *state = READY;
-                    if len > 0 {
-                        let got = nflash_format::checksums::cluster_crc32c(&buf[..len]);
-                        if got != self.want[s].load(Ordering::Relaxed) {
-                            self.seen[s].store(got, Ordering::Relaxed);
-                            *state = CORRUPT;
-                        }
-                    }
-                }
-            });
-        }
-        for (&s, &state) in f.req.slots().iter().zip(&states) {
+        for &s in f.req.slots() {
+            let state = match (ok, self.check_len[s as usize].load(Ordering::Relaxed)) {
+                (false, _) => FAILED,
+                (true, 0) => READY,
+                (true, _) => LANDED,
+            };
             self.state[s as usize].store(state, Ordering::Release);
         }
+        Published { slots, n: f.req.n }
     }
 
-    /// Waits until slot `s` is no longer [`PENDING`] (spinning briefly, then
-    /// yielding). Returns its state and the nanoseconds waited.
+    /// Checks slot `s`'s landed cluster if nobody has started to: its
+    /// CRC-32C against the claim's, then [`READY`] or [`CORRUPT`]
+    /// (release). A no-op in any other state (already checked, being
+    /// checked by another thread, or claimed again).
+    pub fn settle(&self, s: u32) {
+        let st = &self.state[s as usize];
+        if st.compare_exchange(LANDED, CHECKING, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            return;
+        }
+        let len = (self.check_len[s as usize].load(Ordering::Relaxed) as usize).min(self.slot_bytes);
+        // SAFETY: this thread moved the slot from LANDED (acquired: the read
+        // that wrote it has published) to CHECKING; nobody writes a slot in
+        // that state (a new read needs a `claim`, which waits while it is
+        // CHECKING), and `len` fits the slot.
+        let bytes = unsafe { self.buf.range(s as usize * self.slot_bytes, len) };
+        let got = nflash_format::checksums::cluster_crc32c(bytes);
+        let state = if got == self.want[s as usize].load(Ordering::Relaxed) {
+            READY
+        } else {
+            self.seen[s as usize].store(got, Ordering::Relaxed);
+            CORRUPT
+        };
+        st.store(state, Ordering::Release);
+    }
+
+    /// Waits until slot `s` is no longer being read or checked (spinning
+    /// briefly, then yielding); a [`LANDED`] cluster is checked here
+    /// ([`Self::settle`]) rather than waited for. Returns its state and the
+    /// nanoseconds waited (checking included).
     pub fn wait(&self, s: u32) -> (u8, u64) {
         let st = &self.state[s as usize];
         let mut state = st.load(Ordering::Acquire);
-        if state != PENDING {
+        if !matches!(state, PENDING | LANDED | CHECKING) {
             return (state, 0);
         }
         let t0 = Instant::now();
         let mut spins = 0u32;
-        while state == PENDING {
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
+        loop {
+            match state {
+                LANDED => self.settle(s),
+                PENDING | CHECKING if spins < 64 => std::hint::spin_loop(),
+                PENDING | CHECKING => std::thread::yield_now(),
+                _ => break,
             }
             spins += 1;
             state = st.load(Ordering::Acquire);
@@ -525,6 +576,43 @@ mod tests {
             })
             .unwrap();
         assert_eq!(slots.state(1), READY);
+    }
+
+    #[test]
+    fn a_landed_cluster_is_checked_by_whoever_needs_it_first_and_only_once() {
+        let slots = Slots::new(3, 4096).unwrap();
+        let good = nflash_format::checksums::cluster_crc32c(&[9u8; 64]);
+        let mut req = ReadRequest::new(0, 4096, slots.claim_checked(0, 64, good), 4096);
+        req.try_append(4096, 4096, slots.claim_checked(1, 64, good), 4096, 1 << 20).unwrap();
+        req.try_append(8192, 4096, slots.claim_checked(2, 64, good), 4096, 1 << 20).unwrap();
+        let mut f = slots.begin(req);
+        f.with_buffers(|b| {
+            for buf in b.iter_mut() {
+                buf[..64].fill(9);
+            }
+            b[1][0] = 0;
+        });
+        let published = slots.finish(f, true);
+        assert_eq!(published.slots(), &[0, 1, 2]);
+        // Landed, not yet checked: never handed out as bytes.
+        assert_eq!([slots.state(0), slots.state(1), slots.state(2)], [LANDED; 3]);
+        assert!(slots.ready_bytes(0, 64).is_none());
+        // A compute thread waiting for them checks them itself.
+        assert_eq!(slots.wait(0).0, READY);
+        assert_eq!(slots.wait(1).0, CORRUPT);
+        assert!(slots.ready_bytes(1, 64).is_none());
+        // The I/O thread's check after that is a no-op.
+        slots.settle(0);
+        slots.settle(1);
+        assert_eq!((slots.state(0), slots.state(1)), (READY, CORRUPT));
+        // A landed cluster nobody needed can be claimed again before its check:
+        // the check then never runs on the new read's bytes.
+        let c = slots.claim(2);
+        assert_eq!(slots.state(2), PENDING);
+        slots.settle(2);
+        assert_eq!(slots.state(2), PENDING);
+        slots.fill(ReadRequest::new(0, 64, c, 4096), |_| Ok(())).unwrap();
+        assert_eq!(slots.state(2), READY, "an unchecked claim lands ready");
     }
 
     #[test]

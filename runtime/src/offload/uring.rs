@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use io_uring::{opcode, types, IoUring};
 
 use super::io::Shared;
-use super::slots::{InFlight, ReadRequest};
+use super::slots::{InFlight, Published, ReadRequest};
 use crate::error::{Error, Result};
 
 /// `user_data` of the no-op that wakes the reaper to stop.
@@ -163,6 +163,7 @@ fn push(ring: &IoUring, sh: &Shared, q: &mut Queue, i: u32, r: ReadRequest) {
 fn reap(ring: &IoUring, queue: &Mutex<Queue>, sh: &Shared) {
     let mut done: Vec<(u64, i32)> = Vec::new();
     let mut finished: Vec<((InFlight, bool), i32)> = Vec::new();
+    let mut landed: Vec<u32> = Vec::new();
     loop {
         if let Err(e) = ring.submit_and_wait(1) {
             if !matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)) {
@@ -182,8 +183,10 @@ fn reap(ring: &IoUring, queue: &Mutex<Queue>, sh: &Shared) {
             }
         }
         for (e, res) in finished.drain(..) {
-            complete(sh, e, res);
+            landed.extend_from_slice(complete(sh, e, res).slots());
         }
+        // Start the reads waiting for the entries just freed before checking
+        // what landed, so the flash keeps reading during the checks.
         let mut q = lock(queue);
         for &(i, _) in done.iter().filter(|(i, _)| *i != STOP) {
             q.free.push(i as u32);
@@ -194,21 +197,26 @@ fn reap(ring: &IoUring, queue: &Mutex<Queue>, sh: &Shared) {
             push(ring, sh, &mut q, i, r);
             started = true;
         }
-        if q.stopping && q.free.len() == q.entries.len() {
-            return;
-        }
+        let stop = q.stopping && q.free.len() == q.entries.len();
         drop(q);
         if started {
             let _ = ring.submit();
+        }
+        // A compute thread that needs one of these first checks it itself.
+        for s in landed.drain(..) {
+            sh.slots.settle(s);
+        }
+        if stop {
+            return;
         }
     }
 }
 
 /// Publishes the slots of a read that completed with `res` (bytes read, or
-/// `-errno`): ready if its needed bytes arrived, else read again with a
-/// blocking `preadv`, which retries, falls back from `O_DIRECT` and words
-/// the error as the threads engine does.
-fn complete(sh: &Shared, (mut f, direct): (InFlight, bool), res: i32) {
+/// `-errno`): landed or ready if its needed bytes arrived, else read again
+/// with a blocking `preadv`, which retries, falls back from `O_DIRECT` and
+/// words the error as the threads engine does. Returns its slots.
+fn complete(sh: &Shared, (mut f, direct): (InFlight, bool), res: i32) -> Published {
     let (offset, need, bytes) = (f.request().offset, f.request().need, f.request().bytes());
     let result = if res >= 0 && res as u64 >= need {
         if !direct {
@@ -220,5 +228,5 @@ fn complete(sh: &Shared, (mut f, direct): (InFlight, bool), res: i32) {
     };
     let ok = result.is_ok();
     sh.record(bytes, result);
-    sh.slots.finish(f, ok);
+    sh.slots.finish(f, ok)
 }
