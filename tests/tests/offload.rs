@@ -492,3 +492,79 @@ fn damaged_weights_huge_contexts_and_clobbering_outputs_are_refused() {
         assert!(!out.exists());
     }
 }
+
+/// The bytes of every neuron cluster of FFN `layer` (`n_neurons ×
+/// bundle_bytes` each) as `cache` hands them out after a fetch of all of
+/// them into `table`, against the file's.
+fn assert_clusters_are_the_files(
+    cache: &nflash_runtime::offload::NeuronCache,
+    pack: &Pack,
+    file: &[u8],
+    layer: usize,
+    table: &[nflash_runtime::model::source::Loc],
+    what: &str,
+) {
+    let f = &pack.manifest().ffn[layer];
+    let base = pack.segment_file_offset(f.segment) as usize;
+    for (c, cl) in f.clusters.iter().enumerate() {
+        let need = (cl.n_neurons as u64 * f.bundle.bundle_bytes) as usize;
+        let at = base + cl.offset as usize;
+        let got = &cache.cluster(layer, c, table[c]).unwrap()[..need];
+        assert!(got == &file[at..at + need], "{what}: layer {layer} cluster {c} is not the file's");
+    }
+}
+
+/// The second expert's reads start before the first computes
+/// (`NeuronCache::fetch_ahead`): they never take a slot of the fetch before
+/// them (its clusters keep the file's bytes when the cold region holds one
+/// layer only), and where there is room the later fetch of their layer
+/// finds them instead of reading them again.
+#[test]
+fn reads_started_ahead_keep_the_current_fetch_and_are_not_read_twice() {
+    use nflash_runtime::offload::NeuronCache;
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "ahead.nflash", "q8_0", &[]);
+    let pack = Pack::open_resident(&path).unwrap();
+    let file = std::fs::read(&path).unwrap();
+    let n_layers = pack.manifest().ffn.len();
+    let all = |l: usize| (0..pack.manifest().ffn[l].clusters.len() as u32).collect::<Vec<u32>>();
+    let open = |cold_bytes: u64| {
+        let cfg = CacheConfig {
+            hot_neurons: vec![0; n_layers],
+            cold_bytes,
+            io_threads: 2,
+            io_engine: Default::default(),
+            verify: true,
+        };
+        NeuronCache::open(&pack, &cfg).unwrap()
+    };
+    // Layers 0 then 2 (not 1, which layer 0's fetch reads ahead by itself),
+    // with or without layer 2's reads started ahead; bytes read in all. With
+    // `landed_before`, layer 2's reads started ahead must all land, that many
+    // bytes in all, before its own fetch.
+    let run = |cold_bytes: u64, ahead: bool, landed_before: Option<u64>| -> u64 {
+        let cache = open(cold_bytes);
+        let what = format!("cold region {cold_bytes}, ahead {ahead}");
+        let mut table = Vec::new();
+        cache.fetch(0, &all(0), &mut table).unwrap();
+        if ahead {
+            cache.fetch_ahead(2, &all(2));
+        }
+        assert_clusters_are_the_files(&cache, &pack, &file, 0, &table, &what);
+        if let Some(total) = landed_before {
+            let t0 = std::time::Instant::now();
+            while cache.stats().bytes_read < total {
+                assert!(t0.elapsed().as_secs() < 20, "{what}: layer 2 was not read ahead");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        cache.fetch(2, &all(2), &mut table).unwrap();
+        assert_clusters_are_the_files(&cache, &pack, &file, 2, &table, &what);
+        cache.stats().bytes_read
+    };
+    // A cold region of one layer: nothing of layer 2 fits beside layer 0.
+    assert_eq!(run(0, true, None), run(0, false, None), "each cluster read once");
+    // Room for all: layer 2 lands ahead and its fetch reads nothing more.
+    let total = run(1 << 30, false, None);
+    assert_eq!(run(1 << 30, true, Some(total)), total, "each cluster read once");
+}

@@ -12,9 +12,9 @@ use super::attention::{AttnScratch, Heads, RopeTables};
 use super::ffn::{BatchMask, Selection};
 use super::kv_cache::KvCache;
 use super::ops::rms_norm;
-use super::predictor::{LayerCounts, LayerSparse};
+use super::predictor::{LayerCounts, LayerSparse, PredictScratch};
 use super::source::LayerClusters;
-use super::{ExpertPrefetch, Layer, Model, Pass, Router, SpecScratch, Speculation, Timings, Unit, Work};
+use super::{ExpertPrefetch, Layer, Model, Pass, Pick, Router, SpecScratch, Speculation, Timings, Unit, Work};
 use crate::error::{Error, Result};
 use crate::kernels::gemm::MIN_BATCH;
 use crate::kernels::DotInput;
@@ -240,17 +240,20 @@ impl Model<'_> {
                     }
                 }
             } else {
+                work.expert_y = std::mem::take(&mut ys);
                 for (t, outr) in out.chunks_exact_mut(h).enumerate() {
                     let xr = &xn[t * h..(t + 1) * h];
-                    for &(e, w) in &routes[t * k..(t + 1) * k] {
-                        let unit = &layer.units[e as usize];
-                        let sparse = unit.sparse.as_ref().filter(|_| sparse_on);
-                        ys.clear();
-                        ys.resize(h, 0.0);
-                        counts.add(&self.ffn_token(unit, sparse, xr, work, tm, &mut ys)?);
-                        outr.iter_mut().zip(&ys).for_each(|(o, y)| *o += w * y);
-                    }
+                    counts.add(&self.ffn_moe_token(
+                        layer,
+                        &routes[t * k..(t + 1) * k],
+                        sparse_on,
+                        xr,
+                        work,
+                        tm,
+                        outr,
+                    )?);
                 }
+                ys = std::mem::take(&mut work.expert_y);
             }
             Ok(())
         })();
@@ -301,8 +304,10 @@ impl Model<'_> {
         Ok(c)
     }
 
-    /// One token's FFN through one unit (`x`: normed input `[hidden]`, `out`: residual `[hidden]`), sparse when `sparse` is given:
-    /// predict, fetch the clusters of the selected neurons, compute. Time spent goes to `tm`.
+    /// One token's FFN through one unit (`x`: normed input `[hidden]`,
+    /// `out`: residual `[hidden]`), sparse when `sparse` is given: predict
+    /// ([`Self::pick`]), fetch the clusters of the selected neurons, compute
+    /// ([`Self::ffn_picked`]). Time spent goes to `tm`.
     fn ffn_token(
         &self,
         unit: &Unit,
@@ -312,38 +317,138 @@ impl Model<'_> {
         tm: &mut Timings,
         out: &mut [f32],
     ) -> Result<LayerCounts> {
-        let (u, ffn_unit) = (unit.index, &unit.ffn);
-        let n = ffn_unit.n_neurons() as u64;
+        let mut picks = std::mem::take(&mut work.picks);
+        picks.resize_with(1, Pick::default);
         let t0 = Instant::now();
-        let Work { ffn, predict, list, xin, needed, table, .. } = work;
-        let xin = xin.get_or_insert_with(|| DotInput::new(ffn_unit.dtype()));
+        let xin = work.xin.get_or_insert_with(|| DotInput::new(unit.ffn.dtype()));
         xin.set(x);
-        // Predict, then fetch the clusters holding the selected neurons.
-        let (listed, gate) = match sparse {
-            Some(sp) => {
-                (sp.predict_token(self.cfg.activation, xin, x, predict, list), Some((sp.criterion, sp.threshold)))
-            }
-            None => (false, None),
-        };
+        self.pick(unit, sparse, x, xin, &mut work.predict, &mut picks[0]);
         let t1 = Instant::now();
         tm.predictor_s += (t1 - t0).as_secs_f64();
-        if listed {
-            ffn_unit.clusters_of(list, needed);
+        let r = self
+            .source
+            .fetch(unit.index, &picks[0].needed, &mut work.table)
+            .and_then(|()| self.ffn_picked(unit, sparse, &picks[0], work, tm, out, (t1 - t0).as_secs_f64(), t1));
+        work.picks = picks;
+        r
+    }
+
+    /// One unit's selection for one token (decode): its predictor's choice
+    /// of neurons for the normed input `x` (`[hidden]`, also prepared as
+    /// `xin`), or every neuron without one, and the clusters holding them.
+    fn pick(
+        &self,
+        unit: &Unit,
+        sparse: Option<&LayerSparse>,
+        x: &[f32],
+        xin: &DotInput,
+        predict: &mut PredictScratch,
+        pick: &mut Pick,
+    ) {
+        pick.listed = sparse.is_some_and(|sp| sp.predict_token(self.cfg.activation, xin, x, predict, &mut pick.list));
+        if pick.listed {
+            unit.ffn.clusters_of(&pick.list, &mut pick.needed);
         } else {
-            needed.clear();
-            needed.extend(0..ffn_unit.n_clusters() as u32);
+            pick.needed.clear();
+            pick.needed.extend(0..unit.ffn.n_clusters() as u32);
         }
-        self.source.fetch(u, needed, table)?;
+    }
+
+    /// The FFN of one unit for one token whose clusters `pick` were just
+    /// fetched into `work.table`: computes the selected neurons from the
+    /// prepared input `work.xin` into `out` (`[hidden]`). `pred_s` is the
+    /// predictor time the pick took and `t1` when the fetch began; the
+    /// time since goes to `tm`, the wait for reads and `pred_s` to the
+    /// layer's `layer_wait`.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_picked(
+        &self,
+        unit: &Unit,
+        sparse: Option<&LayerSparse>,
+        pick: &Pick,
+        work: &mut Work,
+        tm: &mut Timings,
+        out: &mut [f32],
+        pred_s: f64,
+        t1: Instant,
+    ) -> Result<LayerCounts> {
+        let (u, ffn_unit) = (unit.index, &unit.ffn);
+        let n = ffn_unit.n_neurons() as u64;
+        let Work { ffn, xin, table, .. } = work;
+        let xin = xin.as_ref().ok_or_else(|| Error::Internal("FFN input not prepared".into()))?;
         let src = LayerClusters::new(self.source.as_ref(), u, table);
-        let (sel, read) = if listed { (Selection::List(list), list.len() as u64) } else { (Selection::All, n) };
+        let gate = sparse.map(|sp| (sp.criterion, sp.threshold));
+        let (sel, read) =
+            if pick.listed { (Selection::List(&pick.list), pick.list.len() as u64) } else { (Selection::All, n) };
         let wait0 = self.source.wait_s();
         let computed = ffn_unit.forward_token(&src, xin, sel, gate, ffn, out)?;
         tm.ffn_s += t1.elapsed().as_secs_f64();
         // Compute threads wait side by side: their summed wait over the thread count is wall time.
         let waited = (self.source.wait_s() - wait0) / rayon::current_num_threads() as f64;
         let w = &mut work.layer_wait[self.cfg.unit_layer_expert(u).0];
-        (w.0, w.1) = (w.0 + waited, w.1 + (t1 - t0).as_secs_f64());
+        (w.0, w.1) = (w.0 + waited, w.1 + pred_s);
         Ok(LayerCounts { neurons: n, read, computed, ..Default::default() })
+    }
+
+    /// One token's mixture-of-experts FFN (decode): `experts` (its routed
+    /// experts, with weights) each run on the normed input `x` (`[hidden]`)
+    /// and added to `out` (`[hidden]`) times their weights, in order. Every
+    /// expert's selection is made first, and the reads of the second and
+    /// later ones start ([`super::ClusterSource::fetch_ahead`]) right after
+    /// the first one's fetch, so they land while the first computes.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_moe_token(
+        &self,
+        layer: &Layer,
+        experts: &[(u32, f32)],
+        sparse_on: bool,
+        x: &[f32],
+        work: &mut Work,
+        tm: &mut Timings,
+        out: &mut [f32],
+    ) -> Result<LayerCounts> {
+        let h = x.len();
+        let mut picks = std::mem::take(&mut work.picks);
+        picks.resize_with(experts.len(), Pick::default);
+        let mut ys = std::mem::take(&mut work.expert_y);
+        let result = (|| -> Result<LayerCounts> {
+            let mut counts = LayerCounts::default();
+            let unit_of = |e: u32| &layer.units[e as usize];
+            let sparse_of = |e: u32| unit_of(e).sparse.as_ref().filter(|_| sparse_on);
+            // Select every expert's neurons; fetch the first, read ahead the others.
+            let xin = work.xin.get_or_insert_with(|| DotInput::new(unit_of(experts[0].0).ffn.dtype()));
+            xin.set(x);
+            let mut pred_s = vec![0f64; experts.len()];
+            let mut fetch_s = 0.0;
+            for (j, &(e, _)) in experts.iter().enumerate() {
+                let t = Instant::now();
+                self.pick(unit_of(e), sparse_of(e), x, xin, &mut work.predict, &mut picks[j]);
+                let tf = Instant::now();
+                pred_s[j] = (tf - t).as_secs_f64();
+                if j == 0 {
+                    self.source.fetch(unit_of(e).index, &picks[0].needed, &mut work.table)?;
+                } else {
+                    self.source.fetch_ahead(unit_of(e).index, &picks[j].needed);
+                }
+                fetch_s += tf.elapsed().as_secs_f64();
+            }
+            tm.predictor_s += pred_s.iter().sum::<f64>();
+            tm.ffn_s += fetch_s;
+            for (j, &(e, w)) in experts.iter().enumerate() {
+                let t = Instant::now();
+                if j > 0 {
+                    self.source.fetch(unit_of(e).index, &picks[j].needed, &mut work.table)?;
+                }
+                ys.clear();
+                ys.resize(h, 0.0);
+                counts.add(&self.ffn_picked(unit_of(e), sparse_of(e), &picks[j], work, tm, &mut ys, pred_s[j], t)?);
+                out.iter_mut().zip(&ys).for_each(|(o, y)| *o += w * y);
+            }
+            Ok(counts)
+        })();
+        work.picks = picks;
+        work.expert_y = ys;
+        result
     }
 
     /// The share of a speculative prefetch's work that has paid so far

@@ -146,8 +146,9 @@ impl Timings {
 struct Work {
     ffn: FfnScratch,
     predict: PredictScratch,
-    /// Packed positions selected by the predictor `[≤ n_neurons]`.
-    list: Vec<u32>,
+    /// Decode: one token's selection per FFN unit it runs (`[1]` for a
+    /// dense FFN, `[experts_per_token]` for a mixture of experts).
+    picks: Vec<Pick>,
     /// The FFN input prepared for the bundle dtype.
     xin: Option<DotInput>,
     /// Per-layer sparse counters.
@@ -176,6 +177,18 @@ struct Work {
     timings: Timings,
     /// Prefill passes.
     prefill_timings: Timings,
+}
+
+/// One token's selection in one FFN unit (decode): what its predictor
+/// chose and the clusters holding it.
+#[derive(Default)]
+struct Pick {
+    /// Packed positions selected by the predictor `[≤ n_neurons]`, when `listed`.
+    list: Vec<u32>,
+    /// Clusters to fetch, ascending: those holding `list`, or all.
+    needed: Vec<u32>,
+    /// Whether `list` holds a selection (else every neuron runs).
+    listed: bool,
 }
 
 /// When decode runs a speculative prefetch ([`Model::set_speculation`];

@@ -120,6 +120,12 @@ pub trait ClusterSource: Send + Sync {
     /// (speculative prefetch). Sources without I/O ignore it.
     fn speculate(&self, _layer: usize, _likely: &[u32]) {}
 
+    /// Starts the reads of clusters `needed` (ascending) of `layer`, which
+    /// a fetch after the current layer call's will ask for, without
+    /// releasing the clusters the current call holds (best effort: what
+    /// does not fit is read by that fetch). Sources without I/O ignore it.
+    fn fetch_ahead(&self, _layer: usize, _needed: &[u32]) {}
+
     /// Index of `layer`'s first cluster that is not always resident
     /// (`usize::MAX` when every cluster is).
     fn first_cold_cluster(&self, _layer: usize) -> usize {

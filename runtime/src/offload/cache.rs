@@ -344,6 +344,39 @@ impl NeuronCache {
         Ok(())
     }
 
+    /// Starts reading the clusters `needed` (ascending indices) of `layer`
+    /// that are not in memory, as part of the current fetch: unlike
+    /// [`Self::fetch`] it starts no new epoch, so the slots of the fetch
+    /// before it stay in place while that layer call computes, and the
+    /// ones it claims are protected as well. Stops when no slot is free
+    /// (the layer's own fetch later reads the rest). For the second and
+    /// later experts of a decoded token: their selected clusters are known
+    /// exactly (router and predictor have run), so their reads start
+    /// before the first expert computes. A no-op without a cold region.
+    pub fn fetch_ahead(&self, layer: usize, needed: &[u32]) {
+        let lay = &self.layers[layer];
+        let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+        if lru.owner.is_empty() {
+            return;
+        }
+        let mut reads = Merger::default();
+        for &c in needed {
+            let c = c as usize;
+            if c < lay.hot {
+                continue;
+            }
+            let s = self.slot_held(&mut lru, layer, c);
+            if s != NONE {
+                lru.touch(s);
+                continue;
+            }
+            let Some(claim) = self.claim(&mut lru, layer, c) else { break };
+            lru.prefetched[claim.slot() as usize] = true;
+            reads.push(&self.io, lay.clusters[c], claim);
+        }
+        reads.flush(&self.io);
+    }
+
     /// Index of `layer`'s first cold cluster (clusters before it are hot).
     pub fn first_cold_cluster(&self, layer: usize) -> usize {
         self.layers[layer].hot
@@ -490,6 +523,10 @@ impl ClusterSource for NeuronCache {
 
     fn speculate(&self, layer: usize, likely: &[u32]) {
         NeuronCache::speculate(self, layer, likely)
+    }
+
+    fn fetch_ahead(&self, layer: usize, needed: &[u32]) {
+        NeuronCache::fetch_ahead(self, layer, needed)
     }
 
     fn first_cold_cluster(&self, layer: usize) -> usize {
