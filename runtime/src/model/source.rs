@@ -44,6 +44,10 @@ pub struct CacheStats {
     pub speculated: u64,
     /// Of those, clusters the layer's fetch then needed (counted as misses there too).
     pub speculated_used: u64,
+    /// Misses whose read began before their layer's fetch asked for them:
+    /// the next layer's usual clusters, a speculative prefetch, or a later
+    /// expert of the token ([`ClusterSource::fetch_ahead`]).
+    pub read_ahead_used: u64,
 }
 
 impl CacheStats {
@@ -77,6 +81,7 @@ impl CacheStats {
             io_wait_s: self.io_wait_s - before.io_wait_s,
             speculated: self.speculated - before.speculated,
             speculated_used: self.speculated_used - before.speculated_used,
+            read_ahead_used: self.read_ahead_used - before.read_ahead_used,
         }
     }
 }

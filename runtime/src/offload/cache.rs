@@ -305,6 +305,7 @@ impl NeuronCache {
                 // A prefetched cluster was read for this use: a miss, read ahead of time.
                 if std::mem::take(&mut lru.prefetched[s as usize]) {
                     st.misses += 1;
+                    st.read_ahead_used += 1;
                     st.speculated_used += std::mem::take(&mut lru.speculated[s as usize]) as u64;
                 } else {
                     st.cold_hits += 1;
@@ -341,6 +342,7 @@ impl NeuronCache {
         c.cold_hits += st.cold_hits;
         c.misses += st.misses;
         c.speculated_used += st.speculated_used;
+        c.read_ahead_used += st.read_ahead_used;
         Ok(())
     }
 

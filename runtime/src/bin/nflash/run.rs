@@ -285,6 +285,12 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
             c.reads as f64 / steps,
             100.0 * io_wait_share
         );
+        if c.misses > 0 {
+            message!(
+                "read ahead: {:.1}% of the cold misses were read before their layer asked (the next layer's usual clusters, speculative prefetch, a token's later experts)",
+                100.0 * c.read_ahead_used as f64 / c.misses as f64
+            );
+        }
         if c.speculated > 0 {
             message!(
                 "speculative prefetch: {:.1} clusters per token, {:.1}% of them used; {:.1}% of the cold misses were read ahead",
@@ -354,6 +360,7 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
         });
         let mut j = j;
         j["misses_read_ahead"] = serde_json::json!((c.misses > 0).then(|| c.speculated_used as f64 / c.misses as f64));
+        j["misses_read_early"] = serde_json::json!((c.misses > 0).then(|| c.read_ahead_used as f64 / c.misses as f64));
         j["expert_prefetch_precision"] = serde_json::json!((ep.guessed > 0).then(|| ep.precision()));
         j["expert_prefetch_recall"] = serde_json::json!((ep.guessed > 0).then(|| ep.recall()));
         write_atomic(path, format!("{j}\n").as_bytes())?;
