@@ -299,10 +299,11 @@ pub(crate) fn estimate_with(
         // The reads' CPU time runs on the compute threads, alongside the FFN.
         let io_ms = io_s * 1e3;
         let exposed = overlap_exposed(ffn_ms + read_cpu_ms, io_ms);
-        // Speculative prefetch (`nflash run --speculate auto`): when the layer
-        // would wait longer than a predictor evaluation, one more (over the
-        // cold neurons' rows) starts the reads before the attention.
-        let spec = f.sparse.is_some() && exposed > pred_ms;
+        // Speculative prefetch (`nflash run --speculate auto`): when a dense
+        // layer would wait longer than a predictor evaluation, one more
+        // (over the cold neurons' rows) starts the reads before the
+        // attention; never for a mixture of experts' layers.
+        let spec = f.sparse.is_some() && exposed > pred_ms && m.config.experts() <= 1;
         // Speculation reads clusters that turn out unneeded, but only cold
         // ones: never more than the layer's cold bytes in all.
         let cold_layer: f64 = cs[hot[l]..].iter().map(|c| c.bytes as f64).sum();

@@ -471,9 +471,8 @@ impl Model<'_> {
     /// (the layer's last FFN call's wait for reads times `useful`, the share
     /// of speculative work that paid so far, [`Self::speculation_yield`])
     /// outweighs that call's predictor time, which the prefetch spends
-    /// again: on the 2-core dev host the synthetic Mixtral's prefetch hid
-    /// less than its predictors cost (docs/benchmarks.md). Time goes to the
-    /// predictor.
+    /// again; never for a mixture of experts, whose layer-ahead guess is
+    /// then only scored. Time goes to the predictor.
     fn speculate(
         &self,
         l: usize,
@@ -486,12 +485,21 @@ impl Model<'_> {
         let Some(layer) = self.layers.get(l) else { return };
         let (waited, pred) = layer_wait[l];
         let has_cold = layer.units.iter().any(|u| self.source.first_cold_cluster(u.index) < u.ffn.n_clusters());
+        let moe = layer.router.is_some();
         let go = match self.speculation {
-            Speculation::Auto => waited * useful > pred && (layer.router.is_some() || layer.units[0].sparse.is_some()),
+            Speculation::Auto => !moe && waited * useful > pred && layer.units[0].sparse.is_some(),
             Speculation::Always => has_cold,
             Speculation::Never => false,
         };
-        if !go {
+        // A mixture of experts under `auto` guesses the layer's experts (for
+        // the layer-ahead prediction's precision and recall) but reads
+        // nothing ahead: on the synthetic Mixtral the guessed experts'
+        // predictors and wasted reads cost more than they hid (decode 7-10%
+        // slower at half and a quarter of the experts in memory,
+        // docs/benchmarks.md); the token's later experts are read ahead
+        // exactly instead (`ffn_moe_token`).
+        let guess_only = !go && moe && self.speculation == Speculation::Auto;
+        if !go && !guess_only {
             return;
         }
         let t0 = Instant::now();
@@ -517,8 +525,10 @@ impl Model<'_> {
                 }
                 // Descending, so the expert the layer runs first is the last
                 // speculated: the cache protects the last speculation's reads.
-                for &(e, _) in guess.iter().rev() {
-                    self.speculate_unit(&layer.units[e as usize], sc);
+                if go {
+                    for &(e, _) in guess.iter().rev() {
+                        self.speculate_unit(&layer.units[e as usize], sc);
+                    }
                 }
                 sc.guess = guess;
                 sc.guess_layer = l;

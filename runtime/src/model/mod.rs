@@ -195,11 +195,13 @@ struct Pick {
 /// `nflash run --speculate`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Speculation {
-    /// For a layer whose expected hidden wait outweighs the prefetch's
-    /// predictor time: its last FFN call's wait for reads, times the share
-    /// of speculative reads used so far (and, for a mixture of experts, of
-    /// guessed experts the router chose), against that call's predictor
-    /// time (the default).
+    /// For a dense layer whose expected hidden wait outweighs the
+    /// prefetch's predictor time: its last FFN call's wait for reads, times
+    /// the share of speculative reads used so far, against that call's
+    /// predictor time (the default). A mixture of experts' layers are only
+    /// guessed (the expert prediction's precision and recall), not read
+    /// ahead: their guessed experts' predictors and wasted reads cost more
+    /// than they hid (docs/benchmarks.md).
     #[default]
     Auto,
     /// Before every sparse layer that has cold neurons.

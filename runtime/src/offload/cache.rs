@@ -356,27 +356,38 @@ impl NeuronCache {
     /// exactly (router and predictor have run), so their reads start
     /// before the first expert computes. A no-op without a cold region.
     pub fn fetch_ahead(&self, layer: usize, needed: &[u32]) {
-        let lay = &self.layers[layer];
         let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
-        if lru.owner.is_empty() {
-            return;
+        if !lru.owner.is_empty() {
+            self.read_ahead(&mut lru, layer, needed, false);
         }
+    }
+
+    /// Queues reads of the cold clusters `clusters` (ascending) of `layer`
+    /// that are not in memory, into free slots of the current epoch,
+    /// marked read ahead (and `speculative`); stops when no slot is free.
+    /// Clusters already held are touched. Returns how many reads it queued.
+    fn read_ahead(&self, lru: &mut Lru, layer: usize, clusters: &[u32], speculative: bool) -> u64 {
+        let lay = &self.layers[layer];
         let mut reads = Merger::default();
-        for &c in needed {
+        let mut n = 0u64;
+        for &c in clusters {
             let c = c as usize;
             if c < lay.hot {
                 continue;
             }
-            let s = self.slot_held(&mut lru, layer, c);
+            let s = self.slot_held(lru, layer, c);
             if s != NONE {
                 lru.touch(s);
                 continue;
             }
-            let Some(claim) = self.claim(&mut lru, layer, c) else { break };
+            let Some(claim) = self.claim(lru, layer, c) else { break };
             lru.prefetched[claim.slot() as usize] = true;
+            lru.speculated[claim.slot() as usize] = speculative;
             reads.push(&self.io, lay.clusters[c], claim);
+            n += 1;
         }
         reads.flush(&self.io);
+        n
     }
 
     /// Index of `layer`'s first cold cluster (clusters before it are hot).
@@ -398,32 +409,13 @@ impl NeuronCache {
     /// speculation missed; clusters it does not need stay in the LRU. A
     /// no-op when the cold region is empty.
     pub fn speculate(&self, layer: usize, likely: &[u32]) {
-        let lay = &self.layers[layer];
         let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
         if lru.owner.is_empty() {
             return;
         }
         lru.epoch += 1;
         lru.spec_layer = layer as u32;
-        let mut reads = Merger::default();
-        let mut n = 0u64;
-        for &c in likely {
-            let c = c as usize;
-            if c < lay.hot {
-                continue;
-            }
-            let s = self.slot_held(&mut lru, layer, c);
-            if s != NONE {
-                lru.touch(s);
-                continue;
-            }
-            let Some(claim) = self.claim(&mut lru, layer, c) else { break };
-            lru.prefetched[claim.slot() as usize] = true;
-            lru.speculated[claim.slot() as usize] = true;
-            reads.push(&self.io, lay.clusters[c], claim);
-            n += 1;
-        }
-        reads.flush(&self.io);
+        let n = self.read_ahead(&mut lru, layer, likely, true);
         lru.counts.speculated += n;
     }
 

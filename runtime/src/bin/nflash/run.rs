@@ -76,8 +76,9 @@ pub struct RunArgs {
     #[arg(long)]
     dense: bool,
     /// Speculative prefetch: read the next layer's likely cold neuron clusters
-    /// while its attention runs. auto = where the wait it is expected to
-    /// hide (measured) outweighs its predictor time.
+    /// while its attention runs. auto = dense layers where the wait it is
+    /// expected to hide (measured) outweighs its predictor time; a mixture
+    /// of experts' layers only score their guess (always reads it ahead).
     #[arg(
         long,
         default_value = "auto",
