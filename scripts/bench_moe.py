@@ -118,7 +118,9 @@ def print_moe(b: scale.Scale, t: dict) -> None:
             rd = sm.get("bytes_read_per_token_median") if nfl else None
             pr = (f"{fmt(sm.get('expert_prefetch_precision_median'), 2)}/{fmt(sm.get('expert_prefetch_recall_median'), 2)}"
                   if nfl else "-")
-            ra = sm.get("misses_read_ahead_median") if nfl else None
+            # Misses read before their layer asked, by whatever started the read
+            # (older nflash: by speculative prefetch only).
+            ra = sm.get("misses_read_early_median", sm.get("misses_read_ahead_median")) if nfl else None
             io = sm.get("io_wait_share_median") if nfl else None
             rows.append([n, fmt(b.limits[b.first].get(n, 0) / MIB if n in b.limits[b.first] else None, 0), e,
                          fmt(v, 2), fmt(v / ll if nfl and v and ll else None, 1),

@@ -30,7 +30,7 @@ def summarize(runs: list[dict], engine: str) -> dict:
          "cgroup_limit_bytes": runs[0]["cgroup_limit_bytes"] if runs else None}
     if engine == "nflash":
         for k in ("cache_hit_rate", "hot_hit_rate", "reads_per_token", "io_wait_share", "hot_bytes", "cold_bytes",
-                  "expert_prefetch_precision", "expert_prefetch_recall", "misses_read_ahead"):
+                  "expert_prefetch_precision", "expert_prefetch_recall", "misses_read_ahead", "misses_read_early"):
             s[k + "_median"] = st(k)
         s["o_direct"] = [r["stats"].get("o_direct") for r in ok]
     else:
