@@ -39,7 +39,8 @@ typedef enum {
 // Opaque to C.
 typedef struct nflash_model nflash_model;
 
-// Options of [`nflash_open`]; [`nflash_options_default`] fills them.
+// Options of [`nflash_open`]; [`nflash_options_default`] fills them (all
+// zero).
 typedef struct {
   // Whole-process memory budget, bytes (fixed region, hot neurons and
   // the cold neuron cache); 0: the pack's plan's budget, else every

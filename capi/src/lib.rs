@@ -34,7 +34,7 @@ use nflash_format::Pack;
 use nflash_runtime::chat::Message;
 use nflash_runtime::generate::GenerateOptions;
 use nflash_runtime::placement::{self, MemoryOptions};
-use nflash_runtime::sampler::{Sampler, SamplerConfig};
+use nflash_runtime::sampler::{self, Sampler, SamplerConfig};
 use nflash_runtime::session::{Session, Turn};
 use nflash_runtime::{Engine, Error};
 
@@ -64,9 +64,10 @@ pub enum NflashStatus {
     Internal = 7,
 }
 
-/// Options of [`nflash_open`]; [`nflash_options_default`] fills them.
+/// Options of [`nflash_open`]; [`nflash_options_default`] fills them (all
+/// zero).
 #[repr(C)]
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct NflashOptions {
     /// Whole-process memory budget, bytes (fixed region, hot neurons and
     /// the cold neuron cache); 0: the pack's plan's budget, else every
@@ -244,6 +245,28 @@ unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<&'a str, Fail> {
     unsafe { CStr::from_ptr(p) }.to_str().map_err(|e| invalid(format!("{what} is not UTF-8: {e}")))
 }
 
+/// The model behind a `model` argument.
+///
+/// # Safety
+/// `model` is null or a live model from [`nflash_open`].
+unsafe fn live<'a>(model: *const NflashModel) -> Result<&'a NflashModel, Fail> {
+    // SAFETY: null or a live model, per the caller.
+    unsafe { model.as_ref() }.ok_or_else(|| invalid("model is a null pointer"))
+}
+
+/// Writes `value` to an `out` argument.
+///
+/// # Safety
+/// `out` is null or writable for a `T`.
+unsafe fn put<T>(out: *mut T, value: T) -> Result<NflashStatus, Fail> {
+    if out.is_null() {
+        return Err(invalid("out is a null pointer"));
+    }
+    // SAFETY: non-null, and writable per the caller.
+    unsafe { out.write(value) };
+    Ok(NflashStatus::Ok)
+}
+
 /// The library's version (the workspace version), a static string.
 #[no_mangle]
 pub extern "C" fn nflash_version() -> *const c_char {
@@ -263,14 +286,8 @@ pub extern "C" fn nflash_last_error() -> *const c_char {
 /// `out` is null or points to writable memory for an [`NflashOptions`].
 #[no_mangle]
 pub unsafe extern "C" fn nflash_options_default(out: *mut NflashOptions) -> NflashStatus {
-    guard(|| {
-        if out.is_null() {
-            return Err(invalid("out is a null pointer"));
-        }
-        // SAFETY: non-null, and the caller guarantees it is writable.
-        unsafe { out.write(NflashOptions { memory_budget_bytes: 0, ctx: 0, threads: 0, verify: 0 }) };
-        Ok(NflashStatus::Ok)
-    })
+    // SAFETY: null or writable, per the caller.
+    guard(|| unsafe { put(out, NflashOptions::default()) })
 }
 
 /// Opens the pack at `path` with `options` (null: the defaults) and stores
@@ -293,12 +310,7 @@ pub unsafe extern "C" fn nflash_open(
         // SAFETY: the caller guarantees a NUL-terminated string.
         let path = unsafe { text(path, "path") }?;
         // SAFETY: null or a valid NflashOptions, per the caller.
-        let o = unsafe { options.as_ref() }.copied().unwrap_or(NflashOptions {
-            memory_budget_bytes: 0,
-            ctx: 0,
-            threads: 0,
-            verify: 0,
-        });
+        let o = unsafe { options.as_ref() }.copied().unwrap_or_default();
         if o.verify > 2 {
             return Err(invalid(format!("options.verify {} must be 0 (lazy), 1 (full) or 2 (off)", o.verify)));
         }
@@ -338,15 +350,10 @@ pub unsafe extern "C" fn nflash_open(
 pub unsafe extern "C" fn nflash_params_default(model: *const NflashModel, out: *mut NflashParams) -> NflashStatus {
     guard(|| {
         // SAFETY: null or a live model from nflash_open, per the caller.
-        let m = unsafe { model.as_ref() }.ok_or_else(|| invalid("model is a null pointer"))?;
-        if out.is_null() {
-            return Err(invalid("out is a null pointer"));
-        }
-        let inner = m.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let p = inner.loaded.with_dependent(|_, r| pack_params(&r.engine));
-        // SAFETY: non-null and writable, per the caller.
-        unsafe { out.write(p) };
-        Ok(NflashStatus::Ok)
+        let m = unsafe { live(model) }?;
+        let p = m.inner.lock().unwrap_or_else(|e| e.into_inner()).loaded.with_dependent(|_, r| pack_params(&r.engine));
+        // SAFETY: null or writable, per the caller.
+        unsafe { put(out, p) }
     })
 }
 
@@ -356,9 +363,9 @@ fn pack_params(engine: &Engine) -> NflashParams {
     let g = &engine.generation;
     NflashParams {
         max_tokens: 256,
-        temperature: g.temperature.unwrap_or(0.8),
-        top_k: g.top_k.unwrap_or(40),
-        top_p: g.top_p.unwrap_or(0.95),
+        temperature: g.temperature.unwrap_or(sampler::DEFAULT_TEMPERATURE),
+        top_k: g.top_k.unwrap_or(sampler::DEFAULT_TOP_K as u32),
+        top_p: g.top_p.unwrap_or(sampler::DEFAULT_TOP_P),
         seed: 0,
     }
 }
@@ -386,10 +393,10 @@ fn generate(
         if p.max_tokens == 0 {
             return Err(invalid("params.max_tokens must be at least 1"));
         }
-        if !p.temperature.is_finite() || p.temperature < 0.0 {
+        if !sampler::valid_temperature(p.temperature) {
             return Err(invalid(format!("params.temperature {} must be a finite number ≥ 0", p.temperature)));
         }
-        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+        if !sampler::valid_top_p(p.top_p) {
             return Err(invalid(format!("params.top_p {} must be in (0, 1]", p.top_p)));
         }
         // At most a context's worth, counted before a long text is tokenized whole.
@@ -491,7 +498,7 @@ pub unsafe extern "C" fn nflash_chat(
 ) -> NflashStatus {
     guard(|| {
         // SAFETY: null or a live model from nflash_open, per the caller.
-        let m = unsafe { model.as_ref() }.ok_or_else(|| invalid("model is a null pointer"))?;
+        let m = unsafe { live(model) }?;
         if messages.is_null() || n == 0 {
             return Err(Fail(NflashStatus::Prompt, "no messages: pass at least one".into()));
         }
@@ -529,7 +536,7 @@ pub unsafe extern "C" fn nflash_complete(
 ) -> NflashStatus {
     guard(|| {
         // SAFETY: null or a live model from nflash_open, per the caller.
-        let m = unsafe { model.as_ref() }.ok_or_else(|| invalid("model is a null pointer"))?;
+        let m = unsafe { live(model) }?;
         // SAFETY: a NUL-terminated string, per the caller.
         let prompt = unsafe { text(prompt, "prompt") }?;
         // SAFETY: null or a valid NflashParams, per the caller.
@@ -547,7 +554,7 @@ pub unsafe extern "C" fn nflash_complete(
 pub unsafe extern "C" fn nflash_cancel(model: *const NflashModel) -> NflashStatus {
     guard(|| {
         // SAFETY: null or a live model, per the caller; only the atomic flag is touched.
-        let m = unsafe { model.as_ref() }.ok_or_else(|| invalid("model is a null pointer"))?;
+        let m = unsafe { live(model) }?;
         m.cancel.store(true, Ordering::SeqCst);
         Ok(NflashStatus::Ok)
     })
@@ -561,14 +568,10 @@ pub unsafe extern "C" fn nflash_cancel(model: *const NflashModel) -> NflashStatu
 pub unsafe extern "C" fn nflash_stats(model: *const NflashModel, out: *mut NflashStats) -> NflashStatus {
     guard(|| {
         // SAFETY: null or a live model, per the caller.
-        let m = unsafe { model.as_ref() }.ok_or_else(|| invalid("model is a null pointer"))?;
-        if out.is_null() {
-            return Err(invalid("out is a null pointer"));
-        }
+        let m = unsafe { live(model) }?;
         let s = m.inner.lock().unwrap_or_else(|e| e.into_inner()).last;
-        // SAFETY: non-null and writable, per the caller.
-        unsafe { out.write(s) };
-        Ok(NflashStatus::Ok)
+        // SAFETY: null or writable, per the caller.
+        unsafe { put(out, s) }
     })
 }
 
@@ -580,7 +583,7 @@ pub unsafe extern "C" fn nflash_stats(model: *const NflashModel, out: *mut Nflas
 pub unsafe extern "C" fn nflash_reset(model: *mut NflashModel) -> NflashStatus {
     guard(|| {
         // SAFETY: null or a live model, per the caller.
-        let m = unsafe { model.as_ref() }.ok_or_else(|| invalid("model is a null pointer"))?;
+        let m = unsafe { live(model) }?;
         m.inner.lock().unwrap_or_else(|e| e.into_inner()).loaded.with_dependent_mut(|_, r| r.session.clear());
         Ok(NflashStatus::Ok)
     })

@@ -5,6 +5,24 @@ use rand::distr::Distribution;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
+/// nflash's temperature where neither the caller nor the pack's
+/// `generation_config.json` gives one.
+pub const DEFAULT_TEMPERATURE: f32 = 0.8;
+/// nflash's top-k where neither the caller nor the pack gives one.
+pub const DEFAULT_TOP_K: usize = 40;
+/// nflash's top-p where neither the caller nor the pack gives one.
+pub const DEFAULT_TOP_P: f32 = 0.95;
+
+/// Whether `t` is a temperature the sampler takes: finite and ≥ 0 (0: greedy).
+pub fn valid_temperature(t: f32) -> bool {
+    t.is_finite() && t >= 0.0
+}
+
+/// Whether `p` is a nucleus mass the sampler takes: in (0, 1] (1: off).
+pub fn valid_top_p(p: f32) -> bool {
+    p > 0.0 && p <= 1.0
+}
+
 /// Sampling settings.
 #[derive(Debug, Clone, Copy)]
 pub struct SamplerConfig {

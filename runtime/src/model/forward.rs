@@ -240,20 +240,10 @@ impl Model<'_> {
                     }
                 }
             } else {
-                work.expert_y = std::mem::take(&mut ys);
                 for (t, outr) in out.chunks_exact_mut(h).enumerate() {
-                    let xr = &xn[t * h..(t + 1) * h];
-                    counts.add(&self.ffn_moe_token(
-                        layer,
-                        &routes[t * k..(t + 1) * k],
-                        sparse_on,
-                        xr,
-                        work,
-                        tm,
-                        outr,
-                    )?);
+                    let (xr, experts) = (&xn[t * h..(t + 1) * h], &routes[t * k..(t + 1) * k]);
+                    counts.add(&self.ffn_moe_token(layer, experts, sparse_on, xr, work, tm, &mut ys, outr)?);
                 }
-                ys = std::mem::take(&mut work.expert_y);
             }
             Ok(())
         })();
@@ -319,23 +309,23 @@ impl Model<'_> {
     ) -> Result<LayerCounts> {
         let mut picks = std::mem::take(&mut work.picks);
         picks.resize_with(1, Pick::default);
-        let t0 = Instant::now();
         let xin = work.xin.get_or_insert_with(|| DotInput::new(unit.ffn.dtype()));
         xin.set(x);
         self.pick(unit, sparse, x, xin, &mut work.predict, &mut picks[0]);
+        tm.predictor_s += picks[0].pred_s;
         let t1 = Instant::now();
-        tm.predictor_s += (t1 - t0).as_secs_f64();
         let r = self
             .source
             .fetch(unit.index, &picks[0].needed, &mut work.table)
-            .and_then(|()| self.ffn_picked(unit, sparse, &picks[0], work, tm, out, (t1 - t0).as_secs_f64(), t1));
+            .and_then(|()| self.ffn_picked(unit, sparse, &picks[0], work, tm, out, t1));
         work.picks = picks;
         r
     }
 
     /// One unit's selection for one token (decode): its predictor's choice
     /// of neurons for the normed input `x` (`[hidden]`, also prepared as
-    /// `xin`), or every neuron without one, and the clusters holding them.
+    /// `xin`), or every neuron without one, the clusters holding them, and
+    /// the time it took.
     fn pick(
         &self,
         unit: &Unit,
@@ -345,6 +335,7 @@ impl Model<'_> {
         predict: &mut PredictScratch,
         pick: &mut Pick,
     ) {
+        let t = Instant::now();
         pick.listed = sparse.is_some_and(|sp| sp.predict_token(self.cfg.activation, xin, x, predict, &mut pick.list));
         if pick.listed {
             unit.ffn.clusters_of(&pick.list, &mut pick.needed);
@@ -352,14 +343,14 @@ impl Model<'_> {
             pick.needed.clear();
             pick.needed.extend(0..unit.ffn.n_clusters() as u32);
         }
+        pick.pred_s = t.elapsed().as_secs_f64();
     }
 
     /// The FFN of one unit for one token whose clusters `pick` were just
     /// fetched into `work.table`: computes the selected neurons from the
-    /// prepared input `work.xin` into `out` (`[hidden]`). `pred_s` is the
-    /// predictor time the pick took and `t1` when the fetch began; the
-    /// time since goes to `tm`, the wait for reads and `pred_s` to the
-    /// layer's `layer_wait`.
+    /// prepared input `work.xin` into `out` (`[hidden]`). `t1` is when the
+    /// fetch began; the time since goes to `tm`, the wait for reads and the
+    /// pick's predictor time to the layer's `layer_wait`.
     #[allow(clippy::too_many_arguments)]
     fn ffn_picked(
         &self,
@@ -369,7 +360,6 @@ impl Model<'_> {
         work: &mut Work,
         tm: &mut Timings,
         out: &mut [f32],
-        pred_s: f64,
         t1: Instant,
     ) -> Result<LayerCounts> {
         let (u, ffn_unit) = (unit.index, &unit.ffn);
@@ -386,13 +376,14 @@ impl Model<'_> {
         // Compute threads wait side by side: their summed wait over the thread count is wall time.
         let waited = (self.source.wait_s() - wait0) / rayon::current_num_threads() as f64;
         let w = &mut work.layer_wait[self.cfg.unit_layer_expert(u).0];
-        (w.0, w.1) = (w.0 + waited, w.1 + pred_s);
+        (w.0, w.1) = (w.0 + waited, w.1 + pick.pred_s);
         Ok(LayerCounts { neurons: n, read, computed, ..Default::default() })
     }
 
     /// One token's mixture-of-experts FFN (decode): `experts` (its routed
     /// experts, with weights) each run on the normed input `x` (`[hidden]`)
-    /// and added to `out` (`[hidden]`) times their weights, in order. Every
+    /// into `ys` (scratch) and added to `out` (`[hidden]`) times their
+    /// weights, in order. Every
     /// expert's selection is made first, and the reads of the second and
     /// later ones start ([`super::ClusterSource::fetch_ahead`]) right after
     /// the first one's fetch, so they land while the first computes.
@@ -405,12 +396,12 @@ impl Model<'_> {
         x: &[f32],
         work: &mut Work,
         tm: &mut Timings,
+        ys: &mut Vec<f32>,
         out: &mut [f32],
     ) -> Result<LayerCounts> {
         let h = x.len();
         let mut picks = std::mem::take(&mut work.picks);
         picks.resize_with(experts.len(), Pick::default);
-        let mut ys = std::mem::take(&mut work.expert_y);
         let result = (|| -> Result<LayerCounts> {
             let mut counts = LayerCounts::default();
             let unit_of = |e: u32| &layer.units[e as usize];
@@ -418,22 +409,17 @@ impl Model<'_> {
             // Select every expert's neurons; fetch the first, read ahead the others.
             let xin = work.xin.get_or_insert_with(|| DotInput::new(unit_of(experts[0].0).ffn.dtype()));
             xin.set(x);
-            let mut pred_s = vec![0f64; experts.len()];
-            let mut fetch_s = 0.0;
             for (j, &(e, _)) in experts.iter().enumerate() {
-                let t = Instant::now();
                 self.pick(unit_of(e), sparse_of(e), x, xin, &mut work.predict, &mut picks[j]);
+                tm.predictor_s += picks[j].pred_s;
                 let tf = Instant::now();
-                pred_s[j] = (tf - t).as_secs_f64();
                 if j == 0 {
                     self.source.fetch(unit_of(e).index, &picks[0].needed, &mut work.table)?;
                 } else {
                     self.source.fetch_ahead(unit_of(e).index, &picks[j].needed);
                 }
-                fetch_s += tf.elapsed().as_secs_f64();
+                tm.ffn_s += tf.elapsed().as_secs_f64();
             }
-            tm.predictor_s += pred_s.iter().sum::<f64>();
-            tm.ffn_s += fetch_s;
             for (j, &(e, w)) in experts.iter().enumerate() {
                 let t = Instant::now();
                 if j > 0 {
@@ -441,13 +427,12 @@ impl Model<'_> {
                 }
                 ys.clear();
                 ys.resize(h, 0.0);
-                counts.add(&self.ffn_picked(unit_of(e), sparse_of(e), &picks[j], work, tm, &mut ys, pred_s[j], t)?);
-                out.iter_mut().zip(&ys).for_each(|(o, y)| *o += w * y);
+                counts.add(&self.ffn_picked(unit_of(e), sparse_of(e), &picks[j], work, tm, ys, t)?);
+                out.iter_mut().zip(ys.iter()).for_each(|(o, y)| *o += w * y);
             }
             Ok(counts)
         })();
         work.picks = picks;
-        work.expert_y = ys;
         result
     }
 

@@ -189,6 +189,8 @@ struct Pick {
     needed: Vec<u32>,
     /// Whether `list` holds a selection (else every neuron runs).
     listed: bool,
+    /// Seconds the selection took (predictor time).
+    pred_s: f64,
 }
 
 /// When decode runs a speculative prefetch ([`Model::set_speculation`];

@@ -1,7 +1,7 @@
 //! The sampling flags shared by `nflash run` and `nflash serve`.
 
 use clap::Args;
-use nflash_runtime::sampler::SamplerConfig;
+use nflash_runtime::sampler::{self, SamplerConfig};
 
 /// Sampling options; each defaults to the checkpoint's
 /// `generation_config.json` value stored in the pack (SPEC §4.9), else
@@ -28,7 +28,7 @@ pub struct SamplingArgs {
 /// `--temperature`: a finite number ≥ 0.
 fn parse_temperature(s: &str) -> std::result::Result<f32, String> {
     match s.parse::<f32>() {
-        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        Ok(t) if sampler::valid_temperature(t) => Ok(t),
         _ => Err("must be a finite number ≥ 0 (0 = greedy), e.g. 0.7".into()),
     }
 }
@@ -36,7 +36,7 @@ fn parse_temperature(s: &str) -> std::result::Result<f32, String> {
 /// `--top-p`: a number in (0, 1].
 fn parse_top_p(s: &str) -> std::result::Result<f32, String> {
     match s.parse::<f32>() {
-        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        Ok(p) if sampler::valid_top_p(p) => Ok(p),
         _ => Err("must be a number in (0, 1] (1 = off), e.g. 0.9".into()),
     }
 }
@@ -54,9 +54,9 @@ impl SamplingArgs {
             }
         }
         let seed = self.seed.unwrap_or_else(clock_seed);
-        let (temperature, st) = pick(self.temperature, g.temperature, 0.8);
-        let (top_k, sk) = pick(self.top_k, g.top_k.map(|k| k as usize), 40);
-        let (top_p, sp) = pick(self.top_p, g.top_p, 0.95);
+        let (temperature, st) = pick(self.temperature, g.temperature, sampler::DEFAULT_TEMPERATURE);
+        let (top_k, sk) = pick(self.top_k, g.top_k.map(|k| k as usize), sampler::DEFAULT_TOP_K);
+        let (top_p, sp) = pick(self.top_p, g.top_p, sampler::DEFAULT_TOP_P);
         (SamplerConfig { temperature, top_k, top_p, seed }, [st, sk, sp])
     }
 }

@@ -821,13 +821,13 @@ async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Resul
     }
     let mut sampling = s.sampling;
     if let Some(t) = p.temperature {
-        if !t.is_finite() || t < 0.0 {
+        if !nflash_runtime::sampler::valid_temperature(t) {
             return Err(ApiError::bad(format!("temperature {t} must be a finite number ≥ 0 (0 = greedy)")));
         }
         sampling.temperature = t;
     }
     if let Some(t) = p.top_p {
-        if !(t > 0.0 && t <= 1.0) {
+        if !nflash_runtime::sampler::valid_top_p(t) {
             return Err(ApiError::bad(format!("top_p {t} must be in (0, 1]")));
         }
         sampling.top_p = t;
