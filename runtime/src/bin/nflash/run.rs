@@ -161,19 +161,18 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     // Instruct packs (a chat template) chat by default; --raw sends the text as is.
     let chat = !a.raw && (a.chat || engine.template.is_some() || a.system.is_some());
     let ids = if chat {
-        let template = engine.template.as_ref().with_context(|| {
-            format!(
-                "this pack has no chat template, so {} cannot apply one; drop it (the prompt is then sent as is), or convert a model whose tokenizer_config.json has chat_template",
-                if a.chat { "--chat" } else { "--system" }
-            )
-        })?;
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
             msgs.push(Message::new("system", s));
         }
         // A message ends where its text does: a prompt file's final newline is not part of it.
         msgs.push(Message::new("user", prompt.trim_end()));
-        engine.tokenizer.encode(&template.render(&msgs)?, false)?
+        engine.encode_chat(&msgs, usize::MAX)?.with_context(|| {
+            format!(
+                "this pack has no chat template, so {} cannot apply one; drop it (the prompt is then sent as is), or convert a model whose tokenizer_config.json has chat_template",
+                if a.chat { "--chat" } else { "--system" }
+            )
+        })?
     } else {
         engine.encode_raw(&prompt)?
     };
@@ -381,10 +380,8 @@ fn interactive(
     budget: Option<u64>,
 ) -> Result<()> {
     let system = a.system.as_deref();
-    let template = engine
-        .template
-        .as_ref()
-        .context("this pack has no chat template, so interactive chat is not possible; pass --prompt")?;
+    const NO_TEMPLATE: &str = "this pack has no chat template, so interactive chat is not possible; pass --prompt";
+    anyhow::ensure!(engine.template.is_some(), NO_TEMPLATE);
     let mut msgs = Vec::new();
     if let Some(s) = system {
         msgs.push(Message::new("system", s));
@@ -399,7 +396,7 @@ fn interactive(
             break;
         }
         msgs.push(Message::new("user", line.trim_end()));
-        let ids = engine.tokenizer.encode(&template.render(&msgs)?, false)?;
+        let ids = engine.encode_chat(&msgs, usize::MAX)?.context(NO_TEMPLATE)?;
         engine.model.reset_counters();
         let result = session.generate(engine, &ids, sampler, opts, |p| {
             let _ = stdout.write_all(p.as_bytes());
