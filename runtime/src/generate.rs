@@ -102,6 +102,30 @@ pub fn generate(
     })
 }
 
+/// Runs `prompt` (token ids appended after whatever `kv` holds) through
+/// prefill, in passes of [`nflash_plan::layout::prefill_chunk`] tokens
+/// counted from the first id of `prompt`, and returns the logits of its
+/// last token (`[vocab]`). A token's results depend on the pass it is in
+/// (short passes take other kernels than long ones: docs/DESIGN.md,
+/// "Invariants"), so [`crate::session::Session`] reuses a KV cache only
+/// by whole passes, where a fresh prefill would run the same passes.
+///
+/// # Errors
+/// [`Error::EmptyPrompt`]; [`Error::ContextFull`] if the prompt does not
+/// fit; model errors (cluster reads, non-finite activations).
+pub fn prefill(model: &Model, kv: &mut KvCache, prompt: &[u32]) -> Result<Vec<f32>> {
+    let h = model.cfg.hidden_size as usize;
+    let mut last_hidden = Vec::new();
+    for chunk in prompt.chunks(nflash_plan::layout::prefill_chunk(&model.cfg)) {
+        let hs = model.forward_with(kv, chunk, crate::model::Pass::Prefill)?;
+        last_hidden = hs[hs.len() - h..].to_vec();
+    }
+    if last_hidden.is_empty() {
+        return Err(Error::EmptyPrompt);
+    }
+    model.checked_logits(&last_hidden, kv.len() - 1)
+}
+
 /// As [`generate`], with `on_text` able to stop generation: after
 /// [`ControlFlow::Break`] no further token is computed and the stats say
 /// [`Finish::Cancelled`]. The KV cache then holds the prompt and every
@@ -131,13 +155,8 @@ pub fn generate_until(
     let _awake = model.cache_regions().io_engine.is_none().then(crate::spin::KeepAwake::start);
     let t0 = Instant::now();
     let prefill0 = model.cache_stats();
-    let mut last_hidden = Vec::new();
-    for chunk in prompt.chunks(nflash_plan::layout::prefill_chunk(&model.cfg)) {
-        let hs = model.forward_with(kv, chunk, crate::model::Pass::Prefill)?;
-        let h = model.cfg.hidden_size as usize;
-        last_hidden = hs[hs.len() - h..].to_vec();
-    }
-    let mut next = sampler.sample(&model.checked_logits(&last_hidden, kv.len() - 1)?);
+    let logits = prefill(model, kv, prompt)?;
+    let mut next = sampler.sample(&logits);
     stats.prefill_s = t0.elapsed().as_secs_f64();
     stats.prefill_cache = model.cache_stats().since(&prefill0);
     let mut out = Vec::new();

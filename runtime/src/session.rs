@@ -6,25 +6,22 @@
 use std::ops::ControlFlow;
 
 use crate::engine::Engine;
-use crate::error::Result;
-use crate::generate::{generate_until, GenStats, GenerateOptions};
+use crate::error::{Error, Result};
+use crate::generate::{generate_until, prefill, GenStats, GenerateOptions};
 use crate::model::kv_cache::KvCache;
 use crate::sampler::Sampler;
-
-/// Fewest tokens run again after a reused prefix: prefill passes of fewer
-/// tokens take other kernel paths (one token: the decode matvec), whose
-/// results differ in the last bits from a longer pass's.
-pub const MIN_SUFFIX: usize = crate::kernels::gemm::MIN_BATCH;
 
 /// A KV cache and the token ids whose keys and values it holds.
 pub struct Session {
     kv: KvCache,
     /// The ids in `kv`, one per position: `cached.len() == kv.len()`.
     cached: Vec<u32>,
-    /// Leading positions of `kv` computed by prefill (the prompts), as
-    /// opposed to decode (the generated tokens, computed one at a time by
-    /// other kernels): only these are reused, so a reused prefix holds the
-    /// keys and values a fresh prefill would compute.
+    /// Leading positions of `kv` computed by whole prefill passes of the
+    /// prompts (multiples of [`nflash_plan::layout::prefill_chunk`]), as
+    /// opposed to the last, partial pass and decode (the generated tokens,
+    /// computed one at a time by other kernels): only these are reused, so
+    /// a reused prefix holds the bits of the keys and values a fresh
+    /// prefill would compute.
     prefilled: usize,
 }
 
@@ -62,15 +59,11 @@ impl Session {
     }
 
     /// Generates after `ids`, the whole conversation's token ids: the
-    /// longest prefix of `ids` already in the KV cache from an earlier
-    /// prefill is kept (at most all but the last [`MIN_SUFFIX`] ids), the
-    /// rest is prefilled, then decoding runs as
-    /// [`generate_until`] does. Earlier replies (computed by decode) are
-    /// prefilled again, and where prefill results depend on the pass
-    /// ([`crate::Model::prefill_batch_invariant`]: Q4_0) only whole
-    /// prefill passes are reused, so the tokens are always those of a
-    /// fresh prefill of `ids`. After an error the cache keeps only the
-    /// reused prefix.
+    /// longest prefix of `ids` already in the KV cache from earlier
+    /// prefill passes is kept ([`Self::keep_prefix`]), the rest is
+    /// prefilled, then decoding runs as [`generate_until`] does. The
+    /// tokens, logits and KV cache are those of a fresh prefill of `ids`,
+    /// bit for bit. After an error the cache keeps only the reused prefix.
     ///
     /// # Errors
     /// As [`crate::generate::generate`]: [`crate::Error::EmptyPrompt`],
@@ -83,34 +76,80 @@ impl Session {
         opts: &GenerateOptions,
         on_text: impl FnMut(&str) -> ControlFlow<()>,
     ) -> Result<Turn> {
-        let same = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
-        let mut common = same.min(self.prefilled).min(ids.len().saturating_sub(MIN_SUFFIX));
-        // Where a token's prefill result depends on its pass (Q4_0), only
-        // whole passes are reused, each run at the offset a fresh prefill
-        // runs it: the rest is computed exactly as a fresh prefill would.
-        let pass = nflash_plan::layout::prefill_chunk(&engine.model.cfg);
-        let invariant = engine.model.prefill_batch_invariant();
-        if !invariant {
-            common -= common % pass;
-        }
-        self.kv.truncate(common);
-        self.cached.truncate(common);
+        let common = self.keep_prefix(engine, ids);
         let new = &ids[common..];
         match generate_until(&engine.model, &mut self.kv, &engine.tokenizer, new, sampler, opts, on_text) {
             Ok((tokens, stats)) => {
-                self.cached.extend_from_slice(new);
-                self.prefilled =
-                    if invariant { self.cached.len() } else { self.cached.len() - self.cached.len() % pass };
+                self.prefilled_through(engine, new);
                 self.cached.extend_from_slice(&tokens);
                 // The last sampled token was never run through the model.
                 self.cached.truncate(self.kv.len());
                 Ok(Turn { tokens, stats, reused_tokens: common })
             }
             Err(e) => {
-                self.kv.truncate(common);
-                self.prefilled = common;
+                self.keep(common);
                 Err(e)
             }
         }
+    }
+
+    /// Prefills `ids` as [`Self::generate`] does, reusing the same prefix,
+    /// and returns the logits of the last id (`[vocab]`) and the number of
+    /// leading ids reused. The KV cache then holds exactly `ids`.
+    ///
+    /// # Errors
+    /// [`Error::EmptyPrompt`], [`Error::PromptTooLong`] (no room for the
+    /// prompt and one generated token), model errors.
+    pub fn prefill(&mut self, engine: &Engine, ids: &[u32]) -> Result<(Vec<f32>, usize)> {
+        if ids.len() >= self.kv.capacity() {
+            return Err(Error::PromptTooLong { prompt: ids.len(), context: self.kv.capacity(), reserve: 1 });
+        }
+        let common = self.keep_prefix(engine, ids);
+        let new = &ids[common..];
+        match prefill(&engine.model, &mut self.kv, new) {
+            Ok(logits) => {
+                self.prefilled_through(engine, new);
+                Ok((logits, common))
+            }
+            Err(e) => {
+                self.keep(common);
+                Err(e)
+            }
+        }
+    }
+
+    /// The KV cache (its positions hold the keys and values of the ids of
+    /// the conversation so far, but the last sampled one).
+    pub fn kv_cache(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// Keeps the longest prefix of `ids` that is in the KV cache and was
+    /// computed by whole prefill passes, less at least one id (the last id
+    /// of a request is always run, for its logits), rounded down to whole
+    /// passes of [`nflash_plan::layout::prefill_chunk`] tokens, so that the
+    /// rest runs in the passes a fresh prefill of `ids` would run. Returns
+    /// its length.
+    fn keep_prefix(&mut self, engine: &Engine, ids: &[u32]) -> usize {
+        let same = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        let pass = nflash_plan::layout::prefill_chunk(&engine.model.cfg);
+        let mut common = same.min(self.prefilled).min(ids.len().saturating_sub(1));
+        common -= common % pass;
+        self.keep(common);
+        common
+    }
+
+    /// Forgets every position from `len` on.
+    fn keep(&mut self, len: usize) {
+        self.kv.truncate(len);
+        self.cached.truncate(len);
+        self.prefilled = self.prefilled.min(len);
+    }
+
+    /// Records that `new` was prefilled after the kept prefix.
+    fn prefilled_through(&mut self, engine: &Engine, new: &[u32]) {
+        let pass = nflash_plan::layout::prefill_chunk(&engine.model.cfg);
+        self.cached.extend_from_slice(new);
+        self.prefilled = self.cached.len() - self.cached.len() % pass;
     }
 }

@@ -14,6 +14,7 @@ mod bad_input;
 mod checksums;
 mod common;
 mod fuzz;
+mod kernel_paths;
 mod moe;
 mod no_alloc;
 mod no_alloc_cache;

@@ -280,13 +280,21 @@ fn wrong_expert_prefetch_costs_reads_never_tokens() {
     let cold = &placements[2].1;
     let (logits, tokens, st, ep) = decode(&dense, cold, false);
     assert_eq!(tokens, ref_tokens);
-    assert!(logits == ref_logits, "logits differ with expert prefetch");
+    assert_eq!(
+        nflash_tests::logit_bits(&logits),
+        nflash_tests::logit_bits(&ref_logits),
+        "logits differ with expert prefetch"
+    );
     assert!(st.speculated > 0 && st.speculated_used > 0, "{st:?}");
     assert!(ep.guessed > 0 && ep.precision() > 0.5 && ep.recall() > 0.5, "{ep:?}");
     // The router's lowest-ranked experts instead: the same tokens, few of the reads used.
     let (logits, tokens, st_wrong, ep_wrong) = decode(&dense, cold, true);
     assert_eq!(tokens, ref_tokens);
-    assert!(logits == ref_logits, "logits differ with a misguided expert prefetch");
+    assert_eq!(
+        nflash_tests::logit_bits(&logits),
+        nflash_tests::logit_bits(&ref_logits),
+        "logits differ with a misguided expert prefetch"
+    );
     assert!(st_wrong.speculated > 0, "{st_wrong:?}");
     assert_eq!(ep_wrong.hit, 0, "the lowest-ranked experts were chosen: {ep_wrong:?}");
     assert!(st_wrong.speculated_used < st.speculated_used, "{st_wrong:?} vs {st:?}");

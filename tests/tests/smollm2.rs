@@ -28,7 +28,7 @@ pub fn pack(quant: &str) -> PathBuf {
         .clone()
 }
 
-fn eval_tokens(n: usize) -> Vec<u32> {
+pub fn eval_tokens(n: usize) -> Vec<u32> {
     let (text, _) = eval_text();
     let tok = tokenizers::Tokenizer::from_file(smollm2_dir().join("tokenizer.json")).unwrap();
     let ids = tok.encode(&text[..text.len().min(200_000)], false).unwrap().get_ids().to_vec();
@@ -252,12 +252,15 @@ fn interactive_chat_keeps_the_conversation() {
 }
 
 /// A conversation continued through [`nflash_runtime::session::Session`]
-/// (its prefix's keys and values reused) gives the greedy tokens of a fresh
-/// session prefilling the whole conversation: for a repeated request, a
-/// continued chat, a suffix of a few tokens and a prompt across prefill
-/// chunks, in Q8_0 (f32 prefill tiles) and Q4_0 (quantized prefill GEMM).
+/// (its prefix's keys and values reused) gives the bits of a fresh session
+/// prefilling the whole conversation: the logits of the request's last
+/// token and every key and value in the KV cache, then the greedy tokens.
+/// Requests that repeat, continue a chat after its decoded reply, add a
+/// few tokens inside a prefill pass, cross one or several passes (256
+/// tokens for SmolLM2) or shrink; in Q8_0 (f32 prefill, whose short and
+/// long passes take different kernels) and Q4_0 (quantized prefill GEMM).
 #[test]
-fn reused_prefixes_give_the_tokens_of_a_fresh_prefill() {
+fn reused_prefixes_give_the_logits_and_kv_cache_of_a_fresh_prefill() {
     use nflash_runtime::generate::GenerateOptions;
     use nflash_runtime::sampler::{Sampler, SamplerConfig};
     use nflash_runtime::session::Session;
@@ -265,12 +268,13 @@ fn reused_prefixes_give_the_tokens_of_a_fresh_prefill() {
         let p = pack(quant);
         let pack = Pack::open_resident(&p).unwrap();
         let engine = Engine::load(&pack).unwrap();
+        let pass = nflash_plan::layout::prefill_chunk(&engine.model.cfg);
         let opts = GenerateOptions { max_tokens: 12, stop_ids: vec![], ignore_eos: true };
         let greedy = || Sampler::new(SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 });
-        let fresh = |ids: &[u32]| {
-            let mut s = Session::new(&engine, 1024).unwrap();
-            s.generate(&engine, ids, &mut greedy(), &opts, |_| std::ops::ControlFlow::Continue(())).unwrap().tokens
+        let go = |s: &mut Session, ids: &[u32]| {
+            s.generate(&engine, ids, &mut greedy(), &opts, |_| std::ops::ControlFlow::Continue(())).unwrap()
         };
+        let fresh = |ids: &[u32]| go(&mut Session::new(&engine, 1024).unwrap(), ids).tokens;
         let text = eval_tokens(700);
         let chat = CHATML_IDS.to_vec();
         // (earlier request, later request)
@@ -279,21 +283,55 @@ fn reused_prefixes_give_the_tokens_of_a_fresh_prefill() {
             (chat.clone(), [chat.clone(), fresh(&chat), chat[..6].to_vec()].concat()),
             (text[..40].to_vec(), text[..43].to_vec()),
             (text[..40].to_vec(), text[..52].to_vec()),
+            (text[..256].to_vec(), text[..256].to_vec()),
+            (text[..256].to_vec(), text[..257].to_vec()),
+            (text[..300].to_vec(), text[..290].to_vec()),
             (text[..300].to_vec(), text[..640].to_vec()),
+            (text[..600].to_vec(), text[..530].to_vec()),
         ];
+        let mut reused_cases = 0;
         for (i, (first, second)) in cases.iter().enumerate() {
             let mut s = Session::new(&engine, 1024).unwrap();
-            s.generate(&engine, first, &mut greedy(), &opts, |_| std::ops::ControlFlow::Continue(())).unwrap();
-            let t = s.generate(&engine, second, &mut greedy(), &opts, |_| std::ops::ControlFlow::Continue(())).unwrap();
+            go(&mut s, first);
+            let (logits, reused) = s.prefill(&engine, second).unwrap();
+            let mut f = Session::new(&engine, 1024).unwrap();
+            let (want, none) = f.prefill(&engine, second).unwrap();
+            assert_eq!(none, 0);
             let same = first.iter().zip(second).take_while(|(a, b)| a == b).count();
-            let mut expect =
-                same.min(first.len()).min(second.len().saturating_sub(nflash_runtime::session::MIN_SUFFIX));
-            if quant == "q4_0" {
-                // Whole prefill passes only (256 tokens for SmolLM2).
-                expect -= expect % 256;
-            }
-            assert_eq!(t.reused_tokens, expect, "{quant} case {i}");
+            let expect = same.min(first.len() - first.len() % pass).min(second.len() - 1);
+            assert_eq!(reused, expect - expect % pass, "{quant} case {i}");
+            reused_cases += usize::from(reused > 0);
+            assert_eq!(bits(&logits), bits(&want), "{quant} case {i}: logits, {reused} tokens reused");
+            assert_eq!(kv_bits(s.kv_cache()), kv_bits(f.kv_cache()), "{quant} case {i}: KV cache");
+            // And generation after the prefix: the greedy tokens of a fresh prefill.
+            let mut s = Session::new(&engine, 1024).unwrap();
+            go(&mut s, first);
+            let t = go(&mut s, second);
+            assert_eq!(t.reused_tokens, reused, "{quant} case {i}");
             assert_eq!(t.tokens, fresh(second), "{quant} case {i}: reused {} tokens", t.reused_tokens);
         }
+        assert_eq!(reused_cases, 4, "{quant}: the cases that cross a whole pass reuse it");
     }
+}
+
+/// The bits of `x`, for comparisons that tell -0.0 from 0.0 and NaN from NaN.
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Every key and value of every layer in `kv`, as bits.
+fn kv_bits(kv: &nflash_runtime::model::kv_cache::KvCache) -> Vec<u32> {
+    use nflash_runtime::kernels::KvSlice;
+    let mut out = Vec::new();
+    for l in 0..kv.n_layers() {
+        let (k, v) = kv.layer(l);
+        for s in [k, v] {
+            match s {
+                KvSlice::F16(x) => out.extend(x.iter().map(|e| u32::from(e.to_bits()))),
+                KvSlice::F32(x) => out.extend(bits(x)),
+            }
+        }
+    }
+    assert!(kv.n_layers() > 0 && !kv.is_empty(), "an empty KV cache");
+    out
 }

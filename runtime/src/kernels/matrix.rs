@@ -225,12 +225,13 @@ pub const DIRECT_F32_TOKENS: usize = 32;
 
 /// Whether `n` f32 tokens against a `dtype` matrix `[rows, cols]` go
 /// through `kernels::gemm_x8_f32` ([`DIRECT_F32_TOKENS`] at most, a shape
-/// with ×8 groups, a CPU with the ×8 kernels) rather than through
-/// dequantized panels and [`super::gemm`].
+/// with ×8 groups) rather than through dequantized panels and
+/// [`super::gemm`]. The two sum in different orders, so the choice depends
+/// on the shape alone, never on the CPU: a row-layout matrix (a CPU without
+/// the ×8 kernels, or `NFLASH_KERNELS=portable`) packs its groups on the
+/// fly, and every CPU computes the same bits.
 pub(crate) fn direct_f32(dtype: DType, rows: usize, cols: usize, n: usize) -> bool {
-    n <= DIRECT_F32_TOKENS
-        && nflash_format::interleave::can_interleave(dtype, rows as u64, cols as u64)
-        && super::x8_available()
+    n <= DIRECT_F32_TOKENS && nflash_format::interleave::can_interleave(dtype, rows as u64, cols as u64)
 }
 
 /// The tokens of a batch, as a ×8 kernel takes them.

@@ -33,9 +33,30 @@ use nflash_format::DType;
 
 pub use matrix::{matvec_many, matvec_many_from, par_chunk, QMatrix};
 
-/// Whether the AVX2 kernels can run on this CPU (checked once, then cached by std).
+/// The environment variable that forces the portable kernels:
+/// `NFLASH_KERNELS=portable` runs every kernel from [`portable`] (no SIMD
+/// kernel is dispatched, and matrices stay in the row layout); unset or
+/// `auto` dispatches by the CPU's features. Read once per process. Results
+/// are the same bits either way (`kernels/tests.rs`, and the tests'
+/// `kernel_paths` module runs whole models both ways); the switch exists to
+/// check that on whatever CPU the tests run on, and to rule the SIMD
+/// kernels out when chasing a wrong result.
+pub const KERNELS_ENV: &str = "NFLASH_KERNELS";
+
+/// Whether [`KERNELS_ENV`] asks for the portable kernels (read once).
+#[inline]
+fn portable_forced() -> bool {
+    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var(KERNELS_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("portable")))
+}
+
+/// Whether the AVX2 kernels can run on this CPU (checked once, then cached
+/// by std) and are not turned off by [`KERNELS_ENV`].
 #[inline]
 fn has_avx2() -> bool {
+    if portable_forced() {
+        return false;
+    }
     #[cfg(target_arch = "x86_64")]
     {
         std::is_x86_feature_detected!("avx2")
@@ -49,9 +70,13 @@ fn has_avx2() -> bool {
 }
 
 /// Whether this aarch64 CPU has NEON (Advanced SIMD: every aarch64 CPU
-/// that runs Linux or Android). Always false elsewhere.
+/// that runs Linux or Android) and the NEON kernels are not turned off by
+/// [`KERNELS_ENV`]. Always false elsewhere.
 #[inline]
 fn has_neon() -> bool {
+    if portable_forced() {
+        return false;
+    }
     #[cfg(target_arch = "aarch64")]
     {
         std::arch::is_aarch64_feature_detected!("neon")
@@ -66,6 +91,9 @@ fn has_neon() -> bool {
 /// once, then cached by std). Always false elsewhere.
 #[inline]
 fn has_dotprod() -> bool {
+    if portable_forced() {
+        return false;
+    }
     #[cfg(target_arch = "aarch64")]
     {
         std::arch::is_aarch64_feature_detected!("dotprod")
@@ -530,16 +558,17 @@ pub fn gemm_x8_f32<const T: usize>(dtype: DType, cols: usize, group: &[u8], xs: 
             }
         };
     }
-    // SAFETY: NEON is in the aarch64 baseline; lengths asserted inside.
     #[cfg(target_arch = "aarch64")]
-    return unsafe {
-        match dtype {
-            DType::Q4_0 => aarch64::gemm_x8_f32_q4_0(cols, group, xs),
-            DType::Q8_0 => aarch64::gemm_x8_f32_q8_0(cols, group, xs),
-            _ => unreachable!("gemm_x8_f32 on {dtype}"),
-        }
-    };
-    #[cfg(not(target_arch = "aarch64"))]
+    if has_neon() {
+        // SAFETY: NEON checked; lengths asserted inside.
+        return unsafe {
+            match dtype {
+                DType::Q4_0 => aarch64::gemm_x8_f32_q4_0(cols, group, xs),
+                DType::Q8_0 => aarch64::gemm_x8_f32_q8_0(cols, group, xs),
+                _ => unreachable!("gemm_x8_f32 on {dtype}"),
+            }
+        };
+    }
     match dtype {
         DType::Q4_0 => portable::gemm_x8_f32_q4_0(cols, group, xs),
         DType::Q8_0 => portable::gemm_x8_f32_q8_0(cols, group, xs),
@@ -1104,16 +1133,18 @@ pub fn group_rows_to_panel(dtype: DType, cols: usize, group: &[u8], c0: usize, o
         }
         return;
     }
-    // SAFETY: NEON is in the aarch64 baseline; lengths asserted inside.
     #[cfg(target_arch = "aarch64")]
-    unsafe {
-        match dtype {
-            DType::Q4_0 => aarch64::dequant_x8_rows_panel_q4_0(group, cols, c0, out, stride),
-            DType::Q8_0 => aarch64::dequant_x8_rows_panel_q8_0(group, cols, c0, out, stride),
-            _ => unreachable!("group_rows_to_panel on {dtype}"),
+    if has_neon() {
+        // SAFETY: NEON checked; lengths asserted inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => aarch64::dequant_x8_rows_panel_q4_0(group, cols, c0, out, stride),
+                DType::Q8_0 => aarch64::dequant_x8_rows_panel_q8_0(group, cols, c0, out, stride),
+                _ => unreachable!("group_rows_to_panel on {dtype}"),
+            }
         }
+        return;
     }
-    #[cfg(not(target_arch = "aarch64"))]
     match dtype {
         DType::Q4_0 => portable::dequant_x8_rows_panel_q4_0(group, cols, c0, out, stride),
         DType::Q8_0 => portable::dequant_x8_rows_panel_q8_0(group, cols, c0, out, stride),
@@ -1160,16 +1191,18 @@ pub fn group_to_panel(dtype: DType, cols: usize, group: &[u8], out: &mut [f32], 
         }
         return;
     }
-    // SAFETY: NEON is in the aarch64 baseline; lengths asserted inside.
     #[cfg(target_arch = "aarch64")]
-    unsafe {
-        match dtype {
-            DType::Q4_0 => aarch64::dequant_x8_panel_q4_0(group, cols, out, stride),
-            DType::Q8_0 => aarch64::dequant_x8_panel_q8_0(group, cols, out, stride),
-            _ => unreachable!("group_to_panel on {dtype}"),
+    if has_neon() {
+        // SAFETY: NEON checked; lengths asserted inside.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => aarch64::dequant_x8_panel_q4_0(group, cols, out, stride),
+                DType::Q8_0 => aarch64::dequant_x8_panel_q8_0(group, cols, out, stride),
+                _ => unreachable!("group_to_panel on {dtype}"),
+            }
         }
+        return;
     }
-    #[cfg(not(target_arch = "aarch64"))]
     match dtype {
         DType::Q4_0 => portable::dequant_x8_panel_q4_0(group, cols, out, stride),
         DType::Q8_0 => portable::dequant_x8_panel_q8_0(group, cols, out, stride),

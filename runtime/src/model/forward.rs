@@ -54,10 +54,11 @@ impl Model<'_> {
             window: self.cfg.sliding_window.map(|w| w as usize),
             eps,
         };
-        // Prefill always takes the batched kernels, whose per-token results do
-        // not depend on the batch (kernels/gemm.rs `product`): a prompt then
-        // gives the same keys, values and logits whether it is run whole or
-        // after a reused prefix (session.rs), in chunks of any length.
+        // Prefill always takes the batched kernels. Which ones depends on the
+        // pass's length (short Q8_0 passes: `gemm_x8_f32` and the direct down
+        // projection; long ones: f32 panels), and they sum in different
+        // orders: a token's results depend on its pass, so session.rs reuses
+        // only whole passes, the ones a fresh prefill runs (generate.rs `prefill`).
         let batched = n >= MIN_BATCH || pass == Pass::Prefill;
         let sparse_on = self.sparse_enabled && pass != Pass::Prefill;
         let (cos, sin) = self.rope.tables(p0, n);

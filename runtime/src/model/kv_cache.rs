@@ -89,6 +89,11 @@ impl KvCache {
         self.len == 0
     }
 
+    /// Layers.
+    pub fn n_layers(&self) -> usize {
+        self.k.len()
+    }
+
     /// Maximum positions (tokens).
     pub fn capacity(&self) -> usize {
         self.capacity

@@ -8,7 +8,8 @@
 //! experts the router picks, each expert an FFN unit of its own (SPEC §4.4).
 //! Tensor names are the Hugging Face ones (formats/SPEC.md §4.3).
 //!
-//! - [`load`](Model::load): pack → tensors;
+//! - `tensors`: typed views of the pack's resident tensors, shapes checked;
+//! - [`load`](Model::load): pack → model;
 //! - `attention`: the attention block;
 //! - [`moe`]: expert routing (router softmax, top-k);
 //! - [`ffn`]: the FFN neuron engine (dense and sparse);
@@ -26,6 +27,7 @@ pub mod moe;
 pub mod ops;
 pub mod predictor;
 pub mod source;
+mod tensors;
 
 use std::sync::Mutex;
 
@@ -301,9 +303,6 @@ pub struct Model<'a> {
     /// Use the pack's predictors in [`Pass::Decode`] / [`Pass::Evaluate`].
     sparse_enabled: bool,
     /// Element type of the KV caches [`Self::new_kv_cache`] makes.
-    /// No matrix takes the quantized prefill GEMM: a token's prefill result
-    /// does not depend on the pass it is in ([`Self::prefill_batch_invariant`]).
-    prefill_invariant: bool,
     kv_type: KvType,
     /// When decode reads the next layer's likely clusters ahead of its attention.
     speculation: Speculation,
@@ -330,16 +329,6 @@ impl Model<'_> {
     /// (default f16; `nflash run --kv`).
     pub fn set_kv_type(&mut self, kv: KvType) {
         self.kv_type = kv;
-    }
-
-    /// Whether a token's prefill result (keys, values, logits) is the same
-    /// bits in a pass of any length (8 tokens or more): true where every
-    /// matrix is prefilled by the f32 tiles of `kernels/gemm.rs`, false
-    /// where the Q4_0 GEMM runs (its result depends on the pass).
-    /// [`crate::session::Session`] reuses prefixes token by token in the
-    /// first case and by whole prefill passes in the second.
-    pub fn prefill_batch_invariant(&self) -> bool {
-        self.prefill_invariant
     }
 
     /// The KV cache element type [`Self::new_kv_cache`] uses.

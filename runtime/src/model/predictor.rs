@@ -12,8 +12,8 @@
 
 use nflash_format::{Activation, Criterion, DType, LayerSparsity, Pack, PredictorKind};
 
-use super::load::{matrix, vector};
 use super::ops::{activate, neuron_output};
+use super::tensors::{matrix, vector};
 use crate::error::Result;
 use crate::kernels::{DotInput, QMatrix};
 

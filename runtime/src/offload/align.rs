@@ -80,7 +80,7 @@ const STATX_DIOALIGN: u32 = 0x2000;
 
 /// What `statx(STATX_DIOALIGN)` reports for `file`; `None` when the kernel
 /// is older than Linux 6.1 or the file system does not say (then only a
-/// read can tell, and [`super::io::FlashFile`] falls back to buffered reads
+/// read can tell, and [`super::flash::FlashFile`] falls back to buffered reads
 /// if an aligned `O_DIRECT` read is refused).
 pub fn dio_align(file: &File) -> Option<DioAlign> {
     // SAFETY: all-zero bytes are a valid `Statx` (plain integers).

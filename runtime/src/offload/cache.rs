@@ -14,8 +14,9 @@ use nflash_plan::layout::IoEngine;
 use nflash_plan::layout::{cluster_read_bytes, hot_clusters, MAX_MERGE_BYTES, READ_ALIGN};
 use nflash_plan::CacheConfig;
 
-use super::io::{FlashFile, IoPipeline, Shared};
-use super::slots::{AlignedBuf, Claim, ReadRequest, Slots, CORRUPT, FAILED, READY};
+use super::flash::{FlashFile, Shared};
+use super::io::IoPipeline;
+use super::slots::{AlignedBuf, Claim, ReadRequest, Slots, Stalled, CORRUPT, FAILED, READY};
 use crate::error::{Error, Result};
 use crate::model::source::{CacheStats, ClusterSource, Loc, Regions};
 
@@ -157,13 +158,27 @@ impl Lru {
 
 /// Builds merged reads: consecutive clusters whose file ranges touch go
 /// into one `preadv` of at most [`MAX_MERGE_BYTES`].
-#[derive(Default)]
-struct Merger {
+/// A request being built is queued when the merger is dropped, so an
+/// early return (an error) never leaves claimed slots unread, which
+/// would make every later claim of them wait for a read that never comes.
+struct Merger<'a> {
+    io: &'a IoPipeline,
     req: Option<ReadRequest>,
 }
 
-impl Merger {
-    fn push(&mut self, io: &IoPipeline, span: ClusterSpan, claim: Claim) {
+impl Drop for Merger<'_> {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}
+
+impl<'a> Merger<'a> {
+    fn new(io: &'a IoPipeline) -> Self {
+        Merger { io, req: None }
+    }
+
+    fn push(&mut self, span: ClusterSpan, claim: Claim) {
+        let io = self.io;
         let claim = match &mut self.req {
             Some(r) => match r.try_append(span.offset, span.need as u64, claim, span.read, MAX_MERGE_BYTES) {
                 Ok(()) => return,
@@ -178,11 +193,11 @@ impl Merger {
     }
 
     /// Queues the request being built and starts every queued read.
-    fn flush(&mut self, io: &IoPipeline) {
+    fn flush(&mut self) {
         if let Some(r) = self.req.take() {
-            io.submit(r);
+            self.io.submit(r);
         }
-        io.flush();
+        self.io.flush();
     }
 }
 
@@ -289,7 +304,7 @@ impl NeuronCache {
             lru.epoch += 1;
         }
         let mut st = CacheStats::default();
-        let mut reads = Merger::default();
+        let mut reads = Merger::new(&self.io);
         for &c in needed {
             let c = c as usize;
             st.needed += 1;
@@ -312,7 +327,7 @@ impl NeuronCache {
                 }
                 continue;
             }
-            let Some(claim) = self.claim(&mut lru, layer, c) else {
+            let Some(claim) = self.claim(&mut lru, layer, c)? else {
                 return Err(Error::Internal(format!(
                     "the cold region ({} bytes) cannot hold layer {layer}'s cold clusters",
                     self.cold_bytes()
@@ -320,9 +335,9 @@ impl NeuronCache {
             };
             table[c] = Loc::Slot(claim.slot());
             st.misses += 1;
-            reads.push(&self.io, lay.clusters[c], claim);
+            reads.push(lay.clusters[c], claim);
         }
-        reads.flush(&self.io);
+        reads.flush();
         // Prefetch: the next layer's (or the next token's first layer's) cold
         // clusters that are usually needed, into slots not used by this layer.
         let next = (layer + 1) % self.layers.len();
@@ -331,11 +346,12 @@ impl NeuronCache {
             if !nl.prefetch[c] || lru.slot_of[next][c] != NONE {
                 continue;
             }
-            let Some(claim) = self.claim(&mut lru, next, c) else { break };
+            // A prefetch stops at the first slot it cannot take.
+            let Ok(Some(claim)) = self.claim(&mut lru, next, c) else { break };
             lru.prefetched[claim.slot() as usize] = true;
-            reads.push(&self.io, nl.clusters[c], claim);
+            reads.push(nl.clusters[c], claim);
         }
-        reads.flush(&self.io);
+        reads.flush();
         let c = &mut lru.counts;
         c.needed += st.needed;
         c.hot_hits += st.hot_hits;
@@ -368,7 +384,7 @@ impl NeuronCache {
     /// Clusters already held are touched. Returns how many reads it queued.
     fn read_ahead(&self, lru: &mut Lru, layer: usize, clusters: &[u32], speculative: bool) -> u64 {
         let lay = &self.layers[layer];
-        let mut reads = Merger::default();
+        let mut reads = Merger::new(&self.io);
         let mut n = 0u64;
         for &c in clusters {
             let c = c as usize;
@@ -380,13 +396,13 @@ impl NeuronCache {
                 lru.touch(s);
                 continue;
             }
-            let Some(claim) = self.claim(lru, layer, c) else { break };
+            let Ok(Some(claim)) = self.claim(lru, layer, c) else { break };
             lru.prefetched[claim.slot() as usize] = true;
             lru.speculated[claim.slot() as usize] = speculative;
-            reads.push(&self.io, lay.clusters[c], claim);
+            reads.push(lay.clusters[c], claim);
             n += 1;
         }
-        reads.flush(&self.io);
+        reads.flush();
         n
     }
 
@@ -434,13 +450,38 @@ impl NeuronCache {
 
     /// Takes the least recently used slot not used by the current fetch for
     /// cluster `c` of `layer` (marked pending); `None` if every slot is in use.
-    fn claim(&self, lru: &mut Lru, layer: usize, c: usize) -> Option<Claim> {
-        let s = lru.evict(layer, c)?;
+    ///
+    /// # Errors
+    /// [`Error::ReadStalled`] if an earlier read into that slot has not
+    /// landed within the read timeout ([`Self::set_read_timeout`]).
+    fn claim(&self, lru: &mut Lru, layer: usize, c: usize) -> Result<Option<Claim>> {
+        let Some(s) = lru.evict(layer, c) else { return Ok(None) };
         let lay = &self.layers[layer];
-        Some(match lay.crcs.get(c) {
+        let claim = match lay.crcs.get(c) {
             Some(&crc) => self.shared.slots.claim_checked(s, lay.clusters[c].need, crc),
             None => self.shared.slots.claim(s),
-        })
+        };
+        claim.map(Some).map_err(|e| self.stalled(layer, c, e))
+    }
+
+    /// The error for cluster `c` of `layer`, whose read (or the read still
+    /// holding the slot it needs) did not land in time.
+    fn stalled(&self, layer: usize, c: usize, e: Stalled) -> Error {
+        let span = self.layers[layer].clusters[c];
+        Error::ReadStalled {
+            path: self.path.clone(),
+            layer,
+            cluster: c,
+            offset: span.offset,
+            secs: e.waited.as_secs_f64(),
+        }
+    }
+
+    /// How long a compute thread waits for one cluster read before it
+    /// gives up with [`Error::ReadStalled`] (default
+    /// [`super::slots::READ_TIMEOUT`]).
+    pub fn set_read_timeout(&self, t: std::time::Duration) {
+        self.shared.slots.set_timeout(t);
     }
 
     /// The bytes (`n_neurons × bundle_bytes`) of cluster `c` of `layer` at
@@ -460,7 +501,7 @@ impl NeuronCache {
                 .get(off..off + span.need as usize)
                 .ok_or_else(|| Error::Internal(format!("layer {layer} cluster {c} outside the hot region"))),
             Loc::Slot(s) => {
-                let (state, waited) = self.shared.slots.wait(s);
+                let (state, waited) = self.shared.slots.wait(s).map_err(|e| self.stalled(layer, c, e))?;
                 if waited > 0 {
                     self.wait_ns.fetch_add(waited, Ordering::Relaxed);
                 }

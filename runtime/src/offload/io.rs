@@ -1,199 +1,18 @@
 //! The I/O pipeline (PowerInfer-2 §4.3; docs/DESIGN.md, step 6): I/O
-//! threads read missed neuron clusters from flash into cold-region slots
-//! while the compute threads work on resident and already-read clusters.
-//! Each request is one `preadv` of adjacent clusters merged into one larger
-//! read, with `O_DIRECT` into page-aligned buffers so the page cache
-//! neither holds nor is charged for FFN weights. Filesystems that refuse
-//! `O_DIRECT` (tmpfs, some FUSE), or whose direct-I/O alignment is larger
-//! than the pack's cluster alignment ([`super::align`]), get buffered reads
-//! followed by `posix_fadvise(DONTNEED)`, with one warning.
+//! threads (or the io_uring engine, [`super::uring`]) read missed neuron
+//! clusters from flash ([`super::flash`]) into cold-region slots while the
+//! compute threads work on resident and already-read clusters. Each
+//! request is one `preadv` of adjacent clusters merged into one larger read.
 
-use std::fs::File;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::os::unix::io::AsRawFd;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use nflash_plan::layout::IoEngine;
 
-use super::align;
-use super::slots::{ReadRequest, Slots, MAX_IOVECS};
+use super::flash::Shared;
+use super::slots::ReadRequest;
 use crate::error::{Error, Result};
-use crate::message;
-
-/// The pack file opened for cluster reads.
-pub struct FlashFile {
-    path: PathBuf,
-    direct: File,
-    buffered: File,
-    /// Whether reads go through `direct` (`O_DIRECT`).
-    use_direct: AtomicBool,
-    /// Alignment of `O_DIRECT` offsets and lengths, bytes: the file
-    /// system's, or the pack's cluster alignment where it does not say.
-    direct_align: usize,
-}
-
-impl FlashFile {
-    /// Opens `path` twice, with and without `O_DIRECT`, and checks that it is
-    /// the same file (device and inode) as `expect` — the file the pack was
-    /// validated from. Reads will be at offsets and of lengths that are
-    /// multiples of `read_align` bytes (the pack's cluster alignment, SPEC
-    /// §4.4); if the file system's direct-I/O alignment does not divide it
-    /// ([`align::direct_io`]), reads go through the page cache.
-    ///
-    /// # Errors
-    /// [`Error::Io`] naming the file.
-    pub fn open(path: &Path, expect: &std::fs::Metadata, read_align: u64) -> Result<Self> {
-        let io = |e: std::io::Error| Error::Io { path: path.to_path_buf(), err: e };
-        let buffered = File::open(path).map_err(io)?;
-        let meta = buffered.metadata().map_err(io)?;
-        if meta.dev() != expect.dev() || meta.ino() != expect.ino() {
-            return Err(Error::Io {
-                path: path.to_path_buf(),
-                err: std::io::Error::other("the file was replaced after it was opened; run again"),
-            });
-        }
-        let dio = align::dio_align(&buffered);
-        let direct_align = dio.map_or(read_align, |d| d.offset as u64).max(1) as usize;
-        // The O_DIRECT descriptor, or why reads go through the page cache.
-        // Buffers (hot region, cold slots) are page-aligned and cut at multiples
-        // of `read_align`, so that is also their addresses' alignment.
-        let direct = match align::direct_io(dio, read_align, read_align as usize) {
-            Err(why) => Err(why),
-            Ok(()) => match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
-                Ok(f) => Ok(f),
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err("the file system refused O_DIRECT".into()),
-                Err(e) => return Err(io(e)),
-            },
-        };
-        let (direct, use_direct) = match direct {
-            Ok(f) => (f, true),
-            Err(why) => {
-                warn_buffered(path, &why);
-                (buffered.try_clone().map_err(io)?, false)
-            }
-        };
-        Ok(FlashFile {
-            path: path.to_path_buf(),
-            direct,
-            buffered,
-            use_direct: AtomicBool::new(use_direct),
-            direct_align,
-        })
-    }
-
-    /// Whether reads bypass the page cache.
-    pub fn is_direct(&self) -> bool {
-        self.use_direct.load(Ordering::Relaxed)
-    }
-
-    /// Reads the file from `offset` into `bufs` back to back (one `preadv`
-    /// per attempt). `offset` and every buffer's length are multiples of
-    /// the `read_align` given to [`FlashFile::open`], every buffer's address
-    /// a multiple of [`align::buffer_align`]. The first `need` bytes must arrive;
-    /// bytes past the end of the file may be missing (the last cluster's
-    /// padding).
-    ///
-    /// # Errors
-    /// [`Error::Io`] on a read error, or if fewer than `need` bytes could be
-    /// read (the file shrank while running).
-    pub fn read_into(&self, offset: u64, bufs: &mut [&mut [u8]], need: u64) -> Result<()> {
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        debug_assert!(need as usize <= total && bufs.len() <= MAX_IOVECS);
-        let mut done = 0usize;
-        while done < total {
-            // Skip the buffers already filled, then the filled part of the current one.
-            let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_IOVECS];
-            let mut n_iov = 0;
-            let mut skip = done;
-            for b in bufs.iter_mut() {
-                if skip >= b.len() {
-                    skip -= b.len();
-                    continue;
-                }
-                iov[n_iov] = libc::iovec { iov_base: b[skip..].as_mut_ptr().cast(), iov_len: b.len() - skip };
-                skip = 0;
-                n_iov += 1;
-            }
-            let direct = self.is_direct() && done.is_multiple_of(self.direct_align);
-            let fd = self.fd(direct);
-            // SAFETY: every iovec points into a live, exclusively borrowed buffer of the stated length.
-            let r =
-                unsafe { libc::preadv(fd, iov.as_ptr(), n_iov as libc::c_int, (offset + done as u64) as libc::off_t) };
-            if r < 0 {
-                let e = std::io::Error::last_os_error();
-                match e.raw_os_error() {
-                    Some(libc::EINTR) => continue,
-                    Some(libc::EINVAL) if direct => {
-                        // The filesystem takes O_DIRECT at open but not at read.
-                        if self.use_direct.swap(false, Ordering::Relaxed) {
-                            warn_buffered(&self.path, "the file system refused an aligned O_DIRECT read");
-                        }
-                        continue;
-                    }
-                    _ => return Err(Error::Io { path: self.path.clone(), err: e }),
-                }
-            }
-            if r == 0 {
-                break; // end of file
-            }
-            done += r as usize;
-        }
-        if !self.is_direct() {
-            self.drop_cached(offset, total as u64);
-        }
-        if (done as u64) < need {
-            return Err(Error::Io {
-                path: self.path.clone(),
-                err: std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    format!("neuron clusters at offset {offset}: read {done} of {need} bytes; the file shrank while running (truncated or replaced); copy the pack again"),
-                ),
-            });
-        }
-        Ok(())
-    }
-}
-
-impl FlashFile {
-    /// The descriptor reads go through: the `O_DIRECT` one if `direct`.
-    pub fn fd(&self, direct: bool) -> libc::c_int {
-        if direct {
-            self.direct.as_raw_fd()
-        } else {
-            self.buffered.as_raw_fd()
-        }
-    }
-
-    /// After a buffered read of `len` bytes at `offset`: drops those pages
-    /// from the page cache again, so they are neither held nor charged to
-    /// the memory limit.
-    pub fn drop_cached(&self, offset: u64, len: u64) {
-        // SAFETY: plain syscall on an owned descriptor.
-        unsafe {
-            libc::posix_fadvise(
-                self.buffered.as_raw_fd(),
-                offset as libc::off_t,
-                len as libc::off_t,
-                libc::POSIX_FADV_DONTNEED,
-            )
-        };
-    }
-}
-
-/// One warning per process for the buffered fallback, saying `why`.
-fn warn_buffered(path: &Path, why: &str) {
-    static WARNED: AtomicBool = AtomicBool::new(false);
-    if !WARNED.swap(true, Ordering::Relaxed) {
-        message!(
-            "warning: no O_DIRECT for {} ({why}); reading neuron clusters through the page cache (dropped after each read), so memory limits may see extra page-cache use",
-            path.display()
-        );
-    }
-}
 
 /// Requests queued before `submit` blocks: room for a layer's misses plus a
 /// speculative prefetch of the next (~240 single-cluster reads per layer at
@@ -201,25 +20,12 @@ fn warn_buffered(path: &Path, why: &str) {
 /// `submit` instead of running the attention). ~1.1 MB of `ReadRequest`s.
 const QUEUE: usize = 2048;
 
-/// State shared by the cache (compute side) and the I/O threads.
-pub struct Shared {
-    /// The pack file.
-    pub flash: FlashFile,
-    /// The cold region's slots, which reads fill.
-    pub slots: Slots,
-    /// The first read error, for the request that waits on it.
-    pub error: Mutex<Option<String>>,
-    /// Bytes read from flash.
-    pub bytes_read: AtomicU64,
-    /// `preadv` calls made.
-    pub reads: AtomicU64,
-}
-
 /// The I/O pipeline: reads queued by the cache ([`Self::submit`], then
 /// [`Self::flush`]) land in their slots in the background, by one of two
 /// engines ([`IoEngine`]).
 pub struct IoPipeline {
     engine: Engine,
+    shared: Arc<Shared>,
 }
 
 enum Engine {
@@ -227,6 +33,9 @@ enum Engine {
     Threads { tx: Option<SyncSender<ReadRequest>>, threads: Vec<JoinHandle<()>> },
     /// One io_uring (`super::uring`).
     Uring(super::uring::UringEngine),
+    /// Tests: reads that never land (held until the pipeline is dropped).
+    #[cfg(test)]
+    Held(Mutex<Vec<ReadRequest>>),
 }
 
 impl IoPipeline {
@@ -241,7 +50,7 @@ impl IoPipeline {
         let n = n.max(1);
         if engine != IoEngine::Threads {
             match super::uring::UringEngine::start(Arc::clone(&shared), n) {
-                Ok(u) => return Ok(IoPipeline { engine: Engine::Uring(u) }),
+                Ok(u) => return Ok(IoPipeline { engine: Engine::Uring(u), shared }),
                 Err(e) if engine == IoEngine::Uring => {
                     return Err(Error::Usage(format!(
                         "io_uring is not available here ({e}); run with --io-engine threads (or auto)"
@@ -275,7 +84,13 @@ impl IoPipeline {
         for _ in 0..threads.len() {
             let _ = ready_rx.recv();
         }
-        Ok(IoPipeline { engine: Engine::Threads { tx: Some(tx), threads } })
+        Ok(IoPipeline { engine: Engine::Threads { tx: Some(tx), threads }, shared })
+    }
+
+    /// Tests: a pipeline whose reads never land.
+    #[cfg(test)]
+    fn held(shared: Arc<Shared>) -> Self {
+        IoPipeline { engine: Engine::Held(Mutex::new(Vec::new())), shared }
     }
 
     /// The engine reads go through: `"io_uring"` or `"threads"`.
@@ -283,19 +98,26 @@ impl IoPipeline {
         match self.engine {
             Engine::Threads { .. } => "threads",
             Engine::Uring(_) => "io_uring",
+            #[cfg(test)]
+            Engine::Held(_) => "held",
         }
     }
 
     /// Queues a read (the threads engine blocks while its queue is full).
-    /// It may not start before [`Self::flush`].
+    /// It may not start before [`Self::flush`]. A read that cannot be
+    /// queued (every I/O thread has ended) fails its slots at once rather
+    /// than leaving them pending.
     pub fn submit(&self, r: ReadRequest) {
         match &self.engine {
             Engine::Threads { tx: Some(tx), .. } => {
-                // The workers only stop when `tx` is dropped, so this cannot fail.
-                let _ = tx.send(r);
+                if let Err(e) = tx.send(r) {
+                    fail(&self.shared, e.0, "the I/O threads have ended");
+                }
             }
-            Engine::Threads { tx: None, .. } => {}
+            Engine::Threads { tx: None, .. } => fail(&self.shared, r, "the I/O pipeline is stopping"),
             Engine::Uring(u) => u.submit(r),
+            #[cfg(test)]
+            Engine::Held(h) => h.lock().unwrap_or_else(|e| e.into_inner()).push(r),
         }
     }
 
@@ -309,14 +131,47 @@ impl IoPipeline {
 
 impl Drop for IoPipeline {
     fn drop(&mut self) {
-        if let Engine::Threads { tx, threads } = &mut self.engine {
-            *tx = None;
-            for t in threads.drain(..) {
-                let _ = t.join();
+        match &mut self.engine {
+            Engine::Threads { tx, threads } => {
+                *tx = None;
+                let deadline = std::time::Instant::now() + self.shared.slots.timeout();
+                for t in threads.drain(..) {
+                    join_until(t, deadline, "I/O thread");
+                }
+            }
+            // `UringEngine` waits for its reads in its own `drop`.
+            Engine::Uring(_) => {}
+            #[cfg(test)]
+            Engine::Held(h) => {
+                for r in h.get_mut().unwrap_or_else(|e| e.into_inner()).drain(..) {
+                    fail(&self.shared, r, "held by a test");
+                }
             }
         }
-        // `UringEngine` waits for its reads in its own `drop`.
     }
+}
+
+/// Joins `t` if it ends before `deadline`; otherwise leaves it running
+/// (detached) with a warning. An I/O thread stuck in a read that never
+/// completes holds its own reference to the slots it reads into, so they
+/// stay allocated (leaked) instead of being freed under the read; the
+/// process goes on rather than hanging in a `join`.
+pub(crate) fn join_until(t: JoinHandle<()>, deadline: std::time::Instant, what: &str) {
+    while !t.is_finished() {
+        if std::time::Instant::now() >= deadline {
+            crate::message!("warning: an {what} is stuck in a read from flash; leaving it behind");
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let _ = t.join();
+}
+
+/// Fails the slots of a read that will never be made, so that nobody
+/// waits for them, and keeps `why` as the read error.
+fn fail(sh: &Shared, r: ReadRequest, why: &str) {
+    let res = sh.slots.fill(r, |_| Err(Error::Internal(format!("a cluster read was dropped: {why}"))));
+    sh.record(0, res);
 }
 
 fn worker(rx: &Mutex<Receiver<ReadRequest>>, sh: &Shared) {
@@ -339,30 +194,14 @@ pub fn run(sh: &Shared, req: ReadRequest) {
     sh.record(bytes, res);
 }
 
-impl Shared {
-    /// Counts a finished read of `bytes`, or keeps its error for the
-    /// request that waits on it.
-    pub fn record(&self, bytes: u64, res: Result<()>) {
-        match res {
-            Ok(()) => {
-                self.bytes_read.fetch_add(bytes, Ordering::Relaxed);
-                self.reads.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => {
-                if let Ok(mut g) = self.error.lock() {
-                    g.get_or_insert_with(|| e.to_string());
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::offload::slots::{FAILED, READY};
+    use crate::offload::flash::FlashFile;
+    use crate::offload::slots::{Slots, FAILED, READY};
     use io_uring::IoUring;
     use std::io::Write;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     /// Cluster alignment of the test files, bytes (what `prep` writes).
     const DIRECT_ALIGN: usize = 4096;
@@ -377,6 +216,45 @@ mod tests {
                 vec![IoEngine::Threads]
             }
         }
+    }
+
+    /// A read that never lands: waiting for it gives up after the timeout
+    /// naming the slot, claiming its slot for another read too (the slot
+    /// stays the stuck read's), other slots work, and dropping the
+    /// pipeline neither hangs nor leaves the slot pending.
+    #[test]
+    fn a_read_that_never_lands_is_an_error_in_bounded_time() {
+        let a = DIRECT_ALIGN;
+        let (_f, sh, io) = setup(4 * a, 4, 1, IoEngine::Threads);
+        drop(io);
+        let io = IoPipeline::held(Arc::clone(&sh));
+        sh.slots.set_timeout(std::time::Duration::from_millis(100));
+        io.submit(ReadRequest::new(0, a as u64, sh.slots.claim(0).unwrap(), a as u32));
+        io.flush();
+        let t = std::time::Instant::now();
+        let e = sh.slots.wait(0).unwrap_err();
+        assert_eq!(e.slot, 0);
+        assert!(e.waited >= std::time::Duration::from_millis(100), "{e:?}");
+        assert_eq!(sh.slots.claim(0).unwrap_err().slot, 0);
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "waited {:?}", t.elapsed());
+        assert!(sh.slots.claim(1).is_ok(), "another slot is free");
+        drop(io);
+        assert_eq!(sh.slots.wait(0).unwrap().0, FAILED, "the held read failed when the pipeline ended");
+    }
+
+    /// A read submitted to a threads pipeline whose I/O threads have ended
+    /// fails its slots instead of leaving them pending forever.
+    #[test]
+    fn a_read_that_cannot_be_queued_fails_its_slots() {
+        let a = DIRECT_ALIGN;
+        let (_f, sh, mut io) = setup(4 * a, 4, 1, IoEngine::Threads);
+        if let Engine::Threads { tx, threads } = &mut io.engine {
+            *tx = None;
+            threads.drain(..).for_each(|t| t.join().unwrap());
+        }
+        io.submit(ReadRequest::new(0, a as u64, sh.slots.claim(2).unwrap(), a as u32));
+        assert_eq!(sh.slots.wait(2).unwrap().0, FAILED);
+        assert!(sh.error.lock().unwrap().as_deref().is_some_and(|m| m.contains("dropped")));
     }
 
     /// A file of `n` bytes where byte `i` is `i % 251`, and the pipeline over
@@ -409,13 +287,13 @@ mod tests {
         for engine in engines() {
             let (_f, sh, io) = setup(8 * a, 8, 3, engine);
             // Slots 5, 6 as one merged read of clusters 2-3; slot 0 alone for cluster 7.
-            let mut r = ReadRequest::new(2 * a as u64, a as u64, sh.slots.claim(5), a as u32);
-            r.try_append(3 * a as u64, a as u64, sh.slots.claim(6), a as u32, 1 << 20).unwrap();
+            let mut r = ReadRequest::new(2 * a as u64, a as u64, sh.slots.claim(5).unwrap(), a as u32);
+            r.try_append(3 * a as u64, a as u64, sh.slots.claim(6).unwrap(), a as u32, 1 << 20).unwrap();
             io.submit(r);
-            io.submit(ReadRequest::new(7 * a as u64, a as u64, sh.slots.claim(0), a as u32));
+            io.submit(ReadRequest::new(7 * a as u64, a as u64, sh.slots.claim(0).unwrap(), a as u32));
             io.flush();
             for (slot, cluster) in [(5u32, 2usize), (6, 3), (0, 7)] {
-                assert_eq!(sh.slots.wait(slot).0, READY, "{engine:?}");
+                assert_eq!(sh.slots.wait(slot).unwrap().0, READY, "{engine:?}");
                 let got = sh.slots.ready_bytes(slot, a).unwrap();
                 assert!(
                     got.iter().enumerate().all(|(i, &b)| b == ((cluster * a + i) % 251) as u8),
@@ -434,12 +312,12 @@ mod tests {
         for engine in engines() {
             let (_f, sh, io) = setup(2 * a, 2, 1, engine);
             // The last cluster's padding may be missing; its bundles may not.
-            io.submit(ReadRequest::new(a as u64, 100, sh.slots.claim(0), a as u32));
+            io.submit(ReadRequest::new(a as u64, 100, sh.slots.claim(0).unwrap(), a as u32));
             io.flush();
-            assert_eq!(sh.slots.wait(0).0, READY, "{engine:?}");
-            io.submit(ReadRequest::new(2 * a as u64, 10, sh.slots.claim(1), a as u32));
+            assert_eq!(sh.slots.wait(0).unwrap().0, READY, "{engine:?}");
+            io.submit(ReadRequest::new(2 * a as u64, 10, sh.slots.claim(1).unwrap(), a as u32));
             io.flush();
-            assert_eq!(sh.slots.wait(1).0, FAILED, "{engine:?}");
+            assert_eq!(sh.slots.wait(1).unwrap().0, FAILED, "{engine:?}");
             let msg = sh.error.lock().unwrap().clone().unwrap();
             assert!(msg.contains("read 0 of 10 bytes"), "{engine:?}: {msg}");
         }
@@ -452,12 +330,12 @@ mod tests {
             // 2 reads in flight at most, 12 queued at once.
             let (_f, sh, io) = setup(12 * a, 12, 2, engine);
             for c in 0..12u32 {
-                io.submit(ReadRequest::new(c as u64 * a as u64, a as u64, sh.slots.claim(11 - c), a as u32));
+                io.submit(ReadRequest::new(c as u64 * a as u64, a as u64, sh.slots.claim(11 - c).unwrap(), a as u32));
             }
             io.flush();
             for c in 0..12usize {
                 let slot = 11 - c as u32;
-                assert_eq!(sh.slots.wait(slot).0, READY, "{engine:?} cluster {c}");
+                assert_eq!(sh.slots.wait(slot).unwrap().0, READY, "{engine:?} cluster {c}");
                 let got = sh.slots.ready_bytes(slot, a).unwrap();
                 assert!(got.iter().enumerate().all(|(i, &b)| b == ((c * a + i) % 251) as u8), "{engine:?} {c}");
             }
@@ -471,7 +349,7 @@ mod tests {
         for engine in engines() {
             let (_f, sh, io) = setup(16 * a, 16, 4, engine);
             for c in 0..16u32 {
-                io.submit(ReadRequest::new(c as u64 * a as u64, a as u64, sh.slots.claim(c), a as u32));
+                io.submit(ReadRequest::new(c as u64 * a as u64, a as u64, sh.slots.claim(c).unwrap(), a as u32));
             }
             io.flush();
             drop(io);

@@ -3,8 +3,9 @@
 //!
 //! - [`cache`]: [`NeuronCache`], the segmented neuron cache (hot region,
 //!   cold LRU) and the model's [`crate::model::ClusterSource`];
-//! - [`io`]: the pack file opened for direct reads and the I/O pipeline
-//!   (I/O threads, or [`uring`]);
+//! - [`flash`]: the pack file opened for direct reads, and the state the
+//!   cache and the I/O engines share;
+//! - [`io`]: the I/O pipeline (I/O threads, or [`uring`]);
 //! - [`uring`]: the io_uring engine of the pipeline;
 //! - [`align`]: the page size and the file system's direct-I/O alignment,
 //!   read from the running system;
@@ -13,6 +14,7 @@
 
 pub mod align;
 pub mod cache;
+pub mod flash;
 pub mod io;
 pub mod slots;
 pub mod uring;

@@ -21,8 +21,9 @@
 //!   request and read by nobody until it is published.
 
 use std::alloc::Layout;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::align::buffer_align;
 
@@ -276,8 +277,27 @@ impl Published {
     }
 }
 
+/// How long a thread waits for one cluster read by default ([`Slots::wait`],
+/// and [`Slots::claim`] for a read still running into the slot it takes)
+/// before it gives up: reads from flash take milliseconds, so a read that
+/// has not landed in this time is stuck (a dead device, a hung FUSE or
+/// network file system), and an app must get an error rather than freeze.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A wait that ran out ([`Slots::wait`], [`Slots::claim`]): the slot's read
+/// has not landed after [`Slots::timeout`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stalled {
+    /// The slot whose read is stuck.
+    pub slot: u32,
+    /// How long was waited.
+    pub waited: Duration,
+}
+
 /// The cold region: `n` slots of `slot_bytes` each, with their states.
 pub struct Slots {
+    /// How long a wait for a read may last, milliseconds ([`READ_TIMEOUT`]).
+    timeout_ms: AtomicU64,
     buf: AlignedBuf,
     slot_bytes: usize,
     state: Vec<AtomicU8>,
@@ -298,6 +318,7 @@ impl Slots {
     pub fn new(n: usize, slot_bytes: usize) -> Result<Self> {
         let bytes = n.checked_mul(slot_bytes).ok_or(Error::Alloc { what: "the cold region", bytes: u64::MAX })?;
         Ok(Slots {
+            timeout_ms: AtomicU64::new(READ_TIMEOUT.as_millis() as u64),
             buf: AlignedBuf::zeroed(bytes, "the cold region")?,
             slot_bytes,
             state: (0..n).map(|_| AtomicU8::new(EMPTY)).collect(),
@@ -310,6 +331,17 @@ impl Slots {
     /// Number of slots.
     pub fn len(&self) -> usize {
         self.state.len()
+    }
+
+    /// How long [`Self::wait`] and [`Self::claim`] wait for a read.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// Sets how long [`Self::wait`] and [`Self::claim`] wait for a read
+    /// (default [`READ_TIMEOUT`]; at least 1 ms).
+    pub fn set_timeout(&self, t: Duration) {
+        self.timeout_ms.store((t.as_millis() as u64).max(1), Ordering::Relaxed);
     }
 
     /// Whether there are no slots.
@@ -331,21 +363,50 @@ impl Slots {
     /// it (from a request nobody waits for any more) has landed, then marks
     /// it [`PENDING`]. The caller (the cache's LRU, under its lock) makes sure
     /// no reader uses the slot's old contents any more.
-    pub fn claim(&self, s: u32) -> Claim {
+    ///
+    /// # Errors
+    /// [`Stalled`] if that read has not landed after [`Self::timeout`] (the
+    /// slot stays its read's: its buffer is never handed to another).
+    pub fn claim(&self, s: u32) -> std::result::Result<Claim, Stalled> {
         let st = &self.state[s as usize];
         // A landed cluster nobody needed may still be checked by the I/O
         // thread: take it from LANDED first (then that thread's check does
         // not start), or wait until a check already running has ended.
+        let mut deadline = None;
         loop {
             let now = st.load(Ordering::Acquire);
             if now == PENDING || now == CHECKING {
-                std::thread::yield_now();
+                self.backoff(s, &mut deadline, 64)?;
             } else if st.compare_exchange(now, PENDING, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 break;
             }
         }
         self.check_len[s as usize].store(0, Ordering::Relaxed);
-        Claim(s)
+        Ok(Claim(s))
+    }
+
+    /// One round of waiting for slot `s`: the first call sets the deadline
+    /// ([`Self::timeout`] from now); the first `spins` rounds spin, later
+    /// ones yield the core.
+    ///
+    /// # Errors
+    /// [`Stalled`] once the deadline has passed.
+    fn backoff(&self, s: u32, deadline: &mut Option<(Instant, u32)>, spins: u32) -> std::result::Result<(), Stalled> {
+        let (t0, n) = deadline.get_or_insert_with(|| (Instant::now(), 0));
+        *n += 1;
+        if *n <= spins {
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        // Reading the clock every round would cost more than the wait.
+        if (*n).is_multiple_of(64) {
+            let waited = t0.elapsed();
+            if waited >= self.timeout() {
+                return Err(Stalled { slot: s, waited });
+            }
+        }
+        std::thread::yield_now();
+        Ok(())
     }
 
     /// As [`Self::claim`], for a cluster whose first `len` bytes (its
@@ -354,11 +415,14 @@ impl Slots {
     /// that completed it ([`Self::settle`]) or by a compute thread that
     /// needs it first ([`Self::wait`]). The expectation reaches those
     /// threads with the request and the slot state (release/acquire).
-    pub fn claim_checked(&self, s: u32, len: u32, crc: u32) -> Claim {
-        let c = self.claim(s);
+    ///
+    /// # Errors
+    /// As [`Self::claim`].
+    pub fn claim_checked(&self, s: u32, len: u32, crc: u32) -> std::result::Result<Claim, Stalled> {
+        let c = self.claim(s)?;
         self.want[s as usize].store(crc, Ordering::Relaxed);
         self.check_len[s as usize].store(len, Ordering::Relaxed);
-        c
+        Ok(c)
     }
 
     /// Marks a slot whose read failed or whose cluster was damaged as
@@ -459,28 +523,29 @@ impl Slots {
     }
 
     /// Waits until slot `s` is no longer being read or checked (spinning
-    /// briefly, then yielding); a [`LANDED`] cluster is checked here
-    /// ([`Self::settle`]) rather than waited for. Returns its state and the
-    /// nanoseconds waited (checking included).
-    pub fn wait(&self, s: u32) -> (u8, u64) {
+    /// briefly, then yielding), for at most [`Self::timeout`]; a [`LANDED`]
+    /// cluster is checked here ([`Self::settle`]) rather than waited for.
+    /// Returns its state and the nanoseconds waited (checking included).
+    ///
+    /// # Errors
+    /// [`Stalled`] if the read has not landed in time.
+    pub fn wait(&self, s: u32) -> std::result::Result<(u8, u64), Stalled> {
         let st = &self.state[s as usize];
         let mut state = st.load(Ordering::Acquire);
         if !matches!(state, PENDING | LANDED | CHECKING) {
-            return (state, 0);
+            return Ok((state, 0));
         }
         let t0 = Instant::now();
-        let mut spins = 0u32;
+        let mut deadline = None;
         loop {
             match state {
                 LANDED => self.settle(s),
-                PENDING | CHECKING if spins < 64 => std::hint::spin_loop(),
-                PENDING | CHECKING => std::thread::yield_now(),
+                PENDING | CHECKING => self.backoff(s, &mut deadline, 64)?,
                 _ => break,
             }
-            spins += 1;
             state = st.load(Ordering::Acquire);
         }
-        (state, t0.elapsed().as_nanos() as u64)
+        Ok((state, t0.elapsed().as_nanos() as u64))
     }
 
     /// The first `n` bytes of slot `s` if it is [`READY`] (acquire), else `None`.
@@ -508,7 +573,7 @@ mod tests {
         assert_eq!((slots.len(), slots.region_bytes()), (3, 3 * 4096));
         assert_eq!(slots.state(1), EMPTY);
         assert!(slots.ready_bytes(1, 8).is_none());
-        let c = slots.claim(1);
+        let c = slots.claim(1).unwrap();
         assert_eq!((c.slot(), slots.state(1)), (1, PENDING));
         let req = ReadRequest::new(0, 8, c, 4096);
         slots
@@ -518,7 +583,7 @@ mod tests {
                 Ok(())
             })
             .unwrap();
-        assert_eq!(slots.wait(1), (READY, 0));
+        assert_eq!(slots.wait(1).unwrap(), (READY, 0));
         assert_eq!(slots.ready_bytes(1, 8), Some(&b"clusters"[..]));
         // Neighbours untouched.
         assert_eq!(slots.state(0), EMPTY);
@@ -528,8 +593,8 @@ mod tests {
     #[test]
     fn a_failed_read_marks_every_slot_of_the_request_failed_until_forgotten() {
         let slots = Slots::new(4, 4096).unwrap();
-        let mut req = ReadRequest::new(8192, 4096, slots.claim(2), 4096);
-        req.try_append(12288, 100, slots.claim(3), 4096, 1 << 20).unwrap();
+        let mut req = ReadRequest::new(8192, 4096, slots.claim(2).unwrap(), 4096);
+        req.try_append(12288, 100, slots.claim(3).unwrap(), 4096, 1 << 20).unwrap();
         assert_eq!(req.slots(), &[2, 3]);
         assert_eq!((req.need, req.bytes(), req.end()), (4096 + 100, 8192, 16384));
         let err = slots.fill(req, |_| Err(Error::Internal("disk gone".into())));
@@ -546,9 +611,9 @@ mod tests {
         let slots = Slots::new(3, 4096).unwrap();
         let good = nflash_format::checksums::cluster_crc32c(&[7u8; 100]);
         // Slot 0: the expected bytes; slot 1: one byte differs; slot 2: unchecked.
-        let mut req = ReadRequest::new(0, 4096, slots.claim_checked(0, 100, good), 4096);
-        req.try_append(4096, 4096, slots.claim_checked(1, 100, good), 4096, 1 << 20).unwrap();
-        req.try_append(8192, 4096, slots.claim(2), 4096, 1 << 20).unwrap();
+        let mut req = ReadRequest::new(0, 4096, slots.claim_checked(0, 100, good).unwrap(), 4096);
+        req.try_append(4096, 4096, slots.claim_checked(1, 100, good).unwrap(), 4096, 1 << 20).unwrap();
+        req.try_append(8192, 4096, slots.claim(2).unwrap(), 4096, 1 << 20).unwrap();
         slots
             .fill(req, |bufs| {
                 bufs[0][..100].fill(7);
@@ -568,7 +633,7 @@ mod tests {
         assert!(slots.ready_bytes(1, 100).is_none(), "a damaged cluster is never handed out");
         // Forgotten like a failed read, so a later fetch reads it again, unchecked unless claimed so.
         assert!(slots.forget_failed(1));
-        let c = slots.claim(1);
+        let c = slots.claim(1).unwrap();
         slots
             .fill(ReadRequest::new(0, 100, c, 4096), |b| {
                 b[0][0] = 0;
@@ -582,9 +647,9 @@ mod tests {
     fn a_landed_cluster_is_checked_by_whoever_needs_it_first_and_only_once() {
         let slots = Slots::new(3, 4096).unwrap();
         let good = nflash_format::checksums::cluster_crc32c(&[9u8; 64]);
-        let mut req = ReadRequest::new(0, 4096, slots.claim_checked(0, 64, good), 4096);
-        req.try_append(4096, 4096, slots.claim_checked(1, 64, good), 4096, 1 << 20).unwrap();
-        req.try_append(8192, 4096, slots.claim_checked(2, 64, good), 4096, 1 << 20).unwrap();
+        let mut req = ReadRequest::new(0, 4096, slots.claim_checked(0, 64, good).unwrap(), 4096);
+        req.try_append(4096, 4096, slots.claim_checked(1, 64, good).unwrap(), 4096, 1 << 20).unwrap();
+        req.try_append(8192, 4096, slots.claim_checked(2, 64, good).unwrap(), 4096, 1 << 20).unwrap();
         let mut f = slots.begin(req);
         f.with_buffers(|b| {
             for buf in b.iter_mut() {
@@ -598,8 +663,8 @@ mod tests {
         assert_eq!([slots.state(0), slots.state(1), slots.state(2)], [LANDED; 3]);
         assert!(slots.ready_bytes(0, 64).is_none());
         // A compute thread waiting for them checks them itself.
-        assert_eq!(slots.wait(0).0, READY);
-        assert_eq!(slots.wait(1).0, CORRUPT);
+        assert_eq!(slots.wait(0).unwrap().0, READY);
+        assert_eq!(slots.wait(1).unwrap().0, CORRUPT);
         assert!(slots.ready_bytes(1, 64).is_none());
         // The I/O thread's check after that is a no-op.
         slots.settle(0);
@@ -607,7 +672,7 @@ mod tests {
         assert_eq!((slots.state(0), slots.state(1)), (READY, CORRUPT));
         // A landed cluster nobody needed can be claimed again before its check:
         // the check then never runs on the new read's bytes.
-        let c = slots.claim(2);
+        let c = slots.claim(2).unwrap();
         assert_eq!(slots.state(2), PENDING);
         slots.settle(2);
         assert_eq!(slots.state(2), PENDING);
@@ -618,26 +683,27 @@ mod tests {
     #[test]
     fn requests_merge_only_adjacent_reads_within_the_limits() {
         let slots = Slots::new(MAX_IOVECS + 2, 4096).unwrap();
-        let mut req = ReadRequest::new(0, 4096, slots.claim(0), 4096);
+        let mut req = ReadRequest::new(0, 4096, slots.claim(0).unwrap(), 4096);
         // Not adjacent: the claim comes back.
-        let c = req.try_append(8192, 4096, slots.claim(1), 4096, 1 << 20).unwrap_err();
+        let c = req.try_append(8192, 4096, slots.claim(1).unwrap(), 4096, 1 << 20).unwrap_err();
         assert_eq!(c.slot(), 1);
         // Over the byte limit.
         let c = req.try_append(4096, 4096, c, 4096, 4096).unwrap_err();
         // Adjacent and within: merged, up to MAX_IOVECS slots.
         req.try_append(4096, 4096, c, 4096, 1 << 30).unwrap();
         for s in 2..MAX_IOVECS as u32 {
-            req.try_append(s as u64 * 4096, 4096, slots.claim(s), 4096, 1 << 30).unwrap();
+            req.try_append(s as u64 * 4096, 4096, slots.claim(s).unwrap(), 4096, 1 << 30).unwrap();
         }
         assert_eq!(req.slots().len(), MAX_IOVECS);
-        let full = req.try_append(MAX_IOVECS as u64 * 4096, 4096, slots.claim(MAX_IOVECS as u32), 4096, 1 << 30);
+        let full =
+            req.try_append(MAX_IOVECS as u64 * 4096, 4096, slots.claim(MAX_IOVECS as u32).unwrap(), 4096, 1 << 30);
         assert!(full.is_err(), "no slot left in the request");
     }
 
     #[test]
     fn a_waiting_reader_sees_the_bytes_written_before_ready() {
         let slots = std::sync::Arc::new(Slots::new(1, 4096).unwrap());
-        let req = ReadRequest::new(0, 4096, slots.claim(0), 4096);
+        let req = ReadRequest::new(0, 4096, slots.claim(0).unwrap(), 4096);
         let writer = {
             let slots = std::sync::Arc::clone(&slots);
             std::thread::spawn(move || {
@@ -648,7 +714,7 @@ mod tests {
                 })
             })
         };
-        let (state, waited) = slots.wait(0);
+        let (state, waited) = slots.wait(0).unwrap();
         assert_eq!(state, READY);
         assert!(waited > 0);
         assert!(slots.ready_bytes(0, 4096).unwrap().iter().all(|&b| b == 7));

@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 
 use io_uring::{opcode, types, IoUring};
 
-use super::io::Shared;
+use super::flash::Shared;
 use super::slots::{InFlight, Published, ReadRequest};
 use crate::error::{Error, Result};
 
@@ -131,9 +131,13 @@ impl Drop for UringEngine {
         }
         let _ = self.ring.submit();
         // The reaper returns once every read in the kernel has completed, so
-        // no read writes into the slots after they are freed.
+        // no read writes into the slots after they are freed. A read that
+        // never completes keeps the reaper (and the slots, the ring and the
+        // buffers it holds through `Arc`s) alive: it is left behind after the
+        // read timeout rather than joined forever.
         if let Some(t) = self.reaper.take() {
-            let _ = t.join();
+            let deadline = std::time::Instant::now() + self.shared.slots.timeout();
+            super::io::join_until(t, deadline, "io_uring reaper thread");
         }
     }
 }

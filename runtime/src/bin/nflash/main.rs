@@ -14,7 +14,13 @@ use nflash_runtime::message;
 
 /// Run large language models packed by `prep` from a single `.nflash` file.
 #[derive(Parser)]
-#[command(name = "nflash", version, about, long_about = None)]
+#[command(
+    name = "nflash",
+    version,
+    about,
+    long_about = None,
+    after_help = "Environment: NFLASH_KERNELS=portable runs the portable kernels instead of the CPU's SIMD ones (the same results, slower: for ruling the SIMD kernels out)."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
