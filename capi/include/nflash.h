@@ -169,7 +169,8 @@ nflash_status nflash_complete(nflash_model *model,
                               nflash_token_fn on_token,
                               void *user);
 
-// Stops the generation running on `model` at its next token (from any
+// Stops the generation running on `model` at its next check: between
+// prefill passes (a long prompt) or after the next token (from any
 // thread; does nothing if none runs).
 //
 // # Safety

@@ -102,8 +102,10 @@ impl Session {
                 self.prefilled =
                     if invariant { self.cached.len() } else { self.cached.len() - self.cached.len() % pass };
                 self.cached.extend_from_slice(&tokens);
-                // The last sampled token was never run through the model.
+                // The last sampled token was never run through the model;
+                // a prefill cancelled between passes ran only part of `new`.
                 self.cached.truncate(self.kv.len());
+                self.prefilled = self.prefilled.min(self.cached.len());
                 Ok(Turn { tokens, stats, reused_tokens: common })
             }
             Err(e) => {

@@ -418,3 +418,42 @@ fn the_memory_budget_holds_while_serving() {
     let (rss, budget) = (h["peak_rss_bytes"].as_u64().unwrap(), h["memory_budget_bytes"].as_u64().unwrap());
     assert!(rss <= budget, "peak RSS {rss} over the budget {budget}");
 }
+
+/// A client that hangs up during a long prefill frees the generation slot
+/// at the next prefill pass, not when the prefill ends: a request sent
+/// right after is served long before the first would have finished.
+#[test]
+fn a_client_that_leaves_during_prefill_frees_the_slot_at_once() {
+    let pack = crate::smollm2::pack("q8_0");
+    let s = Server::start(&pack, &["--ctx", "8192", "--threads", "1"]);
+    // ~6000 tokens (a token a word): many seconds of prefill on one thread.
+    let words = ["the", "cat", "sat", "on", "a", "mat", "and", "looked", "at", "sea"];
+    let text: Vec<&str> = (0..6000).map(|i| words[i % words.len()]).collect();
+    let long = json!({"prompt": text.join(" "), "max_tokens": 1, "temperature": 0});
+    let addr = s.url.trim_start_matches("http://").to_string();
+    let mut c = TcpStream::connect(&addr).unwrap();
+    let b = long.to_string();
+    write!(c, "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}", b.len()).unwrap();
+    let t = Instant::now();
+    while s.call("GET", "/health", None, None).2["busy"] != true {
+        assert!(t.elapsed() < Duration::from_secs(60), "the long request never ran: {}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    drop(c);
+    let left = Instant::now();
+    let (st, r) = s.post("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 2}));
+    let waited = left.elapsed();
+    assert_eq!(st, 200, "{r}");
+    // A prefill pass or two, not the whole prompt's (tens of seconds).
+    assert!(waited < Duration::from_secs(10), "the second request waited {waited:?}: {}", s.log());
+    let t = Instant::now();
+    while !s.log().contains("cancelled in prefill at position") {
+        assert!(t.elapsed() < Duration::from_secs(10), "no cancellation logged: {}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The log says where it stopped; the rest of the prefill never ran.
+    let line = s.log().lines().find(|l| l.contains("cancelled in prefill")).unwrap().to_string();
+    let at: usize = line.split("at position ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    assert!(at < 4000, "{line}");
+}

@@ -265,7 +265,7 @@ fn reused_prefixes_give_the_tokens_of_a_fresh_prefill() {
         let p = pack(quant);
         let pack = Pack::open_resident(&p).unwrap();
         let engine = Engine::load(&pack).unwrap();
-        let opts = GenerateOptions { max_tokens: 12, stop_ids: vec![], ignore_eos: true };
+        let opts = GenerateOptions { max_tokens: 12, ignore_eos: true, ..Default::default() };
         let greedy = || Sampler::new(SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 });
         let fresh = |ids: &[u32]| {
             let mut s = Session::new(&engine, 1024).unwrap();

@@ -141,8 +141,12 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         );
     }
     let mut sampler = Sampler::new(sampling);
-    let opts =
-        GenerateOptions { max_tokens: a.max_tokens, stop_ids: engine.stop_ids.clone(), ignore_eos: a.ignore_eos };
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens,
+        stop_ids: engine.stop_ids.clone(),
+        ignore_eos: a.ignore_eos,
+        ..Default::default()
+    };
     let Some(prompt) = prompt else {
         if a.raw {
             bail!("--raw applies to --prompt or --prompt-file; interactive mode always chats through the template");

@@ -11,7 +11,7 @@
 //! request and turns it into token ids, so a bad request is answered at once
 //! even while a generation runs. A client that goes away (its connection
 //! closed, so its response is dropped) cancels its generation at the next
-//! token.
+//! check: between prefill passes and after every token.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -33,7 +33,7 @@ use axum::Router;
 use clap::Args;
 use nflash_plan::planner::parse_bytes;
 use nflash_runtime::chat::Message;
-use nflash_runtime::generate::{Finish, GenerateOptions};
+use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::session::{Session, Turn};
 use nflash_runtime::{message, Engine, Prompter};
@@ -193,15 +193,15 @@ impl Queue {
     }
 
     /// Queues `job` if fewer than `max` wait (one more when nothing runs:
-    /// the generation thread takes it at once); gives it back otherwise.
-    fn push(&self, job: Job, max: usize) -> Result<(), Job> {
+    /// the generation thread takes it at once); false (the job dropped) otherwise.
+    fn push(&self, job: Job, max: usize) -> bool {
         let mut q = self.lock();
         if q.jobs.len() >= max + usize::from(!q.busy && q.jobs.is_empty()) {
-            return Err(job);
+            return false;
         }
         q.jobs.push_back(job);
         self.ready.notify_one();
-        Ok(())
+        true
     }
 
     /// The next job, marking the generation thread busy; `None` once closed.
@@ -228,13 +228,18 @@ impl Queue {
 /// Held by the request's handler (or its response stream): when the client
 /// goes away before the generation thread takes its job, the job leaves
 /// the queue at once.
+/// Dropped also when the job runs, it then cancels the generation (at its
+/// next check: between prefill passes, after every token).
 struct Waiter {
     queue: Arc<Queue>,
     id: u64,
+    cancel: CancelToken,
 }
 
 impl Drop for Waiter {
     fn drop(&mut self) {
+        // After the job ended this is harmless: the token is the job's own.
+        self.cancel.cancel();
         let mut q = self.queue.lock();
         if let Some(i) = q.jobs.iter().position(|j| j.id == self.id) {
             q.jobs.remove(i);
@@ -253,6 +258,8 @@ struct Job {
     stop: Vec<String>,
     events: UnboundedSender<Event>,
     enqueued: Instant,
+    /// Raised when the client goes away ([`Waiter`]).
+    cancel: CancelToken,
 }
 
 /// What the generation thread sends back for a job.
@@ -382,14 +389,17 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job) -> Event {
     let t0 = Instant::now();
     engine.model.reset_counters();
     let mut sampler = Sampler::new(job.sampling);
-    let opts =
-        GenerateOptions { max_tokens: job.max_tokens, stop_ids: engine.stop_ids.clone(), ignore_eos: job.ignore_eos };
+    let opts = GenerateOptions {
+        max_tokens: job.max_tokens,
+        stop_ids: engine.stop_ids.clone(),
+        ignore_eos: job.ignore_eos,
+        cancel: job.cancel.clone(),
+    };
     let mut stops = StopScan::new(job.stop.clone());
-    let mut gone = false;
     let result = session.generate(engine, &job.ids, &mut sampler, &opts, |piece| {
         let emit = stops.push(piece);
         if !emit.is_empty() && job.events.send(Event::Text(emit)).is_err() || job.events.is_closed() {
-            gone = true;
+            job.cancel.cancel();
             return ControlFlow::Break(());
         }
         if stops.hit {
@@ -410,20 +420,32 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job) -> Event {
                 Finish::Length | Finish::ContextFull => "length",
             };
             let wall = t0.elapsed().as_secs_f64();
+            let gone = turn.stats.finish == Finish::Cancelled && job.cancel.is_cancelled();
+            let at = turn.stats.stopped_at;
+            let cancelled = if !gone {
+                String::new()
+            } else if at < job.ids.len() {
+                format!("; the client went away, generation cancelled in prefill at position {at} of {}", job.ids.len())
+            } else {
+                format!(
+                    "; the client went away, generation cancelled at position {at} (after {} generated tokens)",
+                    turn.tokens.len()
+                )
+            };
             message!(
-                "{} prompt tokens ({} reused), {} generated at {:.1} tokens/s in {:.2} s{}",
+                "job {}: {} prompt tokens ({} reused), {} generated at {:.1} tokens/s in {:.2} s{cancelled}",
+                job.id,
                 job.ids.len(),
                 turn.reused_tokens,
                 turn.tokens.len(),
                 turn.stats.decode_tokens_per_s(),
                 wall,
-                if gone { "; the client went away, generation cancelled" } else { "" }
             );
             let timings = timings(job, &turn, (t0 - job.enqueued).as_secs_f64());
             Event::Done { prompt_tokens: job.ids.len(), completion_tokens: turn.tokens.len(), finish_reason, timings }
         }
         Err(e) => {
-            message!("error: {e}");
+            message!("job {}: error: {e}", job.id);
             Event::Failed(e.to_string())
         }
     }
@@ -843,9 +865,19 @@ async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Resul
     let stop = stop_strings(p.stop.as_ref())?;
     let (tx, rx) = unbounded_channel();
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    let job =
-        Job { id, ids, ignore_eos: p.ignore_eos, sampling, max_tokens, stop, events: tx, enqueued: Instant::now() };
-    if s.jobs.push(job, s.queue).is_err() {
+    let cancel = CancelToken::new();
+    let job = Job {
+        id,
+        ids,
+        ignore_eos: p.ignore_eos,
+        sampling,
+        max_tokens,
+        stop,
+        events: tx,
+        enqueued: Instant::now(),
+        cancel: cancel.clone(),
+    };
+    if !s.jobs.push(job, s.queue) {
         let waiting = s.jobs.lock().jobs.len() as u64 + 1;
         let secs = (s.jobs.last_ms.load(Ordering::Relaxed) * waiting).div_ceil(1000).max(1);
         return Err(ApiError {
@@ -857,7 +889,7 @@ async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Resul
             retry_after: Some(secs),
         });
     }
-    let waiter = Waiter { queue: s.jobs.clone(), id };
+    let waiter = Waiter { queue: s.jobs.clone(), id, cancel };
     let include_usage = p.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let id = format!("{}-{}-{id}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, s.created);
     if p.stream == Some(true) {
