@@ -73,7 +73,10 @@ typedef struct {
 
 // One chat message (both strings UTF-8, NUL-terminated).
 typedef struct {
-  // `system`, `user` or `assistant` (the pack's template decides what it accepts).
+  // `system`, `developer`, `user`, `assistant` or `tool` (others are
+  // refused; the pack's template decides which of these it accepts).
+  // Special-token text in `content` (e.g. `<|im_end|>`) is plain text,
+  // never a control token.
   const char *role;
   // The message's text.
   const char *content;

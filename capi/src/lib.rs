@@ -104,7 +104,10 @@ pub struct NflashParams {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct NflashMessage {
-    /// `system`, `user` or `assistant` (the pack's template decides what it accepts).
+    /// `system`, `developer`, `user`, `assistant` or `tool` (others are
+    /// refused; the pack's template decides which of these it accepts).
+    /// Special-token text in `content` (e.g. `<|im_end|>`) is plain text,
+    /// never a control token.
     pub role: *const c_char,
     /// The message's text.
     pub content: *const c_char,

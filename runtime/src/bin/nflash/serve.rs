@@ -32,7 +32,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use clap::Args;
 use nflash_plan::planner::parse_bytes;
-use nflash_runtime::chat::Message;
+use nflash_runtime::chat::{ContentTokens, Message, ROLES};
 use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::session::{Session, Turn};
@@ -87,6 +87,12 @@ pub struct ServeArgs {
     /// Open connections at most; more wait to be accepted.
     #[arg(long, default_value_t = 64)]
     max_connections: usize,
+    /// Tokenize special-token text in message content (e.g. `<|im_end|>`) as
+    /// the control tokens it spells, as Hugging Face's apply_chat_template
+    /// does. Off by default: content is plain text, so a message cannot end
+    /// its turn or forge another role's. Only for clients you trust.
+    #[arg(long)]
+    special_tokens_in_content: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Compute threads (default: the big cores where a phone has big and
@@ -151,6 +157,8 @@ struct Shared {
     model_id: String,
     created: u64,
     key: Option<String>,
+    /// How message content is tokenized (--special-tokens-in-content).
+    content_tokens: ContentTokens,
     prompter: Prompter,
     /// Sampling defaults (flags, else the pack's generation_config.json,
     /// else nflash's); the seed only when --seed was given.
@@ -295,6 +303,7 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         model_id,
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         key,
+        content_tokens: if a.special_tokens_in_content { ContentTokens::Special } else { ContentTokens::Text },
         prompter: engine.prompter(),
         sampling,
         fixed_seed: a.sampling.seed.is_some(),
@@ -694,10 +703,19 @@ async fn chat(State(s): State<Arc<Shared>>, req: Request) -> Response {
             .messages
             .iter()
             .enumerate()
-            .map(|(i, m)| Ok(Message::new(&m.role, &content_text(&m.content, i)?)))
+            .map(|(i, m)| {
+                if !ROLES.contains(&m.role.as_str()) {
+                    return Err(ApiError::bad(format!(
+                        "messages[{i}].role {:?} is not a role; use one of {}",
+                        m.role.chars().take(64).collect::<String>(),
+                        ROLES.join(", ")
+                    )));
+                }
+                Ok(Message::new(&m.role, &content_text(&m.content, i)?))
+            })
             .collect::<Result<Vec<_>, ApiError>>()?;
         let s2 = s.clone();
-        let ids = blocking(move || s2.prompter.encode_chat(&msgs, s2.ctx - 1))
+        let ids = blocking(move || s2.prompter.encode_chat_with(&msgs, s2.ctx - 1, s2.content_tokens))
             .await?
             .map_err(|e| match e {
                 nflash_runtime::Error::PromptTooLong { prompt, .. } => too_long(&s, prompt),
