@@ -1,6 +1,8 @@
 //! `nflash serve`: the OpenAI-compatible endpoints over real HTTP, their
-//! bounds and errors, the queue, cancellation by disconnect, prefix reuse
-//! and the API key. (The `openai` Python client is tested by
+//! bounds and errors, the queue, cancellation by disconnect (also during
+//! prefill), prefix reuse, the API key, and what browsers and crafted
+//! prompts must not get through (cross-site requests, DNS rebinding,
+//! control tokens typed into messages, file paths in errors). (The `openai` Python client is tested by
 //! scripts/test_openai_client.py in `make test`.)
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -78,7 +80,7 @@ impl Server {
                 r.call().unwrap()
             }
             (_, b) => {
-                let mut r = agent.post(&url);
+                let mut r = agent.post(&url).header("Content-Type", "application/json");
                 if let Some(k) = key {
                     r = r.header("Authorization", &format!("Bearer {k}"));
                 }
@@ -102,6 +104,33 @@ impl Server {
         assert_eq!(status, 200, "{v}");
         let text = v.as_str().expect("an event stream is not one JSON value").to_string();
         text.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+    }
+
+    /// A request written by hand (`head`: the request line's method and
+    /// path, then header lines, no Host unless given): status, headers
+    /// (names in lower case) and body (parsed when JSON).
+    fn raw(&self, head: &str, body: &str) -> (u16, Vec<(String, String)>, Value) {
+        let addr = self.url.trim_start_matches("http://");
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let (line, headers) = head.split_once('\n').unwrap_or((head, ""));
+        let mut req = format!("{line} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+        for h in headers.lines().filter(|l| !l.is_empty()) {
+            req += &format!("{h}\r\n");
+        }
+        req += "\r\n";
+        req += body;
+        c.write_all(req.as_bytes()).unwrap();
+        let mut text = String::new();
+        c.read_to_string(&mut text).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let mut lines = head.lines();
+        let status = lines.next().unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+        let headers = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        (status, headers, serde_json::from_str(body).unwrap_or(Value::String(body.to_string())))
     }
 
     /// Waits until /health says nothing runs.
@@ -430,6 +459,122 @@ fn the_memory_budget_holds_while_serving() {
     assert!(rss <= budget, "peak RSS {rss} over the budget {budget}");
 }
 
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+}
+
+/// A page of another web site can make a browser POST to 127.0.0.1 (a
+/// "simple" request: text/plain, no preflight): refused unless its origin
+/// is listed; listed origins get CORS preflights and headers.
+#[test]
+fn cross_site_requests_are_refused_and_listed_origins_get_cors() {
+    let pack = crate::smollm2::pack("q8_0");
+    let mut s = Server::start(&pack, &[]);
+    let mut host = s.url.trim_start_matches("http://").to_string();
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 2}).to_string();
+    // The attack: text/plain from a foreign origin.
+    let (st, h, v) = s.raw(
+        &format!("POST /v1/completions\nHost: {host}\nOrigin: http://evil.example\nContent-Type: text/plain"),
+        &body,
+    );
+    assert_eq!(st, 403, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--allowed-origin"), "{v}");
+    assert_eq!(header(&h, "access-control-allow-origin"), None);
+    // Any foreign origin, any route, any method.
+    for (head, what) in [
+        (format!("GET /v1/models\nHost: {host}\nOrigin: http://evil.example"), "GET"),
+        (format!("GET /v1/models\nHost: {host}\nOrigin: null"), "null origin"),
+        (format!("POST /v1/completions\nHost: {host}\nOrigin: http://localhost:3001\nContent-Type: application/json"), "other port"),
+        (
+            format!("OPTIONS /v1/completions\nHost: {host}\nOrigin: http://evil.example\nAccess-Control-Request-Method: POST"),
+            "preflight",
+        ),
+    ] {
+        let (st, _, v) = s.raw(&head, &body);
+        assert_eq!(st, 403, "{what}: {v}");
+        assert!(v["error"]["message"].is_string(), "{what}: {v}");
+    }
+    // Without an Origin (not a browser), the body must still be declared JSON.
+    let (st, _, v) = s.raw(&format!("POST /v1/completions\nHost: {host}\nContent-Type: text/plain"), &body);
+    assert_eq!(st, 415, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("application/json"), "{v}");
+    let (st, _, v) = s.raw(&format!("POST /v1/chat/completions\nHost: {host}"), &body);
+    assert_eq!(st, 415, "{v}");
+    let (st, _, v) =
+        s.raw(&format!("POST /v1/completions\nHost: {host}\nContent-Type: application/json; charset=utf-8"), &body);
+    assert_eq!(st, 200, "{v}");
+    // A listed origin: the preflight is answered, then the request.
+    s = Server::start(&pack, &["--allowed-origin", "http://localhost:3000", "--allowed-origin", "https://app.example"]);
+    host = s.url.trim_start_matches("http://").to_string();
+    let (st, h, _) = s.raw(
+        &format!("OPTIONS /v1/chat/completions\nHost: {host}\nOrigin: http://localhost:3000\nAccess-Control-Request-Method: POST\nAccess-Control-Request-Headers: authorization, content-type"),
+        "",
+    );
+    assert!((200..300).contains(&st), "{st} {h:?}");
+    assert_eq!(header(&h, "access-control-allow-origin"), Some("http://localhost:3000"), "{h:?}");
+    assert!(header(&h, "access-control-allow-methods").is_some_and(|m| m.contains("POST")), "{h:?}");
+    let allowed = header(&h, "access-control-allow-headers").unwrap_or("").to_ascii_lowercase();
+    assert!(allowed.contains("authorization") && allowed.contains("content-type"), "{h:?}");
+    assert!(header(&h, "vary").is_some_and(|v| v.to_ascii_lowercase().contains("origin")), "{h:?}");
+    let (st, h, v) = s.raw(
+        &format!("POST /v1/completions\nHost: {host}\nOrigin: http://localhost:3000\nContent-Type: application/json"),
+        &body,
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(header(&h, "access-control-allow-origin"), Some("http://localhost:3000"), "{h:?}");
+    assert!(header(&h, "vary").is_some_and(|v| v.to_ascii_lowercase().contains("origin")), "{h:?}");
+    // A bad --allowed-origin is refused at start.
+    let o = Command::new(bin("nflash"))
+        .args(["serve", "--model", pack.to_str().unwrap(), "--port", "0", "--allowed-origin", "*"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// DNS rebinding: a web site whose name resolves to 127.0.0.1 reaches the
+/// server as its own origin (no Origin header on its GETs), so without a
+/// key only Host headers naming this machine pass. With a key any Host
+/// passes, and every route but /health needs the key.
+#[test]
+fn foreign_host_headers_are_refused_without_a_key_and_every_route_needs_the_key() {
+    let pack = crate::smollm2::pack("q8_0");
+    let s = Server::start(&pack, &[]);
+    let port = s.url.rsplit(':').next().unwrap().to_string();
+    for host in ["evil.example", &format!("evil.example:{port}"), "localhost.evil.example", "10.0.0.1", "[::2]:80", ""]
+    {
+        let (st, _, v) = s.raw(&format!("GET /v1/models\nHost: {host}"), "");
+        assert_eq!(st, 403, "Host {host:?}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("Host"), "{v}");
+    }
+    for host in [
+        "localhost".to_string(),
+        "localhost:1234".into(),
+        format!("127.0.0.1:{port}"),
+        "127.0.0.5".into(),
+        "[::1]:80".into(),
+        "LOCALHOST.".into(),
+    ] {
+        let (st, _, v) = s.raw(&format!("GET /v1/models\nHost: {host}"), "");
+        assert_eq!(st, 200, "Host {host:?}: {v}");
+    }
+    drop(s);
+    let tmp = tempfile::tempdir().unwrap();
+    let key_file = tmp.path().join("key");
+    std::fs::write(&key_file, "s3cret\n").unwrap();
+    let k = Server::start(&pack, &["--api-key-file", key_file.to_str().unwrap()]);
+    let (st, _, v) = k.raw("GET /v1/models\nHost: evil.example\nAuthorization: Bearer s3cret", "");
+    assert_eq!(st, 200, "{v}");
+    // Unknown routes and methods need the key too (no map of the API for strangers).
+    for head in ["GET /nope", "GET /v1/models", "POST /health", "DELETE /v1/models", "GET /v1/models/x"] {
+        let (st, _, v) = k.raw(&format!("{head}\nHost: localhost"), "");
+        assert_eq!(st, 401, "{head}: {v}");
+        assert!(!v.to_string().contains("/v1/chat/completions"), "{head}: {v}");
+    }
+    let (st, _, v) = k.raw("GET /nope\nHost: localhost\nAuthorization: Bearer s3cret", "");
+    assert_eq!(st, 404, "{v}");
+    assert_eq!(k.raw("GET /health\nHost: localhost", "").0, 200);
+}
+
 /// The ids of `text` as the SmolLM2 pack's tokenizer reads it.
 fn chatml_engine_ids(messages: &[(&str, &str)], content: nflash_runtime::chat::ContentTokens) -> Vec<u32> {
     let pack = nflash_format::Pack::open(crate::smollm2::pack("q8_0")).unwrap();
@@ -585,4 +730,50 @@ fn a_client_that_leaves_during_prefill_frees_the_slot_at_once() {
     let line = s.log().lines().find(|l| l.contains("cancelled in prefill")).unwrap().to_string();
     let at: usize = line.split("at position ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
     assert!(at < 4000, "{line}");
+}
+
+/// Errors sent to clients carry no file paths of the server: a pack cut
+/// short while serving fails the request with a read error whose path
+/// stays in the server's log.
+#[test]
+fn errors_sent_to_clients_hold_no_server_paths() {
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("secret-dir").join("smol.nflash");
+    std::fs::create_dir_all(copy.parent().unwrap()).unwrap();
+    std::fs::copy(crate::smollm2::pack("q8_0"), &copy).unwrap();
+    let s = Server::start(&copy, &["--memory-budget", "120MiB", "--ctx", "512"]);
+    let len = std::fs::metadata(&copy).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&copy).unwrap().set_len(len / 3).unwrap();
+    let mut failed = None;
+    for i in 0..4 {
+        let q = json!([{"role": "user", "content": format!("Write a long poem about the sea, number {i}.")}]);
+        let (st, r) = s.post("/v1/chat/completions", &chat(q, json!({"max_tokens": 32})));
+        if st != 200 {
+            failed = Some((st, r));
+            break;
+        }
+    }
+    let (st, r) = failed.expect("reading a truncated pack should fail");
+    assert_eq!(st, 500, "{r}");
+    let msg = r["error"]["message"].as_str().unwrap();
+    assert!(!msg.contains("secret-dir") && !msg.contains(tmp.path().to_str().unwrap()), "{msg}");
+    let t = Instant::now();
+    while !s.log().contains("secret-dir") {
+        assert!(t.elapsed() < Duration::from_secs(10), "the log keeps the path: {}", s.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Streamed, the error event is scrubbed too.
+    let (_, _, v) = s.call(
+        "POST",
+        "/v1/chat/completions",
+        None,
+        Some(
+            &chat(
+                json!([{"role": "user", "content": "Another poem about rivers."}]),
+                json!({"max_tokens": 32, "stream": true}),
+            )
+            .to_string(),
+        ),
+    );
+    assert!(!v.to_string().contains("secret-dir"), "{v}");
 }
