@@ -22,7 +22,7 @@ fn main() -> anyhow::Result<()> {
     let ids = engine.tokenizer.encode(&prompt, false)?;
     let mut kv = engine.model.new_kv_cache(1024);
     let mut sampler = Sampler::new(SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 });
-    let opts = GenerateOptions { max_tokens: 64, stop_ids: engine.stop_ids.clone(), ignore_eos: false };
+    let opts = GenerateOptions { max_tokens: 64, stop_ids: engine.stop_ids.clone(), ..Default::default() };
     let (_, stats) =
         generate(&engine.model, &mut kv, &engine.tokenizer, &ids, &mut sampler, &opts, |piece| print!("{piece}"))?;
     println!("\n[{:.1} tokens/s decode]", stats.decode_tokens_per_s());

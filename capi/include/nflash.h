@@ -73,7 +73,10 @@ typedef struct {
 
 // One chat message (both strings UTF-8, NUL-terminated).
 typedef struct {
-  // `system`, `user` or `assistant` (the pack's template decides what it accepts).
+  // `system`, `developer`, `user`, `assistant` or `tool` (others are
+  // refused; the pack's template decides which of these it accepts).
+  // Special-token text in `content` (e.g. `<|im_end|>`) is plain text,
+  // never a control token.
   const char *role;
   // The message's text.
   const char *content;
@@ -169,7 +172,8 @@ nflash_status nflash_complete(nflash_model *model,
                               nflash_token_fn on_token,
                               void *user);
 
-// Stops the generation running on `model` at its next token (from any
+// Stops the generation running on `model` at its next check: between
+// prefill passes (a long prompt) or after the next token (from any
 // thread; does nothing if none runs).
 //
 // # Safety

@@ -32,7 +32,7 @@ use std::sync::Mutex;
 
 use nflash_format::Pack;
 use nflash_runtime::chat::Message;
-use nflash_runtime::generate::GenerateOptions;
+use nflash_runtime::generate::{CancelToken, GenerateOptions};
 use nflash_runtime::placement::{self, MemoryOptions};
 use nflash_runtime::sampler::{self, Sampler, SamplerConfig};
 use nflash_runtime::session::{Session, Turn};
@@ -104,7 +104,10 @@ pub struct NflashParams {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct NflashMessage {
-    /// `system`, `user` or `assistant` (the pack's template decides what it accepts).
+    /// `system`, `developer`, `user`, `assistant` or `tool` (others are
+    /// refused; the pack's template decides which of these it accepts).
+    /// Special-token text in `content` (e.g. `<|im_end|>`) is plain text,
+    /// never a control token.
     pub role: *const c_char,
     /// The message's text.
     pub content: *const c_char,
@@ -159,7 +162,7 @@ self_cell::self_cell!(
 /// Opaque to C.
 pub struct NflashModel {
     pool: rayon::ThreadPool,
-    cancel: AtomicBool,
+    cancel: CancelToken,
     inner: Mutex<Inner>,
 }
 
@@ -331,7 +334,7 @@ pub unsafe extern "C" fn nflash_open(
         })?;
         let model = NflashModel {
             pool,
-            cancel: AtomicBool::new(false),
+            cancel: CancelToken::new(),
             inner: Mutex::new(Inner { loaded, last: NflashStats::default() }),
         };
         // SAFETY: `out` is non-null and writable, per the caller.
@@ -387,7 +390,7 @@ fn generate(
 ) -> Result<NflashStatus, Fail> {
     let mut inner = m.inner.lock().unwrap_or_else(|e| e.into_inner());
     let Inner { loaded, last } = &mut *inner;
-    m.cancel.store(false, Ordering::SeqCst);
+    m.cancel.reset();
     loaded.with_dependent_mut(|_, r| {
         let p = params.unwrap_or_else(|| pack_params(&r.engine));
         if p.max_tokens == 0 {
@@ -411,6 +414,7 @@ fn generate(
             max_tokens: p.max_tokens as usize,
             stop_ids: r.engine.stop_ids.clone(),
             ignore_eos: false,
+            cancel: m.cancel.clone(),
         };
         let mut sampler = Sampler::new(SamplerConfig {
             temperature: p.temperature,
@@ -426,10 +430,7 @@ fn generate(
             s.spawn(|_| {
                 engine.model.reset_counters();
                 result = Some(session.generate(engine, &ids, &mut sampler, &opts, |piece| {
-                    if stop.load(Ordering::SeqCst)
-                        || m.cancel.load(Ordering::SeqCst)
-                        || tx.send(piece.to_string()).is_err()
-                    {
+                    if stop.load(Ordering::SeqCst) || m.cancel.is_cancelled() || tx.send(piece.to_string()).is_err() {
                         ControlFlow::Break(())
                     } else {
                         ControlFlow::Continue(())
@@ -469,7 +470,7 @@ fn generate(
             peak_rss_bytes: nflash_runtime::stats::peak_rss_bytes().unwrap_or(0),
             memory_budget_bytes: r.budget.unwrap_or(0),
         };
-        if m.cancel.load(Ordering::SeqCst) && !stop.load(Ordering::SeqCst) {
+        if m.cancel.is_cancelled() && !stop.load(Ordering::SeqCst) {
             Ok(NflashStatus::Cancelled)
         } else {
             Ok(NflashStatus::Ok)
@@ -545,7 +546,8 @@ pub unsafe extern "C" fn nflash_complete(
     })
 }
 
-/// Stops the generation running on `model` at its next token (from any
+/// Stops the generation running on `model` at its next check: between
+/// prefill passes (a long prompt) or after the next token (from any
 /// thread; does nothing if none runs).
 ///
 /// # Safety
@@ -555,7 +557,7 @@ pub unsafe extern "C" fn nflash_cancel(model: *const NflashModel) -> NflashStatu
     guard(|| {
         // SAFETY: null or a live model, per the caller; only the atomic flag is touched.
         let m = unsafe { live(model) }?;
-        m.cancel.store(true, Ordering::SeqCst);
+        m.cancel.cancel();
         Ok(NflashStatus::Ok)
     })
 }

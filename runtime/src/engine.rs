@@ -3,7 +3,7 @@
 use nflash_format::Pack;
 use nflash_plan::CacheConfig;
 
-use crate::chat::ChatTemplate;
+use crate::chat::{ChatTemplate, ContentTokens, Message};
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::offload::NeuronCache;
@@ -105,8 +105,21 @@ impl<'a> Engine<'a> {
     ///
     /// # Errors
     /// As [`Prompter::encode_chat`].
-    pub fn encode_chat(&self, messages: &[crate::chat::Message], limit: usize) -> Result<Option<Vec<u32>>> {
-        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit)
+    pub fn encode_chat(&self, messages: &[Message], limit: usize) -> Result<Option<Vec<u32>>> {
+        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, ContentTokens::Text)
+    }
+
+    /// As [`Prompter::encode_chat_with`].
+    ///
+    /// # Errors
+    /// As [`Prompter::encode_chat`].
+    pub fn encode_chat_with(
+        &self,
+        messages: &[Message],
+        limit: usize,
+        content: ContentTokens,
+    ) -> Result<Option<Vec<u32>>> {
+        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, content)
     }
 
     /// As [`Prompter::encode_raw_at_most`].
@@ -139,13 +152,48 @@ impl Prompter {
     /// Token ids of `messages` rendered by the chat template with the
     /// assistant's turn opened (`add_generation_prompt`), at most `limit`
     /// of them ([`Tokenizer::encode_at_most`]), or `None` when the pack has
-    /// no template.
+    /// no template. Special-token text in the messages' content stays
+    /// plain text ([`ContentTokens::Text`]; see [`Self::encode_chat_with`]).
     ///
     /// # Errors
-    /// [`Error::Template`] when the template refuses the messages (e.g. a
-    /// role it does not know), [`Error::PromptTooLong`], [`Error::Tokenizer`].
-    pub fn encode_chat(&self, messages: &[crate::chat::Message], limit: usize) -> Result<Option<Vec<u32>>> {
-        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit)
+    /// [`Error::Template`] for a role not in [`crate::chat::ROLES`] or when
+    /// the template refuses the messages, [`Error::PromptTooLong`],
+    /// [`Error::Tokenizer`].
+    pub fn encode_chat(&self, messages: &[Message], limit: usize) -> Result<Option<Vec<u32>>> {
+        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, ContentTokens::Text)
+    }
+
+    /// As [`Self::encode_chat`], with `content` saying whether special-token
+    /// text in the messages' content is plain text (the default, for
+    /// untrusted content) or the control tokens it spells.
+    ///
+    /// How content stays text: where no message spells a special token,
+    /// the rendered conversation is tokenized as one text, as Hugging
+    /// Face does. Otherwise each special token's text in the content is
+    /// replaced by a private-use character found in no message and not in
+    /// the template (one per special token), the template renders that,
+    /// so whatever it does to the content (`trim`, `split('</think>')`, …)
+    /// it does to the same characters, and
+    /// [`Tokenizer::encode_escaped_at_most`] cuts the result at the
+    /// special tokens it spells, which are the template's own, and
+    /// tokenizes each piece between them with the escapes turned back
+    /// into their text and read as plain characters. Only added tokens
+    /// marked special are escaped: non-special added tokens (Qwen3's
+    /// `<think>`) are words the template may act on and tokenize as in
+    /// Hugging Face. A piece after a control token may then begin with a
+    /// different token than in a whole-text tokenization (a SentencePiece
+    /// word start), only in conversations that spell special tokens.
+    ///
+    /// # Errors
+    /// As [`Self::encode_chat`], and [`Error::Template`] if no escape
+    /// character is free (the content uses every private-use character).
+    pub fn encode_chat_with(
+        &self,
+        messages: &[Message],
+        limit: usize,
+        content: ContentTokens,
+    ) -> Result<Option<Vec<u32>>> {
+        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, content)
     }
 
     /// As [`Engine::encode_raw`], at most `limit` tokens ([`Tokenizer::encode_at_most`]).
@@ -157,14 +205,52 @@ impl Prompter {
     }
 }
 
-/// A chat's ids: see [`Prompter::encode_chat`].
+/// A chat's ids: see [`Prompter::encode_chat_with`].
 fn encode_chat(
     tok: &Tokenizer,
     template: Option<&ChatTemplate>,
-    messages: &[crate::chat::Message],
+    messages: &[Message],
     limit: usize,
+    content: ContentTokens,
 ) -> Result<Option<Vec<u32>>> {
-    template.map(|t| tok.encode_at_most(&t.render(messages)?, false, limit)).transpose()
+    let Some(t) = template else { return Ok(None) };
+    if content == ContentTokens::Special || messages.iter().all(|m| tok.find_special(&m.content, 0).is_none()) {
+        return tok.encode_at_most(&t.render(messages)?, false, limit).map(Some);
+    }
+    // One escape character per special token spelled in the content: the
+    // private-use planes 15 and 16, skipping characters the messages or
+    // the template hold.
+    let used: std::collections::HashSet<char> = messages.iter().flat_map(|m| m.content.chars()).collect();
+    let mut free = (0xF0000u32..=0xFFFFD)
+        .chain(0x100000..=0x10FFFD)
+        .filter_map(char::from_u32)
+        .filter(|c| !used.contains(c) && !t.uses_char(*c));
+    let mut escape_of: Vec<Option<char>> = vec![None; tok.specials().len()];
+    let mut escaped = Vec::with_capacity(messages.len());
+    for m in messages {
+        let mut text = String::with_capacity(m.content.len());
+        let mut at = 0;
+        while let Some((start, end, i)) = tok.find_special(&m.content, at) {
+            let c = match escape_of[i] {
+                Some(c) => c,
+                None => {
+                    let c = free.next().ok_or_else(|| {
+                        Error::Template("the messages use every private-use character; nflash needs one free".into())
+                    })?;
+                    escape_of[i] = Some(c);
+                    c
+                }
+            };
+            text.push_str(&m.content[at..start]);
+            text.push(c);
+            at = end;
+        }
+        text.push_str(&m.content[at..]);
+        escaped.push(Message { role: m.role.clone(), content: text });
+    }
+    let marks: Vec<(char, &str)> =
+        escape_of.iter().zip(tok.specials()).filter_map(|(c, sp)| c.map(|c| (c, sp.text.as_str()))).collect();
+    tok.encode_escaped_at_most(&t.render(&escaped)?, &marks, limit).map(Some)
 }
 
 /// A raw prompt's ids, at most `limit`: see [`Engine::encode_raw`].

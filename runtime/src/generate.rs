@@ -2,6 +2,8 @@
 //! streaming output and timing.
 
 use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::{Error, Result};
@@ -34,6 +36,10 @@ pub struct GenStats {
     pub prefill_cache: crate::model::CacheStats,
     /// Why generation ended.
     pub finish: Finish,
+    /// Tokens in the KV cache when generation ended: where a cancelled
+    /// generation stopped (inside the prompt when it was cancelled during
+    /// prefill).
+    pub stopped_at: usize,
 }
 
 /// Why a generation ended.
@@ -46,7 +52,8 @@ pub enum Finish {
     Length,
     /// The KV cache is full (its capacity is in [`GenStats::context_full`]).
     ContextFull,
-    /// The caller's `on_text` asked to stop.
+    /// The caller's `on_text` asked to stop, or [`GenerateOptions::cancel`]
+    /// was raised.
     Cancelled,
 }
 
@@ -70,7 +77,7 @@ fn rate(n: usize, s: f64) -> f64 {
 }
 
 /// What to generate.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct GenerateOptions {
     /// Stop after this many generated tokens.
     pub max_tokens: usize,
@@ -78,6 +85,39 @@ pub struct GenerateOptions {
     pub stop_ids: Vec<u32>,
     /// Keep going past stop ids (benchmarks).
     pub ignore_eos: bool,
+    /// Raised from any thread, stops the generation at its next check:
+    /// between prefill passes and after every token (whether or not the
+    /// token produced text). The default is never raised.
+    pub cancel: CancelToken,
+}
+
+/// A flag that stops a generation ([`GenerateOptions::cancel`]); clones
+/// share it, so one clone goes to the generation and another to whoever
+/// may stop it (another thread, a client's connection).
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    /// A token not yet raised.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Raises the flag: the generation stops at its next check.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    /// Lowers the flag again, for a token reused from one generation to the
+    /// next (call it before the generation starts, not while one runs).
+    pub fn reset(&self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether [`Self::cancel`] was called on this token or a clone.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
 }
 
 /// Runs `prompt` (token ids appended after whatever `kv` holds) through
@@ -110,26 +150,36 @@ pub fn generate(
 /// "Invariants"), so [`crate::session::Session`] reuses a KV cache only
 /// by whole passes, where a fresh prefill would run the same passes.
 ///
+/// `cancel` is checked before each pass: once it is set, `None` is returned
+/// and the KV cache holds the passes run so far.
+///
 /// # Errors
 /// [`Error::EmptyPrompt`]; [`Error::ContextFull`] if the prompt does not
 /// fit; model errors (cluster reads, non-finite activations).
-pub fn prefill(model: &Model, kv: &mut KvCache, prompt: &[u32]) -> Result<Vec<f32>> {
+pub fn prefill(model: &Model, kv: &mut KvCache, prompt: &[u32], cancel: &CancelToken) -> Result<Option<Vec<f32>>> {
     let h = model.cfg.hidden_size as usize;
     let mut last_hidden = Vec::new();
     for chunk in prompt.chunks(nflash_plan::layout::prefill_chunk(&model.cfg)) {
+        if cancel.is_cancelled() {
+            return Ok(None);
+        }
         let hs = model.forward_with(kv, chunk, crate::model::Pass::Prefill)?;
         last_hidden = hs[hs.len() - h..].to_vec();
     }
     if last_hidden.is_empty() {
         return Err(Error::EmptyPrompt);
     }
-    model.checked_logits(&last_hidden, kv.len() - 1)
+    model.checked_logits(&last_hidden, kv.len() - 1).map(Some)
 }
 
 /// As [`generate`], with `on_text` able to stop generation: after
 /// [`ControlFlow::Break`] no further token is computed and the stats say
 /// [`Finish::Cancelled`]. The KV cache then holds the prompt and every
 /// generated token but the last (which was never run through the model).
+/// [`GenerateOptions::cancel`] stops it the same way, also during prefill
+/// (checked between prefill passes: the KV cache then holds the passes
+/// run, [`GenStats::stopped_at`] tokens, and no token is generated) and
+/// after tokens that produce no text.
 ///
 /// # Errors
 /// As [`generate`].
@@ -155,7 +205,13 @@ pub fn generate_until(
     let _awake = model.cache_regions().io_engine.is_none().then(crate::spin::KeepAwake::start);
     let t0 = Instant::now();
     let prefill0 = model.cache_stats();
-    let logits = prefill(model, kv, prompt)?;
+    let Some(logits) = prefill(model, kv, prompt, &opts.cancel)? else {
+        stats.prefill_s = t0.elapsed().as_secs_f64();
+        stats.prefill_cache = model.cache_stats().since(&prefill0);
+        stats.finish = Finish::Cancelled;
+        stats.stopped_at = kv.len();
+        return Ok((Vec::new(), stats));
+    };
     let mut next = sampler.sample(&logits);
     stats.prefill_s = t0.elapsed().as_secs_f64();
     stats.prefill_cache = model.cache_stats().since(&prefill0);
@@ -170,6 +226,10 @@ pub fn generate_until(
         }
         if !opts.ignore_eos && opts.stop_ids.contains(&next) {
             stats.finish = Finish::Stop;
+            break;
+        }
+        if opts.cancel.is_cancelled() {
+            stats.finish = Finish::Cancelled;
             break;
         }
         out.push(next);
@@ -202,5 +262,6 @@ pub fn generate_until(
         }
     }
     stats.generated_tokens = out.len();
+    stats.stopped_at = kv.len();
     Ok((out, stats))
 }

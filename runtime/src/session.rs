@@ -7,7 +7,7 @@ use std::ops::ControlFlow;
 
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::generate::{generate_until, prefill, GenStats, GenerateOptions};
+use crate::generate::{generate_until, prefill, CancelToken, GenStats, GenerateOptions};
 use crate::model::kv_cache::KvCache;
 use crate::sampler::Sampler;
 
@@ -82,8 +82,10 @@ impl Session {
             Ok((tokens, stats)) => {
                 self.prefilled_through(engine, new);
                 self.cached.extend_from_slice(&tokens);
-                // The last sampled token was never run through the model.
+                // The last sampled token was never run through the model;
+                // a prefill cancelled between passes ran only part of `new`.
                 self.cached.truncate(self.kv.len());
+                self.prefilled = self.prefilled.min(self.cached.len());
                 Ok(Turn { tokens, stats, reused_tokens: common })
             }
             Err(e) => {
@@ -106,11 +108,12 @@ impl Session {
         }
         let common = self.keep_prefix(engine, ids);
         let new = &ids[common..];
-        match prefill(&engine.model, &mut self.kv, new) {
-            Ok(logits) => {
+        match prefill(&engine.model, &mut self.kv, new, &CancelToken::default()) {
+            Ok(Some(logits)) => {
                 self.prefilled_through(engine, new);
                 Ok((logits, common))
             }
+            Ok(None) => Err(Error::Internal("a prefill nobody could cancel was cancelled".into())),
             Err(e) => {
                 self.keep(common);
                 Err(e)

@@ -269,7 +269,7 @@ fn reused_prefixes_give_the_logits_and_kv_cache_of_a_fresh_prefill() {
         let pack = Pack::open_resident(&p).unwrap();
         let engine = Engine::load(&pack).unwrap();
         let pass = nflash_plan::layout::prefill_chunk(&engine.model.cfg);
-        let opts = GenerateOptions { max_tokens: 12, stop_ids: vec![], ignore_eos: true };
+        let opts = GenerateOptions { max_tokens: 12, ignore_eos: true, ..Default::default() };
         let greedy = || Sampler::new(SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 });
         let go = |s: &mut Session, ids: &[u32]| {
             s.generate(&engine, ids, &mut greedy(), &opts, |_| std::ops::ControlFlow::Continue(())).unwrap()

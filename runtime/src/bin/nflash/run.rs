@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::builder::TypedValueParser;
 use clap::Args;
-use nflash_runtime::chat::Message;
+use nflash_runtime::chat::{ContentTokens, Message};
 use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
 use nflash_runtime::model::predictor::SparsitySummary;
 use nflash_runtime::model::Speculation;
@@ -45,6 +45,12 @@ pub struct RunArgs {
     /// System message for the chat template (not with --raw).
     #[arg(long, conflicts_with = "raw")]
     system: Option<String>,
+    /// In chats, tokenize special-token text in messages (e.g. `<|im_end|>`)
+    /// as the control tokens it spells, as Hugging Face's apply_chat_template
+    /// does; by default it is plain text (not with --raw, where the prompt is
+    /// always tokenized as given, control tokens included).
+    #[arg(long, conflicts_with = "raw")]
+    special_tokens_in_content: bool,
     /// Maximum tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
@@ -141,8 +147,12 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         );
     }
     let mut sampler = Sampler::new(sampling);
-    let opts =
-        GenerateOptions { max_tokens: a.max_tokens, stop_ids: engine.stop_ids.clone(), ignore_eos: a.ignore_eos };
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens,
+        stop_ids: engine.stop_ids.clone(),
+        ignore_eos: a.ignore_eos,
+        ..Default::default()
+    };
     let Some(prompt) = prompt else {
         if a.raw {
             bail!("--raw applies to --prompt or --prompt-file; interactive mode always chats through the template");
@@ -167,7 +177,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         }
         // A message ends where its text does: a prompt file's final newline is not part of it.
         msgs.push(Message::new("user", prompt.trim_end()));
-        engine.encode_chat(&msgs, usize::MAX)?.with_context(|| {
+        engine.encode_chat_with(&msgs, usize::MAX, content_tokens(&a))?.with_context(|| {
             format!(
                 "this pack has no chat template, so {} cannot apply one; drop it (the prompt is then sent as is), or convert a model whose tokenizer_config.json has chat_template",
                 if a.chat { "--chat" } else { "--system" }
@@ -184,6 +194,15 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     })?;
     let _ = writeln!(stdout);
     report(&a, &st, &engine.model, budget, kv.capacity())
+}
+
+/// How chat messages' content is tokenized (--special-tokens-in-content).
+fn content_tokens(a: &RunArgs) -> ContentTokens {
+    if a.special_tokens_in_content {
+        ContentTokens::Special
+    } else {
+        ContentTokens::Text
+    }
 }
 
 /// Prints / writes the stats; `budget`: the memory budget in force, bytes;
@@ -396,7 +415,7 @@ fn interactive(
             break;
         }
         msgs.push(Message::new("user", line.trim_end()));
-        let ids = engine.encode_chat(&msgs, usize::MAX)?.context(NO_TEMPLATE)?;
+        let ids = engine.encode_chat_with(&msgs, usize::MAX, content_tokens(a))?.context(NO_TEMPLATE)?;
         engine.model.reset_counters();
         let result = session.generate(engine, &ids, sampler, opts, |p| {
             let _ = stdout.write_all(p.as_bytes());

@@ -11,29 +11,41 @@
 //! request and turns it into token ids, so a bad request is answered at once
 //! even while a generation runs. A client that goes away (its connection
 //! closed, so its response is dropped) cancels its generation at the next
-//! token.
+//! check: between prefill passes and after every token.
+//!
+//! Browsers: a page on any web site can make a browser send requests to
+//! 127.0.0.1, so every request passes [`guard`] first: a request with an
+//! `Origin` not on the `--allowed-origin` list gets 403 (CORS preflights
+//! from listed origins are answered), a request body must be
+//! `Content-Type: application/json` (415: a cross-site form cannot send
+//! that without a preflight), and without an API key the `Host` header
+//! must name this machine's loopback address, `localhost` or the bound
+//! address (403: DNS rebinding). Message content is tokenized as text
+//! ([`ContentTokens::Text`]: typed control tokens stay characters) unless
+//! `--special-tokens-in-content`; error messages sent to clients have file
+//! paths replaced ([`scrub_paths`]).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::net::{TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use clap::Args;
 use nflash_plan::planner::parse_bytes;
-use nflash_runtime::chat::Message;
-use nflash_runtime::generate::{Finish, GenerateOptions};
+use nflash_runtime::chat::{ContentTokens, Message, ROLES};
+use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::session::{Session, Turn};
 use nflash_runtime::{message, Engine, Prompter};
@@ -87,6 +99,18 @@ pub struct ServeArgs {
     /// Open connections at most; more wait to be accepted.
     #[arg(long, default_value_t = 64)]
     max_connections: usize,
+    /// A web origin (scheme://host[:port], e.g. http://localhost:3000) whose
+    /// pages may call this server from a browser (CORS); repeatable. Requests
+    /// carrying any other Origin header get 403. None by default: no web
+    /// page can use the server through a browser.
+    #[arg(long = "allowed-origin", value_name = "ORIGIN")]
+    allowed_origins: Vec<String>,
+    /// Tokenize special-token text in message content (e.g. `<|im_end|>`) as
+    /// the control tokens it spells, as Hugging Face's apply_chat_template
+    /// does. Off by default: content is plain text, so a message cannot end
+    /// its turn or forge another role's. Only for clients you trust.
+    #[arg(long)]
+    special_tokens_in_content: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Compute threads (default: the big cores where a phone has big and
@@ -124,6 +148,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.max_connections == 0 {
         bail!("--max-connections must be at least 1");
     }
+    for o in &a.allowed_origins {
+        if normalize_origin(o).is_none() {
+            bail!("--allowed-origin {o:?} is not an origin: give scheme://host[:port] with no path, e.g. http://localhost:3000 (`*` is not accepted)");
+        }
+    }
     // Bind before loading the model, so a port in use fails at once.
     let listener = TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
     in_pool(a.threads, || serve_in_pool(a, key, listener))
@@ -151,6 +180,14 @@ struct Shared {
     model_id: String,
     created: u64,
     key: Option<String>,
+    /// --allowed-origin, normalized ([`normalize_origin`]).
+    origins: Vec<String>,
+    /// The address the server listens on (a Host naming it is accepted).
+    bound: SocketAddr,
+    /// --host as given (a Host naming it is accepted).
+    host_name: String,
+    /// How message content is tokenized (--special-tokens-in-content).
+    content_tokens: ContentTokens,
     prompter: Prompter,
     /// Sampling defaults (flags, else the pack's generation_config.json,
     /// else nflash's); the seed only when --seed was given.
@@ -193,15 +230,15 @@ impl Queue {
     }
 
     /// Queues `job` if fewer than `max` wait (one more when nothing runs:
-    /// the generation thread takes it at once); gives it back otherwise.
-    fn push(&self, job: Job, max: usize) -> Result<(), Job> {
+    /// the generation thread takes it at once); false (the job dropped) otherwise.
+    fn push(&self, job: Job, max: usize) -> bool {
         let mut q = self.lock();
         if q.jobs.len() >= max + usize::from(!q.busy && q.jobs.is_empty()) {
-            return Err(job);
+            return false;
         }
         q.jobs.push_back(job);
         self.ready.notify_one();
-        Ok(())
+        true
     }
 
     /// The next job, marking the generation thread busy; `None` once closed.
@@ -228,13 +265,18 @@ impl Queue {
 /// Held by the request's handler (or its response stream): when the client
 /// goes away before the generation thread takes its job, the job leaves
 /// the queue at once.
+/// Dropped also when the job runs, it then cancels the generation (at its
+/// next check: between prefill passes, after every token).
 struct Waiter {
     queue: Arc<Queue>,
     id: u64,
+    cancel: CancelToken,
 }
 
 impl Drop for Waiter {
     fn drop(&mut self) {
+        // After the job ended this is harmless: the token is the job's own.
+        self.cancel.cancel();
         let mut q = self.queue.lock();
         if let Some(i) = q.jobs.iter().position(|j| j.id == self.id) {
             q.jobs.remove(i);
@@ -253,6 +295,8 @@ struct Job {
     stop: Vec<String>,
     events: UnboundedSender<Event>,
     enqueued: Instant,
+    /// Raised when the client goes away ([`Waiter`]).
+    cancel: CancelToken,
 }
 
 /// What the generation thread sends back for a job.
@@ -284,10 +328,23 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         bail!("--max-tokens {max_tokens} must be between 1 and --max-tokens-limit ({max_tokens_limit})");
     }
     let jobs = Arc::new(Queue::default());
+    let bound = listener.local_addr().context("the listening socket has no address")?;
+    let mut secrets: Vec<String> = vec![a.model.display().to_string()];
+    secrets.extend(std::fs::canonicalize(&a.model).ok().map(|p| p.display().to_string()));
+    secrets.extend(a.api_key_file.as_ref().map(|p| p.display().to_string()));
+    secrets.extend(std::env::current_dir().ok().map(|p| p.display().to_string()));
+    secrets.retain(|p| p.len() > 1);
+    // Longest first, so a path is replaced before the directory it is in.
+    secrets.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    let _ = SECRET_PATHS.set(secrets);
     let shared = Arc::new(Shared {
         model_id,
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         key,
+        origins: a.allowed_origins.iter().filter_map(|o| normalize_origin(o)).collect(),
+        bound,
+        host_name: a.host.clone(),
+        content_tokens: if a.special_tokens_in_content { ContentTokens::Special } else { ContentTokens::Text },
         prompter: engine.prompter(),
         sampling,
         fixed_seed: a.sampling.seed.is_some(),
@@ -299,7 +356,7 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         jobs: jobs.clone(),
         budget: plan.as_ref().map(|p| p.memory_budget_bytes),
     });
-    let addr = listener.local_addr().context("the listening socket has no address")?;
+    let addr = bound;
     listener.set_nonblocking(true).context("cannot make the listening socket non-blocking")?;
     let app = router(shared.clone());
     let max_connections = a.max_connections;
@@ -382,14 +439,17 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job) -> Event {
     let t0 = Instant::now();
     engine.model.reset_counters();
     let mut sampler = Sampler::new(job.sampling);
-    let opts =
-        GenerateOptions { max_tokens: job.max_tokens, stop_ids: engine.stop_ids.clone(), ignore_eos: job.ignore_eos };
+    let opts = GenerateOptions {
+        max_tokens: job.max_tokens,
+        stop_ids: engine.stop_ids.clone(),
+        ignore_eos: job.ignore_eos,
+        cancel: job.cancel.clone(),
+    };
     let mut stops = StopScan::new(job.stop.clone());
-    let mut gone = false;
     let result = session.generate(engine, &job.ids, &mut sampler, &opts, |piece| {
         let emit = stops.push(piece);
         if !emit.is_empty() && job.events.send(Event::Text(emit)).is_err() || job.events.is_closed() {
-            gone = true;
+            job.cancel.cancel();
             return ControlFlow::Break(());
         }
         if stops.hit {
@@ -410,21 +470,33 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job) -> Event {
                 Finish::Length | Finish::ContextFull => "length",
             };
             let wall = t0.elapsed().as_secs_f64();
+            let gone = turn.stats.finish == Finish::Cancelled && job.cancel.is_cancelled();
+            let at = turn.stats.stopped_at;
+            let cancelled = if !gone {
+                String::new()
+            } else if at < job.ids.len() {
+                format!("; the client went away, generation cancelled in prefill at position {at} of {}", job.ids.len())
+            } else {
+                format!(
+                    "; the client went away, generation cancelled at position {at} (after {} generated tokens)",
+                    turn.tokens.len()
+                )
+            };
             message!(
-                "{} prompt tokens ({} reused), {} generated at {:.1} tokens/s in {:.2} s{}",
+                "job {}: {} prompt tokens ({} reused), {} generated at {:.1} tokens/s in {:.2} s{cancelled}",
+                job.id,
                 job.ids.len(),
                 turn.reused_tokens,
                 turn.tokens.len(),
                 turn.stats.decode_tokens_per_s(),
                 wall,
-                if gone { "; the client went away, generation cancelled" } else { "" }
             );
             let timings = timings(job, &turn, (t0 - job.enqueued).as_secs_f64());
             Event::Done { prompt_tokens: job.ids.len(), completion_tokens: turn.tokens.len(), finish_reason, timings }
         }
         Err(e) => {
-            message!("error: {e}");
-            Event::Failed(e.to_string())
+            message!("job {}: error: {e}", job.id);
+            Event::Failed(scrub_paths(&e.to_string()))
         }
     }
 }
@@ -504,10 +576,10 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
-        .route_layer(axum::middleware::from_fn_with_state(shared.clone(), auth))
         .route("/health", get(health))
         .fallback(not_found)
         .method_not_allowed_fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(shared.clone(), guard))
         .with_state(shared)
 }
 
@@ -522,17 +594,25 @@ impl ApiError {
     fn bad(message: impl Into<String>) -> Self {
         ApiError { status: StatusCode::BAD_REQUEST, message: message.into(), retry_after: None }
     }
+
+    fn forbidden(message: impl Into<String>) -> Self {
+        ApiError { status: StatusCode::FORBIDDEN, message: message.into(), retry_after: None }
+    }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let kind = match self.status {
             StatusCode::UNAUTHORIZED => "authentication_error",
-            StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND => "invalid_request_error",
+            StatusCode::FORBIDDEN => "permission_error",
+            StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND | StatusCode::UNSUPPORTED_MEDIA_TYPE => {
+                "invalid_request_error"
+            }
             StatusCode::SERVICE_UNAVAILABLE => "server_busy",
             _ => "server_error",
         };
-        let body = json!({"error": {"message": self.message, "type": kind, "code": self.status.as_u16()}});
+        let message = scrub_paths(&self.message);
+        let body = json!({"error": {"message": message, "type": kind, "code": self.status.as_u16()}});
         let mut r = (self.status, axum::Json(body)).into_response();
         if let Some(s) = self.retry_after {
             r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
@@ -541,27 +621,162 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// Checks `Authorization: Bearer KEY` when the server has a key.
-async fn auth(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
-    if let Some(key) = &s.key {
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("").trim();
-        // The scheme's name is case-insensitive (RFC 9110 §11.1).
-        let given = match given.split_once(' ') {
-            Some((scheme, key)) if scheme.eq_ignore_ascii_case("bearer") => key.trim(),
-            _ => "",
-        };
-        // Compare in time independent of where the strings differ.
-        let same = given.len() == key.len() && given.bytes().zip(key.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
-        if !same {
-            return ApiError {
-                status: StatusCode::UNAUTHORIZED,
-                message: "missing or wrong API key: send the header `Authorization: Bearer KEY` with the key nflash serve was started with".into(),
-                retry_after: None,
-            }
-            .into_response();
+/// Every request's checks, in order: the `Host` header (without an API
+/// key: DNS rebinding), the `Origin` header (a page of another site:
+/// 403 unless --allowed-origin lists it; CORS preflights from listed
+/// origins are answered here, before the key, which browsers do not send
+/// on preflights), then the API key on every route but `GET /health`.
+/// Responses to listed origins carry `Access-Control-Allow-Origin`.
+async fn guard(State(s): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    if s.key.is_none() {
+        if let Err(e) = check_host(&s, req.headers()) {
+            return e.into_response();
         }
     }
-    next.run(req).await
+    let origin = match req.headers().get(header::ORIGIN) {
+        None => None,
+        Some(o) => {
+            let o = o.to_str().ok().and_then(normalize_origin);
+            match o.filter(|o| s.origins.contains(o)) {
+                Some(o) => Some(o),
+                None => {
+                    return ApiError::forbidden(
+                        "cross-origin request refused: this server answers pages of the origins given with --allowed-origin only",
+                    )
+                    .into_response()
+                }
+            }
+        }
+    };
+    let preflight =
+        req.method() == Method::OPTIONS && req.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
+    let mut r = if let (true, Some(_)) = (preflight, &origin) {
+        let mut r = StatusCode::NO_CONTENT.into_response();
+        let h = r.headers_mut();
+        h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, OPTIONS"));
+        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, HeaderValue::from_static("authorization, content-type"));
+        h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
+        r
+    } else if s.key.is_some() && !(req.uri().path() == "/health" && req.method() == Method::GET) {
+        match check_key(&s, req.headers()) {
+            Ok(()) => next.run(req).await,
+            Err(e) => e.into_response(),
+        }
+    } else {
+        next.run(req).await
+    };
+    let h = r.headers_mut();
+    if let Some(o) = origin.and_then(|o| HeaderValue::from_str(&o).ok()) {
+        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o);
+        h.insert(header::ACCESS_CONTROL_EXPOSE_HEADERS, HeaderValue::from_static("retry-after"));
+    }
+    if !s.origins.is_empty() {
+        h.append(header::VARY, HeaderValue::from_static("origin"));
+    }
+    r
+}
+
+/// `Origin` in a comparable form: scheme and host in lower case, no
+/// trailing slash, the default port dropped; `None` if it is not
+/// `scheme://host[:port]` (a path, `null`, `*`).
+fn normalize_origin(o: &str) -> Option<String> {
+    let o = o.trim().trim_end_matches('/').to_ascii_lowercase();
+    let (scheme, rest) = o.split_once("://")?;
+    if !matches!(scheme, "http" | "https") || rest.is_empty() || rest.contains(['/', '?', '#', '@', ' ']) {
+        return None;
+    }
+    let rest = match (scheme, rest.rsplit_once(':')) {
+        ("http", Some((h, "80"))) | ("https", Some((h, "443"))) if !h.is_empty() => h,
+        _ => rest,
+    };
+    Some(format!("{scheme}://{rest}"))
+}
+
+/// Without an API key, a `Host` must name this machine (DNS rebinding: a
+/// web site whose name resolves to 127.0.0.1 must not reach the server
+/// as its own origin): a loopback address (127.0.0.0/8, [::1]),
+/// `localhost` (or a name under `.localhost`), the bound address or the
+/// --host name, any port. Requests without a Host (HTTP/1.0 tools) pass.
+fn check_host(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(host) = headers.get(header::HOST) else { return Ok(()) };
+    let host = host.to_str().unwrap_or("").trim().to_ascii_lowercase();
+    // Strip the port: "[::1]:8080", "127.0.0.1:8080", "localhost:8080".
+    let name = if let Some(v6) = host.strip_prefix('[') {
+        v6.split_once(']').map_or("", |(a, rest)| if rest.is_empty() || rest.starts_with(':') { a } else { "" })
+    } else {
+        host.rsplit_once(':')
+            .map_or(host.as_str(), |(h, port)| if port.bytes().all(|b| b.is_ascii_digit()) { h } else { "" })
+    };
+    let name = name.trim_end_matches('.');
+    let ok = !name.is_empty()
+        && (name == "localhost"
+            || name.ends_with(".localhost")
+            || name == s.host_name.to_ascii_lowercase()
+            || name.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback() || ip == s.bound.ip()));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::forbidden(format!(
+            "Host {host:?} refused: without an API key this server answers requests addressed to localhost or a loopback address only (a web site's name resolving to this machine must not reach it); start it with --api-key-file to accept other names"
+        )))
+    }
+}
+
+/// Checks `Authorization: Bearer KEY` against the server's key.
+fn check_key(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &s.key else { return Ok(()) };
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("").trim();
+    // The scheme's name is case-insensitive (RFC 9110 §11.1).
+    let given = match given.split_once(' ') {
+        Some((scheme, key)) if scheme.eq_ignore_ascii_case("bearer") => key.trim(),
+        _ => "",
+    };
+    // Compare in time independent of where the strings differ.
+    let same = given.len() == key.len() && given.bytes().zip(key.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
+    if same {
+        Ok(())
+    } else {
+        Err(ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "missing or wrong API key: send the header `Authorization: Bearer KEY` with the key nflash serve was started with".into(),
+            retry_after: None,
+        })
+    }
+}
+
+/// Paths of this server's files and directory (the pack, the key file,
+/// the working directory), longest first: [`scrub_paths`] hides them.
+static SECRET_PATHS: OnceLock<Vec<String>> = OnceLock::new();
+
+/// `message` with file paths replaced by `<path>`, before it goes to a
+/// client (the server's log keeps them): the paths of [`SECRET_PATHS`]
+/// wherever they occur, and any absolute path of two or more components
+/// (a word starting with `/`), except this server's routes (`/v1/…`,
+/// `/health`).
+fn scrub_paths(message: &str) -> String {
+    let mut m = message.to_string();
+    for p in SECRET_PATHS.get().map_or(&[][..], Vec::as_slice) {
+        m = m.replace(p.as_str(), "<path>");
+    }
+    let mut out = String::with_capacity(m.len());
+    let mut rest = m.as_str();
+    while let Some(at) = rest.find('/') {
+        let (before, from) = rest.split_at(at);
+        out.push_str(before);
+        let starts_word = before.chars().last().is_none_or(|c| !(c.is_alphanumeric() || "/._-~<>".contains(c)));
+        let len = from.find(|c: char| c.is_whitespace() || "\"'`,;()[]{}<>".contains(c)).unwrap_or(from.len());
+        let word = from[..len].trim_end_matches([':', '.']);
+        let is_route = word == "/health" || word == "/v1" || word.starts_with("/v1/");
+        if starts_word && !is_route && word.len() > 1 && word[1..].contains('/') {
+            out.push_str("<path>");
+            rest = &from[word.len()..];
+        } else {
+            out.push('/');
+            rest = &from[1..];
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -672,10 +887,19 @@ async fn chat(State(s): State<Arc<Shared>>, req: Request) -> Response {
             .messages
             .iter()
             .enumerate()
-            .map(|(i, m)| Ok(Message::new(&m.role, &content_text(&m.content, i)?)))
+            .map(|(i, m)| {
+                if !ROLES.contains(&m.role.as_str()) {
+                    return Err(ApiError::bad(format!(
+                        "messages[{i}].role {:?} is not a role; use one of {}",
+                        m.role.chars().take(64).collect::<String>(),
+                        ROLES.join(", ")
+                    )));
+                }
+                Ok(Message::new(&m.role, &content_text(&m.content, i)?))
+            })
             .collect::<Result<Vec<_>, ApiError>>()?;
         let s2 = s.clone();
-        let ids = blocking(move || s2.prompter.encode_chat(&msgs, s2.ctx - 1))
+        let ids = blocking(move || s2.prompter.encode_chat_with(&msgs, s2.ctx - 1, s2.content_tokens))
             .await?
             .map_err(|e| match e {
                 nflash_runtime::Error::PromptTooLong { prompt, .. } => too_long(&s, prompt),
@@ -724,8 +948,20 @@ fn too_long(s: &Shared, tokens: usize) -> ApiError {
     ))
 }
 
-/// The request body, at most --max-body bytes.
+/// The request body, at most --max-body bytes; 415 unless it is declared
+/// `Content-Type: application/json` (parameters such as charset allowed).
 async fn read_body(s: &Shared, req: Request) -> Result<Bytes, ApiError> {
+    let ct = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    if !ct.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/json") {
+        return Err(ApiError {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            message: format!(
+                "the request body must be sent with `Content-Type: application/json` (got {:?})",
+                ct.chars().take(64).collect::<String>()
+            ),
+            retry_after: None,
+        });
+    }
     let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if let Some(n) = declared.filter(|&n| n > s.max_body as u64) {
         return Err(ApiError::bad(format!(
@@ -843,9 +1079,19 @@ async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Resul
     let stop = stop_strings(p.stop.as_ref())?;
     let (tx, rx) = unbounded_channel();
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    let job =
-        Job { id, ids, ignore_eos: p.ignore_eos, sampling, max_tokens, stop, events: tx, enqueued: Instant::now() };
-    if s.jobs.push(job, s.queue).is_err() {
+    let cancel = CancelToken::new();
+    let job = Job {
+        id,
+        ids,
+        ignore_eos: p.ignore_eos,
+        sampling,
+        max_tokens,
+        stop,
+        events: tx,
+        enqueued: Instant::now(),
+        cancel: cancel.clone(),
+    };
+    if !s.jobs.push(job, s.queue) {
         let waiting = s.jobs.lock().jobs.len() as u64 + 1;
         let secs = (s.jobs.last_ms.load(Ordering::Relaxed) * waiting).div_ceil(1000).max(1);
         return Err(ApiError {
@@ -857,7 +1103,7 @@ async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Resul
             retry_after: Some(secs),
         });
     }
-    let waiter = Waiter { queue: s.jobs.clone(), id };
+    let waiter = Waiter { queue: s.jobs.clone(), id, cancel };
     let include_usage = p.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let id = format!("{}-{}-{id}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, s.created);
     if p.stream == Some(true) {
@@ -994,7 +1240,8 @@ fn stream_response(
                 out + "data: [DONE]\n\n"
             }
             Event::Failed(e) => {
-                sse(&json!({"error": {"message": e, "type": "server_error", "code": 500}})) + "data: [DONE]\n\n"
+                sse(&json!({"error": {"message": scrub_paths(&e), "type": "server_error", "code": 500}}))
+                    + "data: [DONE]\n\n"
             }
         };
         Ok::<_, Infallible>(Bytes::from(out))
@@ -1009,7 +1256,28 @@ fn stream_response(
 
 #[cfg(test)]
 mod tests {
-    use super::StopScan;
+    use super::{normalize_origin, scrub_paths, StopScan};
+
+    #[test]
+    fn paths_are_scrubbed_but_routes_and_text_stay() {
+        assert_eq!(
+            scrub_paths("reading FFN layer 3 failed: /home/me/models/smol.nflash: unexpected end of file"),
+            "reading FFN layer 3 failed: <path>: unexpected end of file"
+        );
+        assert_eq!(scrub_paths("cannot open \"/tmp/x/y\" (os error 2)"), "cannot open \"<path>\" (os error 2)");
+        let keep = "use /v1/completions with a prompt; GET /health; 3/4 and a/b and 1 / 2 and /v1";
+        assert_eq!(scrub_paths(keep), keep);
+        assert_eq!(scrub_paths("io_uring_setup: denied"), "io_uring_setup: denied");
+    }
+
+    #[test]
+    fn origins_normalize() {
+        assert_eq!(normalize_origin("HTTP://LocalHost:3000/").as_deref(), Some("http://localhost:3000"));
+        assert_eq!(normalize_origin("https://a.example:443").as_deref(), Some("https://a.example"));
+        for bad in ["*", "null", "http://a.example/path", "file://", "a.example", "http://"] {
+            assert_eq!(normalize_origin(bad), None, "{bad}");
+        }
+    }
 
     fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
         let mut s = StopScan::new(stops.iter().map(|s| s.to_string()).collect());
