@@ -77,9 +77,27 @@ int main(int argc, char **argv) {
     params.temperature = 0; /* greedy */
     params.max_tokens = 48;
 
+    /* A long system prompt, as apps have: later turns take its keys and
+       values from the KV cache (reused by whole prefill passes, 256 tokens
+       for SmolLM2), so it is computed once. */
+    static const char system[] =
+        "You are a helpful assistant on a phone. Answer in one short sentence. "
+        "Be accurate: name cities, countries and dates exactly as an atlas or an encyclopedia would. "
+        "Do not greet the user, do not repeat the question, and do not add advice nobody asked for. "
+        "If you do not know, say so plainly. Prefer the common English name of a place. "
+        "Keep numbers as digits. Never invent sources. Never ask a question back. "
+        "The user reads on a small screen while walking, so every word must earn its place. "
+        "Facts about capitals: Paris is the capital of France, Berlin of Germany, Madrid of Spain, "
+        "Rome of Italy, Lisbon of Portugal, Vienna of Austria, Warsaw of Poland, Prague of Czechia, "
+        "Budapest of Hungary, Athens of Greece, Dublin of Ireland, Oslo of Norway, Stockholm of Sweden, "
+        "Helsinki of Finland, Copenhagen of Denmark, Brussels of Belgium, Amsterdam of the Netherlands, "
+        "Bern of Switzerland, Ottawa of Canada, Canberra of Australia, Wellington of New Zealand, "
+        "Tokyo of Japan, Seoul of South Korea, Beijing of China, New Delhi of India, Cairo of Egypt, "
+        "Nairobi of Kenya, Brasilia of Brazil, Buenos Aires of Argentina, Lima of Peru, "
+        "Santiago of Chile, Bogota of Colombia, Mexico City of Mexico and Washington of the United States.";
     struct reply first = {0};
-    nflash_message q1[] = {{"user", "What is the capital of France?"}};
-    s = nflash_chat(model, q1, 1, &params, on_token, &first);
+    nflash_message q1[] = {{"system", system}, {"user", "What is the capital of France?"}};
+    s = nflash_chat(model, q1, 2, &params, on_token, &first);
     printf("\n");
     if (s != NFLASH_STATUS_OK) return fail("nflash_chat", s);
     nflash_stats_t st;
@@ -92,9 +110,11 @@ int main(int argc, char **argv) {
 
     /* The second turn extends the first: its prefix comes from the KV cache. */
     struct reply second = {0};
-    nflash_message q2[] = {{"user", "What is the capital of France?"}, {"assistant", first.text},
+    nflash_message q2[] = {{"system", system},
+                           {"user", "What is the capital of France?"},
+                           {"assistant", first.text},
                            {"user", "And of Germany?"}};
-    s = nflash_chat(model, q2, 3, &params, on_token, &second);
+    s = nflash_chat(model, q2, 4, &params, on_token, &second);
     printf("\n");
     if (s != NFLASH_STATUS_OK) return fail("nflash_chat (second turn)", s);
     nflash_stats(model, &st);
