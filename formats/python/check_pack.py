@@ -7,6 +7,7 @@ against packs written by `prep`. Python 3.11, standard library only.
     check_pack.py corrupt PACK --prep BIN --workdir DIR
                                               damaged copies: our reader and `prep verify` must both refuse each
     check_pack.py downgrade PACK OUT          PACK as format 3.3 wrote it (no neuron-cluster checksums), for tests
+                  [--keep-minor]              (or still marked 3.4: a pack stripped of its table)
 
 Each prints what it checked and exits 1 on the first disagreement.
 """
@@ -448,12 +449,16 @@ def cmd_downgrade(a) -> None:
     m2["segments"].pop()
     mb = nf.encode_manifest(m2)
     b = bytearray(src[: h["manifest_offset"]]) + mb
-    b[10:12] = struct.pack("<H", 3)
+    if not a.keep_minor:
+        b[10:12] = struct.pack("<H", 3)
     b[24:32] = struct.pack("<Q", len(mb))
     b[32:36] = struct.pack("<I", zlib.crc32(mb))
     refix_header(b)
     with open(a.out, "wb") as f:
         f.write(b)
+    if a.keep_minor:
+        print(f"ok  {a.out}: {a.pack} without its neuron-cluster checksums, still marked format {h['major']}.{h['minor']}")
+        return
     nf.Pack(a.out)
     print(f"ok  {a.out}: {a.pack} as format 3.3, without neuron-cluster checksums")
 
@@ -477,6 +482,7 @@ def main() -> None:
     d = sub.add_parser("downgrade")
     d.add_argument("pack")
     d.add_argument("out")
+    d.add_argument("--keep-minor", action="store_true", help="keep the header's version: a 3.4 pack stripped of its table")
     a = ap.parse_args()
     try:
         {"compare": cmd_compare, "weights": cmd_weights, "corrupt": cmd_corrupt, "downgrade": cmd_downgrade}[a.cmd](a)

@@ -431,9 +431,20 @@ impl Pack {
     ///
     /// # Errors
     /// [`Error::Checksum`] if the table is damaged; [`Error::Invalid`] if it
-    /// does not fit the manifest.
+    /// does not fit the manifest, or if a pack of format 3.4 or later has
+    /// none.
     pub fn cluster_checksums(&self) -> Result<Option<ClusterChecksums>> {
         let Some(idx) = self.manifest.segments.iter().position(|s| s.kind == SegmentKind::ClusterChecksums) else {
+            if (self.header.major, self.header.minor) >= (3, 4) {
+                return Err(Error::Invalid {
+                    path: self.path.clone(),
+                    what: "manifest".into(),
+                    why: format!(
+                        "the pack is format {}.{}, which carries a neuron-cluster checksums segment (SPEC §4.10), and this one has none: the file was altered or damaged; copy or convert it again (nflash run --verify off skips the cluster checks)",
+                        self.header.major, self.header.minor
+                    ),
+                });
+            }
             return Ok(None);
         };
         let idx = idx as u32;

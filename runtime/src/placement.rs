@@ -229,10 +229,11 @@ pub fn context_len(pack: &Pack, requested: Option<usize>) -> Result<usize> {
 /// matrices reordered to the ×8 layout where this CPU has its kernels, every
 /// segment's CRC-32 checked first when `full_check`. A pack without
 /// neuron-cluster checksums (before format 3.4) gets a one-line notice when
-/// `check_clusters`.
+/// `check_clusters`; a 3.4 pack without them is refused then.
 ///
 /// # Errors
-/// As [`Pack::open_resident`], [`Pack::verify`] and [`Pack::interleave`].
+/// As [`Pack::open_resident`], [`Pack::verify`], [`Pack::cluster_checksums`]
+/// and [`Pack::interleave`].
 pub fn open_pack(path: &std::path::Path, full_check: bool, check_clusters: bool) -> Result<Pack> {
     let mut pack = Pack::open_resident(path)?;
     if full_check {
@@ -240,6 +241,8 @@ pub fn open_pack(path: &std::path::Path, full_check: bool, check_clusters: bool)
     }
     let has_table = pack.manifest().segments.iter().any(|s| s.kind == nflash_format::SegmentKind::ClusterChecksums);
     if check_clusters && !has_table {
+        // A pack of format 3.4 or later without its table is damaged: this is the error saying so.
+        pack.cluster_checksums()?;
         let h = pack.header();
         crate::message!(
             "note: {} is format {}.{}, without neuron-cluster checksums, so clusters are not checked as they are read (--verify full checks the whole file at start); add them with `prep upgrade` (or convert the checkpoint again) on the workstation",

@@ -550,6 +550,45 @@ pub fn logit_bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
     rows.iter().map(|r| r.iter().map(|v| v.to_bits()).collect()).collect()
 }
 
+/// Flips one byte every 512 bytes of each FFN segment `names` of `pack`
+/// (every neuron cluster of 1 KiB or more is damaged).
+pub fn damage_segments(pack: &Path, names: &[&str]) {
+    let p = Pack::open(pack).unwrap();
+    let spans: Vec<(u64, u64)> = names
+        .iter()
+        .map(|n| {
+            let (_, seg) = p.segment_by_name(n).unwrap_or_else(|e| panic!("{n}: {e}"));
+            (seg.offset, seg.bytes)
+        })
+        .collect();
+    drop(p);
+    let mut bytes = std::fs::read(pack).unwrap();
+    for (off, len) in spans {
+        for at in (off..off + len).step_by(512) {
+            bytes[at as usize] ^= 0x20;
+        }
+    }
+    std::fs::write(pack, &bytes).unwrap();
+}
+
+/// Decodes single tokens from an empty KV cache (no prefill: every read is
+/// decode's own) with nothing hot, a cold region of one layer and 3 I/O
+/// threads, under `spec`, until a forward pass fails; returns its error
+/// and the cache counters. Panics if `steps` tokens decode without one.
+pub fn decode_until_error(path: &Path, spec: Speculation, steps: u32) -> (String, CacheStats) {
+    let pack = Pack::open_resident(path).unwrap();
+    let cfg = &placements(path)[2].1;
+    let mut model = nflash_runtime::load_model(&pack, cfg).unwrap();
+    model.set_speculation(spec);
+    let mut kv = model.new_kv_cache(steps as usize + 1);
+    for t in 0..steps {
+        if let Err(e) = model.forward(&mut kv, &[3 + t]) {
+            return (e.to_string(), model.cache_stats());
+        }
+    }
+    panic!("{steps} tokens decoded from a damaged pack under {spec:?}");
+}
+
 /// Four placements of the FFN: all in memory, 10% hot, nothing hot with 3 I/O
 /// threads, nothing hot with a cold region holding everything.
 pub fn placements(pack: &Path) -> Vec<(&'static str, CacheConfig)> {

@@ -175,3 +175,68 @@ fn the_table_holds_each_clusters_crc32c_in_manifest_order() {
     assert_eq!(table.unit(1)[2], want);
     assert_eq!(p.verify_clusters().unwrap(), Some(n));
 }
+
+/// A pack marked format 3.4 whose checksum table is gone (a tool that
+/// dropped it, or damage) is refused as damaged by `nflash run` (lazy and
+/// full checks) and `prep verify`, naming what is missing, and runs with
+/// `--verify off`.
+#[test]
+fn a_3_4_pack_without_its_checksum_table_is_refused_unless_checks_are_off() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pack = tiny_pack(tmp.path());
+    let stripped = tmp.path().join("stripped.nflash");
+    let script = repo_root().join("formats/python/check_pack.py");
+    let o = std::process::Command::new("python3")
+        .arg(&script)
+        .args(["downgrade", "--keep-minor", s(&pack), s(&stripped)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "downgrade --keep-minor: {}", String::from_utf8_lossy(&o.stderr));
+    let p = nflash_format::Pack::open(&stripped).unwrap();
+    assert_eq!((p.header().major, p.header().minor), (3, 4));
+    assert!(p.cluster_checksums().is_err());
+    for verify in [&[][..], &["--verify", "full"], &["--memory-budget", "64MiB", "--hot-fraction", "0"]] {
+        let o = run("nflash", &run_args(&stripped, verify));
+        assert_fails(
+            &format!("nflash run {verify:?}"),
+            &o,
+            &["format 3.4", "neuron-cluster checksums", "--verify off"],
+        );
+    }
+    let o = run("prep", &["verify", s(&stripped)]);
+    assert_fails("prep verify", &o, &["format 3.4", "neuron-cluster checksums"]);
+    let o = run("nflash", &run_args(&stripped, &["--verify", "off"]));
+    assert!(o.status.success(), "--verify off: {}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.stdout, run("nflash", &run_args(&pack, &[])).stdout);
+}
+
+/// Damage that only decode's own reads meet: single tokens go straight
+/// into decode (no prefill, which would read every cluster first),
+/// nothing is hot, and only layer 1 is damaged, so its clusters are first
+/// read by the speculative prefetch at the end of layer 0 (`--speculate
+/// always`), by the next-layer prefetch, or by layer 1's own fetch. Decode
+/// stops with the cluster's checksum error on every path; it never returns
+/// logits computed from damaged bytes.
+#[test]
+fn damage_met_only_by_decode_reads_stops_decode_on_every_path() {
+    use nflash_runtime::model::Speculation;
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    write_tiny_checkpoint(&ckpt, &TinySpec::default());
+    let calib = tmp.path().join("calib.txt");
+    std::fs::write(&calib, nflash_tests::tiny_words(1200, TinySpec::default().vocab, 7)).unwrap();
+    let pack = tmp.path().join("sparse.nflash");
+    let mut flags = vec!["--quant", "q8_0", "--cluster-bytes", "1KiB", "--calib", s(&calib), "--sparsity", "0.5"];
+    flags.extend(nflash_tests::QUICK_CALIB);
+    convert_with(&ckpt, &pack, &flags);
+    nflash_tests::damage_segments(&pack, &["ffn.1"]);
+    for spec in [Speculation::Never, Speculation::Auto, Speculation::Always] {
+        let (err, st) = nflash_tests::decode_until_error(&pack, spec, 8);
+        for needle in ["neuron cluster", "layer 1", "CRC-32C stored"] {
+            assert!(err.contains(needle), "{spec:?}: {needle:?} not in {err}");
+        }
+        if spec == Speculation::Always {
+            assert!(st.speculated > 0, "{spec:?}: nothing was read speculatively: {st:?}");
+        }
+    }
+}

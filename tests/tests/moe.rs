@@ -299,3 +299,36 @@ fn wrong_expert_prefetch_costs_reads_never_tokens() {
     assert_eq!(ep_wrong.hit, 0, "the lowest-ranked experts were chosen: {ep_wrong:?}");
     assert!(st_wrong.speculated_used < st.speculated_used, "{st_wrong:?} vs {st:?}");
 }
+
+/// Damage met only by decode's reads in a mixture of experts: every
+/// expert of layer 1 damaged, nothing hot, single tokens straight into
+/// decode (no prefill). The layer-ahead expert prefetch, the reads started
+/// for a token's second expert before its first computes (`fetch_ahead`)
+/// and the experts' own fetches all stop decode with the cluster's
+/// checksum error.
+#[test]
+fn damaged_experts_met_only_by_decode_reads_stop_decode() {
+    use nflash_runtime::model::Speculation;
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec {
+        arch: "TurboSparseMixtralForCausalLM",
+        act: "relu",
+        vocab: 96,
+        inter: 256,
+        experts: 6,
+        top_k: 2,
+        ..mixtral()
+    };
+    let p = sparse_pack(tmp.path(), &spec, &[]);
+    let names: Vec<String> = (0..6).map(|e| format!("ffn.1.{e}")).collect();
+    nflash_tests::damage_segments(&p, &names.iter().map(String::as_str).collect::<Vec<_>>());
+    for sp in [Speculation::Never, Speculation::Always] {
+        let (err, st) = nflash_tests::decode_until_error(&p, sp, 8);
+        for needle in ["neuron cluster", "layer 1", "CRC-32C stored"] {
+            assert!(err.contains(needle), "{sp:?}: {needle:?} not in {err}");
+        }
+        if sp == Speculation::Always {
+            assert!(st.speculated > 0, "nothing was read ahead: {st:?}");
+        }
+    }
+}

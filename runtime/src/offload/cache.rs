@@ -156,6 +156,17 @@ impl Lru {
     }
 }
 
+/// What [`NeuronCache::slot_held`] found for a cluster.
+enum Held {
+    /// No cold slot holds it.
+    No,
+    /// This slot holds it, ready or being read.
+    Yes(u32),
+    /// This slot's read of it failed or was damaged; the slot is empty and
+    /// still the cluster's.
+    Failed(u32),
+}
+
 /// Builds merged reads: consecutive clusters whose file ranges touch go
 /// into one `preadv` of at most [`MAX_MERGE_BYTES`].
 /// A request being built is queued when the merger is dropped, so an
@@ -313,7 +324,18 @@ impl NeuronCache {
                 st.hot_hits += 1;
                 continue;
             }
-            let s = self.slot_held(&mut lru, layer, c);
+            let s = match self.slot_held(&lru, layer, c) {
+                Held::Failed(s) => {
+                    // Its read failed or was damaged: read it again, into the same slot.
+                    let claim = self.reclaim(&mut lru, layer, c, s)?;
+                    table[c] = Loc::Slot(s);
+                    st.misses += 1;
+                    reads.push(lay.clusters[c], claim);
+                    continue;
+                }
+                Held::Yes(s) => s,
+                Held::No => NONE,
+            };
             if s != NONE {
                 lru.touch(s);
                 table[c] = Loc::Slot(s);
@@ -391,12 +413,20 @@ impl NeuronCache {
             if c < lay.hot {
                 continue;
             }
-            let s = self.slot_held(lru, layer, c);
-            if s != NONE {
-                lru.touch(s);
-                continue;
-            }
-            let Ok(Some(claim)) = self.claim(lru, layer, c) else { break };
+            let claim = match self.slot_held(lru, layer, c) {
+                Held::Yes(s) => {
+                    lru.touch(s);
+                    continue;
+                }
+                Held::Failed(s) => match self.reclaim(lru, layer, c, s) {
+                    Ok(claim) => claim,
+                    Err(_) => break,
+                },
+                Held::No => match self.claim(lru, layer, c) {
+                    Ok(Some(claim)) => claim,
+                    _ => break,
+                },
+            };
             lru.prefetched[claim.slot() as usize] = true;
             lru.speculated[claim.slot() as usize] = speculative;
             reads.push(lay.clusters[c], claim);
@@ -435,17 +465,35 @@ impl NeuronCache {
         lru.counts.speculated += n;
     }
 
-    /// The cold slot holding cluster `c` of `layer` (ready or being read),
-    /// or [`NONE`]. A slot whose read failed is forgotten (so the cluster is
-    /// read again) and [`NONE`] returned.
-    fn slot_held(&self, lru: &mut Lru, layer: usize, c: usize) -> u32 {
+    /// Whether cluster `c` of `layer` has a cold slot: ready or being read
+    /// ([`Held::Yes`]), or one whose read failed or was damaged, now
+    /// emptied and still assigned to the cluster, to read it again
+    /// ([`Held::Failed`], [`Self::reclaim`]).
+    fn slot_held(&self, lru: &Lru, layer: usize, c: usize) -> Held {
         let s = lru.slot_of[layer][c];
-        if s != NONE && self.shared.slots.forget_failed(s) {
-            lru.slot_of[layer][c] = NONE;
-            lru.owner[s as usize] = (NONE, NONE);
-            return NONE;
+        if s == NONE {
+            Held::No
+        } else if self.shared.slots.forget_failed(s) {
+            Held::Failed(s)
+        } else {
+            Held::Yes(s)
         }
-        s
+    }
+
+    /// Claims slot `s`, which holds cluster `c` of `layer` after a failed
+    /// or damaged read ([`Held::Failed`]), to read it again: touched for the
+    /// current fetch, its prefetch marks cleared. Taking the cluster's own
+    /// slot needs no eviction, so a read again never finds every slot taken
+    /// by the current fetch (a speculative prefetch of a damaged layer
+    /// fills the cold region with this fetch's epoch).
+    ///
+    /// # Errors
+    /// As [`Self::claim`].
+    fn reclaim(&self, lru: &mut Lru, layer: usize, c: usize, s: u32) -> Result<Claim> {
+        lru.touch(s);
+        lru.prefetched[s as usize] = false;
+        lru.speculated[s as usize] = false;
+        self.claim_slot(layer, c, s)
     }
 
     /// Takes the least recently used slot not used by the current fetch for
@@ -456,12 +504,21 @@ impl NeuronCache {
     /// landed within the read timeout ([`Self::set_read_timeout`]).
     fn claim(&self, lru: &mut Lru, layer: usize, c: usize) -> Result<Option<Claim>> {
         let Some(s) = lru.evict(layer, c) else { return Ok(None) };
+        self.claim_slot(layer, c, s).map(Some)
+    }
+
+    /// Marks slot `s` pending for a read of cluster `c` of `layer` (with the
+    /// cluster's CRC-32C to check, where the pack has them).
+    ///
+    /// # Errors
+    /// As [`Self::claim`].
+    fn claim_slot(&self, layer: usize, c: usize, s: u32) -> Result<Claim> {
         let lay = &self.layers[layer];
         let claim = match lay.crcs.get(c) {
             Some(&crc) => self.shared.slots.claim_checked(s, lay.clusters[c].need, crc),
             None => self.shared.slots.claim(s),
         };
-        claim.map(Some).map_err(|e| self.stalled(layer, c, e))
+        claim.map_err(|e| self.stalled(layer, c, e))
     }
 
     /// The error for cluster `c` of `layer`, whose read (or the read still
