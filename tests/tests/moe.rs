@@ -226,10 +226,9 @@ fn sparse_pack(tmp: &Path, spec: &TinySpec, extra: &[&str]) -> std::path::PathBu
     out
 }
 
-#[test]
-fn sparse_turbosparse_mixtral_same_tokens_under_every_placement() {
-    let tmp = tempfile::tempdir().unwrap();
-    let spec = TinySpec {
+/// A tiny TurboSparse-Mixtral: ReLU experts, 6 of them, 2 per token.
+fn turbosparse() -> TinySpec {
+    TinySpec {
         arch: "TurboSparseMixtralForCausalLM",
         act: "relu",
         vocab: 96,
@@ -237,7 +236,13 @@ fn sparse_turbosparse_mixtral_same_tokens_under_every_placement() {
         experts: 6,
         top_k: 2,
         ..mixtral()
-    };
+    }
+}
+
+#[test]
+fn sparse_turbosparse_mixtral_same_tokens_under_every_placement() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = turbosparse();
     let p = sparse_pack(tmp.path(), &spec, &[]);
     let pack = nflash_format::Pack::open(&p).unwrap();
     let m = pack.manifest();
@@ -310,15 +315,7 @@ fn wrong_expert_prefetch_costs_reads_never_tokens() {
 fn damaged_experts_met_only_by_decode_reads_stop_decode() {
     use nflash_runtime::model::Speculation;
     let tmp = tempfile::tempdir().unwrap();
-    let spec = TinySpec {
-        arch: "TurboSparseMixtralForCausalLM",
-        act: "relu",
-        vocab: 96,
-        inter: 256,
-        experts: 6,
-        top_k: 2,
-        ..mixtral()
-    };
+    let spec = turbosparse();
     let p = sparse_pack(tmp.path(), &spec, &[]);
     let names: Vec<String> = (0..6).map(|e| format!("ffn.1.{e}")).collect();
     nflash_tests::damage_segments(&p, &names.iter().map(String::as_str).collect::<Vec<_>>());
