@@ -199,8 +199,7 @@ impl From<Error> for Fail {
             | Error::TokenOutOfRange { .. }
             | Error::NonFinite { .. }
             | Error::NonFiniteActivations { .. } => NflashStatus::Pack,
-            Error::Plan(_) | Error::Alloc { .. } | Error::KvCache { .. } => NflashStatus::Memory,
-            Error::Usage(m) if m.contains("budget") => NflashStatus::Memory,
+            Error::Plan(_) | Error::Budget(_) | Error::Alloc { .. } | Error::KvCache { .. } => NflashStatus::Memory,
             Error::Usage(_) => NflashStatus::InvalidArgument,
             Error::Template(_) | Error::PromptTooLong { .. } | Error::EmptyPrompt | Error::ContextFull { .. } => {
                 NflashStatus::Prompt
