@@ -203,7 +203,10 @@ nflash_status nflash_complete(nflash_model *model,
 // computes anything. Each returns `NFLASH_STATUS_CANCELLED` (unless it had
 // already finished its text). A cancel when no call runs does nothing: it
 // is not kept for the next call. From any thread, also from a token
-// callback; never waits.
+// callback; never waits. So a "stop" button can call it at any time: a
+// reply streaming, or asked for and not yet begun, stops; a press just
+// after a reply ended does not stop the next one (a request the app has
+// queued but not yet passed to nflash is the app's to drop).
 //
 // # Safety
 // `model` is null or from [`nflash_open`] and not yet freed.
