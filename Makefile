@@ -19,7 +19,7 @@ help:
 	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
 	@echo "make test    - model + build + cargo test (whole workspace; the numerical tests again with NFLASH_KERNELS=portable)"
 	@echo "               + the openai Python client against nflash serve"
-	@echo "               + the libnflash C example (examples/chat.c), static and shared"
+	@echo "               + the libnflash C example (examples/chat.c), static and shared, and C API tests (tests/c/)"
 	@echo "make fuzz    - seeded mutation fuzzing of packs (nflash run) and checkpoints (prep convert) for FUZZ_SECS"
 	@echo "               (default 600); failures saved in fuzz-out/failures, counts in fuzz-out/summary.json"
 	@echo "make lint    - cargo fmt --check and clippy -D warnings on every target"
@@ -79,6 +79,13 @@ test: model build $(DEMO_PACK)
 	$(BIN)/chat-example $(DEMO_PACK) 140
 	$(CC) -Wall -Wextra -Werror -O2 examples/chat.c -Icapi/include -L$(BIN) -lnflash -o $(BIN)/chat-example-shared
 	LD_LIBRARY_PATH=$(BIN) $(BIN)/chat-example-shared $(DEMO_PACK)
+	@# The C API's contract case by case (tests/c/capi_test.c): null pointers, statuses,
+	@# calls from a token callback, cancel before/during/after a call, reset, a callback
+	@# that stops, the verify option on a copy of the pack with a neuron cluster damaged.
+	$(PYTHON) tests/c/damage_pack.py $(DEMO_PACK) $(BIN)/damaged.nflash
+	$(CC) -Wall -Wextra -Werror -O2 tests/c/capi_test.c -Icapi/include $(BIN)/libnflash.a -lpthread -ldl -lm -o $(BIN)/capi-test
+	$(BIN)/capi-test $(DEMO_PACK) $(BIN)/damaged.nflash
+	rm -f $(BIN)/damaged.nflash
 	@git diff --quiet -- capi/include/nflash.h 2>/dev/null || \
 		{ echo "capi/include/nflash.h changed in this build: commit it (cbindgen regenerates it from capi/src/lib.rs)"; exit 1; }
 

@@ -33,6 +33,12 @@ typedef enum {
   NFLASH_STATUS_CANCELLED = 6,
   // A bug in nflash (please report it with the message).
   NFLASH_STATUS_INTERNAL = 7,
+  // [`nflash_chat`], [`nflash_complete`] or [`nflash_reset`] was called
+  // from a token callback on the model whose generation runs that
+  // callback: it would wait for that generation, which waits for the
+  // callback. Nothing was done; call it after the generation returns
+  // (a callback can end it early by returning `false`).
+  NFLASH_STATUS_BUSY = 8,
 } nflash_status;
 
 // An open model: a pack, its engine and conversation, a compute pool.
@@ -85,7 +91,19 @@ typedef struct {
 // Receives each piece of generated text: `len` bytes of UTF-8 at `piece`
 // (also NUL-terminated), valid only during the call; `user` is the pointer
 // given to [`nflash_chat`] or [`nflash_complete`]. Return `true` to go on,
-// `false` to stop (the call then returns `NFLASH_STATUS_OK`).
+// `false` to stop (no further piece is delivered, and the call returns
+// `NFLASH_STATUS_OK`).
+//
+// Inside the callback, on the model whose generation calls it:
+// [`nflash_cancel`] (the call then returns `NFLASH_STATUS_CANCELLED`),
+// [`nflash_stats`] (the figures of the generation before this one),
+// [`nflash_params_default`], [`nflash_last_error`] and [`nflash_version`]
+// work; [`nflash_chat`], [`nflash_complete`] and [`nflash_reset`] return
+// `NFLASH_STATUS_BUSY` and do nothing; [`nflash_free`] does nothing (the
+// model stays open; [`nflash_last_error`] says so). Other models may be
+// used as usual. The callback must not wait for another thread that is
+// calling [`nflash_chat`], [`nflash_complete`] or [`nflash_reset`] on the
+// same model: that thread waits for this generation.
 typedef bool (*nflash_token_fn)(const char *piece, size_t len, void *user);
 
 // Figures of the last generation ([`nflash_stats`]).
@@ -128,8 +146,11 @@ const char *nflash_last_error(void);
 nflash_status nflash_options_default(nflash_options *out);
 
 // Opens the pack at `path` with `options` (null: the defaults) and stores
-// the model in `*out` (free it with [`nflash_free`]). Loads the resident
-// weights and hot neurons; with a budget, plans within it.
+// the model in `*out` (free it with [`nflash_free`]; on failure `*out` is
+// set to null). Loads the resident weights and hot neurons; with a budget,
+// plans within it. `options.verify` 0 or 1 refuses a damaged pack with
+// `NFLASH_STATUS_PACK` (a damaged neuron cluster read later stops the
+// generation with that status).
 //
 // # Safety
 // `path` is a NUL-terminated string; `options` is null or valid; `out` is
@@ -138,7 +159,7 @@ nflash_status nflash_open(const char *path, const nflash_options *options, nflas
 
 // Fills `out` with the pack's sampling defaults (its
 // `generation_config.json`, else temperature 0.8, top-k 40, top-p 0.95),
-// 256 tokens and seed 0.
+// 256 tokens and seed 0. Never waits for a generation.
 //
 // # Safety
 // `model` is null or from [`nflash_open`]; `out` is writable.
@@ -148,7 +169,10 @@ nflash_status nflash_params_default(const nflash_model *model, nflash_params *ou
 // pack's chat template with the assistant's turn opened) with `params`
 // (null: [`nflash_params_default`]'s), calling `on_token` with each piece
 // of the reply. A conversation that extends the previous call's reuses
-// its KV cache. Returns `NFLASH_STATUS_CANCELLED` after [`nflash_cancel`].
+// its KV cache. Returns `NFLASH_STATUS_CANCELLED` after [`nflash_cancel`],
+// `NFLASH_STATUS_BUSY` from a token callback of the same model, and
+// `NFLASH_STATUS_INVALID_ARGUMENT` for a null `messages` (or a null string
+// in one), `NFLASH_STATUS_PROMPT` for `n` = 0.
 //
 // # Safety
 // `model` is from [`nflash_open`]; `messages` points to `n` messages with
@@ -172,28 +196,41 @@ nflash_status nflash_complete(nflash_model *model,
                               nflash_token_fn on_token,
                               void *user);
 
-// Stops the generation running on `model` at its next check: between
-// prefill passes (a long prompt) or after the next token (from any
-// thread; does nothing if none runs).
+// Stops every call of [`nflash_chat`] and [`nflash_complete`] on `model`
+// that has started and not yet returned: a running generation at its next
+// check (between prefill passes of a long prompt, or after the next
+// token), a call still waiting for the model (another call runs) before it
+// computes anything. Each returns `NFLASH_STATUS_CANCELLED` (unless it had
+// already finished its text). A cancel when no call runs does nothing: it
+// is not kept for the next call. From any thread, also from a token
+// callback; never waits. So a "stop" button can call it at any time: a
+// reply streaming, or asked for and not yet begun, stops; a press just
+// after a reply ended does not stop the next one (a request the app has
+// queued but not yet passed to nflash is the app's to drop).
 //
 // # Safety
 // `model` is null or from [`nflash_open`] and not yet freed.
 nflash_status nflash_cancel(const nflash_model *model);
 
-// Writes the last generation's figures to `out` (all zero before the first).
+// Writes the last finished generation's figures to `out` (all zero before
+// the first). Never waits for a generation: during one (from its token
+// callback or another thread) it gives the figures of the one before.
 //
 // # Safety
 // `model` is from [`nflash_open`]; `out` is writable.
 nflash_status nflash_stats(const nflash_model *model, nflash_stats_t *out);
 
-// Forgets the conversation: the next call prefills its whole prompt.
+// Forgets the conversation: the next call prefills its whole prompt. Waits
+// for a generation running on another thread; `NFLASH_STATUS_BUSY` from a
+// token callback of the same model.
 //
 // # Safety
 // `model` is from [`nflash_open`].
 nflash_status nflash_reset(nflash_model *model);
 
 // Frees `model` and everything it holds (null: nothing). No other call on
-// it may run or follow.
+// it may run or follow. From a token callback of the same model it does
+// nothing (the model stays open; [`nflash_last_error`] says so).
 //
 // # Safety
 // `model` is null or from [`nflash_open`], freed once.

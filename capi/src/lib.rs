@@ -14,12 +14,20 @@
 //! Errors: each function returns an [`NflashStatus`]; the message of the
 //! last error on the calling thread is [`nflash_last_error`].
 //!
-//! Threads: every function may be called from any thread. Calls on one
-//! model are serialized (a generation holds the model's lock; a second call
-//! waits), except [`nflash_cancel`], which only raises a flag and is meant to
-//! be called while a generation runs. The token callback runs on the thread
-//! that called [`nflash_chat`] or [`nflash_complete`]; the model computes on
-//! its own pool of threads (the big cores on a phone).
+//! Threads: every function may be called from any thread. Generations and
+//! [`nflash_reset`] on one model are serialized (a generation holds the
+//! model; a second call waits for it); [`nflash_cancel`], [`nflash_stats`]
+//! and [`nflash_params_default`] never wait. The token callback runs on the
+//! thread that called [`nflash_chat`] or [`nflash_complete`] (the model
+//! computes on its own pool of threads, the big cores on a phone); from
+//! inside it, the calls that would wait for the model on which it runs
+//! return [`NflashStatus::Busy`] instead of deadlocking (see
+//! [`NflashTokenFn`]).
+//!
+//! Cancelling: [`nflash_cancel`] stops the calls on the model that have
+//! started and not yet returned (running, or waiting for the model), and
+//! nothing else: a cancel while no call runs is forgotten, so a "stop"
+//! button pressed just after a reply ended does not stop the next one.
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr, CString};
@@ -28,11 +36,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use nflash_format::Pack;
 use nflash_runtime::chat::Message;
-use nflash_runtime::generate::{CancelToken, GenerateOptions};
+use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
 use nflash_runtime::placement::{self, MemoryOptions};
 use nflash_runtime::sampler::{self, Sampler, SamplerConfig};
 use nflash_runtime::session::{Session, Turn};
@@ -62,6 +70,12 @@ pub enum NflashStatus {
     Cancelled = 6,
     /// A bug in nflash (please report it with the message).
     Internal = 7,
+    /// [`nflash_chat`], [`nflash_complete`] or [`nflash_reset`] was called
+    /// from a token callback on the model whose generation runs that
+    /// callback: it would wait for that generation, which waits for the
+    /// callback. Nothing was done; call it after the generation returns
+    /// (a callback can end it early by returning `false`).
+    Busy = 8,
 }
 
 /// Options of [`nflash_open`]; [`nflash_options_default`] fills them (all
@@ -140,7 +154,19 @@ pub struct NflashStats {
 /// Receives each piece of generated text: `len` bytes of UTF-8 at `piece`
 /// (also NUL-terminated), valid only during the call; `user` is the pointer
 /// given to [`nflash_chat`] or [`nflash_complete`]. Return `true` to go on,
-/// `false` to stop (the call then returns `NFLASH_STATUS_OK`).
+/// `false` to stop (no further piece is delivered, and the call returns
+/// `NFLASH_STATUS_OK`).
+///
+/// Inside the callback, on the model whose generation calls it:
+/// [`nflash_cancel`] (the call then returns `NFLASH_STATUS_CANCELLED`),
+/// [`nflash_stats`] (the figures of the generation before this one),
+/// [`nflash_params_default`], [`nflash_last_error`] and [`nflash_version`]
+/// work; [`nflash_chat`], [`nflash_complete`] and [`nflash_reset`] return
+/// `NFLASH_STATUS_BUSY` and do nothing; [`nflash_free`] does nothing (the
+/// model stays open; [`nflash_last_error`] says so). Other models may be
+/// used as usual. The callback must not wait for another thread that is
+/// calling [`nflash_chat`], [`nflash_complete`] or [`nflash_reset`] on the
+/// same model: that thread waits for this generation.
 pub type NflashTokenFn = Option<unsafe extern "C" fn(piece: *const c_char, len: usize, user: *mut c_void) -> bool>;
 
 /// The engine and its conversation, borrowing the pack.
@@ -162,17 +188,110 @@ self_cell::self_cell!(
 /// Opaque to C.
 pub struct NflashModel {
     pool: rayon::ThreadPool,
-    cancel: CancelToken,
-    inner: Mutex<Inner>,
+    /// The pack's sampling defaults ([`nflash_params_default`]), read at open.
+    defaults: NflashParams,
+    /// The calls that have started and not yet returned, with their cancel
+    /// tokens ([`nflash_cancel`] raises them). Held only for a moment.
+    calls: Mutex<Calls>,
+    /// The last finished generation's figures. Held only for a moment, so
+    /// [`nflash_stats`] never waits for a generation.
+    last: Mutex<NflashStats>,
+    /// The engine and conversation, held by a generation from start to end.
+    loaded: Mutex<Loaded>,
 }
 
-struct Inner {
-    loaded: Loaded,
-    last: NflashStats,
+/// The started calls of a model ([`NflashModel::calls`]).
+#[derive(Default)]
+struct Calls {
+    /// The next call's id.
+    next: u64,
+    /// Each started call's id and cancel token.
+    started: Vec<(u64, CancelToken)>,
+}
+
+/// A started call of [`nflash_chat`] or [`nflash_complete`]: registered in
+/// its model's [`Calls`] (so [`nflash_cancel`] reaches it, even while it
+/// waits for the model) until dropped.
+struct Call<'a> {
+    model: &'a NflashModel,
+    id: u64,
+    cancel: CancelToken,
+}
+
+impl<'a> Call<'a> {
+    /// Registers a call on `model` with a cancel token not yet raised.
+    fn start(model: &'a NflashModel) -> Self {
+        let mut calls = lock(&model.calls);
+        let id = calls.next;
+        calls.next += 1;
+        let cancel = CancelToken::new();
+        calls.started.push((id, cancel.clone()));
+        Call { model, id, cancel }
+    }
+}
+
+impl Drop for Call<'_> {
+    fn drop(&mut self) {
+        lock(&self.model.calls).started.retain(|(id, _)| *id != self.id);
+    }
+}
+
+/// Locks `m`, also after a panic while it was held (the data stays usable:
+/// a panic is caught at the call that raised it and reported as
+/// `NFLASH_STATUS_INTERNAL`).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// The models whose token callback runs on this thread (innermost last;
+    /// more than one when a callback uses another model).
+    static IN_CALLBACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Marks a model's token callback as running on this thread until dropped.
+struct InCallback(usize);
+
+impl InCallback {
+    fn enter(m: &NflashModel) -> Self {
+        let at = std::ptr::from_ref(m) as usize;
+        IN_CALLBACK.with(|v| v.borrow_mut().push(at));
+        InCallback(at)
+    }
+}
+
+impl Drop for InCallback {
+    fn drop(&mut self) {
+        let _ = IN_CALLBACK.try_with(|v| {
+            let mut v = v.borrow_mut();
+            if let Some(i) = v.iter().rposition(|&a| a == self.0) {
+                v.remove(i);
+            }
+        });
+    }
+}
+
+/// Whether `m`'s token callback runs on this thread (this call comes from
+/// inside it).
+fn in_own_callback(m: *const NflashModel) -> bool {
+    IN_CALLBACK.try_with(|v| v.borrow().contains(&(m as usize))).unwrap_or(false)
+}
+
+/// `NFLASH_STATUS_BUSY` for `what` called from `m`'s own token callback,
+/// where it would wait for the generation that runs the callback.
+fn not_busy(m: &NflashModel, what: &str) -> Result<(), Fail> {
+    if in_own_callback(m) {
+        return Err(Fail(
+            NflashStatus::Busy,
+            format!(
+                "{what} was called from a token callback of the same model, whose generation is still running \
+                 (it would wait for itself); call it after that generation returns (the callback can end it by \
+                 returning false)"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn set_error(msg: &str) {
@@ -199,8 +318,7 @@ impl From<Error> for Fail {
             | Error::TokenOutOfRange { .. }
             | Error::NonFinite { .. }
             | Error::NonFiniteActivations { .. } => NflashStatus::Pack,
-            Error::Plan(_) | Error::Alloc { .. } | Error::KvCache { .. } => NflashStatus::Memory,
-            Error::Usage(m) if m.contains("budget") => NflashStatus::Memory,
+            Error::Plan(_) | Error::Budget(_) | Error::Alloc { .. } | Error::KvCache { .. } => NflashStatus::Memory,
             Error::Usage(_) => NflashStatus::InvalidArgument,
             Error::Template(_) | Error::PromptTooLong { .. } | Error::EmptyPrompt | Error::ContextFull { .. } => {
                 NflashStatus::Prompt
@@ -294,8 +412,11 @@ pub unsafe extern "C" fn nflash_options_default(out: *mut NflashOptions) -> Nfla
 }
 
 /// Opens the pack at `path` with `options` (null: the defaults) and stores
-/// the model in `*out` (free it with [`nflash_free`]). Loads the resident
-/// weights and hot neurons; with a budget, plans within it.
+/// the model in `*out` (free it with [`nflash_free`]; on failure `*out` is
+/// set to null). Loads the resident weights and hot neurons; with a budget,
+/// plans within it. `options.verify` 0 or 1 refuses a damaged pack with
+/// `NFLASH_STATUS_PACK` (a damaged neuron cluster read later stops the
+/// generation with that status).
 ///
 /// # Safety
 /// `path` is a NUL-terminated string; `options` is null or valid; `out` is
@@ -310,6 +431,8 @@ pub unsafe extern "C" fn nflash_open(
         if out.is_null() {
             return Err(invalid("out is a null pointer"));
         }
+        // SAFETY: `out` is non-null and writable, per the caller.
+        unsafe { out.write(std::ptr::null_mut()) };
         // SAFETY: the caller guarantees a NUL-terminated string.
         let path = unsafe { text(path, "path") }?;
         // SAFETY: null or a valid NflashOptions, per the caller.
@@ -332,11 +455,9 @@ pub unsafe extern "C" fn nflash_open(
                 Ok(Running { engine, session, budget: plan.map(|p| p.memory_budget_bytes) })
             })
         })?;
-        let model = NflashModel {
-            pool,
-            cancel: CancelToken::new(),
-            inner: Mutex::new(Inner { loaded, last: NflashStats::default() }),
-        };
+        let defaults = loaded.with_dependent(|_, r| pack_params(&r.engine));
+        let model =
+            NflashModel { pool, defaults, calls: Mutex::default(), last: Mutex::default(), loaded: Mutex::new(loaded) };
         // SAFETY: `out` is non-null and writable, per the caller.
         unsafe { out.write(Box::into_raw(Box::new(model))) };
         Ok(NflashStatus::Ok)
@@ -345,7 +466,7 @@ pub unsafe extern "C" fn nflash_open(
 
 /// Fills `out` with the pack's sampling defaults (its
 /// `generation_config.json`, else temperature 0.8, top-k 40, top-p 0.95),
-/// 256 tokens and seed 0.
+/// 256 tokens and seed 0. Never waits for a generation.
 ///
 /// # Safety
 /// `model` is null or from [`nflash_open`]; `out` is writable.
@@ -354,9 +475,8 @@ pub unsafe extern "C" fn nflash_params_default(model: *const NflashModel, out: *
     guard(|| {
         // SAFETY: null or a live model from nflash_open, per the caller.
         let m = unsafe { live(model) }?;
-        let p = m.inner.lock().unwrap_or_else(|e| e.into_inner()).loaded.with_dependent(|_, r| pack_params(&r.engine));
         // SAFETY: null or writable, per the caller.
-        unsafe { put(out, p) }
+        unsafe { put(out, m.defaults) }
     })
 }
 
@@ -379,29 +499,31 @@ enum Request<'a> {
     Raw(&'a str),
 }
 
-/// Generates for `req`, delivering text to `cb` on this thread while the
-/// model computes on its pool.
+/// Generates for `req` (the call `what`), delivering text to `cb` on this
+/// thread while the model computes on its pool.
 fn generate(
     m: &NflashModel,
+    what: &str,
     req: Request,
     params: Option<NflashParams>,
     cb: NflashTokenFn,
     user: *mut c_void,
 ) -> Result<NflashStatus, Fail> {
-    let mut inner = m.inner.lock().unwrap_or_else(|e| e.into_inner());
-    let Inner { loaded, last } = &mut *inner;
-    m.cancel.reset();
-    loaded.with_dependent_mut(|_, r| {
-        let p = params.unwrap_or_else(|| pack_params(&r.engine));
-        if p.max_tokens == 0 {
-            return Err(invalid("params.max_tokens must be at least 1"));
-        }
-        if !sampler::valid_temperature(p.temperature) {
-            return Err(invalid(format!("params.temperature {} must be a finite number ≥ 0", p.temperature)));
-        }
-        if !sampler::valid_top_p(p.top_p) {
-            return Err(invalid(format!("params.top_p {} must be in (0, 1]", p.top_p)));
-        }
+    not_busy(m, what)?;
+    // Started: a cancel from now on stops this call, also while it waits
+    // for the model below.
+    let call = Call::start(m);
+    let p = params.unwrap_or(m.defaults);
+    if p.max_tokens == 0 {
+        return Err(invalid("params.max_tokens must be at least 1"));
+    }
+    if !sampler::valid_temperature(p.temperature) {
+        return Err(invalid(format!("params.temperature {} must be a finite number ≥ 0", p.temperature)));
+    }
+    if !sampler::valid_top_p(p.top_p) {
+        return Err(invalid(format!("params.top_p {} must be in (0, 1]", p.top_p)));
+    }
+    lock(&m.loaded).with_dependent_mut(|_, r| {
         // At most a context's worth, counted before a long text is tokenized whole.
         let limit = r.session.capacity() - 1;
         let ids = match &req {
@@ -414,7 +536,7 @@ fn generate(
             max_tokens: p.max_tokens as usize,
             stop_ids: r.engine.stop_ids.clone(),
             ignore_eos: false,
-            cancel: m.cancel.clone(),
+            cancel: call.cancel.clone(),
         };
         let mut sampler = Sampler::new(SamplerConfig {
             temperature: p.temperature,
@@ -429,8 +551,9 @@ fn generate(
         m.pool.in_place_scope(|s| {
             s.spawn(|_| {
                 engine.model.reset_counters();
+                // (The cancel token is checked by the generation itself.)
                 result = Some(session.generate(engine, &ids, &mut sampler, &opts, |piece| {
-                    if stop.load(Ordering::SeqCst) || m.cancel.is_cancelled() || tx.send(piece.to_string()).is_err() {
+                    if stop.load(Ordering::SeqCst) || tx.send(piece.to_string()).is_err() {
                         ControlFlow::Break(())
                     } else {
                         ControlFlow::Continue(())
@@ -438,7 +561,9 @@ fn generate(
                 }));
                 drop(tx);
             });
-            // The callback runs here, on the caller's thread.
+            // The callback runs here, on the caller's thread, marked so that
+            // the calls it makes on this model that would wait for it refuse.
+            let _in_callback = InCallback::enter(m);
             for piece in rx.iter() {
                 if stop.load(Ordering::SeqCst) {
                     continue;
@@ -459,7 +584,7 @@ fn generate(
         });
         let turn = result.ok_or_else(|| Fail(NflashStatus::Internal, "the generation did not run".into()))??;
         let st = &turn.stats;
-        *last = NflashStats {
+        *lock(&m.last) = NflashStats {
             prompt_tokens: ids.len() as u32,
             reused_tokens: turn.reused_tokens as u32,
             generated_tokens: turn.tokens.len() as u32,
@@ -470,7 +595,9 @@ fn generate(
             peak_rss_bytes: nflash_runtime::stats::peak_rss_bytes().unwrap_or(0),
             memory_budget_bytes: r.budget.unwrap_or(0),
         };
-        if m.cancel.is_cancelled() && !stop.load(Ordering::SeqCst) {
+        // Stopped by the callback: OK; by nflash_cancel: CANCELLED (a cancel
+        // after the last token changes nothing).
+        if st.finish == Finish::Cancelled && !stop.load(Ordering::SeqCst) {
             Ok(NflashStatus::Cancelled)
         } else {
             Ok(NflashStatus::Ok)
@@ -482,7 +609,10 @@ fn generate(
 /// pack's chat template with the assistant's turn opened) with `params`
 /// (null: [`nflash_params_default`]'s), calling `on_token` with each piece
 /// of the reply. A conversation that extends the previous call's reuses
-/// its KV cache. Returns `NFLASH_STATUS_CANCELLED` after [`nflash_cancel`].
+/// its KV cache. Returns `NFLASH_STATUS_CANCELLED` after [`nflash_cancel`],
+/// `NFLASH_STATUS_BUSY` from a token callback of the same model, and
+/// `NFLASH_STATUS_INVALID_ARGUMENT` for a null `messages` (or a null string
+/// in one), `NFLASH_STATUS_PROMPT` for `n` = 0.
 ///
 /// # Safety
 /// `model` is from [`nflash_open`]; `messages` points to `n` messages with
@@ -500,7 +630,10 @@ pub unsafe extern "C" fn nflash_chat(
     guard(|| {
         // SAFETY: null or a live model from nflash_open, per the caller.
         let m = unsafe { live(model) }?;
-        if messages.is_null() || n == 0 {
+        if messages.is_null() {
+            return Err(invalid("messages is a null pointer"));
+        }
+        if n == 0 {
             return Err(Fail(NflashStatus::Prompt, "no messages: pass at least one".into()));
         }
         if n > 1 << 20 {
@@ -518,7 +651,7 @@ pub unsafe extern "C" fn nflash_chat(
         }
         // SAFETY: null or a valid NflashParams, per the caller.
         let params = unsafe { params.as_ref() }.copied();
-        generate(m, Request::Chat(msgs), params, on_token, user)
+        generate(m, "nflash_chat", Request::Chat(msgs), params, on_token, user)
     })
 }
 
@@ -542,27 +675,39 @@ pub unsafe extern "C" fn nflash_complete(
         let prompt = unsafe { text(prompt, "prompt") }?;
         // SAFETY: null or a valid NflashParams, per the caller.
         let params = unsafe { params.as_ref() }.copied();
-        generate(m, Request::Raw(prompt), params, on_token, user)
+        generate(m, "nflash_complete", Request::Raw(prompt), params, on_token, user)
     })
 }
 
-/// Stops the generation running on `model` at its next check: between
-/// prefill passes (a long prompt) or after the next token (from any
-/// thread; does nothing if none runs).
+/// Stops every call of [`nflash_chat`] and [`nflash_complete`] on `model`
+/// that has started and not yet returned: a running generation at its next
+/// check (between prefill passes of a long prompt, or after the next
+/// token), a call still waiting for the model (another call runs) before it
+/// computes anything. Each returns `NFLASH_STATUS_CANCELLED` (unless it had
+/// already finished its text). A cancel when no call runs does nothing: it
+/// is not kept for the next call. From any thread, also from a token
+/// callback; never waits. So a "stop" button can call it at any time: a
+/// reply streaming, or asked for and not yet begun, stops; a press just
+/// after a reply ended does not stop the next one (a request the app has
+/// queued but not yet passed to nflash is the app's to drop).
 ///
 /// # Safety
 /// `model` is null or from [`nflash_open`] and not yet freed.
 #[no_mangle]
 pub unsafe extern "C" fn nflash_cancel(model: *const NflashModel) -> NflashStatus {
     guard(|| {
-        // SAFETY: null or a live model, per the caller; only the atomic flag is touched.
+        // SAFETY: null or a live model, per the caller.
         let m = unsafe { live(model) }?;
-        m.cancel.cancel();
+        for (_, token) in &lock(&m.calls).started {
+            token.cancel();
+        }
         Ok(NflashStatus::Ok)
     })
 }
 
-/// Writes the last generation's figures to `out` (all zero before the first).
+/// Writes the last finished generation's figures to `out` (all zero before
+/// the first). Never waits for a generation: during one (from its token
+/// callback or another thread) it gives the figures of the one before.
 ///
 /// # Safety
 /// `model` is from [`nflash_open`]; `out` is writable.
@@ -571,13 +716,15 @@ pub unsafe extern "C" fn nflash_stats(model: *const NflashModel, out: *mut Nflas
     guard(|| {
         // SAFETY: null or a live model, per the caller.
         let m = unsafe { live(model) }?;
-        let s = m.inner.lock().unwrap_or_else(|e| e.into_inner()).last;
+        let s = *lock(&m.last);
         // SAFETY: null or writable, per the caller.
         unsafe { put(out, s) }
     })
 }
 
-/// Forgets the conversation: the next call prefills its whole prompt.
+/// Forgets the conversation: the next call prefills its whole prompt. Waits
+/// for a generation running on another thread; `NFLASH_STATUS_BUSY` from a
+/// token callback of the same model.
 ///
 /// # Safety
 /// `model` is from [`nflash_open`].
@@ -586,20 +733,32 @@ pub unsafe extern "C" fn nflash_reset(model: *mut NflashModel) -> NflashStatus {
     guard(|| {
         // SAFETY: null or a live model, per the caller.
         let m = unsafe { live(model) }?;
-        m.inner.lock().unwrap_or_else(|e| e.into_inner()).loaded.with_dependent_mut(|_, r| r.session.clear());
+        not_busy(m, "nflash_reset")?;
+        lock(&m.loaded).with_dependent_mut(|_, r| r.session.clear());
         Ok(NflashStatus::Ok)
     })
 }
 
 /// Frees `model` and everything it holds (null: nothing). No other call on
-/// it may run or follow.
+/// it may run or follow. From a token callback of the same model it does
+/// nothing (the model stays open; [`nflash_last_error`] says so).
 ///
 /// # Safety
 /// `model` is null or from [`nflash_open`], freed once.
 #[no_mangle]
 pub unsafe extern "C" fn nflash_free(model: *mut NflashModel) {
-    if !model.is_null() {
-        // SAFETY: from Box::into_raw in nflash_open, freed once, per the caller.
-        let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(model) })));
+    if model.is_null() {
+        return;
     }
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        if in_own_callback(model) {
+            set_error(
+                "nflash_free was called from a token callback of the same model, whose generation is still running: \
+                 the model was not freed; free it after that call returns",
+            );
+        } else {
+            // SAFETY: from Box::into_raw in nflash_open, freed once, per the caller.
+            drop(unsafe { Box::from_raw(model) });
+        }
+    }));
 }

@@ -43,6 +43,10 @@ pub enum Error {
     /// Invalid user setting (names the flag).
     #[error("{0}")]
     Usage(String),
+    /// The memory budget cannot hold the model, or the cache layout asked
+    /// for does not fit in it (names the option, the budget and its parts).
+    #[error("{0}")]
+    Budget(String),
     /// Memory could not be allocated (names what for and how much).
     #[error("cannot allocate {bytes} bytes for {what}; lower --memory-budget or --ctx, or free memory")]
     Alloc { what: &'static str, bytes: u64 },

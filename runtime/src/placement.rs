@@ -48,9 +48,9 @@ pub struct MemoryOptions {
 /// of the planner's estimate of them.
 ///
 /// # Errors
-/// [`Error::Usage`] naming the option when the budget cannot hold the
-/// model (with the planner's explanation) or an override is out of range
-/// or over the budget.
+/// [`Error::Budget`] naming the option when the budget cannot hold the
+/// model (with the planner's explanation) or the overrides do not fit in
+/// it; [`Error::Usage`] for an override out of range.
 pub fn resolve(
     pack: &Pack,
     o: &MemoryOptions,
@@ -91,7 +91,7 @@ pub fn resolve(
                 unit_share: Some(pack.unit_share()?),
             };
             Some(planner::plan(m, &dev, &req).map_err(|e| {
-                Error::Usage(if o.memory_budget.is_none() {
+                Error::Budget(if o.memory_budget.is_none() {
                     format!(
                         "the memory budget {:.1} MiB is the pack's plan's (it was planned at ctx {}, {} threads); pass --memory-budget to choose another: {e}",
                         budget_bytes as f64 / (1u64 << 20) as f64,
@@ -153,7 +153,7 @@ pub fn resolve(
                 (true, false) => "--hot-fraction (with the plan's cold region)",
                 _ => "--cold-cache (with the plan's hot region)",
             };
-            return Err(Error::Usage(format!(
+            return Err(Error::Budget(format!(
                 "{given} need about {:.1} MiB (fixed region {:.1} MiB + hot {:.1} MiB + cold {:.1} MiB), more than the {:.1} MiB memory budget; lower them, pass --hot-fraction too, or raise --memory-budget",
                 need as f64 / (1u64 << 20) as f64,
                 p.fixed_bytes as f64 / (1u64 << 20) as f64,
