@@ -813,6 +813,31 @@ mod tests {
         v
     }
 
+    /// A read batch dropped before it was flushed (an early return on an
+    /// error in `fetch`) is still queued: its claimed slots are read (here
+    /// by a pipeline that holds its reads and fails them when it ends),
+    /// never left pending for a read that nobody will make.
+    #[test]
+    fn a_read_batch_dropped_on_an_early_return_is_still_queued() {
+        use crate::offload::io::tests::setup;
+        use nflash_plan::layout::IoEngine;
+        let (_f, sh, io) = setup(4 * 4096, 4, 1, IoEngine::Threads);
+        drop(io);
+        let io = IoPipeline::held(Arc::clone(&sh));
+        sh.slots.set_timeout(std::time::Duration::from_millis(100));
+        {
+            let mut reads = Merger::new(&io);
+            let span = |c: u64| ClusterSpan { offset: c * 4096, need: 4000, read: 4096 };
+            reads.push(span(0), sh.slots.claim(0).unwrap());
+            reads.push(span(1), sh.slots.claim(1).unwrap());
+            // An error returns here, before `reads.flush()`.
+        }
+        drop(io);
+        for s in [0, 1] {
+            assert_eq!(sh.slots.wait(s).map(|(state, _)| state), Ok(FAILED), "slot {s} was left pending");
+        }
+    }
+
     #[test]
     fn eviction_takes_the_least_recently_used_slot_and_forgets_its_cluster() {
         let mut l = Lru::new(&[layout(8, 0), layout(8, 0)], 3);

@@ -87,9 +87,9 @@ impl IoPipeline {
         Ok(IoPipeline { engine: Engine::Threads { tx: Some(tx), threads }, shared })
     }
 
-    /// Tests: a pipeline whose reads never land.
+    /// Tests: a pipeline whose reads never land (failed when it is dropped).
     #[cfg(test)]
-    fn held(shared: Arc<Shared>) -> Self {
+    pub(crate) fn held(shared: Arc<Shared>) -> Self {
         IoPipeline { engine: Engine::Held(Mutex::new(Vec::new())), shared }
     }
 
@@ -195,7 +195,7 @@ pub fn run(sh: &Shared, req: ReadRequest) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::offload::flash::FlashFile;
     use crate::offload::slots::{Slots, FAILED, READY};
@@ -259,7 +259,7 @@ mod tests {
 
     /// A file of `n` bytes where byte `i` is `i % 251`, and the pipeline over
     /// it with `threads` reads in flight by `engine`.
-    fn setup(
+    pub(crate) fn setup(
         n: usize,
         slots: usize,
         threads: usize,
