@@ -205,16 +205,14 @@ pub fn generate_until(
     let _awake = model.cache_regions().io_engine.is_none().then(crate::spin::KeepAwake::start);
     let t0 = Instant::now();
     let prefill0 = model.cache_stats();
-    let Some(logits) = prefill(model, kv, prompt, &opts.cancel)? else {
-        stats.prefill_s = t0.elapsed().as_secs_f64();
-        stats.prefill_cache = model.cache_stats().since(&prefill0);
+    let first = prefill(model, kv, prompt, &opts.cancel)?.map(|logits| sampler.sample(&logits));
+    stats.prefill_s = t0.elapsed().as_secs_f64();
+    stats.prefill_cache = model.cache_stats().since(&prefill0);
+    let Some(mut next) = first else {
         stats.finish = Finish::Cancelled;
         stats.stopped_at = kv.len();
         return Ok((Vec::new(), stats));
     };
-    let mut next = sampler.sample(&logits);
-    stats.prefill_s = t0.elapsed().as_secs_f64();
-    stats.prefill_cache = model.cache_stats().since(&prefill0);
     let mut out = Vec::new();
     let mut stream = TextStream::default();
     let t1 = Instant::now();

@@ -324,36 +324,28 @@ impl NeuronCache {
                 st.hot_hits += 1;
                 continue;
             }
-            let s = match self.slot_held(&lru, layer, c) {
-                Held::Failed(s) => {
-                    // Its read failed or was damaged: read it again, into the same slot.
-                    let claim = self.reclaim(&mut lru, layer, c, s)?;
+            let claim = match self.slot_held(&lru, layer, c) {
+                Held::Yes(s) => {
+                    lru.touch(s);
                     table[c] = Loc::Slot(s);
-                    st.misses += 1;
-                    reads.push(lay.clusters[c], claim);
+                    // A prefetched cluster was read for this use: a miss, read ahead of time.
+                    if std::mem::take(&mut lru.prefetched[s as usize]) {
+                        st.misses += 1;
+                        st.read_ahead_used += 1;
+                        st.speculated_used += std::mem::take(&mut lru.speculated[s as usize]) as u64;
+                    } else {
+                        st.cold_hits += 1;
+                    }
                     continue;
                 }
-                Held::Yes(s) => s,
-                Held::No => NONE,
-            };
-            if s != NONE {
-                lru.touch(s);
-                table[c] = Loc::Slot(s);
-                // A prefetched cluster was read for this use: a miss, read ahead of time.
-                if std::mem::take(&mut lru.prefetched[s as usize]) {
-                    st.misses += 1;
-                    st.read_ahead_used += 1;
-                    st.speculated_used += std::mem::take(&mut lru.speculated[s as usize]) as u64;
-                } else {
-                    st.cold_hits += 1;
-                }
-                continue;
-            }
-            let Some(claim) = self.claim(&mut lru, layer, c)? else {
-                return Err(Error::Internal(format!(
-                    "the cold region ({} bytes) cannot hold layer {layer}'s cold clusters",
-                    self.cold_bytes()
-                )));
+                // Its read failed or was damaged: read it again, into the same slot.
+                Held::Failed(s) => self.reclaim(&mut lru, layer, c, s)?,
+                Held::No => self.claim(&mut lru, layer, c)?.ok_or_else(|| {
+                    Error::Internal(format!(
+                        "the cold region ({} bytes) cannot hold layer {layer}'s cold clusters",
+                        self.cold_bytes()
+                    ))
+                })?,
             };
             table[c] = Loc::Slot(claim.slot());
             st.misses += 1;
@@ -501,7 +493,7 @@ impl NeuronCache {
     ///
     /// # Errors
     /// [`Error::ReadStalled`] if an earlier read into that slot has not
-    /// landed within the read timeout ([`Self::set_read_timeout`]).
+    /// landed within the read timeout ([`super::slots::READ_TIMEOUT`]).
     fn claim(&self, lru: &mut Lru, layer: usize, c: usize) -> Result<Option<Claim>> {
         let Some(s) = lru.evict(layer, c) else { return Ok(None) };
         self.claim_slot(layer, c, s).map(Some)
@@ -532,13 +524,6 @@ impl NeuronCache {
             offset: span.offset,
             secs: e.waited.as_secs_f64(),
         }
-    }
-
-    /// How long a compute thread waits for one cluster read before it
-    /// gives up with [`Error::ReadStalled`] (default
-    /// [`super::slots::READ_TIMEOUT`]).
-    pub fn set_read_timeout(&self, t: std::time::Duration) {
-        self.shared.slots.set_timeout(t);
     }
 
     /// The bytes (`n_neurons × bundle_bytes`) of cluster `c` of `layer` at

@@ -284,6 +284,9 @@ impl Published {
 /// network file system), and an app must get an error rather than freeze.
 pub const READ_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Rounds a wait for a slot spins before it yields the core ([`Slots::wait`]).
+const SPINS: u32 = 64;
+
 /// A wait that ran out ([`Slots::wait`], [`Slots::claim`]): the slot's read
 /// has not landed after [`Slots::timeout`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -376,7 +379,7 @@ impl Slots {
         loop {
             let now = st.load(Ordering::Acquire);
             if now == PENDING || now == CHECKING {
-                self.backoff(s, &mut deadline, 64)?;
+                self.backoff(s, &mut deadline)?;
             } else if st.compare_exchange(now, PENDING, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 break;
             }
@@ -386,15 +389,15 @@ impl Slots {
     }
 
     /// One round of waiting for slot `s`: the first call sets the deadline
-    /// ([`Self::timeout`] from now); the first `spins` rounds spin, later
+    /// ([`Self::timeout`] from now); the first [`SPINS`] rounds spin, later
     /// ones yield the core.
     ///
     /// # Errors
     /// [`Stalled`] once the deadline has passed.
-    fn backoff(&self, s: u32, deadline: &mut Option<(Instant, u32)>, spins: u32) -> std::result::Result<(), Stalled> {
+    fn backoff(&self, s: u32, deadline: &mut Option<(Instant, u32)>) -> std::result::Result<(), Stalled> {
         let (t0, n) = deadline.get_or_insert_with(|| (Instant::now(), 0));
         *n += 1;
-        if *n <= spins {
+        if *n <= SPINS {
             std::hint::spin_loop();
             return Ok(());
         }
@@ -540,7 +543,7 @@ impl Slots {
         loop {
             match state {
                 LANDED => self.settle(s),
-                PENDING | CHECKING => self.backoff(s, &mut deadline, 64)?,
+                PENDING | CHECKING => self.backoff(s, &mut deadline)?,
                 _ => break,
             }
             state = st.load(Ordering::Acquire);
