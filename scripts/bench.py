@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nflash_bench import baseline  # noqa: E402
 from nflash_bench.baseline import QUANTS, SPARSE, SPARSE_DENSE  # noqa: E402
 from nflash_bench.common import REPO  # noqa: E402
+from nflash_bench.llama import LLAMA_BUILDS  # noqa: E402
 from nflash_bench.proc import BUSY_LIMIT, warn_if_loaded  # noqa: E402
 
 
@@ -97,6 +98,9 @@ def parse_args(argv):
     ap.add_argument("--skip-sparse", action="store_true", help="no sparse pack rows")
     ap.add_argument("--skip-nflash", action="store_true", help="only run llama.cpp")
     ap.add_argument("--skip-llama", action="store_true", help="only run nflash")
+    ap.add_argument("--llama-builds", nargs="+", choices=LLAMA_BUILDS,
+                    help="llama.cpp builds to run (default: each one scripts/bench_setup.sh made: "
+                         "native, and avx2 where the native build enables more than AVX2)")
     a = ap.parse_args(argv)
     if a.runs < 1 or a.warmup < 0 or a.threads < 1 or a.gen_tokens < 2 or min(a.prompt_tokens) < 2:
         ap.error("need --runs >= 1, --warmup >= 0, --threads >= 1, --gen-tokens >= 2, --prompt-tokens >= 2")

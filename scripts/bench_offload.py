@@ -34,7 +34,9 @@ included) is charged to the group, so llama.cpp really pages.
 Engines. "llama.cpp native" (the default llama.cpp peer, when its binary
 exists; --no-native skips it) is llama-completion, built by
 scripts/bench_setup.sh into bench-out/llama-native/ from the llama.cpp source
-that the pinned llama-cpp-python sdist vendors, with the same CPU flags; it
+that the pinned llama-cpp-python sdist vendors, natively (-march=native minus
+the extensions that fault on the machine; the Python peer loads the same
+build's libllama.so); it
 runs in a cgroup limited to exactly L (no allowance), with --no-repack
 --load-mode mmap, and its decode tok/s come from its timing lines (eval runs /
 eval time). Its peak RSS enters H as is. The targets at (c) are computed

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .common import REPO, die, fmt, log, median, run_info
-from .llama import gguf_tensor_types, llama_cpp_importable, llama_cpp_version
+from .llama import (gguf_tensor_types, llama_builds_available, llama_builds_info,
+                    llama_cpp_importable, llama_cpp_version)
 from .models import prepare_llama, prepare_nflash, prepare_sparse
 from .proc import BUSY_LIMIT, loadavg, run_measured, wait_idle
 from .prompt import choose_prompt, write_prompt
@@ -23,6 +24,10 @@ QUANTS = ("q4_0", "q8_0")
 SPARSE_DENSE = "nflash-sp --dense"
 SPARSE = "nflash-sp sparse"
 TIMING_PARTS = ("attention", "predictor", "ffn", "lm_head")
+# Engine names of the llama.cpp builds (scripts/bench_setup.sh): "llama.cpp" is
+# the native build, the peer every ratio is against; "llama.cpp avx2" the
+# AVX2-only build, run too where it differs from the native one.
+LLAMA_ENGINE = {"native": "llama.cpp", "avx2": "llama.cpp avx2"}
 
 
 @dataclass
@@ -38,18 +43,26 @@ class Models:
 # --------------------------------------------------------------------------
 
 def engines_to_run(a) -> list[str]:
-    return [e for e in ("nflash", "llama.cpp")
-            if not (e == "nflash" and a.skip_nflash) and not (e == "llama.cpp" and a.skip_llama)]
+    """nflash, then one engine per llama.cpp build (--llama-builds, default:
+    every build scripts/bench_setup.sh made)."""
+    engines = [] if a.skip_nflash else ["nflash"]
+    if not a.skip_llama:
+        builds = a.llama_builds or llama_builds_available() or ["native"]
+        if "native" not in builds:
+            die("--llama-builds must include native: every ratio is against it", 2)
+        engines += [LLAMA_ENGINE[b] for b in builds]
+    return engines
 
 
 def check_engines(a, engines: list[str]) -> None:
-    """Exits with status 2 if the nflash binary or llama_cpp is missing."""
+    """Exits with status 2 if the nflash binary or a llama.cpp build is missing."""
     if "nflash" in engines and not a.nflash.exists():
         die(f"{a.nflash} not found: run `cargo build --release` first "
             f"(or pass --nflash PATH, or --skip-nflash for the llama.cpp half only)", 2)
-    if "llama.cpp" in engines and not llama_cpp_importable():
-        die(f"{sys.executable} cannot import llama_cpp: run scripts/bench_setup.sh and use "
-            f"{REPO / '.venv-bench/bin/python'} scripts/bench.py", 2)
+    for b, e in LLAMA_ENGINE.items():
+        if e in engines and not llama_cpp_importable(b):
+            die(f"{sys.executable} cannot import llama_cpp with the {b} llama.cpp build: run "
+                f"scripts/bench_setup.sh and use {REPO / '.venv-bench/bin/python'} scripts/bench.py", 2)
 
 
 def make_dirs(out: Path) -> Path:
@@ -109,10 +122,10 @@ def run_result(s: dict, maxrss: int, self_rss, wall: float, text: str) -> dict:
     }
 
 
-def run_llama(a, gguf: Path, prompt_file: Path, tmpdir: Path) -> dict:
+def run_llama(a, gguf: Path, prompt_file: Path, tmpdir: Path, build: str) -> dict:
     j = tmpdir / "llama-stats.json"
     j.unlink(missing_ok=True)
-    cmd = worker_cmd("_llama-run", gguf, prompt_file, a.gen_tokens, a.threads, a.ctx, j)
+    cmd = worker_cmd("_llama-run", gguf, prompt_file, a.gen_tokens, a.threads, a.ctx, j, build=build)
     code, maxrss, so, se, wall = run_measured(cmd, a.timeout)
     if code != 0 or not j.exists():
         die(f"llama.cpp run failed (exit {code}):\n{se[-3000:]}")
@@ -127,7 +140,8 @@ def run_llama(a, gguf: Path, prompt_file: Path, tmpdir: Path) -> dict:
 def make_runners(a, m: Models, prompt_file: Path, tmpdir: Path) -> dict:
     """Engine name -> a function of the quant that runs it once."""
     return {"nflash": lambda q: run_nflash(a, m.packs[q], prompt_file, tmpdir),
-            "llama.cpp": lambda q: run_llama(a, m.ggufs[q], prompt_file, tmpdir),
+            **{e: (lambda q, b=b: run_llama(a, m.ggufs[q], prompt_file, tmpdir, b))
+               for b, e in LLAMA_ENGINE.items()},
             SPARSE_DENSE: lambda q: run_nflash(a, m.sparse[q], prompt_file, tmpdir, ("--dense",)),
             SPARSE: lambda q: run_nflash(a, m.sparse[q], prompt_file, tmpdir)}
 
@@ -183,7 +197,9 @@ def summarize_lengths(a, engines: list[str], per_len: dict) -> dict:
 
 
 def summarize(a, engines: list[str], results: dict) -> dict:
-    """quant -> engine -> medians, and the sparse/dense and nflash/llama.cpp ratios."""
+    """quant -> engine -> medians, and the sparse/dense and nflash/llama.cpp
+    ratios (against the native build, and against the AVX2 one where it ran,
+    with the native/AVX2 ratio of llama.cpp itself)."""
     summary: dict = {}
     for q in a.quant:
         summary[q] = {e: engine_summary(results[q][e]) for e in engines}
@@ -199,6 +215,13 @@ def summarize(a, engines: list[str], results: dict) -> dict:
             if n["prompt_tokens"] != l["prompt_tokens"]:
                 log(f"note: {q}: prompt token counts differ (nflash {n['prompt_tokens']}, "
                     f"llama.cpp {l['prompt_tokens']}): tokenizers or BOS handling disagree")
+        avx2 = LLAMA_ENGINE["avx2"]
+        if avx2 in engines:
+            summary[q]["ratio_llama_native_over_avx2"] = speed_ratios(summary[q]["llama.cpp"],
+                                                                      summary[q][avx2])
+            if "nflash" in engines:
+                summary[q]["ratio_nflash_over_llama_avx2"] = speed_ratios(summary[q]["nflash"],
+                                                                          summary[q][avx2])
     return summary
 
 
@@ -259,15 +282,33 @@ def print_main_table(a, engines: list[str], summary: dict) -> None:
             for e in engines:
                 s = sq[e]
                 ratio = None
-                if e != "llama.cpp" and "llama.cpp" in engines:
+                if e not in LLAMA_ENGINE.values() and "llama.cpp" in engines:
                     ratio = speed_ratios(s, sq["llama.cpp"])
                 rows.append([q, e, str(int(s["prompt_tokens"])), fmt(s["prefill_tokens_per_s_median"]),
                              fmt(s["decode_tokens_per_s_median"]), fmt(s["peak_rss_mib_median"]),
                              fmt(ratio["prefill"], 2) if ratio else "", fmt(ratio["decode"], 2) if ratio else ""])
     print()
     print(f"medians of {a.runs} runs, {a.threads} threads, {a.gen_tokens} generated tokens, "
-          f"ctx {a.ctx}; ratio = nflash / llama.cpp")
+          f"ctx {a.ctx}; ratio = nflash / llama.cpp (the native build)")
     print_table(rows, hdr, left=2, last_left=False)
+    print_build_ratios(a, engines, summary)
+
+
+def print_build_ratios(a, engines: list[str], summary: dict) -> None:
+    """Where the AVX2 llama.cpp ran: its speed against the native build, and nflash's against it."""
+    if LLAMA_ENGINE["avx2"] not in engines:
+        return
+    print()
+    print("the two llama.cpp builds (medians): native / avx2, and nflash / llama.cpp avx2")
+    rows = []
+    for q in a.quant:
+        for key, sq in summary[q].items():
+            r = sq["ratio_llama_native_over_avx2"]
+            n = sq.get("ratio_nflash_over_llama_avx2")
+            rows.append([q, key.removeprefix("prompt_"), fmt(r["prefill"], 2), fmt(r["decode"], 2),
+                         fmt(n["prefill"], 2) if n else "", fmt(n["decode"], 2) if n else ""])
+    print_table(rows, ["quant", "prompt tok", "native/avx2 prefill", "native/avx2 decode",
+                       "nflash/avx2 prefill", "nflash/avx2 decode"], left=2, last_left=False)
 
 
 def print_sparse_table(a, summary: dict, key: str) -> None:
@@ -312,6 +353,9 @@ def write_results(a, out: Path, engines: list[str], texts: dict, m: Models, summ
         "runs": {f"prompt_{n}": r for n, r in per_len.items()},
     }
     if "llama.cpp" in engines:
-        info["llama_cpp_python"] = llama_cpp_version()
+        info["llama_cpp_python"] = llama_cpp_version("native")
+        info["llama_cpp_builds"] = {
+            **llama_builds_info(),
+            "system_info": {b: llama_cpp_version(b) for b, e in LLAMA_ENGINE.items() if e in engines}}
     (out / "bench.json").write_text(json.dumps(info, indent=1) + "\n")
     log(f"wrote {out / 'bench.json'}")

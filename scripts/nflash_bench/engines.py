@@ -17,8 +17,8 @@ from .llama import native_llama_cmd, parse_native_llama
 from .proc import wait_idle
 from .worker import worker_cmd
 
-# "llama.cpp native": llama-completion built by scripts/bench_setup.sh (same
-# llama.cpp source and CPU flags as llama-cpp-python), in a cgroup limited to
+# "llama.cpp native": llama-completion of the native build of
+# scripts/bench_setup.sh (whose libllama.so llama-cpp-python loads), in a cgroup limited to
 # exactly the limit L; "llama.cpp": llama-cpp-python in a Python process, whose
 # cgroup gets L + the interpreter's allowance (kept for reference).
 NATIVE = "llama.cpp native"

@@ -5,6 +5,8 @@ GGUF file."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import struct
 import subprocess
@@ -13,10 +15,43 @@ from pathlib import Path
 
 from .common import REPO
 
-# Native llama.cpp (scripts/bench_setup.sh builds it from the llama.cpp source
-# that llama-cpp-python vendors, with the same CPU flags): llama-completion,
-# the non-conversational command-line tool of this llama.cpp version.
+# The llama.cpp builds of scripts/bench_setup.sh, from the llama.cpp source
+# that llama-cpp-python vendors, each with libllama.so (for the Python
+# bindings, through LLAMA_CPP_LIB_PATH) and llama-completion (the
+# non-conversational command-line tool of this llama.cpp version) in build/bin:
+#   "native": -march=native minus the extensions that fault on this machine,
+#             as a user builds it; the peer of every benchmark;
+#   "avx2":   AVX2/FMA/F16C only (x86-64-v3, like nflash's binaries); built
+#             only where the native build enables more.
+LLAMA_BUILDS = ("native", "avx2")
+LLAMA_BUILDS_JSON = REPO / "bench-out/llama-builds.json"
 LLAMA_NATIVE_BIN = REPO / "bench-out/llama-native/build/bin/llama-completion"
+
+
+def llama_lib_dir(build: str) -> Path:
+    """The directory of a build's libllama.so (its build/bin)."""
+    if build not in LLAMA_BUILDS:
+        raise ValueError(f"unknown llama.cpp build {build!r} ({', '.join(LLAMA_BUILDS)})")
+    return REPO / f"bench-out/llama-{build}/build/bin"
+
+
+def llama_builds_available() -> list[str]:
+    """The builds whose libllama.so exists, native first."""
+    return [b for b in LLAMA_BUILDS if (llama_lib_dir(b) / "libllama.so").exists()]
+
+
+def llama_builds_info() -> dict:
+    """bench-out/llama-builds.json (CMake flags, extensions, faulting ones), or {}."""
+    try:
+        return json.loads(LLAMA_BUILDS_JSON.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def llama_env(build: str) -> dict:
+    """The environment that makes llama_cpp load this build's libllama.so."""
+    return {**os.environ, "LLAMA_CPP_LIB_PATH": str(llama_lib_dir(build))}
+
 
 # The timing lines of common_perf_print (llama_perf_context_print in older
 # llama.cpp) on stderr, e.g.
@@ -36,18 +71,19 @@ _GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 
                 12: "d"}
 
 
-def llama_cpp_importable() -> bool:
-    """Whether this interpreter (the one the workers run with) can import llama_cpp."""
-    return subprocess.run([sys.executable, "-c", "import llama_cpp"],
+def llama_cpp_importable(build: str = "native") -> bool:
+    """Whether this interpreter (the one the workers run with) can import
+    llama_cpp with that build's libllama.so."""
+    return subprocess.run([sys.executable, "-c", "import llama_cpp"], env=llama_env(build),
                           capture_output=True).returncode == 0
 
 
-def llama_cpp_version() -> str:
-    """llama-cpp-python's version and llama.cpp's system info line."""
+def llama_cpp_version(build: str = "native") -> str:
+    """llama-cpp-python's version and the build's llama.cpp system info line."""
     r = subprocess.run([sys.executable, "-c",
                         "import llama_cpp as L; print(L.__version__); "
                         "print(L.llama_print_system_info().decode())"],
-                       capture_output=True, text=True)
+                       env=llama_env(build), capture_output=True, text=True)
     return r.stdout.strip()
 
 

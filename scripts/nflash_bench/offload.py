@@ -382,7 +382,7 @@ def print_notes(b: Bench) -> None:
           "at exit); peak cg = the cgroup's max_usage_in_bytes (page cache included), max over runs")
     if NATIVE in b.engines:
         print(f"'{NATIVE}' = {a.llama_native} (llama-completion, built by scripts/bench_setup.sh from "
-              "the llama.cpp source that llama-cpp-python vendors, same CPU flags): its cgroup is "
+              "the llama.cpp source that llama-cpp-python vendors, natively): its cgroup is "
               "limited to exactly the limit, no allowance; decode tok/s from its timing lines "
               "timings (eval runs / eval time, the counters the Python worker divides too); no "
               "per-token latencies.")

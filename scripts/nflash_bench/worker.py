@@ -1,10 +1,12 @@
 """The llama-cpp-python jobs of the benchmarks. Each runs in its own process,
 started with the benchmark's own interpreter (the bench venv's python):
 
-    python scripts/nflash_bench/worker.py {_quantize|_tokenize|_llama-run} ARGS...
+    python scripts/nflash_bench/worker.py --build {native|avx2} {_quantize|_tokenize|_llama-run} ARGS...
 
-worker_cmd() builds that command. llama_cpp is imported inside each job, so
-importing this module needs no llama_cpp.
+worker_cmd() builds that command. --build picks the llama.cpp build of
+scripts/bench_setup.sh whose libllama.so the bindings load (through
+LLAMA_CPP_LIB_PATH, set before llama_cpp is first imported). llama_cpp is
+imported inside each job, so importing this module needs no llama_cpp.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from nflash_bench.common import die  # noqa: E402
+from nflash_bench.llama import llama_lib_dir  # noqa: E402
 
 # llama_ftype values (llama.h): LLAMA_FTYPE_MOSTLY_Q4_0 = 2, _Q8_0 = 7.
 LLAMA_FTYPE = {"q4_0": 2, "q8_0": 7}
 
 
-def worker_cmd(name: str, *args) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), name, *map(str, args)]
+def worker_cmd(name: str, *args, build: str = "native") -> list[str]:
+    """The command that runs worker `name` with llama.cpp build `build`
+    ("native" or "avx2", see nflash_bench.llama.LLAMA_BUILDS)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--build", build, name, *map(str, args)]
 
 
 # --------------------------------------------------------------------------
@@ -263,9 +268,18 @@ WORKERS = {
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[1] not in WORKERS:
-        die(f"usage: {argv[0]} {{{'|'.join(WORKERS)}}} ARGS... (workers of the benchmarks)")
-    WORKERS[argv[1]](argv[2:])
+    if len(argv) < 4 or argv[1] != "--build" or argv[3] not in WORKERS:
+        die(f"usage: {argv[0]} --build {{native|avx2}} {{{'|'.join(WORKERS)}}} ARGS... "
+            f"(workers of the benchmarks)")
+    try:
+        lib = llama_lib_dir(argv[2])
+    except ValueError as e:
+        die(str(e))
+    if not (lib / "libllama.so").exists():
+        die(f"{lib / 'libllama.so'} not found: run scripts/bench_setup.sh")
+    import os
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)
+    WORKERS[argv[3]](argv[4:])
 
 
 if __name__ == "__main__":
