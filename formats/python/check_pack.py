@@ -7,7 +7,7 @@ against packs written by `prep`. Python 3.11, standard library only.
     check_pack.py corrupt PACK --prep BIN --workdir DIR
                                               damaged copies: our reader and `prep verify` must both refuse each
     check_pack.py downgrade PACK OUT          PACK as format 3.3 wrote it (no neuron-cluster checksums), for tests
-                  [--keep-minor]              (or still marked 3.4: a pack stripped of its table)
+                  [--keep-minor]              (or still marked 3.4 or later: a pack stripped of its table)
 
 Each prints what it checked and exits 1 on the first disagreement.
 """
@@ -331,7 +331,7 @@ def ffn_names(c: dict, unit: int) -> tuple[str, str, str]:
     if isinstance(arch, dict) and "Mixtral" in arch:
         pre = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
         return f"{pre}.w1.weight", f"{pre}.w3.weight", f"{pre}.w2.weight"
-    pre = f"model.layers.{layer}.mlp" + (f".experts.{expert}" if isinstance(arch, dict) else "")
+    pre = f"model.layers.{layer}.mlp" + (f".experts.{expert}" if nf.moe_of(c) is not None else "")
     return f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight", f"{pre}.down_proj.weight"
 
 
@@ -482,7 +482,7 @@ def main() -> None:
     d = sub.add_parser("downgrade")
     d.add_argument("pack")
     d.add_argument("out")
-    d.add_argument("--keep-minor", action="store_true", help="keep the header's version: a 3.4 pack stripped of its table")
+    d.add_argument("--keep-minor", action="store_true", help="keep the header's version: a 3.4-or-later pack stripped of its table")
     a = ap.parse_args()
     try:
         {"compare": cmd_compare, "weights": cmd_weights, "corrupt": cmd_corrupt, "downgrade": cmd_downgrade}[a.cmd](a)

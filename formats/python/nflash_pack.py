@@ -31,7 +31,7 @@ import zlib
 MAGIC = b"NFLASHPK"
 HEADER_BYTES = 64
 VERSION_MAJOR = 3  # the version this reader implements (SPEC title)
-VERSION_MINOR = 4
+VERSION_MINOR = 5
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_TOKENIZER_BYTES = 256 << 20
 MAX_METADATA_BYTES = 1 << 20
@@ -39,9 +39,11 @@ MAX_CONTEXT = 1 << 20
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 # --- SPEC §4: the manifest schema, field by field ---------------------------
-# A type is one of the primitive names, ("vec", T), ("option", T), or the name
-# of a struct or enum below. Structs: fields in wire order. Enums: variants in
-# index order, each None (unit variant) or a list of fields (struct variant).
+# A type is one of the primitive names, ("vec", T), ("option", T), ("array",
+# T, n) (n elements, no length prefix), or the name of a struct or enum below.
+# Structs: fields in wire order. Enums: variants in index order, each None
+# (unit variant), a list of fields (struct variant) or a type (newtype
+# variant, e.g. SmolLm3's LayerSet).
 
 STRUCTS: dict[str, list[tuple[str, object]]] = {
     "Manifest": [
@@ -203,6 +205,10 @@ ENUMS: dict[str, list[tuple[str, object]]] = {
         ("Qwen2", None),
         ("Mixtral", [("num_experts", "u32"), ("experts_per_token", "u32"), ("norm_topk_prob", "bool")]),
         ("Qwen3Moe", [("num_experts", "u32"), ("experts_per_token", "u32"), ("norm_topk_prob", "bool")]),
+        # Since 3.5: Qwen3 (dense), SmolLM3 with its LayerSet of RoPE layers:
+        # layer l is in the set when bit l % 64 of word l // 64 is 1.
+        ("Qwen3", None),
+        ("SmolLm3", ("array", "u64", 16)),
     ],
     "Activation": [("Silu", None), ("Relu", None), ("Gelu", None), ("GeluTanh", None), ("DRelu", None)],
     "RopeScaling": [
@@ -356,6 +362,8 @@ class Decoder:
         raise AssertionError(t)
 
     def value(self, t):
+        if isinstance(t, tuple) and t[0] == "array":
+            return [self.value(t[1]) for _ in range(t[2])]
         if isinstance(t, tuple):
             kind, inner = t
             if kind == "option":
@@ -389,6 +397,8 @@ class Decoder:
             name, fields = variants[idx]
             if fields is None:
                 return name
+            if not isinstance(fields, list):
+                return {name: self.value(fields)}
             return {name: self.fields(fields)}
         return self.prim(t)
 
@@ -414,6 +424,8 @@ def decode_manifest(data: bytes, base: int) -> dict:
 
 def encode(t, v) -> bytes:
     """The bincode bytes of value v of type t (the inverse of Decoder.value): for tests and tools."""
+    if isinstance(t, tuple) and t[0] == "array":
+        return b"".join(encode(t[1], x) for x in v)
     if isinstance(t, tuple):
         kind, inner = t
         if kind == "option":
@@ -426,8 +438,10 @@ def encode(t, v) -> bytes:
         name = v if isinstance(v, str) else next(iter(v))
         fields = ENUMS[t][names.index(name)][1]
         out = struct.pack("<I", names.index(name))
-        if fields is not None:
+        if isinstance(fields, list):
             out += b"".join(encode(ft, v[name][fn]) for fn, ft in fields)
+        elif fields is not None:
+            out += encode(fields, v[name])
         return out
     if t == "string":
         b = v.encode("utf-8")
@@ -544,6 +558,12 @@ def check_config(c: dict) -> None:
     for k in ("rms_norm_eps", "rope_theta"):
         if not (math.isfinite(c[k]) and c[k] > 0):
             raise PackError(f"model config (SPEC §4.1): {k} {c[k]} is not a positive number")
+    a = c["architecture"]
+    if isinstance(a, dict) and "SmolLm3" in a:
+        words = a["SmolLm3"]
+        past = [l for l in range(1024) if words[l // 64] >> (l % 64) & 1 and l >= c["num_layers"]]
+        if past:
+            raise PackError(f"model config (SPEC §4.1): RoPE layer set names layer {past[0]} of {c['num_layers']}")
     moe = moe_of(c)
     if moe is not None:
         if not 1 <= moe["num_experts"] <= 1024:
@@ -559,7 +579,7 @@ def check_config(c: dict) -> None:
 def moe_of(c: dict) -> dict | None:
     """The `Moe` fields of a mixture-of-experts architecture (SPEC §4.1), or None."""
     a = c["architecture"]
-    if isinstance(a, dict):
+    if isinstance(a, dict) and ("Mixtral" in a or "Qwen3Moe" in a):
         return next(iter(a.values()))
     return None
 
@@ -623,6 +643,9 @@ def validate(m: dict, h: dict, file_len: int) -> None:
 
     if moe_of(c) is not None and h["minor"] < 3:
         raise PackError(f"model config (SPEC §4.1): a mixture of experts in a pack of version {h['major']}.{h['minor']}")
+    a = c["architecture"]
+    if (a == "Qwen3" or (isinstance(a, dict) and "SmolLm3" in a)) and h["minor"] < 5:
+        raise PackError(f"model config (SPEC §4.1): architecture {a if isinstance(a, str) else 'SmolLm3'} in a pack of version {h['major']}.{h['minor']}")
     n_exp = experts(c)
     if len(m["ffn"]) != c["num_layers"] * n_exp:
         raise PackError(f"FFN index (SPEC §4.4): {len(m['ffn'])} entries, config has {c['num_layers']} layers × {n_exp} experts")

@@ -31,6 +31,48 @@ pub const MAX_EXPERTS: u32 = 1024;
 /// Largest number of FFN units (`num_layers × num_experts`) of a pack.
 pub const MAX_FFN_UNITS: u64 = 1 << 16;
 
+/// Largest number of decoder layers a pack may have (`num_hidden_layers`,
+/// SPEC §4.1); also the size of a [`LayerSet`].
+pub const MAX_LAYERS: u64 = 1 << 10;
+
+/// A set of decoder layers: bit `l % 64` of word `l / 64` is layer `l`
+/// (SPEC §4.1, 128 bytes on the wire; format 3.5). Used for the layers that
+/// apply RoPE in SmolLM3.
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerSet(pub [u64; 16]);
+
+impl LayerSet {
+    /// The empty set.
+    pub const EMPTY: LayerSet = LayerSet([0; 16]);
+
+    /// The set of the layers `l < n` for which `f(l)` holds; `n` at most [`MAX_LAYERS`].
+    pub fn from_fn(n: u64, f: impl Fn(usize) -> bool) -> Self {
+        let mut s = Self::EMPTY;
+        for l in 0..n.min(MAX_LAYERS) as usize {
+            if f(l) {
+                s.0[l / 64] |= 1 << (l % 64);
+            }
+        }
+        s
+    }
+
+    /// Whether layer `l` is in the set (false for `l ≥` [`MAX_LAYERS`]).
+    pub fn contains(&self, l: usize) -> bool {
+        l < MAX_LAYERS as usize && self.0[l / 64] >> (l % 64) & 1 == 1
+    }
+
+    /// The layers in the set, ascending.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..MAX_LAYERS as usize).filter(|&l| self.contains(l))
+    }
+}
+
+impl std::fmt::Debug for LayerSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.iter()).finish()
+    }
+}
+
 /// Supported model architectures (HF `architectures[0]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
@@ -46,20 +88,36 @@ pub enum Architecture {
     /// `Qwen3MoeForCausalLM` (format 3.3): RMSNorm on each query and key head
     /// (`q_norm`, `k_norm`), a mixture of many small experts (`mlp.experts`).
     Qwen3Moe(Moe),
+    /// `Qwen3ForCausalLM` (format 3.5): Qwen3-MoE's attention (RMSNorm on
+    /// each query and key head, explicit `head_dim`) with a dense FFN.
+    Qwen3,
+    /// `SmolLM3ForCausalLM` (format 3.5): Llama, except that only the layers
+    /// in the set apply RoPE; the others are NoPE layers (`no_rope_layers[l]`
+    /// = 1 means layer `l` uses RoPE; default from `no_rope_layer_interval`).
+    SmolLm3(LayerSet),
 }
 
 impl Architecture {
     /// The HF class names accepted.
-    pub const SUPPORTED: [&'static str; 5] =
-        ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"];
+    pub const SUPPORTED: [&'static str; 7] = [
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen3ForCausalLM",
+        "SmolLM3ForCausalLM",
+    ];
 
-    /// Parses an HF `architectures` entry of a dense model (the mixtures of
-    /// experts need their routing settings: `prep` reads them from config.json).
+    /// Parses an HF `architectures` entry of a dense model with no settings
+    /// of its own (the mixtures of experts need their routing settings and
+    /// SmolLM3 its NoPE layers: `prep` reads them from config.json).
     pub fn from_hf(name: &str) -> Option<Self> {
         match name {
             "LlamaForCausalLM" => Some(Architecture::Llama),
             "MistralForCausalLM" => Some(Architecture::Mistral),
             "Qwen2ForCausalLM" => Some(Architecture::Qwen2),
+            "Qwen3ForCausalLM" => Some(Architecture::Qwen3),
             _ => None,
         }
     }
@@ -72,6 +130,8 @@ impl Architecture {
             Architecture::Qwen2 => 2,
             Architecture::Mixtral(_) => 3,
             Architecture::Qwen3Moe(_) => 4,
+            Architecture::Qwen3 => 5,
+            Architecture::SmolLm3(_) => 6,
         };
         Self::SUPPORTED[i]
     }
@@ -286,9 +346,19 @@ impl ModelConfig {
     }
 
     /// Whether attention RMSNorms each query and key head before RoPE
-    /// (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, `[head_dim]`: Qwen3).
+    /// (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, `[head_dim]`:
+    /// Qwen3 and Qwen3-MoE).
     pub fn qk_norm(&self) -> bool {
-        matches!(self.architecture, Architecture::Qwen3Moe(_))
+        matches!(self.architecture, Architecture::Qwen3Moe(_) | Architecture::Qwen3)
+    }
+
+    /// Whether layer `l` rotates its queries and keys with RoPE: every layer
+    /// but SmolLM3's NoPE layers (SPEC §4.1).
+    pub fn layer_uses_rope(&self, l: usize) -> bool {
+        match self.architecture {
+            Architecture::SmolLm3(rope) => rope.contains(l),
+            _ => true,
+        }
     }
 
     /// Checks internal consistency; returns a description of the first problem.
@@ -313,7 +383,7 @@ impl ModelConfig {
             ("vocab_size", self.vocab_size, 1 << 22),
             ("hidden_size", self.hidden_size, 1 << 17),
             ("intermediate_size", self.intermediate_size, 1 << 19),
-            ("num_hidden_layers", self.num_layers, 1 << 10),
+            ("num_hidden_layers", self.num_layers, MAX_LAYERS),
             ("num_attention_heads", self.num_heads, 1 << 10),
             ("head_dim", self.head_dim, 1 << 12),
             ("max_position_embeddings", self.max_position_embeddings, MAX_CONTEXT),
@@ -337,6 +407,14 @@ impl ModelConfig {
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(format!("rope_theta {} is not a positive number", self.rope_theta));
+        }
+        if let Architecture::SmolLm3(rope) = self.architecture {
+            if let Some(l) = rope.iter().find(|&l| l as u64 >= self.num_layers) {
+                return Err(format!(
+                    "the RoPE layer set names layer {l}, but the model has {} layers",
+                    self.num_layers
+                ));
+            }
         }
         if let Some(m) = self.architecture.moe() {
             if m.num_experts == 0 || m.num_experts > MAX_EXPERTS {

@@ -5,7 +5,7 @@ pub const MAGIC: [u8; 8] = *b"NFLASHPK";
 /// Format major version this build writes and reads.
 pub const VERSION_MAJOR: u16 = 3;
 /// Format minor version this build writes; packs with a larger minor are refused.
-pub const VERSION_MINOR: u16 = 4;
+pub const VERSION_MINOR: u16 = 5;
 /// Size of [`Header`] on disk, bytes.
 pub const HEADER_BYTES: usize = 64;
 /// Default segment alignment, bytes: 16 KiB so one file maps on 4 KiB and 16 KiB page devices.

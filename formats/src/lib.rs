@@ -19,7 +19,10 @@ pub mod reader;
 pub mod writer;
 
 pub use checksums::{cluster_crc32c, ClusterChecksums, ClusterHasher};
-pub use config::{Activation, Architecture, ModelConfig, Moe, RopeScaling, MAX_CONTEXT, MAX_EXPERTS, MAX_FFN_UNITS};
+pub use config::{
+    Activation, Architecture, LayerSet, ModelConfig, Moe, RopeScaling, MAX_CONTEXT, MAX_EXPERTS, MAX_FFN_UNITS,
+    MAX_LAYERS,
+};
 pub use device::{DeviceProfile, KernelSpeeds};
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use crate::checksums::ClusterChecksums;
+use crate::config::Architecture;
 use crate::error::{Error, Result};
 use crate::header::{Header, HEADER_BYTES, MAGIC, VERSION_MAJOR, VERSION_MINOR};
 use crate::manifest::{bincode_options, FfnLayer, Manifest, Segment, SegmentKind, TensorEntry};
@@ -716,6 +717,17 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             format!(
                 "a mixture of experts in a pack of version {}.{} (mixtures of experts exist since 3.3)",
                 header.major, header.minor
+            ),
+        ));
+    }
+    if matches!(m.config.architecture, Architecture::Qwen3 | Architecture::SmolLm3(_)) && header.minor < 5 {
+        return Err(invalid(
+            "config".into(),
+            format!(
+                "architecture {} in a pack of version {}.{} (it exists since 3.5)",
+                m.config.architecture.hf_name(),
+                header.major,
+                header.minor
             ),
         ));
     }

@@ -107,6 +107,10 @@ pub struct TinySpec {
     pub top_k: usize,
     /// Qwen3-MoE `norm_topk_prob`.
     pub norm_topk_prob: bool,
+    /// SmolLM3 `no_rope_layers` (1 = RoPE, 0 = NoPE per layer); `None` leaves the key out.
+    pub no_rope_layers: Option<Vec<u8>>,
+    /// SmolLM3 `no_rope_layer_interval`; `None` leaves the key out.
+    pub no_rope_layer_interval: Option<usize>,
 }
 
 impl Default for TinySpec {
@@ -132,6 +136,8 @@ impl Default for TinySpec {
             experts: 4,
             top_k: 2,
             norm_topk_prob: true,
+            no_rope_layers: None,
+            no_rope_layer_interval: None,
         }
     }
 }
@@ -148,6 +154,8 @@ impl TinySpec {
                 "MixtralForCausalLM" => "mixtral",
                 "TurboSparseMixtralForCausalLM" => "turbosparse_mixtral",
                 "Qwen3MoeForCausalLM" => "qwen3_moe",
+                "Qwen3ForCausalLM" => "qwen3",
+                "SmolLM3ForCausalLM" => "smollm3",
                 _ => "llama",
             },
             "hidden_size": self.hidden,
@@ -197,6 +205,23 @@ impl TinySpec {
             c["max_window_layers"] = json!(self.layers);
             c["use_sliding_window"] = json!(false);
         }
+        if self.arch == "Qwen3ForCausalLM" {
+            c["head_dim"] = json!(self.head_dim.unwrap_or(self.hidden / self.heads));
+            c["attention_bias"] = json!(false);
+            c["sliding_window"] = Value::Null;
+            c["max_window_layers"] = json!(self.layers);
+            c["use_sliding_window"] = json!(false);
+        }
+        if self.arch == "SmolLM3ForCausalLM" {
+            c["attention_bias"] = json!(false);
+            c["use_sliding_window"] = json!(false);
+            if let Some(l) = &self.no_rope_layers {
+                c["no_rope_layers"] = json!(l);
+            }
+            if let Some(n) = self.no_rope_layer_interval {
+                c["no_rope_layer_interval"] = json!(n);
+            }
+        }
         if self.arch == "Qwen2ForCausalLM" {
             c["sliding_window"] = json!(256);
             c["max_window_layers"] = json!(self.layers);
@@ -228,7 +253,7 @@ impl TinySpec {
                 t.push((format!("{p}.self_attn.k_proj.bias"), vec![kvd]));
                 t.push((format!("{p}.self_attn.v_proj.bias"), vec![kvd]));
             }
-            if self.arch == "Qwen3MoeForCausalLM" {
+            if matches!(self.arch, "Qwen3MoeForCausalLM" | "Qwen3ForCausalLM") {
                 t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
                 t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
             }

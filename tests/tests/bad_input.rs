@@ -540,3 +540,48 @@ fn full_context_stops_with_a_note() {
     assert!(o.status.success(), "{err}");
     assert!(err.contains("context (3 tokens) is full"), "{err}");
 }
+
+/// SmolLM3 NoPE settings that do not describe the model: each a clear
+/// error naming the key.
+#[test]
+fn smollm3_bad_nope_settings_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec { arch: "SmolLM3ForCausalLM", layers: 3, ..Default::default() };
+    let dir = tiny_checkpoint(tmp.path(), &spec);
+    let cfg = read_json(&dir.join("config.json"));
+    let cases: [(&str, Value, &[&str]); 5] = [
+        ("no_rope_layers", json!([1, 0]), &["no_rope_layers has 2 entries", "3 layers"]),
+        ("no_rope_layers", json!([1, 2, 1]), &["no_rope_layers[1] = 2", "0 (NoPE layer) or 1"]),
+        ("no_rope_layers", json!("all"), &["no_rope_layers", "not a list"]),
+        ("no_rope_layer_interval", json!(0), &["no_rope_layer_interval is 0"]),
+        ("use_sliding_window", json!(true), &["use_sliding_window", "SmolLM3ForCausalLM"]),
+    ];
+    for (key, value, needles) in cases {
+        let mut c = cfg.clone();
+        c[key] = value;
+        write_json(&dir.join("config.json"), &c);
+        convert_fails(&dir, needles);
+    }
+}
+
+/// A Qwen3 config.json that omits keys transformers' `Qwen3Config` gives
+/// defaults for converts with those defaults (head_dim 128 here, not
+/// hidden / heads), and one with a sliding window is refused by name.
+#[test]
+fn qwen3_config_defaults_and_sliding_window() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec { arch: "Qwen3ForCausalLM", head_dim: Some(128), ..Default::default() };
+    let dir = tiny_checkpoint(tmp.path(), &spec);
+    let mut cfg = read_json(&dir.join("config.json"));
+    for k in ["head_dim", "hidden_act", "attention_bias", "use_sliding_window", "rope_theta"] {
+        cfg.as_object_mut().unwrap().remove(k);
+    }
+    write_json(&dir.join("config.json"), &cfg);
+    let pack = tmp.path().join("q.nflash");
+    convert(&dir, &pack, "f32");
+    let c = nflash_format::Pack::open(&pack).unwrap().manifest().config.clone();
+    assert_eq!((c.head_dim, c.activation, c.rope_theta), (128, nflash_format::Activation::Silu, 10000.0));
+    cfg["use_sliding_window"] = json!(true);
+    write_json(&dir.join("config.json"), &cfg);
+    convert_fails(&dir, &["use_sliding_window", "Qwen3ForCausalLM"]);
+}

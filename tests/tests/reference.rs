@@ -1,7 +1,10 @@
 //! Tiny random checkpoints of each supported variant, converted to f32 packs,
 //! must match candle-transformers run on the same checkpoint.
 
-use crate::common::{assert_matches_reference, our_logits, reference_logits, tiny_f32_pack};
+use crate::common::{
+    assert_close_to_reference, assert_matches_reference, our_logits, our_logits_kv, reference_logits, tiny_f32_pack,
+};
+use nflash_plan::KvType::F32;
 use nflash_tests::TinySpec;
 
 fn check(name: &str, spec: TinySpec) {
@@ -107,4 +110,104 @@ fn qwen3_moe_normalized_tied() {
     let spec = TinySpec { arch: "Qwen3MoeForCausalLM", tied: true, seed: 19, ..Default::default() };
     check("qwen3-moe normalized tied", spec.clone());
     check_greedy("qwen3-moe normalized tied", spec);
+}
+
+/// The bound of issue 44 for the architectures it adds: every logit of
+/// both our paths, with an f32 KV cache like the reference's, within 1e-4
+/// of the reference; then 32 greedy tokens with the default (f16) KV cache.
+fn check_close(name: &str, spec: TinySpec) {
+    let (_tmp, dir, pack, tokens) = tiny_f32_pack(&spec);
+    let reference = reference_logits(&dir, &tokens);
+    assert_close_to_reference(name, &our_logits_kv(&pack, &tokens, F32), &reference, 1e-4);
+    check_greedy(name, spec);
+}
+
+#[test]
+fn qwen3_qk_norm_explicit_head_dim_untied_bf16() {
+    // head_dim 24 is not hidden / heads (16): the explicit key must win.
+    let spec = TinySpec {
+        arch: "Qwen3ForCausalLM",
+        tied: false,
+        head_dim: Some(24),
+        dtype: "BF16",
+        rope_theta: 1e6,
+        seed: 31,
+        ..Default::default()
+    };
+    check_close("qwen3 head_dim 24 untied", spec);
+}
+
+#[test]
+fn qwen3_tied_mha_f32() {
+    let spec =
+        TinySpec { arch: "Qwen3ForCausalLM", tied: true, kv_heads: 4, layers: 3, seed: 32, ..Default::default() };
+    check_close("qwen3 tied mha", spec);
+}
+
+#[test]
+fn smollm3_nope_layers_from_the_list() {
+    let spec = TinySpec {
+        arch: "SmolLM3ForCausalLM",
+        layers: 4,
+        no_rope_layers: Some(vec![1, 0, 1, 0]),
+        rope_theta: 5e6,
+        seed: 33,
+        ..Default::default()
+    };
+    check_close("smollm3 no_rope_layers [1,0,1,0]", spec);
+}
+
+#[test]
+fn smollm3_nope_layers_from_the_interval_untied() {
+    let spec = TinySpec {
+        arch: "SmolLM3ForCausalLM",
+        layers: 4,
+        tied: false,
+        no_rope_layer_interval: Some(2),
+        seed: 34,
+        ..Default::default()
+    };
+    check_close("smollm3 no_rope_layer_interval 2", spec);
+}
+
+/// Neither `no_rope_layers` nor `no_rope_layer_interval`: transformers'
+/// `SmolLM3Config` makes every 4th layer NoPE (interval 4), while
+/// candle-transformers would rotate every layer. HF decides: the pack must
+/// give the logits, bit for bit, of the same weights with
+/// `no_rope_layer_interval: 4` spelled out (which candle reads as HF does).
+#[test]
+fn smollm3_without_nope_keys_follows_transformers_interval_4() {
+    let base = TinySpec { arch: "SmolLM3ForCausalLM", layers: 4, seed: 35, ..Default::default() };
+    let (_t1, _d1, implicit, tokens) = tiny_f32_pack(&base);
+    let explicit_spec = TinySpec { no_rope_layer_interval: Some(4), ..base.clone() };
+    let (_t2, dir, explicit, _) = tiny_f32_pack(&explicit_spec);
+    let (a, b) = (our_logits_kv(&implicit, &tokens, F32), our_logits_kv(&explicit, &tokens, F32));
+    assert_eq!(nflash_tests::logit_bits(&a.1), nflash_tests::logit_bits(&b.1), "implicit vs explicit interval 4");
+    assert_close_to_reference("smollm3 default interval", &a, &reference_logits(&dir, &tokens), 1e-4);
+    // And layer 3 really is NoPE: rotating every layer gives other logits.
+    let all_rope = TinySpec { no_rope_layers: Some(vec![1, 1, 1, 1]), ..base };
+    let (_t3, _d3, rotated, _) = tiny_f32_pack(&all_rope);
+    assert_ne!(nflash_tests::logit_bits(&our_logits_kv(&rotated, &tokens, F32).1), nflash_tests::logit_bits(&a.1));
+}
+
+/// `prep inspect` names SmolLM3's NoPE layers and Qwen3's per-head norms.
+#[test]
+fn inspect_shows_nope_layers_and_qk_norms() {
+    for (spec, want) in [
+        (
+            TinySpec {
+                arch: "SmolLM3ForCausalLM",
+                layers: 4,
+                no_rope_layers: Some(vec![1, 0, 1, 0]),
+                ..Default::default()
+            },
+            "NoPE layers (no RoPE): 1, 3",
+        ),
+        (TinySpec { arch: "Qwen3ForCausalLM", ..Default::default() }, "RMSNorm on each query and key head"),
+    ] {
+        let (_tmp, _dir, pack, _) = tiny_f32_pack(&spec);
+        let o = nflash_tests::run("prep", &["inspect", pack.to_str().unwrap()]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success() && out.contains(want), "{}: no {want:?} in\n{out}", spec.arch);
+    }
 }

@@ -43,6 +43,24 @@ fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
         check_pack(&["compare", p.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
         check_pack(&["weights", p.to_str().unwrap(), "--model", ckpt.to_str().unwrap()]);
     }
+    // The dense architectures of format 3.5: Qwen3 (q/k norms) and SmolLM3
+    // (its RoPE layer set, a newtype variant).
+    for spec in [
+        TinySpec { arch: "Qwen3ForCausalLM", head_dim: Some(24), tied: false, ..TinySpec::default() },
+        TinySpec {
+            arch: "SmolLM3ForCausalLM",
+            layers: 4,
+            no_rope_layers: Some(vec![1, 0, 1, 0]),
+            ..TinySpec::default()
+        },
+    ] {
+        let ckpt = dir.path().join(spec.arch);
+        write_tiny_checkpoint(&ckpt, &spec);
+        let pack = dir.path().join(format!("{}.nflash", spec.arch));
+        convert_with(&ckpt, &pack, &["--quant", "q8_0"]);
+        check_pack(&["compare", pack.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
+        check_pack(&["weights", pack.to_str().unwrap(), "--model", ckpt.to_str().unwrap(), "--all-layers"]);
+    }
     // Mixtures of experts (format 3.3): one FFN unit per expert.
     // Sparse with few calibration tokens: some experts get too few to train a
     // predictor, and select every neuron (predictor threshold the lowest f32).

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
-use nflash_format::{Activation, Architecture, ModelConfig, Moe, RopeScaling, MAX_EXPERTS};
+use nflash_format::{Activation, Architecture, LayerSet, ModelConfig, Moe, RopeScaling, MAX_EXPERTS};
 use rayon::prelude::*;
 use safetensors::tensor::Metadata;
 use safetensors::Dtype;
@@ -87,6 +87,112 @@ pub fn token_ids(v: Option<&Value>, what: &str) -> Result<Vec<u32>> {
         None | Some(Value::Null) => Ok(vec![]),
         Some(Value::Array(a)) => a.iter().map(as_id).collect(),
         Some(v) => Ok(vec![as_id(v)?]),
+    }
+}
+
+/// HF class of SmolLM3 checkpoints: Llama with NoPE layers.
+pub const SMOLLM3: &str = "SmolLM3ForCausalLM";
+
+/// The defaults of transformers' config class `arch_name` for the keys
+/// nflash reads, where a checkpoint's config.json may omit them: the
+/// class's `__init__` signature (`Qwen3Config`, `SmolLM3Config`). For the
+/// other classes only `hidden_act` (`silu` in each); their other keys are
+/// required. Keys present in config.json, even as `null`, are kept.
+fn class_defaults(arch_name: &str) -> Vec<(&'static str, Value)> {
+    use serde_json::json;
+    match arch_name {
+        "Qwen3ForCausalLM" => vec![
+            ("vocab_size", json!(151936)),
+            ("hidden_size", json!(4096)),
+            ("intermediate_size", json!(22016)),
+            ("num_hidden_layers", json!(32)),
+            ("num_attention_heads", json!(32)),
+            ("num_key_value_heads", json!(32)),
+            ("head_dim", json!(128)),
+            ("hidden_act", json!("silu")),
+            ("max_position_embeddings", json!(32768)),
+            ("rms_norm_eps", json!(1e-6)),
+            ("tie_word_embeddings", json!(false)),
+            ("rope_theta", json!(10000.0)),
+            ("attention_bias", json!(false)),
+            ("use_sliding_window", json!(false)),
+        ],
+        SMOLLM3 => vec![
+            ("vocab_size", json!(128256)),
+            ("hidden_size", json!(2048)),
+            ("intermediate_size", json!(11008)),
+            ("num_hidden_layers", json!(36)),
+            ("num_attention_heads", json!(16)),
+            ("num_key_value_heads", json!(4)),
+            ("hidden_act", json!("silu")),
+            ("max_position_embeddings", json!(32768)),
+            ("rms_norm_eps", json!(1e-6)),
+            ("bos_token_id", json!(128000)),
+            ("eos_token_id", json!(128001)),
+            ("rope_theta", json!(2000000.0)),
+            ("use_sliding_window", json!(false)),
+            ("no_rope_layer_interval", json!(4)),
+            ("attention_bias", json!(false)),
+            ("mlp_bias", json!(false)),
+            ("tie_word_embeddings", json!(true)),
+        ],
+        _ => vec![("hidden_act", json!("silu"))],
+    }
+}
+
+/// `cfg` with the keys it lacks filled from [`class_defaults`], and
+/// `rope_theta` from `rope_parameters.rope_theta` where only that is given
+/// (configs saved by transformers 5).
+fn with_class_defaults(cfg: &Value, arch_name: &str) -> Value {
+    let mut cfg = cfg.clone();
+    if let Some(obj) = cfg.as_object_mut() {
+        if !obj.contains_key("rope_theta") {
+            if let Some(theta) = obj.get("rope_parameters").and_then(|r| r.get("rope_theta")).cloned() {
+                obj.insert("rope_theta".into(), theta);
+            }
+        }
+        for (k, v) in class_defaults(arch_name) {
+            obj.entry(k).or_insert(v);
+        }
+    }
+    cfg
+}
+
+/// SmolLM3's RoPE layers (SPEC §4.1): `no_rope_layers[l]` = 1 means layer
+/// `l` uses RoPE, 0 that it is a NoPE layer; without that list, every
+/// `no_rope_layer_interval`-th layer is NoPE (`(l + 1) % interval == 0`),
+/// as transformers' `SmolLM3Config` does.
+///
+/// # Errors
+/// A list shorter than the model or with entries other than 0 and 1, an
+/// interval of 0.
+fn smollm3_rope_layers(cfg: &Value, n_layers: u64) -> Result<LayerSet> {
+    match cfg.get("no_rope_layers") {
+        Some(Value::Array(a)) => {
+            if (a.len() as u64) < n_layers {
+                bail!("config.json: no_rope_layers has {} entries, but the model has {n_layers} layers (num_hidden_layers); it needs a 0 (NoPE) or 1 (RoPE) for every layer", a.len());
+            }
+            let mut flags = Vec::with_capacity(n_layers as usize);
+            for (l, v) in a.iter().take(n_layers as usize).enumerate() {
+                match v.as_u64() {
+                    Some(f @ (0 | 1)) => flags.push(f == 1),
+                    _ => {
+                        bail!("config.json: no_rope_layers[{l}] = {v}; each entry is 0 (NoPE layer) or 1 (RoPE layer)")
+                    }
+                }
+            }
+            Ok(LayerSet::from_fn(n_layers, |l| flags[l]))
+        }
+        None | Some(Value::Null) => {
+            let every = req_u64(cfg, "no_rope_layer_interval")?;
+            if every == 0 {
+                bail!(
+                    "config.json: no_rope_layer_interval is 0; it is the distance between NoPE layers (SmolLM3 uses 4)"
+                );
+            }
+            Ok(LayerSet::from_fn(n_layers, |l| !(l as u64 + 1).is_multiple_of(every)))
+        }
+        Some(v) => bail!("config.json: no_rope_layers = {v} is not a list of 0 and 1 per layer"),
     }
 }
 
@@ -223,11 +329,15 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         .and_then(|a| a.get(0))
         .and_then(Value::as_str)
         .ok_or_else(|| anyhow!("config.json has no \"architectures\" list"))?;
+    let cfg = &with_class_defaults(cfg, arch_name);
     // TurboSparse (dReLU) checkpoints are Mistral-shaped "Bamboo" models, or Mixtral-shaped.
     let bamboo = arch_name == BAMBOO || arch_name == TURBOSPARSE_MIXTRAL;
     let architecture = match parse_moe(cfg, arch_name)? {
         Some(a) => Some(a),
         None if arch_name == BAMBOO => Some(Architecture::Mistral),
+        None if arch_name == SMOLLM3 => {
+            Some(Architecture::SmolLm3(smollm3_rope_layers(cfg, req_u64(cfg, "num_hidden_layers")?)?))
+        }
         None => Architecture::from_hf(arch_name),
     }
     .ok_or_else(|| {
@@ -241,7 +351,16 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
     if num_heads == 0 {
         bail!("config.json: num_attention_heads is 0");
     }
-    let act_name = cfg.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+    if matches!(architecture, Architecture::Qwen3 | Architecture::SmolLm3(_))
+        && get_bool(cfg, "use_sliding_window", false)?
+    {
+        bail!("config.json: use_sliding_window is true; sliding-window attention is not supported for {arch_name}");
+    }
+    let act_name = match cfg.get("hidden_act") {
+        Some(Value::String(s)) => s.as_str(),
+        Some(v) => bail!("config.json: hidden_act = {v} is not a string"),
+        None => bail!("config.json has no hidden_act; it is required for {arch_name}"),
+    };
     let activation = match Activation::from_hf(act_name) {
         Some(Activation::Relu) if bamboo => Activation::DRelu,
         Some(a) => a,

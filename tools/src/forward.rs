@@ -67,6 +67,8 @@ struct Attention {
     /// Qwen3: RMSNorm weights `[head_dim]` of each query and key head, before RoPE.
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
+    /// Whether RoPE rotates queries and keys (false in SmolLM3's NoPE layers).
+    rope: bool,
 }
 
 /// A mixture-of-experts layer's router (`[num_experts, hidden]`) and routing
@@ -159,7 +161,7 @@ fn attend(cfg: &ModelConfig, rope: &Rope, w: &Attention, x: &[f32], b: usize, le
     }
     let v = project(&w.v, w.v_bias.as_ref())?; // [b, len, nkv, hd]
     let (cos, sin) = rope.tables(0, len); // [len, hd/2] each; every window starts at position 0
-    for (m, width) in [(&mut q, nh * hd), (&mut k, nkv * hd)] {
+    for (m, width) in [(&mut q, nh * hd), (&mut k, nkv * hd)].into_iter().filter(|_| w.rope) {
         m.par_chunks_mut(width).enumerate().for_each(|(i, row)| {
             let t = i % len;
             rope.rotate(row, &cos[t * hd / 2..(t + 1) * hd / 2], &sin[t * hd / 2..(t + 1) * hd / 2]);
@@ -254,6 +256,7 @@ impl<'a> Forward<'a> {
             o_bias: bias(ck, &format!("{p}.o_proj.bias"), h, cfg.attention_bias && !qwen2)?,
             q_norm: head_norm(ck, &format!("{p}.q_norm.weight"), cfg)?,
             k_norm: head_norm(ck, &format!("{p}.k_norm.weight"), cfg)?,
+            rope: cfg.layer_uses_rope(l),
         })
     }
 
@@ -460,8 +463,9 @@ mod tests {
 
     /// The runtime's per-token attention (runtime/src/model/attention.rs) on
     /// plain vectors; with `qk_norm`, each query and key head RMSNormed by
-    /// `raw[9]` / `raw[10]` before RoPE (Qwen3).
-    fn reference(c: &ModelConfig, raw: &[Vec<f32>], x: &[f32], len: usize, qk_norm: bool) -> Vec<f32> {
+    /// `raw[9]` / `raw[10]` before RoPE (Qwen3); without `rope`, no rotation
+    /// (a SmolLM3 NoPE layer).
+    fn reference(c: &ModelConfig, raw: &[Vec<f32>], x: &[f32], len: usize, qk_norm: bool, rope_on: bool) -> Vec<f32> {
         let (h, nh, nkv, hd) = (16, 4, 2, 8);
         let (qd, kvd) = (nh * hd, nkv * hd);
         let rope = Rope::new(c);
@@ -487,8 +491,10 @@ mod tests {
                         }
                     }
                 }
-                rope.rotate(&mut qt, &cos[t * hd / 2..(t + 1) * hd / 2], &sin[t * hd / 2..(t + 1) * hd / 2]);
-                rope.rotate(&mut kt, &cos[t * hd / 2..(t + 1) * hd / 2], &sin[t * hd / 2..(t + 1) * hd / 2]);
+                if rope_on {
+                    rope.rotate(&mut qt, &cos[t * hd / 2..(t + 1) * hd / 2], &sin[t * hd / 2..(t + 1) * hd / 2]);
+                    rope.rotate(&mut kt, &cos[t * hd / 2..(t + 1) * hd / 2], &sin[t * hd / 2..(t + 1) * hd / 2]);
+                }
                 q.extend(qt);
                 k.extend(kt);
                 v.extend(mv(&raw[3], &raw[7], &xn));
@@ -544,19 +550,23 @@ mod tests {
             o_bias: Some(t(raw[8].clone(), &[h])),
             q_norm: None,
             k_norm: None,
+            rope: true,
         };
         let (b, len) = (3, 11);
         let x = rng.vec(b * len * h, 1.0);
-        for (sliding, qk_norm) in [(None, false), (Some(3), false), (None, true)] {
+        for (sliding, qk_norm, rope) in
+            [(None, false, true), (Some(3), false, true), (None, true, true), (None, false, false)]
+        {
             let c = cfg(sliding);
             (w.q_norm, w.k_norm) = if qk_norm { (Some(raw[9].clone()), Some(raw[10].clone())) } else { (None, None) };
-            let want = reference(&c, &raw, &x, len, qk_norm);
+            w.rope = rope;
+            let want = reference(&c, &raw, &x, len, qk_norm, rope);
             let got = attend(&c, &Rope::new(&c), &w, &x, b, len).unwrap();
             let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(err < 1e-4, "sliding {sliding:?}, q/k norm {qk_norm}: max error {err}");
-            if qk_norm {
-                // The norms change the result: the test sees them.
-                let plain = reference(&c, &raw, &x, len, false);
+            assert!(err < 1e-4, "sliding {sliding:?}, q/k norm {qk_norm}, rope {rope}: max error {err}");
+            // The norms and the missing rotation change the result: the test sees them.
+            if qk_norm || !rope {
+                let plain = reference(&c, &raw, &x, len, false, true);
                 assert!(got.iter().zip(&plain).any(|(a, b)| (a - b).abs() > 1e-3));
             }
         }

@@ -97,6 +97,14 @@ pub fn run(a: InspectArgs) -> Result<()> {
         c.sliding_window.map_or(String::new(), |w| format!(", sliding window {w}")),
         if c.tie_word_embeddings { "tied" } else { "untied" }
     );
+    if let nflash_format::Architecture::SmolLm3(_) = c.architecture {
+        let nope: Vec<String> =
+            (0..c.num_layers as usize).filter(|&l| !c.layer_uses_rope(l)).map(|l| l.to_string()).collect();
+        println!("       NoPE layers (no RoPE): {}", if nope.is_empty() { "none".into() } else { nope.join(", ") });
+    }
+    if c.qk_norm() {
+        println!("       RMSNorm on each query and key head (q_norm, k_norm)");
+    }
     if let Some(moe) = c.architecture.moe() {
         println!(
             "       mixture of experts: {} experts per layer (FFN {} each), {} per token{}",

@@ -32,6 +32,9 @@ pub(crate) struct Attention<'a> {
     /// before RoPE (Qwen3 `self_attn.q_norm`, `self_attn.k_norm`).
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// Whether queries and keys are rotated by RoPE; false for SmolLM3's
+    /// NoPE layers ([`nflash_format::ModelConfig::layer_uses_rope`]).
+    pub rope: bool,
 }
 
 /// Head geometry (HF config `num_attention_heads`, `num_key_value_heads`,
@@ -133,9 +136,9 @@ impl Attention<'_> {
         // Qwen3: RMSNorm of each query and key head.
         head_norm(&mut s.q, self.q_norm.as_deref(), h.eps);
         head_norm(&mut s.k, self.k_norm.as_deref(), h.eps);
-        // RoPE on queries and keys.
+        // RoPE on queries and keys (none in a NoPE layer).
         let half = h.head_dim / 2;
-        for t in 0..n {
+        for t in (0..n).filter(|_| self.rope) {
             let (c, sn) = (&rope.cos[t * half..(t + 1) * half], &rope.sin[t * half..(t + 1) * half]);
             rope.rope.rotate(&mut s.q[t * qd..(t + 1) * qd], c, sn);
             rope.rope.rotate(&mut s.k[t * kvd..(t + 1) * kvd], c, sn);

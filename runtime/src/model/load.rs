@@ -74,6 +74,7 @@ impl<'a> Model<'a> {
                 )?,
                 q_norm: opt_vector(pack, &format!("{p}.self_attn.q_norm.weight"), cfg.head_dim, cfg.qk_norm())?,
                 k_norm: opt_vector(pack, &format!("{p}.self_attn.k_norm.weight"), cfg.head_dim, cfg.qk_norm())?,
+                rope: cfg.layer_uses_rope(l as usize),
             };
             layers.push(Layer {
                 attn_norm: vector(pack, &format!("{p}.input_layernorm.weight"), h)?,
