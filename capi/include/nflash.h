@@ -75,6 +75,11 @@ typedef struct {
   float top_p;
   // Random seed: the same seed, model and prompt give the same text.
   uint64_t seed;
+  // The chat template's `enable_thinking` ([`nflash_chat`] only): 0
+  // makes Qwen3 and SmolLM3 answer without a `<think>` section, 1 asks
+  // for one, -1 (the default) leaves the template's own default
+  // (thinking). Templates that do not read it ignore it.
+  int32_t enable_thinking;
 } nflash_params;
 
 // One chat message (both strings UTF-8, NUL-terminated).

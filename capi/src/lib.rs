@@ -39,7 +39,7 @@ use std::sync::mpsc;
 use std::sync::{Mutex, MutexGuard};
 
 use nflash_format::Pack;
-use nflash_runtime::chat::Message;
+use nflash_runtime::chat::{ChatOptions, Message};
 use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
 use nflash_runtime::placement::{self, MemoryOptions};
 use nflash_runtime::sampler::{self, Sampler, SamplerConfig};
@@ -112,6 +112,11 @@ pub struct NflashParams {
     pub top_p: f32,
     /// Random seed: the same seed, model and prompt give the same text.
     pub seed: u64,
+    /// The chat template's `enable_thinking` ([`nflash_chat`] only): 0
+    /// makes Qwen3 and SmolLM3 answer without a `<think>` section, 1 asks
+    /// for one, -1 (the default) leaves the template's own default
+    /// (thinking). Templates that do not read it ignore it.
+    pub enable_thinking: i32,
 }
 
 /// One chat message (both strings UTF-8, NUL-terminated).
@@ -490,6 +495,7 @@ fn pack_params(engine: &Engine) -> NflashParams {
         top_k: g.top_k.unwrap_or(sampler::DEFAULT_TOP_K as u32),
         top_p: g.top_p.unwrap_or(sampler::DEFAULT_TOP_P),
         seed: 0,
+        enable_thinking: -1,
     }
 }
 
@@ -523,13 +529,25 @@ fn generate(
     if !sampler::valid_top_p(p.top_p) {
         return Err(invalid(format!("params.top_p {} must be in (0, 1]", p.top_p)));
     }
+    let enable_thinking = match p.enable_thinking {
+        -1 => None,
+        0 => Some(false),
+        1 => Some(true),
+        v => return Err(invalid(format!("params.enable_thinking {v} must be -1 (the template's default), 0 or 1"))),
+    };
     lock(&m.loaded).with_dependent_mut(|_, r| {
         // At most a context's worth, counted before a long text is tokenized whole.
         let limit = r.session.capacity() - 1;
         let ids = match &req {
-            Request::Chat(msgs) => r.engine.encode_chat(msgs, limit)?.ok_or_else(|| {
-                Fail(NflashStatus::Prompt, "this pack has no chat template (a base model): use nflash_complete".into())
-            })?,
+            Request::Chat(msgs) => {
+                { r.engine.encode_chat_with(msgs, limit, ChatOptions { enable_thinking, ..Default::default() })? }
+                    .ok_or_else(|| {
+                        Fail(
+                            NflashStatus::Prompt,
+                            "this pack has no chat template (a base model): use nflash_complete".into(),
+                        )
+                    })?
+            }
             Request::Raw(text) => r.engine.encode_raw_at_most(text, limit)?,
         };
         let opts = GenerateOptions {

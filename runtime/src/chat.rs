@@ -34,6 +34,21 @@ pub enum ContentTokens {
     Special,
 }
 
+/// How a conversation is rendered and tokenized
+/// ([`crate::Engine::encode_chat_with`]). The default is what untrusted
+/// clients get: content as text, the template's own defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChatOptions {
+    /// How special-token text inside message content is tokenized.
+    pub content: ContentTokens,
+    /// The template variable `enable_thinking` (Qwen3's and SmolLM3's
+    /// switch between reasoning in `<think>…</think>` before the answer and
+    /// answering at once); `None` leaves it undefined, so the template's
+    /// own default applies (thinking, in both). Templates that do not read
+    /// it ignore it.
+    pub enable_thinking: Option<bool>,
+}
+
 /// One chat message.
 #[derive(Debug, Clone, Serialize)]
 pub struct Message {
@@ -69,6 +84,9 @@ impl ChatTemplate {
     /// [`Error::Template`] on a syntax error.
     pub fn new(source: &str, bos: Option<&str>, eos: Option<&str>) -> Result<Self> {
         let mut env = minijinja::Environment::new();
+        // As transformers compiles chat templates (`trim_blocks`, `lstrip_blocks`).
+        let syntax = env.syntax().to_builder().trim_blocks(true).lstrip_blocks(true).build();
+        env.set_syntax(syntax.map_err(|e| Error::Template(e.to_string()))?);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
@@ -86,12 +104,22 @@ impl ChatTemplate {
         self.chars.contains(&c)
     }
 
-    /// Renders `messages` with `add_generation_prompt = true`.
+    /// Renders `messages` with `add_generation_prompt = true` and the
+    /// template's defaults for everything else.
     ///
     /// # Errors
     /// [`Error::Template`] for a role not in [`ROLES`] (naming the
     /// message), or when the template fails or refuses the messages.
     pub fn render(&self, messages: &[Message]) -> Result<String> {
+        self.render_with(messages, None)
+    }
+
+    /// As [`Self::render`], with the template variable `enable_thinking`
+    /// set when `enable_thinking` is `Some` ([`ChatOptions::enable_thinking`]).
+    ///
+    /// # Errors
+    /// As [`Self::render`].
+    pub fn render_with(&self, messages: &[Message], enable_thinking: Option<bool>) -> Result<String> {
         let mut mapped = Vec::with_capacity(messages.len());
         for (i, m) in messages.iter().enumerate() {
             let role = match m.role.as_str() {
@@ -107,11 +135,18 @@ impl ChatTemplate {
             mapped.push(Message { role: role.to_string(), content: m.content.clone() });
         }
         let tmpl = self.env.get_template("chat").map_err(|e| Error::Template(e.to_string()))?;
+        // Undefined unless given, so `enable_thinking is defined` and the
+        // template's own default behave as in Hugging Face.
+        let thinking = match enable_thinking {
+            Some(on) => minijinja::context! { enable_thinking => on },
+            None => minijinja::context! {},
+        };
         tmpl.render(minijinja::context! {
             messages => minijinja::Value::from(minijinja::value::Serde(&mapped)),
             add_generation_prompt => true,
             bos_token => &self.bos,
             eos_token => &self.eos,
+            ..thinking
         })
         .map_err(|e| Error::Template(e.to_string()))
     }

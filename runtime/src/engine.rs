@@ -3,7 +3,7 @@
 use nflash_format::Pack;
 use nflash_plan::CacheConfig;
 
-use crate::chat::{ChatTemplate, ContentTokens, Message};
+use crate::chat::{ChatOptions, ChatTemplate, ContentTokens, Message};
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::offload::NeuronCache;
@@ -106,20 +106,15 @@ impl<'a> Engine<'a> {
     /// # Errors
     /// As [`Prompter::encode_chat`].
     pub fn encode_chat(&self, messages: &[Message], limit: usize) -> Result<Option<Vec<u32>>> {
-        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, ContentTokens::Text)
+        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, ChatOptions::default())
     }
 
     /// As [`Prompter::encode_chat_with`].
     ///
     /// # Errors
     /// As [`Prompter::encode_chat`].
-    pub fn encode_chat_with(
-        &self,
-        messages: &[Message],
-        limit: usize,
-        content: ContentTokens,
-    ) -> Result<Option<Vec<u32>>> {
-        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, content)
+    pub fn encode_chat_with(&self, messages: &[Message], limit: usize, opts: ChatOptions) -> Result<Option<Vec<u32>>> {
+        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, opts)
     }
 
     /// As [`Prompter::encode_raw_at_most`].
@@ -160,12 +155,13 @@ impl Prompter {
     /// the template refuses the messages, [`Error::PromptTooLong`],
     /// [`Error::Tokenizer`].
     pub fn encode_chat(&self, messages: &[Message], limit: usize) -> Result<Option<Vec<u32>>> {
-        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, ContentTokens::Text)
+        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, ChatOptions::default())
     }
 
-    /// As [`Self::encode_chat`], with `content` saying whether special-token
-    /// text in the messages' content is plain text (the default, for
-    /// untrusted content) or the control tokens it spells.
+    /// As [`Self::encode_chat`], with [`ChatOptions`]: `content` says
+    /// whether special-token text in the messages' content is plain text
+    /// (the default, for untrusted content) or the control tokens it
+    /// spells; `enable_thinking` is passed to the template.
     ///
     /// How content stays text: where no message spells a special token,
     /// the rendered conversation is tokenized as one text, as Hugging
@@ -187,13 +183,8 @@ impl Prompter {
     /// # Errors
     /// As [`Self::encode_chat`], and [`Error::Template`] if no escape
     /// character is free (the content uses every private-use character).
-    pub fn encode_chat_with(
-        &self,
-        messages: &[Message],
-        limit: usize,
-        content: ContentTokens,
-    ) -> Result<Option<Vec<u32>>> {
-        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, content)
+    pub fn encode_chat_with(&self, messages: &[Message], limit: usize, opts: ChatOptions) -> Result<Option<Vec<u32>>> {
+        encode_chat(&self.tokenizer, self.template.as_ref(), messages, limit, opts)
     }
 
     /// As [`Engine::encode_raw`], at most `limit` tokens ([`Tokenizer::encode_at_most`]).
@@ -211,11 +202,12 @@ fn encode_chat(
     template: Option<&ChatTemplate>,
     messages: &[Message],
     limit: usize,
-    content: ContentTokens,
+    opts: ChatOptions,
 ) -> Result<Option<Vec<u32>>> {
     let Some(t) = template else { return Ok(None) };
-    if content == ContentTokens::Special || messages.iter().all(|m| tok.find_special(&m.content, 0).is_none()) {
-        return tok.encode_at_most(&t.render(messages)?, false, limit).map(Some);
+    let think = opts.enable_thinking;
+    if opts.content == ContentTokens::Special || messages.iter().all(|m| tok.find_special(&m.content, 0).is_none()) {
+        return tok.encode_at_most(&t.render_with(messages, think)?, false, limit).map(Some);
     }
     // One escape character per special token spelled in the content: the
     // private-use planes 15 and 16, skipping characters the messages or
@@ -250,7 +242,7 @@ fn encode_chat(
     }
     let marks: Vec<(char, &str)> =
         escape_of.iter().zip(tok.specials()).filter_map(|(c, sp)| c.map(|c| (c, sp.text.as_str()))).collect();
-    tok.encode_escaped_at_most(&t.render(&escaped)?, &marks, limit).map(Some)
+    tok.encode_escaped_at_most(&t.render_with(&escaped, think)?, &marks, limit).map(Some)
 }
 
 /// A raw prompt's ids, at most `limit`: see [`Engine::encode_raw`].

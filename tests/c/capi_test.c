@@ -492,6 +492,27 @@ static void t_verify(void) {
     nflash_free(m);
 }
 
+/* ---- params.enable_thinking (issue 44: the Qwen3 thinking switch) ---- */
+
+static void t_enable_thinking(void) {
+    nflash_params p;
+    nflash_message msgs[] = {{"user", "What is the capital of France?"}};
+    CHECK_STATUS(nflash_params_default(model, &p), NFLASH_STATUS_OK);
+    CHECK(p.enable_thinking == -1, "params_default gave enable_thinking %d, expected -1", p.enable_thinking);
+    p = greedy;
+    p.enable_thinking = 7;
+    CHECK_STATUS(nflash_chat(model, msgs, 1, &p, NULL, NULL), NFLASH_STATUS_INVALID_ARGUMENT);
+    CHECK_ERROR_NAMES("enable_thinking");
+    /* SmolLM2's template does not read it: off gives the default's text. */
+    struct collect a = {0}, b = {0};
+    p.enable_thinking = -1;
+    CHECK_STATUS(nflash_chat(model, msgs, 1, &p, collect_cb, &a), NFLASH_STATUS_OK);
+    p.enable_thinking = 0;
+    CHECK_STATUS(nflash_chat(model, msgs, 1, &p, collect_cb, &b), NFLASH_STATUS_OK);
+    CHECK(a.len > 0 && strcmp(a.text, b.text) == 0, "enable_thinking 0 changed SmolLM2's reply: \"%s\" vs \"%s\"",
+          a.text, b.text);
+}
+
 static const struct {
     const char *name;
     void (*run)(void);
@@ -512,6 +533,7 @@ static const struct {
     {"reset", t_reset},
     {"callback_stops", t_callback_stops},
     {"verify", t_verify},
+    {"enable_thinking", t_enable_thinking},
 };
 
 int main(int argc, char **argv) {

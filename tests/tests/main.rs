@@ -11,6 +11,7 @@ static A: nflash_tests::CountingAlloc = nflash_tests::CountingAlloc;
 
 mod android;
 mod bad_input;
+mod chat_templates;
 mod checksums;
 mod common;
 mod fuzz;

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::builder::TypedValueParser;
 use clap::Args;
-use nflash_runtime::chat::{ContentTokens, Message};
+use nflash_runtime::chat::{ChatOptions, ContentTokens, Message};
 use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
 use nflash_runtime::model::predictor::SparsitySummary;
 use nflash_runtime::model::Speculation;
@@ -51,6 +51,11 @@ pub struct RunArgs {
     /// always tokenized as given, control tokens included).
     #[arg(long, conflicts_with = "raw")]
     special_tokens_in_content: bool,
+    /// The chat template's `enable_thinking`: `false` makes Qwen3 and
+    /// SmolLM3 answer without a `<think>` section; unset leaves the
+    /// template's default (thinking). Templates without it ignore it.
+    #[arg(long, value_name = "true|false", conflicts_with = "raw")]
+    enable_thinking: Option<bool>,
     /// Maximum tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
@@ -177,7 +182,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         }
         // A message ends where its text does: a prompt file's final newline is not part of it.
         msgs.push(Message::new("user", prompt.trim_end()));
-        engine.encode_chat_with(&msgs, usize::MAX, content_tokens(&a))?.with_context(|| {
+        engine.encode_chat_with(&msgs, usize::MAX, chat_options(&a))?.with_context(|| {
             format!(
                 "this pack has no chat template, so {} cannot apply one; drop it (the prompt is then sent as is), or convert a model whose tokenizer_config.json has chat_template",
                 if a.chat { "--chat" } else { "--system" }
@@ -196,12 +201,12 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     report(&a, &st, &engine.model, budget, kv.capacity())
 }
 
-/// How chat messages' content is tokenized (--special-tokens-in-content).
-fn content_tokens(a: &RunArgs) -> ContentTokens {
-    if a.special_tokens_in_content {
-        ContentTokens::Special
-    } else {
-        ContentTokens::Text
+/// How chat messages are rendered and tokenized
+/// (--special-tokens-in-content, --enable-thinking).
+fn chat_options(a: &RunArgs) -> ChatOptions {
+    ChatOptions {
+        content: if a.special_tokens_in_content { ContentTokens::Special } else { ContentTokens::Text },
+        enable_thinking: a.enable_thinking,
     }
 }
 
@@ -415,7 +420,7 @@ fn interactive(
             break;
         }
         msgs.push(Message::new("user", line.trim_end()));
-        let ids = engine.encode_chat_with(&msgs, usize::MAX, content_tokens(a))?.context(NO_TEMPLATE)?;
+        let ids = engine.encode_chat_with(&msgs, usize::MAX, chat_options(a))?.context(NO_TEMPLATE)?;
         engine.model.reset_counters();
         let result = session.generate(engine, &ids, sampler, opts, |p| {
             let _ = stdout.write_all(p.as_bytes());

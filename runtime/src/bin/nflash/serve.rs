@@ -44,7 +44,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use clap::Args;
 use nflash_plan::planner::parse_bytes;
-use nflash_runtime::chat::{ContentTokens, Message, ROLES};
+use nflash_runtime::chat::{ChatOptions, ContentTokens, Message, ROLES};
 use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::session::{Session, Turn};
@@ -111,6 +111,12 @@ pub struct ServeArgs {
     /// its turn or forge another role's. Only for clients you trust.
     #[arg(long)]
     special_tokens_in_content: bool,
+    /// The chat template's `enable_thinking` for requests that do not set
+    /// it (`chat_template_kwargs: {"enable_thinking": …}`): `false` makes
+    /// Qwen3 and SmolLM3 answer without a `<think>` section; unset leaves
+    /// the template's default (thinking).
+    #[arg(long, value_name = "true|false")]
+    enable_thinking: Option<bool>,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Compute threads (default: the big cores where a phone has big and
@@ -186,8 +192,9 @@ struct Shared {
     bound: SocketAddr,
     /// --host as given (a Host naming it is accepted).
     host_name: String,
-    /// How message content is tokenized (--special-tokens-in-content).
-    content_tokens: ContentTokens,
+    /// How message content is tokenized (--special-tokens-in-content) and
+    /// the default `enable_thinking` (--enable-thinking).
+    chat_options: ChatOptions,
     prompter: Prompter,
     /// Sampling defaults (flags, else the pack's generation_config.json,
     /// else nflash's); the seed only when --seed was given.
@@ -344,7 +351,10 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         origins: a.allowed_origins.iter().filter_map(|o| normalize_origin(o)).collect(),
         bound,
         host_name: a.host.clone(),
-        content_tokens: if a.special_tokens_in_content { ContentTokens::Special } else { ContentTokens::Text },
+        chat_options: ChatOptions {
+            content: if a.special_tokens_in_content { ContentTokens::Special } else { ContentTokens::Text },
+            enable_thinking: a.enable_thinking,
+        },
         prompter: engine.prompter(),
         sampling,
         fixed_seed: a.sampling.seed.is_some(),
@@ -856,6 +866,26 @@ struct StreamOptions {
 #[derive(Deserialize)]
 struct ChatRequest {
     messages: Vec<ChatMessage>,
+    /// Variables for the chat template (vLLM's and llama.cpp's name):
+    /// `enable_thinking` only.
+    #[serde(default)]
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+}
+
+/// The request's `enable_thinking` (`chat_template_kwargs`), else the server's.
+fn enable_thinking(r: &ChatRequest, default: Option<bool>) -> Result<Option<bool>, ApiError> {
+    let Some(kw) = &r.chat_template_kwargs else { return Ok(default) };
+    if let Some(k) = kw.keys().find(|k| k.as_str() != "enable_thinking") {
+        return Err(ApiError::bad(format!(
+            "chat_template_kwargs.{}: not supported; the one template variable a request may set is enable_thinking",
+            k.chars().take(64).collect::<String>()
+        )));
+    }
+    match kw.get("enable_thinking") {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(ApiError::bad("chat_template_kwargs.enable_thinking must be true or false")),
+    }
 }
 
 #[derive(Deserialize)]
@@ -898,8 +928,10 @@ async fn chat(State(s): State<Arc<Shared>>, req: Request) -> Response {
                 Ok(Message::new(&m.role, &content_text(&m.content, i)?))
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
+        let opts =
+            ChatOptions { enable_thinking: enable_thinking(&r, s.chat_options.enable_thinking)?, ..s.chat_options };
         let s2 = s.clone();
-        let ids = blocking(move || s2.prompter.encode_chat_with(&msgs, s2.ctx - 1, s2.content_tokens))
+        let ids = blocking(move || s2.prompter.encode_chat_with(&msgs, s2.ctx - 1, opts))
             .await?
             .map_err(|e| match e {
                 nflash_runtime::Error::PromptTooLong { prompt, .. } => too_long(&s, prompt),
