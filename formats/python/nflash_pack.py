@@ -209,6 +209,8 @@ ENUMS: dict[str, list[tuple[str, object]]] = {
         # layer l is in the set when bit l % 64 of word l // 64 is 1.
         ("Qwen3", None),
         ("SmolLm3", ("array", "u64", 16)),
+        # Phi-3: the elements of each head RoPE rotates.
+        ("Phi3", [("rotary_dim", "u64")]),
     ],
     "Activation": [("Silu", None), ("Relu", None), ("Gelu", None), ("GeluTanh", None), ("DRelu", None)],
     "RopeScaling": [
@@ -559,6 +561,10 @@ def check_config(c: dict) -> None:
         if not (math.isfinite(c[k]) and c[k] > 0):
             raise PackError(f"model config (SPEC §4.1): {k} {c[k]} is not a positive number")
     a = c["architecture"]
+    if isinstance(a, dict) and "Phi3" in a:
+        rot = a["Phi3"]["rotary_dim"]
+        if rot < 2 or rot % 2 or rot > c["head_dim"]:
+            raise PackError(f"model config (SPEC §4.1): RoPE rotates {rot} elements of heads of {c['head_dim']}")
     if isinstance(a, dict) and "SmolLm3" in a:
         words = a["SmolLm3"]
         past = [l for l in range(1024) if words[l // 64] >> (l % 64) & 1 and l >= c["num_layers"]]
@@ -644,7 +650,7 @@ def validate(m: dict, h: dict, file_len: int) -> None:
     if moe_of(c) is not None and h["minor"] < 3:
         raise PackError(f"model config (SPEC §4.1): a mixture of experts in a pack of version {h['major']}.{h['minor']}")
     a = c["architecture"]
-    if (a == "Qwen3" or (isinstance(a, dict) and "SmolLm3" in a)) and h["minor"] < 5:
+    if (a == "Qwen3" or (isinstance(a, dict) and ("SmolLm3" in a or "Phi3" in a))) and h["minor"] < 5:
         raise PackError(f"model config (SPEC §4.1): architecture {a if isinstance(a, str) else 'SmolLm3'} in a pack of version {h['major']}.{h['minor']}")
     n_exp = experts(c)
     if len(m["ffn"]) != c["num_layers"] * n_exp:

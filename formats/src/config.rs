@@ -95,11 +95,26 @@ pub enum Architecture {
     /// in the set apply RoPE; the others are NoPE layers (`no_rope_layers[l]`
     /// = 1 means layer `l` uses RoPE; default from `no_rope_layer_interval`).
     SmolLm3(LayerSet),
+    /// `Phi3ForCausalLM` (format 3.5; Phi-3, Phi-3.5-mini, Phi-4-mini):
+    /// Llama, with the fused `qkv_proj` and `gate_up_proj` of the checkpoint
+    /// split at convert (stored as `q_proj`/`k_proj`/`v_proj` and
+    /// `gate_proj`/`up_proj`), and RoPE on the first `rotary_dim` elements
+    /// of each head only (`partial_rotary_factor`).
+    Phi3(Phi3),
+}
+
+/// Phi-3's own settings (SPEC §4.1, 8 bytes on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Phi3 {
+    /// Elements of each query and key head that RoPE rotates, from the
+    /// start of the head: `⌊head_dim · partial_rotary_factor⌋` (HF
+    /// `Phi3Attention.rotary_ndims`); even, at most `head_dim`.
+    pub rotary_dim: u64,
 }
 
 impl Architecture {
     /// The HF class names accepted.
-    pub const SUPPORTED: [&'static str; 7] = [
+    pub const SUPPORTED: [&'static str; 8] = [
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
@@ -107,6 +122,7 @@ impl Architecture {
         "Qwen3MoeForCausalLM",
         "Qwen3ForCausalLM",
         "SmolLM3ForCausalLM",
+        "Phi3ForCausalLM",
     ];
 
     /// Parses an HF `architectures` entry of a dense model with no settings
@@ -132,6 +148,7 @@ impl Architecture {
             Architecture::Qwen3Moe(_) => 4,
             Architecture::Qwen3 => 5,
             Architecture::SmolLm3(_) => 6,
+            Architecture::Phi3(_) => 7,
         };
         Self::SUPPORTED[i]
     }
@@ -352,6 +369,16 @@ impl ModelConfig {
         matches!(self.architecture, Architecture::Qwen3Moe(_) | Architecture::Qwen3)
     }
 
+    /// Elements of each query and key head that RoPE rotates, from the
+    /// start of the head: `head_dim`, except Phi-3's partial rotary
+    /// (SPEC §4.1).
+    pub fn rotary_dim(&self) -> u64 {
+        match self.architecture {
+            Architecture::Phi3(p) => p.rotary_dim,
+            _ => self.head_dim,
+        }
+    }
+
     /// Whether layer `l` rotates its queries and keys with RoPE: every layer
     /// but SmolLM3's NoPE layers (SPEC §4.1).
     pub fn layer_uses_rope(&self, l: usize) -> bool {
@@ -401,6 +428,13 @@ impl ModelConfig {
         }
         if !self.head_dim.is_multiple_of(2) {
             return Err(format!("head_dim {} is odd; RoPE needs an even head_dim", self.head_dim));
+        }
+        let rot = self.rotary_dim();
+        if rot == 0 || !rot.is_multiple_of(2) || rot > self.head_dim {
+            return Err(format!(
+                "RoPE would rotate {rot} elements of each head of {}; it rotates an even number from 2 to head_dim (partial_rotary_factor)",
+                self.head_dim
+            ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(format!("rms_norm_eps {} is not a positive number", self.rms_norm_eps));

@@ -20,7 +20,7 @@ pub mod writer;
 
 pub use checksums::{cluster_crc32c, ClusterChecksums, ClusterHasher};
 pub use config::{
-    Activation, Architecture, LayerSet, ModelConfig, Moe, RopeScaling, MAX_CONTEXT, MAX_EXPERTS, MAX_FFN_UNITS,
+    Activation, Architecture, LayerSet, ModelConfig, Moe, Phi3, RopeScaling, MAX_CONTEXT, MAX_EXPERTS, MAX_FFN_UNITS,
     MAX_LAYERS,
 };
 pub use device::{DeviceProfile, KernelSpeeds};

@@ -720,7 +720,9 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             ),
         ));
     }
-    if matches!(m.config.architecture, Architecture::Qwen3 | Architecture::SmolLm3(_)) && header.minor < 5 {
+    if matches!(m.config.architecture, Architecture::Qwen3 | Architecture::SmolLm3(_) | Architecture::Phi3(_))
+        && header.minor < 5
+    {
         return Err(invalid(
             "config".into(),
             format!(

@@ -111,6 +111,8 @@ pub struct TinySpec {
     pub no_rope_layers: Option<Vec<u8>>,
     /// SmolLM3 `no_rope_layer_interval`; `None` leaves the key out.
     pub no_rope_layer_interval: Option<usize>,
+    /// Phi-3 `partial_rotary_factor`; `None` leaves the key out.
+    pub partial_rotary_factor: Option<f64>,
 }
 
 impl Default for TinySpec {
@@ -138,6 +140,7 @@ impl Default for TinySpec {
             norm_topk_prob: true,
             no_rope_layers: None,
             no_rope_layer_interval: None,
+            partial_rotary_factor: None,
         }
     }
 }
@@ -156,6 +159,7 @@ impl TinySpec {
                 "Qwen3MoeForCausalLM" => "qwen3_moe",
                 "Qwen3ForCausalLM" => "qwen3",
                 "SmolLM3ForCausalLM" => "smollm3",
+                "Phi3ForCausalLM" => "phi3",
                 _ => "llama",
             },
             "hidden_size": self.hidden,
@@ -222,6 +226,13 @@ impl TinySpec {
                 c["no_rope_layer_interval"] = json!(n);
             }
         }
+        if self.arch == "Phi3ForCausalLM" {
+            if let Some(f) = self.partial_rotary_factor {
+                c["partial_rotary_factor"] = json!(f);
+            }
+            c["original_max_position_embeddings"] = json!(256);
+            c["sliding_window"] = json!(self.sliding_window.unwrap_or(262144));
+        }
         if self.arch == "Qwen2ForCausalLM" {
             c["sliding_window"] = json!(256);
             c["max_window_layers"] = json!(self.layers);
@@ -244,9 +255,14 @@ impl TinySpec {
             let p = format!("model.layers.{l}");
             t.push((format!("{p}.input_layernorm.weight"), vec![self.hidden]));
             t.push((format!("{p}.post_attention_layernorm.weight"), vec![self.hidden]));
-            t.push((format!("{p}.self_attn.q_proj.weight"), vec![qd, self.hidden]));
-            t.push((format!("{p}.self_attn.k_proj.weight"), vec![kvd, self.hidden]));
-            t.push((format!("{p}.self_attn.v_proj.weight"), vec![kvd, self.hidden]));
+            if self.arch == "Phi3ForCausalLM" {
+                // Fused: query, key and value rows in one tensor (HF Phi3Attention).
+                t.push((format!("{p}.self_attn.qkv_proj.weight"), vec![qd + 2 * kvd, self.hidden]));
+            } else {
+                t.push((format!("{p}.self_attn.q_proj.weight"), vec![qd, self.hidden]));
+                t.push((format!("{p}.self_attn.k_proj.weight"), vec![kvd, self.hidden]));
+                t.push((format!("{p}.self_attn.v_proj.weight"), vec![kvd, self.hidden]));
+            }
             t.push((format!("{p}.self_attn.o_proj.weight"), vec![self.hidden, qd]));
             if self.arch == "Qwen2ForCausalLM" {
                 t.push((format!("{p}.self_attn.q_proj.bias"), vec![qd]));
@@ -272,6 +288,10 @@ impl TinySpec {
                 for e in 0..self.experts {
                     ffn(&mut t, format!("{p}.mlp.experts.{e}"), ["gate_proj", "up_proj", "down_proj"]);
                 }
+            } else if self.arch == "Phi3ForCausalLM" {
+                // Fused: gate rows, then up rows (HF Phi3MLP's chunk(2)).
+                t.push((format!("{p}.mlp.gate_up_proj.weight"), vec![2 * self.inter, self.hidden]));
+                t.push((format!("{p}.mlp.down_proj.weight"), vec![self.hidden, self.inter]));
             } else {
                 ffn(&mut t, format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"]);
             }

@@ -585,3 +585,27 @@ fn qwen3_config_defaults_and_sliding_window() {
     write_json(&dir.join("config.json"), &cfg);
     convert_fails(&dir, &["use_sliding_window", "Qwen3ForCausalLM"]);
 }
+
+/// Phi-3: a fused projection of the wrong shape and a partial rotary
+/// factor RoPE cannot use are errors naming the tensor or the key.
+#[test]
+fn phi3_bad_fused_tensors_and_rotary_factors_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec { arch: "Phi3ForCausalLM", ..Default::default() };
+    let dir = tiny_checkpoint(tmp.path(), &spec);
+    let cfg = read_json(&dir.join("config.json"));
+    // head_dim 16: 0.5625 rotates 9 elements (odd), 1.5 more than the head.
+    for (f, needle) in [(0.5625, "rotates 9 elements"), (1.5, "partial_rotary_factor = 1.5")] {
+        let mut c = cfg.clone();
+        c["partial_rotary_factor"] = json!(f);
+        write_json(&dir.join("config.json"), &c);
+        convert_fails(&dir, &[needle]);
+    }
+    write_json(&dir.join("config.json"), &cfg);
+    // One row short: the fused tensor of another model.
+    let other = TinySpec { kv_heads: 1, ..spec.clone() };
+    let dir2 = tmp.path().join("other");
+    write_tiny_checkpoint(&dir2, &other);
+    std::fs::copy(dir2.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    convert_fails(&dir, &["model.layers.0.self_attn.qkv_proj.weight", "shape"]);
+}

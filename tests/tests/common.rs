@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, smol::smollm3};
+use candle_transformers::models::{llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe, smol::smollm3};
 use nflash_format::Pack;
 use nflash_plan::CacheConfig;
 
@@ -84,6 +84,14 @@ pub fn reference_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
         "SmolLM3ForCausalLM" => {
             let c: smollm3::Config = serde_json::from_str(&cfg_text).unwrap();
             let mut model = smollm3::ModelForCausalLM::new(&c, vb).unwrap();
+            for (i, &t) in tokens.iter().enumerate() {
+                let l = model.forward(&step(t), i).unwrap();
+                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            }
+        }
+        "Phi3ForCausalLM" => {
+            let c: phi3::Config = serde_json::from_str(&cfg_text).unwrap();
+            let mut model = phi3::Model::new(&c, vb).unwrap();
             for (i, &t) in tokens.iter().enumerate() {
                 let l = model.forward(&step(t), i).unwrap();
                 out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());

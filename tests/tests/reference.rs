@@ -211,3 +211,27 @@ fn inspect_shows_nope_layers_and_qk_norms() {
         assert!(o.status.success() && out.contains(want), "{}: no {want:?} in\n{out}", spec.arch);
     }
 }
+
+/// Phi-3: the fused `qkv_proj` and `gate_up_proj` split at convert, RoPE
+/// on the first 3/4 of each head (Phi-4-mini's `partial_rotary_factor`),
+/// GQA, tied embeddings.
+#[test]
+fn phi3_fused_projections_partial_rotary_tied() {
+    let spec = TinySpec {
+        arch: "Phi3ForCausalLM",
+        partial_rotary_factor: Some(0.75),
+        tied: true,
+        rope_theta: 1e4,
+        seed: 36,
+        ..Default::default()
+    };
+    check_close("phi3 partial rotary 0.75 tied", spec);
+}
+
+/// Phi-3-mini's shape of config: every element rotated, MHA, untied, BF16.
+#[test]
+fn phi3_full_rotary_mha_untied_bf16() {
+    let spec =
+        TinySpec { arch: "Phi3ForCausalLM", kv_heads: 4, tied: false, dtype: "BF16", seed: 37, ..Default::default() };
+    check_close("phi3 full rotary untied", spec);
+}

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
-use nflash_format::{Activation, Architecture, LayerSet, ModelConfig, Moe, RopeScaling, MAX_EXPERTS};
+use nflash_format::{Activation, Architecture, LayerSet, ModelConfig, Moe, Phi3, RopeScaling, MAX_EXPERTS};
 use rayon::prelude::*;
 use safetensors::tensor::Metadata;
 use safetensors::Dtype;
@@ -40,6 +40,41 @@ pub struct Checkpoint {
     index: HashMap<String, usize>,
     /// Tensors a shard holds but the index's weight_map does not list.
     unlisted: HashMap<String, usize>,
+    /// Tensors the model reads that the checkpoint stores as rows of a
+    /// fused one (Phi-3's `qkv_proj` and `gate_up_proj`), by name.
+    views: HashMap<String, RowView>,
+}
+
+/// Rows `row0 .. row0 + rows` of the fused 2-D tensor `fused` (`[fused_rows, cols]`).
+struct RowView {
+    fused: String,
+    row0: usize,
+    rows: usize,
+    fused_rows: usize,
+}
+
+/// Phi-3's split of its fused projections (HF `Phi3Attention.qkv_proj`:
+/// query, key, value rows in that order; `Phi3MLP.gate_up_proj`: gate rows,
+/// then up rows, as its `chunk(2)` reads them): the q/k/v and gate/up
+/// projection names nflash stores, each a view of the fused tensor.
+fn phi3_views(c: &ModelConfig) -> HashMap<String, RowView> {
+    let (qd, kvd) = ((c.num_heads * c.head_dim) as usize, (c.num_kv_heads * c.head_dim) as usize);
+    let inter = c.intermediate_size as usize;
+    let mut v = HashMap::new();
+    for l in 0..c.num_layers {
+        let p = format!("model.layers.{l}");
+        let qkv = format!("{p}.self_attn.qkv_proj.weight");
+        for (name, row0, rows) in [("q_proj", 0, qd), ("k_proj", qd, kvd), ("v_proj", qd + kvd, kvd)] {
+            let view = RowView { fused: qkv.clone(), row0, rows, fused_rows: qd + 2 * kvd };
+            v.insert(format!("{p}.self_attn.{name}.weight"), view);
+        }
+        let gate_up = format!("{p}.mlp.gate_up_proj.weight");
+        for (name, row0) in [("gate_proj", 0), ("up_proj", inter)] {
+            let view = RowView { fused: gate_up.clone(), row0, rows: inter, fused_rows: 2 * inter };
+            v.insert(format!("{p}.mlp.{name}.weight"), view);
+        }
+    }
+    v
 }
 
 /// Reads and parses a JSON file; errors name the file.
@@ -93,6 +128,9 @@ pub fn token_ids(v: Option<&Value>, what: &str) -> Result<Vec<u32>> {
 /// HF class of SmolLM3 checkpoints: Llama with NoPE layers.
 pub const SMOLLM3: &str = "SmolLM3ForCausalLM";
 
+/// HF class of Phi-3 checkpoints (Phi-3, Phi-3.5-mini, Phi-4-mini).
+pub const PHI3: &str = "Phi3ForCausalLM";
+
 /// The defaults of transformers' config class `arch_name` for the keys
 /// nflash reads, where a checkpoint's config.json may omit them: the
 /// class's `__init__` signature (`Qwen3Config`, `SmolLM3Config`). For the
@@ -136,8 +174,40 @@ fn class_defaults(arch_name: &str) -> Vec<(&'static str, Value)> {
             ("mlp_bias", json!(false)),
             ("tie_word_embeddings", json!(true)),
         ],
+        PHI3 => vec![
+            ("vocab_size", json!(32064)),
+            ("hidden_size", json!(3072)),
+            ("intermediate_size", json!(8192)),
+            ("num_hidden_layers", json!(32)),
+            ("num_attention_heads", json!(32)),
+            ("hidden_act", json!("silu")),
+            ("max_position_embeddings", json!(4096)),
+            ("rms_norm_eps", json!(1e-5)),
+            ("rope_theta", json!(10000.0)),
+            ("partial_rotary_factor", json!(1.0)),
+            ("bos_token_id", json!(1)),
+            ("eos_token_id", json!(32000)),
+            ("tie_word_embeddings", json!(false)),
+        ],
         _ => vec![("hidden_act", json!("silu"))],
     }
+}
+
+/// Phi-3's rotated elements per head: `⌊head_dim · partial_rotary_factor⌋`
+/// (HF `Phi3Attention.rotary_ndims`), which must be even and at least 2.
+///
+/// # Errors
+/// A factor outside (0, 1] or a rotated width RoPE cannot pair up.
+fn phi3_rotary_dim(cfg: &Value, head_dim: u64) -> Result<u64> {
+    let f = get_f64(cfg, "partial_rotary_factor")?.unwrap_or(1.0);
+    if !(f > 0.0 && f <= 1.0) {
+        bail!("config.json: partial_rotary_factor = {f}; it is the share of each head RoPE rotates, in (0, 1]");
+    }
+    let rot = (head_dim as f64 * f) as u64;
+    if rot < 2 || !rot.is_multiple_of(2) {
+        bail!("config.json: partial_rotary_factor {f} of head_dim {head_dim} rotates {rot} elements; RoPE needs an even number, at least 2");
+    }
+    Ok(rot)
 }
 
 /// `cfg` with the keys it lacks filled from [`class_defaults`], and
@@ -335,6 +405,11 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
     let architecture = match parse_moe(cfg, arch_name)? {
         Some(a) => Some(a),
         None if arch_name == BAMBOO => Some(Architecture::Mistral),
+        None if arch_name == PHI3 => {
+            let heads = req_u64(cfg, "num_attention_heads")?.max(1);
+            let head_dim = get_u64(cfg, "head_dim")?.unwrap_or(req_u64(cfg, "hidden_size")? / heads);
+            Some(Architecture::Phi3(Phi3 { rotary_dim: phi3_rotary_dim(cfg, head_dim)? }))
+        }
         None if arch_name == SMOLLM3 => {
             Some(Architecture::SmolLm3(smollm3_rope_layers(cfg, req_u64(cfg, "num_hidden_layers")?)?))
         }
@@ -393,6 +468,10 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
     let sliding_window = match architecture {
         Architecture::Mistral | Architecture::Mixtral(_) => get_u64(cfg, "sliding_window")?,
         Architecture::Qwen2 if get_bool(cfg, "use_sliding_window", false)? => get_u64(cfg, "sliding_window")?,
+        // A window at least as long as the model's context is no window
+        // (Phi-3.5-mini and Phi-4-mini set 262144).
+        Architecture::Phi3(_) => get_u64(cfg, "sliding_window")?
+            .filter(|&w| w < get_u64(cfg, "max_position_embeddings").ok().flatten().unwrap_or(u64::MAX)),
         _ => None,
     };
     let config = ModelConfig {
@@ -572,6 +651,8 @@ impl Checkpoint {
             index.retain(|t, _| m.contains_key(t));
         }
         let generation = gen.as_ref().map(generation_defaults).transpose()?.unwrap_or_default();
+        let views =
+            if matches!(config.architecture, Architecture::Phi3(_)) { phi3_views(&config) } else { HashMap::new() };
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             config,
@@ -581,6 +662,7 @@ impl Checkpoint {
             shards,
             index,
             unlisted,
+            views,
         })
     }
 
@@ -624,9 +706,9 @@ impl Checkpoint {
         Ok(format!("{:08x}{:08x}", a.finalize(), b.finalize()))
     }
 
-    /// Whether the checkpoint has tensor `name`.
+    /// Whether the checkpoint has tensor `name` (stored, or rows of a fused tensor it stores).
     pub fn has(&self, name: &str) -> bool {
-        self.index.contains_key(name)
+        self.index.contains_key(name) || self.views.get(name).is_some_and(|v| self.index.contains_key(&v.fused))
     }
 
     /// Total tensors across shards.
@@ -636,6 +718,13 @@ impl Checkpoint {
 
     /// Shape of tensor `name`.
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        if let Some(v) = self.views.get(name) {
+            let mut shape = self.shape(&v.fused)?;
+            if let Some(r) = shape.first_mut() {
+                *r = v.rows;
+            }
+            return Ok(shape);
+        }
         let s = self.shard_of(name)?;
         Ok(s.meta.info(name).expect("indexed").shape.clone())
     }
@@ -657,7 +746,17 @@ impl Checkpoint {
     }
 
     /// Shard, element width (bytes) and absolute data range of tensor `name`, checked to have `shape`.
+    /// For rows of a fused tensor, the fused tensor is checked to have those
+    /// rows' columns and its own row count.
     fn locate(&self, name: &str, shape: &[usize]) -> Result<(&Shard, Dtype, u64, usize)> {
+        if let Some(v) = self.views.get(name) {
+            if shape.len() != 2 || shape[0] != v.rows {
+                bail!("tensor {name} (rows {}..{} of {}): asked for shape {shape:?}", v.row0, v.row0 + v.rows, v.fused);
+            }
+            let (s, dtype, off, len) = self.locate(&v.fused, &[v.fused_rows, shape[1]])?;
+            let row_bytes = len / v.fused_rows;
+            return Ok((s, dtype, off + (v.row0 * row_bytes) as u64, v.rows * row_bytes));
+        }
         let s = self.shard_of(name)?;
         let info = s.meta.info(name).expect("indexed");
         if info.shape != shape {

@@ -81,7 +81,7 @@ impl AttnScratch {
     }
 }
 
-/// RoPE rotations of one forward pass: `(cos, sin)`, each `[n, head_dim / 2]`.
+/// RoPE rotations of one forward pass: `(cos, sin)`, each `[n, rotary_dim / 2]`.
 pub(crate) struct RopeTables<'r> {
     pub rope: &'r Rope,
     pub cos: Vec<f32>,
@@ -137,7 +137,7 @@ impl Attention<'_> {
         head_norm(&mut s.q, self.q_norm.as_deref(), h.eps);
         head_norm(&mut s.k, self.k_norm.as_deref(), h.eps);
         // RoPE on queries and keys (none in a NoPE layer).
-        let half = h.head_dim / 2;
+        let half = rope.rope.half();
         for t in (0..n).filter(|_| self.rope) {
             let (c, sn) = (&rope.cos[t * half..(t + 1) * half], &rope.sin[t * half..(t + 1) * half]);
             rope.rope.rotate(&mut s.q[t * qd..(t + 1) * qd], c, sn);

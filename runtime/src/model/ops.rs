@@ -116,18 +116,24 @@ fn erf(x: f32) -> f32 {
 }
 
 /// Rotary position embedding tables (HF "rotate_half" layout: element `i`
-/// pairs with `i + head_dim/2`).
+/// pairs with `i + rotary_dim/2`). RoPE rotates the first `rotary_dim`
+/// elements of each head (all of it, except Phi-3's partial rotary,
+/// [`ModelConfig::rotary_dim`]) and leaves the rest as they are.
 pub struct Rope {
-    /// Inverse frequencies `[head_dim/2]`, after `rope_scaling`.
+    /// Inverse frequencies `[rotary_dim/2]`, after `rope_scaling`.
     inv_freq: Vec<f32>,
+    /// `rotary_dim / 2`.
     half: usize,
+    /// Elements per head.
+    head_dim: usize,
 }
 
 impl Rope {
-    /// Builds the frequencies from `rope_theta`, `head_dim` and `rope_scaling`
-    /// (HF `_compute_default/linear/llama3_rope_parameters`).
+    /// Builds the frequencies from `rope_theta`, the rotated dimensions
+    /// (`head_dim`, or Phi-3's `rotary_dim`) and `rope_scaling` (HF
+    /// `_compute_default/linear/llama3_rope_parameters`).
     pub fn new(cfg: &ModelConfig) -> Self {
-        let d = cfg.head_dim as usize;
+        let d = cfg.rotary_dim() as usize;
         let half = d / 2;
         let mut inv_freq: Vec<f64> = (0..half).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)).collect();
         match cfg.rope_scaling {
@@ -154,10 +160,16 @@ impl Rope {
                 }
             }
         }
-        Rope { inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(), half }
+        Rope { inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(), half, head_dim: cfg.head_dim as usize }
     }
 
-    /// Rotation tables for positions `p0..p0 + n`: `(cos, sin)`, each `[n, head_dim/2]`.
+    /// Rotated pairs per head (`rotary_dim / 2`): the width of a row of
+    /// [`Self::tables`].
+    pub fn half(&self) -> usize {
+        self.half
+    }
+
+    /// Rotation tables for positions `p0..p0 + n`: `(cos, sin)`, each `[n, rotary_dim/2]`.
     /// Computed once per forward pass and shared by every layer and head.
     pub fn tables(&self, p0: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
         let mut cos = Vec::with_capacity(n * self.half);
@@ -178,11 +190,12 @@ impl Rope {
     }
 
     /// Rotates every head of `x` (`[n_heads * head_dim]`) with one position's
-    /// `cos`/`sin` rows (`[head_dim/2]`, from [`Self::tables`]).
+    /// `cos`/`sin` rows (`[rotary_dim/2]`, from [`Self::tables`]): its first
+    /// `rotary_dim` elements; the rest of the head stays as it is.
     pub fn rotate(&self, x: &mut [f32], cos: &[f32], sin: &[f32]) {
         let h = self.half;
-        for head in x.chunks_exact_mut(2 * h) {
-            let (lo, hi) = head.split_at_mut(h);
+        for head in x.chunks_exact_mut(self.head_dim) {
+            let (lo, hi) = head[..2 * h].split_at_mut(h);
             for i in 0..h {
                 let (a, b) = (lo[i], hi[i]);
                 lo[i] = a * cos[i] - b * sin[i];
@@ -203,7 +216,11 @@ mod tests {
     #[test]
     fn rope_tables_do_not_depend_on_the_c_library() {
         let half = 32;
-        let rope = Rope { inv_freq: (0..half).map(|i| 1.0 / 10000f32.powf(i as f32 / half as f32)).collect(), half };
+        let rope = Rope {
+            inv_freq: (0..half).map(|i| 1.0 / 10000f32.powf(i as f32 / half as f32)).collect(),
+            half,
+            head_dim: 2 * half,
+        };
         let (p0, n) = (3000, 1200);
         let (cos, sin) = rope.tables(p0, n);
         for t in 0..n {
