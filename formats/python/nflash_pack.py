@@ -224,6 +224,16 @@ ENUMS: dict[str, list[tuple[str, object]]] = {
                 ("original_max_position_embeddings", "u64"),
             ],
         ),
+        # Since 3.5 (Phi-3.5-mini, Phi-4-mini).
+        (
+            "LongRope",
+            [
+                ("short_factor", ("vec", "f32")),
+                ("long_factor", ("vec", "f32")),
+                ("original_max_position_embeddings", "u64"),
+                ("attention_factor", "f64"),
+            ],
+        ),
     ],
     "Criterion": [("Gate", None), ("GateUp", None)],
     "PredictorKind": [("Exact", None), ("LowRank", None), ("Mlp", None)],
@@ -561,8 +571,17 @@ def check_config(c: dict) -> None:
         if not (math.isfinite(c[k]) and c[k] > 0):
             raise PackError(f"model config (SPEC §4.1): {k} {c[k]} is not a positive number")
     a = c["architecture"]
+    rot = a["Phi3"]["rotary_dim"] if isinstance(a, dict) and "Phi3" in a else c["head_dim"]
+    lr = c["rope_scaling"].get("LongRope") if isinstance(c["rope_scaling"], dict) else None
+    if lr is not None:
+        for k in ("short_factor", "long_factor"):
+            if len(lr[k]) != rot // 2 or not all(math.isfinite(x) and x > 0 for x in lr[k]):
+                raise PackError(f"model config (SPEC §4.1): rope_scaling {k} of {len(lr[k])} factors, RoPE rotates {rot}")
+        if not 1 <= lr["original_max_position_embeddings"] <= MAX_CONTEXT:
+            raise PackError("model config (SPEC §4.1): LongRoPE original_max_position_embeddings out of range")
+        if not (math.isfinite(lr["attention_factor"]) and lr["attention_factor"] > 0):
+            raise PackError("model config (SPEC §4.1): LongRoPE attention_factor is not a positive number")
     if isinstance(a, dict) and "Phi3" in a:
-        rot = a["Phi3"]["rotary_dim"]
         if rot < 2 or rot % 2 or rot > c["head_dim"]:
             raise PackError(f"model config (SPEC §4.1): RoPE rotates {rot} elements of heads of {c['head_dim']}")
     if isinstance(a, dict) and "SmolLm3" in a:
@@ -650,7 +669,8 @@ def validate(m: dict, h: dict, file_len: int) -> None:
     if moe_of(c) is not None and h["minor"] < 3:
         raise PackError(f"model config (SPEC §4.1): a mixture of experts in a pack of version {h['major']}.{h['minor']}")
     a = c["architecture"]
-    if (a == "Qwen3" or (isinstance(a, dict) and ("SmolLm3" in a or "Phi3" in a))) and h["minor"] < 5:
+    longrope = isinstance(c["rope_scaling"], dict) and "LongRope" in c["rope_scaling"]
+    if (longrope or a == "Qwen3" or (isinstance(a, dict) and ("SmolLm3" in a or "Phi3" in a))) and h["minor"] < 5:
         raise PackError(f"model config (SPEC §4.1): architecture {a if isinstance(a, str) else 'SmolLm3'} in a pack of version {h['major']}.{h['minor']}")
     n_exp = experts(c)
     if len(m["ffn"]) != c["num_layers"] * n_exp:

@@ -212,12 +212,31 @@ impl Activation {
 }
 
 /// RoPE frequency scaling (HF `rope_scaling`, keyed by `type` or `rope_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum RopeScaling {
     /// `linear`: positions divided by `factor`.
     Linear { factor: f64 },
     /// `llama3`: per-frequency interpolation (Llama 3.1).
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: u64 },
+    /// `longrope` (`su` before; Phi-3.5-mini, Phi-4-mini; format 3.5): each
+    /// rotated frequency divided by its factor, `short_factor` for a run
+    /// whose context is at most `original_max_position_embeddings` tokens
+    /// and `long_factor` for a longer one (chosen once per run from the
+    /// KV cache's size, as llama.cpp does, never from how long the
+    /// conversation has grown), and cos/sin multiplied by
+    /// `attention_factor` (HF `_compute_longrope_parameters`).
+    LongRope {
+        /// `[rotary_dim / 2]`, each finite and > 0.
+        short_factor: Vec<f32>,
+        /// `[rotary_dim / 2]`, each finite and > 0.
+        long_factor: Vec<f32>,
+        /// The pretrained context, tokens.
+        original_max_position_embeddings: u64,
+        /// The cos/sin scale: `rope_scaling.attention_factor`, else
+        /// `√(1 + ln(s) / ln(original_max_position_embeddings))` with `s =
+        /// max_position_embeddings / original_max_position_embeddings`, 1 when `s ≤ 1`.
+        attention_factor: f64,
+    },
 }
 
 /// Model hyper-parameters (SPEC §4.1). Sizes are element counts.
@@ -441,6 +460,34 @@ impl ModelConfig {
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(format!("rope_theta {} is not a positive number", self.rope_theta));
+        }
+        if let Some(RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        }) = &self.rope_scaling
+        {
+            for (k, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                if f.len() as u64 != rot / 2 {
+                    return Err(format!(
+                        "rope_scaling.{k} has {} entries; RoPE rotates {rot} elements of each head, so it needs {}",
+                        f.len(),
+                        rot / 2
+                    ));
+                }
+                if let Some(bad) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                    return Err(format!("rope_scaling.{k} holds {bad}; each factor is a positive number"));
+                }
+            }
+            if *original_max_position_embeddings == 0 || *original_max_position_embeddings > MAX_CONTEXT {
+                return Err(format!(
+                    "rope_scaling original_max_position_embeddings {original_max_position_embeddings} is not between 1 and {MAX_CONTEXT}"
+                ));
+            }
+            if !(attention_factor.is_finite() && *attention_factor > 0.0) {
+                return Err(format!("rope_scaling.attention_factor {attention_factor} is not a positive number"));
+            }
         }
         if let Architecture::SmolLm3(rope) = self.architecture {
             if let Some(l) = rope.iter().find(|&l| l as u64 >= self.num_layers) {

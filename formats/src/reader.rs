@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use crate::checksums::ClusterChecksums;
-use crate::config::Architecture;
+use crate::config::{Architecture, RopeScaling};
 use crate::error::{Error, Result};
 use crate::header::{Header, HEADER_BYTES, MAGIC, VERSION_MAJOR, VERSION_MINOR};
 use crate::manifest::{bincode_options, FfnLayer, Manifest, Segment, SegmentKind, TensorEntry};
@@ -720,14 +720,17 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
             ),
         ));
     }
-    if matches!(m.config.architecture, Architecture::Qwen3 | Architecture::SmolLm3(_) | Architecture::Phi3(_))
+    let longrope = matches!(m.config.rope_scaling, Some(RopeScaling::LongRope { .. }));
+    if (longrope
+        || matches!(m.config.architecture, Architecture::Qwen3 | Architecture::SmolLm3(_) | Architecture::Phi3(_)))
         && header.minor < 5
     {
         return Err(invalid(
             "config".into(),
             format!(
-                "architecture {} in a pack of version {}.{} (it exists since 3.5)",
+                "architecture {}{} in a pack of version {}.{} (it exists since 3.5)",
                 m.config.architecture.hf_name(),
+                if longrope { " with LongRoPE" } else { "" },
                 header.major,
                 header.minor
             ),

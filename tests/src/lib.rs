@@ -113,6 +113,9 @@ pub struct TinySpec {
     pub no_rope_layer_interval: Option<usize>,
     /// Phi-3 `partial_rotary_factor`; `None` leaves the key out.
     pub partial_rotary_factor: Option<f64>,
+    /// Phi-3 `rope_scaling` `longrope`: (`short_factor`, `long_factor`),
+    /// with `original_max_position_embeddings` 256 (= `max_position_embeddings`).
+    pub longrope: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 impl Default for TinySpec {
@@ -141,6 +144,7 @@ impl Default for TinySpec {
             no_rope_layers: None,
             no_rope_layer_interval: None,
             partial_rotary_factor: None,
+            longrope: None,
         }
     }
 }
@@ -231,6 +235,9 @@ impl TinySpec {
                 c["partial_rotary_factor"] = json!(f);
             }
             c["original_max_position_embeddings"] = json!(256);
+            if let Some((short, long)) = &self.longrope {
+                c["rope_scaling"] = json!({"type": "longrope", "short_factor": short, "long_factor": long});
+            }
             c["sliding_window"] = json!(self.sliding_window.unwrap_or(262144));
         }
         if self.arch == "Qwen2ForCausalLM" {

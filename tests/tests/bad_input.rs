@@ -601,6 +601,17 @@ fn phi3_bad_fused_tensors_and_rotary_factors_are_named() {
         write_json(&dir.join("config.json"), &c);
         convert_fails(&dir, &[needle]);
     }
+    // LongRoPE: a factor list that does not match the rotated width (16 → 8 factors).
+    let mut c = cfg.clone();
+    c["rope_scaling"] = json!({"type": "longrope", "short_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], "long_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]});
+    write_json(&dir.join("config.json"), &c);
+    convert_fails(&dir, &["rope_scaling.long_factor has 7 entries", "needs 8"]);
+    c["rope_scaling"] = json!({"type": "longrope", "short_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], "long_factor": [1.0, -1.0, 1, 1, 1, 1, 1, 1]});
+    write_json(&dir.join("config.json"), &c);
+    convert_fails(&dir, &["rope_scaling.long_factor holds -1"]);
+    c["rope_scaling"] = json!({"type": "longrope", "short_factor": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]});
+    write_json(&dir.join("config.json"), &c);
+    convert_fails(&dir, &["long_factor"]);
     write_json(&dir.join("config.json"), &cfg);
     // One row short: the fused tensor of another model.
     let other = TinySpec { kv_heads: 1, ..spec.clone() };

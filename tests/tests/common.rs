@@ -110,14 +110,26 @@ pub fn our_logits(pack: &Path, tokens: &[u32]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>)
 /// [`our_logits`] with a KV cache of `kv` elements (the default is f16;
 /// f32 compares with an f32 reference without the f16 rounding of K and V).
 pub fn our_logits_kv(pack: &Path, tokens: &[u32], kv: nflash_plan::KvType) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    our_logits_ctx(pack, tokens, kv, tokens.len() + 1)
+}
+
+/// [`our_logits_kv`] in a context (KV cache) of `ctx` tokens, which
+/// LongRoPE reads: its long factors apply when `ctx` exceeds the
+/// pretrained context.
+pub fn our_logits_ctx(
+    pack: &Path,
+    tokens: &[u32],
+    kv: nflash_plan::KvType,
+    ctx: usize,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let pack = Pack::open(pack).unwrap();
     let mut model = nflash_runtime::load_model(&pack, &CacheConfig::all_hot(&pack)).unwrap();
     model.set_kv_type(kv);
     let vocab = model.cfg.vocab_size as usize;
-    let mut kv = model.new_kv_cache(tokens.len() + 1);
+    let mut kv = model.new_kv_cache(ctx);
     let h = model.forward(&mut kv, tokens).unwrap();
     let prefill: Vec<Vec<f32>> = model.logits_batch(&h).chunks(vocab).map(|c| c.to_vec()).collect();
-    let mut kv = model.new_kv_cache(tokens.len() + 1);
+    let mut kv = model.new_kv_cache(ctx);
     let decode = tokens
         .iter()
         .map(|&t| {

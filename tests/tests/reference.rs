@@ -2,7 +2,8 @@
 //! must match candle-transformers run on the same checkpoint.
 
 use crate::common::{
-    assert_close_to_reference, assert_matches_reference, our_logits, our_logits_kv, reference_logits, tiny_f32_pack,
+    assert_close_to_reference, assert_matches_reference, our_logits, our_logits_ctx, our_logits_kv, reference_logits,
+    tiny_f32_pack,
 };
 use nflash_plan::KvType::F32;
 use nflash_tests::TinySpec;
@@ -234,4 +235,40 @@ fn phi3_full_rotary_mha_untied_bf16() {
     let spec =
         TinySpec { arch: "Phi3ForCausalLM", kv_heads: 4, tied: false, dtype: "BF16", seed: 37, ..Default::default() };
     check_close("phi3 full rotary untied", spec);
+}
+
+/// LongRoPE (Phi-3.5-mini, Phi-4-mini): the short factors in a context of
+/// at most `original_max_position_embeddings` (256) tokens, the long ones
+/// in a longer context, whatever the conversation's length; the attention
+/// factor here is 1 (max_position_embeddings = original). candle's `phi3`
+/// multiplies the frequencies by the factors where transformers divides,
+/// so candle runs with the reciprocals of the factors in force: then both
+/// compute transformers' frequencies, and every logit must agree.
+#[test]
+fn phi3_longrope_short_and_long_factors_follow_transformers() {
+    let short: Vec<f32> = (0..6).map(|i| 1.0 + 0.5 * i as f32).collect();
+    let long: Vec<f32> = (0..6).map(|i| 2.0 + 4.0 * i as f32).collect();
+    let spec = TinySpec {
+        arch: "Phi3ForCausalLM",
+        partial_rotary_factor: Some(0.75),
+        longrope: Some((short.clone(), long.clone())),
+        seed: 38,
+        ..Default::default()
+    };
+    let (tmp, dir, pack, tokens) = tiny_f32_pack(&spec);
+    let mut ours = vec![];
+    for (ctx, factors) in [(tokens.len() + 1, &short), (300, &long)] {
+        let cdir = tmp.path().join(format!("candle-{ctx}"));
+        std::fs::create_dir(&cdir).unwrap();
+        std::fs::copy(dir.join("model.safetensors"), cdir.join("model.safetensors")).unwrap();
+        let mut cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+        let recip: Vec<f32> = factors.iter().map(|f| 1.0 / f).collect();
+        cfg["rope_scaling"]["short_factor"] = serde_json::json!(recip);
+        std::fs::write(cdir.join("config.json"), cfg.to_string()).unwrap();
+        let got = our_logits_ctx(&pack, &tokens, F32, ctx);
+        assert_close_to_reference(&format!("phi3 longrope ctx {ctx}"), &got, &reference_logits(&cdir, &tokens), 1e-4);
+        ours.push(nflash_tests::logit_bits(&got.1));
+    }
+    assert_ne!(ours[0], ours[1], "the long factors changed nothing");
 }

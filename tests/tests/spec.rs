@@ -61,11 +61,16 @@ fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
         check_pack(&["compare", pack.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
         check_pack(&["weights", pack.to_str().unwrap(), "--model", ckpt.to_str().unwrap(), "--all-layers"]);
     }
-    // Phi-3 (3.5): its architecture's fields. Its checkpoint stores fused
+    // Phi-3 (3.5): its architecture's fields and LongRoPE. Its checkpoint stores fused
     // projections, which `weights` (reading q_proj, gate_proj by name)
     // does not split; tests/tests/reference.rs checks the split against
     // candle-transformers.
-    let spec = TinySpec { arch: "Phi3ForCausalLM", partial_rotary_factor: Some(0.5), ..TinySpec::default() };
+    let spec = TinySpec {
+        arch: "Phi3ForCausalLM",
+        partial_rotary_factor: Some(0.5),
+        longrope: Some((vec![1.0, 1.5, 2.0, 2.5], vec![3.0, 5.0, 7.0, 9.0])),
+        ..TinySpec::default()
+    };
     let ckpt = dir.path().join(spec.arch);
     write_tiny_checkpoint(&ckpt, &spec);
     let pack = dir.path().join("phi3.nflash");

@@ -289,8 +289,70 @@ fn rope_scaling(cfg: &Value) -> Result<Option<RopeScaling>> {
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")? as u64,
         })),
-        other => bail!("config.json: rope_scaling type {other:?} is not supported; supported: linear, llama3"),
+        "longrope" | "su" => longrope(cfg, rs).map(Some),
+        other => {
+            bail!("config.json: rope_scaling type {other:?} is not supported; supported: linear, llama3, longrope")
+        }
     }
+}
+
+/// LongRoPE settings as transformers' `_compute_longrope_parameters` reads
+/// them: `short_factor` and `long_factor` lists; the pretrained context
+/// from `original_max_position_embeddings` (in `rope_scaling`, else at the
+/// top level, as Phi-3 keeps it); the attention factor from
+/// `rope_scaling.attention_factor`, else `√(1 + ln s / ln original)` with
+/// `s = max_position_embeddings / original` (1 when `s ≤ 1`).
+///
+/// # Errors
+/// A missing or malformed factor list or context, naming the key.
+fn longrope(cfg: &Value, rs: &Value) -> Result<RopeScaling> {
+    let factors = |k: &str| -> Result<Vec<f32>> {
+        let list = rs
+            .get(k)
+            .and_then(Value::as_array)
+            .ok_or_else(|| anyhow!("config.json: rope_scaling (longrope) needs a list of numbers {k}"))?;
+        list.iter()
+            .map(|v| {
+                v.as_f64()
+                    .filter(|x| x.is_finite() && *x > 0.0 && *x <= f64::from(f32::MAX))
+                    .map(|x| x as f32)
+                    .ok_or_else(|| anyhow!("config.json: rope_scaling.{k} holds {v}; each factor is a positive number"))
+            })
+            .collect()
+    };
+    let original = match rs.get("original_max_position_embeddings").filter(|v| !v.is_null()) {
+        Some(v) => v.as_u64().ok_or_else(|| {
+            anyhow!("config.json: rope_scaling.original_max_position_embeddings = {v} is not a positive integer")
+        })?,
+        None => get_u64(cfg, "original_max_position_embeddings")?.ok_or_else(|| {
+            anyhow!(
+                "config.json: rope_scaling (longrope) needs original_max_position_embeddings, the pretrained context"
+            )
+        })?,
+    };
+    if original == 0 {
+        bail!("config.json: original_max_position_embeddings is 0");
+    }
+    let attention_factor = match rs.get("attention_factor").filter(|v| !v.is_null()) {
+        Some(v) => {
+            v.as_f64().ok_or_else(|| anyhow!("config.json: rope_scaling.attention_factor = {v} is not a number"))?
+        }
+        None => {
+            let max = get_u64(cfg, "max_position_embeddings")?.unwrap_or(original);
+            let s = max as f64 / original as f64;
+            if s <= 1.0 {
+                1.0
+            } else {
+                (1.0 + s.ln() / (original as f64).ln()).sqrt()
+            }
+        }
+    };
+    Ok(RopeScaling::LongRope {
+        short_factor: factors("short_factor")?,
+        long_factor: factors("long_factor")?,
+        original_max_position_embeddings: original,
+        attention_factor,
+    })
 }
 
 /// Sampling defaults from `generation_config.json`: `temperature`, `top_p`

@@ -160,7 +160,8 @@ fn attend(cfg: &ModelConfig, rope: &Rope, w: &Attention, x: &[f32], b: usize, le
         }
     }
     let v = project(&w.v, w.v_bias.as_ref())?; // [b, len, nkv, hd]
-    let (cos, sin) = rope.tables(0, len); // [len, rotary_dim/2] each; every window starts at position 0
+                                               // [len, rotary_dim/2] each; every window starts at position 0 and is its own context.
+    let (cos, sin) = rope.tables(0, len, len);
     let half = rope.half();
     for (m, width) in [(&mut q, nh * hd), (&mut k, nkv * hd)].into_iter().filter(|_| w.rope) {
         m.par_chunks_mut(width).enumerate().for_each(|(i, row)| {
@@ -470,7 +471,7 @@ mod tests {
         let (h, nh, nkv, hd) = (16, 4, 2, 8);
         let (qd, kvd) = (nh * hd, nkv * hd);
         let rope = Rope::new(c);
-        let (cos, sin) = rope.tables(0, len);
+        let (cos, sin) = rope.tables(0, len, len);
         let mv = |m: &[f32], b: &[f32], v: &[f32]| -> Vec<f32> {
             b.iter()
                 .enumerate()

@@ -78,6 +78,9 @@ pub fn run(a: InspectArgs) -> Result<()> {
         None => "none".to_string(),
         Some(nflash_format::RopeScaling::Linear { factor }) => format!("linear ×{factor}"),
         Some(nflash_format::RopeScaling::Llama3 { factor, .. }) => format!("llama3 ×{factor}"),
+        Some(nflash_format::RopeScaling::LongRope { original_max_position_embeddings, attention_factor, .. }) => {
+            format!("longrope (long factors past {original_max_position_embeddings} tokens, attention ×{attention_factor:.4})")
+        }
     };
     println!(
         "model: {}, {} layers, hidden {}, FFN {}, {} heads / {} KV heads, head_dim {}, vocab {}",

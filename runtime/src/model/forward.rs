@@ -61,7 +61,7 @@ impl Model<'_> {
         // only whole passes, the ones a fresh prefill runs (generate.rs `prefill`).
         let batched = n >= MIN_BATCH || pass == Pass::Prefill;
         let sparse_on = self.sparse_enabled && pass != Pass::Prefill;
-        let (cos, sin) = self.rope.tables(p0, n);
+        let (cos, sin) = self.rope.tables(p0, n, kv.capacity());
         let rope = RopeTables { rope: &self.rope, cos, sin };
         let mut attn = AttnScratch::new(n, h, &heads);
         let mut xn = vec![0f32; n * h]; // [n, hidden], RMSNormed

@@ -122,23 +122,52 @@ fn erf(x: f32) -> f32 {
 pub struct Rope {
     /// Inverse frequencies `[rotary_dim/2]`, after `rope_scaling`.
     inv_freq: Vec<f32>,
+    /// LongRoPE: the frequencies with the long factors, for runs whose
+    /// context exceeds `original` tokens, and the cos/sin scale.
+    long: Option<LongFreq>,
     /// `rotary_dim / 2`.
     half: usize,
     /// Elements per head.
     head_dim: usize,
 }
 
+/// LongRoPE's second set of frequencies ([`RopeScaling::LongRope`]).
+struct LongFreq {
+    inv_freq: Vec<f32>,
+    original: usize,
+    attention_factor: f32,
+}
+
 impl Rope {
     /// Builds the frequencies from `rope_theta`, the rotated dimensions
     /// (`head_dim`, or Phi-3's `rotary_dim`) and `rope_scaling` (HF
-    /// `_compute_default/linear/llama3_rope_parameters`).
+    /// `_compute_default/linear/llama3/longrope_parameters`).
     pub fn new(cfg: &ModelConfig) -> Self {
         let d = cfg.rotary_dim() as usize;
         let half = d / 2;
         let mut inv_freq: Vec<f64> = (0..half).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)).collect();
+        let mut long = None;
         match cfg.rope_scaling {
             None => {}
             Some(RopeScaling::Linear { factor }) => inv_freq.iter_mut().for_each(|f| *f /= factor),
+            Some(RopeScaling::LongRope {
+                ref short_factor,
+                ref long_factor,
+                original_max_position_embeddings,
+                attention_factor,
+            }) => {
+                // HF: inv_freq = 1 / (ext_factor · base^(2i/d)), in f32 there.
+                let scaled = |ext: &[f32]| -> Vec<f32> {
+                    inv_freq.iter().zip(ext).map(|(f, e)| (*f / f64::from(*e)) as f32).collect()
+                };
+                long = Some(LongFreq {
+                    inv_freq: scaled(long_factor),
+                    original: original_max_position_embeddings as usize,
+                    attention_factor: attention_factor as f32,
+                });
+                let short = scaled(short_factor);
+                inv_freq = short.into_iter().map(f64::from).collect();
+            }
             Some(RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -160,7 +189,7 @@ impl Rope {
                 }
             }
         }
-        Rope { inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(), half, head_dim: cfg.head_dim as usize }
+        Rope { inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(), long, half, head_dim: cfg.head_dim as usize }
     }
 
     /// Rotated pairs per head (`rotary_dim / 2`): the width of a row of
@@ -169,21 +198,35 @@ impl Rope {
         self.half
     }
 
-    /// Rotation tables for positions `p0..p0 + n`: `(cos, sin)`, each `[n, rotary_dim/2]`.
+    /// Rotation tables for positions `p0..p0 + n` of a run whose context
+    /// (KV cache) holds `ctx` tokens: `(cos, sin)`, each `[n, rotary_dim/2]`.
+    /// `ctx` matters only for LongRoPE, whose long factors (and not the
+    /// short ones) apply when `ctx` exceeds the pretrained context.
     /// Computed once per forward pass and shared by every layer and head.
-    pub fn tables(&self, p0: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+    pub fn tables(&self, p0: usize, n: usize, ctx: usize) -> (Vec<f32>, Vec<f32>) {
+        let (inv_freq, scale) = match &self.long {
+            Some(l) if ctx > l.original => (&l.inv_freq, l.attention_factor),
+            Some(l) => (&self.inv_freq, l.attention_factor),
+            None => (&self.inv_freq, 1.0),
+        };
         let mut cos = Vec::with_capacity(n * self.half);
         let mut sin = Vec::with_capacity(n * self.half);
         for t in 0..n {
-            for &f in &self.inv_freq {
+            for &f in inv_freq {
                 // In f64, rounded once: f32 `sin_cos` comes from the C
                 // library (glibc on the workstation, musl in the phone
                 // build), whose f32 results differ in the last bit for
                 // large angles, and those bits moved perplexity by 0.25%
                 // between the two builds (512 tokens, q4_0 SmolLM2).
                 let (s, c) = (((p0 + t) as f32 * f) as f64).sin_cos();
-                cos.push(c as f32);
-                sin.push(s as f32);
+                if self.long.is_some() {
+                    // HF: cos() · attention_scaling, in f32.
+                    cos.push(c as f32 * scale);
+                    sin.push(s as f32 * scale);
+                } else {
+                    cos.push(c as f32);
+                    sin.push(s as f32);
+                }
             }
         }
         (cos, sin)
@@ -218,17 +261,80 @@ mod tests {
         let half = 32;
         let rope = Rope {
             inv_freq: (0..half).map(|i| 1.0 / 10000f32.powf(i as f32 / half as f32)).collect(),
+            long: None,
             half,
             head_dim: 2 * half,
         };
         let (p0, n) = (3000, 1200);
-        let (cos, sin) = rope.tables(p0, n);
+        let (cos, sin) = rope.tables(p0, n, p0 + n);
         for t in 0..n {
             for (i, &f) in rope.inv_freq.iter().enumerate() {
                 let a = ((p0 + t) as f32 * f) as f64;
                 assert_eq!(cos[t * half + i].to_bits(), (a.cos() as f32).to_bits(), "cos at {}, {i}", p0 + t);
                 assert_eq!(sin[t * half + i].to_bits(), (a.sin() as f32).to_bits(), "sin at {}, {i}", p0 + t);
             }
+        }
+    }
+
+    /// LongRoPE (Phi-3.5/Phi-4-mini) against transformers'
+    /// `_compute_longrope_parameters` written out: `inv_freq_i = 1 / (ext_i ·
+    /// θ^(2i/d))` over the rotated `d` elements, `ext` the short factors
+    /// when the run's context is at most the pretrained one and the long
+    /// ones beyond, cos and sin times the attention factor; the other
+    /// elements of a head are not rotated.
+    #[test]
+    fn longrope_tables_follow_transformers() {
+        use nflash_format::{Activation, Architecture, Phi3};
+        let (head_dim, rot, theta, orig) = (16usize, 12usize, 10000f64, 64u64);
+        let short: Vec<f32> = (0..rot / 2).map(|i| 1.0 + 0.25 * i as f32).collect();
+        let long: Vec<f32> = (0..rot / 2).map(|i| 2.0 + 3.0 * i as f32).collect();
+        let af = (1.0 + (4.0f64).ln() / (orig as f64).ln()).sqrt();
+        let cfg = ModelConfig {
+            architecture: Architecture::Phi3(Phi3 { rotary_dim: rot as u64 }),
+            vocab_size: 8,
+            hidden_size: 32,
+            intermediate_size: 8,
+            num_layers: 1,
+            num_heads: 2,
+            num_kv_heads: 2,
+            head_dim: head_dim as u64,
+            rms_norm_eps: 1e-5,
+            rope_theta: theta,
+            rope_scaling: Some(RopeScaling::LongRope {
+                short_factor: short.clone(),
+                long_factor: long.clone(),
+                original_max_position_embeddings: orig,
+                attention_factor: af,
+            }),
+            max_position_embeddings: 4 * orig,
+            sliding_window: None,
+            activation: Activation::Silu,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            mlp_bias: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        };
+        let rope = Rope::new(&cfg);
+        assert_eq!(rope.half(), rot / 2);
+        for (ctx, ext) in [(orig as usize, &short), (orig as usize + 1, &long)] {
+            let (p0, n) = (40, 30);
+            let (cos, sin) = rope.tables(p0, n, ctx);
+            for t in 0..n {
+                for i in 0..rot / 2 {
+                    let inv = 1.0 / (ext[i] as f64 * theta.powf((2 * i) as f64 / rot as f64));
+                    let a = (p0 + t) as f64 * inv;
+                    let (c, s) = (cos[t * rot / 2 + i] as f64, sin[t * rot / 2 + i] as f64);
+                    assert!((c - a.cos() * af).abs() < 1e-5, "ctx {ctx} cos at {} {i}: {c}", p0 + t);
+                    assert!((s - a.sin() * af).abs() < 1e-5, "ctx {ctx} sin at {} {i}: {s}", p0 + t);
+                }
+            }
+            // One head: the rotated pairs (i, i + rot/2) move, the last head_dim − rot stay.
+            let mut x: Vec<f32> = (0..head_dim).map(|i| i as f32 + 1.0).collect();
+            let x0 = x.clone();
+            rope.rotate(&mut x, &cos[..rot / 2], &sin[..rot / 2]);
+            assert_eq!(&x[rot..], &x0[rot..]);
+            assert!((x[0] - (x0[0] * cos[0] - x0[rot / 2] * sin[0])).abs() < 1e-6);
         }
     }
 
