@@ -444,6 +444,8 @@ mod tests {
             experts: 4,
             active_experts: 1,
             head_dim: 16,
+            tied: false,
+            arch: nflash_format::Architecture::Mistral,
         };
         let o = crate::sim::SimOptions {
             sparsity: 0.9,

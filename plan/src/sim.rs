@@ -13,8 +13,8 @@
 
 use nflash_format::{
     Activation, Architecture, BundleLayout, Criterion, DType, DeviceProfile, FfnLayer, LayerSparsity, Manifest,
-    ModelConfig, Moe, NeuronCluster, PredictorKind, PredictorQuality, Segment, SegmentKind, SparseInfo, TensorEntry,
-    TokenizerInfo,
+    ModelConfig, Moe, NeuronCluster, Phi3, PredictorKind, PredictorQuality, Segment, SegmentKind, SparseInfo,
+    TensorEntry, TokenizerInfo,
 };
 
 use crate::layout::align_up;
@@ -42,13 +42,20 @@ pub struct Shape {
     pub active_experts: u64,
     /// `head_dim` (`hidden / heads` but for Qwen3).
     pub head_dim: u64,
+    /// `tie_word_embeddings`: the output projection is the embedding
+    /// matrix, so there is no `lm_head` to keep in memory.
+    pub tied: bool,
+    /// The architecture of a dense shape (a mixture of experts is
+    /// simulated as Mixtral whatever this says).
+    pub arch: Architecture,
 }
 
 /// Shapes `plan-sim` knows: Llama-2-7B, Mistral-7B (the shapes `prep synth`
 /// writes, with Llama's 32000-token vocabulary), Mixtral-8x7B (47B, top-2),
-/// Qwen3-30B-A3B (128 experts, top-8, its 151 936-token vocabulary) and
-/// `prep synth`'s tiny-moe (with SmolLM2's 49 152 tokens).
-pub const SHAPES: [Shape; 5] = [
+/// Qwen3-30B-A3B (128 experts, top-8, its 151 936-token vocabulary),
+/// `prep synth`'s tiny-moe (with SmolLM2's 49 152 tokens), and the phone
+/// models Qwen3-4B and Phi-4-mini (their HF configs: tied embeddings).
+pub const SHAPES: [Shape; 7] = [
     Shape {
         name: "llama-7b",
         hidden: 4096,
@@ -60,6 +67,8 @@ pub const SHAPES: [Shape; 5] = [
         experts: 1,
         active_experts: 1,
         head_dim: 128,
+        tied: false,
+        arch: Architecture::Mistral,
     },
     Shape {
         name: "mistral-7b",
@@ -72,6 +81,8 @@ pub const SHAPES: [Shape; 5] = [
         experts: 1,
         active_experts: 1,
         head_dim: 128,
+        tied: false,
+        arch: Architecture::Mistral,
     },
     Shape {
         name: "mixtral-47b",
@@ -84,6 +95,8 @@ pub const SHAPES: [Shape; 5] = [
         experts: 8,
         active_experts: 2,
         head_dim: 128,
+        tied: false,
+        arch: Architecture::Mistral,
     },
     Shape {
         name: "qwen3-30b-a3b",
@@ -96,6 +109,8 @@ pub const SHAPES: [Shape; 5] = [
         experts: 128,
         active_experts: 8,
         head_dim: 128,
+        tied: false,
+        arch: Architecture::Mistral,
     },
     Shape {
         name: "tiny-moe",
@@ -108,6 +123,38 @@ pub const SHAPES: [Shape; 5] = [
         experts: 8,
         active_experts: 2,
         head_dim: 32,
+        tied: false,
+        arch: Architecture::Mistral,
+    },
+    // Qwen/Qwen3-4B config.json.
+    Shape {
+        name: "qwen3-4b",
+        hidden: 2560,
+        inter: 9728,
+        layers: 36,
+        heads: 32,
+        kv_heads: 8,
+        vocab: 151936,
+        experts: 1,
+        active_experts: 1,
+        head_dim: 128,
+        tied: true,
+        arch: Architecture::Qwen3,
+    },
+    // microsoft/Phi-4-mini-instruct config.json: partial_rotary_factor 0.75.
+    Shape {
+        name: "phi4-mini",
+        hidden: 3072,
+        inter: 8192,
+        layers: 32,
+        heads: 24,
+        kv_heads: 8,
+        vocab: 200064,
+        experts: 1,
+        active_experts: 1,
+        head_dim: 128,
+        tied: true,
+        arch: Architecture::Phi3(Phi3 { rotary_dim: 96 }),
     },
 ];
 
@@ -200,7 +247,9 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
         });
     };
     tensor("model.embed_tokens.weight".into(), shape.vocab, row, o.quant);
-    tensor("lm_head.weight".into(), shape.vocab, row, o.quant);
+    if !shape.tied {
+        tensor("lm_head.weight".into(), shape.vocab, row, o.quant);
+    }
     for i in 0..l {
         let p = format!("model.layers.{i}.self_attn");
         tensor(format!("{p}.q_proj.weight"), qd, row, o.quant);
@@ -267,7 +316,7 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
     let manifest = Manifest {
         producer: format!("nflash plan-sim ({})", shape.name),
         config: ModelConfig {
-            architecture: moe.map_or(Architecture::Mistral, Architecture::Mixtral),
+            architecture: moe.map_or(shape.arch, Architecture::Mixtral),
             vocab_size: shape.vocab,
             hidden_size: h,
             intermediate_size: n,
@@ -281,7 +330,7 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
             max_position_embeddings: 32768,
             sliding_window: None,
             activation: Activation::Relu,
-            tie_word_embeddings: false,
+            tie_word_embeddings: shape.tied,
             attention_bias: false,
             mlp_bias: moe.is_none(),
             bos_token_id: None,
@@ -329,5 +378,29 @@ mod tests {
         let p = power_law(11008, 0.1, 1.5);
         let top: f64 = p[..2201].iter().sum::<f64>() / p.iter().sum::<f64>();
         assert!((0.7..0.9).contains(&top), "{top}");
+    }
+
+    /// The phone shapes have tied embeddings: no `lm_head` in the
+    /// resident bytes, which are then smaller by exactly its rows.
+    #[test]
+    fn tied_shapes_keep_no_lm_head() {
+        let dev = DeviceProfile::parse(include_str!("../../profiles/dev-host.toml")).unwrap();
+        let o = SimOptions {
+            sparsity: 0.9,
+            skew: 1.5,
+            quant: DType::Q4_0,
+            recall: 0.99,
+            precision: 0.5,
+            predictor_budget: 0.1,
+            router_skew: 0.0,
+        };
+        let tied = shape("qwen3-4b").unwrap();
+        let resident = |s: &Shape| synthetic_manifest(s, &o, &dev).unwrap().0.segments[1].bytes;
+        let (m, _) = synthetic_manifest(&tied, &o, &dev).unwrap();
+        assert!(m.config.tie_word_embeddings && m.tensors.iter().all(|t| t.name != "lm_head.weight"));
+        let untied = Shape { tied: false, ..tied };
+        let lm_head = DType::Q4_0.row_bytes(tied.hidden).unwrap() * tied.vocab;
+        assert_eq!(resident(&untied) - resident(&tied), lm_head);
+        assert!(m.config.check().is_ok() && synthetic_manifest(&shape("phi4-mini").unwrap(), &o, &dev).is_some());
     }
 }

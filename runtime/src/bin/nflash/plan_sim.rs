@@ -22,7 +22,7 @@ pub struct PlanSimArgs {
     /// quality, clusters and quant: the shape options below do not apply to them).
     #[arg(long = "model", value_name = "PACK", value_delimiter = ',')]
     models: Vec<PathBuf>,
-    /// Model shapes to simulate, comma-separated: llama-7b, mistral-7b, mixtral-47b, qwen3-30b-a3b, tiny-moe.
+    /// Model shapes to simulate, comma-separated: llama-7b, mistral-7b, mixtral-47b, qwen3-30b-a3b, tiny-moe, qwen3-4b, phi4-mini.
     #[arg(long, value_delimiter = ',')]
     shape: Vec<String>,
     /// Target sparsities of the shapes, comma-separated [default: 0.9,0.8,0.6].
@@ -81,7 +81,7 @@ struct ShapeOptions {
 /// sparsity, predictor quality and quant override them).
 fn check(a: &PlanSimArgs) -> Result<(ShapeOptions, Option<String>)> {
     if a.models.is_empty() && a.shape.is_empty() {
-        bail!("nothing to simulate: pass --model PACK[,PACK…] or --shape NAME (llama-7b, mistral-7b, mixtral-47b, qwen3-30b-a3b, tiny-moe)");
+        bail!("nothing to simulate: pass --model PACK[,PACK…] or --shape NAME (llama-7b, mistral-7b, mixtral-47b, qwen3-30b-a3b, tiny-moe, qwen3-4b, phi4-mini)");
     }
     let o = ShapeOptions {
         sparsity: if a.sparsity.is_empty() { vec![0.9, 0.8, 0.6] } else { a.sparsity.clone() },
