@@ -407,6 +407,44 @@ impl ModelConfig {
         }
     }
 
+    /// RoPE's inverse frequencies, `[rotary_dim / 2]`: `rope_theta^(−2i/d)`
+    /// over the `d = rotary_dim()` rotated elements, then `rope_scaling`
+    /// (HF `_compute_default/linear/llama3/longrope_parameters`; for
+    /// LongRoPE the short factors, or the long ones when `long`), in f64.
+    pub fn rope_inv_freq(&self, long: bool) -> Vec<f64> {
+        let d = self.rotary_dim() as usize;
+        let mut inv_freq: Vec<f64> =
+            (0..d / 2).map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / d as f64)).collect();
+        match &self.rope_scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => inv_freq.iter_mut().for_each(|f| *f /= factor),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                let old = *original_max_position_embeddings as f64;
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                for f in inv_freq.iter_mut() {
+                    let wavelen = 2.0 * std::f64::consts::PI / *f;
+                    if wavelen < high_wavelen {
+                    } else if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+            Some(RopeScaling::LongRope { short_factor, long_factor, .. }) => {
+                let ext = if long { long_factor } else { short_factor };
+                inv_freq.iter_mut().zip(ext).for_each(|(f, e)| *f /= f64::from(*e));
+            }
+        }
+        inv_freq
+    }
+
     /// Checks internal consistency; returns a description of the first problem.
     pub fn check(&self) -> std::result::Result<(), String> {
         let nz = [
@@ -461,6 +499,36 @@ impl ModelConfig {
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(format!("rope_theta {} is not a positive number", self.rope_theta));
         }
+        if self.rms_norm_eps >= 1.0 {
+            return Err(format!("rms_norm_eps {} is not below 1 (models use about 1e-6 to 1e-5)", self.rms_norm_eps));
+        }
+        if self.sliding_window == Some(0) {
+            return Err("sliding_window is 0: a token could attend to nothing; leave the key out for no window".into());
+        }
+        match &self.rope_scaling {
+            Some(RopeScaling::Linear { factor }) if !(factor.is_finite() && *factor > 0.0) => {
+                return Err(format!("rope_scaling (linear) factor {factor:e} is not a positive number"));
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => {
+                let ok = |x: f64| x.is_finite() && x > 0.0;
+                if !(ok(*factor) && ok(*low_freq_factor) && ok(*high_freq_factor))
+                    || *original_max_position_embeddings == 0
+                {
+                    return Err(format!("rope_scaling (llama3): factor {factor:e}, low_freq_factor {low_freq_factor:e}, high_freq_factor {high_freq_factor:e} and original_max_position_embeddings {original_max_position_embeddings} must all be positive"));
+                }
+                if low_freq_factor >= high_freq_factor {
+                    return Err(format!(
+                        "rope_scaling (llama3): low_freq_factor {low_freq_factor} is not below high_freq_factor {high_freq_factor}"
+                    ));
+                }
+            }
+            _ => {}
+        }
         if let Some(RopeScaling::LongRope {
             short_factor,
             long_factor,
@@ -485,8 +553,24 @@ impl ModelConfig {
                     "rope_scaling original_max_position_embeddings {original_max_position_embeddings} is not between 1 and {MAX_CONTEXT}"
                 ));
             }
-            if !(attention_factor.is_finite() && *attention_factor > 0.0) {
-                return Err(format!("rope_scaling.attention_factor {attention_factor} is not a positive number"));
+            if !(attention_factor.is_finite() && *attention_factor > 0.0 && *attention_factor <= 16.0) {
+                return Err(format!(
+                    "rope_scaling.attention_factor {attention_factor:e} is not in (0, 16] (it scales cos and sin; models use about 1 to 1.2)"
+                ));
+            }
+        }
+        // Every frequency the runtime computes (in f32) must be a usable
+        // number: a tiny rope_theta or factor makes it infinite or zero.
+        for long in [false, true] {
+            let freqs = self.rope_inv_freq(long);
+            if let Some((i, f)) = freqs.iter().enumerate().find(|(_, f)| {
+                let x = **f as f32;
+                !(x.is_finite() && x >= f32::MIN_POSITIVE)
+            }) {
+                return Err(format!(
+                    "RoPE frequency {i} is {f:e}, which an f32 cannot hold as a positive number: check rope_theta {:e} and rope_scaling",
+                    self.rope_theta
+                ));
             }
         }
         if let Architecture::SmolLm3(rope) = self.architecture {

@@ -66,7 +66,7 @@ pub enum Error {
     #[error("the model produced non-finite logits (NaN or infinity) at position {position}: the output layer's weights are damaged or overflow; check every segment with `nflash run --verify full` or `prep verify`, and if they pass, convert the checkpoint again with a current prep (it refuses non-finite and out-of-range weights)")]
     NonFinite { position: usize },
     /// A decoder layer's output holds NaN or infinity (checked after every layer).
-    #[error("non-finite activations (NaN or infinity) in layer {layer} at position {position}: that layer's weights are damaged or overflow; check every segment with `nflash run --verify full` or `prep verify`, and if they pass, convert the checkpoint again with a current prep (it refuses non-finite and out-of-range weights)")]
+    #[error("non-finite activations (NaN or infinity) in layer {layer} at position {position}: that layer's weights are damaged or overflow, or its keys and values overflow the f16 KV cache (try `--kv f32`); check every segment with `nflash run --verify full` or `prep verify`, and if they pass, convert the checkpoint again with a current prep (it refuses non-finite and out-of-range weights)")]
     NonFiniteActivations { layer: usize, position: usize },
 }
 

@@ -619,4 +619,129 @@ fn phi3_bad_fused_tensors_and_rotary_factors_are_named() {
     write_tiny_checkpoint(&dir2, &other);
     std::fs::copy(dir2.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     convert_fails(&dir, &["model.layers.0.self_attn.qkv_proj.weight", "shape"]);
+    // Transposed ([64, 128] for [128, 64]: the same bytes): named as the
+    // fused tensor, not as the q_proj it would be split into.
+    write_tiny_checkpoint(&dir, &spec);
+    let st = dir.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    let views: Vec<(String, Vec<usize>, Vec<u8>, safetensors::Dtype)> = {
+        let t = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        t.tensors().into_iter().map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec(), v.dtype())).collect()
+    };
+    let views: Vec<(String, safetensors::tensor::TensorView)> = views
+        .iter()
+        .map(|(n, shape, data, dt)| {
+            let shape =
+                if n == "model.layers.0.self_attn.qkv_proj.weight" { vec![shape[1], shape[0]] } else { shape.clone() };
+            (n.clone(), safetensors::tensor::TensorView::new(*dt, shape, data).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &st).unwrap();
+    convert_fails(&dir, &["tensor model.layers.0.self_attn.qkv_proj.weight has shape [64, 128], expected [128, 64]"]);
+}
+
+/// RoPE settings that convert used to accept and that turned into NaN at
+/// run time (blamed on the weights): each is now refused at convert,
+/// naming the key. Found by trying bad input on the architectures of
+/// issue 44; the whole kind (any RoPE frequency an f32 cannot hold, any
+/// non-positive scaling factor) is checked in `ModelConfig::check`.
+#[test]
+fn rope_settings_that_overflow_f32_are_refused_at_convert() {
+    let tmp = tempfile::tempdir().unwrap();
+    let phi3 = tiny_checkpoint(tmp.path(), &TinySpec { arch: "Phi3ForCausalLM", ..Default::default() });
+    let base = read_json(&phi3.join("config.json"));
+    let ones = json!([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]);
+    let tiny = json!([1e-39, 1e-39, 1e-39, 1e-39, 1e-39, 1e-39, 1e-39, 1e-39]);
+    let cases: Vec<(&str, Value, &[&str])> = vec![
+        (
+            "rope_scaling",
+            json!({"type": "longrope", "short_factor": ones, "long_factor": ones, "attention_factor": 1e8}),
+            &["attention_factor"],
+        ),
+        (
+            "rope_scaling",
+            json!({"type": "longrope", "short_factor": ones, "long_factor": tiny}),
+            &["RoPE frequency", "rope_scaling"],
+        ),
+        ("rope_theta", json!(1e-300), &["RoPE frequency", "rope_theta"]),
+        ("rope_scaling", json!({"type": "linear", "factor": 0.0}), &["linear", "factor"]),
+        ("rope_scaling", json!({"type": "linear", "factor": -2.0}), &["linear", "factor"]),
+        (
+            "rope_scaling",
+            json!({"type": "llama3", "factor": 0.0, "low_freq_factor": 0.0, "high_freq_factor": 0.0, "original_max_position_embeddings": 64}),
+            &["llama3", "positive"],
+        ),
+        (
+            "rope_scaling",
+            json!({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": -5.7}),
+            &["original_max_position_embeddings"],
+        ),
+        ("rms_norm_eps", json!(1e300), &["rms_norm_eps"]),
+        ("sliding_window", json!(0), &["sliding_window is 0"]),
+    ];
+    for (key, value, needles) in cases {
+        let mut c = base.clone();
+        c[key] = value;
+        write_json(&phi3.join("config.json"), &c);
+        convert_fails(&phi3, needles);
+    }
+}
+
+/// Configs saved by transformers 5 keep RoPE settings in `rope_parameters`:
+/// the pack is the one of the transformers 4 spelling (the scaling and the
+/// partial rotary factor are not dropped).
+#[test]
+fn rope_parameters_of_transformers_5_read_as_rope_scaling() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec {
+        arch: "Phi3ForCausalLM",
+        partial_rotary_factor: Some(0.5),
+        longrope: Some((vec![1.0, 1.5, 2.0, 2.5], vec![3.0, 5.0, 7.0, 9.0])),
+        ..Default::default()
+    };
+    let dir = tiny_checkpoint(tmp.path(), &spec);
+    let v4 = tmp.path().join("v4.nflash");
+    convert(&dir, &v4, "f32");
+    let mut c = read_json(&dir.join("config.json"));
+    let mut rp = c["rope_scaling"].clone();
+    rp["rope_type"] = json!("longrope");
+    rp["rope_theta"] = c["rope_theta"].clone();
+    rp["partial_rotary_factor"] = json!(0.5);
+    let obj = c.as_object_mut().unwrap();
+    for k in ["rope_scaling", "rope_theta", "partial_rotary_factor"] {
+        obj.remove(k);
+    }
+    c["rope_parameters"] = rp;
+    write_json(&dir.join("config.json"), &c);
+    let v5 = tmp.path().join("v5.nflash");
+    convert(&dir, &v5, "f32");
+    let cfg = |p: &Path| nflash_format::Pack::open(p).unwrap().manifest().config.clone();
+    assert_eq!(cfg(&v5), cfg(&v4));
+    assert!(matches!(cfg(&v5).rope_scaling, Some(nflash_format::RopeScaling::LongRope { .. })));
+    assert_eq!(cfg(&v5).rotary_dim(), 8);
+}
+
+/// Keys a config lacks that transformers' class defaults fill are named
+/// at convert (so a shape error after it can be traced to the default);
+/// `nflash run --enable-thinking` on a pack without a chat template is an
+/// error, as `--system` is.
+#[test]
+fn class_defaults_are_named_and_enable_thinking_needs_a_template() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec { arch: "Qwen3ForCausalLM", ..Default::default() });
+    let mut c = read_json(&dir.join("config.json"));
+    c.as_object_mut().unwrap().remove("head_dim");
+    write_json(&dir.join("config.json"), &c);
+    let err = convert_fails(&dir, &["q_proj"]);
+    assert!(err.contains("note: config.json has no head_dim; using 128"), "{err}");
+    c["head_dim"] = json!(16);
+    write_json(&dir.join("config.json"), &c);
+    let tc = dir.join("tokenizer_config.json");
+    let mut t = read_json(&tc);
+    t.as_object_mut().unwrap().remove("chat_template");
+    write_json(&tc, &t);
+    let pack = tmp.path().join("base.nflash");
+    convert(&dir, &pack, "q8_0");
+    let o = run("nflash", &["run", "--model", s(&pack), "--prompt", "w3", "--enable-thinking", "false"]);
+    assert_fails("nflash run --enable-thinking without a template", &o, &["no chat template"]);
 }

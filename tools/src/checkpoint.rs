@@ -34,6 +34,9 @@ pub struct Checkpoint {
     pub tokenizer_json: Vec<u8>,
     /// `tokenizer_config.json`, or `Null` when absent.
     pub tokenizer_config: Value,
+    /// Keys config.json lacks and the transformers class defaults used for
+    /// them ([`class_defaults_used`]).
+    pub defaults_used: Vec<(String, Value)>,
     /// Sampling defaults from `generation_config.json` (SPEC §4.9).
     pub generation: nflash_format::GenerationDefaults,
     shards: Vec<Shard>,
@@ -51,6 +54,7 @@ struct RowView {
     row0: usize,
     rows: usize,
     fused_rows: usize,
+    cols: usize,
 }
 
 /// Phi-3's split of its fused projections (HF `Phi3Attention.qkv_proj`:
@@ -59,18 +63,18 @@ struct RowView {
 /// projection names nflash stores, each a view of the fused tensor.
 fn phi3_views(c: &ModelConfig) -> HashMap<String, RowView> {
     let (qd, kvd) = ((c.num_heads * c.head_dim) as usize, (c.num_kv_heads * c.head_dim) as usize);
-    let inter = c.intermediate_size as usize;
+    let (inter, h) = (c.intermediate_size as usize, c.hidden_size as usize);
     let mut v = HashMap::new();
     for l in 0..c.num_layers {
         let p = format!("model.layers.{l}");
         let qkv = format!("{p}.self_attn.qkv_proj.weight");
         for (name, row0, rows) in [("q_proj", 0, qd), ("k_proj", qd, kvd), ("v_proj", qd + kvd, kvd)] {
-            let view = RowView { fused: qkv.clone(), row0, rows, fused_rows: qd + 2 * kvd };
+            let view = RowView { fused: qkv.clone(), row0, rows, fused_rows: qd + 2 * kvd, cols: h };
             v.insert(format!("{p}.self_attn.{name}.weight"), view);
         }
         let gate_up = format!("{p}.mlp.gate_up_proj.weight");
         for (name, row0) in [("gate_proj", 0), ("up_proj", inter)] {
-            let view = RowView { fused: gate_up.clone(), row0, rows: inter, fused_rows: 2 * inter };
+            let view = RowView { fused: gate_up.clone(), row0, rows: inter, fused_rows: 2 * inter, cols: h };
             v.insert(format!("{p}.mlp.{name}.weight"), view);
         }
     }
@@ -210,15 +214,22 @@ fn phi3_rotary_dim(cfg: &Value, head_dim: u64) -> Result<u64> {
     Ok(rot)
 }
 
-/// `cfg` with the keys it lacks filled from [`class_defaults`], and
-/// `rope_theta` from `rope_parameters.rope_theta` where only that is given
-/// (configs saved by transformers 5).
+/// `cfg` with the keys it lacks filled from [`class_defaults`], and the
+/// RoPE settings of configs saved by transformers 5, which keeps them in
+/// `rope_parameters`: `rope_theta`, `partial_rotary_factor` and, where its
+/// `rope_type` is not `default`, the scaling (read as `rope_scaling`).
 fn with_class_defaults(cfg: &Value, arch_name: &str) -> Value {
     let mut cfg = cfg.clone();
     if let Some(obj) = cfg.as_object_mut() {
-        if !obj.contains_key("rope_theta") {
-            if let Some(theta) = obj.get("rope_parameters").and_then(|r| r.get("rope_theta")).cloned() {
-                obj.insert("rope_theta".into(), theta);
+        if let Some(rp) = obj.get("rope_parameters").filter(|v| v.is_object()).cloned() {
+            for k in ["rope_theta", "partial_rotary_factor"] {
+                if let (false, Some(v)) = (obj.contains_key(k), rp.get(k)) {
+                    obj.insert(k.into(), v.clone());
+                }
+            }
+            let kind = rp.get("rope_type").or_else(|| rp.get("type")).and_then(Value::as_str);
+            if kind.is_some_and(|k| k != "default") && obj.get("rope_scaling").is_none_or(Value::is_null) {
+                obj.insert("rope_scaling".into(), rp);
             }
         }
         for (k, v) in class_defaults(arch_name) {
@@ -226,6 +237,24 @@ fn with_class_defaults(cfg: &Value, arch_name: &str) -> Value {
         }
     }
     cfg
+}
+
+/// The keys of `config.json` that nflash reads but the file lacks, with the
+/// value it uses: the defaults of transformers' config class for
+/// `architectures[0]` ([`class_defaults`]; not the `hidden_act` of classes
+/// with no other defaults), for `prep convert` to say.
+pub fn class_defaults_used(cfg: &Value) -> Vec<(String, Value)> {
+    let arch = cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or_default();
+    let defaults = class_defaults(arch);
+    if defaults.len() <= 1 {
+        return Vec::new();
+    }
+    let filled = with_class_defaults(cfg, arch);
+    defaults
+        .into_iter()
+        .filter(|(k, _)| cfg.get(k).is_none())
+        .filter_map(|(k, _)| filled.get(k).map(|v| (k.to_string(), v.clone())))
+        .collect()
 }
 
 /// SmolLM3's RoPE layers (SPEC §4.1): `no_rope_layers[l]` = 1 means layer
@@ -280,6 +309,11 @@ fn rope_scaling(cfg: &Value) -> Result<Option<RopeScaling>> {
             .and_then(Value::as_f64)
             .ok_or_else(|| anyhow!("config.json: rope_scaling ({kind}) needs a number {k}"))
     };
+    let count = |k: &str| -> Result<u64> {
+        rs.get(k)
+            .and_then(Value::as_u64)
+            .ok_or_else(|| anyhow!("config.json: rope_scaling ({kind}) needs a positive integer {k}"))
+    };
     match kind {
         "default" => Ok(None),
         "linear" => Ok(Some(RopeScaling::Linear { factor: num("factor")? })),
@@ -287,7 +321,7 @@ fn rope_scaling(cfg: &Value) -> Result<Option<RopeScaling>> {
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,
             high_freq_factor: num("high_freq_factor")?,
-            original_max_position_embeddings: num("original_max_position_embeddings")? as u64,
+            original_max_position_embeddings: count("original_max_position_embeddings")?,
         })),
         "longrope" | "su" => longrope(cfg, rs).map(Some),
         other => {
@@ -320,15 +354,20 @@ fn longrope(cfg: &Value, rs: &Value) -> Result<RopeScaling> {
             })
             .collect()
     };
-    let original = match rs.get("original_max_position_embeddings").filter(|v| !v.is_null()) {
-        Some(v) => v.as_u64().ok_or_else(|| {
+    let inner = match rs.get("original_max_position_embeddings").filter(|v| !v.is_null()) {
+        Some(v) => Some(v.as_u64().ok_or_else(|| {
             anyhow!("config.json: rope_scaling.original_max_position_embeddings = {v} is not a positive integer")
-        })?,
-        None => get_u64(cfg, "original_max_position_embeddings")?.ok_or_else(|| {
-            anyhow!(
-                "config.json: rope_scaling (longrope) needs original_max_position_embeddings, the pretrained context"
-            )
-        })?,
+        })?),
+        None => None,
+    };
+    let original = match (inner, get_u64(cfg, "original_max_position_embeddings")?) {
+        (Some(a), Some(b)) if a != b => bail!(
+            "config.json: original_max_position_embeddings is {b}, but rope_scaling.original_max_position_embeddings is {a}; keep one, the pretrained context"
+        ),
+        (Some(a), _) | (None, Some(a)) => a,
+        (None, None) => bail!(
+            "config.json: rope_scaling (longrope) needs original_max_position_embeddings, the pretrained context"
+        ),
     };
     if original == 0 {
         bail!("config.json: original_max_position_embeddings is 0");
@@ -461,6 +500,7 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         .and_then(|a| a.get(0))
         .and_then(Value::as_str)
         .ok_or_else(|| anyhow!("config.json has no \"architectures\" list"))?;
+    let raw = cfg;
     let cfg = &with_class_defaults(cfg, arch_name);
     // TurboSparse (dReLU) checkpoints are Mistral-shaped "Bamboo" models, or Mixtral-shaped.
     let bamboo = arch_name == BAMBOO || arch_name == TURBOSPARSE_MIXTRAL;
@@ -567,6 +607,11 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
     let vocab = config.vocab_size;
     for (key, list) in [cfg_bos, cfg_eos, gen_bos, gen_eos] {
         if let Some(bad) = list.iter().find(|&&id| u64::from(id) >= vocab) {
+            if let Some(k) = key.strip_prefix("config.json ").filter(|k| raw.get(*k).is_none()) {
+                bail!(
+                    "config.json has no {k}, and transformers' default for {arch_name}, {bad}, is not a token of this model (vocab_size {vocab}); add {k} to config.json (the tokenizer's tokenizer.json names the right id)"
+                );
+            }
             bail!(
                 "{key} {bad} is not a token of this model: vocab_size is {vocab} (ids 0..={}); fix the id in the file (the tokenizer's tokenizer.json names the right one)",
                 vocab.saturating_sub(1)
@@ -597,6 +642,7 @@ impl Checkpoint {
         let gen_path = dir.join("generation_config.json");
         let gen = if gen_path.exists() { Some(read_json(&gen_path)?) } else { None };
         let config = parse_config(&cfg, gen.as_ref())?;
+        let defaults_used = class_defaults_used(&cfg);
 
         let tok_path = dir.join("tokenizer.json");
         let tokenizer_json = std::fs::read(&tok_path).with_context(|| {
@@ -720,6 +766,7 @@ impl Checkpoint {
             config,
             tokenizer_json,
             tokenizer_config,
+            defaults_used,
             generation,
             shards,
             index,
@@ -781,11 +828,18 @@ impl Checkpoint {
     /// Shape of tensor `name`.
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
         if let Some(v) = self.views.get(name) {
-            let mut shape = self.shape(&v.fused)?;
-            if let Some(r) = shape.first_mut() {
-                *r = v.rows;
+            let fused = self.shape(&v.fused)?;
+            if fused != [v.fused_rows, v.cols] {
+                bail!(
+                    "tensor {} has shape {fused:?}, expected [{}, {}] from config.json (the fused projection whose rows {}..{} are {name})",
+                    v.fused,
+                    v.fused_rows,
+                    v.cols,
+                    v.row0,
+                    v.row0 + v.rows
+                );
             }
-            return Ok(shape);
+            return Ok(vec![v.rows, v.cols]);
         }
         let s = self.shard_of(name)?;
         Ok(s.meta.info(name).expect("indexed").shape.clone())

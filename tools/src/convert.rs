@@ -258,6 +258,12 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     let mut stages = Stages::start();
     let ck = Checkpoint::open(&a.model)?;
+    for (k, v) in &ck.defaults_used {
+        message!(
+            "note: config.json has no {k}; using {v}, the default of transformers' config class for {}",
+            ck.config.architecture.hf_name()
+        );
+    }
     check_tensors(&ck)?;
     let tok = nflash_runtime::tokenizer::Tokenizer::from_json(&ck.tokenizer_json)
         .map_err(|e| anyhow::anyhow!("{}/tokenizer.json cannot be loaded: {e}", a.model.display()))?;

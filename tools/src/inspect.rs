@@ -105,6 +105,13 @@ pub fn run(a: InspectArgs) -> Result<()> {
             (0..c.num_layers as usize).filter(|&l| !c.layer_uses_rope(l)).map(|l| l.to_string()).collect();
         println!("       NoPE layers (no RoPE): {}", if nope.is_empty() { "none".into() } else { nope.join(", ") });
     }
+    if c.rotary_dim() != c.head_dim {
+        println!(
+            "       RoPE on the first {} of each head's {} elements (partial_rotary_factor)",
+            c.rotary_dim(),
+            c.head_dim
+        );
+    }
     if c.qk_norm() {
         println!("       RMSNorm on each query and key head (q_norm, k_norm)");
     }

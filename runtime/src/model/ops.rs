@@ -143,53 +143,17 @@ impl Rope {
     /// (`head_dim`, or Phi-3's `rotary_dim`) and `rope_scaling` (HF
     /// `_compute_default/linear/llama3/longrope_parameters`).
     pub fn new(cfg: &ModelConfig) -> Self {
-        let d = cfg.rotary_dim() as usize;
-        let half = d / 2;
-        let mut inv_freq: Vec<f64> = (0..half).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)).collect();
-        let mut long = None;
-        match cfg.rope_scaling {
-            None => {}
-            Some(RopeScaling::Linear { factor }) => inv_freq.iter_mut().for_each(|f| *f /= factor),
-            Some(RopeScaling::LongRope {
-                ref short_factor,
-                ref long_factor,
-                original_max_position_embeddings,
-                attention_factor,
-            }) => {
-                // HF: inv_freq = 1 / (ext_factor · base^(2i/d)), in f32 there.
-                let scaled = |ext: &[f32]| -> Vec<f32> {
-                    inv_freq.iter().zip(ext).map(|(f, e)| (*f / f64::from(*e)) as f32).collect()
-                };
-                long = Some(LongFreq {
-                    inv_freq: scaled(long_factor),
-                    original: original_max_position_embeddings as usize,
-                    attention_factor: attention_factor as f32,
-                });
-                let short = scaled(short_factor);
-                inv_freq = short.into_iter().map(f64::from).collect();
-            }
-            Some(RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            }) => {
-                let old = original_max_position_embeddings as f64;
-                let low_wavelen = old / low_freq_factor;
-                let high_wavelen = old / high_freq_factor;
-                for f in inv_freq.iter_mut() {
-                    let wavelen = 2.0 * std::f64::consts::PI / *f;
-                    if wavelen < high_wavelen {
-                    } else if wavelen > low_wavelen {
-                        *f /= factor;
-                    } else {
-                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
-                    }
-                }
-            }
-        }
-        Rope { inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(), long, half, head_dim: cfg.head_dim as usize }
+        let half = cfg.rotary_dim() as usize / 2;
+        let f32s = |v: Vec<f64>| -> Vec<f32> { v.into_iter().map(|f| f as f32).collect() };
+        let long = match cfg.rope_scaling {
+            Some(RopeScaling::LongRope { original_max_position_embeddings, attention_factor, .. }) => Some(LongFreq {
+                inv_freq: f32s(cfg.rope_inv_freq(true)),
+                original: original_max_position_embeddings as usize,
+                attention_factor: attention_factor as f32,
+            }),
+            _ => None,
+        };
+        Rope { inv_freq: f32s(cfg.rope_inv_freq(false)), long, half, head_dim: cfg.head_dim as usize }
     }
 
     /// Rotated pairs per head (`rotary_dim / 2`): the width of a row of

@@ -174,7 +174,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         }
     }
     // Instruct packs (a chat template) chat by default; --raw sends the text as is.
-    let chat = !a.raw && (a.chat || engine.template.is_some() || a.system.is_some());
+    let chat = !a.raw && (a.chat || engine.template.is_some() || a.system.is_some() || a.enable_thinking.is_some());
     let ids = if chat {
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
