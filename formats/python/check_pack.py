@@ -275,6 +275,26 @@ def compare_row(what: str, dtype: str, data: bytes, ref: list[float]) -> float:
     return worst
 
 
+def split_source(c: dict, name: str) -> tuple[str, int]:
+    """The checkpoint tensor and first row that stored tensor `name` comes
+    from: Phi-3's q/k/v and gate/up projections are rows of its fused
+    `qkv_proj` and `gate_up_proj` (SPEC §4.1); other tensors are themselves."""
+    a = c["architecture"]
+    if not (isinstance(a, dict) and "Phi3" in a):
+        return name, 0
+    qd, kvd = c["num_heads"] * c["head_dim"], c["num_kv_heads"] * c["head_dim"]
+    for part, fused, row0 in (
+        ("self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0),
+        ("self_attn.k_proj.weight", "self_attn.qkv_proj.weight", qd),
+        ("self_attn.v_proj.weight", "self_attn.qkv_proj.weight", qd + kvd),
+        ("mlp.gate_proj.weight", "mlp.gate_up_proj.weight", 0),
+        ("mlp.up_proj.weight", "mlp.gate_up_proj.weight", c["intermediate_size"]),
+    ):
+        if name.endswith("." + part):
+            return name[: -len(part)] + fused, row0
+    return name, 0
+
+
 def cmd_weights(a) -> None:
     pack = nf.Pack(a.pack, segment_crcs=False)
     st = SafeTensors(a.model)
@@ -284,7 +304,8 @@ def cmd_weights(a) -> None:
     # Resident tensors: a few rows of each kind that comes from the checkpoint.
     for t in m["tensors"]:
         name = t["name"]
-        if name.startswith("nflash.predictor.") or not st.has(name):
+        src, row0 = split_source(m["config"], name)
+        if name.startswith("nflash.predictor.") or not st.has(src):
             continue
         last = m["config"]["num_layers"] - 1
         if "layers." in name and int(name.split(".")[2]) not in (0, last):
@@ -299,7 +320,7 @@ def cmd_weights(a) -> None:
             if perm is not None:
                 ref = [st.row(name, 0)[i] for i in perm] if len(t["shape"]) == 1 else None
             else:
-                ref = st.row(name, r) if len(t["shape"]) > 1 else st.row(name, 0)
+                ref = st.row(src, row0 + r) if len(t["shape"]) > 1 else st.row(name, 0)
             w = compare_row(f"tensor {name} row {r}", t["dtype"], data[r * rb : (r + 1) * rb], ref)
             worst, checked = max(worst, w), checked + 1
     # FFN bundles: gate row, up row, down column of original neuron order[p].
@@ -308,14 +329,15 @@ def cmd_weights(a) -> None:
         if f["layer"] not in (0, m["config"]["num_layers"] - 1) and not a.all_layers:
             continue
         gate_w, up_w, down_w = ffn_names(m["config"], unit)
+        (gate_w, gate0), (up_w, up0) = split_source(m["config"], gate_w), split_source(m["config"], up_w)
         p_all = [0, f["n_neurons"] - 1] + [rng.randrange(f["n_neurons"]) for _ in range(a.rows)]
         for p in sorted(set(p_all)):
             i = f["order"][p]
             g, u, d = pack.bundle(unit, p)
             dt = f["bundle"]["dtype"]
             what = f"FFN unit {unit} (layer {f['layer']}) bundle {p}"
-            worst = max(worst, compare_row(f"{what} gate (neuron {i})", dt, g, st.row(gate_w, i)))
-            worst = max(worst, compare_row(f"{what} up (neuron {i})", dt, u, st.row(up_w, i)))
+            worst = max(worst, compare_row(f"{what} gate (neuron {i})", dt, g, st.row(gate_w, gate0 + i)))
+            worst = max(worst, compare_row(f"{what} up (neuron {i})", dt, u, st.row(up_w, up0 + i)))
             worst = max(worst, compare_row(f"{what} down (neuron {i})", dt, d, st.column(down_w, i)))
             bundles += 1
     print(

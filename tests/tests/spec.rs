@@ -61,10 +61,8 @@ fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
         check_pack(&["compare", pack.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
         check_pack(&["weights", pack.to_str().unwrap(), "--model", ckpt.to_str().unwrap(), "--all-layers"]);
     }
-    // Phi-3 (3.5): its architecture's fields and LongRoPE. Its checkpoint stores fused
-    // projections, which `weights` (reading q_proj, gate_proj by name)
-    // does not split; tests/tests/reference.rs checks the split against
-    // candle-transformers.
+    // Phi-3 (3.5): its architecture's fields and LongRoPE, and its fused
+    // projections stored split (`weights` reads the rows SPEC §4.1 names).
     let spec = TinySpec {
         arch: "Phi3ForCausalLM",
         partial_rotary_factor: Some(0.5),
@@ -76,6 +74,7 @@ fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
     let pack = dir.path().join("phi3.nflash");
     convert_with(&ckpt, &pack, &["--quant", "q8_0"]);
     check_pack(&["compare", pack.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
+    check_pack(&["weights", pack.to_str().unwrap(), "--model", ckpt.to_str().unwrap(), "--all-layers"]);
     // Mixtures of experts (format 3.3): one FFN unit per expert.
     // Sparse with few calibration tokens: some experts get too few to train a
     // predictor, and select every neuron (predictor threshold the lowest f32).
