@@ -102,8 +102,10 @@ static void probe_avxvnni(void) {
 #define XFEATURE_XTILEDATA 18
 static int amx_permission(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
-/* The tile configuration ldtilecfg reads: palette 1, tiles 0-2 of 16 rows x 64 bytes. */
-static void amx_config(void) {
+/* Asks for the tile state (exit 3 if refused), then configures palette 1
+ * with tiles 0-2 of 16 rows x 64 bytes and zeroes them. */
+static void amx_setup(void) {
+    if (!amx_permission()) _exit(3);
     unsigned char cfg[64];
     memset(cfg, 0, sizeof cfg);
     cfg[0] = 1;
@@ -112,32 +114,25 @@ static void amx_config(void) {
         cfg[48 + t] = 16;     /* rows[t] */
     }
     _tile_loadconfig(cfg);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
 }
 static void probe_amx_tile(void) {
-    if (!amx_permission()) _exit(3);
-    amx_config();
-    _tile_zero(0);
+    amx_setup();
     _tile_release();
 }
 #endif
 #ifdef __AMX_INT8__
 static void probe_amx_int8(void) {
-    if (!amx_permission()) _exit(3);
-    amx_config();
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
+    amx_setup();
     _tile_dpbssd(0, 1, 2);
     _tile_release();
 }
 #endif
 #ifdef __AMX_BF16__
 static void probe_amx_bf16(void) {
-    if (!amx_permission()) _exit(3);
-    amx_config();
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
+    amx_setup();
     _tile_dpbf16ps(0, 1, 2);
     _tile_release();
 }

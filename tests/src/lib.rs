@@ -207,13 +207,9 @@ impl TinySpec {
             c["intermediate_size"] = json!(self.inter * 3);
             c["decoder_sparse_step"] = json!(1);
             c["mlp_only_layers"] = json!([]);
-            c["head_dim"] = json!(self.head_dim.unwrap_or(self.hidden / self.heads));
-            c["attention_bias"] = json!(false);
-            c["sliding_window"] = Value::Null;
-            c["max_window_layers"] = json!(self.layers);
-            c["use_sliding_window"] = json!(false);
         }
-        if self.arch == "Qwen3ForCausalLM" {
+        // Qwen3's attention, dense and mixture alike.
+        if matches!(self.arch, "Qwen3MoeForCausalLM" | "Qwen3ForCausalLM") {
             c["head_dim"] = json!(self.head_dim.unwrap_or(self.hidden / self.heads));
             c["attention_bias"] = json!(false);
             c["sliding_window"] = Value::Null;

@@ -24,82 +24,74 @@ pub fn reference_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
     let cfg_text = std::fs::read_to_string(dir.join("config.json")).unwrap();
     let cfg: serde_json::Value = serde_json::from_str(&cfg_text).unwrap();
     let arch = cfg["architectures"][0].as_str().unwrap();
-    let mut out = Vec::new();
-    let step = |t: u32| Tensor::new(&[t], &dev).unwrap().unsqueeze(0).unwrap();
     match arch {
         "LlamaForCausalLM" => {
             let c: llama::LlamaConfig = serde_json::from_str(&cfg_text).unwrap();
             let c = c.into_config(false);
             let model = llama::Llama::load(vb, &c).unwrap();
             let mut cache = llama::Cache::new(true, DType::F32, &c, &dev).unwrap();
-            for (i, &t) in tokens.iter().enumerate() {
-                let l = model.forward(&step(t), i, &mut cache).unwrap();
-                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            }
+            each_token(tokens, &dev, |x, i| model.forward(x, i, &mut cache))
         }
         "Qwen2ForCausalLM" => {
             let c: qwen2::Config = serde_json::from_str(&cfg_text).unwrap();
             let mut model = qwen2::ModelForCausalLM::new(&c, vb).unwrap();
-            for (i, &t) in tokens.iter().enumerate() {
-                let l = model.forward(&step(t), i).unwrap();
-                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            }
+            each_token(tokens, &dev, |x, i| model.forward(x, i))
         }
         "MistralForCausalLM" => {
             // candle's Mistral applies the sliding window only through its
             // prefill mask, so each position is a fresh prefill of its prefix.
             let c: mistral::Config = serde_json::from_str(&cfg_text).unwrap();
             let mut model = mistral::Model::new(&c, vb).unwrap();
-            for i in 0..tokens.len() {
-                model.clear_kv_cache();
-                let x = Tensor::new(&tokens[..=i], &dev).unwrap().unsqueeze(0).unwrap();
-                let l = model.forward(&x, 0).unwrap();
-                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            }
+            (0..tokens.len())
+                .map(|i| {
+                    model.clear_kv_cache();
+                    let x = Tensor::new(&tokens[..=i], &dev).unwrap().unsqueeze(0).unwrap();
+                    model.forward(&x, 0).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                })
+                .collect()
         }
         "MixtralForCausalLM" => {
             let c: mixtral::Config = serde_json::from_str(&cfg_text).unwrap();
             let mut model = mixtral::Model::new(&c, vb).unwrap();
-            for (i, &t) in tokens.iter().enumerate() {
-                let l = model.forward(&step(t), i).unwrap();
-                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            }
+            each_token(tokens, &dev, |x, i| model.forward(x, i))
         }
         "Qwen3MoeForCausalLM" => {
             let c: qwen3_moe::Config = serde_json::from_str(&cfg_text).unwrap();
             let mut model = qwen3_moe::ModelForCausalLM::new(&c, vb).unwrap();
-            for (i, &t) in tokens.iter().enumerate() {
-                let l = model.forward(&step(t), i).unwrap();
-                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            }
+            each_token(tokens, &dev, |x, i| model.forward(x, i))
         }
         "Qwen3ForCausalLM" => {
             let c: qwen3::Config = serde_json::from_str(&cfg_text).unwrap();
             let mut model = qwen3::ModelForCausalLM::new(&c, vb).unwrap();
-            for (i, &t) in tokens.iter().enumerate() {
-                let l = model.forward(&step(t), i).unwrap();
-                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            }
+            each_token(tokens, &dev, |x, i| model.forward(x, i))
         }
         "SmolLM3ForCausalLM" => {
             let c: smollm3::Config = serde_json::from_str(&cfg_text).unwrap();
             let mut model = smollm3::ModelForCausalLM::new(&c, vb).unwrap();
-            for (i, &t) in tokens.iter().enumerate() {
-                let l = model.forward(&step(t), i).unwrap();
-                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            }
+            each_token(tokens, &dev, |x, i| model.forward(x, i))
         }
         "Phi3ForCausalLM" => {
             let c: phi3::Config = serde_json::from_str(&cfg_text).unwrap();
             let mut model = phi3::Model::new(&c, vb).unwrap();
-            for (i, &t) in tokens.iter().enumerate() {
-                let l = model.forward(&step(t), i).unwrap();
-                out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            }
+            each_token(tokens, &dev, |x, i| model.forward(x, i))
         }
         other => panic!("no reference for {other}"),
     }
-    out
+}
+
+/// Per-position logits of `tokens` fed one at a time (`[1, 1]` each, at
+/// positions 0, 1, …) to `forward`, a candle model with its KV cache.
+fn each_token(
+    tokens: &[u32],
+    dev: &Device,
+    mut forward: impl FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
+) -> Vec<Vec<f32>> {
+    let step = |t: u32| Tensor::new(&[t], dev).unwrap().unsqueeze(0).unwrap();
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| forward(&step(t), i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect()
 }
 
 /// Our logits per position, from one batched prefill and from token-by-token decode.

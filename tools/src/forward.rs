@@ -160,14 +160,16 @@ fn attend(cfg: &ModelConfig, rope: &Rope, w: &Attention, x: &[f32], b: usize, le
         }
     }
     let v = project(&w.v, w.v_bias.as_ref())?; // [b, len, nkv, hd]
-                                               // [len, rotary_dim/2] each; every window starts at position 0 and is its own context.
-    let (cos, sin) = rope.tables(0, len, len);
-    let half = rope.half();
-    for (m, width) in [(&mut q, nh * hd), (&mut k, nkv * hd)].into_iter().filter(|_| w.rope) {
-        m.par_chunks_mut(width).enumerate().for_each(|(i, row)| {
-            let t = i % len;
-            rope.rotate(row, &cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
-        });
+    if w.rope {
+        // [len, rotary_dim/2] each; every window starts at position 0 and is its own context.
+        let (cos, sin) = rope.tables(0, len, len);
+        let half = rope.half();
+        for (m, width) in [(&mut q, nh * hd), (&mut k, nkv * hd)] {
+            m.par_chunks_mut(width).enumerate().for_each(|(i, row)| {
+                let t = i % len;
+                rope.rotate(row, &cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+            });
+        }
     }
     let shape = Heads { len, nh, nkv, hd, sliding: cfg.sliding_window.map(|s| s as usize) };
     let attn = causal_attention(&q, &k, &v, &shape);

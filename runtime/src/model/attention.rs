@@ -137,11 +137,13 @@ impl Attention<'_> {
         head_norm(&mut s.q, self.q_norm.as_deref(), h.eps);
         head_norm(&mut s.k, self.k_norm.as_deref(), h.eps);
         // RoPE on queries and keys (none in a NoPE layer).
-        let half = rope.rope.half();
-        for t in (0..n).filter(|_| self.rope) {
-            let (c, sn) = (&rope.cos[t * half..(t + 1) * half], &rope.sin[t * half..(t + 1) * half]);
-            rope.rope.rotate(&mut s.q[t * qd..(t + 1) * qd], c, sn);
-            rope.rope.rotate(&mut s.k[t * kvd..(t + 1) * kvd], c, sn);
+        if self.rope {
+            let half = rope.rope.half();
+            for t in 0..n {
+                let (c, sn) = (&rope.cos[t * half..(t + 1) * half], &rope.sin[t * half..(t + 1) * half]);
+                rope.rope.rotate(&mut s.q[t * qd..(t + 1) * qd], c, sn);
+                rope.rope.rotate(&mut s.k[t * kvd..(t + 1) * kvd], c, sn);
+            }
         }
         let t = lap(t, &mut tm.qkv_s);
         // KV cache, then softmax(q·kᵀ / √d)·v per (token, head).

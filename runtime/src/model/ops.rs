@@ -182,15 +182,12 @@ impl Rope {
                 // build), whose f32 results differ in the last bit for
                 // large angles, and those bits moved perplexity by 0.25%
                 // between the two builds (512 tokens, q4_0 SmolLM2).
+                // Times LongRoPE's attention factor as HF does (cos() ·
+                // attention_scaling, in f32); 1 otherwise, which leaves
+                // every value's bits as they are.
                 let (s, c) = (((p0 + t) as f32 * f) as f64).sin_cos();
-                if self.long.is_some() {
-                    // HF: cos() · attention_scaling, in f32.
-                    cos.push(c as f32 * scale);
-                    sin.push(s as f32 * scale);
-                } else {
-                    cos.push(c as f32);
-                    sin.push(s as f32);
-                }
+                cos.push(c as f32 * scale);
+                sin.push(s as f32 * scale);
             }
         }
         (cos, sin)
