@@ -714,7 +714,13 @@ fn rope_parameters_of_transformers_5_read_as_rope_scaling() {
     c["rope_parameters"] = rp;
     write_json(&dir.join("config.json"), &c);
     let v5 = tmp.path().join("v5.nflash");
-    convert(&dir, &v5, "f32");
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&v5), "--quant", "f32"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // Given in rope_parameters, so not a class default.
+    for k in ["rope_theta", "partial_rotary_factor"] {
+        assert!(!err.contains(&format!("has no {k}")), "{k} called a default:\n{err}");
+    }
     let cfg = |p: &Path| nflash_format::Pack::open(p).unwrap().manifest().config.clone();
     assert_eq!(cfg(&v5), cfg(&v4));
     assert!(matches!(cfg(&v5).rope_scaling, Some(nflash_format::RopeScaling::LongRope { .. })));

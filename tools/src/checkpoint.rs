@@ -214,11 +214,11 @@ fn phi3_rotary_dim(cfg: &Value, head_dim: u64) -> Result<u64> {
     Ok(rot)
 }
 
-/// `cfg` with the keys it lacks filled from [`class_defaults`], and the
-/// RoPE settings of configs saved by transformers 5, which keeps them in
-/// `rope_parameters`: `rope_theta`, `partial_rotary_factor` and, where its
-/// `rope_type` is not `default`, the scaling (read as `rope_scaling`).
-fn with_class_defaults(cfg: &Value, arch_name: &str) -> Value {
+/// `cfg` with the RoPE settings of configs saved by transformers 5, which
+/// keeps them in `rope_parameters`, where the top level lacks them:
+/// `rope_theta`, `partial_rotary_factor` and, where its `rope_type` is not
+/// `default`, the scaling (read as `rope_scaling`).
+fn with_rope_parameters(cfg: &Value) -> Value {
     let mut cfg = cfg.clone();
     if let Some(obj) = cfg.as_object_mut() {
         if let Some(rp) = obj.get("rope_parameters").filter(|v| v.is_object()).cloned() {
@@ -232,6 +232,15 @@ fn with_class_defaults(cfg: &Value, arch_name: &str) -> Value {
                 obj.insert("rope_scaling".into(), rp);
             }
         }
+    }
+    cfg
+}
+
+/// [`with_rope_parameters`], then the keys still missing filled from
+/// [`class_defaults`].
+fn with_class_defaults(cfg: &Value, arch_name: &str) -> Value {
+    let mut cfg = with_rope_parameters(cfg);
+    if let Some(obj) = cfg.as_object_mut() {
         for (k, v) in class_defaults(arch_name) {
             obj.entry(k).or_insert(v);
         }
@@ -239,22 +248,18 @@ fn with_class_defaults(cfg: &Value, arch_name: &str) -> Value {
     cfg
 }
 
-/// The keys of `config.json` that nflash reads but the file lacks, with the
-/// value it uses: the defaults of transformers' config class for
-/// `architectures[0]` ([`class_defaults`]; not the `hidden_act` of classes
-/// with no other defaults), for `prep convert` to say.
+/// The keys of `config.json` that nflash reads but the file lacks (also in
+/// `rope_parameters`), with the default of transformers' config class for
+/// `architectures[0]` it uses instead ([`class_defaults`]; not the
+/// `hidden_act` of classes with no other defaults), for `prep convert` to say.
 pub fn class_defaults_used(cfg: &Value) -> Vec<(String, Value)> {
     let arch = cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or_default();
     let defaults = class_defaults(arch);
     if defaults.len() <= 1 {
         return Vec::new();
     }
-    let filled = with_class_defaults(cfg, arch);
-    defaults
-        .into_iter()
-        .filter(|(k, _)| cfg.get(k).is_none())
-        .filter_map(|(k, _)| filled.get(k).map(|v| (k.to_string(), v.clone())))
-        .collect()
+    let given = with_rope_parameters(cfg);
+    defaults.into_iter().filter(|(k, _)| given.get(k).is_none()).map(|(k, v)| (k.to_string(), v)).collect()
 }
 
 /// SmolLM3's RoPE layers (SPEC §4.1): `no_rope_layers[l]` = 1 means layer
