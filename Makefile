@@ -69,7 +69,7 @@ test: model build $(DEMO_PACK)
 	@# sparse, ReLU, MoE), so both paths are checked on whatever CPU runs this.
 	NFLASH_KERNELS=portable $(CARGO) test --release --workspace --lib
 	NFLASH_KERNELS=portable $(CARGO) test --release --workspace --test main -- \
-		reference:: offload:: sparse:: relu:: moe::
+		reference:: gemma3:: offload:: sparse:: relu:: moe::
 	@cmp -s scripts/requirements-test.txt .venv/.requirements-test.txt || \
 		{ .venv/bin/pip install -q -r scripts/requirements-test.txt && cp scripts/requirements-test.txt .venv/.requirements-test.txt; }
 	.venv/bin/python scripts/test_openai_client.py $(DEMO_PACK)

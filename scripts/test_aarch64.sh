@@ -8,7 +8,10 @@
 # give the same greedy tokens under a memory budget that reads clusters
 # from the file as with no budget; and SmolLM2's q4_0 and q8_0 perplexity,
 # which must be within 0.1% of the x86 build's (so far it is the same to
-# the last digit). Then the libnflash C example, built for aarch64.
+# the last digit); and tiny random Gemma 3 and Phi-3 packs (sliding-window
+# and global layers, GELU-tanh, (1 + w) norms; fused projections, partial
+# RoPE, LongRoPE), whose perplexity must be within 0.1% of the x86 build's
+# too. Then the libnflash C example, built for aarch64.
 #
 # Usage: scripts/test_aarch64.sh DEMO_PACK   (the Makefile passes it)
 # QEMU_CPUS overrides the CPU list, e.g. QEMU_CPUS=max.
@@ -114,6 +117,27 @@ for quant in q4_0 q8_0; do
     X86_PPL[$quant]=$(ppl_of "$work/ppl-x86-$quant.json")
 done
 
+# Tiny random Gemma 3 and Phi-3 checkpoints (the test suite's fixtures,
+# written by nflash-tiny), their q8_0 and q4_0 packs, text of their
+# word-level vocabulary (w3 … w79), and the x86 build's perplexity on it
+# in windows of 64 tokens (longer than Gemma's sliding window of 5).
+cargo build --release -p nflash-tests --bin nflash-tiny 2>&1 | grep -E "^(error|warning)" || true
+python3 -c 'import random; r = random.Random(7); print(" ".join("w%d" % r.randrange(3, 80) for _ in range(300)))' > "$work/tiny-words.txt"
+declare -A TINY_PPL
+TINY_PACKS=()
+for arch in gemma3 phi3; do
+    target/release/nflash-tiny "$arch" "$work/tiny-$arch" || die "nflash-tiny $arch failed"
+    for quant in q8_0 q4_0; do
+        pack="$work/tiny-$arch-$quant.nflash"
+        "$PREP" convert --model "$work/tiny-$arch" --out "$pack" --quant $quant > "$work/convert-$arch.log" 2>&1 ||
+            { cat "$work/convert-$arch.log"; die "prep convert of the tiny $arch model failed"; }
+        target/release/nflash ppl --model "$pack" --file "$work/tiny-words.txt" --ctx 64 --json > "$work/ppl-x86-$arch-$quant.json" ||
+            die "x86 nflash ppl on $pack failed"
+        TINY_PPL[$pack]=$(ppl_of "$work/ppl-x86-$arch-$quant.json")
+        TINY_PACKS+=("$pack")
+    done
+done
+
 for cpu in $CPUS; do
     t0=$(date +%s)
     say "== qemu-aarch64 -cpu $cpu"
@@ -157,6 +181,16 @@ for cpu in $CPUS; do
         python3 -c 'import sys; a, b = map(float, sys.argv[1:]); sys.exit(0 if abs(a - b) <= 1e-3 * b else 1)' "$got" "${X86_PPL[$quant]}" ||
             die "$cpu: $quant perplexity $got, x86 ${X86_PPL[$quant]} (more than 0.1% apart)"
         say "$cpu $quant perplexity ($PPL_TOKENS tokens of $PPL_TEXT): $got (x86: ${X86_PPL[$quant]})"
+    done
+    # The tiny Gemma 3 and Phi-3 packs against the x86 build.
+    for pack in "${TINY_PACKS[@]}"; do
+        name=$(basename "$pack" .nflash)
+        q "$cpu" ppl --model "$pack" --file "$work/tiny-words.txt" --ctx 64 --threads 2 --json > "$work/ppl-$cpu-$name.json" ||
+            die "$cpu: nflash ppl on $name failed"
+        got=$(ppl_of "$work/ppl-$cpu-$name.json")
+        python3 -c 'import sys; a, b = map(float, sys.argv[1:]); sys.exit(0 if abs(a - b) <= 1e-3 * b else 1)' "$got" "${TINY_PPL[$pack]}" ||
+            die "$cpu: $name perplexity $got, x86 ${TINY_PPL[$pack]} (more than 0.1% apart)"
+        say "$cpu $name perplexity: $got (x86: ${TINY_PPL[$pack]})"
     done
     say "$cpu: $(( $(date +%s) - t0 )) s"
 done

@@ -295,6 +295,13 @@ def split_source(c: dict, name: str) -> tuple[str, int]:
     return name, 0
 
 
+def gemma3_norm(c: dict, name: str) -> bool:
+    """Whether `name` is a Gemma 3 norm weight, which packs store as 1 + w (SPEC §4.1, §4.3)."""
+    a = c["architecture"]
+    norm = name.endswith(("layernorm.weight", "_norm.weight")) or name == "model.norm.weight"
+    return isinstance(a, dict) and "Gemma3" in a and norm
+
+
 def cmd_weights(a) -> None:
     pack = nf.Pack(a.pack, segment_crcs=False)
     st = SafeTensors(a.model)
@@ -321,6 +328,9 @@ def cmd_weights(a) -> None:
                 ref = [st.row(name, 0)[i] for i in perm] if len(t["shape"]) == 1 else None
             else:
                 ref = st.row(src, row0 + r) if len(t["shape"]) > 1 else st.row(name, 0)
+            if gemma3_norm(m["config"], name):
+                # Stored as 1 + w, added in f32 (SPEC §4.1): the f64 sum is exact, then rounded once.
+                ref = [struct.unpack("<f", struct.pack("<f", x + 1.0))[0] for x in ref]
             w = compare_row(f"tensor {name} row {r}", t["dtype"], data[r * rb : (r + 1) * rb], ref)
             worst, checked = max(worst, w), checked + 1
     # FFN bundles: gate row, up row, down column of original neuron order[p].

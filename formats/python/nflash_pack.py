@@ -211,6 +211,16 @@ ENUMS: dict[str, list[tuple[str, object]]] = {
         ("SmolLm3", ("array", "u64", 16)),
         # Phi-3: the elements of each head RoPE rotates.
         ("Phi3", [("rotary_dim", "u64")]),
+        # Gemma 3: the attention scale's denominator, the sliding layers'
+        # RoPE base and the set of sliding-window layers (a LayerSet).
+        (
+            "Gemma3",
+            [
+                ("query_pre_attn_scalar", "u64"),
+                ("rope_local_base_freq", "f64"),
+                ("sliding_layers", ("array", "u64", 16)),
+            ],
+        ),
     ],
     "Activation": [("Silu", None), ("Relu", None), ("Gelu", None), ("GeluTanh", None), ("DRelu", None)],
     "RopeScaling": [
@@ -589,6 +599,16 @@ def check_config(c: dict) -> None:
         past = [l for l in range(1024) if words[l // 64] >> (l % 64) & 1 and l >= c["num_layers"]]
         if past:
             raise PackError(f"model config (SPEC §4.1): RoPE layer set names layer {past[0]} of {c['num_layers']}")
+    if isinstance(a, dict) and "Gemma3" in a:
+        g = a["Gemma3"]
+        words = g["sliding_layers"]
+        past = [l for l in range(1024) if words[l // 64] >> (l % 64) & 1 and l >= c["num_layers"]]
+        if past:
+            raise PackError(f"model config (SPEC §4.1): sliding layer set names layer {past[0]} of {c['num_layers']}")
+        if g["query_pre_attn_scalar"] < 1:
+            raise PackError("model config (SPEC §4.1): query_pre_attn_scalar is 0")
+        if not (math.isfinite(g["rope_local_base_freq"]) and g["rope_local_base_freq"] > 0):
+            raise PackError("model config (SPEC §4.1): rope_local_base_freq is not a positive number")
     moe = moe_of(c)
     if moe is not None:
         if not 1 <= moe["num_experts"] <= 1024:
@@ -670,8 +690,10 @@ def validate(m: dict, h: dict, file_len: int) -> None:
         raise PackError(f"model config (SPEC §4.1): a mixture of experts in a pack of version {h['major']}.{h['minor']}")
     a = c["architecture"]
     longrope = isinstance(c["rope_scaling"], dict) and "LongRope" in c["rope_scaling"]
-    if (longrope or a == "Qwen3" or (isinstance(a, dict) and ("SmolLm3" in a or "Phi3" in a))) and h["minor"] < 5:
-        raise PackError(f"model config (SPEC §4.1): architecture {a if isinstance(a, str) else 'SmolLm3'} in a pack of version {h['major']}.{h['minor']}")
+    new_in_35 = a == "Qwen3" or (isinstance(a, dict) and any(k in a for k in ("SmolLm3", "Phi3", "Gemma3")))
+    if (longrope or new_in_35) and h["minor"] < 5:
+        name = a if isinstance(a, str) else next(iter(a))
+        raise PackError(f"model config (SPEC §4.1): architecture {name} in a pack of version {h['major']}.{h['minor']}")
     n_exp = experts(c)
     if len(m["ffn"]) != c["num_layers"] * n_exp:
         raise PackError(f"FFN index (SPEC §4.4): {len(m['ffn'])} entries, config has {c['num_layers']} layers × {n_exp} experts")

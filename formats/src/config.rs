@@ -74,7 +74,7 @@ impl std::fmt::Debug for LayerSet {
 }
 
 /// Supported model architectures (HF `architectures[0]`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Architecture {
     /// `LlamaForCausalLM`.
     Llama,
@@ -101,6 +101,30 @@ pub enum Architecture {
     /// `gate_proj`/`up_proj`), and RoPE on the first `rotary_dim` elements
     /// of each head only (`partial_rotary_factor`).
     Phi3(Phi3),
+    /// `Gemma3ForCausalLM` (format 3.5; also the language model of
+    /// `Gemma3ForConditionalGeneration`): embeddings scaled by
+    /// `√hidden_size`, RMSNorm on each query and key head, attention scaled
+    /// by `1/√query_pre_attn_scalar`, a norm after attention and after the
+    /// FFN as well as before each (`pre_feedforward_layernorm`,
+    /// `post_feedforward_layernorm`), every norm weight stored as `1 + w`,
+    /// and sliding-window (local) layers with their own RoPE base between
+    /// the global ones.
+    Gemma3(Gemma3),
+}
+
+/// Gemma 3's own settings (SPEC §4.1, 144 bytes on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Gemma3 {
+    /// Attention scores are `q·k / √query_pre_attn_scalar` (HF
+    /// `query_pre_attn_scalar`, not `head_dim`), ≥ 1.
+    pub query_pre_attn_scalar: u64,
+    /// RoPE base of the sliding-window layers (`rope_local_base_freq`),
+    /// which take no `rope_scaling`; the global layers use `rope_theta` and
+    /// `rope_scaling`.
+    pub rope_local_base_freq: f64,
+    /// The sliding-window (local) layers (HF `layer_types[l] ==
+    /// "sliding_attention"`); the others attend to the whole context.
+    pub sliding_layers: LayerSet,
 }
 
 /// Phi-3's own settings (SPEC §4.1, 8 bytes on the wire).
@@ -114,7 +138,7 @@ pub struct Phi3 {
 
 impl Architecture {
     /// The HF class names accepted.
-    pub const SUPPORTED: [&'static str; 8] = [
+    pub const SUPPORTED: [&'static str; 9] = [
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
@@ -123,6 +147,7 @@ impl Architecture {
         "Qwen3ForCausalLM",
         "SmolLM3ForCausalLM",
         "Phi3ForCausalLM",
+        "Gemma3ForCausalLM",
     ];
 
     /// Parses an HF `architectures` entry of a dense model with no settings
@@ -149,6 +174,7 @@ impl Architecture {
             Architecture::Qwen3 => 5,
             Architecture::SmolLm3(_) => 6,
             Architecture::Phi3(_) => 7,
+            Architecture::Gemma3(_) => 8,
         };
         Self::SUPPORTED[i]
     }
@@ -383,9 +409,92 @@ impl ModelConfig {
 
     /// Whether attention RMSNorms each query and key head before RoPE
     /// (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, `[head_dim]`:
-    /// Qwen3 and Qwen3-MoE).
+    /// Qwen3, Qwen3-MoE and Gemma 3).
     pub fn qk_norm(&self) -> bool {
-        matches!(self.architecture, Architecture::Qwen3Moe(_) | Architecture::Qwen3)
+        matches!(self.architecture, Architecture::Qwen3Moe(_) | Architecture::Qwen3 | Architecture::Gemma3(_))
+    }
+
+    /// Gemma 3's settings, `None` for other architectures.
+    pub fn gemma3(&self) -> Option<Gemma3> {
+        match self.architecture {
+            Architecture::Gemma3(g) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// Whether each decoder layer also normalizes the attention block's and
+    /// the FFN's outputs before adding them to the residual (Gemma 3's
+    /// `post_attention_layernorm` and `post_feedforward_layernorm`; its FFN
+    /// input norm is then `pre_feedforward_layernorm`).
+    pub fn sandwich_norms(&self) -> bool {
+        self.gemma3().is_some()
+    }
+
+    /// The names of layer `l`'s norm weights `[hidden]`: (before attention,
+    /// after attention, before the FFN, after the FFN). Llama-style models
+    /// have no norms after the blocks and call the FFN's
+    /// `post_attention_layernorm`; Gemma 3 has all four (SPEC §4.3).
+    pub fn layer_norm_names(&self, l: usize) -> [Option<String>; 4] {
+        let p = format!("model.layers.{l}");
+        if self.sandwich_norms() {
+            [
+                Some(format!("{p}.input_layernorm.weight")),
+                Some(format!("{p}.post_attention_layernorm.weight")),
+                Some(format!("{p}.pre_feedforward_layernorm.weight")),
+                Some(format!("{p}.post_feedforward_layernorm.weight")),
+            ]
+        } else {
+            [
+                Some(format!("{p}.input_layernorm.weight")),
+                None,
+                Some(format!("{p}.post_attention_layernorm.weight")),
+                None,
+            ]
+        }
+    }
+
+    /// Factor applied to the embedding rows before the first layer:
+    /// `√hidden_size` in f32 for Gemma 3 (HF `Gemma3TextScaledWordEmbedding`,
+    /// llama.cpp `sqrtf(n_embd)`), else 1.
+    pub fn embed_scale(&self) -> f32 {
+        if self.gemma3().is_some() {
+            (self.hidden_size as f32).sqrt()
+        } else {
+            1.0
+        }
+    }
+
+    /// The attention scores' scale, `1/√d` in f32: `d = query_pre_attn_scalar`
+    /// for Gemma 3, else `head_dim`.
+    pub fn attn_scale(&self) -> f32 {
+        let d = self.gemma3().map_or(self.head_dim, |g| g.query_pre_attn_scalar);
+        1.0 / (d as f32).sqrt()
+    }
+
+    /// Sliding window of layer `l`, tokens: the positions a token attends
+    /// to, itself included (HF `masking_utils.sliding_window_overlay`:
+    /// key `j` is seen by query `i` when `i − W < j ≤ i`; llama.cpp
+    /// `is_masked_swa`). Gemma 3: only its sliding layers; others: every
+    /// layer when `sliding_window` is set. `None`: the whole context.
+    pub fn layer_window(&self, l: usize) -> Option<u64> {
+        match self.architecture {
+            Architecture::Gemma3(g) if !g.sliding_layers.contains(l) => None,
+            _ => self.sliding_window,
+        }
+    }
+
+    /// Whether layer `l` takes its RoPE frequencies from
+    /// [`Self::local_rope`] (Gemma 3's sliding layers) rather than from
+    /// `rope_theta` and `rope_scaling`.
+    pub fn layer_uses_local_rope(&self, l: usize) -> bool {
+        self.gemma3().is_some_and(|g| g.sliding_layers.contains(l))
+    }
+
+    /// The config whose RoPE settings Gemma 3's sliding layers use:
+    /// `rope_theta = rope_local_base_freq`, no `rope_scaling` (HF
+    /// `Gemma3TextModel.rotary_emb_local`); `None` for other architectures.
+    pub fn local_rope(&self) -> Option<ModelConfig> {
+        self.gemma3().map(|g| ModelConfig { rope_theta: g.rope_local_base_freq, rope_scaling: None, ..self.clone() })
     }
 
     /// Elements of each query and key head that RoPE rotates, from the
@@ -578,6 +687,30 @@ impl ModelConfig {
                 return Err(format!(
                     "the RoPE layer set names layer {l}, but the model has {} layers",
                     self.num_layers
+                ));
+            }
+        }
+        if let Some(g) = self.gemma3() {
+            if g.query_pre_attn_scalar == 0 {
+                return Err("query_pre_attn_scalar is 0; attention scores are divided by its square root".into());
+            }
+            if !(g.rope_local_base_freq.is_finite() && g.rope_local_base_freq > 0.0) {
+                return Err(format!("rope_local_base_freq {} is not a positive number", g.rope_local_base_freq));
+            }
+            if let Some(l) = g.sliding_layers.iter().find(|&l| l as u64 >= self.num_layers) {
+                return Err(format!(
+                    "the sliding-window layer set names layer {l}, but the model has {} layers",
+                    self.num_layers
+                ));
+            }
+            let local = self.local_rope().expect("Gemma 3");
+            if let Some((i, f)) = local.rope_inv_freq(false).iter().enumerate().find(|(_, f)| {
+                let x = **f as f32;
+                !(x.is_finite() && x >= f32::MIN_POSITIVE)
+            }) {
+                return Err(format!(
+                    "RoPE frequency {i} of the sliding-window layers is {f:e}, which an f32 cannot hold as a positive number: check rope_local_base_freq {:e}",
+                    g.rope_local_base_freq
                 ));
             }
         }

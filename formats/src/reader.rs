@@ -722,7 +722,10 @@ pub fn validate(path: &Path, file_len: u64, header: &Header, m: &Manifest) -> Re
     }
     let longrope = matches!(m.config.rope_scaling, Some(RopeScaling::LongRope { .. }));
     if (longrope
-        || matches!(m.config.architecture, Architecture::Qwen3 | Architecture::SmolLm3(_) | Architecture::Phi3(_)))
+        || matches!(
+            m.config.architecture,
+            Architecture::Qwen3 | Architecture::SmolLm3(_) | Architecture::Phi3(_) | Architecture::Gemma3(_)
+        ))
         && header.minor < 5
     {
         return Err(invalid(

@@ -119,13 +119,14 @@ pub(crate) fn cluster_needs(m: &Manifest, share: &[f64]) -> Vec<Vec<Cl>> {
         .collect()
 }
 
-/// KV cache bytes one layer's attention reads for a decode token at
-/// `position`: the keys and values of the positions it attends to, up to the
-/// sliding window, as the KV cache stores them. The estimate takes the token
-/// at half the context, the mean over a generation that fills it.
-fn kv_read_bytes(m: &Manifest, position: u32, kv: KvType) -> u64 {
+/// KV cache bytes layer `l`'s attention reads for a decode token at
+/// `position`: the keys and values of the positions it attends to (itself
+/// and those before it, at most its sliding window), as the KV cache
+/// stores them. The estimate takes the token at half the context, the
+/// mean over a generation that fills it.
+fn kv_read_bytes(m: &Manifest, l: usize, position: u32, kv: KvType) -> u64 {
     let c = &m.config;
-    let seen = c.sliding_window.map_or(position as u64, |w| (position as u64).min(w + 1));
+    let seen = c.layer_window(l).map_or(position as u64 + 1, |w| (position as u64 + 1).min(w));
     kv_cache_bytes(1, (c.num_kv_heads * c.head_dim) as usize, seen as usize, kv)
 }
 
@@ -258,7 +259,6 @@ pub(crate) fn estimate_with(
 ) -> Estimate {
     let matvec = dev.matvec_bytes_per_s(threads);
     let attention = dev.attention_bytes_per_s(threads);
-    let kv_ms = kv_read_bytes(m, ctx / 2, kv) as f64 / matvec * 1e3;
     let ffn_speed = dev.ffn_bytes_per_s(threads);
     let predictor = dev.predictor_bytes_per_s(threads);
     let cold: Vec<&Cl> = layers.iter().zip(hot).flat_map(|(cs, &h)| cs[h..].iter()).collect();
@@ -274,7 +274,12 @@ pub(crate) fn estimate_with(
         // A decoder layer's attention once, at its first FFN unit; an expert's
         // predictor only when the router picks it.
         let first = l == 0 || m.ffn[l - 1].layer != f.layer;
-        let attn_ms = if first { attention_bytes(m, f.layer as usize) as f64 / attention * 1e3 + kv_ms } else { 0.0 };
+        let attn_ms = if first {
+            let kv_ms = kv_read_bytes(m, f.layer as usize, ctx / 2, kv) as f64 / matvec * 1e3;
+            attention_bytes(m, f.layer as usize) as f64 / attention * 1e3 + kv_ms
+        } else {
+            0.0
+        };
         e.attention_ms += attn_ms;
         let run = unit_share_of(share, l);
         let pred_ms = f.sparse.as_ref().map_or(0, |s| s.predictor_bytes) as f64 * run / predictor * 1e3;
@@ -446,6 +451,7 @@ mod tests {
             head_dim: 16,
             tied: false,
             arch: nflash_format::Architecture::Mistral,
+            window: None,
         };
         let o = crate::sim::SimOptions {
             sparsity: 0.9,

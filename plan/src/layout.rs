@@ -135,9 +135,7 @@ impl KvType {
     /// The type a stored plan sized its KV cache for (plans made before the
     /// f16 default have f32 sizes): the one whose size at `p.ctx` is `p.kv_bytes`.
     pub fn of_plan(m: &nflash_format::Manifest, p: &Plan) -> KvType {
-        let c = &m.config;
-        let f32_bytes =
-            kv_cache_bytes(c.num_layers as usize, (c.num_kv_heads * c.head_dim) as usize, p.ctx as usize, KvType::F32);
+        let f32_bytes = kv_cache_bytes_of(&m.config, p.ctx as usize, KvType::F32);
         if p.kv_bytes == f32_bytes && f32_bytes > 0 {
             KvType::F32
         } else {
@@ -157,6 +155,36 @@ impl std::str::FromStr for KvType {
             .map(|(k, _)| *k)
             .ok_or_else(|| format!("unknown KV cache type {s:?}: expected f16 or f32"))
     }
+}
+
+/// Positions the KV cache of layer `l` of model `c` holds in a run whose
+/// context is `ctx` tokens: all of them, except in a sliding-window layer
+/// (window `W`, [`nflash_format::ModelConfig::layer_window`]), whose cache
+/// is a ring of `W + room` positions with `room` = [`kv_ring_room`]: the
+/// window of the oldest token a pass runs, plus the pass itself, so that a
+/// prefill chunk longer than the window and a rollback within the pass's
+/// tokens both work (runtime/src/model/kv_cache.rs).
+pub fn kv_layer_capacity(c: &nflash_format::ModelConfig, l: usize, ctx: usize) -> usize {
+    match c.layer_window(l) {
+        Some(w) => ctx.min((w as usize).saturating_add(kv_ring_room(c))),
+        None => ctx,
+    }
+}
+
+/// Room a sliding-window layer's KV ring keeps beyond its window, tokens:
+/// the longest pass the runtime runs, one prefill chunk ([`prefill_chunk`]).
+pub fn kv_ring_room(c: &nflash_format::ModelConfig) -> usize {
+    prefill_chunk(c)
+}
+
+/// Bytes of the whole KV cache of model `c` in a run of `ctx` tokens, with
+/// `kv` elements, when full: the sum over layers of
+/// [`kv_layer_capacity`] positions of `2 · num_kv_heads · head_dim`
+/// elements. A long context costs what the global layers need; the
+/// sliding-window layers stay at their ring's size.
+pub fn kv_cache_bytes_of(c: &nflash_format::ModelConfig, ctx: usize, kv: KvType) -> u64 {
+    let kvd = (c.num_kv_heads * c.head_dim) as usize;
+    (0..c.num_layers as usize).map(|l| kv_cache_bytes(1, kvd, kv_layer_capacity(c, l, ctx), kv)).sum()
 }
 
 /// Bytes of a KV cache of `kv` elements, `n_layers` layers, `kv_dim`

@@ -19,7 +19,7 @@ use crate::cost::{
     attention_bytes, attention_split, cluster_need, cluster_needs, estimate_with, io_seconds, io_term, Cl,
 };
 use crate::error::{Error, Result};
-use crate::layout::{align_up, cluster_read_bytes, hot_clusters, kv_cache_bytes, KvType, FFN_TILE_ELEMS};
+use crate::layout::{align_up, cluster_read_bytes, hot_clusters, kv_cache_bytes_of, KvType, FFN_TILE_ELEMS};
 
 /// Process memory outside the model (code, libraries, thread stacks, the
 /// allocator's arenas), bytes, for plans made off the device (`prep`).
@@ -135,9 +135,9 @@ impl FixedRegion {
 /// cache allocated later never coexist, but both must fit the budget.
 pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footprint>) -> FixedRegion {
     let c = &m.config;
-    let (h, kvd) = (c.hidden_size, c.num_kv_heads * c.head_dim);
+    let h = c.hidden_size;
     let resident = m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn).map(|s| s.bytes).sum();
-    let kv = kv_cache_bytes(c.num_layers as usize, kvd as usize, ctx as usize, kv);
+    let kv = kv_cache_bytes_of(c, ctx as usize, kv);
     // One prefill chunk: activations [n, ·], one FFN weight tile (gate, up, down,
     // f32), its [n, m] products, candle's copies of them, and the logits.
     let n = (ctx as u64).min(crate::layout::prefill_chunk(c) as u64);

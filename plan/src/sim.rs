@@ -12,8 +12,8 @@
 //! clusters by P(expert) × P(neuron | expert) per byte as for a real pack.
 
 use nflash_format::{
-    Activation, Architecture, BundleLayout, Criterion, DType, DeviceProfile, FfnLayer, LayerSparsity, Manifest,
-    ModelConfig, Moe, NeuronCluster, Phi3, PredictorKind, PredictorQuality, Segment, SegmentKind, SparseInfo,
+    Activation, Architecture, BundleLayout, Criterion, DType, DeviceProfile, FfnLayer, Gemma3, LayerSet, LayerSparsity,
+    Manifest, ModelConfig, Moe, NeuronCluster, Phi3, PredictorKind, PredictorQuality, Segment, SegmentKind, SparseInfo,
     TensorEntry, TokenizerInfo,
 };
 
@@ -48,14 +48,17 @@ pub struct Shape {
     /// The architecture of a dense shape (a mixture of experts is
     /// simulated as Mixtral whatever this says).
     pub arch: Architecture,
+    /// `sliding_window`, tokens (Gemma 3: of its sliding layers).
+    pub window: Option<u64>,
 }
 
 /// Shapes `plan-sim` knows: Llama-2-7B, Mistral-7B (the shapes `prep synth`
 /// writes, with Llama's 32000-token vocabulary), Mixtral-8x7B (47B, top-2),
 /// Qwen3-30B-A3B (128 experts, top-8, its 151 936-token vocabulary),
 /// `prep synth`'s tiny-moe (with SmolLM2's 49 152 tokens), and the phone
-/// models Qwen3-4B and Phi-4-mini (their HF configs: tied embeddings).
-pub const SHAPES: [Shape; 7] = [
+/// models Qwen3-4B, Phi-4-mini and Gemma-3-4B (their HF configs: tied
+/// embeddings; Gemma's sliding-window layers).
+pub const SHAPES: [Shape; 8] = [
     Shape {
         name: "llama-7b",
         hidden: 4096,
@@ -69,6 +72,7 @@ pub const SHAPES: [Shape; 7] = [
         head_dim: 128,
         tied: false,
         arch: Architecture::Mistral,
+        window: None,
     },
     Shape {
         name: "mistral-7b",
@@ -83,6 +87,7 @@ pub const SHAPES: [Shape; 7] = [
         head_dim: 128,
         tied: false,
         arch: Architecture::Mistral,
+        window: None,
     },
     Shape {
         name: "mixtral-47b",
@@ -97,6 +102,7 @@ pub const SHAPES: [Shape; 7] = [
         head_dim: 128,
         tied: false,
         arch: Architecture::Mistral,
+        window: None,
     },
     Shape {
         name: "qwen3-30b-a3b",
@@ -111,6 +117,7 @@ pub const SHAPES: [Shape; 7] = [
         head_dim: 128,
         tied: false,
         arch: Architecture::Mistral,
+        window: None,
     },
     Shape {
         name: "tiny-moe",
@@ -125,6 +132,7 @@ pub const SHAPES: [Shape; 7] = [
         head_dim: 32,
         tied: false,
         arch: Architecture::Mistral,
+        window: None,
     },
     // Qwen/Qwen3-4B config.json.
     Shape {
@@ -140,6 +148,7 @@ pub const SHAPES: [Shape; 7] = [
         head_dim: 128,
         tied: true,
         arch: Architecture::Qwen3,
+        window: None,
     },
     // microsoft/Phi-4-mini-instruct config.json: partial_rotary_factor 0.75.
     Shape {
@@ -155,6 +164,29 @@ pub const SHAPES: [Shape; 7] = [
         head_dim: 128,
         tied: true,
         arch: Architecture::Phi3(Phi3 { rotary_dim: 96 }),
+        window: None,
+    },
+    // google/gemma-3-4b-it config.json text_config and Gemma3TextConfig's
+    // defaults: 8 heads of 256, 4 KV heads, 262 208 tokens, window 1024
+    // on five layers of every six (sliding_window_pattern 6).
+    Shape {
+        name: "gemma3-4b",
+        hidden: 2560,
+        inter: 10240,
+        layers: 34,
+        heads: 8,
+        kv_heads: 4,
+        vocab: 262208,
+        experts: 1,
+        active_experts: 1,
+        head_dim: 256,
+        tied: true,
+        arch: Architecture::Gemma3(Gemma3 {
+            query_pre_attn_scalar: 256,
+            rope_local_base_freq: 10000.0,
+            sliding_layers: LayerSet::EMPTY,
+        }),
+        window: Some(1024),
     },
 ];
 
@@ -316,7 +348,15 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
     let manifest = Manifest {
         producer: format!("nflash plan-sim ({})", shape.name),
         config: ModelConfig {
-            architecture: moe.map_or(shape.arch, Architecture::Mixtral),
+            architecture: match (moe, shape.arch) {
+                (Some(m), _) => Architecture::Mixtral(m),
+                // Every sixth layer global, as Gemma3TextConfig's default pattern.
+                (None, Architecture::Gemma3(g)) => Architecture::Gemma3(Gemma3 {
+                    sliding_layers: LayerSet::from_fn(l, |i| !(i as u64 + 1).is_multiple_of(6)),
+                    ..g
+                }),
+                (None, a) => a,
+            },
             vocab_size: shape.vocab,
             hidden_size: h,
             intermediate_size: n,
@@ -328,7 +368,7 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
             rope_theta: 1e6,
             rope_scaling: None,
             max_position_embeddings: 32768,
-            sliding_window: None,
+            sliding_window: shape.window,
             activation: Activation::Relu,
             tie_word_embeddings: shape.tied,
             attention_bias: false,
@@ -364,6 +404,34 @@ pub fn synthetic_manifest(shape: &Shape, o: &SimOptions, dev: &DeviceProfile) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Gemma-3-4B at 8k context: 29 of its 34 layers slide (window 1024),
+    /// so their KV cache is a ring of 1024 + one prefill pass, and the
+    /// whole cache costs what the 5 global layers need plus the rings.
+    #[test]
+    fn gemma3_kv_cache_counts_rings_for_sliding_layers() {
+        use crate::layout::{kv_cache_bytes, kv_cache_bytes_of, kv_ring_room, KvType};
+        let dev = DeviceProfile::parse(include_str!("../../profiles/dev-host.toml")).unwrap();
+        let o = SimOptions {
+            sparsity: 0.9,
+            skew: 1.0,
+            quant: DType::Q4_0,
+            recall: 0.95,
+            precision: 0.5,
+            predictor_budget: 0.1,
+            router_skew: 1.0,
+        };
+        let (m, _) = synthetic_manifest(&shape("gemma3-4b").unwrap(), &o, &dev).unwrap();
+        let c = &m.config;
+        assert!(c.check().is_ok());
+        let sliding = (0..34).filter(|&l| c.layer_window(l).is_some()).count();
+        assert_eq!(sliding, 29);
+        let per_pos = kv_cache_bytes(1, 1024, 1, KvType::F16);
+        let ring = (1024 + kv_ring_room(c)) as u64;
+        assert_eq!(kv_cache_bytes_of(c, 8192, KvType::F16), per_pos * (5 * 8192 + 29 * ring));
+        assert_eq!(kv_cache_bytes_of(c, 512, KvType::F16), per_pos * 34 * 512, "a short context fits every ring");
+        assert!(kv_cache_bytes_of(c, 8192, KvType::F16) < kv_cache_bytes(34, 1024, 8192, KvType::F16) / 3);
+    }
 
     #[test]
     fn power_law_has_the_requested_mean_and_is_decreasing() {

@@ -101,6 +101,16 @@ impl<'a> Engine<'a> {
         encode_raw(&self.tokenizer, self.raw_bos, text, usize::MAX)
     }
 
+    /// The BOS id a raw text starts with (the pack's `add_bos_token`,
+    /// SPEC §4.2), which perplexity puts first in each window; `None` when
+    /// it adds none, or for packs before 3.2 (their tokenizer decides).
+    pub fn bos_of_text(&self) -> Option<u32> {
+        match self.raw_bos {
+            RawBos::Prepend(bos) => bos,
+            RawBos::PostProcessor => None,
+        }
+    }
+
     /// As [`Prompter::encode_chat`].
     ///
     /// # Errors

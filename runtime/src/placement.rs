@@ -184,8 +184,7 @@ pub fn load_engine<'p>(
 ) -> Result<(Engine<'p>, Option<Plan>)> {
     if ctx as u64 > nflash_format::MAX_CONTEXT {
         let m = &pack.manifest().config;
-        let kvd = (m.num_kv_heads * m.head_dim) as usize;
-        let kv = nflash_plan::layout::kv_cache_bytes(m.num_layers as usize, kvd, ctx, o.kv);
+        let kv = nflash_plan::layout::kv_cache_bytes_of(m, ctx, o.kv);
         return Err(Error::Usage(format!(
             "--ctx {ctx} exceeds the supported maximum of {} tokens (its KV cache alone would take {:.1} GiB); use a smaller --ctx",
             nflash_format::MAX_CONTEXT,

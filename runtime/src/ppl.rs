@@ -1,5 +1,8 @@
 //! Perplexity over non-overlapping windows (as llama.cpp's `perplexity`,
-//! without its half-window scoring: every token after a window's first is scored).
+//! without its half-window scoring: every token after a window's first is
+//! scored). Where the tokenizer starts text with BOS, each window's first
+//! token is replaced by BOS, as llama.cpp does (`tokens[batch_start] =
+//! bos`): a model such as Gemma is only meaningful after it.
 
 use crate::error::{Error, Result};
 use crate::model::Model;
@@ -25,7 +28,9 @@ pub struct Scored {
     pub top1: Vec<u32>,
 }
 
-/// Scores `tokens` in windows of `ctx` tokens. `on_window(done, total)` reports progress.
+/// Scores `tokens` in windows of `ctx` tokens, each window's first token
+/// replaced by `bos` when given ([`crate::engine::Engine::bos_of_text`]).
+/// `on_window(done, total)` reports progress.
 ///
 /// # Errors
 /// [`Error::Usage`] for `ctx < 2` or fewer than 2 tokens; model errors.
@@ -33,16 +38,23 @@ pub fn perplexity(
     model: &Model,
     tokens: &[u32],
     ctx: usize,
+    bos: Option<u32>,
     on_window: impl FnMut(usize, usize),
 ) -> Result<Perplexity> {
-    score(model, tokens, ctx, on_window).map(|s| s.ppl)
+    score(model, tokens, ctx, bos, on_window).map(|s| s.ppl)
 }
 
 /// [`perplexity`] that also returns the top-1 token of every scored position.
 ///
 /// # Errors
 /// As [`perplexity`].
-pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMut(usize, usize)) -> Result<Scored> {
+pub fn score(
+    model: &Model,
+    tokens: &[u32],
+    ctx: usize,
+    bos: Option<u32>,
+    mut on_window: impl FnMut(usize, usize),
+) -> Result<Scored> {
     if ctx < 2 {
         return Err(Error::Usage(format!("--ctx {ctx} must be at least 2")));
     }
@@ -55,7 +67,16 @@ pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMu
     let mut nll = 0f64;
     let mut count = 0usize;
     let mut top1 = Vec::with_capacity(tokens.len());
+    let mut window = Vec::with_capacity(ctx.min(tokens.len()));
     for (wi, w) in windows.iter().enumerate() {
+        // The window as run: its first token BOS where the text starts so
+        // (never scored: targets are `w[1..]`).
+        window.clear();
+        window.extend_from_slice(w);
+        if let Some(b) = bos {
+            window[0] = b;
+        }
+        let run = &window[..];
         let mut kv = model.new_kv_cache(w.len());
         // The window in nearly equal parts of at most `prefill_chunk` tokens
         // (scratch bounded as in generation, each part batched).
@@ -63,7 +84,7 @@ pub fn score(model: &Model, tokens: &[u32], ctx: usize, mut on_window: impl FnMu
         let mut hidden = Vec::with_capacity(w.len() * h);
         for p in 0..parts {
             let (lo, hi) = (p * w.len() / parts, (p + 1) * w.len() / parts);
-            hidden.extend(model.forward_with(&mut kv, &w[lo..hi], crate::model::Pass::Evaluate)?);
+            hidden.extend(model.forward_with(&mut kv, &run[lo..hi], crate::model::Pass::Evaluate)?);
         }
         if !hidden.iter().all(|v| v.is_finite()) {
             return Err(Error::NonFinite { position: 0 });

@@ -131,22 +131,25 @@ impl Session {
     /// computed by whole prefill passes, less at least one id (the last id
     /// of a request is always run, for its logits), rounded down to whole
     /// passes of [`nflash_plan::layout::prefill_chunk`] tokens, so that the
-    /// rest runs in the passes a fresh prefill of `ids` would run. Returns
+    /// rest runs in the passes a fresh prefill of `ids` would run; none of
+    /// it when a sliding-window layer's KV ring has moved past it. Returns
     /// its length.
     fn keep_prefix(&mut self, engine: &Engine, ids: &[u32]) -> usize {
         let same = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
         let pass = nflash_plan::layout::prefill_chunk(&engine.model.cfg);
         let mut common = same.min(self.prefilled).min(ids.len().saturating_sub(1));
         common -= common % pass;
-        self.keep(common);
-        common
+        self.keep(common)
     }
 
-    /// Forgets every position from `len` on.
-    fn keep(&mut self, len: usize) {
-        self.kv.truncate(len);
-        self.cached.truncate(len);
-        self.prefilled = self.prefilled.min(len);
+    /// Forgets every position from `len` on, and returns the positions
+    /// kept: `len`, or 0 when a sliding-window layer's KV ring no longer
+    /// holds what position `len` attends to ([`KvCache::truncate`]).
+    fn keep(&mut self, len: usize) -> usize {
+        let kept = self.kv.truncate(len);
+        self.cached.truncate(kept);
+        self.prefilled = self.prefilled.min(kept);
+        kept
     }
 
     /// Records that `new` was prefilled after the kept prefix.

@@ -116,6 +116,16 @@ pub struct TinySpec {
     /// Phi-3 `rope_scaling` `longrope`: (`short_factor`, `long_factor`),
     /// with `original_max_position_embeddings` 256 (= `max_position_embeddings`).
     pub longrope: Option<(Vec<f32>, Vec<f32>)>,
+    /// Gemma 3 `query_pre_attn_scalar` (default `head_dim`).
+    pub query_pre_attn_scalar: Option<usize>,
+    /// Gemma 3 `sliding_window_pattern` (every n-th layer global); `None` leaves the key out.
+    pub sliding_window_pattern: Option<usize>,
+    /// Gemma 3 `layer_types`; `None` leaves the key out.
+    pub layer_types: Option<Vec<&'static str>>,
+    /// Gemma 3 written as `Gemma3ForConditionalGeneration` (the text config
+    /// in `text_config`, weights under `model.language_model.`, a vision
+    /// tensor beside them).
+    pub multimodal: bool,
 }
 
 impl Default for TinySpec {
@@ -145,11 +155,43 @@ impl Default for TinySpec {
             no_rope_layer_interval: None,
             partial_rotary_factor: None,
             longrope: None,
+            query_pre_attn_scalar: None,
+            sliding_window_pattern: None,
+            layer_types: None,
+            multimodal: false,
         }
     }
 }
 
 impl TinySpec {
+    /// A tiny Gemma 3: three layers, sliding (window 5) / global / sliding,
+    /// a `head_dim` (32) that is not hidden / heads and a
+    /// `query_pre_attn_scalar` (24) that is not `head_dim`.
+    pub fn gemma3(seed: u64) -> Self {
+        TinySpec {
+            arch: "Gemma3ForCausalLM",
+            act: "gelu_pytorch_tanh",
+            layers: 3,
+            head_dim: Some(32),
+            query_pre_attn_scalar: Some(24),
+            sliding_window: Some(5),
+            sliding_window_pattern: Some(2),
+            seed,
+            ..Default::default()
+        }
+    }
+
+    /// A tiny Phi-3: fused projections, RoPE on half of each head, LongRoPE.
+    pub fn phi3(seed: u64) -> Self {
+        TinySpec {
+            arch: "Phi3ForCausalLM",
+            partial_rotary_factor: Some(0.5),
+            longrope: Some((vec![1.0, 1.5, 2.0, 2.5], vec![3.0, 5.0, 7.0, 9.0])),
+            seed,
+            ..Default::default()
+        }
+    }
+
     /// HF config.json for this spec.
     pub fn config(&self) -> Value {
         let mut c = json!({
@@ -164,6 +206,7 @@ impl TinySpec {
                 "Qwen3ForCausalLM" => "qwen3",
                 "SmolLM3ForCausalLM" => "smollm3",
                 "Phi3ForCausalLM" => "phi3",
+                "Gemma3ForCausalLM" => "gemma3_text",
                 _ => "llama",
             },
             "hidden_size": self.hidden,
@@ -241,7 +284,43 @@ impl TinySpec {
             c["max_window_layers"] = json!(self.layers);
             c["use_sliding_window"] = json!(false);
         }
+        if self.is_gemma3() {
+            let o = c.as_object_mut().unwrap();
+            // Gemma's activation key; transformers does not read hidden_act.
+            let act = o.remove("hidden_act").unwrap();
+            o.insert("hidden_activation".into(), act);
+            let hd = self.head_dim.unwrap_or(self.hidden / self.heads);
+            c["head_dim"] = json!(hd);
+            c["query_pre_attn_scalar"] = json!(self.query_pre_attn_scalar.unwrap_or(hd));
+            c["sliding_window"] = json!(self.sliding_window);
+            c["rope_local_base_freq"] = json!(10000.0);
+            c["attention_bias"] = json!(false);
+            c["attn_logit_softcapping"] = Value::Null;
+            c["final_logit_softcapping"] = Value::Null;
+            if let Some(n) = self.sliding_window_pattern {
+                c["sliding_window_pattern"] = json!(n);
+            }
+            if let Some(t) = &self.layer_types {
+                c["layer_types"] = json!(t);
+            }
+            if self.multimodal {
+                c.as_object_mut().unwrap().remove("architectures");
+                return json!({
+                    "architectures": ["Gemma3ForConditionalGeneration"],
+                    "model_type": "gemma3",
+                    "text_config": c,
+                    "vision_config": {"hidden_size": 8, "model_type": "siglip_vision_model"},
+                    "eos_token_id": [1],
+                    "mm_tokens_per_image": 4,
+                });
+            }
+        }
         c
+    }
+
+    /// Whether the spec is Gemma 3 (text or image-and-text).
+    pub fn is_gemma3(&self) -> bool {
+        self.arch == "Gemma3ForCausalLM"
     }
 
     /// Whether the spec is Mixtral-shaped (Mixtral or TurboSparse-Mixtral).
@@ -272,9 +351,13 @@ impl TinySpec {
                 t.push((format!("{p}.self_attn.k_proj.bias"), vec![kvd]));
                 t.push((format!("{p}.self_attn.v_proj.bias"), vec![kvd]));
             }
-            if matches!(self.arch, "Qwen3MoeForCausalLM" | "Qwen3ForCausalLM") {
+            if matches!(self.arch, "Qwen3MoeForCausalLM" | "Qwen3ForCausalLM" | "Gemma3ForCausalLM") {
                 t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
                 t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+            }
+            if self.is_gemma3() {
+                t.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![self.hidden]));
+                t.push((format!("{p}.post_feedforward_layernorm.weight"), vec![self.hidden]));
             }
             let ffn = |t: &mut Vec<(String, Vec<usize>)>, prefix: String, [g, u, d]: [&str; 3]| {
                 t.push((format!("{prefix}.{g}.weight"), vec![self.inter, self.hidden]));
@@ -307,6 +390,15 @@ impl TinySpec {
         t.push(("model.norm.weight".to_string(), vec![self.hidden]));
         if !self.tied {
             t.push(("lm_head.weight".to_string(), vec![self.vocab, self.hidden]));
+        }
+        if self.multimodal {
+            // transformers ≥ 4.52's names, and one tensor of a vision tower.
+            for (n, _) in t.iter_mut() {
+                if let Some(rest) = n.strip_prefix("model.") {
+                    *n = format!("model.language_model.{rest}");
+                }
+            }
+            t.push(("model.vision_tower.vision_model.post_layernorm.weight".to_string(), vec![8]));
         }
         t
     }
@@ -355,7 +447,9 @@ pub fn write_tiny_checkpoint(dir: &Path, spec: &TinySpec) {
     for (name, shape) in spec.tensors() {
         let n: usize = shape.iter().product();
         let vals: Vec<f32> = if name.ends_with("norm.weight") {
-            (0..n).map(|_| 1.0 + 0.2 * rng.next_f32()).collect()
+            // Gemma 3 stores w for its norms' 1 + w.
+            let one = if spec.is_gemma3() { 0.0 } else { 1.0 };
+            (0..n).map(|_| one + 0.2 * rng.next_f32()).collect()
         } else if name.ends_with(".bias") {
             (0..n).map(|_| 0.1 * rng.next_f32()).collect()
         } else {

@@ -751,3 +751,104 @@ fn class_defaults_are_named_and_enable_thinking_needs_a_template() {
     let o = run("nflash", &["run", "--model", s(&pack), "--prompt", "w3", "--enable-thinking", "false"]);
     assert_fails("nflash run --enable-thinking without a template", &o, &["no chat template"]);
 }
+
+/// Gemma 3 settings that do not describe the model, and options nflash
+/// does not run: each a clear error naming the key.
+#[test]
+fn gemma3_bad_settings_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::gemma3(1));
+    let cfg = read_json(&dir.join("config.json"));
+    let cases: [(&str, Value, &[&str]); 9] = [
+        ("layer_types", json!(["sliding_attention", "full_attention"]), &["layer_types has 2 entries", "3 layers"]),
+        (
+            "layer_types",
+            json!(["sliding_attention", "chunked_attention", "full_attention"]),
+            &["layer_types[1]", "\"full_attention\""],
+        ),
+        ("layer_types", json!("sliding"), &["layer_types", "not a list"]),
+        ("sliding_window_pattern", json!(0), &["sliding_window_pattern is 0"]),
+        ("sliding_window", Value::Null, &["sliding_window is null", "layers 0, 2 sliding"]),
+        ("final_logit_softcapping", json!(30.0), &["final_logit_softcapping = 30.0", "not supported"]),
+        ("attn_logit_softcapping", json!(50.0), &["attn_logit_softcapping = 50.0"]),
+        ("use_bidirectional_attention", json!(true), &["use_bidirectional_attention"]),
+        ("hidden_activation", json!("tanh"), &["hidden_activation \"tanh\" is not supported"]),
+    ];
+    for (key, value, needles) in cases {
+        let mut c = cfg.clone();
+        c[key] = value;
+        write_json(&dir.join("config.json"), &c);
+        convert_fails(&dir, needles);
+    }
+    // An image-and-text checkpoint without its text config.
+    let mm = json!({"architectures": ["Gemma3ForConditionalGeneration"], "vision_config": {}});
+    write_json(&dir.join("config.json"), &mm);
+    convert_fails(&dir, &["Gemma3ForConditionalGeneration without a text_config"]);
+}
+
+/// A Gemma-3-4B-style text_config omits head_dim, query_pre_attn_scalar,
+/// rope_theta, the activation and the layer pattern: transformers'
+/// `Gemma3TextConfig` defaults fill them (named at convert), and the
+/// transformers 5 spelling (`rope_parameters` per layer type) gives the
+/// same pack; a scaled sliding-layer RoPE is refused.
+#[test]
+fn gemma3_text_config_defaults_and_rope_parameters_per_layer_type() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = TinySpec {
+        arch: "Gemma3ForCausalLM",
+        act: "gelu_pytorch_tanh",
+        layers: 6,
+        head_dim: Some(256),
+        heads: 8,
+        kv_heads: 4,
+        hidden: 32,
+        inter: 64,
+        sliding_window: Some(8),
+        multimodal: true,
+        ..Default::default()
+    };
+    let dir = tiny_checkpoint(tmp.path(), &spec);
+    let mut c = read_json(&dir.join("config.json"));
+    let text = c["text_config"].as_object_mut().unwrap();
+    for k in [
+        "head_dim",
+        "query_pre_attn_scalar",
+        "rope_theta",
+        "hidden_activation",
+        "rope_local_base_freq",
+        "num_attention_heads",
+        "num_key_value_heads",
+    ] {
+        text.remove(k);
+    }
+    text.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": 8.0}));
+    write_json(&dir.join("config.json"), &c);
+    let v4 = tmp.path().join("v4.nflash");
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&v4), "--quant", "f32"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    for k in
+        ["head_dim; using 256", "query_pre_attn_scalar; using 256", "rope_theta; using 1000000", "hidden_activation"]
+    {
+        assert!(err.contains(k), "{k} not named:\n{err}");
+    }
+    let cfg = |p: &Path| nflash_format::Pack::open(p).unwrap().manifest().config.clone();
+    let g = cfg(&v4).gemma3().unwrap();
+    assert_eq!((g.query_pre_attn_scalar, g.rope_local_base_freq), (256, 10000.0));
+    assert_eq!(g.sliding_layers.iter().collect::<Vec<_>>(), [0, 1, 2, 3, 4], "every 6th layer is global");
+    assert_eq!((cfg(&v4).rope_theta, cfg(&v4).activation), (1e6, nflash_format::Activation::GeluTanh));
+    // transformers 5: rope_parameters per layer type.
+    let text = c["text_config"].as_object_mut().unwrap();
+    text.remove("rope_scaling");
+    text.insert(
+        "rope_parameters".into(),
+        json!({"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    );
+    write_json(&dir.join("config.json"), &c);
+    let v5 = tmp.path().join("v5.nflash");
+    convert(&dir, &v5, "f32");
+    assert_eq!(cfg(&v5), cfg(&v4));
+    c["text_config"]["rope_parameters"]["sliding_attention"]["rope_type"] = json!("linear");
+    write_json(&dir.join("config.json"), &c);
+    convert_fails(&dir, &["rope_parameters.sliding_attention", "rope_local_base_freq"]);
+}

@@ -67,6 +67,30 @@ fn phi3_template_renders_as_transformers() {
     );
 }
 
+/// Gemma 3: `<bos>`, then `<start_of_turn>user` / `model` turns ended by
+/// `<end_of_turn>` and a newline; the system prompt has no turn of its
+/// own but opens the first user turn, followed by a blank line; content is
+/// trimmed; the assistant role is called `model`.
+#[test]
+fn gemma3_template_renders_as_transformers() {
+    let t = ChatTemplate::new(&template("google-gemma-3-4b-it.jinja"), Some("<bos>"), Some("<eos>")).unwrap();
+    let msgs = [
+        Message::new("system", "Be brief."),
+        Message::new("user", " Hi \n"),
+        Message::new("assistant", "Hello."),
+        Message::new("user", "2+2?"),
+    ];
+    assert_eq!(
+        t.render(&msgs).unwrap(),
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n\
+         <start_of_turn>model\nHello.<end_of_turn>\n\
+         <start_of_turn>user\n2+2?<end_of_turn>\n\
+         <start_of_turn>model\n"
+    );
+    // Without a system prompt the first user turn has no prefix.
+    assert_eq!(t.render(&msgs[1..2]).unwrap(), "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n");
+}
+
 /// Hugging Face compiles templates with `trim_blocks` and `lstrip_blocks`:
 /// the newline after a block tag and the indentation before one vanish.
 #[test]

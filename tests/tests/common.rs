@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::{llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe, smol::smollm3};
+use candle_transformers::models::{gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe, smol::smollm3};
 use nflash_format::Pack;
 use nflash_plan::CacheConfig;
 
@@ -40,15 +40,33 @@ pub fn reference_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
         "MistralForCausalLM" => {
             // candle's Mistral applies the sliding window only through its
             // prefill mask, so each position is a fresh prefill of its prefix.
-            let c: mistral::Config = serde_json::from_str(&cfg_text).unwrap();
+            let c: mistral::Config = serde_json::from_value(candle_window(&cfg)).unwrap();
             let mut model = mistral::Model::new(&c, vb).unwrap();
-            (0..tokens.len())
-                .map(|i| {
-                    model.clear_kv_cache();
-                    let x = Tensor::new(&tokens[..=i], &dev).unwrap().unsqueeze(0).unwrap();
-                    model.forward(&x, 0).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
-                })
-                .collect()
+            each_prefix(tokens, &dev, |x| {
+                model.clear_kv_cache();
+                model.forward(x, 0)
+            })
+        }
+        "Gemma3ForCausalLM" => {
+            // candle's Gemma 3 scales scores by 1/√head_dim where
+            // transformers uses 1/√query_pre_attn_scalar: the same as
+            // scaling each query head by √(head_dim / query_pre_attn_scalar),
+            // which for candle is a q_norm weight of (1 + w)·f − 1. One token
+            // at a time, its sliding layers' rotating KV cache of W keys is
+            // transformers' window (its prefill mask would keep W + 1, and
+            // its prefill fails on the global layers' cache).
+            let c: gemma3::Config = serde_json::from_value(cfg.clone()).unwrap();
+            let f = ((c.head_dim as f64) / cfg["query_pre_attn_scalar"].as_f64().unwrap()).sqrt();
+            let mut tensors = candle_core::safetensors::load(&files[0], &dev).unwrap();
+            for (name, t) in tensors.iter_mut() {
+                if name.ends_with("self_attn.q_norm.weight") {
+                    let w = t.to_dtype(DType::F32).unwrap();
+                    *t = ((w + 1.0).unwrap() * f).unwrap().affine(1.0, -1.0).unwrap();
+                }
+            }
+            let vb = VarBuilder::from_tensors(tensors, DType::F32, &dev);
+            let mut model = gemma3::Model::new(false, &c, vb).unwrap();
+            each_token(tokens, &dev, |x, i| model.forward(x, i))
         }
         "MixtralForCausalLM" => {
             let c: mixtral::Config = serde_json::from_str(&cfg_text).unwrap();
@@ -77,6 +95,33 @@ pub fn reference_logits(dir: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
         }
         other => panic!("no reference for {other}"),
     }
+}
+
+/// `cfg` with the `sliding_window` candle's Mistral needs for
+/// transformers' window: its mask lets a token see the `W` before it, where
+/// transformers (`sliding_window_overlay`: key `j` seen by query `i` when
+/// `i − W < j ≤ i`) and llama.cpp see `W − 1`.
+fn candle_window(cfg: &serde_json::Value) -> serde_json::Value {
+    let mut c = cfg.clone();
+    if let Some(w) = cfg["sliding_window"].as_u64() {
+        c["sliding_window"] = serde_json::json!(w - 1);
+    }
+    c
+}
+
+/// Per-position logits of `tokens`, each position the last logits of a
+/// prefill of its prefix (`[1, i + 1]`) by `forward`.
+fn each_prefix(
+    tokens: &[u32],
+    dev: &Device,
+    mut forward: impl FnMut(&Tensor) -> candle_core::Result<Tensor>,
+) -> Vec<Vec<f32>> {
+    (0..tokens.len())
+        .map(|i| {
+            let x = Tensor::new(&tokens[..=i], dev).unwrap().unsqueeze(0).unwrap();
+            forward(&x).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        })
+        .collect()
 }
 
 /// Per-position logits of `tokens` fed one at a time (`[1, 1]` each, at

@@ -15,6 +15,7 @@ mod chat_templates;
 mod checksums;
 mod common;
 mod fuzz;
+mod gemma3;
 mod kernel_paths;
 mod moe;
 mod no_alloc;

@@ -178,6 +178,7 @@ fn profile_of_other_architectures() {
         TinySpec { arch: "Qwen3ForCausalLM", head_dim: Some(24), ..TinySpec::default() },
         TinySpec { arch: "SmolLM3ForCausalLM", layers: 3, no_rope_layers: Some(vec![1, 0, 1]), ..TinySpec::default() },
         TinySpec { arch: "Phi3ForCausalLM", partial_rotary_factor: Some(0.75), ..TinySpec::default() },
+        TinySpec::gemma3(1),
         TinySpec {
             act: "gelu_pytorch_tanh",
             llama3_scaling: true,

@@ -118,7 +118,7 @@ fn q4_0_perplexity_is_reported_and_close_to_f32() {
     for q in ["f32", "q4_0"] {
         let p = Pack::open(pack(q)).unwrap();
         let m = nflash_runtime::load_model(&p, &CacheConfig::all_hot(&p)).unwrap();
-        r.push(ppl::perplexity(&m, &tokens, 512, |_, _| {}).unwrap().perplexity);
+        r.push(ppl::perplexity(&m, &tokens, 512, None, |_, _| {}).unwrap().perplexity);
     }
     eprintln!("perplexity over 1024 tokens of {} (ctx 512): f32 {:.3}, q4_0 {:.3}", eval_text().1, r[0], r[1]);
     assert!(r[0].is_finite() && r[0] > 1.0 && r[0] < 100.0, "f32 perplexity {}", r[0]);
@@ -324,7 +324,7 @@ fn kv_bits(kv: &nflash_runtime::model::kv_cache::KvCache) -> Vec<u32> {
     use nflash_runtime::kernels::KvSlice;
     let mut out = Vec::new();
     for l in 0..kv.n_layers() {
-        let (k, v) = kv.layer(l);
+        let (k, v, _) = kv.layer(l);
         for s in [k, v] {
             match s {
                 KvSlice::F16(x) => out.extend(x.iter().map(|e| u32::from(e.to_bits()))),

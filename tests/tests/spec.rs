@@ -63,15 +63,19 @@ fn the_python_reader_written_from_the_spec_reads_what_prep_writes() {
     }
     // Phi-3 (3.5): its architecture's fields and LongRoPE, and its fused
     // projections stored split (`weights` reads the rows SPEC §4.1 names).
-    let spec = TinySpec {
-        arch: "Phi3ForCausalLM",
-        partial_rotary_factor: Some(0.5),
-        longrope: Some((vec![1.0, 1.5, 2.0, 2.5], vec![3.0, 5.0, 7.0, 9.0])),
-        ..TinySpec::default()
-    };
+    let spec = TinySpec::phi3(1);
     let ckpt = dir.path().join(spec.arch);
     write_tiny_checkpoint(&ckpt, &spec);
     let pack = dir.path().join("phi3.nflash");
+    convert_with(&ckpt, &pack, &["--quant", "q8_0"]);
+    check_pack(&["compare", pack.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
+    check_pack(&["weights", pack.to_str().unwrap(), "--model", ckpt.to_str().unwrap(), "--all-layers"]);
+    // Gemma 3 (3.5): its fields, and norm weights stored as 1 + w (`weights`
+    // fails when the stored norms are the checkpoint's w).
+    let spec = TinySpec::gemma3(1);
+    let ckpt = dir.path().join(spec.arch);
+    write_tiny_checkpoint(&ckpt, &spec);
+    let pack = dir.path().join("gemma3.nflash");
     convert_with(&ckpt, &pack, &["--quant", "q8_0"]);
     check_pack(&["compare", pack.to_str().unwrap(), "--prep", prep.to_str().unwrap()]);
     check_pack(&["weights", pack.to_str().unwrap(), "--model", ckpt.to_str().unwrap(), "--all-layers"]);

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
-use nflash_format::{Activation, Architecture, LayerSet, ModelConfig, Moe, Phi3, RopeScaling, MAX_EXPERTS};
+use nflash_format::{Activation, Architecture, Gemma3, LayerSet, ModelConfig, Moe, Phi3, RopeScaling, MAX_EXPERTS};
 use rayon::prelude::*;
 use safetensors::tensor::Metadata;
 use safetensors::Dtype;
@@ -46,6 +46,12 @@ pub struct Checkpoint {
     /// Tensors the model reads that the checkpoint stores as rows of a
     /// fused one (Phi-3's `qkv_proj` and `gate_up_proj`), by name.
     views: HashMap<String, RowView>,
+    /// The checkpoint's name of each tensor nflash names otherwise (the
+    /// language model of a [`GEMMA3_MM`] checkpoint: [`gemma3_mm_name`]).
+    aliases: HashMap<String, String>,
+    /// Whether the norm weights are stored as `w` for a norm that scales
+    /// by `1 + w` (Gemma 3): they are read as `1 + w` (SPEC §4.3).
+    norms_plus_one: bool,
 }
 
 /// Rows `row0 .. row0 + rows` of the fused 2-D tensor `fused` (`[fused_rows, cols]`).
@@ -135,9 +141,102 @@ pub const SMOLLM3: &str = "SmolLM3ForCausalLM";
 /// HF class of Phi-3 checkpoints (Phi-3, Phi-3.5-mini, Phi-4-mini).
 pub const PHI3: &str = "Phi3ForCausalLM";
 
+/// HF class of text-only Gemma 3 checkpoints (270M, 1B).
+pub const GEMMA3: &str = "Gemma3ForCausalLM";
+
+/// HF class of the image-and-text Gemma 3 checkpoints (4B and up): a
+/// `text_config` for the language model, whose weights nflash converts,
+/// and a vision tower it skips.
+pub const GEMMA3_MM: &str = "Gemma3ForConditionalGeneration";
+
+/// The config of the language model a `config.json` describes: for
+/// [`GEMMA3_MM`], its `text_config` as a [`GEMMA3`] config, with the top
+/// level's `bos_token_id`, `eos_token_id` and `tie_word_embeddings` where
+/// the text config lacks them; otherwise `cfg` itself.
+///
+/// # Errors
+/// A [`GEMMA3_MM`] config without a `text_config` object.
+pub fn language_model_config(cfg: &Value) -> Result<Value> {
+    if arch_of(cfg) != GEMMA3_MM {
+        return Ok(cfg.clone());
+    }
+    let mut text = cfg.get("text_config").filter(|t| t.is_object()).cloned().ok_or_else(|| {
+        anyhow!("config.json: {GEMMA3_MM} without a text_config object; the language model's settings are there")
+    })?;
+    let obj = text.as_object_mut().expect("an object");
+    obj.insert("architectures".into(), serde_json::json!([GEMMA3]));
+    for k in ["bos_token_id", "eos_token_id", "tie_word_embeddings"] {
+        if let (false, Some(v)) = (obj.contains_key(k), cfg.get(k)) {
+            obj.insert(k.into(), v.clone());
+        }
+    }
+    Ok(text)
+}
+
+/// `architectures[0]` of a config, or "" when it has none.
+fn arch_of(cfg: &Value) -> &str {
+    cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or_default()
+}
+
+/// The name nflash gives (SPEC §4.3) to tensor `stored` of a
+/// [`GEMMA3_MM`] checkpoint: `model.*` for `language_model.model.*`
+/// (transformers before 4.52) or `model.language_model.*` (later), and
+/// `lm_head.*` for `language_model.lm_head.*`. `None` for a tensor of the
+/// vision tower or the projector.
+fn gemma3_mm_name(stored: &str) -> Option<String> {
+    for (from, to) in [
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ] {
+        if let Some(rest) = stored.strip_prefix(from) {
+            return Some(format!("{to}{rest}"));
+        }
+    }
+    None
+}
+
+/// Gemma 3's sliding-window layers (SPEC §4.1): from `layer_types`
+/// (`"sliding_attention"` or `"full_attention"` per layer), else every
+/// layer but each `sliding_window_pattern`-th (`(l + 1) % pattern != 0`),
+/// as transformers' `Gemma3TextConfig` does.
+///
+/// # Errors
+/// A `layer_types` list of the wrong length or with another entry, a
+/// pattern of 0.
+fn gemma3_sliding_layers(cfg: &Value, n_layers: u64) -> Result<LayerSet> {
+    match cfg.get("layer_types") {
+        Some(Value::Array(a)) => {
+            if a.len() as u64 != n_layers {
+                bail!("config.json: layer_types has {} entries, but the model has {n_layers} layers (num_hidden_layers); it needs \"sliding_attention\" or \"full_attention\" for each", a.len());
+            }
+            let mut sliding = Vec::with_capacity(a.len());
+            for (l, v) in a.iter().enumerate() {
+                match v.as_str() {
+                    Some("sliding_attention") => sliding.push(true),
+                    Some("full_attention") => sliding.push(false),
+                    _ => bail!("config.json: layer_types[{l}] = {v}; each entry is \"sliding_attention\" or \"full_attention\""),
+                }
+            }
+            Ok(LayerSet::from_fn(n_layers, |l| sliding[l]))
+        }
+        None | Some(Value::Null) => {
+            let every = req_u64(cfg, "sliding_window_pattern")?;
+            if every == 0 {
+                bail!("config.json: sliding_window_pattern is 0; every sliding_window_pattern-th layer is global (Gemma 3 uses 6)");
+            }
+            Ok(LayerSet::from_fn(n_layers, |l| !(l as u64 + 1).is_multiple_of(every)))
+        }
+        Some(v) => {
+            bail!("config.json: layer_types = {v} is not a list of \"sliding_attention\" and \"full_attention\"")
+        }
+    }
+}
+
 /// The defaults of transformers' config class `arch_name` for the keys
 /// nflash reads, where a checkpoint's config.json may omit them: the
-/// class's `__init__` signature (`Qwen3Config`, `SmolLM3Config`). For the
+/// class's `__init__` signature (`Qwen3Config`, `SmolLM3Config`,
+/// `Phi3Config`, `Gemma3TextConfig`). For the
 /// other classes only `hidden_act` (`silu` in each); their other keys are
 /// required. Keys present in config.json, even as `null`, are kept.
 fn class_defaults(arch_name: &str) -> Vec<(&'static str, Value)> {
@@ -193,6 +292,27 @@ fn class_defaults(arch_name: &str) -> Vec<(&'static str, Value)> {
             ("eos_token_id", json!(32000)),
             ("tie_word_embeddings", json!(false)),
         ],
+        GEMMA3 => vec![
+            ("vocab_size", json!(262208)),
+            ("hidden_size", json!(2304)),
+            ("intermediate_size", json!(9216)),
+            ("num_hidden_layers", json!(26)),
+            ("num_attention_heads", json!(8)),
+            ("num_key_value_heads", json!(4)),
+            ("head_dim", json!(256)),
+            ("hidden_activation", json!("gelu_pytorch_tanh")),
+            ("max_position_embeddings", json!(131072)),
+            ("rms_norm_eps", json!(1e-6)),
+            ("eos_token_id", json!(1)),
+            ("bos_token_id", json!(2)),
+            ("tie_word_embeddings", json!(true)),
+            ("rope_theta", json!(1000000.0)),
+            ("attention_bias", json!(false)),
+            ("query_pre_attn_scalar", json!(256)),
+            ("sliding_window", json!(4096)),
+            ("rope_local_base_freq", json!(10000.0)),
+            ("sliding_window_pattern", json!(6)),
+        ],
         _ => vec![("hidden_act", json!("silu"))],
     }
 }
@@ -221,6 +341,21 @@ fn phi3_rotary_dim(cfg: &Value, head_dim: u64) -> Result<u64> {
 fn with_rope_parameters(cfg: &Value) -> Value {
     let mut cfg = cfg.clone();
     if let Some(obj) = cfg.as_object_mut() {
+        // Gemma 3 keeps one set per layer type: the global layers' is the
+        // model's, the sliding layers' base is `rope_local_base_freq`, and
+        // a scaling of theirs is kept to be refused.
+        let per_type = obj.get("rope_parameters").and_then(|rp| rp.get("sliding_attention")).cloned();
+        if let Some(local) = per_type {
+            if let (false, Some(v)) = (obj.contains_key("rope_local_base_freq"), local.get("rope_theta")) {
+                obj.insert("rope_local_base_freq".into(), v.clone());
+            }
+            let kind = local.get("rope_type").or_else(|| local.get("type")).and_then(Value::as_str);
+            if kind.is_some_and(|k| k != "default") {
+                obj.insert("rope_parameters.sliding_attention".into(), local);
+            }
+            let global = obj["rope_parameters"].get("full_attention").cloned().unwrap_or(Value::Null);
+            obj.insert("rope_parameters".into(), global);
+        }
         if let Some(rp) = obj.get("rope_parameters").filter(|v| v.is_object()).cloned() {
             for k in ["rope_theta", "partial_rotary_factor"] {
                 if let (false, Some(v)) = (obj.contains_key(k), rp.get(k)) {
@@ -253,8 +388,7 @@ fn with_class_defaults(cfg: &Value, arch_name: &str) -> Value {
 /// `architectures[0]` it uses instead ([`class_defaults`]; not the
 /// `hidden_act` of classes with no other defaults), for `prep convert` to say.
 pub fn class_defaults_used(cfg: &Value) -> Vec<(String, Value)> {
-    let arch = cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or_default();
-    let defaults = class_defaults(arch);
+    let defaults = class_defaults(arch_of(cfg));
     if defaults.len() <= 1 {
         return Vec::new();
     }
@@ -499,7 +633,11 @@ fn parse_moe(cfg: &Value, arch_name: &str) -> Result<Option<Architecture>> {
 }
 
 /// Parses HF `config.json` (+ `generation_config.json` for extra EOS ids).
+/// A [`GEMMA3_MM`] config is read as its language model's
+/// ([`language_model_config`]).
 pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
+    let flat = language_model_config(cfg)?;
+    let cfg = &flat;
     let arch_name = cfg
         .get("architectures")
         .and_then(|a| a.get(0))
@@ -520,11 +658,17 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         None if arch_name == SMOLLM3 => {
             Some(Architecture::SmolLm3(smollm3_rope_layers(cfg, req_u64(cfg, "num_hidden_layers")?)?))
         }
+        None if arch_name == GEMMA3 => Some(Architecture::Gemma3(Gemma3 {
+            query_pre_attn_scalar: req_u64(cfg, "query_pre_attn_scalar")?,
+            rope_local_base_freq: get_f64(cfg, "rope_local_base_freq")?
+                .ok_or_else(|| anyhow!("config.json has no rope_local_base_freq; it is required for {arch_name}"))?,
+            sliding_layers: gemma3_sliding_layers(cfg, req_u64(cfg, "num_hidden_layers")?)?,
+        })),
         None => Architecture::from_hf(arch_name),
     }
     .ok_or_else(|| {
         anyhow!(
-            "unsupported architecture {arch_name:?}; supported: {}, {BAMBOO} and {TURBOSPARSE_MIXTRAL} (dReLU)",
+            "unsupported architecture {arch_name:?}; supported: {}, {GEMMA3_MM} (its language model), {BAMBOO} and {TURBOSPARSE_MIXTRAL} (dReLU)",
             Architecture::SUPPORTED.join(", ")
         )
     })?;
@@ -538,15 +682,32 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
     {
         bail!("config.json: use_sliding_window is true; sliding-window attention is not supported for {arch_name}");
     }
-    let act_name = match cfg.get("hidden_act") {
+    // Options of known architectures that nflash does not run: refused,
+    // never run with other semantics.
+    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        if let Some(v) = cfg.get(key).filter(|v| !v.is_null()) {
+            bail!("config.json: {key} = {v}; soft-capping of logits is not supported (nflash runs models that set it to null)");
+        }
+    }
+    if get_bool(cfg, "use_bidirectional_attention", false)? {
+        bail!(
+            "config.json: use_bidirectional_attention is true (an embedding model); nflash runs causal language models"
+        );
+    }
+    if let Some(v) = cfg.get("rope_parameters.sliding_attention") {
+        bail!("config.json: rope_parameters.sliding_attention = {v}; the sliding-window layers of {arch_name} run default RoPE with rope_local_base_freq, nflash does not scale them");
+    }
+    // Gemma names its activation `hidden_activation` (its `hidden_act`, where present, is not read by transformers).
+    let act_key = if matches!(architecture, Architecture::Gemma3(_)) { "hidden_activation" } else { "hidden_act" };
+    let act_name = match cfg.get(act_key) {
         Some(Value::String(s)) => s.as_str(),
-        Some(v) => bail!("config.json: hidden_act = {v} is not a string"),
-        None => bail!("config.json has no hidden_act; it is required for {arch_name}"),
+        Some(v) => bail!("config.json: {act_key} = {v} is not a string"),
+        None => bail!("config.json has no {act_key}; it is required for {arch_name}"),
     };
     let activation = match Activation::from_hf(act_name) {
         Some(Activation::Relu) if bamboo => Activation::DRelu,
         Some(a) => a,
-        None => bail!("config.json: hidden_act {act_name:?} is not supported; supported: silu, relu, drelu, gelu, gelu_pytorch_tanh"),
+        None => bail!("config.json: {act_key} {act_name:?} is not supported; supported: silu, relu, drelu, gelu, gelu_pytorch_tanh"),
     };
     if bamboo && activation != Activation::DRelu {
         bail!(
@@ -579,6 +740,13 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         // (Phi-3.5-mini and Phi-4-mini set 262144).
         Architecture::Phi3(_) => get_u64(cfg, "sliding_window")?
             .filter(|&w| w < get_u64(cfg, "max_position_embeddings").ok().flatten().unwrap_or(u64::MAX)),
+        Architecture::Gemma3(g) => match get_u64(cfg, "sliding_window")? {
+            None if g.sliding_layers.iter().next().is_some() => bail!(
+                "config.json: sliding_window is null, but layer_types (or sliding_window_pattern) makes layers {} sliding-window layers; set the window",
+                g.sliding_layers.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(", ")
+            ),
+            w => w,
+        },
         _ => None,
     };
     let config = ModelConfig {
@@ -647,7 +815,7 @@ impl Checkpoint {
         let gen_path = dir.join("generation_config.json");
         let gen = if gen_path.exists() { Some(read_json(&gen_path)?) } else { None };
         let config = parse_config(&cfg, gen.as_ref())?;
-        let defaults_used = class_defaults_used(&cfg);
+        let defaults_used = class_defaults_used(&language_model_config(&cfg)?);
 
         let tok_path = dir.join("tokenizer.json");
         let tokenizer_json = std::fs::read(&tok_path).with_context(|| {
@@ -764,11 +932,33 @@ impl Checkpoint {
             index.retain(|t, _| m.contains_key(t));
         }
         let generation = gen.as_ref().map(generation_defaults).transpose()?.unwrap_or_default();
+        // The language model of an image-and-text Gemma 3, under nflash's names.
+        let mut aliases = HashMap::new();
+        if arch_of(&cfg) == GEMMA3_MM {
+            let mut skipped = 0usize;
+            for stored in index.keys() {
+                match gemma3_mm_name(stored) {
+                    Some(name) => {
+                        if index.contains_key(&name) {
+                            bail!("tensor {name} is stored twice, as {name} and as {stored}; the checkpoint is inconsistent: re-download it");
+                        }
+                        aliases.insert(name, stored.clone());
+                    }
+                    None if stored.starts_with("model.")
+                        && !stored.starts_with("model.vision_tower.")
+                        && !stored.starts_with("model.multi_modal_projector.") => {}
+                    None => skipped += 1,
+                }
+            }
+            nflash_runtime::message!(
+                "note: {} is {GEMMA3_MM}: converting its language model (text_config); the vision tower and projector ({skipped} tensors) are skipped, nflash runs text only",
+                dir.display()
+            );
+        }
         let views =
             if matches!(config.architecture, Architecture::Phi3(_)) { phi3_views(&config) } else { HashMap::new() };
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
-            config,
             tokenizer_json,
             tokenizer_config,
             defaults_used,
@@ -777,7 +967,22 @@ impl Checkpoint {
             index,
             unlisted,
             views,
+            aliases,
+            norms_plus_one: matches!(config.architecture, Architecture::Gemma3(_)),
+            config,
         })
+    }
+
+    /// The checkpoint's name of tensor `name` (nflash's, SPEC §4.3).
+    fn stored<'n>(&'n self, name: &'n str) -> &'n str {
+        self.aliases.get(name).map_or(name, String::as_str)
+    }
+
+    /// Whether `name` is a norm weight stored as `w` for `1 + w` (Gemma 3's
+    /// `*layernorm.weight`, `self_attn.{q,k}_norm.weight`, `model.norm.weight`).
+    fn is_plus_one_norm(&self, name: &str) -> bool {
+        self.norms_plus_one
+            && (name.ends_with("layernorm.weight") || name.ends_with("_norm.weight") || name == "model.norm.weight")
     }
 
     /// A fingerprint of the weights, 16 hex digits: CRC-32 (two seeds) over
@@ -822,7 +1027,8 @@ impl Checkpoint {
 
     /// Whether the checkpoint has tensor `name` (stored, or rows of a fused tensor it stores).
     pub fn has(&self, name: &str) -> bool {
-        self.index.contains_key(name) || self.views.get(name).is_some_and(|v| self.index.contains_key(&v.fused))
+        self.index.contains_key(self.stored(name))
+            || self.views.get(name).is_some_and(|v| self.index.contains_key(&v.fused))
     }
 
     /// Total tensors across shards.
@@ -846,6 +1052,7 @@ impl Checkpoint {
             }
             return Ok(vec![v.rows, v.cols]);
         }
+        let name = self.stored(name);
         let s = self.shard_of(name)?;
         Ok(s.meta.info(name).expect("indexed").shape.clone())
     }
@@ -878,6 +1085,7 @@ impl Checkpoint {
             let row_bytes = len / v.fused_rows;
             return Ok((s, dtype, off + (v.row0 * row_bytes) as u64, v.rows * row_bytes));
         }
+        let name = self.stored(name);
         let s = self.shard_of(name)?;
         let info = s.meta.info(name).expect("indexed");
         if info.shape != shape {
@@ -905,8 +1113,12 @@ impl Checkpoint {
         let (s, dtype, off, len) = self.locate(name, shape)?;
         let mut bytes = vec![0u8; len];
         read_at(s, name, &mut bytes, off)?;
-        let v = decode(dtype, &bytes);
+        let mut v = decode(dtype, &bytes);
         check_finite(name, shape, &v, 0, &s.path)?;
+        if self.is_plus_one_norm(name) {
+            // In f32, as transformers' `Gemma3RMSNorm` (`1.0 + weight.float()`).
+            v.iter_mut().for_each(|w| *w += 1.0);
+        }
         Ok(v)
     }
 

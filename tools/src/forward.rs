@@ -51,6 +51,8 @@ pub struct Forward<'a> {
     /// Residual stream `[n_tokens, hidden]`.
     x: Vec<f32>,
     rope: Rope,
+    /// Gemma 3's RoPE of its sliding-window layers.
+    rope_local: Option<Rope>,
 }
 
 /// One layer's attention weights as tensors.
@@ -69,6 +71,12 @@ struct Attention {
     k_norm: Option<Vec<f32>>,
     /// Whether RoPE rotates queries and keys (false in SmolLM3's NoPE layers).
     rope: bool,
+    /// Whether that RoPE is the local one (Gemma 3's sliding layers).
+    local_rope: bool,
+    /// Sliding window: positions a token attends to, itself included.
+    window: Option<usize>,
+    /// Gemma 3: the norm `[hidden]` of the block's output.
+    post_norm: Option<Vec<f32>>,
 }
 
 /// A mixture-of-experts layer's router (`[num_experts, hidden]`) and routing
@@ -93,6 +101,8 @@ pub struct Ffn {
     down_bias: Option<Tensor>,
     act: Activation,
     eps: f32,
+    /// Gemma 3: the norm `[hidden]` of the FFN's output ([`Ffn::down`] applies it).
+    post_norm: Option<Vec<f32>>,
 }
 
 /// FFN activations of a chunk of tokens, each `[n, n_neurons]`.
@@ -142,6 +152,7 @@ fn norm_rows(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
 /// with residual stream `x` `[b * len, hidden]`: projections by candle-core
 /// matmuls, RoPE and the causal softmax per (token, head) as the runtime does.
 fn attend(cfg: &ModelConfig, rope: &Rope, w: &Attention, x: &[f32], b: usize, len: usize) -> Result<Vec<f32>> {
+    let eps = cfg.rms_norm_eps as f32;
     let h = cfg.hidden_size as usize;
     let (nh, nkv, hd) = (cfg.num_heads as usize, cfg.num_kv_heads as usize, cfg.head_dim as usize);
     let xn = Tensor::from_vec(norm_rows(x, &w.norm, cfg.rms_norm_eps as f32), (b * len, h), &Device::Cpu)?;
@@ -171,10 +182,14 @@ fn attend(cfg: &ModelConfig, rope: &Rope, w: &Attention, x: &[f32], b: usize, le
             });
         }
     }
-    let shape = Heads { len, nh, nkv, hd, sliding: cfg.sliding_window.map(|s| s as usize) };
+    let shape = Heads { len, nh, nkv, hd, sliding: w.window, scale: cfg.attn_scale() };
     let attn = causal_attention(&q, &k, &v, &shape);
     let attn = Tensor::from_vec(attn, (b * len, nh * hd), &Device::Cpu)?;
-    Ok(linear(&attn, &w.o, w.o_bias.as_ref())?.flatten_all()?.to_vec1::<f32>()?)
+    let out = linear(&attn, &w.o, w.o_bias.as_ref())?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(match &w.post_norm {
+        Some(norm) => norm_rows(&out, norm, eps),
+        None => out,
+    })
 }
 
 /// Window length and head layout of [`causal_attention`].
@@ -183,8 +198,10 @@ struct Heads {
     nh: usize,
     nkv: usize,
     hd: usize,
-    /// Mistral sliding window: the current token and the `w` before it.
+    /// Sliding window: the current token and the `w − 1` before it.
     sliding: Option<usize>,
+    /// Scores are `q·k · scale`.
+    scale: f32,
 }
 
 /// Softmax attention of every (window, token, head) over the window's tokens
@@ -195,14 +212,14 @@ struct Heads {
 fn causal_attention(q: &[f32], k: &[f32], v: &[f32], s: &Heads) -> Vec<f32> {
     let (len, nh, nkv, hd) = (s.len, s.nh, s.nkv, s.hd);
     let (qd, kvd, group) = (nh * hd, nkv * hd, nh / nkv);
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = s.scale;
     let mut out = vec![0f32; q.len()];
     out.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
         let (row, head) = (idx / nh, idx % nh); // row = window · len + t
         let (t, w0) = (row % len, row - row % len);
         let kvh = head / group;
         let qv = &q[row * qd + head * hd..row * qd + (head + 1) * hd];
-        let start = s.sliding.map_or(0, |w| t.saturating_sub(w));
+        let start = s.sliding.map_or(0, |w| (t + 1).saturating_sub(w));
         let kv = |j: usize| (w0 + j) * kvd + kvh * hd; // offset of key/value j's head
         scores.clear();
         scores.extend((start..=t).map(|j| f32::vec_dot(hd, qv, &k[kv(j)..kv(j) + hd]) * scale));
@@ -231,8 +248,12 @@ impl<'a> Forward<'a> {
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= vocab) {
             bail!("the tokenizer gave token id {id}, but the embedding has only {vocab} rows (vocab_size in config.json); tokenizer.json does not belong to these weights");
         }
-        let x = ck.rows_f32("model.embed_tokens.weight", &[vocab, h], tokens)?; // [n_tokens, hidden]
-        Ok(Forward { ck, rope: Rope::new(&cfg), cfg, windows, x })
+        let mut x = ck.rows_f32("model.embed_tokens.weight", &[vocab, h], tokens)?; // [n_tokens, hidden]
+        let scale = cfg.embed_scale();
+        if scale != 1.0 {
+            x.par_iter_mut().for_each(|v| *v *= scale);
+        }
+        Ok(Forward { ck, rope: Rope::new(&cfg), rope_local: cfg.local_rope().map(|c| Rope::new(&c)), cfg, windows, x })
     }
 
     /// Calibration tokens (rows of the residual stream).
@@ -248,8 +269,10 @@ impl<'a> Forward<'a> {
         let qwen2 = cfg.architecture == Architecture::Qwen2;
         let qkv_bias = cfg.attention_bias || qwen2;
         let p = format!("model.layers.{l}.self_attn");
+        let [norm, post_norm, _, _] = cfg.layer_norm_names(l);
         Ok(Attention {
-            norm: ck.tensor_f32(&format!("model.layers.{l}.input_layernorm.weight"), &[h])?,
+            norm: ck.tensor_f32(&norm.expect("every layer has an attention norm"), &[h])?,
+            post_norm: post_norm.map(|n| ck.tensor_f32(&n, &[h])).transpose()?,
             q: matrix(ck, &format!("{p}.q_proj.weight"), qd, h)?,
             k: matrix(ck, &format!("{p}.k_proj.weight"), kvd, h)?,
             v: matrix(ck, &format!("{p}.v_proj.weight"), kvd, h)?,
@@ -261,6 +284,8 @@ impl<'a> Forward<'a> {
             q_norm: head_norm(ck, &format!("{p}.q_norm.weight"), cfg)?,
             k_norm: head_norm(ck, &format!("{p}.k_norm.weight"), cfg)?,
             rope: cfg.layer_uses_rope(l),
+            local_rope: cfg.layer_uses_local_rope(l),
+            window: cfg.layer_window(l).map(|w| w as usize),
         })
     }
 
@@ -278,7 +303,8 @@ impl<'a> Forward<'a> {
             let max_b = (ATTN_BATCH_TOKENS / len).max(1);
             let b = self.windows[i..].iter().take(max_b).take_while(|r| r.len() == len).count();
             let rows = self.windows[i].start * h..self.windows[i + b - 1].end * h;
-            let out = attend(&self.cfg, &self.rope, &w, &self.x[rows.clone()], b, len)?;
+            let rope = if w.local_rope { self.rope_local.as_ref().expect("Gemma 3") } else { &self.rope };
+            let out = attend(&self.cfg, rope, &w, &self.x[rows.clone()], b, len)?;
             self.x[rows].iter_mut().zip(&out).for_each(|(a, d)| *a += d);
             progress(b * len);
             i += b;
@@ -297,8 +323,10 @@ impl<'a> Forward<'a> {
         let l = cfg.unit_layer_expert(u).0;
         let p = format!("model.layers.{l}.mlp");
         let [gate, up, down] = cfg.ffn_tensor_names(u);
+        let [_, _, norm, post_norm] = cfg.layer_norm_names(l);
         Ok(Ffn {
-            norm: ck.tensor_f32(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h])?,
+            norm: ck.tensor_f32(&norm.expect("every layer has an FFN norm"), &[h])?,
+            post_norm: post_norm.map(|n| ck.tensor_f32(&n, &[h])).transpose()?,
             gate: matrix(ck, &gate, inter, h)?,
             up: matrix(ck, &up, inter, h)?,
             down: matrix(ck, &down, h, inter)?,
@@ -317,8 +345,9 @@ impl<'a> Forward<'a> {
     pub fn router(&self, l: usize) -> Result<Option<Router>> {
         let (Some(name), Some(moe)) = (self.cfg.router_name(l), self.cfg.architecture.moe()) else { return Ok(None) };
         let h = self.cfg.hidden_size as usize;
+        let norm = self.cfg.layer_norm_names(l)[2].clone().expect("every layer has an FFN norm");
         Ok(Some(Router {
-            norm: self.ck.tensor_f32(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h])?,
+            norm: self.ck.tensor_f32(&norm, &[h])?,
             weight: matrix(self.ck, &name, moe.num_experts as usize, h)?,
             moe,
             eps: self.cfg.rms_norm_eps as f32,
@@ -405,14 +434,19 @@ impl Ffn {
         Ok(Activations { a, hv })
     }
 
-    /// FFN output `down · hv (+ bias)`: `[n, hidden]` for `hv` `[n, n_neurons]`.
+    /// FFN output `down · hv (+ bias)`, for Gemma 3 then RMSNormed
+    /// (`post_feedforward_layernorm`): `[n, hidden]` for `hv` `[n, n_neurons]`.
     ///
     /// # Errors
     /// Tensor op failures.
     pub fn down(&self, hv: Vec<f32>, n: usize) -> Result<Vec<f32>> {
         let inter = self.down.dim(D::Minus1)?;
         let hv = Tensor::from_vec(hv, (n, inter), &Device::Cpu)?;
-        Ok(linear(&hv, &self.down, self.down_bias.as_ref())?.flatten_all()?.to_vec1::<f32>()?)
+        let out = linear(&hv, &self.down, self.down_bias.as_ref())?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(match &self.post_norm {
+            Some(norm) => norm_rows(&out, norm, self.eps),
+            None => out,
+        })
     }
 
     /// Neurons in the layer (`intermediate_size`).
@@ -472,7 +506,14 @@ mod tests {
     fn reference(c: &ModelConfig, raw: &[Vec<f32>], x: &[f32], len: usize, qk_norm: bool, rope_on: bool) -> Vec<f32> {
         let (h, nh, nkv, hd) = (16, 4, 2, 8);
         let (qd, kvd) = (nh * hd, nkv * hd);
-        let rope = Rope::new(c);
+        // Gemma 3: its sliding layers' RoPE, its scale, the norm of the output.
+        let gemma = c.gemma3().is_some();
+        let rope = Rope::new(&c.local_rope().unwrap_or(c.clone()));
+        let scale = if gemma {
+            1.0 / (c.gemma3().unwrap().query_pre_attn_scalar as f32).sqrt()
+        } else {
+            1.0 / (hd as f32).sqrt()
+        };
         let (cos, sin) = rope.tables(0, len, len);
         let mv = |m: &[f32], b: &[f32], v: &[f32]| -> Vec<f32> {
             b.iter()
@@ -507,10 +548,11 @@ mod tests {
                 let mut attn = vec![0f32; qd];
                 for head in 0..nh {
                     let kvh = head / (nh / nkv);
-                    let start = c.sliding_window.map_or(0, |w| t.saturating_sub(w as usize));
+                    // The window holds the token and the w − 1 before it (HF, llama.cpp).
+                    let start = c.sliding_window.map_or(0, |w| (t + 1).saturating_sub(w as usize));
                     let qv = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
                     let mut sc: Vec<f32> = (start..=t)
-                        .map(|j| (0..hd).map(|i| qv[i] * k[j * kvd + kvh * hd + i]).sum::<f32>() / (hd as f32).sqrt())
+                        .map(|j| (0..hd).map(|i| qv[i] * k[j * kvd + kvh * hd + i]).sum::<f32>() * scale)
                         .collect();
                     nflash_runtime::model::ops::softmax(&mut sc);
                     for (j, s) in (start..=t).zip(&sc) {
@@ -519,7 +561,12 @@ mod tests {
                         }
                     }
                 }
-                wo[t * h..(t + 1) * h].copy_from_slice(&mv(&raw[4], &raw[8], &attn));
+                let o = mv(&raw[4], &raw[8], &attn);
+                if gemma {
+                    rms_norm(&o, &raw[11], 1e-5, &mut wo[t * h..(t + 1) * h]);
+                } else {
+                    wo[t * h..(t + 1) * h].copy_from_slice(&o);
+                }
             }
         }
         out
@@ -541,6 +588,7 @@ mod tests {
             rng.vec(h, 0.1),
             rng.vec(8, 0.3).iter().map(|v| 1.0 + v).collect(),
             rng.vec(8, 0.3).iter().map(|v| 1.0 + v).collect(),
+            rng.vec(h, 0.3).iter().map(|v| 1.0 + v).collect(),
         ];
         let mut w = Attention {
             norm: raw[0].clone(),
@@ -555,21 +603,42 @@ mod tests {
             q_norm: None,
             k_norm: None,
             rope: true,
+            local_rope: false,
+            window: None,
+            post_norm: None,
         };
         let (b, len) = (3, 11);
         let x = rng.vec(b * len * h, 1.0);
-        for (sliding, qk_norm, rope) in
-            [(None, false, true), (Some(3), false, true), (None, true, true), (None, false, false)]
-        {
-            let c = cfg(sliding);
+        // Gemma 3's sliding layer: its local RoPE base, query_pre_attn_scalar
+        // 12 (not head_dim 8), the norm of the block's output.
+        let gemma = |sliding| ModelConfig {
+            architecture: Architecture::Gemma3(nflash_format::Gemma3 {
+                query_pre_attn_scalar: 12,
+                rope_local_base_freq: 100.0,
+                sliding_layers: nflash_format::LayerSet::from_fn(1, |_| true),
+            }),
+            ..cfg(sliding)
+        };
+        for (c, qk_norm, rope) in [
+            (cfg(None), false, true),
+            (cfg(Some(3)), false, true),
+            (cfg(None), true, true),
+            (cfg(None), false, false),
+            (gemma(Some(4)), true, true),
+        ] {
+            let sliding = c.sliding_window;
+            let gemma = c.gemma3().is_some();
+            w.post_norm = gemma.then(|| raw[11].clone());
+            w.local_rope = gemma;
             (w.q_norm, w.k_norm) = if qk_norm { (Some(raw[9].clone()), Some(raw[10].clone())) } else { (None, None) };
             w.rope = rope;
+            w.window = sliding.map(|s| s as usize);
             let want = reference(&c, &raw, &x, len, qk_norm, rope);
-            let got = attend(&c, &Rope::new(&c), &w, &x, b, len).unwrap();
+            let got = attend(&c, &Rope::new(&c.local_rope().unwrap_or(c.clone())), &w, &x, b, len).unwrap();
             let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(err < 1e-4, "sliding {sliding:?}, q/k norm {qk_norm}, rope {rope}: max error {err}");
+            assert!(err < 1e-4, "sliding {sliding:?}, q/k norm {qk_norm}, rope {rope}, gemma {gemma}: max error {err}");
             // The norms and the missing rotation change the result: the test sees them.
-            if qk_norm || !rope {
+            if qk_norm || !rope || gemma {
                 let plain = reference(&c, &raw, &x, len, false, true);
                 assert!(got.iter().zip(&plain).any(|(a, b)| (a - b).abs() > 1e-3));
             }

@@ -115,6 +115,18 @@ pub fn run(a: InspectArgs) -> Result<()> {
     if c.qk_norm() {
         println!("       RMSNorm on each query and key head (q_norm, k_norm)");
     }
+    if let Some(g) = c.gemma3() {
+        let sliding: Vec<String> = g.sliding_layers.iter().map(|l| l.to_string()).collect();
+        println!(
+            "       sliding-window layers (local RoPE theta {}): {}; the others are global",
+            g.rope_local_base_freq,
+            if sliding.is_empty() { "none".into() } else { sliding.join(", ") }
+        );
+        println!(
+            "       attention scale 1/√{} (query_pre_attn_scalar), embeddings × √{}, norms after attention and FFN too, stored as 1 + w",
+            g.query_pre_attn_scalar, c.hidden_size
+        );
+    }
     if let Some(moe) = c.architecture.moe() {
         println!(
             "       mixture of experts: {} experts per layer (FFN {} each), {} per token{}",

@@ -67,7 +67,7 @@ pub struct QualityRow {
 fn run_scored(engine: &Engine, tokens: &[u32], o: &QualityOptions, what: &str) -> Result<Scored> {
     let t = std::time::Instant::now();
     let mut progress = nflash_runtime::message::ProgressLine::default();
-    let s = score(&engine.model, tokens, o.ctx, |done, total| {
+    let s = score(&engine.model, tokens, o.ctx, engine.bos_of_text(), |done, total| {
         if !o.quiet {
             progress.step(done, total, || {
                 format!("{what}: window {done}/{total}, {:.0} s elapsed", t.elapsed().as_secs_f64())

@@ -32,13 +32,28 @@ pub(crate) struct Attention<'a> {
     /// before RoPE (Qwen3 `self_attn.q_norm`, `self_attn.k_norm`).
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
-    /// Whether queries and keys are rotated by RoPE; false for SmolLM3's
-    /// NoPE layers ([`nflash_format::ModelConfig::layer_uses_rope`]).
-    pub rope: bool,
+    /// Which RoPE rotates queries and keys: none in SmolLM3's NoPE layers
+    /// ([`nflash_format::ModelConfig::layer_uses_rope`]), the local one in
+    /// Gemma 3's sliding-window layers.
+    pub rope: LayerRope,
+    /// Sliding window, positions a token attends to (itself included;
+    /// [`nflash_format::ModelConfig::layer_window`]); `None` = the whole context.
+    pub window: Option<usize>,
+}
+
+/// The RoPE a layer applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LayerRope {
+    /// None (a NoPE layer).
+    None,
+    /// `rope_theta` and `rope_scaling`.
+    Global,
+    /// Gemma 3's sliding layers: `rope_local_base_freq`, no scaling.
+    Local,
 }
 
 /// Head geometry (HF config `num_attention_heads`, `num_key_value_heads`,
-/// `head_dim`, `sliding_window`).
+/// `head_dim`) and the attention's scale.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Heads {
     /// Query heads.
@@ -47,8 +62,8 @@ pub(crate) struct Heads {
     pub n_kv_heads: usize,
     /// Elements per head.
     pub head_dim: usize,
-    /// Sliding window, positions before the current one; `None` = full causal.
-    pub window: Option<usize>,
+    /// Scores are `q·k · scale` ([`nflash_format::ModelConfig::attn_scale`]).
+    pub scale: f32,
     /// RMSNorm epsilon of the per-head query and key norms (`rms_norm_eps`).
     pub eps: f32,
 }
@@ -88,6 +103,13 @@ pub(crate) struct RopeTables<'r> {
     pub sin: Vec<f32>,
 }
 
+/// The rotations of a pass for every kind of layer: the global RoPE's, and
+/// Gemma 3's local one's where the model has sliding layers.
+pub(crate) struct PassRope<'r> {
+    pub global: RopeTables<'r>,
+    pub local: Option<RopeTables<'r>>,
+}
+
 impl Attention<'_> {
     /// Attention of layer `l` for `n` tokens at positions `p0 ..`: `xn`
     /// (`[n, hidden]`, RMSNormed) → `s.out` (`[n, hidden]`). Appends the
@@ -104,7 +126,7 @@ impl Attention<'_> {
         xn: &[f32],
         p0: usize,
         h: &Heads,
-        rope: &RopeTables,
+        rope: &PassRope,
         kv: &mut KvCache,
         batched: bool,
         s: &mut AttnScratch,
@@ -137,7 +159,12 @@ impl Attention<'_> {
         head_norm(&mut s.q, self.q_norm.as_deref(), h.eps);
         head_norm(&mut s.k, self.k_norm.as_deref(), h.eps);
         // RoPE on queries and keys (none in a NoPE layer).
-        if self.rope {
+        let tables = match self.rope {
+            LayerRope::None => None,
+            LayerRope::Global => Some(&rope.global),
+            LayerRope::Local => rope.local.as_ref(),
+        };
+        if let Some(rope) = tables {
             let half = rope.rope.half();
             for t in 0..n {
                 let (c, sn) = (&rope.cos[t * half..(t + 1) * half], &rope.sin[t * half..(t + 1) * half]);
@@ -148,8 +175,8 @@ impl Attention<'_> {
         let t = lap(t, &mut tm.qkv_s);
         // KV cache, then softmax(q·kᵀ / √d)·v per (token, head).
         kv.append(l, &s.k, &s.v);
-        let (kc, vc) = kv.layer(l);
-        attend(&s.q, kc, vc, p0, h, &mut s.attn);
+        let (kc, vc, first) = kv.layer(l);
+        attend(&s.q, kc, vc, first, p0, self.window, h, &mut s.attn);
         let t = lap(t, &mut tm.attend_s);
         // Output projection.
         project(&self.o, &s.attn, batched, &mut s.out)?;
@@ -168,8 +195,9 @@ fn lap(t: Instant, acc: &mut f64) -> Instant {
 
 /// Scaled dot-product attention of queries `q` (`[n, n_heads · head_dim]`,
 /// positions `p0 ..`) over the cached keys and values `kc`, `vc`
-/// (`[positions, n_kv_heads · head_dim]`, f16 or f32) into `out` (`[n,
-/// n_heads · head_dim]`), causal. One task per (token, KV head) computes
+/// (`[rows, n_kv_heads · head_dim]`, f16 or f32, row 0 holding position
+/// `first`) into `out` (`[n, n_heads · head_dim]`), causal, each token
+/// seeing at most the `window` positions up to itself. One task per (token, KV head) computes
 /// the query heads that share that KV head (GQA) together, so each cached
 /// row is read once for all of them; when that makes fewer than four tasks
 /// per thread (decode: one token, a few KV heads), one task per (token,
@@ -183,11 +211,21 @@ fn lap(t: Instant, acc: &mut f64) -> Instant {
 /// 0.58 ms, decode 96 → 99 tokens/s, medians of 4; at 190 positions a
 /// 2¹⁸-product threshold had cost 2.2 ms of attention per token against
 /// 1.35 ms).
-fn attend(q: &[f32], kc: KvSlice, vc: KvSlice, p0: usize, h: &Heads, out: &mut [f32]) {
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    q: &[f32],
+    kc: KvSlice,
+    vc: KvSlice,
+    first: usize,
+    p0: usize,
+    window: Option<usize>,
+    h: &Heads,
+    out: &mut [f32],
+) {
     let (nh, hd) = (h.n_heads, h.head_dim);
     let (qd, kvd) = (nh * hd, h.n_kv_heads * hd);
     let n = q.len() / qd.max(1);
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = h.scale;
     let group = nh / h.n_kv_heads;
     // Query heads per task: a whole GQA group, or one head when that leaves
     // too few tasks to share out.
@@ -197,10 +235,12 @@ fn attend(q: &[f32], kc: KvSlice, vc: KvSlice, p0: usize, h: &Heads, out: &mut [
         let (t, h0) = (idx / tasks_per_token, idx % tasks_per_token * per);
         let kvh = h0 / group;
         let pos = p0 + t;
-        // Sliding window: the current token and the `w` before it, as
-        // flash-attention's window (w, 0) and candle-transformers' Mistral.
-        let start = h.window.map_or(0, |w| pos.saturating_sub(w));
+        // Sliding window: the current token and the `w − 1` before it, as
+        // transformers' `sliding_window_overlay` and llama.cpp's
+        // `is_masked_swa`; `start` as a row of the layer's cache.
+        let start = window.map_or(0, |w| (pos + 1).saturating_sub(w)).max(first);
         let len = pos + 1 - start;
+        let start = start - first;
         let qv = &q[t * qd + h0 * hd..t * qd + (h0 + per) * hd];
         scores.clear();
         scores.resize(per * len, 0.0);

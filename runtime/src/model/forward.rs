@@ -1,6 +1,7 @@
 //! The forward pass, top to bottom: embed → per layer (attention norm,
-//! attention, residual, FFN norm, FFN + residual) → final norm; then
-//! logits. Decode (one token) runs the FFN sparse through the predictor
+//! attention, [post-attention norm,] residual, FFN norm, FFN, [post-FFN
+//! norm,] residual) → final norm; then logits. The bracketed norms are
+//! Gemma 3's. Decode (one token) runs the FFN sparse through the predictor
 //! and may start the next layer's cold reads early (speculative prefetch).
 
 use rayon::prelude::*;
@@ -8,10 +9,10 @@ use std::time::Instant;
 
 use nflash_plan::layout::FFN_TILE_ELEMS;
 
-use super::attention::{AttnScratch, Heads, RopeTables};
+use super::attention::{AttnScratch, Heads, PassRope, RopeTables};
 use super::ffn::{BatchMask, Selection};
 use super::kv_cache::KvCache;
-use super::ops::rms_norm;
+use super::ops::{rms_norm, Rope};
 use super::predictor::{LayerCounts, LayerSparse, PredictScratch};
 use super::source::LayerClusters;
 use super::{ExpertPrefetch, Layer, Model, Pass, Pick, Router, SpecScratch, Speculation, Timings, Unit, Work};
@@ -51,7 +52,7 @@ impl Model<'_> {
             n_heads: self.cfg.num_heads as usize,
             n_kv_heads: self.cfg.num_kv_heads as usize,
             head_dim: self.cfg.head_dim as usize,
-            window: self.cfg.sliding_window.map(|w| w as usize),
+            scale: self.cfg.attn_scale(),
             eps,
         };
         // Prefill always takes the batched kernels. Which ones depends on the
@@ -61,10 +62,15 @@ impl Model<'_> {
         // only whole passes, the ones a fresh prefill runs (generate.rs `prefill`).
         let batched = n >= MIN_BATCH || pass == Pass::Prefill;
         let sparse_on = self.sparse_enabled && pass != Pass::Prefill;
-        let (cos, sin) = self.rope.tables(p0, n, kv.capacity());
-        let rope = RopeTables { rope: &self.rope, cos, sin };
+        let tables = |rope| {
+            let (cos, sin) = Rope::tables(rope, p0, n, kv.capacity());
+            RopeTables { rope, cos, sin }
+        };
+        let rope = PassRope { global: tables(&self.rope), local: self.rope_local.as_ref().map(tables) };
         let mut attn = AttnScratch::new(n, h, &heads);
         let mut xn = vec![0f32; n * h]; // [n, hidden], RMSNormed
+                                        // Gemma 3: the FFN's output, normed before it joins the residual.
+        let mut y = if self.cfg.sandwich_norms() { vec![0f32; n * h] } else { Vec::new() };
 
         // Counters describe decode / evaluation only: kept here, added to
         // `work` at the end unless this is a prefill. Timings go to the pass's own profile.
@@ -81,37 +87,47 @@ impl Model<'_> {
             tm.norm_s += t.elapsed().as_secs_f64();
             layer.attn.forward(l, &xn, p0, &heads, &rope, kv, batched, &mut attn, &mut tm)?;
             let t = Instant::now();
-            x.iter_mut().zip(&attn.out).for_each(|(a, b)| *a += b);
+            if let Some(w) = &layer.post_attn_norm {
+                norm_rows(&attn.out, w, eps, &mut xn);
+                x.iter_mut().zip(&xn).for_each(|(a, b)| *a += b);
+            } else {
+                x.iter_mut().zip(&attn.out).for_each(|(a, b)| *a += b);
+            }
             tm.o_proj_s += t.elapsed().as_secs_f64();
             // 3. FFN norm.
             let t = Instant::now();
             norm_rows(&x, &layer.ffn_norm, eps, &mut xn);
             tm.norm_s += t.elapsed().as_secs_f64();
             // 4. FFN through the neuron engine (a mixture of experts: routed,
-            //    then each chosen expert), added to the residual.
+            //    then each chosen expert), added to the residual, or for
+            //    Gemma 3 into `y`, normed, then added.
             work.layer_wait[l] = (0.0, 0.0);
-            let counts = match &layer.router {
+            let out = if layer.post_ffn_norm.is_some() {
+                y.fill(0.0);
+                &mut y
+            } else {
+                &mut x
+            };
+            let (counts, speculate) = match &layer.router {
                 None => {
                     let unit = &layer.units[0];
                     let sparse = unit.sparse.as_ref().filter(|_| sparse_on);
-                    let c = self.ffn_rows(unit, sparse, batched, &xn, work, &mut tm, &mut x)?;
-                    // Decode: start the next layer's cold reads before its attention.
-                    if n == 1 && sparse.is_some() {
-                        let useful = self.speculation_yield(&work.expert_prefetch);
-                        self.speculate(l + 1, &x, &work.layer_wait, useful, &mut work.spec, &mut tm);
-                    }
-                    c
+                    (self.ffn_rows(unit, sparse, batched, &xn, work, &mut tm, out)?, sparse.is_some())
                 }
-                Some(router) => {
-                    let c = self.ffn_moe(l, layer, router, sparse_on, batched, &xn, work, &mut tm, &mut x)?;
-                    // Decode: read the next layer's likely experts before its attention.
-                    if n == 1 {
-                        let useful = self.speculation_yield(&work.expert_prefetch);
-                        self.speculate(l + 1, &x, &work.layer_wait, useful, &mut work.spec, &mut tm);
-                    }
-                    c
-                }
+                Some(router) => (self.ffn_moe(l, layer, router, sparse_on, batched, &xn, work, &mut tm, out)?, true),
             };
+            if let Some(w) = &layer.post_ffn_norm {
+                let t = Instant::now();
+                norm_rows(&y, w, eps, &mut xn);
+                x.iter_mut().zip(&xn).for_each(|(a, b)| *a += b);
+                tm.norm_s += t.elapsed().as_secs_f64();
+            }
+            // Decode: start the next layer's cold reads (a mixture of
+            // experts: read its likely experts) before its attention.
+            if n == 1 && speculate {
+                let useful = self.speculation_yield(&work.expert_prefetch);
+                self.speculate(l + 1, &x, &work.layer_wait, useful, &mut work.spec, &mut tm);
+            }
             if pass != Pass::Prefill {
                 work.counts[l].add(&counts);
             }
@@ -150,6 +166,11 @@ impl Model<'_> {
                 return Err(Error::TokenOutOfRange { id, vocab: self.cfg.vocab_size });
             }
             self.embed.row_to_f32(id as usize, &mut x[t * h..(t + 1) * h]);
+        }
+        // Gemma 3 scales the embeddings by √hidden (1 elsewhere: skipped).
+        let scale = self.cfg.embed_scale();
+        if scale != 1.0 {
+            x.iter_mut().for_each(|v| *v *= scale);
         }
         Ok(x)
     }

@@ -1,5 +1,11 @@
 //! The KV cache: keys and values of every past position, per layer, in f16
-//! (the default) or f32 ([`KvType`]).
+//! (the default) or f32 ([`KvType`]). A sliding-window layer keeps only a
+//! ring of its last positions: its window plus room for one pass
+//! (`nflash_plan::layout::kv_layer_capacity`). The ring is stored as
+//! contiguous rows that are moved back to the start of the buffer when a
+//! pass would not fit behind them (the `W − 1` rows the pass's first token
+//! attends to are kept), so the attention kernels always read one run of
+//! rows; the move costs `W − 1` rows once every `room` tokens.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -40,6 +46,22 @@ impl Rows {
         }
     }
 
+    /// Drops the first `n` elements, moving the rest to the start.
+    fn drop_front(&mut self, n: usize) {
+        match self {
+            Rows::F16(v) => drop(v.drain(..n)),
+            Rows::F32(v) => drop(v.drain(..n)),
+        }
+    }
+
+    /// Elements held.
+    fn len(&self) -> usize {
+        match self {
+            Rows::F16(v) => v.len(),
+            Rows::F32(v) => v.len(),
+        }
+    }
+
     fn view(&self) -> KvSlice<'_> {
         match self {
             Rows::F16(v) => KvSlice::F16(v),
@@ -48,12 +70,21 @@ impl Rows {
     }
 }
 
-/// Keys and values per layer, `[capacity, n_kv_heads * head_dim]` each.
-/// Memory is reserved up front but only touched (and so resident) as
-/// positions are filled.
+/// Keys and values per layer, `[rows, n_kv_heads * head_dim]` each, where
+/// layer `l`'s rows are positions `first[l]..`: every position for a
+/// global layer (`first` 0), the last ones for a sliding-window layer.
+/// Memory is reserved up front (each layer's ring size) but only touched
+/// (and so resident) as positions are filled.
 pub struct KvCache {
     k: Vec<Rows>,
     v: Vec<Rows>,
+    /// Per layer: its sliding window (positions a token attends to, itself
+    /// included), `None` for a global layer.
+    window: Vec<Option<usize>>,
+    /// Per layer: the position of its first row.
+    first: Vec<usize>,
+    /// Per layer: the rows reserved (a sliding-window layer's ring size).
+    rows: Vec<usize>,
     kv: KvType,
     kv_dim: usize,
     capacity: usize,
@@ -61,12 +92,29 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// A cache of `kv` elements for `n_layers` layers of `kv_dim` (=
+    /// A cache of `kv` elements for `n_layers` global layers of `kv_dim` (=
     /// `n_kv_heads * head_dim`) elements per position and `capacity`
     /// positions (tokens).
     pub fn new(n_layers: usize, kv_dim: usize, capacity: usize, kv: KvType) -> Self {
-        let mk = || (0..n_layers).map(|_| Rows::new(kv, capacity * kv_dim)).collect();
-        KvCache { k: mk(), v: mk(), kv, kv_dim, capacity, len: 0 }
+        Self::with_layers(&vec![(None, capacity); n_layers], kv_dim, capacity, kv)
+    }
+
+    /// A cache for `capacity` positions (tokens) whose layer `l` has sliding
+    /// window `layers[l].0` (`None`: global) and reserves `layers[l].1`
+    /// rows (`nflash_plan::layout::kv_layer_capacity`).
+    pub fn with_layers(layers: &[(Option<usize>, usize)], kv_dim: usize, capacity: usize, kv: KvType) -> Self {
+        let mk = || layers.iter().map(|&(_, rows)| Rows::new(kv, rows * kv_dim)).collect();
+        KvCache {
+            k: mk(),
+            v: mk(),
+            window: layers.iter().map(|&(w, _)| w).collect(),
+            first: vec![0; layers.len()],
+            rows: layers.iter().map(|&(_, rows)| rows).collect(),
+            kv,
+            kv_dim,
+            capacity,
+            len: 0,
+        }
     }
 
     /// Bytes the cache holds when full: `2 * layers * capacity * kv_dim * kv.bytes()`.
@@ -99,31 +147,107 @@ impl KvCache {
         self.capacity
     }
 
-    /// Drops positions `len..`, so a conversation can continue from a shared prefix.
-    pub fn truncate(&mut self, len: usize) {
-        if len < self.len {
-            self.len = len;
-            let n = len * self.kv_dim;
-            self.k.iter_mut().for_each(|k| k.truncate(n));
-            self.v.iter_mut().for_each(|v| v.truncate(n));
-        }
+    /// Whether [`Self::truncate`] to `len` positions keeps them: every
+    /// sliding-window layer still holds the positions that the token at
+    /// `len` attends to.
+    pub fn can_truncate_to(&self, len: usize) -> bool {
+        len <= self.len
+            && self.window.iter().zip(&self.first).all(|(w, &f)| w.is_none_or(|w| f <= (len + 1).saturating_sub(w)))
     }
 
-    /// Appends `k`, `v` (`[n, kv_dim]`, f32) to `layer`. All layers must be
-    /// appended the same number of rows before [`Self::commit`].
+    /// Drops positions `len..` (and rows appended but not committed), so a
+    /// conversation can continue from a shared prefix, and returns the
+    /// positions kept: `len` (at most the length),
+    /// or 0 when a sliding-window layer no longer holds what position `len`
+    /// attends to ([`Self::can_truncate_to`]), in which case the cache is
+    /// emptied and the caller prefills from the start.
+    pub fn truncate(&mut self, len: usize) -> usize {
+        // Rows appended by a pass that failed before its commit go too.
+        let len = len.min(self.len);
+        let len = if self.can_truncate_to(len) { len } else { 0 };
+        self.len = len;
+        for l in 0..self.k.len() {
+            if len == 0 {
+                self.first[l] = 0;
+            }
+            let n = (len - self.first[l]) * self.kv_dim;
+            self.k[l].truncate(n);
+            self.v[l].truncate(n);
+        }
+        len
+    }
+
+    /// Appends `k`, `v` (`[n, kv_dim]`, f32: positions `len()..len() + n`)
+    /// to `layer`. All layers must be appended the same number of rows
+    /// before [`Self::commit`]. A sliding-window layer whose ring would
+    /// overflow first drops the rows before the `W − 1` that position
+    /// `len()` attends to; a pass longer than the ring's room grows it.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        if let Some(w) = self.window[layer] {
+            let held = self.k[layer].len() / self.kv_dim;
+            let cap = self.rows[layer];
+            let n = k.len() / self.kv_dim;
+            let keep_from = (self.len + 1).saturating_sub(w);
+            if held + n > cap && keep_from > self.first[layer] {
+                let drop = (keep_from - self.first[layer]) * self.kv_dim;
+                self.k[layer].drop_front(drop);
+                self.v[layer].drop_front(drop);
+                self.first[layer] = keep_from;
+            }
+        }
         self.k[layer].extend(k);
         self.v[layer].extend(v);
     }
 
-    /// Keys and values of `layer` so far, including rows appended before commit:
-    /// `[positions, kv_dim]`.
-    pub fn layer(&self, layer: usize) -> (KvSlice<'_>, KvSlice<'_>) {
-        (self.k[layer].view(), self.v[layer].view())
+    /// Keys and values of `layer` so far, including rows appended before
+    /// commit: `[rows, kv_dim]`, and the position of the first row.
+    pub fn layer(&self, layer: usize) -> (KvSlice<'_>, KvSlice<'_>, usize) {
+        (self.k[layer].view(), self.v[layer].view(), self.first[layer])
+    }
+
+    /// Rows (positions) layer `layer` holds now.
+    pub fn layer_rows(&self, layer: usize) -> usize {
+        self.k[layer].len() / self.kv_dim
     }
 
     /// Marks `n` appended positions as filled.
     pub fn commit(&mut self, n: usize) {
         self.len += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows of a pass that failed before its commit are dropped by a
+    /// truncation to the committed length, so the next pass's positions
+    /// line up; a sliding layer's ring moves past old positions only when
+    /// full, and a truncation further back than it holds empties the cache.
+    #[test]
+    fn truncate_drops_uncommitted_rows_and_rings_keep_their_window() {
+        let mut kv = KvCache::with_layers(&[(None, 64), (Some(3), 6)], 2, 64, KvType::F32);
+        let rows = |n: usize, v: f32| vec![v; n * 2];
+        for l in 0..2 {
+            kv.append(l, &rows(4, 1.0), &rows(4, 1.0));
+        }
+        kv.commit(4);
+        // A failed pass: appended, never committed.
+        kv.append(0, &rows(2, 9.0), &rows(2, 9.0));
+        assert_eq!(kv.layer_rows(0), 6);
+        assert_eq!(kv.truncate(4), 4);
+        assert_eq!((kv.layer_rows(0), kv.layer_rows(1)), (4, 4));
+        // 3 more: the ring (6 rows) moves to positions 2.. (the 2 that
+        // position 4, the pass's first, attends to, and the pass).
+        for l in 0..2 {
+            kv.append(l, &rows(3, 2.0), &rows(3, 2.0));
+        }
+        kv.commit(3);
+        assert_eq!(kv.layer(1).2, 2);
+        assert_eq!(kv.layer_rows(1), 5);
+        assert!(kv.can_truncate_to(4) && !kv.can_truncate_to(3));
+        assert_eq!(kv.truncate(5), 5);
+        assert_eq!(kv.truncate(3), 0);
+        assert!(kv.is_empty() && kv.layer_rows(0) == 0 && kv.layer(1).2 == 0);
     }
 }

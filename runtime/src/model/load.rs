@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use nflash_format::{Architecture, Pack};
 
-use super::attention::Attention;
+use super::attention::{Attention, LayerRope};
 use super::ffn::Ffn;
 use super::ops::Rope;
 use super::predictor::{LayerCounts, LayerSparse};
@@ -74,11 +74,21 @@ impl<'a> Model<'a> {
                 )?,
                 q_norm: opt_vector(pack, &format!("{p}.self_attn.q_norm.weight"), cfg.head_dim, cfg.qk_norm())?,
                 k_norm: opt_vector(pack, &format!("{p}.self_attn.k_norm.weight"), cfg.head_dim, cfg.qk_norm())?,
-                rope: cfg.layer_uses_rope(l as usize),
+                rope: match (cfg.layer_uses_rope(l as usize), cfg.layer_uses_local_rope(l as usize)) {
+                    (false, _) => LayerRope::None,
+                    (true, false) => LayerRope::Global,
+                    (true, true) => LayerRope::Local,
+                },
+                window: cfg.layer_window(l as usize).map(|w| w as usize),
             };
+            // Before attention, after it, before the FFN, after it (SPEC §4.3).
+            let [attn_norm, post_attn_norm, ffn_norm, post_ffn_norm] =
+                cfg.layer_norm_names(l as usize).map(|name| name.map(|name| vector(pack, &name, h)).transpose());
             layers.push(Layer {
-                attn_norm: vector(pack, &format!("{p}.input_layernorm.weight"), h)?,
-                ffn_norm: vector(pack, &format!("{p}.post_attention_layernorm.weight"), h)?,
+                attn_norm: attn_norm?.expect("every layer has an attention norm"),
+                ffn_norm: ffn_norm?.expect("every layer has an FFN norm"),
+                post_attn_norm: post_attn_norm?,
+                post_ffn_norm: post_ffn_norm?,
                 attn,
                 units,
                 router,
@@ -86,6 +96,7 @@ impl<'a> Model<'a> {
         }
         Ok(Model {
             rope: Rope::new(&cfg),
+            rope_local: cfg.local_rope().map(|c| Rope::new(&c)),
             final_norm: vector(pack, "model.norm.weight", h)?,
             embed,
             lm_head,

@@ -68,6 +68,10 @@ struct Layer<'a> {
     attn_norm: Vec<f32>,
     /// RMSNorm weight before the FFN `[hidden]`.
     ffn_norm: Vec<f32>,
+    /// Gemma 3: RMSNorm weights `[hidden]` of the attention block's output
+    /// and of the FFN's output, before each joins the residual.
+    post_attn_norm: Option<Vec<f32>>,
+    post_ffn_norm: Option<Vec<f32>>,
     attn: Attention<'a>,
     /// The FFN: one unit, or one per expert (in expert order) with a router.
     units: Vec<Unit<'a>>,
@@ -300,6 +304,8 @@ pub struct Model<'a> {
     final_norm: Vec<f32>,
     layers: Vec<Layer<'a>>,
     rope: Rope,
+    /// Gemma 3's RoPE of its sliding-window layers ([`ModelConfig::local_rope`]).
+    rope_local: Option<Rope>,
     /// Use the pack's predictors in [`Pass::Decode`] / [`Pass::Evaluate`].
     sparse_enabled: bool,
     /// Element type of the KV caches [`Self::new_kv_cache`] makes.
@@ -386,17 +392,16 @@ impl Model<'_> {
         w.expert_prefetch = ExpertPrefetch::default();
     }
 
-    /// A KV cache for `capacity` tokens (of [`Self::kv_type`] elements), or
+    /// A KV cache for `capacity` tokens (of [`Self::kv_type`] elements;
+    /// sliding-window layers hold a ring of their window plus one pass), or
     /// an error if its memory cannot be reserved.
     ///
     /// # Errors
     /// [`Error::KvCache`] naming the size and `--ctx`.
     pub fn try_new_kv_cache(&self, capacity: usize) -> Result<KvCache> {
-        let kvd = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
-        let bytes = KvCache::bytes_at_capacity(self.layers.len(), kvd, capacity, self.kv_type);
+        let bytes = nflash_plan::layout::kv_cache_bytes_of(&self.cfg, capacity, self.kv_type);
         // Reserve once to see whether the system grants it (pages are only touched as tokens fill).
-        let elems = capacity.checked_mul(kvd).and_then(|e| e.checked_mul(2 * self.layers.len()));
-        let ok = elems.is_some_and(|e| Vec::<u8>::new().try_reserve_exact(e * self.kv_type.bytes() as usize).is_ok());
+        let ok = usize::try_from(bytes).is_ok_and(|b| Vec::<u8>::new().try_reserve_exact(b).is_ok());
         if !ok {
             return Err(Error::KvCache { ctx: capacity, mib: bytes as f64 / (1u64 << 20) as f64 });
         }
@@ -407,6 +412,12 @@ impl Model<'_> {
     /// reserved; see [`Self::try_new_kv_cache`]).
     pub fn new_kv_cache(&self, capacity: usize) -> KvCache {
         let kvd = (self.cfg.num_kv_heads * self.cfg.head_dim) as usize;
-        KvCache::new(self.layers.len(), kvd, capacity, self.kv_type)
+        let layers: Vec<(Option<usize>, usize)> = (0..self.layers.len())
+            .map(|l| {
+                let rows = nflash_plan::layout::kv_layer_capacity(&self.cfg, l, capacity);
+                (self.cfg.layer_window(l).map(|w| w as usize), rows)
+            })
+            .collect();
+        KvCache::with_layers(&layers, kvd, capacity, self.kv_type)
     }
 }

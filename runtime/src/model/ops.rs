@@ -58,11 +58,19 @@ pub fn activate(act: Activation, x: f32) -> f32 {
         Activation::Silu => x / (1.0 + crate::kernels::exp(-x)),
         Activation::Relu | Activation::DRelu => x.max(0.0),
         Activation::Gelu => 0.5 * x * (1.0 + erf(x / std::f32::consts::SQRT_2)),
-        Activation::GeluTanh => {
-            let c = (2.0 / std::f32::consts::PI).sqrt();
-            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
-        }
+        Activation::GeluTanh => x / (1.0 + crate::kernels::exp(gelu_tanh_exponent(x))),
     }
+}
+
+/// GELU's tanh approximation `0.5·x·(1 + tanh(y))`, `y = √(2/π)·(x +
+/// 0.044715·x³)` (HF `gelu_pytorch_tanh`), is `x·σ(2y) = x / (1 + e^(−2y))`:
+/// this is `−2y`. Written with `e^x` (`kernels::exp`, the same bits on
+/// every path and build) rather than the C library's `tanhf`, whose last
+/// bits differ between glibc and the phone build's musl.
+#[inline]
+fn gelu_tanh_exponent(x: f32) -> f32 {
+    const TWO_C: f32 = 2.0 * 0.797_884_6; // 2·√(2/π)
+    -TWO_C * (x + 0.044715 * x * x * x)
 }
 
 /// Applies the activation's up-projection part: ReLU for dReLU, identity otherwise.
@@ -84,17 +92,21 @@ pub fn neuron_output(act: Activation, g: f32, u: f32) -> f32 {
 
 /// [`neuron_output`] over a row: `g[j] = act(g[j]) · act_up(u[j])` (`g`,
 /// `u`: `[m]` pre-activations, biases included), with the bits of
-/// [`neuron_output`] per element; SiLU takes its `e^x` 8 lanes at a time
-/// (`kernels::exp_slice`).
+/// [`neuron_output`] per element; SiLU and GELU (tanh) take their `e^x` 8
+/// lanes at a time (`kernels::exp_slice`).
 pub fn neuron_outputs(act: Activation, g: &mut [f32], u: &[f32]) {
-    if act != Activation::Silu {
-        g.iter_mut().zip(u).for_each(|(g, &u)| *g = neuron_output(act, *g, u));
-        return;
-    }
+    let exponent: fn(f32) -> f32 = match act {
+        Activation::Silu => |g| -g,
+        Activation::GeluTanh => gelu_tanh_exponent,
+        _ => {
+            g.iter_mut().zip(u).for_each(|(g, &u)| *g = neuron_output(act, *g, u));
+            return;
+        }
+    };
     let mut e = [0f32; 64];
     for (g, u) in g.chunks_mut(64).zip(u.chunks(64)) {
         let e = &mut e[..g.len()];
-        e.iter_mut().zip(g.iter()).for_each(|(e, g)| *e = -g);
+        e.iter_mut().zip(g.iter()).for_each(|(e, &g)| *e = exponent(g));
         crate::kernels::exp_slice(e);
         for ((g, &u), &e) in g.iter_mut().zip(u).zip(e.iter()) {
             *g = *g / (1.0 + e) * u;

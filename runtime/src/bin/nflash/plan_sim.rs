@@ -175,6 +175,23 @@ fn simulate(
     } else {
         a.memory_budget.clone()
     };
+    // Sliding-window layers keep a ring of their window plus one pass, not the context.
+    if let Some(w) = (0..m.config.num_layers as usize).find_map(|l| m.config.layer_window(l)) {
+        let c = &m.config;
+        let ring = nflash_plan::layout::kv_cache_bytes_of(c, a.ctx as usize, a.kv);
+        let kvd = (c.num_kv_heads * c.head_dim) as usize;
+        let all = nflash_plan::layout::kv_cache_bytes(c.num_layers as usize, kvd, a.ctx as usize, a.kv);
+        let sliding = (0..c.num_layers as usize).filter(|&l| c.layer_window(l).is_some()).count();
+        notes.push(format!(
+            "{label}: KV cache ({}) at --ctx {}: {} with {sliding} of {} layers keeping a ring of window {w} + one pass of {} tokens; {} if every layer kept the whole context",
+            a.kv.name(),
+            a.ctx,
+            size(ring),
+            c.num_layers,
+            nflash_plan::layout::kv_ring_room(c),
+            size(all)
+        ));
+    }
     if a.ctx as u64 > m.config.max_position_embeddings {
         notes.push(format!(
             "{label}: --ctx {} is beyond the model's context of {} tokens",

@@ -80,10 +80,12 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
     let started = std::time::Instant::now();
     let n_tokens = tokens.len();
     if !quiet {
-        message!("scoring {n_tokens} tokens in windows of {} tokens", a.ctx);
+        let bos =
+            if engine.bos_of_text().is_some() { ", each starting with BOS (as llama.cpp's perplexity)" } else { "" };
+        message!("scoring {n_tokens} tokens in windows of {} tokens{bos}", a.ctx);
     }
     let mut progress = ProgressLine::default();
-    let r = ppl::perplexity(&engine.model, &tokens, a.ctx, |done, total| {
+    let r = ppl::perplexity(&engine.model, &tokens, a.ctx, engine.bos_of_text(), |done, total| {
         if !quiet {
             progress.step(done, total, || {
                 let secs = started.elapsed().as_secs_f64();
