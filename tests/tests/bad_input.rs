@@ -780,10 +780,81 @@ fn gemma3_bad_settings_are_named() {
         write_json(&dir.join("config.json"), &c);
         convert_fails(&dir, needles);
     }
+    // transformers 5's rope_parameters that describe no RoPE, named by key path.
+    let rp_cases: [(Value, &[&str]); 6] = [
+        (json!("default"), &["rope_parameters = \"default\" is not an object"]),
+        (json!({"full_attention": 7}), &["rope_parameters.full_attention = 7 is not an object"]),
+        (json!({"sliding_attention": [1, 2]}), &["rope_parameters.sliding_attention = [1,2] is not an object"]),
+        (json!({"full_attention": {"rope_type": 7, "factor": 8.0}}), &["rope_parameters.full_attention.rope_type = 7"]),
+        (
+            json!({"full_attention": {"factor": 8.0, "rope_theta": 1e6}}),
+            &["rope_parameters.full_attention has factor but no rope_type"],
+        ),
+        (json!({"factor": 8.0}), &["rope_parameters has factor but no rope_type"]),
+    ];
+    for (rp, needles) in rp_cases {
+        let mut c = cfg.clone();
+        c["rope_parameters"] = rp;
+        write_json(&dir.join("config.json"), &c);
+        convert_fails(&dir, needles);
+    }
+    // dReLU is TurboSparse's, not Gemma's.
+    let mut c = cfg.clone();
+    c["hidden_activation"] = json!("drelu");
+    write_json(&dir.join("config.json"), &c);
+    convert_fails(&dir, &["\"drelu\" is TurboSparse's activation"]);
     // An image-and-text checkpoint without its text config.
     let mm = json!({"architectures": ["Gemma3ForConditionalGeneration"], "vision_config": {}});
     write_json(&dir.join("config.json"), &mm);
     convert_fails(&dir, &["Gemma3ForConditionalGeneration without a text_config"]);
+}
+
+/// An image-and-text Gemma 3 whose tensor is stored under both of
+/// transformers' prefixes is refused (either copy could be the one read);
+/// a missing tensor is named as the checkpoint would store it; tensors no
+/// layer reads (config.json describing fewer layers) are warned about; a
+/// null rope_theta takes Gemma's default (1e6), as a missing one does.
+#[test]
+fn gemma3_image_and_text_names_nulls_and_unused_tensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("mm");
+    nflash_tests::write_tiny_checkpoint(&dir, &TinySpec { multimodal: true, ..TinySpec::gemma3(1) });
+    let st = dir.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = file.tensors();
+    let norm = "model.language_model.layers.0.input_layernorm.weight";
+    let view = tensors.iter().find(|(n, _)| n == norm).unwrap().1.clone();
+    let write = |list: &[(String, safetensors::tensor::TensorView)]| {
+        safetensors::serialize_to_file(list.iter().map(|(n, v)| (n.clone(), v.clone())), None, &st).unwrap()
+    };
+    write(&[tensors.clone(), vec![("language_model.model.layers.0.input_layernorm.weight".into(), view)]].concat());
+    convert_fails(
+        &dir,
+        &[
+            "stored twice",
+            "model.language_model.layers.0.input_layernorm.weight",
+            "language_model.model.layers.0.input_layernorm.weight",
+        ],
+    );
+    tensors.retain(|(n, _)| n != "model.language_model.layers.1.pre_feedforward_layernorm.weight");
+    write(&tensors);
+    convert_fails(&dir, &["stored as model.language_model.layers.1.pre_feedforward_layernorm.weight"]);
+    // A whole checkpoint again, described as 2 of its 3 layers, rope_theta null.
+    std::fs::remove_dir_all(&dir).unwrap();
+    nflash_tests::write_tiny_checkpoint(&dir, &TinySpec { multimodal: true, ..TinySpec::gemma3(1) });
+    let mut c = read_json(&dir.join("config.json"));
+    c["text_config"]["num_hidden_layers"] = json!(2);
+    c["text_config"]["layer_types"] = json!(["sliding_attention", "full_attention"]);
+    c["text_config"]["rope_theta"] = Value::Null;
+    write_json(&dir.join("config.json"), &c);
+    let pack = tmp.path().join("two.nflash");
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&pack), "--quant", "f32"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("warning: the checkpoint holds 13 tensors the model described by config.json does not use (model.language_model.layers.2."), "{err}");
+    assert!(err.contains("rope_theta; using 1000000"), "{err}");
+    assert_eq!(nflash_format::Pack::open(&pack).unwrap().manifest().config.rope_theta, 1e6);
 }
 
 /// A Gemma-3-4B-style text_config omits head_dim, query_pre_attn_scalar,

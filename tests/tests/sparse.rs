@@ -342,5 +342,5 @@ fn gemma3_sparse_decode_recalls_the_active_neurons() {
     assert!(r > 0.8, "recall {r}");
     let o = run("prep", &["inspect", p.to_str().unwrap()]);
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("sliding-window layers (local RoPE theta 10000): 0, 2"), "{out}");
+    assert!(out.contains("sliding-window layers (local RoPE theta 10000): 0, 2; global layers: 1"), "{out}");
 }

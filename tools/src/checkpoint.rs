@@ -377,10 +377,26 @@ fn with_class_defaults(cfg: &Value, arch_name: &str) -> Value {
     let mut cfg = with_rope_parameters(cfg);
     if let Some(obj) = cfg.as_object_mut() {
         for (k, v) in class_defaults(arch_name) {
-            obj.entry(k).or_insert(v);
+            if takes_default(obj.get(k), k) {
+                obj.insert(k.into(), v);
+            }
         }
     }
     cfg
+}
+
+/// Whether config key `k` with value `v` takes the class default: absent,
+/// or `null` where null means nothing of its own (a null `sliding_window`,
+/// `rope_scaling`, `head_dim` or token id does: no window, no scaling,
+/// `hidden_size / num_attention_heads`, none).
+fn takes_default(v: Option<&Value>, k: &str) -> bool {
+    const NULL_MEANS_SOMETHING: [&str; 6] =
+        ["sliding_window", "rope_scaling", "head_dim", "bos_token_id", "eos_token_id", "layer_types"];
+    match v {
+        None => true,
+        Some(Value::Null) => !NULL_MEANS_SOMETHING.contains(&k),
+        Some(_) => false,
+    }
 }
 
 /// The keys of `config.json` that nflash reads but the file lacks (also in
@@ -393,7 +409,7 @@ pub fn class_defaults_used(cfg: &Value) -> Vec<(String, Value)> {
         return Vec::new();
     }
     let given = with_rope_parameters(cfg);
-    defaults.into_iter().filter(|(k, _)| given.get(k).is_none()).map(|(k, v)| (k.to_string(), v)).collect()
+    defaults.into_iter().filter(|(k, _)| takes_default(given.get(k), k)).map(|(k, v)| (k.to_string(), v)).collect()
 }
 
 /// SmolLM3's RoPE layers (SPEC §4.1): `no_rope_layers[l]` = 1 means layer
@@ -632,6 +648,53 @@ fn parse_moe(cfg: &Value, arch_name: &str) -> Result<Option<Architecture>> {
     }
 }
 
+/// Refuses `rope_parameters` (transformers 5) that do not describe RoPE:
+/// not an object, a per-layer-type entry (`full_attention`,
+/// `sliding_attention`) that is not one, a `rope_type` that is not a
+/// string, or a scaling factor without a `rope_type`, each named by its key
+/// path (as `rope_scaling` at the top level is refused).
+///
+/// # Errors
+/// The first malformed entry.
+fn check_rope_parameters(cfg: &Value) -> Result<()> {
+    let Some(rp) = cfg.get("rope_parameters").filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    if !rp.is_object() {
+        bail!("config.json: rope_parameters = {rp} is not an object of RoPE settings (rope_type, rope_theta, …)");
+    }
+    let per_type = ["full_attention", "sliding_attention"];
+    let mut sets: Vec<(String, &Value)> = Vec::new();
+    if per_type.iter().any(|k| rp.get(*k).is_some()) {
+        for k in per_type {
+            if let Some(v) = rp.get(k) {
+                sets.push((format!("rope_parameters.{k}"), v));
+            }
+        }
+    } else {
+        sets.push(("rope_parameters".into(), rp));
+    }
+    for (path, v) in sets {
+        let Some(obj) = v.as_object() else {
+            bail!("config.json: {path} = {v} is not an object of RoPE settings (rope_type, rope_theta, …)");
+        };
+        let kind = obj.get("rope_type").or_else(|| obj.get("type")).filter(|t| !t.is_null());
+        match kind {
+            Some(Value::String(_)) => {}
+            Some(t) => bail!("config.json: {path}.rope_type = {t} is not a string (default, linear, llama3, longrope)"),
+            None => {
+                let scaling = obj
+                    .keys()
+                    .find(|k| !matches!(k.as_str(), "rope_theta" | "partial_rotary_factor" | "rope_type" | "type"));
+                if let Some(k) = scaling {
+                    bail!("config.json: {path} has {k} but no rope_type; say which scaling it belongs to (linear, llama3, longrope)");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Parses HF `config.json` (+ `generation_config.json` for extra EOS ids).
 /// A [`GEMMA3_MM`] config is read as its language model's
 /// ([`language_model_config`]).
@@ -644,6 +707,7 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
         .and_then(Value::as_str)
         .ok_or_else(|| anyhow!("config.json has no \"architectures\" list"))?;
     let raw = cfg;
+    check_rope_parameters(cfg)?;
     let cfg = &with_class_defaults(cfg, arch_name);
     // TurboSparse (dReLU) checkpoints are Mistral-shaped "Bamboo" models, or Mixtral-shaped.
     let bamboo = arch_name == BAMBOO || arch_name == TURBOSPARSE_MIXTRAL;
@@ -706,6 +770,10 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
     };
     let activation = match Activation::from_hf(act_name) {
         Some(Activation::Relu) if bamboo => Activation::DRelu,
+        // transformers has no "drelu": it is TurboSparse's spelling only.
+        Some(Activation::DRelu) if !bamboo => bail!(
+            "config.json: {act_key} \"drelu\" is TurboSparse's activation ({BAMBOO} or {TURBOSPARSE_MIXTRAL}); {arch_name} has no such activation in transformers"
+        ),
         Some(a) => a,
         None => bail!("config.json: {act_key} {act_name:?} is not supported; supported: silu, relu, drelu, gelu, gelu_pytorch_tanh"),
     };
@@ -745,7 +813,8 @@ pub fn parse_config(cfg: &Value, gen: Option<&Value>) -> Result<ModelConfig> {
                 "config.json: sliding_window is null, but layer_types (or sliding_window_pattern) makes layers {} sliding-window layers; set the window",
                 g.sliding_layers.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(", ")
             ),
-            w => w,
+            // A window as long as the model's context is none (the layers keep their local RoPE).
+            w => w.filter(|&w| w < get_u64(cfg, "max_position_embeddings").ok().flatten().unwrap_or(u64::MAX)),
         },
         _ => None,
     };
@@ -942,7 +1011,9 @@ impl Checkpoint {
                         if index.contains_key(&name) {
                             bail!("tensor {name} is stored twice, as {name} and as {stored}; the checkpoint is inconsistent: re-download it");
                         }
-                        aliases.insert(name, stored.clone());
+                        if let Some(other) = aliases.insert(name.clone(), stored.clone()) {
+                            bail!("tensor {name} is stored twice, as {other} and as {stored}; the checkpoint is inconsistent: re-download it");
+                        }
                     }
                     None if stored.starts_with("model.")
                         && !stored.starts_with("model.vision_tower.")
@@ -951,7 +1022,7 @@ impl Checkpoint {
                 }
             }
             nflash_runtime::message!(
-                "note: {} is {GEMMA3_MM}: converting its language model (text_config); the vision tower and projector ({skipped} tensors) are skipped, nflash runs text only",
+"note: {} is {GEMMA3_MM}: converting its language model (text_config); nflash runs text only, so the vision tower and projector ({skipped} tensors) are skipped",
                 dir.display()
             );
         }
@@ -976,6 +1047,31 @@ impl Checkpoint {
     /// The checkpoint's name of tensor `name` (nflash's, SPEC §4.3).
     fn stored<'n>(&'n self, name: &'n str) -> &'n str {
         self.aliases.get(name).map_or(name, String::as_str)
+    }
+
+    /// The stored tensor that tensor `name` (nflash's name) is read from:
+    /// itself, its name in an image-and-text checkpoint, or the fused
+    /// tensor it is rows of.
+    pub fn source_of<'n>(&'n self, name: &'n str) -> &'n str {
+        match self.views.get(name) {
+            Some(v) => &v.fused,
+            None => self.stored(name),
+        }
+    }
+
+    /// The stored tensors of the model that none of `used` (stored names,
+    /// [`Self::source_of`]) is, sorted: weights `config.json` does not
+    /// describe (an image-and-text checkpoint's vision tower aside).
+    pub fn unused_tensors(&self, used: &std::collections::HashSet<&str>) -> Vec<String> {
+        let mm = !self.aliases.is_empty();
+        let mut out: Vec<String> = self
+            .index
+            .keys()
+            .filter(|n| !used.contains(n.as_str()) && !(mm && gemma3_mm_name(n).is_none()))
+            .cloned()
+            .collect();
+        out.sort();
+        out
     }
 
     /// Whether `name` is a norm weight stored as `w` for `1 + w` (Gemma 3's
@@ -1065,8 +1161,15 @@ impl Checkpoint {
             );
         }
         let i = *self.index.get(name).ok_or_else(|| {
+            // The language model of an image-and-text checkpoint: the names it would have.
+            let as_stored = match name.strip_prefix("model.") {
+                Some(rest) if !self.aliases.is_empty() => {
+                    format!(" (stored as model.language_model.{rest} or language_model.model.{rest})")
+                }
+                _ => String::new(),
+            };
             anyhow!(
-                "tensor {name} is missing from the checkpoint in {}; the download is incomplete or config.json does not match the weights: re-download the checkpoint",
+                "tensor {name}{as_stored} is missing from the checkpoint in {}; the download is incomplete or config.json does not match the weights: re-download the checkpoint",
                 self.dir.display()
             )
         })?;
@@ -1112,9 +1215,9 @@ impl Checkpoint {
     pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (s, dtype, off, len) = self.locate(name, shape)?;
         let mut bytes = vec![0u8; len];
-        read_at(s, name, &mut bytes, off)?;
+        read_at(s, self.stored(name), &mut bytes, off)?;
         let mut v = decode(dtype, &bytes);
-        check_finite(name, shape, &v, 0, &s.path)?;
+        check_finite(self.stored(name), shape, &v, 0, &s.path)?;
         if self.is_plus_one_norm(name) {
             // In f32, as transformers' `Gemma3RMSNorm` (`1.0 + weight.float()`).
             v.iter_mut().for_each(|w| *w += 1.0);
@@ -1136,9 +1239,9 @@ impl Checkpoint {
             if r as usize >= n_rows {
                 bail!("row {r} of {name} is out of range: it has {n_rows} rows");
             }
-            read_at(s, name, &mut bytes, off + (r as usize * row_bytes) as u64)?;
+            read_at(s, self.stored(name), &mut bytes, off + (r as usize * row_bytes) as u64)?;
             let v = decode(dtype, &bytes);
-            check_finite(name, shape, &v, r as usize * cols, &s.path)?;
+            check_finite(self.stored(name), shape, &v, r as usize * cols, &s.path)?;
             out.extend(v);
         }
         Ok(out)

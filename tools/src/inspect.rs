@@ -116,11 +116,22 @@ pub fn run(a: InspectArgs) -> Result<()> {
         println!("       RMSNorm on each query and key head (q_norm, k_norm)");
     }
     if let Some(g) = c.gemma3() {
-        let sliding: Vec<String> = g.sliding_layers.iter().map(|l| l.to_string()).collect();
+        let list = |global: bool| -> String {
+            let l: Vec<String> = (0..c.num_layers as usize)
+                .filter(|&l| g.sliding_layers.contains(l) != global)
+                .map(|l| l.to_string())
+                .collect();
+            if l.is_empty() {
+                "none".into()
+            } else {
+                l.join(", ")
+            }
+        };
         println!(
-            "       sliding-window layers (local RoPE theta {}): {}; the others are global",
+            "       sliding-window layers (local RoPE theta {}): {}; global layers: {}",
             g.rope_local_base_freq,
-            if sliding.is_empty() { "none".into() } else { sliding.join(", ") }
+            list(false),
+            list(true)
         );
         println!(
             "       attention scale 1/√{} (query_pre_attn_scalar), embeddings × √{}, norms after attention and FFN too, stored as 1 + w",

@@ -111,11 +111,24 @@ pub fn check_tensors(ck: &Checkpoint) -> Result<()> {
         need.push((up, vec![inter, h]));
         need.push((down, vec![h, inter]));
     }
-    for (name, shape) in need {
-        let got = ck.shape(&name)?;
-        if got != shape {
-            bail!("tensor {name} has shape {got:?}, but config.json implies {shape:?}");
+    for (name, shape) in &need {
+        let got = ck.shape(name)?;
+        if got != *shape {
+            bail!("tensor {} has shape {got:?}, but config.json implies {shape:?}", ck.source_of(name));
         }
+    }
+    // Weights nothing reads: transformers loads such a checkpoint with a
+    // warning, and so does prep (they often mean config.json describes
+    // another model, e.g. fewer layers).
+    let used: std::collections::HashSet<&str> = need.iter().map(|(n, _)| ck.source_of(n)).collect();
+    let unused = ck.unused_tensors(&used);
+    if !unused.is_empty() {
+        let some = unused.iter().take(4).cloned().collect::<Vec<_>>().join(", ");
+        let more = if unused.len() > 4 { format!(" and {} more", unused.len() - 4) } else { String::new() };
+        nflash_runtime::message!(
+            "warning: the checkpoint holds {} tensors the model described by config.json does not use ({some}{more}); they are left out: check that config.json belongs to these weights",
+            unused.len()
+        );
     }
     Ok(())
 }

@@ -36,7 +36,7 @@ enum Command {
     Ppl(ppl::PplArgs),
     /// Measure this device (flash read bandwidth, memory bandwidth, Q4_0 matvec and sparse FFN speeds) and write a device profile
     Probe(probe::ProbeArgs),
-    /// Predict decode tokens/s of a pack or a model shape (llama-7b, mistral-7b, mixtral-47b) on a device profile
+    /// Predict decode tokens/s of a pack or a model shape (llama-7b … gemma3-4b: see its --help) on a device profile
     PlanSim(plan_sim::PlanSimArgs),
 }
 

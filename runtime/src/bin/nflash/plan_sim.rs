@@ -4,12 +4,13 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
+use clap::builder::PossibleValuesParser;
 use clap::Args;
 use nflash_format::{DType, DeviceProfile, Manifest, Pack};
 use nflash_plan::cost::{self, Estimate};
 use nflash_plan::layout::cluster_read_bytes;
 use nflash_plan::planner::{self, PlanRequest};
-use nflash_plan::sim::{self, SimOptions};
+use nflash_plan::sim::{self, SimOptions, SHAPES};
 use nflash_runtime::message;
 
 /// Arguments of `nflash plan-sim`.
@@ -22,8 +23,8 @@ pub struct PlanSimArgs {
     /// quality, clusters and quant: the shape options below do not apply to them).
     #[arg(long = "model", value_name = "PACK", value_delimiter = ',')]
     models: Vec<PathBuf>,
-    /// Model shapes to simulate, comma-separated: llama-7b, mistral-7b, mixtral-47b, qwen3-30b-a3b, tiny-moe, qwen3-4b, phi4-mini.
-    #[arg(long, value_delimiter = ',')]
+    /// Model shapes to simulate, comma-separated (`nflash_plan::sim::SHAPES`).
+    #[arg(long, value_delimiter = ',', value_parser = PossibleValuesParser::new(SHAPES.map(|s| s.name)))]
     shape: Vec<String>,
     /// Target sparsities of the shapes, comma-separated [default: 0.9,0.8,0.6].
     #[arg(long, value_delimiter = ',')]
@@ -81,7 +82,8 @@ struct ShapeOptions {
 /// sparsity, predictor quality and quant override them).
 fn check(a: &PlanSimArgs) -> Result<(ShapeOptions, Option<String>)> {
     if a.models.is_empty() && a.shape.is_empty() {
-        bail!("nothing to simulate: pass --model PACK[,PACK…] or --shape NAME (llama-7b, mistral-7b, mixtral-47b, qwen3-30b-a3b, tiny-moe, qwen3-4b, phi4-mini)");
+        let names: Vec<&str> = SHAPES.iter().map(|s| s.name).collect();
+        bail!("nothing to simulate: pass --model PACK[,PACK…] or --shape NAME ({})", names.join(", "));
     }
     let o = ShapeOptions {
         sparsity: if a.sparsity.is_empty() { vec![0.9, 0.8, 0.6] } else { a.sparsity.clone() },
