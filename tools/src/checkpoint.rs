@@ -1067,7 +1067,8 @@ impl Checkpoint {
         let mut out: Vec<String> = self
             .index
             .keys()
-            .filter(|n| !used.contains(n.as_str()) && !(mm && gemma3_mm_name(n).is_none()))
+            // Neither read nor part of the vision tower.
+            .filter(|n| !(used.contains(n.as_str()) || mm && gemma3_mm_name(n).is_none()))
             .cloned()
             .collect();
         out.sort();
