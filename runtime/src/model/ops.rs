@@ -95,14 +95,19 @@ pub fn neuron_output(act: Activation, g: f32, u: f32) -> f32 {
 /// [`neuron_output`] per element; SiLU and GELU (tanh) take their `e^x` 8
 /// lanes at a time (`kernels::exp_slice`).
 pub fn neuron_outputs(act: Activation, g: &mut [f32], u: &[f32]) {
-    let exponent: fn(f32) -> f32 = match act {
-        Activation::Silu => |g| -g,
-        Activation::GeluTanh => gelu_tanh_exponent,
-        _ => {
-            g.iter_mut().zip(u).for_each(|(g, &u)| *g = neuron_output(act, *g, u));
-            return;
-        }
-    };
+    match act {
+        Activation::Silu => sigmoid_gated(g, u, |g| -g),
+        Activation::GeluTanh => sigmoid_gated(g, u, gelu_tanh_exponent),
+        _ => g.iter_mut().zip(u).for_each(|(g, &u)| *g = neuron_output(act, *g, u)),
+    }
+}
+
+/// `g[j] = g[j] / (1 + e^{exponent(g[j])}) · u[j]`, the `e^x` 64 at a time
+/// (`kernels::exp_slice`); generic so that `exponent` is inlined into the
+/// loop that the compiler vectorizes (through a function pointer it cost
+/// 0.6% of a Gemma-shaped decode, `perf`).
+#[inline(always)]
+fn sigmoid_gated(g: &mut [f32], u: &[f32], exponent: impl Fn(f32) -> f32) {
     let mut e = [0f32; 64];
     for (g, u) in g.chunks_mut(64).zip(u.chunks(64)) {
         let e = &mut e[..g.len()];
