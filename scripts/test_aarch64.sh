@@ -121,7 +121,10 @@ done
 # written by nflash-tiny), their q8_0 and q4_0 packs, text of their
 # word-level vocabulary (w3 … w79), and the x86 build's perplexity on it
 # in windows of 64 tokens (longer than Gemma's sliding window of 5).
-cargo build --release -p nflash-tests --bin nflash-tiny 2>&1 | grep -E "^(error|warning)" || true
+# (With make build's flags: a -p build would compile the dependencies again
+# with other features.)
+cargo build --release --workspace --all-targets 2>&1 | grep -E "^(error|warning)" || true
+[ -x target/release/nflash-tiny ] || die "target/release/nflash-tiny was not built"
 python3 -c 'import random; r = random.Random(7); print(" ".join("w%d" % r.randrange(3, 80) for _ in range(300)))' > "$work/tiny-words.txt"
 declare -A TINY_PPL
 TINY_PACKS=()

@@ -70,7 +70,12 @@ impl<'a> Engine<'a> {
                 pack.verify_segment(i as u32)?;
             }
         }
-        let tokenizer = Tokenizer::from_json(&pack.tokenizer_json()?)?;
+        let tokenizer = Tokenizer::from_json(&pack.tokenizer_json()?).map_err(|e| match e {
+            Error::Tokenizer(m) => Error::Tokenizer(format!(
+                "the pack's {m}; the pack may be corrupt (check it with `prep verify`), or convert it again"
+            )),
+            e => e,
+        })?;
         let model = load_model(pack, &plan()?)?;
         let vocab = model.cfg.vocab_size;
         if tokenizer.vocab_size() as u64 > vocab {

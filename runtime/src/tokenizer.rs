@@ -42,11 +42,7 @@ impl Tokenizer {
     /// [`Error::Tokenizer`] if the JSON is not a tokenizer.
     pub fn from_json(json: &[u8]) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_bytes(json)
-            .map_err(|e| {
-                Error::Tokenizer(format!(
-                    "cannot load the packed tokenizer.json: {e}; the pack may be corrupt (check it with `prep verify`), or convert it again"
-                ))
-            })?;
+            .map_err(|e| Error::Tokenizer(format!("tokenizer.json cannot be read by the tokenizers library: {e}")))?;
         let mut specials: Vec<Special> = inner
             .get_added_tokens_decoder()
             .into_iter()

@@ -923,3 +923,61 @@ fn gemma3_text_config_defaults_and_rope_parameters_per_layer_type() {
     write_json(&dir.join("config.json"), &c);
     convert_fails(&dir, &["rope_parameters.sliding_attention", "rope_local_base_freq"]);
 }
+
+/// Checkpoint files that are not what they should be are named before any
+/// long work: a tokenizer.json the tokenizers library cannot read (not
+/// blamed on a pack that does not exist yet), a model.safetensors that is
+/// a directory. A planned context beyond the model's is warned about, and
+/// `nflash ppl`'s windows default to the model's context where it is under
+/// 512 tokens (256 here), without the warning an over-long window gets.
+#[test]
+fn checkpoint_files_and_contexts_are_checked_up_front() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_checkpoint(tmp.path(), &TinySpec::default());
+    let tok = dir.join("tokenizer.json");
+    let good = std::fs::read(&tok).unwrap();
+    std::fs::write(&tok, "{garbage").unwrap();
+    let calib = tmp.path().join("calib.txt");
+    std::fs::write(&calib, nflash_tests::tiny_words(300, 80, 1)).unwrap();
+    let out = tmp.path().join("t.nflash");
+    let o = run("prep", &["convert", "--model", s(&dir), "--out", s(&out), "--calib", s(&calib)]);
+    let err = assert_fails(
+        "garbage tokenizer.json",
+        &o,
+        &["tokenizer.json", "cannot be read by the tokenizers library", "re-download"],
+    );
+    assert!(!err.contains("pack may be corrupt"), "{err}");
+    std::fs::write(&tok, good).unwrap();
+    let st = dir.join("model.safetensors");
+    let saved = tmp.path().join("saved.safetensors");
+    std::fs::rename(&st, &saved).unwrap();
+    std::fs::create_dir(&st).unwrap();
+    convert_fails(&dir, &["model.safetensors is a directory"]);
+    std::fs::remove_dir(&st).unwrap();
+    std::fs::rename(&saved, &st).unwrap();
+    let o = run(
+        "prep",
+        &[
+            "convert",
+            "--model",
+            s(&dir),
+            "--out",
+            s(&out),
+            "--quant",
+            "q8_0",
+            "--device",
+            s(&nflash_tests::repo_root().join("profiles/dev-host.toml")),
+            "--ctx",
+            "1024",
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("warning: --ctx 1024 exceeds the model's trained context (256 tokens"), "{err}");
+    let o = run("nflash", &["ppl", "--model", s(&out), "--file", s(&calib), "--json"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains("exceeds the model's trained context"), "{err}");
+    let j: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["ctx"], 256);
+}

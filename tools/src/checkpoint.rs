@@ -890,6 +890,13 @@ impl Checkpoint {
         let tokenizer_json = std::fs::read(&tok_path).with_context(|| {
             format!("cannot read {}; nflash needs the Hugging Face fast tokenizer file", tok_path.display())
         })?;
+        // Read now, before any long work (calibration) that needs it.
+        nflash_runtime::tokenizer::Tokenizer::from_json(&tokenizer_json).map_err(|e| {
+            anyhow!(
+                "{}: {e}; use the tokenizer.json that came with the checkpoint (re-download it)",
+                tok_path.display()
+            )
+        })?;
         let tc_path = dir.join("tokenizer_config.json");
         let tokenizer_config = if tc_path.exists() { read_json(&tc_path)? } else { Value::Null };
 
@@ -943,6 +950,9 @@ impl Checkpoint {
                 bail!("shard name {name:?} in the index is not a plain file name");
             }
             let path = dir.join(&name);
+            if path.is_dir() {
+                bail!("{} is a directory, not a safetensors file; re-download the checkpoint", path.display());
+            }
             let file = File::open(&path).with_context(|| {
                 format!(
                     "shard {} is named in the index but cannot be opened; re-download the checkpoint",

@@ -317,6 +317,12 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         }
     };
     let ctx = a.device.ctx.unwrap_or_else(|| cfg.max_position_embeddings.min(4096) as u32);
+    if device.is_some() && ctx as u64 > cfg.max_position_embeddings {
+        message!(
+            "warning: --ctx {ctx} exceeds the model's trained context ({} tokens, max_position_embeddings); the plan sizes the KV cache for it, but text past that context is not meaningful",
+            cfg.max_position_embeddings
+        );
+    }
     if let (Some(dev), None) = (&device, a.device.memory_budget) {
         message!(
             "memory budget: {:.1} MiB, the available memory of profile {} (--memory-budget to choose another)",

@@ -23,8 +23,8 @@ pub struct QualityOptions {
     pub text: PathBuf,
     /// Tokens to score at most.
     pub tokens: usize,
-    /// Window length, tokens.
-    pub ctx: usize,
+    /// Window length, tokens; `None`: 512, or the model's context when shorter.
+    pub ctx: Option<usize>,
     /// No progress output.
     pub quiet: bool,
 }
@@ -67,7 +67,8 @@ pub struct QualityRow {
 fn run_scored(engine: &Engine, tokens: &[u32], o: &QualityOptions, what: &str) -> Result<Scored> {
     let t = std::time::Instant::now();
     let mut progress = nflash_runtime::message::ProgressLine::default();
-    let s = score(&engine.model, tokens, o.ctx, engine.bos_of_text(), |done, total| {
+    let ctx = o.ctx.unwrap_or_else(|| (engine.model.cfg.max_position_embeddings as usize).clamp(2, 512));
+    let s = score(&engine.model, tokens, ctx, engine.bos_of_text(), |done, total| {
         if !o.quiet {
             progress.step(done, total, || {
                 format!("{what}: window {done}/{total}, {:.0} s elapsed", t.elapsed().as_secs_f64())

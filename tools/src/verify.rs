@@ -27,9 +27,10 @@ pub struct VerifyArgs {
     /// Score at most this many tokens of --text.
     #[arg(long, default_value_t = 16_384)]
     tokens: usize,
-    /// Window length in tokens.
-    #[arg(long, default_value_t = 512)]
-    ctx: usize,
+    /// Window length in tokens [default: 512, or the model's context
+    /// (max_position_embeddings) when shorter].
+    #[arg(long)]
+    ctx: Option<usize>,
     /// Write a PNG plot of perplexity against sparsity, one line per criterion and predictor.
     #[arg(long, requires = "quality")]
     plot: Option<PathBuf>,
@@ -73,7 +74,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         return Ok(());
     }
     let Some(text) = &a.text else { bail!("--quality needs --text FILE") };
-    if a.ctx < 2 {
+    if a.ctx.is_some_and(|c| c < 2) {
         bail!("--ctx must be at least 2");
     }
     let opts = QualityOptions { text: text.clone(), tokens: a.tokens, ctx: a.ctx, quiet: a.json };

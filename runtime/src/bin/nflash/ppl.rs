@@ -21,9 +21,10 @@ pub struct PplArgs {
     /// UTF-8 text to score.
     #[arg(long)]
     file: PathBuf,
-    /// Window length in tokens (non-overlapping windows).
-    #[arg(long, default_value_t = 512)]
-    ctx: usize,
+    /// Window length in tokens (non-overlapping windows) [default: 512, or
+    /// the model's context (max_position_embeddings) when shorter].
+    #[arg(long)]
+    ctx: Option<usize>,
     /// Score at most this many tokens of the file.
     #[arg(long)]
     max_tokens: Option<usize>,
@@ -52,17 +53,18 @@ pub fn run(a: PplArgs) -> Result<()> {
 }
 
 fn run_in_pool(a: PplArgs) -> Result<()> {
-    if a.ctx < 2 {
-        anyhow::bail!("--ctx {} must be at least 2", a.ctx);
+    if let Some(c) = a.ctx.filter(|&c| c < 2) {
+        anyhow::bail!("--ctx {c} must be at least 2");
     }
     let text = read_text(&a.file)?;
     let device = a.memory.device_profile()?;
     let pack = open_pack(&a.model, a.verify)?;
-    let (mut engine, _) = load_engine(&pack, &a.memory, device, a.ctx, a.verify.clusters())?;
+    let max_pos = pack.manifest().config.max_position_embeddings;
+    let ctx = a.ctx.unwrap_or_else(|| (max_pos as usize).clamp(2, 512));
+    let (mut engine, _) = load_engine(&pack, &a.memory, device, ctx, a.verify.clusters())?;
     engine.model.set_dense(a.dense);
-    let max_pos = engine.model.cfg.max_position_embeddings;
-    if a.ctx as u64 > max_pos {
-        message!("warning: --ctx {} exceeds the model's trained context ({max_pos} tokens); perplexity past it is not meaningful", a.ctx);
+    if ctx as u64 > max_pos {
+        message!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); perplexity past it is not meaningful");
     }
     let mut tokens = engine.tokenizer.encode(&text, false)?;
     if let Some(m) = a.max_tokens {
@@ -82,14 +84,14 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
     if !quiet {
         let bos =
             if engine.bos_of_text().is_some() { ", each starting with BOS (as llama.cpp's perplexity)" } else { "" };
-        message!("scoring {n_tokens} tokens in windows of {} tokens{bos}", a.ctx);
+        message!("scoring {n_tokens} tokens in windows of {} tokens{bos}", ctx);
     }
     let mut progress = ProgressLine::default();
-    let r = ppl::perplexity(&engine.model, &tokens, a.ctx, engine.bos_of_text(), |done, total| {
+    let r = ppl::perplexity(&engine.model, &tokens, ctx, engine.bos_of_text(), |done, total| {
         if !quiet {
             progress.step(done, total, || {
                 let secs = started.elapsed().as_secs_f64();
-                let done_tokens = (done * a.ctx).min(n_tokens);
+                let done_tokens = (done * ctx).min(n_tokens);
                 let rate = done_tokens as f64 / secs.max(1e-9);
                 let eta = (n_tokens - done_tokens) as f64 / rate.max(1e-9);
                 format!("window {done}/{total}, {rate:.0} tokens/s, {secs:.0} s elapsed, about {eta:.0} s left")
@@ -102,7 +104,7 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
             "perplexity": r.perplexity,
             "tokens": r.tokens,
             "windows": r.windows,
-            "ctx": a.ctx,
+            "ctx": ctx,
             "model": a.model,
             "file": a.file,
             "sparse": engine.model.is_sparse_pack() && !a.dense,
@@ -128,7 +130,7 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
             r.tokens,
             r.windows,
             if r.windows == 1 { "" } else { "s" },
-            a.ctx
+            ctx
         );
         if let Some(s) = sparsity.filter(|_| engine.model.is_sparse_pack() && !a.dense) {
             print_sparsity(&s);
