@@ -65,6 +65,22 @@ impl LayerSet {
     pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
         (0..MAX_LAYERS as usize).filter(|&l| self.contains(l))
     }
+
+    /// The first layer in the set at or past `n_layers` (one a model of
+    /// `n_layers` layers does not have), if any.
+    pub fn first_past(&self, n_layers: u64) -> Option<usize> {
+        self.iter().find(|&l| l as u64 >= n_layers)
+    }
+}
+
+/// The first of RoPE frequencies `freqs` that the runtime's f32 cannot
+/// hold as a positive normal number (a tiny `rope_theta` or factor makes
+/// one infinite or zero): its index and value.
+fn unusable_frequency(freqs: &[f64]) -> Option<(usize, f64)> {
+    freqs.iter().copied().enumerate().find(|&(_, f)| {
+        let x = f as f32;
+        !(x.is_finite() && x >= f32::MIN_POSITIVE)
+    })
 }
 
 impl std::fmt::Debug for LayerSet {
@@ -125,6 +141,30 @@ pub struct Gemma3 {
     /// The sliding-window (local) layers (HF `layer_types[l] ==
     /// "sliding_attention"`); the others attend to the whole context.
     pub sliding_layers: LayerSet,
+}
+
+/// The names of one decoder layer's RMSNorm weights, each `[hidden]`
+/// ([`ModelConfig::layer_norms`]). Llama-style models have no norms after
+/// the blocks and call the FFN's `post_attention_layernorm`; Gemma 3 has
+/// all four.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerNorms {
+    /// Before attention (`input_layernorm`).
+    pub attn: String,
+    /// After attention, before the residual (Gemma 3's `post_attention_layernorm`).
+    pub post_attn: Option<String>,
+    /// Before the FFN (`post_attention_layernorm`; Gemma 3's `pre_feedforward_layernorm`).
+    pub ffn: String,
+    /// After the FFN, before the residual (Gemma 3's `post_feedforward_layernorm`).
+    pub post_ffn: Option<String>,
+}
+
+impl LayerNorms {
+    /// Every name, in the order the pack stores them: before attention,
+    /// after it, before the FFN, after it.
+    pub fn all(&self) -> impl Iterator<Item = &String> {
+        [Some(&self.attn), self.post_attn.as_ref(), Some(&self.ffn), self.post_ffn.as_ref()].into_iter().flatten()
+    }
 }
 
 /// Phi-3's own settings (SPEC §4.1, 8 bytes on the wire).
@@ -430,26 +470,23 @@ impl ModelConfig {
         self.gemma3().is_some()
     }
 
-    /// The names of layer `l`'s norm weights `[hidden]`: (before attention,
-    /// after attention, before the FFN, after the FFN). Llama-style models
-    /// have no norms after the blocks and call the FFN's
-    /// `post_attention_layernorm`; Gemma 3 has all four (SPEC §4.3).
-    pub fn layer_norm_names(&self, l: usize) -> [Option<String>; 4] {
+    /// The names of layer `l`'s norm weights `[hidden]` (SPEC §4.3).
+    pub fn layer_norms(&self, l: usize) -> LayerNorms {
         let p = format!("model.layers.{l}");
         if self.sandwich_norms() {
-            [
-                Some(format!("{p}.input_layernorm.weight")),
-                Some(format!("{p}.post_attention_layernorm.weight")),
-                Some(format!("{p}.pre_feedforward_layernorm.weight")),
-                Some(format!("{p}.post_feedforward_layernorm.weight")),
-            ]
+            LayerNorms {
+                attn: format!("{p}.input_layernorm.weight"),
+                post_attn: Some(format!("{p}.post_attention_layernorm.weight")),
+                ffn: format!("{p}.pre_feedforward_layernorm.weight"),
+                post_ffn: Some(format!("{p}.post_feedforward_layernorm.weight")),
+            }
         } else {
-            [
-                Some(format!("{p}.input_layernorm.weight")),
-                None,
-                Some(format!("{p}.post_attention_layernorm.weight")),
-                None,
-            ]
+            LayerNorms {
+                attn: format!("{p}.input_layernorm.weight"),
+                post_attn: None,
+                ffn: format!("{p}.post_attention_layernorm.weight"),
+                post_ffn: None,
+            }
         }
     }
 
@@ -671,11 +708,7 @@ impl ModelConfig {
         // Every frequency the runtime computes (in f32) must be a usable
         // number: a tiny rope_theta or factor makes it infinite or zero.
         for long in [false, true] {
-            let freqs = self.rope_inv_freq(long);
-            if let Some((i, f)) = freqs.iter().enumerate().find(|(_, f)| {
-                let x = **f as f32;
-                !(x.is_finite() && x >= f32::MIN_POSITIVE)
-            }) {
+            if let Some((i, f)) = unusable_frequency(&self.rope_inv_freq(long)) {
                 return Err(format!(
                     "RoPE frequency {i} is {f:e}, which an f32 cannot hold as a positive number: check rope_theta {:e} and rope_scaling",
                     self.rope_theta
@@ -683,7 +716,7 @@ impl ModelConfig {
             }
         }
         if let Architecture::SmolLm3(rope) = self.architecture {
-            if let Some(l) = rope.iter().find(|&l| l as u64 >= self.num_layers) {
+            if let Some(l) = rope.first_past(self.num_layers) {
                 return Err(format!(
                     "the RoPE layer set names layer {l}, but the model has {} layers",
                     self.num_layers
@@ -697,20 +730,18 @@ impl ModelConfig {
             if !(g.rope_local_base_freq.is_finite() && g.rope_local_base_freq > 0.0) {
                 return Err(format!("rope_local_base_freq {} is not a positive number", g.rope_local_base_freq));
             }
-            if let Some(l) = g.sliding_layers.iter().find(|&l| l as u64 >= self.num_layers) {
+            if let Some(l) = g.sliding_layers.first_past(self.num_layers) {
                 return Err(format!(
                     "the sliding-window layer set names layer {l}, but the model has {} layers",
                     self.num_layers
                 ));
             }
-            let local = self.local_rope().expect("Gemma 3");
-            if let Some((i, f)) = local.rope_inv_freq(false).iter().enumerate().find(|(_, f)| {
-                let x = **f as f32;
-                !(x.is_finite() && x >= f32::MIN_POSITIVE)
-            }) {
+        }
+        if let Some(local) = self.local_rope() {
+            if let Some((i, f)) = unusable_frequency(&local.rope_inv_freq(false)) {
                 return Err(format!(
                     "RoPE frequency {i} of the sliding-window layers is {f:e}, which an f32 cannot hold as a positive number: check rope_local_base_freq {:e}",
-                    g.rope_local_base_freq
+                    local.rope_theta
                 ));
             }
         }

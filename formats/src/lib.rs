@@ -20,8 +20,8 @@ pub mod writer;
 
 pub use checksums::{cluster_crc32c, ClusterChecksums, ClusterHasher};
 pub use config::{
-    Activation, Architecture, Gemma3, LayerSet, ModelConfig, Moe, Phi3, RopeScaling, MAX_CONTEXT, MAX_EXPERTS,
-    MAX_FFN_UNITS, MAX_LAYERS,
+    Activation, Architecture, Gemma3, LayerNorms, LayerSet, ModelConfig, Moe, Phi3, RopeScaling, MAX_CONTEXT,
+    MAX_EXPERTS, MAX_FFN_UNITS, MAX_LAYERS,
 };
 pub use device::{DeviceProfile, KernelSpeeds};
 pub use dtype::DType;

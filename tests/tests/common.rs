@@ -237,6 +237,38 @@ pub fn assert_close_to_reference(what: &str, ours: &(Vec<Vec<f32>>, Vec<Vec<f32>
     }
 }
 
+/// Greedy decoding of 32 tokens after the first 8 of `tokens` by our decode
+/// path on `pack`, each token checked against the argmax of the reference
+/// (candle on the checkpoint in `dir`) at that position, so the reference,
+/// decoding greedily, would choose the same 32 tokens.
+pub fn assert_greedy_matches_reference(name: &str, dir: &Path, pack: &Path, tokens: &[u32]) {
+    let prompt = &tokens[..8];
+    let p = Pack::open(pack).unwrap();
+    let model = nflash_runtime::load_model(&p, &CacheConfig::all_hot(&p)).unwrap();
+    let (_, ours) = nflash_tests::greedy(&model, prompt, 32);
+    let all = [prompt, &ours[..]].concat();
+    let reference = reference_logits(dir, &all);
+    let theirs: Vec<u32> = reference[prompt.len() - 1..all.len() - 1].iter().map(|l| argmax(l) as u32).collect();
+    assert_eq!(ours, theirs, "{name}: greedy tokens differ from the reference");
+}
+
+/// [`assert_greedy_matches_reference`] on the f32 pack of a tiny checkpoint of `spec`.
+pub fn check_greedy(name: &str, spec: nflash_tests::TinySpec) {
+    let (_tmp, dir, pack, tokens) = tiny_f32_pack(&spec);
+    assert_greedy_matches_reference(name, &dir, &pack, &tokens);
+}
+
+/// The bound of issue 44 for the architectures it adds: every logit of
+/// both our paths on the f32 pack of `spec`, with an f32 KV cache like the
+/// reference's, within 1e-4 of the reference; then 32 greedy tokens with
+/// the default (f16) KV cache ([`assert_greedy_matches_reference`]).
+pub fn check_close(name: &str, spec: nflash_tests::TinySpec) {
+    let (_tmp, dir, pack, tokens) = tiny_f32_pack(&spec);
+    let reference = reference_logits(&dir, &tokens);
+    assert_close_to_reference(name, &our_logits_kv(&pack, &tokens, nflash_plan::KvType::F32), &reference, 1e-4);
+    assert_greedy_matches_reference(name, &dir, &pack, &tokens);
+}
+
 /// A tiny random checkpoint of `spec` converted to an f32 pack in a fresh
 /// temporary directory, and 24 test tokens: (the directory, checkpoint, pack, tokens).
 pub fn tiny_f32_pack(spec: &nflash_tests::TinySpec) -> (tempfile::TempDir, PathBuf, PathBuf, Vec<u32>) {

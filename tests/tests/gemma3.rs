@@ -4,7 +4,7 @@
 
 use std::ops::ControlFlow;
 
-use crate::common::{argmax, assert_close_to_reference, our_logits_kv, reference_logits, tiny_f32_pack};
+use crate::common::{check_close, our_logits_kv, tiny_f32_pack};
 use nflash_format::Pack;
 use nflash_plan::KvType;
 use nflash_runtime::engine::Engine;
@@ -16,23 +16,6 @@ use nflash_tests::TinySpec;
 
 fn spec(seed: u64) -> TinySpec {
     TinySpec::gemma3(seed)
-}
-
-/// Every logit of both our paths within 1e-4 of candle's (f32 KV cache),
-/// then 32 greedy tokens (default f16 KV cache) that candle's argmax
-/// agrees with at each position.
-fn check_close(name: &str, spec: TinySpec) {
-    let (_tmp, dir, pack, tokens) = tiny_f32_pack(&spec);
-    let reference = reference_logits(&dir, &tokens);
-    assert_close_to_reference(name, &our_logits_kv(&pack, &tokens, KvType::F32), &reference, 1e-4);
-    let prompt = &tokens[..8];
-    let p = Pack::open(&pack).unwrap();
-    let model = nflash_runtime::load_model(&p, &nflash_plan::CacheConfig::all_hot(&p)).unwrap();
-    let (_, ours) = nflash_tests::greedy(&model, prompt, 32);
-    let all = [prompt, &ours[..]].concat();
-    let reference = reference_logits(&dir, &all);
-    let theirs: Vec<u32> = reference[prompt.len() - 1..all.len() - 1].iter().map(|l| argmax(l) as u32).collect();
-    assert_eq!(ours, theirs, "{name}: greedy tokens differ from the reference");
 }
 
 #[test]

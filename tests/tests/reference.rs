@@ -2,8 +2,8 @@
 //! must match candle-transformers run on the same checkpoint.
 
 use crate::common::{
-    assert_close_to_reference, assert_matches_reference, our_logits, our_logits_ctx, our_logits_kv, reference_logits,
-    tiny_f32_pack,
+    assert_close_to_reference, assert_matches_reference, check_close, check_greedy, our_logits, our_logits_ctx,
+    our_logits_kv, reference_logits, tiny_f32_pack,
 };
 use nflash_plan::KvType::F32;
 use nflash_tests::TinySpec;
@@ -64,23 +64,6 @@ fn mistral_explicit_head_dim_sliding_window() {
     );
 }
 
-/// Greedy decoding of 32 tokens after the prompt by our decode path, each
-/// token checked against the reference's argmax at that position (so the
-/// reference, decoding greedily, would choose the same 32 tokens).
-fn check_greedy(name: &str, spec: TinySpec) {
-    let (_tmp, dir, pack, tokens) = tiny_f32_pack(&spec);
-    let prompt = &tokens[..8];
-    let p = nflash_format::Pack::open(&pack).unwrap();
-    let model = nflash_runtime::load_model(&p, &nflash_plan::CacheConfig::all_hot(&p)).unwrap();
-    let (_, ours) = nflash_tests::greedy(&model, prompt, 32);
-    let mut all = prompt.to_vec();
-    all.extend(&ours);
-    let reference = reference_logits(&dir, &all);
-    let theirs: Vec<u32> =
-        reference[prompt.len() - 1..all.len() - 1].iter().map(|l| crate::common::argmax(l) as u32).collect();
-    assert_eq!(ours, theirs, "{name}: greedy tokens differ from the reference");
-}
-
 #[test]
 fn mixtral_top2_of_4_experts() {
     let spec = TinySpec { arch: "MixtralForCausalLM", tied: false, rope_theta: 1e6, seed: 17, ..Default::default() };
@@ -111,16 +94,6 @@ fn qwen3_moe_normalized_tied() {
     let spec = TinySpec { arch: "Qwen3MoeForCausalLM", tied: true, seed: 19, ..Default::default() };
     check("qwen3-moe normalized tied", spec.clone());
     check_greedy("qwen3-moe normalized tied", spec);
-}
-
-/// The bound of issue 44 for the architectures it adds: every logit of
-/// both our paths, with an f32 KV cache like the reference's, within 1e-4
-/// of the reference; then 32 greedy tokens with the default (f16) KV cache.
-fn check_close(name: &str, spec: TinySpec) {
-    let (_tmp, dir, pack, tokens) = tiny_f32_pack(&spec);
-    let reference = reference_logits(&dir, &tokens);
-    assert_close_to_reference(name, &our_logits_kv(&pack, &tokens, F32), &reference, 1e-4);
-    check_greedy(name, spec);
 }
 
 #[test]

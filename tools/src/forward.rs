@@ -269,10 +269,10 @@ impl<'a> Forward<'a> {
         let qwen2 = cfg.architecture == Architecture::Qwen2;
         let qkv_bias = cfg.attention_bias || qwen2;
         let p = format!("model.layers.{l}.self_attn");
-        let [norm, post_norm, _, _] = cfg.layer_norm_names(l);
+        let norms = cfg.layer_norms(l);
         Ok(Attention {
-            norm: ck.tensor_f32(&norm.expect("every layer has an attention norm"), &[h])?,
-            post_norm: post_norm.map(|n| ck.tensor_f32(&n, &[h])).transpose()?,
+            norm: ck.tensor_f32(&norms.attn, &[h])?,
+            post_norm: norms.post_attn.map(|n| ck.tensor_f32(&n, &[h])).transpose()?,
             q: matrix(ck, &format!("{p}.q_proj.weight"), qd, h)?,
             k: matrix(ck, &format!("{p}.k_proj.weight"), kvd, h)?,
             v: matrix(ck, &format!("{p}.v_proj.weight"), kvd, h)?,
@@ -303,7 +303,7 @@ impl<'a> Forward<'a> {
             let max_b = (ATTN_BATCH_TOKENS / len).max(1);
             let b = self.windows[i..].iter().take(max_b).take_while(|r| r.len() == len).count();
             let rows = self.windows[i].start * h..self.windows[i + b - 1].end * h;
-            let rope = if w.local_rope { self.rope_local.as_ref().expect("Gemma 3") } else { &self.rope };
+            let rope = self.rope_local.as_ref().filter(|_| w.local_rope).unwrap_or(&self.rope);
             let out = attend(&self.cfg, rope, &w, &self.x[rows.clone()], b, len)?;
             self.x[rows].iter_mut().zip(&out).for_each(|(a, d)| *a += d);
             progress(b * len);
@@ -323,10 +323,10 @@ impl<'a> Forward<'a> {
         let l = cfg.unit_layer_expert(u).0;
         let p = format!("model.layers.{l}.mlp");
         let [gate, up, down] = cfg.ffn_tensor_names(u);
-        let [_, _, norm, post_norm] = cfg.layer_norm_names(l);
+        let norms = cfg.layer_norms(l);
         Ok(Ffn {
-            norm: ck.tensor_f32(&norm.expect("every layer has an FFN norm"), &[h])?,
-            post_norm: post_norm.map(|n| ck.tensor_f32(&n, &[h])).transpose()?,
+            norm: ck.tensor_f32(&norms.ffn, &[h])?,
+            post_norm: norms.post_ffn.map(|n| ck.tensor_f32(&n, &[h])).transpose()?,
             gate: matrix(ck, &gate, inter, h)?,
             up: matrix(ck, &up, inter, h)?,
             down: matrix(ck, &down, h, inter)?,
@@ -345,9 +345,8 @@ impl<'a> Forward<'a> {
     pub fn router(&self, l: usize) -> Result<Option<Router>> {
         let (Some(name), Some(moe)) = (self.cfg.router_name(l), self.cfg.architecture.moe()) else { return Ok(None) };
         let h = self.cfg.hidden_size as usize;
-        let norm = self.cfg.layer_norm_names(l)[2].clone().expect("every layer has an FFN norm");
         Ok(Some(Router {
-            norm: self.ck.tensor_f32(&norm, &[h])?,
+            norm: self.ck.tensor_f32(&self.cfg.layer_norms(l).ffn, &[h])?,
             weight: matrix(self.ck, &name, moe.num_experts as usize, h)?,
             moe,
             eps: self.cfg.rms_norm_eps as f32,

@@ -61,7 +61,7 @@ fn resident_list(cfg: &ModelConfig, quant: DType) -> Vec<Resident> {
     let o_bias = cfg.attention_bias && cfg.architecture != nflash_format::Architecture::Qwen2;
     for l in 0..cfg.num_layers {
         let p = format!("model.layers.{l}");
-        out.extend(cfg.layer_norm_names(l as usize).into_iter().flatten().map(|name| vec32(name, h)));
+        out.extend(cfg.layer_norms(l as usize).all().map(|name| vec32(name.clone(), h)));
         out.push(mat(format!("{p}.self_attn.q_proj.weight"), qd, h));
         out.push(mat(format!("{p}.self_attn.k_proj.weight"), kvd, h));
         out.push(mat(format!("{p}.self_attn.v_proj.weight"), kvd, h));

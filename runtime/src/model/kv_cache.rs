@@ -76,19 +76,31 @@ impl Rows {
 /// Memory is reserved up front (each layer's ring size) but only touched
 /// (and so resident) as positions are filled.
 pub struct KvCache {
-    k: Vec<Rows>,
-    v: Vec<Rows>,
-    /// Per layer: its sliding window (positions a token attends to, itself
-    /// included), `None` for a global layer.
-    window: Vec<Option<usize>>,
-    /// Per layer: the position of its first row.
-    first: Vec<usize>,
-    /// Per layer: the rows reserved (a sliding-window layer's ring size).
-    rows: Vec<usize>,
+    layers: Vec<LayerKv>,
     kv: KvType,
     kv_dim: usize,
     capacity: usize,
     len: usize,
+}
+
+/// One layer's keys and values.
+struct LayerKv {
+    k: Rows,
+    v: Rows,
+    /// Its sliding window (positions a token attends to, itself included),
+    /// `None` for a global layer.
+    window: Option<usize>,
+    /// The rows reserved (a sliding-window layer's ring size).
+    ring: usize,
+    /// The position of its first row.
+    first: usize,
+}
+
+impl LayerKv {
+    /// Rows held.
+    fn rows(&self, kv_dim: usize) -> usize {
+        self.k.len() / kv_dim
+    }
 }
 
 impl KvCache {
@@ -103,23 +115,17 @@ impl KvCache {
     /// window `layers[l].0` (`None`: global) and reserves `layers[l].1`
     /// rows (`nflash_plan::layout::kv_layer_capacity`).
     pub fn with_layers(layers: &[(Option<usize>, usize)], kv_dim: usize, capacity: usize, kv: KvType) -> Self {
-        let mk = || layers.iter().map(|&(_, rows)| Rows::new(kv, rows * kv_dim)).collect();
-        KvCache {
-            k: mk(),
-            v: mk(),
-            window: layers.iter().map(|&(w, _)| w).collect(),
-            first: vec![0; layers.len()],
-            rows: layers.iter().map(|&(_, rows)| rows).collect(),
-            kv,
-            kv_dim,
-            capacity,
-            len: 0,
-        }
-    }
-
-    /// Bytes the cache holds when full: `2 * layers * capacity * kv_dim * kv.bytes()`.
-    pub fn bytes_at_capacity(n_layers: usize, kv_dim: usize, capacity: usize, kv: KvType) -> u64 {
-        nflash_plan::layout::kv_cache_bytes(n_layers, kv_dim, capacity, kv)
+        let layers = layers
+            .iter()
+            .map(|&(window, ring)| LayerKv {
+                k: Rows::new(kv, ring * kv_dim),
+                v: Rows::new(kv, ring * kv_dim),
+                window,
+                ring,
+                first: 0,
+            })
+            .collect();
+        KvCache { layers, kv, kv_dim, capacity, len: 0 }
     }
 
     /// The element type.
@@ -139,7 +145,7 @@ impl KvCache {
 
     /// Layers.
     pub fn n_layers(&self) -> usize {
-        self.k.len()
+        self.layers.len()
     }
 
     /// Maximum positions (tokens).
@@ -151,8 +157,7 @@ impl KvCache {
     /// sliding-window layer still holds the positions that the token at
     /// `len` attends to.
     pub fn can_truncate_to(&self, len: usize) -> bool {
-        len <= self.len
-            && self.window.iter().zip(&self.first).all(|(w, &f)| w.is_none_or(|w| f <= (len + 1).saturating_sub(w)))
+        len <= self.len && self.layers.iter().all(|l| l.window.is_none_or(|w| l.first <= (len + 1).saturating_sub(w)))
     }
 
     /// Drops positions `len..` (and rows appended but not committed), so a
@@ -166,13 +171,13 @@ impl KvCache {
         let len = len.min(self.len);
         let len = if self.can_truncate_to(len) { len } else { 0 };
         self.len = len;
-        for l in 0..self.k.len() {
+        for l in &mut self.layers {
             if len == 0 {
-                self.first[l] = 0;
+                l.first = 0;
             }
-            let n = (len - self.first[l]) * self.kv_dim;
-            self.k[l].truncate(n);
-            self.v[l].truncate(n);
+            let n = (len - l.first) * self.kv_dim;
+            l.k.truncate(n);
+            l.v.truncate(n);
         }
         len
     }
@@ -183,31 +188,31 @@ impl KvCache {
     /// overflow first drops the rows before the `W − 1` that position
     /// `len()` attends to; a pass longer than the ring's room grows it.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
-        if let Some(w) = self.window[layer] {
-            let held = self.k[layer].len() / self.kv_dim;
-            let cap = self.rows[layer];
-            let n = k.len() / self.kv_dim;
+        let kv_dim = self.kv_dim;
+        let l = &mut self.layers[layer];
+        if let Some(w) = l.window {
             let keep_from = (self.len + 1).saturating_sub(w);
-            if held + n > cap && keep_from > self.first[layer] {
-                let drop = (keep_from - self.first[layer]) * self.kv_dim;
-                self.k[layer].drop_front(drop);
-                self.v[layer].drop_front(drop);
-                self.first[layer] = keep_from;
+            if l.rows(kv_dim) + k.len() / kv_dim > l.ring && keep_from > l.first {
+                let drop = (keep_from - l.first) * kv_dim;
+                l.k.drop_front(drop);
+                l.v.drop_front(drop);
+                l.first = keep_from;
             }
         }
-        self.k[layer].extend(k);
-        self.v[layer].extend(v);
+        l.k.extend(k);
+        l.v.extend(v);
     }
 
     /// Keys and values of `layer` so far, including rows appended before
     /// commit: `[rows, kv_dim]`, and the position of the first row.
     pub fn layer(&self, layer: usize) -> (KvSlice<'_>, KvSlice<'_>, usize) {
-        (self.k[layer].view(), self.v[layer].view(), self.first[layer])
+        let l = &self.layers[layer];
+        (l.k.view(), l.v.view(), l.first)
     }
 
     /// Rows (positions) layer `layer` holds now.
     pub fn layer_rows(&self, layer: usize) -> usize {
-        self.k[layer].len() / self.kv_dim
+        self.layers[layer].rows(self.kv_dim)
     }
 
     /// Marks `n` appended positions as filled.

@@ -81,14 +81,13 @@ impl<'a> Model<'a> {
                 },
                 window: cfg.layer_window(l as usize).map(|w| w as usize),
             };
-            // Before attention, after it, before the FFN, after it (SPEC §4.3).
-            let [attn_norm, post_attn_norm, ffn_norm, post_ffn_norm] =
-                cfg.layer_norm_names(l as usize).map(|name| name.map(|name| vector(pack, &name, h)).transpose());
+            let norms = cfg.layer_norms(l as usize);
+            let opt = |name: &Option<String>| name.as_ref().map(|n| vector(pack, n, h)).transpose();
             layers.push(Layer {
-                attn_norm: attn_norm?.expect("every layer has an attention norm"),
-                ffn_norm: ffn_norm?.expect("every layer has an FFN norm"),
-                post_attn_norm: post_attn_norm?,
-                post_ffn_norm: post_ffn_norm?,
+                attn_norm: vector(pack, &norms.attn, h)?,
+                ffn_norm: vector(pack, &norms.ffn, h)?,
+                post_attn_norm: opt(&norms.post_attn)?,
+                post_ffn_norm: opt(&norms.post_ffn)?,
                 attn,
                 units,
                 router,
