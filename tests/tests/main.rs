@@ -16,6 +16,7 @@ mod checksums;
 mod common;
 mod fuzz;
 mod gemma3;
+mod gguf;
 mod kernel_paths;
 mod moe;
 mod no_alloc;

@@ -39,6 +39,23 @@ pub struct Checkpoint {
     pub defaults_used: Vec<(String, Value)>,
     /// Sampling defaults from `generation_config.json` (SPEC §4.9).
     pub generation: nflash_format::GenerationDefaults,
+    store: Store,
+    /// Whether the norm weights are stored as `w` for a norm that scales
+    /// by `1 + w` (Gemma 3 safetensors): they are read as `1 + w` (SPEC §4.3).
+    norms_plus_one: bool,
+}
+
+/// Where a checkpoint's tensors are stored.
+enum Store {
+    /// Hugging Face safetensors (one file or shards).
+    Safetensors(Safetensors),
+    /// A GGUF file (llama.cpp), its tensors under Hugging Face names.
+    Gguf(crate::gguf::GgufStore),
+}
+
+/// The safetensors shards of a Hugging Face checkpoint directory.
+struct Safetensors {
+    dir: PathBuf,
     shards: Vec<Shard>,
     index: HashMap<String, usize>,
     /// Tensors a shard holds but the index's weight_map does not list.
@@ -49,9 +66,6 @@ pub struct Checkpoint {
     /// The checkpoint's name of each tensor nflash names otherwise (the
     /// language model of a [`GEMMA3_MM`] checkpoint: [`gemma3_mm_name`]).
     aliases: HashMap<String, String>,
-    /// Whether the norm weights are stored as `w` for a norm that scales
-    /// by `1 + w` (Gemma 3): they are read as `1 + w` (SPEC §4.3).
-    norms_plus_one: bool,
 }
 
 /// Rows `row0 .. row0 + rows` of the fused 2-D tensor `fused` (`[fused_rows, cols]`).
@@ -1044,16 +1058,14 @@ impl Checkpoint {
             tokenizer_config,
             defaults_used,
             generation,
-            shards,
-            index,
-            unlisted,
-            views,
-            aliases,
+            store: Store::Safetensors(Safetensors { dir: dir.to_path_buf(), shards, index, unlisted, views, aliases }),
             norms_plus_one: matches!(config.architecture, Architecture::Gemma3(_)),
             config,
         })
     }
+}
 
+impl Safetensors {
     /// The checkpoint's name of tensor `name` (nflash's, SPEC §4.3).
     fn stored<'n>(&'n self, name: &'n str) -> &'n str {
         self.aliases.get(name).map_or(name, String::as_str)
@@ -1062,7 +1074,7 @@ impl Checkpoint {
     /// The stored tensor that tensor `name` (nflash's name) is read from:
     /// itself, its name in an image-and-text checkpoint, or the fused
     /// tensor it is rows of.
-    pub fn source_of<'n>(&'n self, name: &'n str) -> &'n str {
+    fn source_of<'n>(&'n self, name: &'n str) -> &'n str {
         match self.views.get(name) {
             Some(v) => &v.fused,
             None => self.stored(name),
@@ -1072,7 +1084,7 @@ impl Checkpoint {
     /// The stored tensors of the model that none of `used` (stored names,
     /// [`Self::source_of`]) is, sorted: weights `config.json` does not
     /// describe (an image-and-text checkpoint's vision tower aside).
-    pub fn unused_tensors(&self, used: &std::collections::HashSet<&str>) -> Vec<String> {
+    fn unused_tensors(&self, used: &std::collections::HashSet<&str>) -> Vec<String> {
         let mm = !self.aliases.is_empty();
         let mut out: Vec<String> = self
             .index
@@ -1085,13 +1097,6 @@ impl Checkpoint {
         out
     }
 
-    /// Whether `name` is a norm weight stored as `w` for `1 + w` (Gemma 3's
-    /// `*layernorm.weight`, `self_attn.{q,k}_norm.weight`, `model.norm.weight`).
-    fn is_plus_one_norm(&self, name: &str) -> bool {
-        self.norms_plus_one
-            && (name.ends_with("layernorm.weight") || name.ends_with("_norm.weight") || name == "model.norm.weight")
-    }
-
     /// A fingerprint of the weights, 16 hex digits: CRC-32 (two seeds) over
     /// every tensor's name, shape and the f32 values of 16 elements at its
     /// start, middle and end (so BF16 weights and their F32 copy agree). It
@@ -1100,7 +1105,7 @@ impl Checkpoint {
     ///
     /// # Errors
     /// Read failures, naming the shard.
-    pub fn fingerprint(&self) -> Result<String> {
+    fn fingerprint(&self) -> Result<String> {
         let mut names: Vec<&String> = self.index.keys().collect();
         names.sort();
         let (mut a, mut b) = (crc32fast::Hasher::new(), crc32fast::Hasher::new_with_initial(0x9E37_79B9));
@@ -1133,18 +1138,18 @@ impl Checkpoint {
     }
 
     /// Whether the checkpoint has tensor `name` (stored, or rows of a fused tensor it stores).
-    pub fn has(&self, name: &str) -> bool {
+    fn has(&self, name: &str) -> bool {
         self.index.contains_key(self.stored(name))
             || self.views.get(name).is_some_and(|v| self.index.contains_key(&v.fused))
     }
 
     /// Total tensors across shards.
-    pub fn tensor_count(&self) -> usize {
+    fn tensor_count(&self) -> usize {
         self.index.len()
     }
 
     /// Shape of tensor `name`.
-    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+    fn shape(&self, name: &str) -> Result<Vec<usize>> {
         if let Some(v) = self.views.get(name) {
             let fused = self.shape(&v.fused)?;
             if fused != [v.fused_rows, v.cols] {
@@ -1223,24 +1228,20 @@ impl Checkpoint {
     /// # Errors
     /// Missing tensor, wrong shape, dtype other than BF16/F16/F32, read
     /// failures, a NaN or infinite element (named by index).
-    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (s, dtype, off, len) = self.locate(name, shape)?;
         let mut bytes = vec![0u8; len];
         read_at(s, self.stored(name), &mut bytes, off)?;
-        let mut v = decode(dtype, &bytes);
+        let v = decode(dtype, &bytes);
         check_finite(self.stored(name), shape, &v, 0, &s.path)?;
-        if self.is_plus_one_norm(name) {
-            // In f32, as transformers' `Gemma3RMSNorm` (`1.0 + weight.float()`).
-            v.iter_mut().for_each(|w| *w += 1.0);
-        }
         Ok(v)
     }
 
     /// Rows `rows` of the 2-D tensor `name` (`[rows.len(), shape[1]]`), read one by one.
     ///
     /// # Errors
-    /// As [`Checkpoint::tensor_f32`]; a row index ≥ `shape[0]`.
-    pub fn rows_f32(&self, name: &str, shape: &[usize], rows: &[u32]) -> Result<Vec<f32>> {
+    /// As [`Safetensors::tensor_f32`]; a row index ≥ `shape[0]`.
+    fn rows_f32(&self, name: &str, shape: &[usize], rows: &[u32]) -> Result<Vec<f32>> {
         let (s, dtype, off, len) = self.locate(name, shape)?;
         let (n_rows, cols) = (shape[0], shape.get(1).copied().unwrap_or(1));
         let row_bytes = len / n_rows.max(1);
@@ -1256,6 +1257,177 @@ impl Checkpoint {
             out.extend(v);
         }
         Ok(out)
+    }
+}
+
+impl Checkpoint {
+    /// Opens a Hugging Face checkpoint directory or a GGUF file (a `.gguf`,
+    /// a split GGUF's first part, or a directory holding one).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::open`] and [`crate::gguf::GgufStore::open`].
+    pub fn open_any(path: &Path) -> Result<Self> {
+        if crate::gguf::is_gguf(path) {
+            Self::open_gguf(path)
+        } else {
+            Self::open(path)
+        }
+    }
+
+    /// Opens a GGUF model: its metadata becomes the `config.json` that
+    /// [`parse_config`] reads, as for a Hugging Face checkpoint.
+    ///
+    /// # Errors
+    /// As [`crate::gguf::GgufStore::open`] and [`parse_config`].
+    pub fn open_gguf(path: &Path) -> Result<Self> {
+        let g = crate::gguf::GgufStore::open(path)?;
+        let config = parse_config(&g.config_json, Some(&g.generation_json))
+            .with_context(|| format!("the model config built from {}'s metadata", g.path().display()))?;
+        let generation = generation_defaults(&g.generation_json)?;
+        nflash_runtime::tokenizer::Tokenizer::from_json(&g.tokenizer_json)
+            .map_err(|e| anyhow!("the tokenizer built from {}: {e}", g.path().display()))?;
+        Ok(Checkpoint {
+            dir: g.path().to_path_buf(),
+            tokenizer_json: g.tokenizer_json.clone(),
+            tokenizer_config: g.tokenizer_config.clone(),
+            defaults_used: Vec::new(),
+            generation,
+            // llama.cpp's converter stores Gemma's norms as 1 + w already.
+            norms_plus_one: false,
+            config,
+            store: Store::Gguf(g),
+        })
+    }
+
+    /// The GGUF store, for a checkpoint read from GGUF.
+    pub fn gguf(&self) -> Option<&crate::gguf::GgufStore> {
+        match &self.store {
+            Store::Gguf(g) => Some(g),
+            Store::Safetensors(_) => None,
+        }
+    }
+
+    /// The stored tensor that tensor `name` (nflash's name) is read from:
+    /// itself, its name in an image-and-text checkpoint, the fused tensor
+    /// it is rows of, or its GGUF tensor.
+    pub fn source_of<'n>(&'n self, name: &'n str) -> &'n str {
+        match &self.store {
+            Store::Safetensors(s) => s.source_of(name),
+            Store::Gguf(g) => g.source_of(name),
+        }
+    }
+
+    /// The stored tensors of the model that none of `used` (stored names,
+    /// [`Self::source_of`]) is, sorted: weights the config does not
+    /// describe (an image-and-text checkpoint's vision tower aside).
+    pub fn unused_tensors(&self, used: &std::collections::HashSet<&str>) -> Vec<String> {
+        match &self.store {
+            Store::Safetensors(s) => s.unused_tensors(used),
+            Store::Gguf(g) => g.unused_tensors(used),
+        }
+    }
+
+    /// Whether `name` is a norm weight stored as `w` for `1 + w` (Gemma 3's
+    /// `*layernorm.weight`, `self_attn.{q,k}_norm.weight`, `model.norm.weight`).
+    fn is_plus_one_norm(&self, name: &str) -> bool {
+        self.norms_plus_one
+            && (name.ends_with("layernorm.weight") || name.ends_with("_norm.weight") || name == "model.norm.weight")
+    }
+
+    /// A fingerprint of the weights, 16 hex digits, that tells two
+    /// checkpoints of one shape apart without reading them whole; profiles
+    /// store it ([`Safetensors::fingerprint`], [`crate::gguf::GgufStore::fingerprint`]).
+    ///
+    /// # Errors
+    /// Read failures, naming the file.
+    pub fn fingerprint(&self) -> Result<String> {
+        match &self.store {
+            Store::Safetensors(s) => s.fingerprint(),
+            Store::Gguf(g) => g.fingerprint(),
+        }
+    }
+
+    /// Whether the checkpoint has tensor `name`.
+    pub fn has(&self, name: &str) -> bool {
+        match &self.store {
+            Store::Safetensors(s) => s.has(name),
+            Store::Gguf(g) => g.has(name),
+        }
+    }
+
+    /// Number of stored tensors.
+    pub fn tensor_count(&self) -> usize {
+        match &self.store {
+            Store::Safetensors(s) => s.tensor_count(),
+            Store::Gguf(g) => g.tensor_count(),
+        }
+    }
+
+    /// Shape of tensor `name`.
+    ///
+    /// # Errors
+    /// A missing tensor (named, with what to do).
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        match &self.store {
+            Store::Safetensors(s) => s.shape(name),
+            Store::Gguf(g) => g.shape(name),
+        }
+    }
+
+    /// Reads tensor `name` as f32, checking it has `shape` (a Gemma norm
+    /// stored as `w` is returned as `1 + w`, added in f32 as transformers'
+    /// `Gemma3RMSNorm` does).
+    ///
+    /// # Errors
+    /// Missing tensor, wrong shape, an unsupported dtype, read failures, a
+    /// NaN or infinite element (named by index).
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let mut v = match &self.store {
+            Store::Safetensors(s) => s.tensor_f32(name, shape)?,
+            Store::Gguf(g) => {
+                let v = g.tensor_f32(name, shape)?;
+                check_finite(g.source_of(name), shape, &v, 0, g.path())?;
+                v
+            }
+        };
+        if self.is_plus_one_norm(name) {
+            v.iter_mut().for_each(|w| *w += 1.0);
+        }
+        Ok(v)
+    }
+
+    /// Rows `rows` of the 2-D tensor `name` (`[rows.len(), shape[1]]`).
+    ///
+    /// # Errors
+    /// As [`Checkpoint::tensor_f32`]; a row index ≥ `shape[0]`.
+    pub fn rows_f32(&self, name: &str, shape: &[usize], rows: &[u32]) -> Result<Vec<f32>> {
+        match &self.store {
+            Store::Safetensors(s) => s.rows_f32(name, shape, rows),
+            Store::Gguf(g) => {
+                let v = g.rows_f32(name, shape, rows)?;
+                check_finite(g.source_of(name), &[rows.len(), shape[1]], &v, 0, g.path())?;
+                Ok(v)
+            }
+        }
+    }
+
+    /// Tensor `name`'s Q4_0 or Q8_0 blocks exactly as the GGUF stores them
+    /// (rows in Hugging Face order), when it stores them as `dtype`; `None`
+    /// for a safetensors checkpoint or another type.
+    ///
+    /// # Errors
+    /// As [`Checkpoint::tensor_f32`].
+    pub fn blocks(&self, name: &str, shape: &[usize], dtype: nflash_format::DType) -> Result<Option<Vec<u8>>> {
+        use crate::gguf::file::GgmlType;
+        let ty = match dtype {
+            nflash_format::DType::Q4_0 => GgmlType::Q4_0,
+            nflash_format::DType::Q8_0 => GgmlType::Q8_0,
+            _ => return Ok(None),
+        };
+        match &self.store {
+            Store::Gguf(g) => g.blocks(name, shape, ty),
+            Store::Safetensors(_) => Ok(None),
+        }
     }
 }
 

@@ -16,7 +16,8 @@ use nflash_runtime::message;
 /// Arguments of `prep convert`.
 #[derive(Args)]
 pub struct ConvertArgs {
-    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json).
+    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json),
+    /// or a GGUF file (a split one's first part, or a directory holding one).
     #[arg(long)]
     model: PathBuf,
     /// Output .nflash file (written to a temporary file, then renamed).
@@ -257,7 +258,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     crate::output::check_out(&a.out, "--out", &inputs, &[&a.model])?;
     let t0 = std::time::Instant::now();
     let mut stages = Stages::start();
-    let ck = Checkpoint::open(&a.model)?;
+    let ck = Checkpoint::open_any(&a.model)?;
     for (k, v) in &ck.defaults_used {
         message!(
             "note: config.json has no {k}; using {v}, the default of transformers' config class for {}",

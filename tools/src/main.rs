@@ -4,6 +4,7 @@
 mod checkpoint;
 mod convert;
 mod forward;
+mod gguf;
 mod histogram;
 mod inspect;
 mod output;
@@ -32,7 +33,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Convert a Hugging Face checkpoint directory into a .nflash pack.
+    /// Convert a Hugging Face checkpoint directory or a GGUF file into a .nflash pack.
     Convert(convert::ConvertArgs),
     /// Print a pack's header, config, segments and tensor types.
     Inspect(inspect::InspectArgs),

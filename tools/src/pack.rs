@@ -196,14 +196,31 @@ pub fn write_pack(
     let seg_idx = w.segments().len() as u32;
     let mut tensors = Vec::with_capacity(residents.len());
     let mut buf = Vec::new();
+    let mut gguf = GgufReport::default();
     for r in &residents {
         pb.set_message(short(&r.name));
+        if let Some(bytes) = ck.blocks(&r.name, &r.shape, r.dtype)? {
+            // The GGUF's own Q4_0/Q8_0 blocks, unchanged.
+            check_scales(ck.source_of(&r.name), r.dtype, &bytes)?;
+            write_bytes(&mut w, seg_idx, &r.name, &r.shape, r.dtype, &bytes, &mut tensors)?;
+            gguf.copied += 1;
+            pb.inc(1);
+            continue;
+        }
+        let lossy = gguf.note_requantized(ck, &r.name, r.dtype)?;
         let mut data = ck.tensor_f32(&r.name, &r.shape)?;
         check_range(&r.name, &r.shape, &data, r.dtype)?;
         if let (Some(plan), Some(l)) = (plan, ffn_bias_layer(&r.name)) {
             data = permute_rows(&data, 1, &plan.layers[l].order);
         }
         write_tensor(&mut w, seg_idx, &r.name, &r.shape, r.dtype, &data, &mut buf, &mut tensors)?;
+        if lossy {
+            let cols = *r.shape.last().expect("a matrix");
+            let rb = r.dtype.row_bytes(cols as u64).expect("quantized rows") as usize;
+            for (x, q) in data.chunks(cols).zip(buf.chunks(rb)) {
+                gguf.lossy_error.add(r.dtype, x, q);
+            }
+        }
         pb.inc(1);
     }
     let mut predictor_bytes = vec![0u64; units];
@@ -237,15 +254,32 @@ pub fn write_pack(
         let unit = cfg.unit_name(l);
         pb.set_message(format!("ffn.{unit}"));
         let names = cfg.ffn_tensor_names(l);
-        let gate = ck.tensor_f32(&names[0], &[inter, h])?; // [inter, hidden]
-        let up = ck.tensor_f32(&names[1], &[inter, h])?; // [inter, hidden]
-        let down = ck.tensor_f32(&names[2], &[h, inter])?; // [hidden, inter]
-        for (name, t, shape) in
-            [(&names[0], &gate, [inter, h]), (&names[1], &up, [inter, h]), (&names[2], &down, [h, inter])]
-        {
-            check_range(name, &shape, t, opts.quant)?;
+        // Gate and up rows: the GGUF's blocks where it stores them as
+        // --quant (bit for bit), else quantized from f32.
+        let mut rows = Vec::with_capacity(2);
+        for name in &names[..2] {
+            rows.push(match ck.blocks(name, &[inter, h], opts.quant)? {
+                Some(b) => {
+                    check_scales(ck.source_of(name), opts.quant, &b)?;
+                    gguf.copied += 1;
+                    FfnRows::Blocks(b)
+                }
+                None => {
+                    let lossy = gguf.note_requantized(ck, name, opts.quant)?;
+                    let t = ck.tensor_f32(name, &[inter, h])?; // [inter, hidden]
+                    check_range(name, &[inter, h], &t, opts.quant)?;
+                    FfnRows::F32(t, lossy)
+                }
+            });
         }
+        let (gate, up) = (&rows[0], &rows[1]);
+        // The down projection is stored per neuron along hidden (SPEC
+        // §4.4); a GGUF's blocks run along n_ff, so it is always requantized.
+        let down = ck.tensor_f32(&names[2], &[h, inter])?; // [hidden, inter]
+        check_range(&names[2], &[h, inter], &down, opts.quant)?;
+        gguf.note_down(ck, &names[2], opts.quant)?;
 
+        let down_error = ck.gguf().map(|_| RequantError::default());
         // Packed order: hot first for a sparse pack, original order for a dense one.
         let order: Vec<u32> = plan.map_or_else(|| (0..inter as u32).collect(), |p| p.layers[l].order.clone());
         let bundles: Vec<Vec<u8>> = order
@@ -253,14 +287,20 @@ pub fn write_pack(
             .map(|&i| {
                 let i = i as usize;
                 let mut b = Vec::with_capacity(layout.bundle_bytes as usize);
-                quantize_row(opts.quant, &gate[i * h..(i + 1) * h], &mut b);
-                quantize_row(opts.quant, &up[i * h..(i + 1) * h], &mut b);
+                gate.push_row(opts.quant, i, h, &mut b, &gguf.lossy_error);
+                up.push_row(opts.quant, i, h, &mut b, &gguf.lossy_error);
                 let col: Vec<f32> = (0..h).map(|j| down[j * inter + i]).collect();
                 quantize_row(opts.quant, &col, &mut b);
+                if let Some(e) = &down_error {
+                    e.add(opts.quant, &col, &b[b.len() - layout.row_bytes as usize..]);
+                }
                 debug_assert_eq!(b.len() as u64, layout.bundle_bytes);
                 b
             })
             .collect();
+        if let Some(e) = down_error {
+            gguf.down_error.merge(&e);
+        }
         let seg_name = format!("ffn.{unit}");
         w.begin_segment(&seg_name, SegmentKind::Ffn)?;
         let seg = w.segments().len() as u32;
@@ -290,6 +330,9 @@ pub fn write_pack(
         pb.inc(1);
     }
     pb.finish_and_clear();
+    if ck.gguf().is_some() {
+        gguf.report(opts.quant);
+    }
 
     // Every cluster's checksum, so the runtime checks each one it reads (SPEC §4.10).
     w.begin_segment(nflash_format::checksums::SEGMENT_NAME, SegmentKind::ClusterChecksums)?;
@@ -415,6 +458,189 @@ fn permute_rows(data: &[f32], cols: usize, order: &[u32]) -> Vec<f32> {
     order.iter().flat_map(|&i| &data[i as usize * cols..(i as usize + 1) * cols]).copied().collect()
 }
 
+/// A gate or up projection (`[n_ff, hidden]`) on its way into bundles.
+enum FfnRows {
+    /// The GGUF's blocks of `--quant`, copied unchanged.
+    Blocks(Vec<u8>),
+    /// f32 values, quantized here; `true` where they were dequantized from
+    /// a GGUF type nflash has no kernels for (the error is measured).
+    F32(Vec<f32>, bool),
+}
+
+impl FfnRows {
+    /// Appends row `i` (`cols` elements) as `dtype`, adding a lossy
+    /// requantization's error to `err`.
+    fn push_row(&self, dtype: DType, i: usize, cols: usize, out: &mut Vec<u8>, err: &RequantError) {
+        let rb = dtype.row_bytes(cols as u64).expect("a bundle layout exists") as usize;
+        match self {
+            Self::Blocks(b) => out.extend_from_slice(&b[i * rb..(i + 1) * rb]),
+            Self::F32(v, lossy) => {
+                let x = &v[i * cols..(i + 1) * cols];
+                quantize_row(dtype, x, out);
+                if *lossy {
+                    err.add(dtype, x, &out[out.len() - rb..]);
+                }
+            }
+        }
+    }
+}
+
+/// Refuses Q4_0/Q8_0 blocks whose f16 scale `d` (each block's first two
+/// bytes) is NaN or infinite: copied blocks skip the f32 checks.
+///
+/// # Errors
+/// The tensor and the block.
+fn check_scales(name: &str, dtype: DType, bytes: &[u8]) -> Result<()> {
+    let block = match dtype {
+        DType::Q8_0 => 34,
+        DType::Q4_0 => 18,
+        _ => return Ok(()),
+    };
+    if let Some(i) = bytes.chunks_exact(block).position(|b| !half::f16::from_le_bytes([b[0], b[1]]).is_finite()) {
+        bail!("tensor {name}: block {i} has a NaN or infinite scale; the file is damaged: download it again");
+    }
+    Ok(())
+}
+
+/// Squared error and squared magnitude of requantized values, for the
+/// relative RMS error a requantization adds (over f32 sums of f64).
+#[derive(Default)]
+struct RequantError {
+    err: std::sync::Mutex<(f64, f64)>,
+}
+
+impl RequantError {
+    /// Adds `x` against its quantization `q` (one row of `dtype`).
+    fn add(&self, dtype: DType, x: &[f32], q: &[u8]) {
+        let mut back = vec![0f32; x.len()];
+        nflash_runtime::kernels::row_to_f32(dtype, q, &mut back);
+        let (e, m) = x
+            .iter()
+            .zip(&back)
+            .fold((0f64, 0f64), |(e, m), (&a, &b)| (e + ((a - b) as f64).powi(2), m + (a as f64).powi(2)));
+        let mut g = self.err.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 += e;
+        g.1 += m;
+    }
+    fn merge(&self, other: &Self) {
+        let o = *other.err.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.err.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 += o.0;
+        g.1 += o.1;
+    }
+    /// `‖q − x‖ / ‖x‖`.
+    fn relative(&self) -> f64 {
+        let g = self.err.lock().unwrap_or_else(|p| p.into_inner());
+        if g.1 > 0.0 {
+            (g.0 / g.1).sqrt()
+        } else {
+            0.0
+        }
+    }
+}
+
+/// What converting a GGUF did to its weights, reported at the end.
+#[derive(Default)]
+struct GgufReport {
+    /// Matrices whose blocks were copied bit for bit.
+    copied: usize,
+    /// Matrices requantized, by their GGUF type: count.
+    requantized: std::collections::BTreeMap<String, usize>,
+    /// FFN down projections requantized along hidden, and their GGUF types.
+    down: std::collections::BTreeMap<String, usize>,
+    /// The error requantizing the down projections added.
+    down_error: RequantError,
+    /// The error requantizing the other matrices of types without kernels added.
+    lossy_error: RequantError,
+}
+
+impl GgufReport {
+    /// Counts matrix `name` as requantized to `dtype` (a GGUF input
+    /// only; F32 vectors are not counted); `true` where its GGUF type is
+    /// one nflash has no kernels for (K-quants, Q4_1, Q5_0, Q5_1).
+    fn note_requantized(&mut self, ck: &Checkpoint, name: &str, dtype: DType) -> Result<bool> {
+        let Some(g) = ck.gguf().filter(|_| matches!(dtype, DType::Q4_0 | DType::Q8_0)) else { return Ok(false) };
+        let t = g.ggml_type(name)?.name();
+        let lossy = !matches!(t.as_str(), "F32" | "F16" | "BF16" | "Q8_0" | "Q4_0");
+        *self.requantized.entry(t).or_default() += 1;
+        Ok(lossy)
+    }
+    fn note_down(&mut self, ck: &Checkpoint, name: &str, _dtype: DType) -> Result<()> {
+        if let Some(g) = ck.gguf() {
+            *self.down.entry(g.ggml_type(name)?.name()).or_default() += 1;
+        }
+        Ok(())
+    }
+    /// Says what was kept bit for bit, what was requantized and with what loss.
+    fn report(&self, quant: DType) {
+        let list = |m: &std::collections::BTreeMap<String, usize>| {
+            m.iter().map(|(t, n)| format!("{n} {t}")).collect::<Vec<_>>().join(", ")
+        };
+        if self.copied > 0 {
+            message!(
+                "GGUF weights: {} matri{} copied bit for bit as {quant}",
+                self.copied,
+                if self.copied == 1 { "x" } else { "ces" }
+            );
+        }
+        let lossy: std::collections::BTreeMap<String, usize> = self
+            .requantized
+            .iter()
+            .filter(|(t, _)| !matches!(t.as_str(), "F32" | "F16" | "BF16" | "Q8_0" | "Q4_0"))
+            .map(|(t, n)| (t.clone(), *n))
+            .collect();
+        if !self.requantized.is_empty() {
+            let n = self.requantized.values().sum::<usize>();
+            message!(
+                "GGUF weights: {n} other matri{} ({}) quantized as {quant}",
+                if n == 1 { "x" } else { "ces" },
+                list(&self.requantized)
+            );
+        }
+        if !lossy.is_empty() {
+            let n = lossy.values().sum::<usize>();
+            message!(
+                "warning: {n} matri{} stored as {}, a type nflash has no kernels for, were dequantized and requantized to {quant}: relative RMS error {:.3}% on top of the GGUF's own (a GGUF of Q8_0, Q4_0 or F16 avoids it)",
+                if n == 1 { "x" } else { "ces" },
+                lossy.keys().cloned().collect::<Vec<_>>().join(", "),
+                100.0 * self.lossy_error.relative()
+            );
+        }
+
+        if !self.down.is_empty() {
+            message!(
+                "GGUF weights: the FFN down projections ({}) are stored per neuron along hidden in a pack (SPEC §4.4) but along n_ff in GGUF, so they were dequantized and requantized as {quant}: relative RMS error {:.3}%",
+                list(&self.down),
+                100.0 * self.down_error.relative()
+            );
+        }
+    }
+}
+
+/// Appends `bytes` (tensor `name`, already `dtype`) to the open resident
+/// segment, 64-byte aligned, recording its entry.
+fn write_bytes(
+    w: &mut PackWriter,
+    segment: u32,
+    name: &str,
+    shape: &[usize],
+    dtype: DType,
+    bytes: &[u8],
+    tensors: &mut Vec<TensorEntry>,
+) -> Result<()> {
+    let offset = w.pad_segment_to(64)?;
+    w.write(bytes)?;
+    tensors.push(TensorEntry {
+        name: name.to_string(),
+        segment,
+        offset,
+        bytes: bytes.len() as u64,
+        dtype,
+        shape: shape.iter().map(|&d| d as u64).collect(),
+    });
+    Ok(())
+}
+
 /// Quantizes `data` (`[rows, cols]`, row-major) as `dtype` and appends it to
 /// the open resident segment, 64-byte aligned, recording its entry.
 #[allow(clippy::too_many_arguments)]
@@ -439,17 +665,7 @@ fn write_tensor(
         })
         .collect();
     rows.iter().for_each(|b| buf.extend_from_slice(b));
-    let offset = w.pad_segment_to(64)?;
-    w.write(buf)?;
-    tensors.push(TensorEntry {
-        name: name.to_string(),
-        segment,
-        offset,
-        bytes: buf.len() as u64,
-        dtype,
-        shape: shape.iter().map(|&d| d as u64).collect(),
-    });
-    Ok(())
+    write_bytes(w, segment, name, shape, dtype, buf, tensors)
 }
 
 fn short(name: &str) -> String {

@@ -14,7 +14,7 @@ use nflash_runtime::message;
 /// Arguments of `prep profile`.
 #[derive(Args)]
 pub struct ProfileArgs {
-    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json).
+    /// Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), or a GGUF file.
     #[arg(long)]
     model: PathBuf,
     /// UTF-8 calibration text, tokenized without BOS or chat template.
@@ -59,7 +59,7 @@ pub fn run(a: ProfileArgs) -> Result<()> {
         );
     }
     let t0 = std::time::Instant::now();
-    let ck = Checkpoint::open(&a.model)?;
+    let ck = Checkpoint::open_any(&a.model)?;
     let cfg = &ck.config;
     if a.run.window as u64 > cfg.max_position_embeddings {
         message!(

@@ -1,0 +1,259 @@
+//! GGUF input (`prep convert --model FILE.gguf`): the tokenizer built from
+//! `tokenizer.ggml.*` against llama.cpp's own ids, the Q4_0/Q8_0 blocks a
+//! pack copies bit for bit, and the model against its Hugging Face twin.
+
+use std::path::{Path, PathBuf};
+
+use nflash_format::Pack;
+use nflash_tests::{convert, repo_root, run, smollm2_dir};
+
+use crate::common::{our_logits, rel_error, top1_agreement};
+
+/// The demo model's GGUF (SmolLM2-135M-Instruct, Q4_1 with a Q8_0 token
+/// embedding), fetched by `make model`.
+fn demo_gguf() -> PathBuf {
+    let p = repo_root().join("models/.download/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "{} missing: run `make model` first", p.display());
+    p
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+#[test]
+fn tokenizer_matches_llama_cpp_on_varied_text() {
+    // Ids from llama.cpp's llama-tokenize on the same GGUF (the fixture
+    // says the command), for code, Unicode, numbers, whitespace runs and
+    // WikiText-2 lines.
+    let dir = repo_root().join("tests/data/tokenizer");
+    let texts: Vec<String> = serde_json::from_slice(&std::fs::read(dir.join("texts.json")).unwrap()).unwrap();
+    let fixture: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("smollm2-llama-tokenize.json")).unwrap()).unwrap();
+    let want: Vec<Vec<u32>> = serde_json::from_value(fixture["ids"].clone()).unwrap();
+    assert_eq!(texts.len(), want.len());
+    assert!(texts.len() >= 300);
+
+    let t = tmp();
+    let pack_path = t.path().join("g.nflash");
+    convert(&demo_gguf(), &pack_path, "q8_0");
+    let pack = Pack::open(&pack_path).unwrap();
+    let tok = nflash_runtime::tokenizer::Tokenizer::from_json(&pack.tokenizer_json().unwrap()).unwrap();
+    let mut bad = Vec::new();
+    for (text, ids) in texts.iter().zip(&want) {
+        let ours = tok.encode_as_text_at_most(text, usize::MAX).unwrap();
+        if &ours != ids {
+            bad.push(format!("{text:?}: llama.cpp {ids:?}, nflash {ours:?}"));
+        }
+    }
+    assert!(bad.is_empty(), "{} of {} texts tokenize differently:\n{}", bad.len(), texts.len(), bad.join("\n"));
+}
+
+/// A resident tensor's bytes in a pack.
+fn pack_tensor(pack: &Pack, name: &str) -> Vec<u8> {
+    pack.tensor(name).unwrap_or_else(|e| panic!("{name} in the pack: {e}")).1.to_vec()
+}
+
+/// The data of GGUF tensor `name`, read by hand from the file's header
+/// (GGUF v3: counts, metadata, tensor infos, aligned data) with only the
+/// size rules of Q8_0 and F32.
+fn gguf_tensor(path: &Path, name: &str) -> Vec<u8> {
+    let b = std::fs::read(path).unwrap();
+    let mut p = 8usize;
+    let u64_at = |p: &mut usize| {
+        let v = u64::from_le_bytes(b[*p..*p + 8].try_into().unwrap());
+        *p += 8;
+        v
+    };
+    let u32_at = |p: &mut usize| {
+        let v = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap());
+        *p += 4;
+        v
+    };
+    let (n_t, n_kv) = (u64_at(&mut p), u64_at(&mut p));
+    fn skip(b: &[u8], p: &mut usize, t: u32) {
+        let rd = |p: &mut usize| {
+            let v = u64::from_le_bytes(b[*p..*p + 8].try_into().unwrap());
+            *p += 8;
+            v
+        };
+        match t {
+            0 | 1 | 7 => *p += 1,
+            2 | 3 => *p += 2,
+            4..=6 => *p += 4,
+            10..=12 => *p += 8,
+            8 => {
+                let n = rd(p);
+                *p += n as usize;
+            }
+            9 => {
+                let et = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap());
+                *p += 4;
+                for _ in 0..rd(p) {
+                    skip(b, p, et);
+                }
+            }
+            _ => panic!("type {t}"),
+        }
+    }
+    for _ in 0..n_kv {
+        let n = u64_at(&mut p) as usize;
+        p += n;
+        let t = u32_at(&mut p);
+        skip(&b, &mut p, t);
+    }
+    let mut found = None;
+    for _ in 0..n_t {
+        let n = u64_at(&mut p) as usize;
+        let tname = std::str::from_utf8(&b[p..p + n]).unwrap().to_string();
+        p += n;
+        let dims = u32_at(&mut p);
+        let ne: Vec<u64> = (0..dims).map(|_| u64_at(&mut p)).collect();
+        let ty = u32_at(&mut p);
+        let off = u64_at(&mut p);
+        if tname == name {
+            let elems: u64 = ne.iter().product();
+            let bytes = match ty {
+                0 => elems * 4,
+                8 => elems / 32 * 34,
+                2 => elems / 32 * 18,
+                _ => panic!("{name} is of type {ty}"),
+            };
+            found = Some((off, bytes as usize));
+        }
+    }
+    let start = p.div_ceil(32) * 32;
+    let (off, bytes) = found.unwrap_or_else(|| panic!("{name} in {}", path.display()));
+    b[start + off as usize..][..bytes].to_vec()
+}
+
+/// `llama-quantize --pure` of the demo GGUF as `ty`, made once by the
+/// vendored llama.cpp's own quantizer when `make bench` built it
+/// (bench-out/llama-native/build/bin); `None` when it is not built.
+fn quantized_gguf(ty: &str) -> Option<PathBuf> {
+    let bin = repo_root().join("bench-out/llama-native/build/bin");
+    let tool = bin.join("llama-quantize");
+    if !tool.exists() {
+        eprintln!("skipping: {} is not built (scripts/bench_setup.sh builds it)", tool.display());
+        return None;
+    }
+    let dir = repo_root().join("target/test-packs");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join(format!("smollm2-{ty}.gguf"));
+    if !out.exists() {
+        let part = dir.join(format!("smollm2-{ty}.gguf.part"));
+        let o = std::process::Command::new(&tool)
+            .env("LD_LIBRARY_PATH", &bin)
+            .args(["--allow-requantize", "--pure"])
+            .arg(demo_gguf())
+            .arg(&part)
+            .arg(ty)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "llama-quantize failed: {}", String::from_utf8_lossy(&o.stderr));
+        std::fs::rename(&part, &out).unwrap();
+    }
+    Some(out)
+}
+
+#[test]
+fn q8_0_and_q4_0_blocks_are_copied_bit_for_bit() {
+    // The token embedding of the demo GGUF is Q8_0 as llama.cpp stored it.
+    let t = tmp();
+    let p = t.path().join("g.nflash");
+    let o = nflash_tests::prep_convert(&demo_gguf(), &p, &["--quant", "q8_0"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let log = String::from_utf8_lossy(&o.stderr);
+    assert!(log.contains("1 matrix copied bit for bit as q8_0"), "{log}");
+    assert!(log.contains("Q4_1, a type nflash has no kernels for"), "{log}");
+    assert!(log.contains("relative RMS error"), "{log}");
+    let pack = Pack::open(&p).unwrap();
+    assert_eq!(pack_tensor(&pack, "model.embed_tokens.weight"), gguf_tensor(&demo_gguf(), "token_embd.weight"));
+
+    // Every matrix of llama.cpp's own Q8_0 and Q4_0 files: attention
+    // (Q and K rows un-permuted whole, so each row's blocks are the
+    // GGUF's), gate and up rows inside the FFN bundles.
+    for (ty, quant, block) in [("Q8_0", "q8_0", 34usize), ("Q4_0", "q4_0", 18)] {
+        let Some(g) = quantized_gguf(ty) else { return };
+        let p = t.path().join(format!("{quant}.nflash"));
+        let o = nflash_tests::prep_convert(&g, &p, &["--quant", quant]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert!(log.contains(&format!("181 matrices copied bit for bit as {quant}")), "{log}");
+        let pack = Pack::open(&p).unwrap();
+        let cfg = &pack.manifest().config;
+        let (h, hd) = (cfg.hidden_size as usize, cfg.head_dim as usize);
+        let row = h / 32 * block;
+        for l in [0usize, 29] {
+            assert_eq!(
+                pack_tensor(&pack, &format!("model.layers.{l}.self_attn.v_proj.weight")),
+                gguf_tensor(&g, &format!("blk.{l}.attn_v.weight"))
+            );
+            assert_eq!(
+                pack_tensor(&pack, &format!("model.layers.{l}.self_attn.o_proj.weight")),
+                gguf_tensor(&g, &format!("blk.{l}.attn_output.weight"))
+            );
+            // Q: HF row (head, p, j) is GGUF row (head, j, p).
+            let (ours, theirs) = (
+                pack_tensor(&pack, &format!("model.layers.{l}.self_attn.q_proj.weight")),
+                gguf_tensor(&g, &format!("blk.{l}.attn_q.weight")),
+            );
+            assert_eq!(ours.len(), theirs.len());
+            for r in 0..ours.len() / row {
+                let (head, p, j) = (r / hd, (r % hd) / (hd / 2), r % (hd / 2));
+                let gr = head * hd + 2 * j + p;
+                assert_eq!(ours[r * row..][..row], theirs[gr * row..][..row], "{ty} layer {l} q row {r}");
+            }
+            // The FFN: bundle i is gate row i | up row i | down column i (dense pack, original order).
+            let ffn = pack.ffn_layer(l).unwrap();
+            let seg = pack.segment(ffn.segment).unwrap();
+            let (gate, up) = (
+                gguf_tensor(&g, &format!("blk.{l}.ffn_gate.weight")),
+                gguf_tensor(&g, &format!("blk.{l}.ffn_up.weight")),
+            );
+            for c in &ffn.clusters {
+                let bytes = &seg[c.offset as usize..];
+                for k in 0..c.n_neurons as usize {
+                    let i = c.first as usize + k;
+                    let b = &bytes[k * ffn.bundle.bundle_bytes as usize..];
+                    assert_eq!(b[..row], gate[i * row..][..row], "{ty} layer {l} gate row {i}");
+                    assert_eq!(b[row..2 * row], up[i * row..][..row], "{ty} layer {l} up row {i}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gguf_pack_matches_the_hf_converted_pack() {
+    // The demo GGUF and the Hugging Face checkpoint made from it (make
+    // model: Q4_1 → BF16) give the same config and nearly the same logits.
+    let t = tmp();
+    let (g, hf) = (t.path().join("g.nflash"), t.path().join("hf.nflash"));
+    convert(&demo_gguf(), &g, "f32");
+    convert(&smollm2_dir(), &hf, "f32");
+    let (pg, ph) = (Pack::open(&g).unwrap(), Pack::open(&hf).unwrap());
+    assert_eq!(pg.manifest().config, ph.manifest().config);
+    assert_eq!(pg.manifest().tokenizer.add_bos_token, ph.manifest().tokenizer.add_bos_token);
+    assert_eq!(pg.manifest().tokenizer.chat_template, ph.manifest().tokenizer.chat_template);
+    let tokens = crate::smollm2::eval_tokens(48);
+    let (ours, theirs) = (our_logits(&g, &tokens), our_logits(&hf, &tokens));
+    // The only difference is the HF checkpoint's BF16 rounding of the Q4_1 values.
+    let err = rel_error(&ours.0, &theirs.0);
+    assert!(err < 1e-2, "relative logit error {err}");
+    assert!(top1_agreement(&ours.0, &theirs.0) >= 0.95);
+    let o = run(
+        "nflash",
+        &[
+            "run",
+            "--model",
+            g.to_str().unwrap(),
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--temperature",
+            "0",
+        ],
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("Paris"), "{}", String::from_utf8_lossy(&o.stdout));
+}

@@ -1,0 +1,513 @@
+//! GGUF input for `prep convert`: the file's metadata as the Hugging Face
+//! `config.json` nflash's checkpoint path parses (so one code path builds
+//! the model config of both), its vocabulary as a `tokenizer.json`
+//! ([`vocab`]), and its tensors under Hugging Face names, read as f32 or,
+//! for Q4_0/Q8_0, as their blocks unchanged ([`GgufStore::blocks`]).
+
+pub mod file;
+mod vocab;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use rayon::prelude::*;
+use serde_json::{json, Map, Value};
+
+use file::{GgmlType, GgufFile, MetaValue, TensorInfo};
+
+/// Whether `path` names GGUF input: a `.gguf` file, or a directory holding
+/// `.gguf` files and no `config.json`.
+pub fn is_gguf(path: &Path) -> bool {
+    if path.is_dir() {
+        !path.join("config.json").exists() && gguf_files_in(path).is_ok_and(|v| !v.is_empty())
+    } else {
+        path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    }
+}
+
+fn gguf_files_in(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")))
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+/// `(prefix, n)` of a split GGUF's part name `PREFIX-0000i-of-0000N.gguf` (llama.cpp `llama_split_path`).
+fn split_name(path: &Path) -> Option<(String, u32, u32)> {
+    let name = path.file_name()?.to_str()?;
+    let stem = name.strip_suffix(".gguf")?;
+    let (rest, n) = stem.rsplit_once("-of-")?;
+    let (prefix, i) = rest.rsplit_once('-')?;
+    if i.len() != 5 || n.len() != 5 {
+        return None;
+    }
+    Some((prefix.to_string(), i.parse().ok()?, n.parse().ok()?))
+}
+
+/// The files of the model `path` names: one GGUF, or every part of a split
+/// one (given its first part, or a directory holding one model).
+///
+/// # Errors
+/// No GGUF in a directory, several models in one, a later part given
+/// instead of the first, a missing part.
+fn model_files(path: &Path) -> Result<Vec<PathBuf>> {
+    let first = if path.is_dir() {
+        let files = gguf_files_in(path)?;
+        let firsts: Vec<&PathBuf> = files.iter().filter(|p| split_name(p).is_none_or(|(_, i, _)| i == 1)).collect();
+        match firsts.as_slice() {
+            [one] => (*one).clone(),
+            [] => bail!("{} holds no .gguf file (or only later parts of a split one)", path.display()),
+            many => bail!(
+                "{} holds {} GGUF models ({}); pass the file to convert with --model",
+                path.display(),
+                many.len(),
+                many.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy()).collect::<Vec<_>>().join(", ")
+            ),
+        }
+    } else {
+        path.to_path_buf()
+    };
+    if !first.exists() {
+        bail!("{} does not exist; pass a .gguf file or a Hugging Face checkpoint directory", first.display());
+    }
+    let Some((prefix, i, n)) = split_name(&first) else { return Ok(vec![first]) };
+    if i != 1 {
+        bail!("{} is part {i} of a split GGUF; pass its first part, {prefix}-00001-of-{n:05}.gguf", first.display());
+    }
+    let dir = first.parent().unwrap_or(Path::new("."));
+    let parts: Vec<PathBuf> = (1..=n).map(|k| dir.join(format!("{prefix}-{k:05}-of-{n:05}.gguf"))).collect();
+    if let Some(missing) = parts.iter().find(|p| !p.exists()) {
+        bail!("{} is missing: a split GGUF needs all {n} parts beside its first", missing.display());
+    }
+    Ok(parts)
+}
+
+/// Which rows of a GGUF tensor make a Hugging Face tensor.
+#[derive(Debug, Clone, Copy)]
+enum Rows {
+    /// All, in order.
+    All,
+    /// llama.cpp's converter permuted the rows of each of `heads` heads of
+    /// a `llama`-architecture Q or K projection for its RoPE
+    /// (`LlamaModel.permute`: HF row `(h, p, j)` is GGUF row `(h, j, p)`,
+    /// `p` in 0..2, `j` in 0..head_dim/2): the inverse.
+    Unpermute { heads: usize },
+}
+
+/// A Hugging Face tensor nflash reads, as the GGUF stores it.
+#[derive(Debug, Clone)]
+struct Source {
+    /// Index of the file (part) holding it.
+    file: usize,
+    /// Its GGUF tensor.
+    tensor: String,
+    rows: Rows,
+}
+
+/// An opened GGUF model: its parts, the Hugging Face-style config and
+/// tokenizer built from its metadata, and its tensors by Hugging Face name.
+pub struct GgufStore {
+    files: Vec<GgufFile>,
+    /// The HF tensor names and where each is stored.
+    map: HashMap<String, Source>,
+    /// `config.json` as Hugging Face would write it for this model.
+    pub config_json: Value,
+    /// `generation_config.json` (the special token ids).
+    pub generation_json: Value,
+    /// The tokenizer.
+    pub tokenizer_json: Vec<u8>,
+    /// `tokenizer_config.json`.
+    pub tokenizer_config: Value,
+}
+
+fn meta<'a>(g: &'a GgufFile, key: &str) -> Result<&'a MetaValue> {
+    g.get(key).ok_or_else(|| anyhow!("metadata key {key:?} is missing; nflash needs it to build the model config"))
+}
+fn meta_u64(g: &GgufFile, key: &str) -> Result<u64> {
+    let v = meta(g, key)?;
+    v.as_u64().ok_or_else(|| anyhow!("metadata key {key:?} is {}, not a non-negative integer", v.kind()))
+}
+fn opt_u64(g: &GgufFile, key: &str) -> Result<Option<u64>> {
+    g.get(key).map(|_| meta_u64(g, key)).transpose()
+}
+/// A float key, as the shortest decimal that round-trips through f32
+/// (GGUF stores 1e-5 as the f32 9.99999975e-06; config.json says 1e-05).
+fn opt_f32(g: &GgufFile, key: &str) -> Result<Option<f64>> {
+    let Some(v) = g.get(key) else { return Ok(None) };
+    let x = v.as_f64().ok_or_else(|| anyhow!("metadata key {key:?} is {}, not a number", v.kind()))?;
+    Ok(Some((x as f32).to_string().parse::<f64>().expect("a float's display parses")))
+}
+
+/// The `general.architecture` values nflash converts, and their Hugging Face class.
+const ARCHITECTURES: &str = "llama";
+
+impl GgufStore {
+    /// Opens the GGUF model at `path` (a file, a split GGUF's first part, or a directory holding one).
+    ///
+    /// # Errors
+    /// As [`GgufFile::open`] for each part; an architecture nflash does not
+    /// convert (named); missing or inconsistent metadata (named); a tensor
+    /// stored in two parts; a tokenizer [`vocab::build`] refuses.
+    pub fn open(path: &Path) -> Result<Self> {
+        let paths = model_files(path)?;
+        let files: Vec<GgufFile> = paths.iter().map(|p| GgufFile::open(p)).collect::<Result<_>>()?;
+        let g = &files[0];
+        if files.len() > 1 {
+            let n = opt_u64(g, "split.count")?;
+            if n != Some(files.len() as u64) {
+                bail!("{}: split.count is {n:?}, but its name says {} parts", g.path.display(), files.len());
+            }
+        }
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        for (i, f) in files.iter().enumerate() {
+            for t in &f.tensors {
+                if let Some(j) = seen.insert(&t.name, i) {
+                    bail!(
+                        "tensor {:?} is stored in two parts, {} and {}: the split GGUF is inconsistent",
+                        t.name,
+                        files[j].path.display(),
+                        f.path.display()
+                    );
+                }
+            }
+        }
+        let arch = meta(g, "general.architecture")?
+            .as_str()
+            .ok_or_else(|| anyhow!("metadata key \"general.architecture\" is not a string"))?
+            .to_string();
+        let vocab = vocab::build(g).with_context(|| format!("the tokenizer of {}", g.path.display()))?;
+        let (config_json, map) = match arch.as_str() {
+            "llama" => llama(&files, &seen, &vocab)?,
+            other => bail!(
+                "general.architecture is {other:?}; nflash converts GGUF files of {ARCHITECTURES} (a Hugging Face checkpoint of the model may be supported: see the README)"
+            ),
+        };
+        let mut generation = Map::new();
+        for (k, v) in [("bos_token_id", vocab.bos), ("eos_token_id", vocab.eos)] {
+            if let Some(v) = v {
+                generation.insert(k.into(), json!(v));
+            }
+        }
+        if let (Some(eos), Some(eot)) = (vocab.eos, vocab.eot) {
+            generation.insert("eos_token_id".into(), json!([eos, eot]));
+        }
+        Ok(Self {
+            files,
+            map,
+            config_json,
+            generation_json: Value::Object(generation),
+            tokenizer_json: vocab.tokenizer_json,
+            tokenizer_config: vocab.tokenizer_config,
+        })
+    }
+
+    /// The first part's path (for messages).
+    pub fn path(&self) -> &Path {
+        &self.files[0].path
+    }
+
+    fn source(&self, name: &str) -> Result<(&Source, &GgufFile, &TensorInfo)> {
+        let s = self.map.get(name).ok_or_else(|| {
+            anyhow!(
+                "tensor {name} is missing from {}: the GGUF lacks a tensor its metadata implies",
+                self.path().display()
+            )
+        })?;
+        let f = &self.files[s.file];
+        let t = f.tensor(&s.tensor).expect("mapped tensors exist");
+        Ok((s, f, t))
+    }
+
+    /// Whether the model has tensor `name` (a Hugging Face name).
+    pub fn has(&self, name: &str) -> bool {
+        self.map.contains_key(name)
+    }
+
+    /// Number of GGUF tensors.
+    pub fn tensor_count(&self) -> usize {
+        self.files.iter().map(|f| f.tensors.len()).sum()
+    }
+
+    /// The GGUF tensor `name` is read from.
+    pub fn source_of<'n>(&'n self, name: &'n str) -> &'n str {
+        self.map.get(name).map_or(name, |s| s.tensor.as_str())
+    }
+
+    /// The GGUF tensors none of `used` (GGUF names) is, sorted.
+    pub fn unused_tensors(&self, used: &std::collections::HashSet<&str>) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .files
+            .iter()
+            .flat_map(|f| f.tensors.iter().map(|t| t.name.clone()))
+            .filter(|n| !used.contains(n.as_str()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// The row-major shape of tensor `name` (HF name).
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        Ok(self.source(name)?.2.shape())
+    }
+
+    /// The GGUF type of tensor `name` (HF name).
+    pub fn ggml_type(&self, name: &str) -> Result<GgmlType> {
+        Ok(self.source(name)?.2.ggml)
+    }
+
+    /// The stored bytes of tensor `name`'s rows in Hugging Face order, checked to be `shape`.
+    fn row_bytes(&self, name: &str, shape: &[usize]) -> Result<(GgmlType, Vec<u8>)> {
+        let (s, f, t) = self.source(name)?;
+        let have = self.shape(name)?;
+        if have != shape {
+            bail!(
+                "tensor {} (for {name}) has shape {have:?} in {}, expected {shape:?} from the GGUF's metadata",
+                t.name,
+                f.path.display()
+            );
+        }
+        let rb = t.row_bytes() as usize;
+        let n_rows: usize = if shape.is_empty() { 1 } else { shape[..shape.len() - 1].iter().product() };
+        let mut out = vec![0u8; n_rows * rb];
+        match s.rows {
+            Rows::All => f.read(t, 0, &mut out)?,
+            Rows::Unpermute { heads } => {
+                let mut stored = vec![0u8; out.len()];
+                f.read(t, 0, &mut stored)?;
+                let hd = n_rows / heads;
+                if !hd.is_multiple_of(2) || hd * heads != n_rows {
+                    bail!("tensor {} has {n_rows} rows, not {heads} heads of an even size", t.name);
+                }
+                for (r, row) in out.chunks_exact_mut(rb).enumerate() {
+                    let (h, p, j) = (r / hd, (r % hd) / (hd / 2), r % (hd / 2));
+                    let g = h * hd + 2 * j + p;
+                    row.copy_from_slice(&stored[g * rb..(g + 1) * rb]);
+                }
+            }
+        }
+        Ok((t.ggml, out))
+    }
+
+    /// Tensor `name` (HF name) as f32, checked to be `shape`; quantized
+    /// types are dequantized (ggml's formulas, through candle-core).
+    ///
+    /// # Errors
+    /// A missing tensor, another shape, a read failure.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (ty, bytes) = self.row_bytes(name, shape)?;
+        dequantize(ty, &bytes, shape.iter().product()).with_context(|| format!("tensor {}", self.source_of(name)))
+    }
+
+    /// Rows `rows` of the 2-D tensor `name` (`[rows.len(), shape[1]]`), as f32.
+    ///
+    /// # Errors
+    /// As [`Self::tensor_f32`]; a row index ≥ `shape[0]`.
+    pub fn rows_f32(&self, name: &str, shape: &[usize], rows: &[u32]) -> Result<Vec<f32>> {
+        let (s, f, t) = self.source(name)?;
+        let have = self.shape(name)?;
+        if have != shape || shape.len() != 2 {
+            bail!("tensor {} (for {name}) has shape {have:?}, expected {shape:?}", t.name);
+        }
+        if let Rows::Unpermute { .. } = s.rows {
+            let all = self.tensor_f32(name, shape)?;
+            return Ok(rows.iter().flat_map(|&r| all[r as usize * shape[1]..][..shape[1]].to_vec()).collect());
+        }
+        let rb = t.row_bytes() as usize;
+        let mut buf = vec![0u8; rb];
+        let mut out = Vec::with_capacity(rows.len() * shape[1]);
+        for &r in rows {
+            if r as usize >= shape[0] {
+                bail!("row {r} of {name} is out of range: it has {} rows", shape[0]);
+            }
+            f.read(t, (r as usize * rb) as u64, &mut buf)?;
+            out.extend(dequantize(t.ggml, &buf, shape[1]).with_context(|| format!("tensor {}", t.name))?);
+        }
+        Ok(out)
+    }
+
+    /// A fingerprint of the weights, 16 hex digits: CRC-32 (two seeds) over
+    /// every tensor's name, type, shape and 64 bytes at the start, middle
+    /// and end of its data. It tells two GGUF files of one shape apart (a
+    /// fine-tune from its base) without reading gigabytes; profiles store it.
+    ///
+    /// # Errors
+    /// Read failures, naming the file.
+    pub fn fingerprint(&self) -> Result<String> {
+        let mut all: Vec<(&GgufFile, &TensorInfo)> =
+            self.files.iter().flat_map(|f| f.tensors.iter().map(move |t| (f, t))).collect();
+        all.sort_by(|a, b| a.1.name.cmp(&b.1.name));
+        let (mut a, mut b) = (crc32fast::Hasher::new(), crc32fast::Hasher::new_with_initial(0x9E37_79B9));
+        let mut buf = [0u8; 64];
+        for (f, t) in all {
+            let head = format!("{}|{}|{:?}|", t.name, t.ggml.0, t.ne);
+            a.update(head.as_bytes());
+            b.update(head.as_bytes());
+            let n = 64.min(t.bytes) as usize;
+            for at in [0, t.bytes / 2, t.bytes - n as u64] {
+                let n = n.min((t.bytes - at) as usize);
+                f.read(t, at, &mut buf[..n])?;
+                a.update(&buf[..n]);
+                b.update(&buf[..n]);
+            }
+        }
+        Ok(format!("{:08x}{:08x}", a.finalize(), b.finalize()))
+    }
+
+    /// Tensor `name`'s blocks as stored, in Hugging Face row order, when
+    /// the GGUF stores it as `ty`; `None` when it stores another type.
+    ///
+    /// # Errors
+    /// As [`Self::tensor_f32`].
+    pub fn blocks(&self, name: &str, shape: &[usize], ty: GgmlType) -> Result<Option<Vec<u8>>> {
+        if self.ggml_type(name)? != ty {
+            return Ok(None);
+        }
+        Ok(Some(self.row_bytes(name, shape)?.1))
+    }
+}
+
+/// Bytes of GGUF type `ty` holding `n` elements, as f32.
+///
+/// # Errors
+/// A byte count that does not match `n`, or a type without a dequantizer.
+pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
+    let (per, size) = ty.block().ok_or_else(|| anyhow!("type {} cannot be read", ty.name()))?;
+    if !(n as u64).is_multiple_of(per) || bytes.len() as u64 != n as u64 / per * size {
+        bail!("{} bytes of {} do not hold {n} elements", bytes.len(), ty.name());
+    }
+    Ok(match ty {
+        GgmlType::F32 => bytes.par_chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        GgmlType::F16 => bytes.par_chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        GgmlType::BF16 => bytes.par_chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        _ => {
+            use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
+            let dt = match ty {
+                GgmlType::Q4_0 => GgmlDType::Q4_0,
+                GgmlType::Q4_1 => GgmlDType::Q4_1,
+                GgmlType::Q5_0 => GgmlDType::Q5_0,
+                GgmlType::Q5_1 => GgmlDType::Q5_1,
+                GgmlType::Q8_0 => GgmlDType::Q8_0,
+                GgmlType::Q2_K => GgmlDType::Q2K,
+                GgmlType::Q3_K => GgmlDType::Q3K,
+                GgmlType::Q4_K => GgmlDType::Q4K,
+                GgmlType::Q5_K => GgmlDType::Q5K,
+                GgmlType::Q6_K => GgmlDType::Q6K,
+                _ => unreachable!("block() lists these"),
+            };
+            // candle views the bytes as its block structs (alignment 2):
+            // hand it a buffer aligned to 8.
+            let mut words = vec![0u64; bytes.len().div_ceil(8)];
+            let aligned = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()];
+            aligned.copy_from_slice(bytes);
+            let cpu = candle_core::Device::Cpu;
+            let q = qtensor_from_ggml(dt, aligned, vec![n], &cpu)?;
+            q.dequantize(&cpu)?.to_vec1::<f32>()?
+        }
+    })
+}
+
+/// Maps `blk.{l}.{suffix}` and the global GGUF tensor names that exist onto
+/// the Hugging Face names of a Llama-style model. `unpermute` gives the
+/// Q and K head counts of a `llama`-architecture file.
+fn map_common(
+    n_layers: usize,
+    seen: &HashMap<&str, usize>,
+    unpermute: Option<(usize, usize)>,
+) -> HashMap<String, Source> {
+    let mut map = HashMap::new();
+    let mut put = |hf: String, gguf: String, rows: Rows| {
+        if let Some(&file) = seen.get(gguf.as_str()) {
+            map.insert(hf, Source { file, tensor: gguf, rows });
+        }
+    };
+    put("model.embed_tokens.weight".into(), "token_embd.weight".into(), Rows::All);
+    put("model.norm.weight".into(), "output_norm.weight".into(), Rows::All);
+    put("lm_head.weight".into(), "output.weight".into(), Rows::All);
+    for l in 0..n_layers {
+        let (hf, g) = (format!("model.layers.{l}"), format!("blk.{l}"));
+        for (h, t) in [
+            ("input_layernorm", "attn_norm"),
+            ("post_attention_layernorm", "ffn_norm"),
+            ("self_attn.o_proj", "attn_output"),
+            ("self_attn.v_proj", "attn_v"),
+            ("mlp.gate_proj", "ffn_gate"),
+            ("mlp.up_proj", "ffn_up"),
+            ("mlp.down_proj", "ffn_down"),
+        ] {
+            put(format!("{hf}.{h}.weight"), format!("{g}.{t}.weight"), Rows::All);
+        }
+        for (h, t, heads) in [
+            ("self_attn.q_proj", "attn_q", unpermute.map(|u| u.0)),
+            ("self_attn.k_proj", "attn_k", unpermute.map(|u| u.1)),
+        ] {
+            let rows = heads.map_or(Rows::All, |heads| Rows::Unpermute { heads });
+            put(format!("{hf}.{h}.weight"), format!("{g}.{t}.weight"), rows);
+        }
+    }
+    map
+}
+
+/// `general.architecture = "llama"`: Llama, Mistral and their kin as
+/// llama.cpp's converter writes them (Q and K rows permuted, `llama.*` keys).
+fn llama(
+    files: &[GgufFile],
+    seen: &HashMap<&str, usize>,
+    vocab: &vocab::Vocab,
+) -> Result<(Value, HashMap<String, Source>)> {
+    let g = &files[0];
+    let a = "llama";
+    let n_layers = meta_u64(g, &format!("{a}.block_count"))?;
+    let hidden = meta_u64(g, &format!("{a}.embedding_length"))?;
+    let heads = meta_u64(g, &format!("{a}.attention.head_count"))?;
+    let kv_heads = opt_u64(g, &format!("{a}.attention.head_count_kv"))?.unwrap_or(heads);
+    if heads == 0 || kv_heads == 0 || n_layers == 0 || hidden == 0 {
+        bail!("{a}.block_count, .embedding_length and .attention.head_count(_kv) must be positive");
+    }
+    if opt_u64(g, &format!("{a}.expert_count"))?.is_some_and(|n| n > 0) {
+        bail!("this llama GGUF is a mixture of experts ({a}.expert_count); nflash does not convert MoE GGUFs yet: convert the Hugging Face checkpoint");
+    }
+    let head_dim = opt_u64(g, &format!("{a}.attention.key_length"))?.unwrap_or(hidden / heads);
+    if let Some(rd) = opt_u64(g, &format!("{a}.rope.dimension_count"))? {
+        if rd != head_dim {
+            bail!("{a}.rope.dimension_count is {rd}, not the head size {head_dim}: partial RoPE is not a llama-architecture setting nflash reads");
+        }
+    }
+    if g.get(&format!("{a}.rope.scaling.type")).and_then(MetaValue::as_str).is_some_and(|t| t != "none") {
+        bail!("{a}.rope.scaling.type is set; nflash does not read RoPE scaling from GGUF yet: convert the Hugging Face checkpoint");
+    }
+    if seen.contains_key("rope_freqs.weight") {
+        bail!("the GGUF has rope_freqs.weight (Llama 3.1-style RoPE frequency factors); nflash does not read them from GGUF yet: convert the Hugging Face checkpoint");
+    }
+    let ffn = meta_u64(g, &format!("{a}.feed_forward_length"))?;
+    let vocab_size = opt_u64(g, &format!("{a}.vocab_size"))?.unwrap_or(vocab.n_tokens as u64);
+    let mut cfg = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": opt_f32(g, &format!("{a}.attention.layer_norm_rms_epsilon"))?
+            .ok_or_else(|| anyhow!("metadata key \"{a}.attention.layer_norm_rms_epsilon\" is missing"))?,
+        "rope_theta": opt_f32(g, &format!("{a}.rope.freq_base"))?.unwrap_or(10000.0),
+        "max_position_embeddings": meta_u64(g, &format!("{a}.context_length"))?,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": !seen.contains_key("output.weight"),
+        "attention_bias": false,
+        "mlp_bias": false,
+    });
+    for (k, v) in [("bos_token_id", vocab.bos), ("eos_token_id", vocab.eos)] {
+        if let Some(v) = v {
+            cfg[k] = json!(v);
+        }
+    }
+    let map = map_common(n_layers as usize, seen, Some((heads as usize, kv_heads as usize)));
+    Ok((cfg, map))
+}
