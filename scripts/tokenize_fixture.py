@@ -5,9 +5,10 @@ Usage: python3 scripts/tokenize_fixture.py LLAMA_TOKENIZE MODEL.gguf OUT.json
 
 Tokenizes each text of tests/data/tokenizer/texts.json with `llama-tokenize`
 (built by scripts/bench_setup.sh from the vendored llama.cpp: bench-out/
-llama-native/build/bin/llama-tokenize): `--ids --no-bos --no-escape`, special
-tokens not parsed (its default), one process per text, read from a file so
-that the bytes are kept exactly. Writes {"model", "command", "ids"}; the test
+llama-native/build/bin/llama-tokenize): `--ids --no-bos --no-escape
+--no-parse-special` (control-token text stays text, as nflash reads a raw
+prompt; user-defined tokens still match whole), one process per text, read
+from a file so that the bytes are kept exactly. Writes {"model", "command", "ids"}; the test
 (tests/tests/gguf.rs) tokenizes the same texts with the tokenizer prep builds
 from the same GGUF and compares.
 
@@ -67,7 +68,8 @@ def main():
         for t in texts:
             with open(p, "w", encoding="utf-8", newline="") as f:
                 f.write(t)
-            r = subprocess.run([tool, "-m", model, "-f", p, "--ids", "--no-bos", "--no-escape", "--log-disable"],
+            r = subprocess.run([tool, "-m", model, "-f", p, "--ids", "--no-bos", "--no-escape", "--no-parse-special",
+                                "--log-disable"],
                                capture_output=True, text=True, env=env, check=True)
             ids.append(json.loads(r.stdout.strip().splitlines()[-1]))
     cmd = f"python3 scripts/tokenize_fixture.py bench-out/llama-native/build/bin/llama-tokenize {os.path.basename(model)} {os.path.relpath(out, ROOT)}"

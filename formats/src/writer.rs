@@ -30,6 +30,29 @@ pub struct PackWriter {
     alignment: u64,
     segments: Vec<Segment>,
     current: Option<OpenSegment>,
+    stale: Vec<PathBuf>,
+}
+
+/// Removes the temporary files `<file_name>.tmp-<pid>` beside `path` left
+/// by a writer of `path` that was killed (SIGKILL, power loss): those whose
+/// process no longer runs (`/proc/<pid>` is gone). Returns the paths removed.
+fn remove_stale_temps(path: &Path, file_name: &std::ffi::OsStr) -> Vec<PathBuf> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let Some(prefix) = file_name.to_str().map(|n| format!("{n}.tmp-")) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut removed = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else { continue };
+        if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let alive = Path::new("/proc").join(pid).exists() || !Path::new("/proc/self").exists();
+        if !alive && e.file_type().is_ok_and(|t| t.is_file()) && std::fs::remove_file(e.path()).is_ok() {
+            removed.push(e.path());
+        }
+    }
+    removed
 }
 
 impl PackWriter {
@@ -44,6 +67,7 @@ impl PackWriter {
         }
         let file_name =
             path.file_name().ok_or_else(|| Error::Write(format!("{} is not a file path", path.display())))?;
+        let stale = remove_stale_temps(path, file_name);
         let mut tmp_name = file_name.to_os_string();
         tmp_name.push(format!(".tmp-{}", std::process::id()));
         let tmp_path = path.with_file_name(tmp_name);
@@ -56,6 +80,7 @@ impl PackWriter {
             alignment: alignment as u64,
             segments: Vec::new(),
             current: None,
+            stale,
         };
         w.raw_write(&[0u8; HEADER_BYTES])?;
         Ok(w)
@@ -132,6 +157,13 @@ impl PackWriter {
         Ok((self.segments.len() - 1) as u32)
     }
 
+    /// The temporary files of killed writers of the same path that
+    /// [`Self::create`] removed (`<name>.tmp-<pid>` of a process that no
+    /// longer runs).
+    pub fn stale_removed(&self) -> &[PathBuf] {
+        &self.stale
+    }
+
     /// The temporary file being written (renamed to the final path by [`Self::finish`]).
     pub fn temp_path(&self) -> &Path {
         &self.tmp_path
@@ -192,5 +224,27 @@ impl Drop for PackWriter {
             self.out = None;
             let _ = std::fs::remove_file(&self.tmp_path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_removes_the_temporary_files_of_killed_writers_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("m.nflash");
+        // pid 4294967295 is above every pid_max: that writer is gone. pid 1 runs.
+        let dead = dir.path().join("m.nflash.tmp-4294967295");
+        let alive = dir.path().join("m.nflash.tmp-1");
+        let other = dir.path().join("n.nflash.tmp-4294967295");
+        let not_pid = dir.path().join("m.nflash.tmp-x1");
+        for p in [&dead, &alive, &other, &not_pid] {
+            std::fs::write(p, b"partial").unwrap();
+        }
+        let w = PackWriter::create(&out, 4096).unwrap();
+        assert_eq!(w.stale_removed(), std::slice::from_ref(&dead));
+        assert!(!dead.exists() && alive.exists() && other.exists() && not_pid.exists());
     }
 }

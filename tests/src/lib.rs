@@ -192,6 +192,45 @@ impl TinySpec {
         }
     }
 
+    /// The architectures that have a GGUF twin in `tests/data/gguf/`
+    /// (made by `scripts/make_gguf_fixtures.py` with llama.cpp's
+    /// `convert_hf_to_gguf.py` from [`TinySpec::gguf_twin`]'s checkpoint).
+    pub const GGUF_TWINS: [&'static str; 8] =
+        ["llama", "mixtral", "qwen2", "qwen3", "qwen3moe", "smollm3", "phi3", "gemma3"];
+
+    /// The tiny checkpoint of GGUF twin `name` ([`Self::GGUF_TWINS`]):
+    /// settings llama.cpp reads the way transformers does (a Gemma 3 with
+    /// llama.cpp's fixed sliding-window pattern 6 and `query_pre_attn_scalar`
+    /// = `head_dim`; a SmolLM3 with NoPE every 4th layer), a vocabulary of
+    /// 400 (the SentencePiece model the GGUFs carry).
+    pub fn gguf_twin(name: &str) -> Option<Self> {
+        let base = TinySpec { vocab: 400, seed: 60, ..Default::default() };
+        Some(match name {
+            "llama" => TinySpec { tied: false, ..base },
+            "mixtral" => TinySpec { arch: "MixtralForCausalLM", tied: false, seed: 61, ..base },
+            "qwen2" => TinySpec { arch: "Qwen2ForCausalLM", seed: 62, ..base },
+            "qwen3" => TinySpec { arch: "Qwen3ForCausalLM", head_dim: Some(32), seed: 63, ..base },
+            "qwen3moe" => TinySpec { arch: "Qwen3MoeForCausalLM", experts: 8, top_k: 3, inter: 64, seed: 64, ..base },
+            "smollm3" => TinySpec { arch: "SmolLM3ForCausalLM", layers: 4, seed: 65, ..base },
+            "phi3" => TinySpec {
+                partial_rotary_factor: Some(0.5),
+                longrope: Some((vec![1.0, 1.5, 2.0, 2.5], vec![3.0, 5.0, 7.0, 9.0])),
+                arch: "Phi3ForCausalLM",
+                seed: 66,
+                ..base
+            },
+            "gemma3" => TinySpec {
+                layers: 6,
+                sliding_window_pattern: Some(6),
+                query_pre_attn_scalar: Some(32),
+                seed: 67,
+                vocab: 400,
+                ..TinySpec::gemma3(67)
+            },
+            _ => return None,
+        })
+    }
+
     /// HF config.json for this spec.
     pub fn config(&self) -> Value {
         let mut c = json!({

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
-use nflash_tests::{convert, repo_root, run, smollm2_dir};
+use nflash_tests::{convert, repo_root, run, smollm2_dir, write_tiny_checkpoint, TinySpec};
 
 use crate::common::{our_logits, rel_error, top1_agreement};
 
@@ -21,22 +21,21 @@ fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
 }
 
-#[test]
-fn tokenizer_matches_llama_cpp_on_varied_text() {
-    // Ids from llama.cpp's llama-tokenize on the same GGUF (the fixture
-    // says the command), for code, Unicode, numbers, whitespace runs and
-    // WikiText-2 lines.
+/// Asserts that the tokenizer prep builds from `gguf` gives llama.cpp's
+/// ids (`fixture`, made by scripts/tokenize_fixture.py with llama-tokenize
+/// on the same file) for every text of tests/data/tokenizer/texts.json:
+/// code, Unicode, numbers, whitespace runs and WikiText-2 lines.
+fn assert_tokenizes_like_llama_cpp(gguf: &Path, fixture: &Path) {
     let dir = repo_root().join("tests/data/tokenizer");
     let texts: Vec<String> = serde_json::from_slice(&std::fs::read(dir.join("texts.json")).unwrap()).unwrap();
-    let fixture: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("smollm2-llama-tokenize.json")).unwrap()).unwrap();
+    let fixture: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture).unwrap()).unwrap();
     let want: Vec<Vec<u32>> = serde_json::from_value(fixture["ids"].clone()).unwrap();
     assert_eq!(texts.len(), want.len());
     assert!(texts.len() >= 300);
 
     let t = tmp();
     let pack_path = t.path().join("g.nflash");
-    convert(&demo_gguf(), &pack_path, "q8_0");
+    convert(gguf, &pack_path, "f32");
     let pack = Pack::open(&pack_path).unwrap();
     let tok = nflash_runtime::tokenizer::Tokenizer::from_json(&pack.tokenizer_json().unwrap()).unwrap();
     let mut bad = Vec::new();
@@ -47,6 +46,24 @@ fn tokenizer_matches_llama_cpp_on_varied_text() {
         }
     }
     assert!(bad.is_empty(), "{} of {} texts tokenize differently:\n{}", bad.len(), texts.len(), bad.join("\n"));
+}
+
+#[test]
+fn bpe_tokenizer_matches_llama_cpp_on_varied_text() {
+    // SmolLM2's byte-level BPE vocabulary, pre-tokenizer "smollm".
+    assert_tokenizes_like_llama_cpp(
+        &demo_gguf(),
+        &repo_root().join("tests/data/tokenizer/smollm2-llama-tokenize.json"),
+    );
+}
+
+#[test]
+fn sentencepiece_tokenizer_matches_llama_cpp_on_varied_text() {
+    // A SentencePiece BPE vocabulary of 400 pieces with byte fallback,
+    // split digits, a user-defined token and the space prefix (Llama 2 and
+    // Gemma vocabularies are of this kind).
+    let d = repo_root().join("tests/data/gguf");
+    assert_tokenizes_like_llama_cpp(&d.join("tiny-llama-f32.gguf"), &d.join("spm-ids.json"));
 }
 
 /// A resident tensor's bytes in a pack.
@@ -156,8 +173,83 @@ fn quantized_gguf(ty: &str) -> Option<PathBuf> {
     Some(out)
 }
 
+/// Asserts that the pack converted from `g` as `quant` holds the GGUF's
+/// blocks of `layers`' attention (Q and K rows un-permuted whole, so each
+/// row's blocks are the GGUF's), and of their gate and up rows inside the
+/// FFN bundles, and of the token embedding.
+fn assert_blocks_copied(g: &Path, pack: &Pack, quant: &str, layers: &[usize]) {
+    let block = if quant == "q8_0" { 34 } else { 18 };
+    let cfg = &pack.manifest().config;
+    let (h, hd) = (cfg.hidden_size as usize, cfg.head_dim as usize);
+    let row = h / 32 * block;
+    assert_eq!(pack_tensor(pack, "model.embed_tokens.weight"), gguf_tensor(g, "token_embd.weight"));
+    for &l in layers {
+        for (ours, theirs) in [("v_proj", "attn_v"), ("o_proj", "attn_output")] {
+            assert_eq!(
+                pack_tensor(pack, &format!("model.layers.{l}.self_attn.{ours}.weight")),
+                gguf_tensor(g, &format!("blk.{l}.{theirs}.weight")),
+                "{quant} layer {l} {ours}"
+            );
+        }
+        for (ours, theirs) in [("q_proj", "attn_q"), ("k_proj", "attn_k")] {
+            // HF row (head, p, j) is GGUF row (head, j, p).
+            let (ours, theirs) = (
+                pack_tensor(pack, &format!("model.layers.{l}.self_attn.{ours}.weight")),
+                gguf_tensor(g, &format!("blk.{l}.{theirs}.weight")),
+            );
+            assert_eq!(ours.len(), theirs.len());
+            for r in 0..ours.len() / row {
+                let (head, p, j) = (r / hd, (r % hd) / (hd / 2), r % (hd / 2));
+                let gr = head * hd + 2 * j + p;
+                assert_eq!(ours[r * row..][..row], theirs[gr * row..][..row], "{quant} layer {l} row {r}");
+            }
+        }
+        // The FFN: bundle i is gate row i | up row i | down column i (dense pack, original order).
+        let ffn = pack.ffn_layer(l).unwrap();
+        let seg = pack.segment(ffn.segment).unwrap();
+        let (gate, up) =
+            (gguf_tensor(g, &format!("blk.{l}.ffn_gate.weight")), gguf_tensor(g, &format!("blk.{l}.ffn_up.weight")));
+        for c in &ffn.clusters {
+            let bytes = &seg[c.offset as usize..];
+            for k in 0..c.n_neurons as usize {
+                let i = c.first as usize + k;
+                let b = &bytes[k * ffn.bundle.bundle_bytes as usize..];
+                assert_eq!(b[..row], gate[i * row..][..row], "{quant} layer {l} gate row {i}");
+                assert_eq!(b[row..2 * row], up[i * row..][..row], "{quant} layer {l} up row {i}");
+            }
+        }
+    }
+}
+
 #[test]
-fn q8_0_and_q4_0_blocks_are_copied_bit_for_bit() {
+fn q8_0_blocks_of_a_llama_cpp_gguf_are_copied_bit_for_bit() {
+    // tests/data/gguf/tiny-llama-q8_0.gguf: `llama-quantize --pure` of the
+    // tiny llama twin (scripts/make_gguf_fixtures.py).
+    let t = tmp();
+    let g = repo_root().join("tests/data/gguf/tiny-llama-q8_0.gguf");
+    let p = t.path().join("q.nflash");
+    let o = nflash_tests::prep_convert(&g, &p, &["--quant", "q8_0"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let log = String::from_utf8_lossy(&o.stderr);
+    // Embedding, output, and per layer q, k, v, o, gate, up.
+    assert!(log.contains("14 matrices copied bit for bit as q8_0"), "{log}");
+    assert!(log.contains("requantized as q8_0: relative RMS error"), "{log}");
+    let pack = Pack::open(&p).unwrap();
+    assert_blocks_copied(&g, &pack, "q8_0", &[0, 1]);
+    assert_eq!(pack_tensor(&pack, "lm_head.weight"), gguf_tensor(&g, "output.weight"));
+    // Asked for q4_0, the same file is requantized, and says so.
+    let o = nflash_tests::prep_convert(&g, &t.path().join("q4.nflash"), &["--quant", "q4_0"]);
+    let log = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success()
+            && !log.contains("copied bit for bit")
+            && log.contains("14 other matrices (14 Q8_0) quantized as q4_0"),
+        "{log}"
+    );
+}
+
+#[test]
+fn smollm2_q8_0_and_q4_0_ggufs_are_copied_bit_for_bit() {
     // The token embedding of the demo GGUF is Q8_0 as llama.cpp stored it.
     let t = tmp();
     let p = t.path().join("g.nflash");
@@ -170,57 +262,16 @@ fn q8_0_and_q4_0_blocks_are_copied_bit_for_bit() {
     let pack = Pack::open(&p).unwrap();
     assert_eq!(pack_tensor(&pack, "model.embed_tokens.weight"), gguf_tensor(&demo_gguf(), "token_embd.weight"));
 
-    // Every matrix of llama.cpp's own Q8_0 and Q4_0 files: attention
-    // (Q and K rows un-permuted whole, so each row's blocks are the
-    // GGUF's), gate and up rows inside the FFN bundles.
-    for (ty, quant, block) in [("Q8_0", "q8_0", 34usize), ("Q4_0", "q4_0", 18)] {
+    // Every matrix of llama.cpp's own Q8_0 and Q4_0 files of SmolLM2
+    // (where `make bench` built llama-quantize).
+    for (ty, quant) in [("Q8_0", "q8_0"), ("Q4_0", "q4_0")] {
         let Some(g) = quantized_gguf(ty) else { return };
         let p = t.path().join(format!("{quant}.nflash"));
         let o = nflash_tests::prep_convert(&g, &p, &["--quant", quant]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let log = String::from_utf8_lossy(&o.stderr);
         assert!(log.contains(&format!("181 matrices copied bit for bit as {quant}")), "{log}");
-        let pack = Pack::open(&p).unwrap();
-        let cfg = &pack.manifest().config;
-        let (h, hd) = (cfg.hidden_size as usize, cfg.head_dim as usize);
-        let row = h / 32 * block;
-        for l in [0usize, 29] {
-            assert_eq!(
-                pack_tensor(&pack, &format!("model.layers.{l}.self_attn.v_proj.weight")),
-                gguf_tensor(&g, &format!("blk.{l}.attn_v.weight"))
-            );
-            assert_eq!(
-                pack_tensor(&pack, &format!("model.layers.{l}.self_attn.o_proj.weight")),
-                gguf_tensor(&g, &format!("blk.{l}.attn_output.weight"))
-            );
-            // Q: HF row (head, p, j) is GGUF row (head, j, p).
-            let (ours, theirs) = (
-                pack_tensor(&pack, &format!("model.layers.{l}.self_attn.q_proj.weight")),
-                gguf_tensor(&g, &format!("blk.{l}.attn_q.weight")),
-            );
-            assert_eq!(ours.len(), theirs.len());
-            for r in 0..ours.len() / row {
-                let (head, p, j) = (r / hd, (r % hd) / (hd / 2), r % (hd / 2));
-                let gr = head * hd + 2 * j + p;
-                assert_eq!(ours[r * row..][..row], theirs[gr * row..][..row], "{ty} layer {l} q row {r}");
-            }
-            // The FFN: bundle i is gate row i | up row i | down column i (dense pack, original order).
-            let ffn = pack.ffn_layer(l).unwrap();
-            let seg = pack.segment(ffn.segment).unwrap();
-            let (gate, up) = (
-                gguf_tensor(&g, &format!("blk.{l}.ffn_gate.weight")),
-                gguf_tensor(&g, &format!("blk.{l}.ffn_up.weight")),
-            );
-            for c in &ffn.clusters {
-                let bytes = &seg[c.offset as usize..];
-                for k in 0..c.n_neurons as usize {
-                    let i = c.first as usize + k;
-                    let b = &bytes[k * ffn.bundle.bundle_bytes as usize..];
-                    assert_eq!(b[..row], gate[i * row..][..row], "{ty} layer {l} gate row {i}");
-                    assert_eq!(b[row..2 * row], up[i * row..][..row], "{ty} layer {l} up row {i}");
-                }
-            }
-        }
+        assert_blocks_copied(&g, &Pack::open(&p).unwrap(), quant, &[0, 29]);
     }
 }
 
@@ -256,4 +307,39 @@ fn gguf_pack_matches_the_hf_converted_pack() {
         ],
     );
     assert!(String::from_utf8_lossy(&o.stdout).contains("Paris"), "{}", String::from_utf8_lossy(&o.stdout));
+}
+
+#[test]
+fn tiny_ggufs_of_every_architecture_match_their_hf_twins() {
+    // tests/data/gguf/tiny-NAME-f32.gguf was written by llama.cpp's
+    // convert_hf_to_gguf.py from the checkpoint of TinySpec::gguf_twin(NAME)
+    // (scripts/make_gguf_fixtures.py): Q/K rows permuted (llama, mixtral,
+    // smollm3), fused Q/K/V and gate/up with LongRoPE factors as tensors
+    // (phi3), stacked experts (mixtral, qwen3moe), (1 + w) norms and the
+    // sliding-window pattern left to llama.cpp's code (gemma3).
+    let t = tmp();
+    let tokens: Vec<u32> = (0..24u32).map(|i| (i * 37 + 11) % 400).collect();
+    for name in TinySpec::GGUF_TWINS {
+        let spec = TinySpec::gguf_twin(name).unwrap();
+        let dir = t.path().join(name);
+        write_tiny_checkpoint(&dir, &spec);
+        let (hf, gg) = (t.path().join(format!("{name}-hf.nflash")), t.path().join(format!("{name}-gguf.nflash")));
+        convert(&dir, &hf, "f32");
+        convert(&repo_root().join(format!("tests/data/gguf/tiny-{name}-f32.gguf")), &gg, "f32");
+        let (ph, pg) = (Pack::open(&hf).unwrap(), Pack::open(&gg).unwrap());
+        let (ch, cg) = (&ph.manifest().config, &pg.manifest().config);
+        assert_eq!(cg.architecture, ch.architecture, "{name}");
+        assert_eq!(
+            (cg.num_layers, cg.hidden_size, cg.intermediate_size, cg.head_dim),
+            (ch.num_layers, ch.hidden_size, ch.intermediate_size, ch.head_dim),
+            "{name}"
+        );
+        // The same f32 weights through the same kernels: the same bits
+        // (the bound is 1e-4), in prefill and in decode.
+        let (ours, theirs) = (our_logits(&gg, &tokens), our_logits(&hf, &tokens));
+        for (path, a, b) in [("prefill", &ours.0, &theirs.0), ("decode", &ours.1, &theirs.1)] {
+            let max = a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(a == b, "{name} ({path}): logits differ from the Hugging Face twin's, max |difference| {max:e}");
+        }
+    }
 }

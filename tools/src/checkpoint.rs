@@ -1280,9 +1280,10 @@ impl Checkpoint {
     /// # Errors
     /// As [`crate::gguf::GgufStore::open`] and [`parse_config`].
     pub fn open_gguf(path: &Path) -> Result<Self> {
-        let g = crate::gguf::GgufStore::open(path)?;
+        let mut g = crate::gguf::GgufStore::open(path)?;
         let config = parse_config(&g.config_json, Some(&g.generation_json))
             .with_context(|| format!("the model config built from {}'s metadata", g.path().display()))?;
+        g.map_experts(&config);
         let generation = generation_defaults(&g.generation_json)?;
         nflash_runtime::tokenizer::Tokenizer::from_json(&g.tokenizer_json)
             .map_err(|e| anyhow!("the tokenizer built from {}: {e}", g.path().display()))?;
@@ -1297,6 +1298,15 @@ impl Checkpoint {
             config,
             store: Store::Gguf(g),
         })
+    }
+
+    /// What the model config was read from, for messages: `config.json`,
+    /// or the GGUF's metadata.
+    pub fn config_name(&self) -> &'static str {
+        match self.store {
+            Store::Safetensors(_) => "config.json",
+            Store::Gguf(_) => "the GGUF's metadata",
+        }
     }
 
     /// The GGUF store, for a checkpoint read from GGUF.

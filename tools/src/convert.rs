@@ -271,6 +271,13 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     let n_ids = tok.vocab_size() as u64;
     if n_ids > ck.config.vocab_size {
         let name = tok.highest_id().map(|(name, _)| name).unwrap_or_default();
+        if ck.gguf().is_some() {
+            bail!(
+                "{}: tokenizer.ggml.tokens has {n_ids} tokens (the last {name:?}) but the embedding has only {} rows; the vocabulary does not belong to these weights: the file is corrupt",
+                a.model.display(),
+                ck.config.vocab_size
+            );
+        }
         bail!(
             "{}/tokenizer.json has token ids up to {} (token {name:?}) but the embedding has only {} rows (vocab_size in config.json); the tokenizer does not belong to these weights: use the tokenizer.json that came with this checkpoint",
             a.model.display(),

@@ -44,7 +44,8 @@ pub fn check_out(out: &Path, flag: &str, inputs: &[&Path], input_dirs: &[&Path])
     ) else {
         return Ok(());
     };
-    for i in inputs {
+    // A model given as one file (a GGUF) is an input file too.
+    for i in inputs.iter().chain(input_dirs.iter().filter(|d| d.is_file())) {
         if i.canonicalize().is_ok_and(|c| c == o) {
             bail!(
                 "{flag} {} is also an input of this command; writing it would destroy that file: choose another path",

@@ -103,6 +103,7 @@ pub fn check_tensors(ck: &Checkpoint) -> Result<()> {
     if !cfg.tie_word_embeddings && !ck.has("lm_head.weight") {
         bail!("config.json says tie_word_embeddings: false but the checkpoint has no lm_head.weight; fix the config (set it to true if the output layer shares the embedding) or supply the missing shard");
     }
+    let config = ck.config_name();
     let mut need: Vec<(String, Vec<usize>)> =
         resident_list(cfg, DType::F32).into_iter().map(|r| (r.name, r.shape)).collect();
     for u in 0..cfg.ffn_units() as usize {
@@ -114,7 +115,7 @@ pub fn check_tensors(ck: &Checkpoint) -> Result<()> {
     for (name, shape) in &need {
         let got = ck.shape(name)?;
         if got != *shape {
-            bail!("tensor {} has shape {got:?}, but config.json implies {shape:?}", ck.source_of(name));
+            bail!("tensor {} has shape {got:?}, but {config} implies {shape:?}", ck.source_of(name));
         }
     }
     // Weights nothing reads: transformers loads such a checkpoint with a
@@ -125,6 +126,14 @@ pub fn check_tensors(ck: &Checkpoint) -> Result<()> {
     if !unused.is_empty() {
         let some = unused.iter().take(4).cloned().collect::<Vec<_>>().join(", ");
         let more = if unused.len() > 4 { format!(" and {} more", unused.len() - 4) } else { String::new() };
+        if let Some(g) = ck.gguf() {
+            // llama.cpp refuses such a file too ("wrong number of tensors").
+            bail!(
+                "{} holds {} tensors its metadata does not describe ({some}{more}): the metadata (e.g. block_count) and the tensors disagree; the file is corrupt or was edited: convert the model again",
+                g.path().display(),
+                unused.len()
+            );
+        }
         nflash_runtime::message!(
             "warning: the checkpoint holds {} tensors the model described by config.json does not use ({some}{more}); they are left out: check that config.json belongs to these weights",
             unused.len()
@@ -168,6 +177,9 @@ pub fn write_pack(
         )
     })?;
     let mut w = PackWriter::create(out, opts.alignment)?;
+    for p in w.stale_removed() {
+        message!("note: removed {}, the partial output of a conversion that was killed", p.display());
+    }
     *crate::IN_PROGRESS.lock().unwrap_or_else(|e| e.into_inner()) = Some(w.temp_path().to_path_buf());
 
     // Tokenizer segment.
@@ -279,7 +291,8 @@ pub fn write_pack(
         check_range(&names[2], &[h, inter], &down, opts.quant)?;
         gguf.note_down(ck, &names[2], opts.quant)?;
 
-        let down_error = ck.gguf().map(|_| RequantError::default());
+        let down_error =
+            ck.gguf().filter(|_| matches!(opts.quant, DType::Q4_0 | DType::Q8_0)).map(|_| RequantError::default());
         // Packed order: hot first for a sparse pack, original order for a dense one.
         let order: Vec<u32> = plan.map_or_else(|| (0..inter as u32).collect(), |p| p.layers[l].order.clone());
         let bundles: Vec<Vec<u8>> = order
@@ -565,8 +578,8 @@ impl GgufReport {
         *self.requantized.entry(t).or_default() += 1;
         Ok(lossy)
     }
-    fn note_down(&mut self, ck: &Checkpoint, name: &str, _dtype: DType) -> Result<()> {
-        if let Some(g) = ck.gguf() {
+    fn note_down(&mut self, ck: &Checkpoint, name: &str, dtype: DType) -> Result<()> {
+        if let Some(g) = ck.gguf().filter(|_| matches!(dtype, DType::Q4_0 | DType::Q8_0)) {
             *self.down.entry(g.ggml_type(name)?.name()).or_default() += 1;
         }
         Ok(())

@@ -53,6 +53,15 @@ enum Arch {
     Gemma3,
     /// Phi-3: fused projections, partial RoPE, LongRoPE.
     Phi3,
+    /// The checkpoints of the GGUF twins (`TinySpec::gguf_twin`; tests/data/gguf/).
+    GgufLlama,
+    GgufMixtral,
+    GgufQwen2,
+    GgufQwen3,
+    GgufQwen3moe,
+    GgufSmollm3,
+    GgufPhi3,
+    GgufGemma3,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -63,6 +72,10 @@ fn main() -> anyhow::Result<()> {
     let mut spec = match a.arch {
         Arch::Gemma3 => TinySpec::gemma3(a.seed),
         Arch::Phi3 => TinySpec::phi3(a.seed),
+        twin => {
+            let name = twin.to_possible_value().expect("named").get_name().trim_start_matches("gguf-").to_string();
+            TinySpec::gguf_twin(&name).expect("every twin has a spec")
+        }
     };
     spec.hidden = a.hidden.unwrap_or(spec.hidden);
     spec.inter = a.inter.unwrap_or(spec.inter);

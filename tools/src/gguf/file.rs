@@ -28,6 +28,10 @@ pub const MAX_KV: u64 = 1 << 20;
 /// At most this many elements in one metadata array (vocabularies and merge
 /// lists hold a few hundred thousand).
 pub const MAX_ARRAY: u64 = 1 << 24;
+/// At most this many metadata array elements in all (each is held in 8 to
+/// 32 bytes of memory, so a file of many small arrays cannot ask for more
+/// than a few hundred MiB).
+pub const MAX_ARRAY_TOTAL: u64 = 1 << 25;
 /// At most this many bytes in one string (chat templates are kilobytes).
 pub const MAX_STRING: u64 = 64 << 20;
 /// A tensor name is shorter than this (ggml's `GGML_MAX_NAME`).
@@ -103,7 +107,7 @@ impl GgmlType {
             "Q1_0",
             "Q2_0",
         ];
-        NAMES.get(self.0 as usize).map_or_else(|| format!("type {}", self.0), |n| (*n).to_string())
+        NAMES.get(self.0 as usize).map_or_else(|| format!("unknown ({})", self.0), |n| (*n).to_string())
     }
 
     /// `(elements per block, bytes per block)` of the types nflash reads:
@@ -132,7 +136,7 @@ impl GgmlType {
         let n = self.name();
         if n.starts_with("IQ") || n.starts_with("TQ") || matches!(n.as_str(), "MXFP4" | "NVFP4" | "Q1_0" | "Q2_0") {
             format!("{n} is a codebook or sub-4-bit type nflash has no kernels for and cannot requantize faithfully; use a GGUF of Q4_0, Q8_0, a K-quant, F16, BF16 or F32")
-        } else if n.starts_with("type ") {
+        } else if n.starts_with("unknown") {
             format!("{n} is not a ggml type this reader knows (ggml.h defines 0..42); is the file from a newer llama.cpp, or corrupt?")
         } else {
             format!(
@@ -365,8 +369,9 @@ fn scalar<R: Read>(r: &mut Counted<R>, t: u32, key: &str) -> Result<MetaValue> {
     })
 }
 
-/// The value of metadata key `key`, of type `t`.
-fn value<R: Read>(r: &mut Counted<R>, t: u32, key: &str, at: u64) -> Result<MetaValue> {
+/// The value of metadata key `key`, of type `t`; `budget` is the number of
+/// array elements the file may still hold ([`MAX_ARRAY_TOTAL`]).
+fn value<R: Read>(r: &mut Counted<R>, t: u32, key: &str, at: u64, budget: &mut u64) -> Result<MetaValue> {
     if min_size(t).is_none() {
         bail!("metadata key {key:?} at offset {at} has value type {t}, which GGUF does not define (0..=12): the file is corrupt");
     }
@@ -385,6 +390,10 @@ fn value<R: Read>(r: &mut Counted<R>, t: u32, key: &str, at: u64) -> Result<Meta
     if n > MAX_ARRAY {
         bail!("metadata array {key:?} at offset {n_at} claims {n} elements, more than the cap of {MAX_ARRAY}: the file is corrupt");
     }
+    if n > *budget {
+        bail!("metadata array {key:?} at offset {n_at} brings the metadata arrays to more than {MAX_ARRAY_TOTAL} elements in all: the file is corrupt");
+    }
+    *budget -= n;
     // Checked before allocating: n elements need at least n·min bytes.
     if n * min > r.left() {
         bail!(
@@ -471,6 +480,7 @@ impl GgufFile {
         }
 
         let mut metadata = BTreeMap::new();
+        let mut budget = MAX_ARRAY_TOTAL;
         for i in 0..n_kv {
             let at = r.pos;
             let key = r.string(1 << 16, &|| format!("metadata key {i}"))?;
@@ -478,7 +488,7 @@ impl GgufFile {
                 bail!("metadata key {i} at offset {at} is empty: the file is corrupt");
             }
             let t = r.u32(&|| format!("the type of metadata key {key:?}"))?;
-            let v = value(&mut r, t, &key, at)?;
+            let v = value(&mut r, t, &key, at, &mut budget)?;
             if metadata.insert(key.clone(), v).is_some() {
                 bail!("metadata key {key:?} at offset {at} appears twice: the file is corrupt");
             }
@@ -486,7 +496,10 @@ impl GgufFile {
         let alignment = match metadata.get("general.alignment") {
             None => DEFAULT_ALIGNMENT,
             Some(MetaValue::U64(a)) if a.is_power_of_two() && *a <= 1 << 20 => *a,
-            Some(v) => bail!("metadata key \"general.alignment\" is {v:?}; it must be a power of two (GGUF spec)"),
+            Some(MetaValue::U64(a)) => bail!(
+                "metadata key \"general.alignment\" is {a}; nflash reads powers of two up to 1 MiB (GGUF spec: a power of two): the file is corrupt"
+            ),
+            Some(v) => bail!("metadata key \"general.alignment\" is {}, not an unsigned integer (GGUF spec: a u32)", v.kind()),
         };
 
         let mut tensors = Vec::with_capacity(n_tensors as usize);
@@ -517,16 +530,16 @@ impl GgufFile {
             let ggml = GgmlType(r.u32(&what)?);
             let rel = r.u64(&what)?;
             let Some((per, size)) = ggml.block() else {
-                bail!("{} is of type {}: {}", what(), ggml.name(), ggml.refusal());
+                bail!("{} is of ggml type {}: {}", what(), ggml.name(), ggml.refusal());
             };
             let elems = ne.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| {
                 anyhow!("{} has shape {ne:?}, whose element count overflows: the file is corrupt", what())
             })?;
-            if ne.first().copied().unwrap_or(1) % per != 0 {
+            let row = ne.first().copied().unwrap_or(1);
+            if !row.is_multiple_of(per) {
                 bail!(
-                    "{} has {} elements per row, not a multiple of {}'s block of {per}: the file is corrupt",
+                    "{} has {row} elements per row, not a multiple of {}'s block of {per}: the file is corrupt",
                     what(),
-                    ne[0],
                     ggml.name()
                 );
             }
@@ -551,12 +564,29 @@ impl GgufFile {
             match end {
                 Some(end) if end <= r.len => t.offset += data_start,
                 _ => bail!(
-                    "tensor {:?} ({} bytes at data offset {}) runs past the end of the file ({} bytes): the file is truncated; download it again",
+                    "tensor {:?} ({} bytes at data offset {}) runs past the end of the file ({} bytes): the file is truncated or corrupt; download it again",
                     t.name,
                     t.bytes,
                     t.offset,
                     r.len
                 ),
+            }
+        }
+        // No two tensors share bytes (llama.cpp requires them laid out one
+        // after another): a tensor whose type or offset was damaged would
+        // read its neighbour's data.
+        let mut order: Vec<&TensorInfo> = tensors.iter().filter(|t| t.bytes > 0).collect();
+        order.sort_by_key(|t| t.offset);
+        for w in order.windows(2) {
+            if w[0].offset + w[0].bytes > w[1].offset {
+                bail!(
+                    "tensors {:?} ({} bytes at file offset {}) and {:?} (at file offset {}) overlap: the file is corrupt",
+                    w[0].name,
+                    w[0].bytes,
+                    w[0].offset,
+                    w[1].name,
+                    w[1].offset
+                );
             }
         }
         Ok(Self { path: path.to_path_buf(), file, metadata, tensors, by_name })
@@ -776,5 +806,24 @@ pub(crate) mod tests {
         let mut b = good();
         b.tensor_info(&"x".repeat(64), 0, &[1], 0);
         assert!(err(&b.bytes()).contains("at most 63"));
+        // A quantized scalar (no dimensions): refused, not indexed.
+        let mut b = good();
+        b.tensor_info("scalar", GgmlType::Q8_0.0, &[], 0);
+        assert!(err(&b.bytes()).contains("\"scalar\""));
+        // Two tensors over the same bytes (an alias, or a damaged type).
+        let mut b = good();
+        b.tensor_info("alias", 0, &[8], 0);
+        let e = err(&b.bytes());
+        assert!(e.contains("overlap") && e.contains("\"alias\""), "{e}");
+        // Many arrays each under the cap, together over the total cap.
+        let mut b = good();
+        let big = [T_U8.to_le_bytes().as_slice(), &(MAX_ARRAY).to_le_bytes(), &vec![0u8; MAX_ARRAY as usize]].concat();
+        for k in 0..(MAX_ARRAY_TOTAL / MAX_ARRAY + 1) {
+            b.kv_raw(&format!("a{k}"), T_ARRAY, &big);
+        }
+        assert!(err(&b.bytes()).contains("elements in all"));
+        let mut b = good();
+        b.tensor_info("t99", 99, &[1], 0);
+        assert!(err(&b.bytes()).contains("ggml type unknown (99)"));
     }
 }

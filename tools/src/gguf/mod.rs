@@ -4,6 +4,7 @@
 //! ([`vocab`]), and its tensors under Hugging Face names, read as f32 or,
 //! for Q4_0/Q8_0, as their blocks unchanged ([`GgufStore::blocks`]).
 
+mod arch;
 pub mod file;
 mod vocab;
 
@@ -14,7 +15,69 @@ use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
 use serde_json::{json, Map, Value};
 
-use file::{GgmlType, GgufFile, MetaValue, TensorInfo};
+use file::{GgmlType, GgufFile, TensorInfo};
+use nflash_format::ModelConfig;
+
+/// Checks that `files` are the parts of one split GGUF, in order: each
+/// part's `split.no`, and `split.count` and `split.tensors.count` in the
+/// first (llama.cpp `llama_model_loader`).
+///
+/// # Errors
+/// A part number, count or tensor total that does not match (named).
+fn check_split(files: &[GgufFile]) -> Result<()> {
+    let get = |f: &GgufFile, k: &str| -> Result<Option<u64>> {
+        match f.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| anyhow!("{}: metadata key {k:?} is {}, not a count", f.path.display(), v.kind())),
+        }
+    };
+    let first = &files[0];
+    let count = get(first, "split.count")?;
+    if files.len() == 1 {
+        if count.is_some_and(|n| n > 1) {
+            bail!(
+                "{} is part of a split GGUF (split.count {}), but its name is not PREFIX-00001-of-NNNNN.gguf: rename the parts as llama.cpp's gguf-split writes them",
+                first.path.display(),
+                count.unwrap_or(0)
+            );
+        }
+        return Ok(());
+    }
+    if count != Some(files.len() as u64) {
+        bail!(
+            "{}: split.count is {}, but the file names say {} parts: the split GGUF is inconsistent",
+            first.path.display(),
+            count.map_or("missing".to_string(), |n| n.to_string()),
+            files.len()
+        );
+    }
+    for (i, f) in files.iter().enumerate() {
+        let no = get(f, "split.no")?;
+        if no != Some(i as u64) {
+            bail!(
+                "{}: split.no is {}, but it is part {} of {}: the split GGUF is inconsistent",
+                f.path.display(),
+                no.map_or("missing".to_string(), |n| n.to_string()),
+                i + 1,
+                files.len()
+            );
+        }
+    }
+    let total: usize = files.iter().map(|f| f.tensors.len()).sum();
+    if let Some(n) = get(first, "split.tensors.count")? {
+        if n != total as u64 {
+            bail!(
+                "{}: split.tensors.count is {n}, but the {} parts hold {total} tensors: a part is missing or damaged",
+                first.path.display(),
+                files.len()
+            );
+        }
+    }
+    Ok(())
+}
 
 /// Whether `path` names GGUF input: a `.gguf` file, or a directory holding
 /// `.gguf` files and no `config.json`.
@@ -91,6 +154,9 @@ fn model_files(path: &Path) -> Result<Vec<PathBuf>> {
 enum Rows {
     /// All, in order.
     All,
+    /// Rows `row0 .. row0 + rows` (one expert of a stacked `*_exps` tensor,
+    /// or one projection of a fused one).
+    Range { row0: usize, rows: usize },
     /// llama.cpp's converter permuted the rows of each of `heads` heads of
     /// a `llama`-architecture Q or K projection for its RoPE
     /// (`LlamaModel.permute`: HF row `(h, p, j)` is GGUF row `(h, j, p)`,
@@ -101,8 +167,8 @@ enum Rows {
 /// A Hugging Face tensor nflash reads, as the GGUF stores it.
 #[derive(Debug, Clone)]
 struct Source {
-    /// Index of the file (part) holding it.
-    file: usize,
+    /// Index of the file (part) holding it; `None` where the GGUF lacks it.
+    file: Option<usize>,
     /// Its GGUF tensor.
     tensor: String,
     rows: Rows,
@@ -114,6 +180,8 @@ pub struct GgufStore {
     files: Vec<GgufFile>,
     /// The HF tensor names and where each is stored.
     map: HashMap<String, Source>,
+    /// GGUF tensors read into the config (Phi-3's LongRoPE factors).
+    consumed: Vec<String>,
     /// `config.json` as Hugging Face would write it for this model.
     pub config_json: Value,
     /// `generation_config.json` (the special token ids).
@@ -124,44 +192,18 @@ pub struct GgufStore {
     pub tokenizer_config: Value,
 }
 
-fn meta<'a>(g: &'a GgufFile, key: &str) -> Result<&'a MetaValue> {
-    g.get(key).ok_or_else(|| anyhow!("metadata key {key:?} is missing; nflash needs it to build the model config"))
-}
-fn meta_u64(g: &GgufFile, key: &str) -> Result<u64> {
-    let v = meta(g, key)?;
-    v.as_u64().ok_or_else(|| anyhow!("metadata key {key:?} is {}, not a non-negative integer", v.kind()))
-}
-fn opt_u64(g: &GgufFile, key: &str) -> Result<Option<u64>> {
-    g.get(key).map(|_| meta_u64(g, key)).transpose()
-}
-/// A float key, as the shortest decimal that round-trips through f32
-/// (GGUF stores 1e-5 as the f32 9.99999975e-06; config.json says 1e-05).
-fn opt_f32(g: &GgufFile, key: &str) -> Result<Option<f64>> {
-    let Some(v) = g.get(key) else { return Ok(None) };
-    let x = v.as_f64().ok_or_else(|| anyhow!("metadata key {key:?} is {}, not a number", v.kind()))?;
-    Ok(Some((x as f32).to_string().parse::<f64>().expect("a float's display parses")))
-}
-
-/// The `general.architecture` values nflash converts, and their Hugging Face class.
-const ARCHITECTURES: &str = "llama";
-
 impl GgufStore {
     /// Opens the GGUF model at `path` (a file, a split GGUF's first part, or a directory holding one).
     ///
     /// # Errors
-    /// As [`GgufFile::open`] for each part; an architecture nflash does not
-    /// convert (named); missing or inconsistent metadata (named); a tensor
-    /// stored in two parts; a tokenizer [`vocab::build`] refuses.
+    /// As [`GgufFile::open`] for each part; parts that do not make one
+    /// model (split keys); an architecture nflash does not convert
+    /// (named); missing or inconsistent metadata (named); a tensor stored
+    /// in two parts; a tokenizer [`vocab::build`] refuses.
     pub fn open(path: &Path) -> Result<Self> {
         let paths = model_files(path)?;
         let files: Vec<GgufFile> = paths.iter().map(|p| GgufFile::open(p)).collect::<Result<_>>()?;
-        let g = &files[0];
-        if files.len() > 1 {
-            let n = opt_u64(g, "split.count")?;
-            if n != Some(files.len() as u64) {
-                bail!("{}: split.count is {n:?}, but its name says {} parts", g.path.display(), files.len());
-            }
-        }
+        check_split(&files)?;
         let mut seen: HashMap<&str, usize> = HashMap::new();
         for (i, f) in files.iter().enumerate() {
             for t in &f.tensors {
@@ -175,17 +217,15 @@ impl GgufStore {
                 }
             }
         }
-        let arch = meta(g, "general.architecture")?
-            .as_str()
-            .ok_or_else(|| anyhow!("metadata key \"general.architecture\" is not a string"))?
-            .to_string();
+        let g = &files[0];
         let vocab = vocab::build(g).with_context(|| format!("the tokenizer of {}", g.path.display()))?;
-        let (config_json, map) = match arch.as_str() {
-            "llama" => llama(&files, &seen, &vocab)?,
-            other => bail!(
-                "general.architecture is {other:?}; nflash converts GGUF files of {ARCHITECTURES} (a Hugging Face checkpoint of the model may be supported: see the README)"
-            ),
-        };
+        let built = arch::build(&files, &seen, &vocab).with_context(|| format!("{}", g.path.display()))?;
+        if vocab.eos.is_none() && vocab.eot.is_none() {
+            nflash_runtime::message!(
+                "warning: {} names no end-of-text token (tokenizer.ggml.eos_token_id); generation stops only at --max-tokens",
+                g.path.display()
+            );
+        }
         let mut generation = Map::new();
         for (k, v) in [("bos_token_id", vocab.bos), ("eos_token_id", vocab.eos)] {
             if let Some(v) = v {
@@ -195,14 +235,47 @@ impl GgufStore {
         if let (Some(eos), Some(eot)) = (vocab.eos, vocab.eot) {
             generation.insert("eos_token_id".into(), json!([eos, eot]));
         }
+        drop(seen);
         Ok(Self {
             files,
-            map,
-            config_json,
+            map: built.map,
+            consumed: built.consumed,
+            config_json: built.config,
             generation_json: Value::Object(generation),
             tokenizer_json: vocab.tokenizer_json,
             tokenizer_config: vocab.tokenizer_config,
         })
+    }
+
+    /// Maps the stacked expert tensors (`blk.N.ffn_{gate,up,down}_exps`,
+    /// `[n_expert, rows, cols]`) and the routers (`blk.N.ffn_gate_inp`)
+    /// onto the Hugging Face names `cfg` gives each expert's projections
+    /// (`ModelConfig::ffn_tensor_names`) and router.
+    pub fn map_experts(&mut self, cfg: &ModelConfig) {
+        if cfg.architecture.moe().is_none() {
+            return;
+        }
+        let (inter, h) = (cfg.intermediate_size as usize, cfg.hidden_size as usize);
+        for u in 0..cfg.ffn_units() as usize {
+            let (l, e) = cfg.unit_layer_expert(u);
+            let names = cfg.ffn_tensor_names(u);
+            for ((name, t), rows) in
+                names.into_iter().zip(["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]).zip([inter, inter, h])
+            {
+                let tensor = format!("blk.{l}.{t}.weight");
+                let file = self.file_of(&tensor);
+                self.map.insert(name, Source { file, tensor, rows: Rows::Range { row0: e * rows, rows } });
+            }
+            if let Some(router) = cfg.router_name(l).filter(|_| e == 0) {
+                let tensor = format!("blk.{l}.ffn_gate_inp.weight");
+                let file = self.file_of(&tensor);
+                self.map.insert(router, Source { file, tensor, rows: Rows::All });
+            }
+        }
+    }
+
+    fn file_of(&self, tensor: &str) -> Option<usize> {
+        self.files.iter().position(|f| f.tensor(tensor).is_some())
     }
 
     /// The first part's path (for messages).
@@ -211,20 +284,22 @@ impl GgufStore {
     }
 
     fn source(&self, name: &str) -> Result<(&Source, &GgufFile, &TensorInfo)> {
-        let s = self.map.get(name).ok_or_else(|| {
+        let missing = |what: &str| {
             anyhow!(
-                "tensor {name} is missing from {}: the GGUF lacks a tensor its metadata implies",
+                "tensor {what} is missing from {}: the GGUF lacks a tensor its metadata implies; the file is incomplete or corrupt",
                 self.path().display()
             )
-        })?;
-        let f = &self.files[s.file];
+        };
+        let s = self.map.get(name).ok_or_else(|| missing(name))?;
+        let Some(i) = s.file else { return Err(missing(&format!("{} (nflash's {name})", s.tensor))) };
+        let f = &self.files[i];
         let t = f.tensor(&s.tensor).expect("mapped tensors exist");
         Ok((s, f, t))
     }
 
     /// Whether the model has tensor `name` (a Hugging Face name).
     pub fn has(&self, name: &str) -> bool {
-        self.map.contains_key(name)
+        self.map.get(name).is_some_and(|s| s.file.is_some())
     }
 
     /// Number of GGUF tensors.
@@ -243,7 +318,7 @@ impl GgufStore {
             .files
             .iter()
             .flat_map(|f| f.tensors.iter().map(|t| t.name.clone()))
-            .filter(|n| !used.contains(n.as_str()))
+            .filter(|n| !used.contains(n.as_str()) && !self.consumed.contains(n))
             .collect();
         v.sort();
         v
@@ -251,7 +326,13 @@ impl GgufStore {
 
     /// The row-major shape of tensor `name` (HF name).
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
-        Ok(self.source(name)?.2.shape())
+        let (s, _, t) = self.source(name)?;
+        let shape = t.shape();
+        Ok(match s.rows {
+            // A stacked or fused tensor, `[n, rows, cols]` or `[n · rows, cols]`: its rows.
+            Rows::Range { rows, .. } => vec![rows, *shape.last().unwrap_or(&1)],
+            _ => shape,
+        })
     }
 
     /// The GGUF type of tensor `name` (HF name).
@@ -270,11 +351,26 @@ impl GgufStore {
                 f.path.display()
             );
         }
-        let rb = t.row_bytes() as usize;
-        let n_rows: usize = if shape.is_empty() { 1 } else { shape[..shape.len() - 1].iter().product() };
+        // A vector's rows are its elements (a permuted bias).
+        let (n_rows, rb) = if shape.len() == 1 {
+            (shape[0], t.bytes as usize / shape[0].max(1))
+        } else {
+            (shape[..shape.len() - 1].iter().product(), t.row_bytes() as usize)
+        };
         let mut out = vec![0u8; n_rows * rb];
         match s.rows {
             Rows::All => f.read(t, 0, &mut out)?,
+            Rows::Range { row0, rows } => {
+                let total = t.shape().iter().rev().skip(1).product::<usize>();
+                if row0 + rows > total {
+                    bail!(
+                        "tensor {} has {total} rows; rows {row0}..{} are asked for: the file is corrupt",
+                        t.name,
+                        row0 + rows
+                    );
+                }
+                f.read(t, (row0 * rb) as u64, &mut out)?
+            }
             Rows::Unpermute { heads } => {
                 let mut stored = vec![0u8; out.len()];
                 f.read(t, 0, &mut stored)?;
@@ -312,10 +408,14 @@ impl GgufStore {
         if have != shape || shape.len() != 2 {
             bail!("tensor {} (for {name}) has shape {have:?}, expected {shape:?}", t.name);
         }
-        if let Rows::Unpermute { .. } = s.rows {
-            let all = self.tensor_f32(name, shape)?;
-            return Ok(rows.iter().flat_map(|&r| all[r as usize * shape[1]..][..shape[1]].to_vec()).collect());
-        }
+        let row0 = match s.rows {
+            Rows::All => 0,
+            Rows::Range { row0, .. } => row0,
+            Rows::Unpermute { .. } => {
+                let all = self.tensor_f32(name, shape)?;
+                return Ok(rows.iter().flat_map(|&r| all[r as usize * shape[1]..][..shape[1]].to_vec()).collect());
+            }
+        };
         let rb = t.row_bytes() as usize;
         let mut buf = vec![0u8; rb];
         let mut out = Vec::with_capacity(rows.len() * shape[1]);
@@ -323,7 +423,7 @@ impl GgufStore {
             if r as usize >= shape[0] {
                 bail!("row {r} of {name} is out of range: it has {} rows", shape[0]);
             }
-            f.read(t, (r as usize * rb) as u64, &mut buf)?;
+            f.read(t, ((row0 + r as usize) * rb) as u64, &mut buf)?;
             out.extend(dequantize(t.ggml, &buf, shape[1]).with_context(|| format!("tensor {}", t.name))?);
         }
         Ok(out)
@@ -408,106 +508,4 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
             q.dequantize(&cpu)?.to_vec1::<f32>()?
         }
     })
-}
-
-/// Maps `blk.{l}.{suffix}` and the global GGUF tensor names that exist onto
-/// the Hugging Face names of a Llama-style model. `unpermute` gives the
-/// Q and K head counts of a `llama`-architecture file.
-fn map_common(
-    n_layers: usize,
-    seen: &HashMap<&str, usize>,
-    unpermute: Option<(usize, usize)>,
-) -> HashMap<String, Source> {
-    let mut map = HashMap::new();
-    let mut put = |hf: String, gguf: String, rows: Rows| {
-        if let Some(&file) = seen.get(gguf.as_str()) {
-            map.insert(hf, Source { file, tensor: gguf, rows });
-        }
-    };
-    put("model.embed_tokens.weight".into(), "token_embd.weight".into(), Rows::All);
-    put("model.norm.weight".into(), "output_norm.weight".into(), Rows::All);
-    put("lm_head.weight".into(), "output.weight".into(), Rows::All);
-    for l in 0..n_layers {
-        let (hf, g) = (format!("model.layers.{l}"), format!("blk.{l}"));
-        for (h, t) in [
-            ("input_layernorm", "attn_norm"),
-            ("post_attention_layernorm", "ffn_norm"),
-            ("self_attn.o_proj", "attn_output"),
-            ("self_attn.v_proj", "attn_v"),
-            ("mlp.gate_proj", "ffn_gate"),
-            ("mlp.up_proj", "ffn_up"),
-            ("mlp.down_proj", "ffn_down"),
-        ] {
-            put(format!("{hf}.{h}.weight"), format!("{g}.{t}.weight"), Rows::All);
-        }
-        for (h, t, heads) in [
-            ("self_attn.q_proj", "attn_q", unpermute.map(|u| u.0)),
-            ("self_attn.k_proj", "attn_k", unpermute.map(|u| u.1)),
-        ] {
-            let rows = heads.map_or(Rows::All, |heads| Rows::Unpermute { heads });
-            put(format!("{hf}.{h}.weight"), format!("{g}.{t}.weight"), rows);
-        }
-    }
-    map
-}
-
-/// `general.architecture = "llama"`: Llama, Mistral and their kin as
-/// llama.cpp's converter writes them (Q and K rows permuted, `llama.*` keys).
-fn llama(
-    files: &[GgufFile],
-    seen: &HashMap<&str, usize>,
-    vocab: &vocab::Vocab,
-) -> Result<(Value, HashMap<String, Source>)> {
-    let g = &files[0];
-    let a = "llama";
-    let n_layers = meta_u64(g, &format!("{a}.block_count"))?;
-    let hidden = meta_u64(g, &format!("{a}.embedding_length"))?;
-    let heads = meta_u64(g, &format!("{a}.attention.head_count"))?;
-    let kv_heads = opt_u64(g, &format!("{a}.attention.head_count_kv"))?.unwrap_or(heads);
-    if heads == 0 || kv_heads == 0 || n_layers == 0 || hidden == 0 {
-        bail!("{a}.block_count, .embedding_length and .attention.head_count(_kv) must be positive");
-    }
-    if opt_u64(g, &format!("{a}.expert_count"))?.is_some_and(|n| n > 0) {
-        bail!("this llama GGUF is a mixture of experts ({a}.expert_count); nflash does not convert MoE GGUFs yet: convert the Hugging Face checkpoint");
-    }
-    let head_dim = opt_u64(g, &format!("{a}.attention.key_length"))?.unwrap_or(hidden / heads);
-    if let Some(rd) = opt_u64(g, &format!("{a}.rope.dimension_count"))? {
-        if rd != head_dim {
-            bail!("{a}.rope.dimension_count is {rd}, not the head size {head_dim}: partial RoPE is not a llama-architecture setting nflash reads");
-        }
-    }
-    if g.get(&format!("{a}.rope.scaling.type")).and_then(MetaValue::as_str).is_some_and(|t| t != "none") {
-        bail!("{a}.rope.scaling.type is set; nflash does not read RoPE scaling from GGUF yet: convert the Hugging Face checkpoint");
-    }
-    if seen.contains_key("rope_freqs.weight") {
-        bail!("the GGUF has rope_freqs.weight (Llama 3.1-style RoPE frequency factors); nflash does not read them from GGUF yet: convert the Hugging Face checkpoint");
-    }
-    let ffn = meta_u64(g, &format!("{a}.feed_forward_length"))?;
-    let vocab_size = opt_u64(g, &format!("{a}.vocab_size"))?.unwrap_or(vocab.n_tokens as u64);
-    let mut cfg = json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": ffn,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": opt_f32(g, &format!("{a}.attention.layer_norm_rms_epsilon"))?
-            .ok_or_else(|| anyhow!("metadata key \"{a}.attention.layer_norm_rms_epsilon\" is missing"))?,
-        "rope_theta": opt_f32(g, &format!("{a}.rope.freq_base"))?.unwrap_or(10000.0),
-        "max_position_embeddings": meta_u64(g, &format!("{a}.context_length"))?,
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": !seen.contains_key("output.weight"),
-        "attention_bias": false,
-        "mlp_bias": false,
-    });
-    for (k, v) in [("bos_token_id", vocab.bos), ("eos_token_id", vocab.eos)] {
-        if let Some(v) = v {
-            cfg[k] = json!(v);
-        }
-    }
-    let map = map_common(n_layers as usize, seen, Some((heads as usize, kv_heads as usize)));
-    Ok((cfg, map))
 }

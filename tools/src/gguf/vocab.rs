@@ -9,6 +9,7 @@ use super::file::{GgufFile, MetaArray, MetaValue};
 
 /// llama.cpp's token types (`llama_token_type`).
 const NORMAL: i64 = 1;
+const UNKNOWN: i64 = 2;
 const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
 
@@ -89,29 +90,18 @@ fn flag(g: &GgufFile, key: &str) -> Result<Option<bool>> {
     }
 }
 
-/// Builds the tokenizer of `g`.
+/// Builds the tokenizer of `g`: `gpt2` (byte-level BPE) or `llama`
+/// (SentencePiece) vocabularies.
 ///
 /// # Errors
-/// A tokenizer model other than `gpt2` (byte-level BPE), a pre-tokenizer
-/// type outside [`PRE_TYPES`] (named), inconsistent arrays (tokens, types,
-/// merges), a special token id beyond the vocabulary.
+/// Another tokenizer model (named), a pre-tokenizer type outside
+/// [`PRE_TYPES`] (named), inconsistent arrays (tokens, types, merges,
+/// scores), a special token id beyond the vocabulary.
 pub fn build(g: &GgufFile) -> Result<Vocab> {
     let model = g
         .get("tokenizer.ggml.model")
         .and_then(MetaValue::as_str)
         .ok_or_else(|| anyhow!("metadata key \"tokenizer.ggml.model\" is missing or not a string; the GGUF has no tokenizer nflash can use"))?;
-    if model != "gpt2" {
-        bail!(
-            "tokenizer.ggml.model is {model:?}; nflash builds \"gpt2\" (byte-level BPE) vocabularies from GGUF so far"
-        );
-    }
-    let pre = match g.get("tokenizer.ggml.pre") {
-        None => bail!("metadata key \"tokenizer.ggml.pre\" is missing: llama.cpp would fall back to the \"default\" pre-tokenizer and warn that quality degrades; convert the model again with a current llama.cpp"),
-        Some(v) => v.as_str().ok_or_else(|| anyhow!("metadata key \"tokenizer.ggml.pre\" is {}, not a string", v.kind()))?,
-    };
-    let (regexes, ignore_merges) = pre_tokenizer(pre).ok_or_else(|| {
-        anyhow!("tokenizer.ggml.pre is {pre:?}, a pre-tokenizer nflash does not build (it builds {PRE_TYPES}); nflash will not guess, since a wrong one tokenizes differently from llama.cpp")
-    })?;
     let tokens = strings(g, "tokenizer.ggml.tokens")?;
     let n = tokens.len();
     let types = ints(g, "tokenizer.ggml.token_type")?;
@@ -120,21 +110,18 @@ pub fn build(g: &GgufFile) -> Result<Vocab> {
             bail!("tokenizer.ggml.token_type has {} entries, tokenizer.ggml.tokens {n}: the file is corrupt", t.len());
         }
     }
-    let merges = strings(g, "tokenizer.ggml.merges")?;
-    if let Some((i, m)) = merges.iter().enumerate().find(|(_, m)| m.split(' ').count() != 2) {
-        bail!(
-            "merge {i} of tokenizer.ggml.merges, {m:?}, is not two tokens separated by one space: the file is corrupt"
-        );
-    }
+    let ty = |i: usize| types.map_or(NORMAL, |t| t[i]);
     let mut vocab = Map::with_capacity(n);
     for (i, t) in tokens.iter().enumerate() {
+        if t.is_empty() {
+            bail!("token {i} of tokenizer.ggml.tokens is empty: the file is corrupt");
+        }
         if vocab.insert(t.clone(), json!(i)).is_some() {
             bail!("token {i} of tokenizer.ggml.tokens, {t:?}, appears twice: the file is corrupt");
         }
     }
-    let ty = |i: usize| types.map_or(NORMAL, |t| t[i]);
     // Control and user-defined tokens are matched whole before the
-    // pre-tokenizer, as llama.cpp's `tokenizer_st_partition` does.
+    // tokenizer runs, as llama.cpp's `tokenizer_st_partition` does.
     let added: Vec<Value> = (0..n)
         .filter(|&i| matches!(ty(i), CONTROL | USER_DEFINED))
         .map(|i| {
@@ -142,14 +129,43 @@ pub fn build(g: &GgufFile) -> Result<Vocab> {
                    "normalized": false, "special": ty(i) == CONTROL})
         })
         .collect();
-    let splits: Vec<Value> = regexes
+    let tokenizer = match model {
+        "gpt2" => gpt2(g, vocab, added)?,
+        "llama" => spm(g, tokens, &ty, vocab, added)?,
+        other => bail!(
+            "tokenizer.ggml.model is {other:?}; nflash builds \"gpt2\" (byte-level BPE) and \"llama\" (SentencePiece) vocabularies"
+        ),
+    };
+    specials(g, tokens, model == "llama", tokenizer)
+}
+
+/// A `gpt2` (byte-level BPE) vocabulary: `tokenizer.ggml.merges` and
+/// llama.cpp's pre-tokenizer regexes for `tokenizer.ggml.pre`.
+fn gpt2(g: &GgufFile, vocab: Map<String, Value>, added: Vec<Value>) -> Result<Value> {
+    let pre = match g.get("tokenizer.ggml.pre") {
+        None => bail!("metadata key \"tokenizer.ggml.pre\" is missing: llama.cpp would fall back to the \"default\" pre-tokenizer and warn that quality degrades; convert the model again with a current llama.cpp"),
+        Some(v) => v.as_str().ok_or_else(|| anyhow!("metadata key \"tokenizer.ggml.pre\" is {}, not a string", v.kind()))?,
+    };
+    let (regexes, ignore_merges) = pre_tokenizer(pre).ok_or_else(|| {
+        anyhow!("tokenizer.ggml.pre is {pre:?}, a pre-tokenizer nflash does not build (it builds {PRE_TYPES}); nflash will not guess, since a wrong one tokenizes differently from llama.cpp")
+    })?;
+    let merges = strings(g, "tokenizer.ggml.merges")?;
+    for (i, m) in merges.iter().enumerate() {
+        let parts: Vec<&str> = m.split(' ').collect();
+        if parts.len() != 2 {
+            bail!("merge {i} of tokenizer.ggml.merges, {m:?}, is not two tokens separated by one space: the file is corrupt");
+        }
+        if let Some(p) = parts.iter().find(|p| !vocab.contains_key(**p)) {
+            bail!("merge {i} of tokenizer.ggml.merges, {m:?}, names {p:?}, which tokenizer.ggml.tokens does not hold: the file is corrupt");
+        }
+    }
+    let mut pre_tokenizers: Vec<Value> = regexes
         .iter()
         .map(|r| json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false}))
         .collect();
-    let mut pre_tokenizers = splits;
     pre_tokenizers
         .push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}));
-    let tokenizer = json!({
+    Ok(json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
@@ -163,12 +179,92 @@ pub fn build(g: &GgufFile) -> Result<Vocab> {
             "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges,
             "vocab": vocab, "merges": merges,
         },
-    });
+    }))
+}
+
+/// A `llama` (SentencePiece) vocabulary as llama.cpp's `llm_tokenizer_spm`
+/// reads it: the text of each fragment, a space put first where
+/// `tokenizer.ggml.add_space_prefix` (default true) says so, spaces as
+/// `▁`, then adjacent pieces merged best score first while their
+/// concatenation is a token, and bytes for what never forms one
+/// (`<0xXX>`). As a Hugging Face BPE model (transformers'
+/// `LlamaConverter`): a merge for every split of a normal token into two
+/// tokens, ranked by the score of the token it makes.
+fn spm(
+    g: &GgufFile,
+    tokens: &[String],
+    ty: &dyn Fn(usize) -> i64,
+    vocab: Map<String, Value>,
+    added: Vec<Value>,
+) -> Result<Value> {
+    let n = tokens.len();
+    let scores = match g.get("tokenizer.ggml.scores") {
+        Some(MetaValue::Array(MetaArray::Float(v))) if v.len() == n => v,
+        Some(v) => bail!(
+            "metadata key \"tokenizer.ggml.scores\" is {}, not an array of {n} floats: the file is corrupt",
+            v.kind()
+        ),
+        None => bail!("metadata key \"tokenizer.ggml.scores\" is missing; a SentencePiece vocabulary needs its scores"),
+    };
+    let pre = g.get("tokenizer.ggml.pre").and_then(MetaValue::as_str).unwrap_or("default");
+    if pre != "default" {
+        bail!("tokenizer.ggml.pre is {pre:?} for a SentencePiece (\"llama\") vocabulary; llama.cpp reads only \"default\" there");
+    }
+    let add_space_prefix = flag(g, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+    let id_of: std::collections::HashSet<&str> = tokens.iter().map(String::as_str).collect();
+    // (score of the merged token, its id, left, right), best first.
+    let mut merges: Vec<(f64, usize, &str, &str)> = Vec::new();
+    for (i, t) in tokens.iter().enumerate().filter(|&(i, _)| ty(i) == NORMAL) {
+        for (at, _) in t.char_indices().skip(1) {
+            let (l, r) = t.split_at(at);
+            if id_of.contains(l) && id_of.contains(r) {
+                merges.push((scores[i], i, l, r));
+            }
+        }
+    }
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.len().cmp(&b.2.len())));
+    let merges: Vec<Value> = merges.into_iter().map(|(_, _, l, r)| json!([l, r])).collect();
+    let unk = (0..n).find(|&i| ty(i) == UNKNOWN).map(|i| tokens[i].clone());
+    let mut normalizers = Vec::new();
+    if add_space_prefix {
+        normalizers.push(json!({"type": "Prepend", "prepend": "▁"}));
+    }
+    normalizers.push(json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}));
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if add_space_prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": null,
+        "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+            "vocab": vocab, "merges": merges,
+        },
+    }))
+}
+
+/// The special ids, `add_bos_token` and the chat template of `g`, beside
+/// `tokenizer`; `spm` for a SentencePiece vocabulary (llama.cpp's default
+/// there is to add BOS).
+fn specials(g: &GgufFile, tokens: &[String], spm: bool, tokenizer: Value) -> Result<Vocab> {
+    let n = tokens.len();
     let bos = token_id(g, "tokenizer.ggml.bos_token_id", n)?;
     let eos = token_id(g, "tokenizer.ggml.eos_token_id", n)?;
     let eot = token_id(g, "tokenizer.ggml.eot_token_id", n)?.filter(|&t| Some(t) != eos);
-    // llama.cpp's default for BPE vocabularies without the key: no BOS.
-    let add_bos = flag(g, "tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+    // llama.cpp's defaults without the key: BOS for SentencePiece vocabularies, none for BPE.
+    let add_bos = flag(g, "tokenizer.ggml.add_bos_token")?.unwrap_or(spm);
     let mut tc = Map::new();
     tc.insert("add_bos_token".into(), json!(add_bos));
     if let Some(b) = bos {

@@ -8,7 +8,13 @@
 //! - `checkpoint`: a tiny checkpoint with one of `config.json`,
 //!   `model.safetensors.index.json`, a safetensors shard (its header),
 //!   `tokenizer_config.json` or `generation_config.json` damaged, through
-//!   `prep convert`.
+//!   `prep convert`;
+//! - `gguf`: damaged copies of the tiny GGUF files of `tests/data/gguf/`
+//!   (made by llama.cpp's converter), structure-aware: extreme integers in
+//!   every header field (counts, key, string and array lengths, value and
+//!   tensor types, `n_dims`, `ne`, offsets) and `ne` products that
+//!   overflow, besides byte flips, truncation and splices, through
+//!   `prep convert --model X.gguf`.
 //!
 //! Input `N` of a `--seed` is always the same bytes (`--only N` makes it
 //! again). Each runs in a child process with an address-space limit (so a
@@ -53,7 +59,7 @@ struct Args {
     #[arg(long)]
     jobs: Option<usize>,
     /// Targets, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "pack,checkpoint")]
+    #[arg(long, value_delimiter = ',', default_value = "pack,checkpoint,gguf")]
     targets: Vec<Target>,
     /// Directory for seeds, failures and summary.json.
     #[arg(long, default_value = "fuzz-out")]
@@ -73,6 +79,7 @@ struct Args {
 enum Target {
     Pack,
     Checkpoint,
+    Gguf,
 }
 
 impl Target {
@@ -80,6 +87,7 @@ impl Target {
         match self {
             Target::Pack => "pack",
             Target::Checkpoint => "checkpoint",
+            Target::Gguf => "gguf",
         }
     }
 }
@@ -90,7 +98,21 @@ struct Seeds {
     packs: Vec<(String, PathBuf, Vec<u8>, Vec<usize>)>,
     /// Checkpoint directories.
     checkpoints: Vec<PathBuf>,
+    /// `(name, bytes, header fields, each tensor's ne fields)` of the GGUF seeds.
+    ggufs: Vec<GgufSeed>,
 }
+
+type GgufSeed = (String, Vec<u8>, Vec<(usize, usize)>, Vec<Vec<usize>>);
+
+/// The GGUF seeds: llama.cpp-made files of tests/data/gguf/ (dense with a
+/// permuted Q/K, Q8_0, a mixture of experts, fused projections, Gemma 3).
+const GGUF_SEEDS: [&str; 5] = [
+    "tiny-llama-f32.gguf",
+    "tiny-llama-q8_0.gguf",
+    "tiny-mixtral-f32.gguf",
+    "tiny-phi3-f32.gguf",
+    "tiny-gemma3-f32.gguf",
+];
 
 /// The checkpoint files the `checkpoint` target damages (those present).
 const CHECKPOINT_FILES: [&str; 5] = [
@@ -359,7 +381,13 @@ fn make_seeds(dir: &Path) -> Result<Seeds> {
         let offsets = mutate::aligned_offsets(&mutate::pack_tables(p));
         packs.push((name.to_string(), p.clone(), bytes, offsets));
     }
-    Ok(Seeds { packs, checkpoints: vec![llama, mixtral] })
+    let mut ggufs = Vec::new();
+    for name in GGUF_SEEDS {
+        let bytes = std::fs::read(repo_root().join("tests/data/gguf").join(name))?;
+        let (fields, dims) = mutate::gguf_fields(&bytes);
+        ggufs.push((name.to_string(), bytes, fields, dims));
+    }
+    Ok(Seeds { packs, checkpoints: vec![llama, mixtral], ggufs })
 }
 
 fn path_str(p: &Path) -> Result<&str> {
@@ -418,6 +446,31 @@ fn make_input(a: &Args, seeds: &Seeds, n: u64) -> Input {
             let (cold, unchecked) = (rng.random_bool(0.5), rng.random_bool(0.25));
             Input { target, kind, from: name.clone(), checkpoint: None, bytes, cold, unchecked }
         }
+        Target::Gguf => {
+            let ng = seeds.ggufs.len() as u64;
+            let which = if kind == Kind::Extreme { (step % ng) as usize } else { rng.random_range(0..ng as usize) };
+            let (name, seed_bytes, fields, dims) = &seeds.ggufs[which];
+            let mut bytes = seed_bytes.clone();
+            match kind {
+                Kind::Flip => mutate::flip(&mut bytes, &mut rng),
+                Kind::Truncate => mutate::truncate(&mut bytes, &mut rng),
+                Kind::Extreme => mutate::gguf_extreme(&mut bytes, fields, step / ng),
+                Kind::Splice => {
+                    let other = &seeds.ggufs[rng.random_range(0..seeds.ggufs.len())].1;
+                    bytes = mutate::splice(seed_bytes, other, &mut rng);
+                }
+                // No JSON in a GGUF: an overflowing shape, or an extreme value in a random field.
+                Kind::Json => {
+                    if rng.random_bool(0.5) {
+                        mutate::gguf_overflow(&mut bytes, dims, &mut rng);
+                    } else {
+                        let step = rng.random_range(0..fields.len().max(1) as u64 * 12);
+                        mutate::gguf_extreme(&mut bytes, fields, step);
+                    }
+                }
+            }
+            Input { target, kind, from: name.clone(), checkpoint: None, bytes, cold: false, unchecked: false }
+        }
         Target::Checkpoint => {
             let dir = &seeds.checkpoints[rng.random_range(0..seeds.checkpoints.len())];
             let files: Vec<String> = std::fs::read_dir(dir)
@@ -468,6 +521,14 @@ fn execute(a: &Args, input: &Input, dir: &Path) -> Result<(Outcome, String)> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir)?;
     let mut cmd = match (&input.checkpoint, input.target) {
+        (None, Target::Gguf) => {
+            let gguf = dir.join("input.gguf");
+            std::fs::write(&gguf, &input.bytes)?;
+            let mut c = Command::new(bin("prep"));
+            c.args(["convert", "--model", path_str(&gguf)?, "--out", path_str(&dir.join("out.nflash"))?]);
+            c.args(["--quant", "q8_0"]);
+            c
+        }
         (None, _) => {
             let pack = dir.join("input.nflash");
             std::fs::write(&pack, &input.bytes)?;
@@ -556,7 +617,8 @@ fn execute(a: &Args, input: &Input, dir: &Path) -> Result<(Outcome, String)> {
 fn save_failure(out: &Path, n: u64, input: &Input, o: Outcome, detail: &str) -> String {
     let dir = out.join("failures").join(format!("{}-{n:08}-{}", input.target.name(), o.name()));
     let _ = std::fs::create_dir_all(&dir);
-    let name = input.checkpoint.as_ref().map_or("input.nflash".to_string(), |(_, f)| f.clone());
+    let plain = if input.target == Target::Gguf { "input.gguf" } else { "input.nflash" };
+    let name = input.checkpoint.as_ref().map_or(plain.to_string(), |(_, f)| f.clone());
     let _ = std::fs::write(dir.join(&name), &input.bytes);
     if let Ok(mut f) = std::fs::File::create(dir.join("report.txt")) {
         let _ = writeln!(

@@ -226,3 +226,104 @@ fn remove_last(v: &mut Value, path: &[Step]) {
         }
     }
 }
+
+/// The header fields of a valid GGUF file: `(offset, width in bytes)` of
+/// its counts, every metadata key's length and value type, every array's
+/// element type and length and its first strings' lengths, every scalar
+/// string's length, and every tensor info's name length, `n_dims`, `ne`,
+/// type and offset; with the `ne` fields of each tensor grouped apart (for
+/// [`gguf_overflow`]). Where llama.cpp's GGUF loader had its integer
+/// overflows (n_tensors × size, n_dims, array and string lengths, `ne`
+/// products).
+pub fn gguf_fields(b: &[u8]) -> (Vec<(usize, usize)>, Vec<Vec<usize>>) {
+    let mut fields = vec![(8, 8), (16, 8)];
+    let mut dims = Vec::new();
+    let rd = |p: usize, w: usize| -> u64 {
+        let mut v = [0u8; 8];
+        v[..w].copy_from_slice(&b[p..p + w]);
+        u64::from_le_bytes(v)
+    };
+    let (n_t, n_kv) = (rd(8, 8), rd(16, 8));
+    let mut p = 24usize;
+    fn skip(b: &[u8], p: &mut usize, t: u64, fields: &mut Vec<(usize, usize)>, depth: usize) {
+        let rd = |p: usize| u64::from_le_bytes(b[p..p + 8].try_into().unwrap());
+        match t {
+            0 | 1 | 7 => *p += 1,
+            2 | 3 => *p += 2,
+            4..=6 => *p += 4,
+            10..=12 => *p += 8,
+            8 => {
+                if depth < 3 {
+                    fields.push((*p, 8));
+                }
+                *p += 8 + rd(*p) as usize;
+            }
+            _ => {
+                fields.push((*p, 4));
+                fields.push((*p + 4, 8));
+                let et = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap()) as u64;
+                let n = rd(*p + 4);
+                *p += 12;
+                for i in 0..n {
+                    skip(b, p, et, fields, if i < 2 { depth + 1 } else { 9 });
+                }
+            }
+        }
+    }
+    for _ in 0..n_kv {
+        fields.push((p, 8));
+        p += 8 + rd(p, 8) as usize;
+        fields.push((p, 4));
+        let t = rd(p, 4);
+        p += 4;
+        skip(b, &mut p, t, &mut fields, 0);
+    }
+    for _ in 0..n_t {
+        fields.push((p, 8));
+        p += 8 + rd(p, 8) as usize;
+        fields.push((p, 4));
+        let nd = rd(p, 4) as usize;
+        p += 4;
+        let mut ne = Vec::new();
+        for _ in 0..nd {
+            fields.push((p, 8));
+            ne.push(p);
+            p += 8;
+        }
+        dims.push(ne);
+        fields.push((p, 4));
+        fields.push((p + 4, 8));
+        p += 12;
+    }
+    (fields, dims)
+}
+
+/// Writes extreme integer number `step` of the walk over the GGUF header
+/// `fields` × [`extremes`], at each field's width.
+pub fn gguf_extreme(bytes: &mut [u8], fields: &[(usize, usize)], step: u64) {
+    if fields.is_empty() {
+        return;
+    }
+    let values = extremes(bytes.len() as u64);
+    let (at, w) = fields[(step % fields.len() as u64) as usize];
+    let v = values[(step / fields.len() as u64) as usize % values.len()];
+    bytes[at..at + w].copy_from_slice(&v.to_le_bytes()[..w]);
+}
+
+/// Makes one tensor's element count overflow: two of its dimensions set to
+/// large values whose product wraps (`2^32 · 2^32`, `2^62 · 4`, …), or one
+/// dimension so large that its byte size wraps.
+pub fn gguf_overflow(bytes: &mut [u8], dims: &[Vec<usize>], rng: &mut StdRng) {
+    let Some(ne) = dims.get(rng.random_range(0..dims.len().max(1))) else { return };
+    const PAIRS: [(u64, u64); 5] =
+        [(1 << 32, 1 << 32), (1 << 62, 4), (u64::MAX / 2 + 1, 2), (1 << 61, 1 << 3), (3, 1 << 63)];
+    let (a, b) = PAIRS[rng.random_range(0..PAIRS.len())];
+    match ne.as_slice() {
+        [] => {}
+        [only] => bytes[*only..*only + 8].copy_from_slice(&(1u64 << 62).to_le_bytes()),
+        [x, y, ..] => {
+            bytes[*x..*x + 8].copy_from_slice(&a.to_le_bytes());
+            bytes[*y..*y + 8].copy_from_slice(&b.to_le_bytes());
+        }
+    }
+}
