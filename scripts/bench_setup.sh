@@ -7,7 +7,9 @@
 #     LLAMA_BUILD=OFF).
 #  2. llama.cpp from the source that the pinned llama-cpp-python sdist vendors
 #     (vendor/llama.cpp), compiled with CMake twice, each into its own
-#     directory with libllama.so and llama-completion in build/bin/:
+#     directory with libllama.so, llama-completion, and llama-quantize and
+#     llama-tokenize (the GGUF tests: tests/tests/gguf.rs,
+#     scripts/make_gguf_fixtures.py, scripts/tokenize_fixture.py) in build/bin/:
 #       bench-out/llama-native/  -DGGML_NATIVE=ON (-march=native, what a plain
 #                                `pip install llama-cpp-python` or `cmake -B
 #                                build` gives), minus every extension that
@@ -140,6 +142,7 @@ build() {
     local bin="$dir/build/bin/llama-completion" log="$dir/build.log"
     mkdir -p "$dir"
     if [ -x "$bin" ] && [ -f "$dir/build/bin/libllama.so" ] && [ "$bin" -nt "$SRC" ] \
+       && [ -x "$dir/build/bin/llama-quantize" ] && [ -x "$dir/build/bin/llama-tokenize" ] \
        && [ "$(cat "$dir/flags" 2>/dev/null)" = "$args" ] \
        && [ -z "$(find "$SRC" -newer "$bin" -print -quit)" ]; then
         echo "bench_setup: llama.cpp ($name) is up to date: $bin"
@@ -152,7 +155,7 @@ build() {
     start=$(date +%s)
     # shellcheck disable=SC2086  # args is a list of flags
     if ! { PATH="$VENV/bin:$PATH" eval cmake -S "\"$SRC\"" -B "\"$dir/build\"" -G Ninja $args \
-           && PATH="$VENV/bin:$PATH" cmake --build "$dir/build" --target llama llama-completion \
+           && PATH="$VENV/bin:$PATH" cmake --build "$dir/build" --target llama llama-completion llama-quantize llama-tokenize \
                   --parallel "$JOBS"; } >"$log" 2>&1; then
         echo "bench_setup: llama.cpp ($name) build failed; last lines of $log:" >&2
         tail -n 40 "$log" >&2

@@ -831,3 +831,86 @@ pub fn check_placement_and_threads(path: &Path) {
         }
     }
 }
+
+/// The header of a valid GGUF file, walked by hand (GGUF v3: counts,
+/// metadata, tensor infos, data aligned to 32), independently of prep's
+/// reader: for tests that compare with the bytes llama.cpp wrote, and for
+/// the fuzzer's structure-aware mutations.
+pub struct GgufLayout {
+    /// `(offset, width in bytes)` of every integer field of the header:
+    /// the counts, each key's length and value type, each array's element
+    /// type and length and its first strings' lengths, each scalar
+    /// string's length, and each tensor info's name length, `n_dims`,
+    /// `ne`, type and offset.
+    pub fields: Vec<(usize, usize)>,
+    /// Per tensor: name, the offsets of its `ne` fields, ggml type, data
+    /// offset (relative to the data section).
+    pub tensors: Vec<(String, Vec<usize>, u32, u64)>,
+    /// Where the data section starts.
+    pub data_start: usize,
+}
+
+/// Walks the header of `b` ([`GgufLayout`]); panics on a file that is not
+/// a valid GGUF (the seeds and fixtures are).
+pub fn gguf_layout(b: &[u8]) -> GgufLayout {
+    let rd = |p: usize, w: usize| -> u64 {
+        let mut v = [0u8; 8];
+        v[..w].copy_from_slice(&b[p..p + w]);
+        u64::from_le_bytes(v)
+    };
+    fn value(b: &[u8], p: &mut usize, t: u64, fields: &mut Vec<(usize, usize)>, depth: usize) {
+        let rd = |p: usize| u64::from_le_bytes(b[p..p + 8].try_into().unwrap());
+        match t {
+            0 | 1 | 7 => *p += 1,
+            2 | 3 => *p += 2,
+            4..=6 => *p += 4,
+            10..=12 => *p += 8,
+            8 => {
+                if depth < 3 {
+                    fields.push((*p, 8));
+                }
+                *p += 8 + rd(*p) as usize;
+            }
+            9 => {
+                fields.push((*p, 4));
+                fields.push((*p + 4, 8));
+                let et = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap()) as u64;
+                let n = rd(*p + 4);
+                *p += 12;
+                for i in 0..n {
+                    value(b, p, et, fields, if i < 2 { depth + 1 } else { 9 });
+                }
+            }
+            _ => panic!("GGUF value type {t}"),
+        }
+    }
+    let mut fields = vec![(8, 8), (16, 8)];
+    let (n_t, n_kv) = (rd(8, 8), rd(16, 8));
+    let mut p = 24usize;
+    for _ in 0..n_kv {
+        fields.push((p, 8));
+        p += 8 + rd(p, 8) as usize;
+        fields.push((p, 4));
+        let t = rd(p, 4);
+        p += 4;
+        value(b, &mut p, t, &mut fields, 0);
+    }
+    let mut tensors = Vec::new();
+    for _ in 0..n_t {
+        fields.push((p, 8));
+        let n = rd(p, 8) as usize;
+        let name = String::from_utf8(b[p + 8..p + 8 + n].to_vec()).unwrap();
+        p += 8 + n;
+        fields.push((p, 4));
+        let nd = rd(p, 4) as usize;
+        p += 4;
+        let ne: Vec<usize> = (0..nd).map(|i| p + 8 * i).collect();
+        fields.extend(ne.iter().map(|&q| (q, 8)));
+        p += 8 * nd;
+        fields.push((p, 4));
+        fields.push((p + 4, 8));
+        tensors.push((name, ne, rd(p, 4) as u32, rd(p + 4, 8)));
+        p += 12;
+    }
+    GgufLayout { fields, tensors, data_start: p.div_ceil(32) * 32 }
+}

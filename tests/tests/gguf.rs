@@ -71,77 +71,29 @@ fn pack_tensor(pack: &Pack, name: &str) -> Vec<u8> {
     pack.tensor(name).unwrap_or_else(|e| panic!("{name} in the pack: {e}")).1.to_vec()
 }
 
-/// The data of GGUF tensor `name`, read by hand from the file's header
-/// (GGUF v3: counts, metadata, tensor infos, aligned data) with only the
-/// size rules of Q8_0 and F32.
+/// The data of GGUF tensor `name`, found by walking the file's header by
+/// hand ([`nflash_tests::gguf_layout`]) with only the size rules of Q8_0,
+/// Q4_0 and F32.
 fn gguf_tensor(path: &Path, name: &str) -> Vec<u8> {
     let b = std::fs::read(path).unwrap();
-    let mut p = 8usize;
-    let u64_at = |p: &mut usize| {
-        let v = u64::from_le_bytes(b[*p..*p + 8].try_into().unwrap());
-        *p += 8;
-        v
+    let l = nflash_tests::gguf_layout(&b);
+    let (_, ne, ty, off) =
+        l.tensors.iter().find(|t| t.0 == name).unwrap_or_else(|| panic!("{name} in {}", path.display()));
+    let elems: u64 = ne.iter().map(|&p| u64::from_le_bytes(b[p..p + 8].try_into().unwrap())).product();
+    let bytes = match ty {
+        0 => elems * 4,
+        8 => elems / 32 * 34,
+        2 => elems / 32 * 18,
+        _ => panic!("{name} is of type {ty}"),
     };
-    let u32_at = |p: &mut usize| {
-        let v = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap());
-        *p += 4;
-        v
-    };
-    let (n_t, n_kv) = (u64_at(&mut p), u64_at(&mut p));
-    fn skip(b: &[u8], p: &mut usize, t: u32) {
-        let rd = |p: &mut usize| {
-            let v = u64::from_le_bytes(b[*p..*p + 8].try_into().unwrap());
-            *p += 8;
-            v
-        };
-        match t {
-            0 | 1 | 7 => *p += 1,
-            2 | 3 => *p += 2,
-            4..=6 => *p += 4,
-            10..=12 => *p += 8,
-            8 => {
-                let n = rd(p);
-                *p += n as usize;
-            }
-            9 => {
-                let et = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap());
-                *p += 4;
-                for _ in 0..rd(p) {
-                    skip(b, p, et);
-                }
-            }
-            _ => panic!("type {t}"),
-        }
-    }
-    for _ in 0..n_kv {
-        let n = u64_at(&mut p) as usize;
-        p += n;
-        let t = u32_at(&mut p);
-        skip(&b, &mut p, t);
-    }
-    let mut found = None;
-    for _ in 0..n_t {
-        let n = u64_at(&mut p) as usize;
-        let tname = std::str::from_utf8(&b[p..p + n]).unwrap().to_string();
-        p += n;
-        let dims = u32_at(&mut p);
-        let ne: Vec<u64> = (0..dims).map(|_| u64_at(&mut p)).collect();
-        let ty = u32_at(&mut p);
-        let off = u64_at(&mut p);
-        if tname == name {
-            let elems: u64 = ne.iter().product();
-            let bytes = match ty {
-                0 => elems * 4,
-                8 => elems / 32 * 34,
-                2 => elems / 32 * 18,
-                _ => panic!("{name} is of type {ty}"),
-            };
-            found = Some((off, bytes as usize));
-        }
-    }
-    let start = p.div_ceil(32) * 32;
-    let (off, bytes) = found.unwrap_or_else(|| panic!("{name} in {}", path.display()));
-    b[start + off as usize..][..bytes].to_vec()
+    b[l.data_start + *off as usize..][..bytes as usize].to_vec()
+}
+
+/// Asserts that `nflash run` answers the demo question with Paris.
+fn assert_answers_paris(pack: &Path) {
+    let args = ["run", "--model", pack.to_str().unwrap(), "--chat", "--prompt", "What is the capital of France?"];
+    let o = run("nflash", &[&args[..], &["--temperature", "0"]].concat());
+    assert!(String::from_utf8_lossy(&o.stdout).contains("Paris"), "{}", String::from_utf8_lossy(&o.stdout));
 }
 
 /// `llama-quantize --pure` of the demo GGUF as `ty`, made once by the
@@ -228,9 +180,11 @@ fn q8_0_blocks_of_a_llama_cpp_gguf_are_copied_bit_for_bit() {
     let t = tmp();
     let g = repo_root().join("tests/data/gguf/tiny-llama-q8_0.gguf");
     let p = t.path().join("q.nflash");
-    let o = nflash_tests::prep_convert(&g, &p, &["--quant", "q8_0"]);
+    // Without --quant, the GGUF's own type.
+    let o = nflash_tests::prep_convert(&g, &p, &[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let log = String::from_utf8_lossy(&o.stderr);
+    assert!(log.contains("--quant q8_0, the GGUF's own type"), "{log}");
     // Embedding, output, and per layer q, k, v, o, gate, up.
     assert!(log.contains("14 matrices copied bit for bit as q8_0"), "{log}");
     assert!(log.contains("requantized as q8_0: relative RMS error"), "{log}");
@@ -293,20 +247,7 @@ fn gguf_pack_matches_the_hf_converted_pack() {
     let err = rel_error(&ours.0, &theirs.0);
     assert!(err < 1e-2, "relative logit error {err}");
     assert!(top1_agreement(&ours.0, &theirs.0) >= 0.95);
-    let o = run(
-        "nflash",
-        &[
-            "run",
-            "--model",
-            g.to_str().unwrap(),
-            "--chat",
-            "--prompt",
-            "What is the capital of France?",
-            "--temperature",
-            "0",
-        ],
-    );
-    assert!(String::from_utf8_lossy(&o.stdout).contains("Paris"), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_answers_paris(&g);
 }
 
 #[test]
@@ -342,4 +283,92 @@ fn tiny_ggufs_of_every_architecture_match_their_hf_twins() {
             assert!(a == b, "{name} ({path}): logits differ from the Hugging Face twin's, max |difference| {max:e}");
         }
     }
+}
+
+#[test]
+fn smollm2_gguf_from_convert_hf_to_gguf_matches_the_hf_converted_pack() {
+    // target/test-packs/smollm2-hf-q8_0.gguf, where scripts/gguf_acceptance.sh
+    // made it with llama.cpp's own tools (convert_hf_to_gguf.py --outtype
+    // bf16 of make model's checkpoint, then llama-quantize --pure Q8_0; they
+    // need torch, which make test does not install).
+    let g = repo_root().join("target/test-packs/smollm2-hf-q8_0.gguf");
+    if !g.exists() {
+        eprintln!("skipping: {} is made by scripts/gguf_acceptance.sh", g.display());
+        return;
+    }
+    let t = tmp();
+    let p = t.path().join("g.nflash");
+    convert(&g, &p, "q8_0");
+    let hf = crate::smollm2::pack("q8_0");
+    let (pg, ph) = (Pack::open(&p).unwrap(), Pack::open(&hf).unwrap());
+    assert_eq!(pg.manifest().config, ph.manifest().config);
+    // ggml's Q8_0 quantization of the BF16 weights and nflash's give the
+    // same blocks: every matrix but the down projection is the same bytes.
+    let mut same = 0;
+    for e in ph.manifest().tensors.iter().filter(|e| e.dtype == nflash_format::DType::Q8_0) {
+        assert_eq!(pack_tensor(&pg, &e.name), pack_tensor(&ph, &e.name), "{}", e.name);
+        same += 1;
+    }
+    assert_eq!(same, 1 + 30 * 4);
+    let row = 576 / 32 * 34;
+    for l in 0..30 {
+        let (fg, fh) = (pg.ffn_layer(l).unwrap(), ph.ffn_layer(l).unwrap());
+        let (sg, sh) = (pg.segment(fg.segment).unwrap(), ph.segment(fh.segment).unwrap());
+        for (cg, ch) in fg.clusters.iter().zip(&fh.clusters) {
+            for k in 0..cg.n_neurons as usize {
+                let at = k * fg.bundle.bundle_bytes as usize;
+                let (a, b) = (&sg[cg.offset as usize + at..], &sh[ch.offset as usize + at..]);
+                assert_eq!(a[..2 * row], b[..2 * row], "layer {l} neuron {} gate/up", cg.first as usize + k);
+            }
+        }
+    }
+    assert_answers_paris(&p);
+}
+
+#[test]
+fn gguf_input_profiles_trains_predictors_and_plans_as_hf_input_does() {
+    // A sparse conversion planned for a device, from a GGUF (a mixture of
+    // experts, so routing statistics are gathered too), then a run within
+    // the plan's budget.
+    let t = tmp();
+    let g = repo_root().join("tests/data/gguf/tiny-mixtral-f32.gguf");
+    let calib = t.path().join("calib.txt");
+    let (text, _) = nflash_tests::eval_text();
+    std::fs::write(&calib, &text[..text.len().min(20_000)]).unwrap();
+    let p = t.path().join("s.nflash");
+    let profile = repo_root().join("profiles/dev-host.toml");
+    let mut flags = vec!["--quant", "q8_0", "--cluster-bytes", "1KiB", "--calib", calib.to_str().unwrap()];
+    flags.extend(nflash_tests::QUICK_CALIB);
+    flags.extend([
+        "--sparsity",
+        "0.5",
+        "--device",
+        profile.to_str().unwrap(),
+        "--memory-budget",
+        "48MiB",
+        "--ctx",
+        "64",
+    ]);
+    let o = nflash_tests::prep_convert(&g, &p, &flags);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let pack = Pack::open(&p).unwrap();
+    let m = pack.manifest();
+    assert!(m.sparse.is_some() && m.plan.is_some(), "a sparse pack with a plan");
+    assert!(m.ffn.iter().all(|f| f.sparse.is_some()), "every expert has its sparsity settings");
+    let o = run(
+        "nflash",
+        &[
+            "run",
+            "--model",
+            p.to_str().unwrap(),
+            "--raw",
+            "--prompt",
+            "The city",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }

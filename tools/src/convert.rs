@@ -23,9 +23,10 @@ pub struct ConvertArgs {
     /// Output .nflash file (written to a temporary file, then renamed).
     #[arg(long)]
     out: PathBuf,
-    /// Weight type: q4_0, q8_0 (GGML-compatible blocks), f16 or f32.
-    #[arg(long, default_value = "q4_0")]
-    quant: DType,
+    /// Weight type: q4_0, q8_0 (GGML-compatible blocks), f16 or f32
+    /// [default: q4_0; for a GGUF of Q8_0 or Q4_0 matrices, its own type, whose blocks are then copied].
+    #[arg(long)]
+    quant: Option<DType>,
     /// Target size of one neuron cluster (a run of FFN neuron bundles read
     /// together), e.g. 64KiB. Default: chosen by the planner for --device, else 64KiB.
     #[arg(long, value_parser = nflash_plan::planner::parse_bytes)]
@@ -259,6 +260,14 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     let mut stages = Stages::start();
     let ck = Checkpoint::open_any(&a.model)?;
+    let quant = match (a.quant, ck.gguf().and_then(|g| g.own_quant())) {
+        (Some(q), _) => q,
+        (None, Some(q)) => {
+            message!("note: --quant {q}, the GGUF's own type (its blocks are copied); pass --quant to choose another");
+            q
+        }
+        (None, None) => DType::Q4_0,
+    };
     for (k, v) in &ck.defaults_used {
         message!(
             "note: config.json has no {k}; using {v}, the default of transformers' config class for {}",
@@ -295,16 +304,16 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         cfg.intermediate_size,
         ck.tensor_count(),
         a.out.display(),
-        a.quant
+        quant
     );
     stages.mark("open + check");
-    let plan = a.sparse.plan(&ck, &a.model, a.quant, &mut stages)?;
+    let plan = a.sparse.plan(&ck, &a.model, quant, &mut stages)?;
     // Cluster size: given, or matched to the device's reads and the expected need of cold neurons.
     let cluster_bytes = match (a.cluster_bytes, &device) {
         (Some(c), _) => c,
         (None, None) => 64 * 1024,
         (None, Some(dev)) => {
-            let bundle = nflash_format::BundleLayout::new(a.quant, cfg.hidden_size).map_or(1, |b| b.bundle_bytes);
+            let bundle = nflash_format::BundleLayout::new(quant, cfg.hidden_size).map_or(1, |b| b.bundle_bytes);
             let n = cfg.intermediate_size as usize;
             let p = match &plan {
                 Some(sp) => {
@@ -360,12 +369,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     write_pack(
         &ck,
         &a.out,
-        &PackOptions {
-            quant: a.quant,
-            cluster_bytes,
-            cluster_align: 4096,
-            alignment: nflash_format::DEFAULT_ALIGNMENT,
-        },
+        &PackOptions { quant, cluster_bytes, cluster_align: 4096, alignment: nflash_format::DEFAULT_ALIGNMENT },
         plan.as_ref(),
         planner.as_ref().map(|p| p as crate::pack::Planner),
     )?;

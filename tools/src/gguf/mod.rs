@@ -278,6 +278,27 @@ impl GgufStore {
         self.files.iter().position(|f| f.tensor(tensor).is_some())
     }
 
+    /// The type of the model's weight matrices when it is Q8_0 or Q4_0
+    /// (the type of most 2-D tensors), so a pack of that type copies their
+    /// blocks; `None` for other types.
+    pub fn own_quant(&self) -> Option<nflash_format::DType> {
+        let (mut q8, mut q4, mut other) = (0usize, 0usize, 0usize);
+        for t in self.files.iter().flat_map(|f| &f.tensors).filter(|t| t.ne.len() >= 2) {
+            match t.ggml {
+                GgmlType::Q8_0 => q8 += 1,
+                GgmlType::Q4_0 => q4 += 1,
+                _ => other += 1,
+            }
+        }
+        if q8 > q4.max(other) {
+            Some(nflash_format::DType::Q8_0)
+        } else if q4 > q8.max(other) {
+            Some(nflash_format::DType::Q4_0)
+        } else {
+            None
+        }
+    }
+
     /// The first part's path (for messages).
     pub fn path(&self) -> &Path {
         &self.files[0].path

@@ -227,75 +227,13 @@ fn remove_last(v: &mut Value, path: &[Step]) {
     }
 }
 
-/// The header fields of a valid GGUF file: `(offset, width in bytes)` of
-/// its counts, every metadata key's length and value type, every array's
-/// element type and length and its first strings' lengths, every scalar
-/// string's length, and every tensor info's name length, `n_dims`, `ne`,
-/// type and offset; with the `ne` fields of each tensor grouped apart (for
-/// [`gguf_overflow`]). Where llama.cpp's GGUF loader had its integer
-/// overflows (n_tensors × size, n_dims, array and string lengths, `ne`
-/// products).
+/// The header fields of a valid GGUF file ([`nflash_tests::gguf_layout`])
+/// and each tensor's `ne` fields apart (for [`gguf_overflow`]): where
+/// llama.cpp's GGUF loader had its integer overflows (n_tensors × size,
+/// n_dims, array and string lengths, `ne` products).
 pub fn gguf_fields(b: &[u8]) -> (Vec<(usize, usize)>, Vec<Vec<usize>>) {
-    let mut fields = vec![(8, 8), (16, 8)];
-    let mut dims = Vec::new();
-    let rd = |p: usize, w: usize| -> u64 {
-        let mut v = [0u8; 8];
-        v[..w].copy_from_slice(&b[p..p + w]);
-        u64::from_le_bytes(v)
-    };
-    let (n_t, n_kv) = (rd(8, 8), rd(16, 8));
-    let mut p = 24usize;
-    fn skip(b: &[u8], p: &mut usize, t: u64, fields: &mut Vec<(usize, usize)>, depth: usize) {
-        let rd = |p: usize| u64::from_le_bytes(b[p..p + 8].try_into().unwrap());
-        match t {
-            0 | 1 | 7 => *p += 1,
-            2 | 3 => *p += 2,
-            4..=6 => *p += 4,
-            10..=12 => *p += 8,
-            8 => {
-                if depth < 3 {
-                    fields.push((*p, 8));
-                }
-                *p += 8 + rd(*p) as usize;
-            }
-            _ => {
-                fields.push((*p, 4));
-                fields.push((*p + 4, 8));
-                let et = u32::from_le_bytes(b[*p..*p + 4].try_into().unwrap()) as u64;
-                let n = rd(*p + 4);
-                *p += 12;
-                for i in 0..n {
-                    skip(b, p, et, fields, if i < 2 { depth + 1 } else { 9 });
-                }
-            }
-        }
-    }
-    for _ in 0..n_kv {
-        fields.push((p, 8));
-        p += 8 + rd(p, 8) as usize;
-        fields.push((p, 4));
-        let t = rd(p, 4);
-        p += 4;
-        skip(b, &mut p, t, &mut fields, 0);
-    }
-    for _ in 0..n_t {
-        fields.push((p, 8));
-        p += 8 + rd(p, 8) as usize;
-        fields.push((p, 4));
-        let nd = rd(p, 4) as usize;
-        p += 4;
-        let mut ne = Vec::new();
-        for _ in 0..nd {
-            fields.push((p, 8));
-            ne.push(p);
-            p += 8;
-        }
-        dims.push(ne);
-        fields.push((p, 4));
-        fields.push((p + 4, 8));
-        p += 12;
-    }
-    (fields, dims)
+    let l = nflash_tests::gguf_layout(b);
+    (l.fields, l.tensors.into_iter().map(|t| t.1).collect())
 }
 
 /// Writes extreme integer number `step` of the walk over the GGUF header
