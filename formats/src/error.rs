@@ -23,6 +23,11 @@ pub enum Error {
     /// The first 8 bytes are not `NFLASHPK` (SPEC §2).
     #[error("{path}: bad magic {found:02x?}: not an nflash pack (expected \"NFLASHPK\"); pass a .nflash file written by `prep convert`")]
     BadMagic { path: PathBuf, found: [u8; 8] },
+    /// The file is a GGUF model (llama.cpp), not a pack.
+    #[error(
+        "{path} is a GGUF file, not an nflash pack; convert it first: prep convert --model {path} --out MODEL.nflash"
+    )]
+    Gguf { path: PathBuf },
     /// The pack was written by a newer format version than this build reads.
     #[error("{path}: pack format version {major}.{minor} is newer than this build supports ({sup_major}.{sup_minor}); use nflash/prep {need} or newer, or re-create the pack with this prep")]
     NewerVersion { path: PathBuf, major: u16, minor: u16, sup_major: u16, sup_minor: u16, need: String },

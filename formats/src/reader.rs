@@ -117,6 +117,9 @@ impl Pack {
         let hb: &[u8; HEADER_BYTES] = hbuf[..].try_into().expect("length checked");
         let header = Header::from_bytes(hb);
         if header.magic != MAGIC {
+            if header.magic.starts_with(b"GGUF") {
+                return Err(Error::Gguf { path });
+            }
             return Err(Error::BadMagic { path, found: header.magic });
         }
         if header.major < VERSION_MAJOR {

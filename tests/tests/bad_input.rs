@@ -246,9 +246,14 @@ fn pack_with_wrong_magic() {
     let tmp = tempfile::tempdir().unwrap();
     let pack = tiny_pack(tmp.path());
     edit_file(&pack, |bytes| {
-        bytes[0..8].copy_from_slice(b"GGUF\x03\0\0\0");
+        bytes[0..8].copy_from_slice(b"NFLASHPX");
     });
     all_readers_fail("wrong magic", &pack, &["magic", "not an nflash pack", "prep convert"]);
+    // A GGUF (llama.cpp's format) is named as one, with the command that converts it.
+    edit_file(&pack, |bytes| {
+        bytes[0..8].copy_from_slice(b"GGUF\x03\0\0\0");
+    });
+    all_readers_fail("GGUF magic", &pack, &["is a GGUF file, not an nflash pack", "prep convert --model"]);
 }
 
 fn set_major(pack: &Path, major: u16) {

@@ -197,7 +197,7 @@ fn q8_0_blocks_of_a_llama_cpp_gguf_are_copied_bit_for_bit() {
     assert!(
         o.status.success()
             && !log.contains("copied bit for bit")
-            && log.contains("14 other matrices (14 Q8_0) quantized as q4_0"),
+            && log.contains("14 matrices (14 Q8_0) dequantized and quantized as q4_0: relative RMS error"),
         "{log}"
     );
 }
@@ -211,7 +211,8 @@ fn smollm2_q8_0_and_q4_0_ggufs_are_copied_bit_for_bit() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let log = String::from_utf8_lossy(&o.stderr);
     assert!(log.contains("1 matrix copied bit for bit as q8_0"), "{log}");
-    assert!(log.contains("Q4_1, a type nflash has no kernels for"), "{log}");
+    assert!(log.contains("180 matrices (180 Q4_1) dequantized and quantized as q8_0: relative RMS error"), "{log}");
+    assert!(log.contains("nflash has no kernels for Q4_1"), "{log}");
     assert!(log.contains("relative RMS error"), "{log}");
     let pack = Pack::open(&p).unwrap();
     assert_eq!(pack_tensor(&pack, "model.embed_tokens.weight"), gguf_tensor(&demo_gguf(), "token_embd.weight"));
@@ -371,4 +372,28 @@ fn gguf_input_profiles_trains_predictors_and_plans_as_hf_input_does() {
         ],
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn a_gguf_given_where_a_pack_or_a_type_is_expected_gets_advice() {
+    // nflash run on a GGUF says to convert it first.
+    let g = repo_root().join("tests/data/gguf/tiny-llama-f32.gguf");
+    let o = run("nflash", &["run", "--model", g.to_str().unwrap(), "--prompt", "x"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("is a GGUF file, not an nflash pack") && err.contains("prep convert"),
+        "{err}"
+    );
+    // A GGUF of a type without kernels (Q4_1) defaults to q8_0, saying why.
+    let t = tmp();
+    let o = nflash_tests::prep_convert(&demo_gguf(), &t.path().join("d.nflash"), &[]);
+    let log = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success() && log.contains("note: --quant q8_0, since the GGUF's type has no nflash kernels"),
+        "{log}"
+    );
+    // An F32 GGUF keeps the usual default, q4_0.
+    let o = nflash_tests::prep_convert(&g, &t.path().join("f.nflash"), &[]);
+    let log = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !log.contains("note: --quant") && log.contains("quantized as q4_0"), "{log}");
 }

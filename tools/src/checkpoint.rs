@@ -885,14 +885,17 @@ impl Checkpoint {
     /// settings, a shard listed in the index but absent, unreadable headers.
     pub fn open(dir: &Path) -> Result<Self> {
         if !dir.exists() {
-            bail!("{} does not exist; pass a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)", dir.display());
+            bail!("{} does not exist; pass a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) or a GGUF file", dir.display());
         }
         if !dir.is_dir() {
-            bail!("{} is not a directory; pass a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)", dir.display());
+            bail!("{} is not a directory or a .gguf file; pass a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) or a GGUF file", dir.display());
         }
         let cfg_path = dir.join("config.json");
         if !cfg_path.exists() {
-            bail!("{} has no config.json; is it a Hugging Face checkpoint directory?", dir.display());
+            bail!(
+                "{} has no config.json and no .gguf file; pass a Hugging Face checkpoint directory or a GGUF file",
+                dir.display()
+            );
         }
         let cfg = read_json(&cfg_path)?;
         let gen_path = dir.join("generation_config.json");

@@ -24,7 +24,7 @@ pub struct ConvertArgs {
     #[arg(long)]
     out: PathBuf,
     /// Weight type: q4_0, q8_0 (GGML-compatible blocks), f16 or f32
-    /// [default: q4_0; for a GGUF of Q8_0 or Q4_0 matrices, its own type, whose blocks are then copied].
+    /// [default: q4_0; for a GGUF: its own type if Q8_0 or Q4_0 (blocks copied), q8_0 for Q4_1/Q5_x/K-quants].
     #[arg(long)]
     quant: Option<DType>,
     /// Target size of one neuron cluster (a run of FFN neuron bundles read
@@ -262,8 +262,8 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     let ck = Checkpoint::open_any(&a.model)?;
     let quant = match (a.quant, ck.gguf().and_then(|g| g.own_quant())) {
         (Some(q), _) => q,
-        (None, Some(q)) => {
-            message!("note: --quant {q}, the GGUF's own type (its blocks are copied); pass --quant to choose another");
+        (None, Some((q, why))) => {
+            message!("note: --quant {q}, {why}; pass --quant to choose another");
             q
         }
         (None, None) => DType::Q4_0,

@@ -219,7 +219,7 @@ pub fn write_pack(
             pb.inc(1);
             continue;
         }
-        let lossy = gguf.note_requantized(ck, &r.name, r.dtype)?;
+        let lossy = r.shape.len() == 2 && gguf.note_requantized(ck, &r.name, r.dtype)?;
         let mut data = ck.tensor_f32(&r.name, &r.shape)?;
         check_range(&r.name, &r.shape, &data, r.dtype)?;
         if let (Some(plan), Some(l)) = (plan, ffn_bias_layer(&r.name)) {
@@ -289,10 +289,9 @@ pub fn write_pack(
         // §4.4); a GGUF's blocks run along n_ff, so it is always requantized.
         let down = ck.tensor_f32(&names[2], &[h, inter])?; // [hidden, inter]
         check_range(&names[2], &[h, inter], &down, opts.quant)?;
-        gguf.note_down(ck, &names[2], opts.quant)?;
+        gguf.note_down(ck, &names[2])?;
 
-        let down_error =
-            ck.gguf().filter(|_| matches!(opts.quant, DType::Q4_0 | DType::Q8_0)).map(|_| RequantError::default());
+        let down_error = ck.gguf().filter(|_| opts.quant != DType::F32).map(|_| RequantError::default());
         // Packed order: hot first for a sparse pack, original order for a dense one.
         let order: Vec<u32> = plan.map_or_else(|| (0..inter as u32).collect(), |p| p.layers[l].order.clone());
         let bundles: Vec<Vec<u8>> = order
@@ -557,72 +556,81 @@ impl RequantError {
 struct GgufReport {
     /// Matrices whose blocks were copied bit for bit.
     copied: usize,
-    /// Matrices requantized, by their GGUF type: count.
+    /// Matrices converted rather than copied, by their GGUF type: count.
     requantized: std::collections::BTreeMap<String, usize>,
     /// FFN down projections requantized along hidden, and their GGUF types.
     down: std::collections::BTreeMap<String, usize>,
     /// The error requantizing the down projections added.
     down_error: RequantError,
-    /// The error requantizing the other matrices of types without kernels added.
+    /// The error requantizing the other matrices of quantized GGUF types added.
     lossy_error: RequantError,
 }
 
+/// Whether GGUF type `t` (by name) is a float type.
+fn float_type(t: &str) -> bool {
+    matches!(t, "F32" | "F16" | "BF16")
+}
+
 impl GgufReport {
-    /// Counts matrix `name` as requantized to `dtype` (a GGUF input
-    /// only; F32 vectors are not counted); `true` where its GGUF type is
-    /// one nflash has no kernels for (K-quants, Q4_1, Q5_0, Q5_1).
+    /// Counts matrix `name` as converted to `dtype` rather than copied (a
+    /// GGUF input only); `true` where that rounds a quantized GGUF type
+    /// again, whose added error is then measured.
     fn note_requantized(&mut self, ck: &Checkpoint, name: &str, dtype: DType) -> Result<bool> {
-        let Some(g) = ck.gguf().filter(|_| matches!(dtype, DType::Q4_0 | DType::Q8_0)) else { return Ok(false) };
+        let Some(g) = ck.gguf() else { return Ok(false) };
         let t = g.ggml_type(name)?.name();
-        let lossy = !matches!(t.as_str(), "F32" | "F16" | "BF16" | "Q8_0" | "Q4_0");
+        let again = !float_type(&t) && dtype != DType::F32;
         *self.requantized.entry(t).or_default() += 1;
-        Ok(lossy)
+        Ok(again)
     }
-    fn note_down(&mut self, ck: &Checkpoint, name: &str, dtype: DType) -> Result<()> {
-        if let Some(g) = ck.gguf().filter(|_| matches!(dtype, DType::Q4_0 | DType::Q8_0)) {
+    fn note_down(&mut self, ck: &Checkpoint, name: &str) -> Result<()> {
+        if let Some(g) = ck.gguf() {
             *self.down.entry(g.ggml_type(name)?.name()).or_default() += 1;
         }
         Ok(())
     }
-    /// Says what was kept bit for bit, what was requantized and with what loss.
+    /// Says what was kept bit for bit, what was converted or requantized,
+    /// and the error requantizing added.
     fn report(&self, quant: DType) {
-        let list = |m: &std::collections::BTreeMap<String, usize>| {
-            m.iter().map(|(t, n)| format!("{n} {t}")).collect::<Vec<_>>().join(", ")
-        };
+        type Counts = std::collections::BTreeMap<String, usize>;
+        let list = |m: &Counts| m.iter().map(|(t, n)| format!("{n} {t}")).collect::<Vec<_>>().join(", ");
+        let plural = |n: usize| if n == 1 { "matrix" } else { "matrices" };
         if self.copied > 0 {
-            message!(
-                "GGUF weights: {} matri{} copied bit for bit as {quant}",
-                self.copied,
-                if self.copied == 1 { "x" } else { "ces" }
-            );
+            message!("GGUF weights: {} {} copied bit for bit as {quant}", self.copied, plural(self.copied));
         }
-        let lossy: std::collections::BTreeMap<String, usize> = self
-            .requantized
-            .iter()
-            .filter(|(t, _)| !matches!(t.as_str(), "F32" | "F16" | "BF16" | "Q8_0" | "Q4_0"))
-            .map(|(t, n)| (t.clone(), *n))
-            .collect();
-        if !self.requantized.is_empty() {
-            let n = self.requantized.values().sum::<usize>();
-            message!(
-                "GGUF weights: {n} other matri{} ({}) quantized as {quant}",
-                if n == 1 { "x" } else { "ces" },
-                list(&self.requantized)
-            );
+        let (float, quantized): (Counts, Counts) =
+            self.requantized.iter().map(|(t, n)| (t.clone(), *n)).partition(|(t, _)| float_type(t));
+        let verb = if matches!(quant, DType::F16 | DType::F32) { "converted to" } else { "quantized as" };
+        if !float.is_empty() {
+            let n = float.values().sum::<usize>();
+            message!("GGUF weights: {n} {} ({}) {verb} {quant}", plural(n), list(&float));
         }
-        if !lossy.is_empty() {
-            let n = lossy.values().sum::<usize>();
-            message!(
-                "warning: {n} matri{} stored as {}, a type nflash has no kernels for, were dequantized and requantized to {quant}: relative RMS error {:.3}% on top of the GGUF's own (a GGUF of Q8_0, Q4_0 or F16 avoids it)",
-                if n == 1 { "x" } else { "ces" },
-                lossy.keys().cloned().collect::<Vec<_>>().join(", "),
-                100.0 * self.lossy_error.relative()
-            );
+        if !quantized.is_empty() {
+            let n = quantized.values().sum::<usize>();
+            let no_kernels: Vec<&str> =
+                quantized.keys().map(String::as_str).filter(|t| !matches!(*t, "Q8_0" | "Q4_0")).collect();
+            let error = if quant == DType::F32 {
+                " (exactly)".to_string()
+            } else {
+                format!(": relative RMS error {:.3}% on top of the GGUF's own", 100.0 * self.lossy_error.relative())
+            };
+            let what = format!("{n} {} ({}) dequantized and {verb} {quant}{error}", plural(n), list(&quantized));
+            if no_kernels.is_empty() || matches!(quant, DType::F16 | DType::F32) {
+                message!("GGUF weights: {what}");
+            } else {
+                message!(
+                    "warning: {what}; nflash has no kernels for {}, so a pack cannot keep its blocks",
+                    no_kernels.join(", ")
+                );
+            }
         }
-
-        if !self.down.is_empty() {
+        if self.down.keys().any(|t| !float_type(t)) && quant != DType::F32 {
+            let hint = if quant == DType::Q4_0 {
+                "; with --quant q8_0 the down projections keep the GGUF's precision much more closely"
+            } else {
+                ""
+            };
             message!(
-                "GGUF weights: the FFN down projections ({}) are stored per neuron along hidden in a pack (SPEC §4.4) but along n_ff in GGUF, so they were dequantized and requantized as {quant}: relative RMS error {:.3}%",
+                "GGUF weights: the FFN down projections ({}) are stored per neuron along hidden in a pack (SPEC §4.4) but along n_ff in GGUF, so they were dequantized and requantized as {quant}: relative RMS error {:.3}%{hint}",
                 list(&self.down),
                 100.0 * self.down_error.relative()
             );

@@ -278,24 +278,25 @@ impl GgufStore {
         self.files.iter().position(|f| f.tensor(tensor).is_some())
     }
 
-    /// The type of the model's weight matrices when it is Q8_0 or Q4_0
-    /// (the type of most 2-D tensors), so a pack of that type copies their
-    /// blocks; `None` for other types.
-    pub fn own_quant(&self) -> Option<nflash_format::DType> {
-        let (mut q8, mut q4, mut other) = (0usize, 0usize, 0usize);
+    /// The pack type that keeps the most of the model's weight matrices
+    /// (the type of most 2-D tensors), and why: Q8_0 or Q4_0 for a GGUF of
+    /// that type (their blocks are copied); Q8_0 for the types nflash has
+    /// no kernels for (Q4_1, Q5_x, K-quants: a second 4-bit rounding would
+    /// add as much error again); `None` for F32/F16/BF16 (the usual default).
+    pub fn own_quant(&self) -> Option<(nflash_format::DType, &'static str)> {
+        let mut counts: HashMap<GgmlType, usize> = HashMap::new();
         for t in self.files.iter().flat_map(|f| &f.tensors).filter(|t| t.ne.len() >= 2) {
-            match t.ggml {
-                GgmlType::Q8_0 => q8 += 1,
-                GgmlType::Q4_0 => q4 += 1,
-                _ => other += 1,
-            }
+            *counts.entry(t.ggml).or_default() += 1;
         }
-        if q8 > q4.max(other) {
-            Some(nflash_format::DType::Q8_0)
-        } else if q4 > q8.max(other) {
-            Some(nflash_format::DType::Q4_0)
-        } else {
-            None
+        let (&most, _) = counts.iter().max_by_key(|(t, n)| (**n, t.0))?;
+        match most {
+            GgmlType::Q8_0 => Some((nflash_format::DType::Q8_0, "the GGUF's own type (its blocks are copied)")),
+            GgmlType::Q4_0 => Some((nflash_format::DType::Q4_0, "the GGUF's own type (its blocks are copied)")),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => None,
+            _ => Some((
+                nflash_format::DType::Q8_0,
+                "since the GGUF's type has no nflash kernels and a second 4-bit rounding (q4_0) would add about as much error again",
+            )),
         }
     }
 
