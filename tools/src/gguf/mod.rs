@@ -531,3 +531,52 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+
+    #[test]
+    fn every_readable_type_dequantizes_with_its_block_size() {
+        // Blocks made by candle-core's quantizers (ggml's formulas), read
+        // back through `dequantize`: the GGUF type numbers, block sizes and
+        // the alignment copy are what is tested; the values must come back
+        // within each type's rounding.
+        let cpu = candle_core::Device::Cpu;
+        let n = 512;
+        let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+        let t = candle_core::Tensor::from_vec(x.clone(), (2, 256), &cpu).unwrap();
+        for (ty, dt, tol) in [
+            (GgmlType::Q4_0, GgmlDType::Q4_0, 0.3),
+            (GgmlType::Q4_1, GgmlDType::Q4_1, 0.2),
+            (GgmlType::Q5_0, GgmlDType::Q5_0, 0.15),
+            (GgmlType::Q5_1, GgmlDType::Q5_1, 0.1),
+            (GgmlType::Q8_0, GgmlDType::Q8_0, 0.01),
+            (GgmlType::Q2_K, GgmlDType::Q2K, 0.8),
+            (GgmlType::Q3_K, GgmlDType::Q3K, 0.5),
+            (GgmlType::Q4_K, GgmlDType::Q4K, 0.2),
+            (GgmlType::Q5_K, GgmlDType::Q5K, 0.1),
+            (GgmlType::Q6_K, GgmlDType::Q6K, 0.05),
+        ] {
+            let q = QTensor::quantize(&t, dt).unwrap();
+            let bytes = q.data().unwrap();
+            let (per, size) = ty.block().unwrap();
+            assert_eq!(bytes.len() as u64, n as u64 / per * size, "{}", ty.name());
+            // Unaligned input: one byte in.
+            let mut shifted = vec![0u8; bytes.len() + 1];
+            shifted[1..].copy_from_slice(&bytes);
+            let ours = dequantize(ty, &shifted[1..], n).unwrap();
+            let theirs = q.dequantize(&cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(ours, theirs, "{}", ty.name());
+            let err = ours.iter().zip(&x).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err < tol, "{}: max error {err}", ty.name());
+            assert!(dequantize(ty, &bytes[..bytes.len() - 1], n).is_err());
+        }
+        let h: Vec<u8> = x.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        assert_eq!(
+            dequantize(GgmlType::F16, &h, n).unwrap(),
+            x.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect::<Vec<_>>()
+        );
+    }
+}
