@@ -10,7 +10,6 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use memmap2::Mmap;
 use nflash_format::{Activation, Architecture, Gemma3, LayerSet, ModelConfig, Moe, Phi3, RopeScaling, MAX_EXPERTS};
-use rayon::prelude::*;
 use safetensors::tensor::Metadata;
 use safetensors::Dtype;
 use serde_json::Value;
@@ -1485,11 +1484,13 @@ pub fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
 
 /// Little-endian BF16/F16/F32 bytes to f32.
 fn decode(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
-    match dtype {
-        Dtype::F32 => bytes.par_chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        Dtype::F16 => bytes.par_chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        _ => bytes.par_chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-    }
+    use crate::gguf::file::GgmlType;
+    let ty = match dtype {
+        Dtype::F32 => GgmlType::F32,
+        Dtype::F16 => GgmlType::F16,
+        _ => GgmlType::BF16,
+    };
+    crate::gguf::decode_floats(ty, bytes)
 }
 
 impl crate::forward::WeightSource for Checkpoint {

@@ -291,7 +291,8 @@ pub fn write_pack(
         check_range(&names[2], &[h, inter], &down, opts.quant)?;
         gguf.note_down(ck, &names[2])?;
 
-        let down_error = ck.gguf().filter(|_| opts.quant != DType::F32).map(|_| RequantError::default());
+        // The error requantizing a GGUF's down projection adds (none into f32).
+        let measure_down = ck.gguf().is_some() && opts.quant != DType::F32;
         // Packed order: hot first for a sparse pack, original order for a dense one.
         let order: Vec<u32> = plan.map_or_else(|| (0..inter as u32).collect(), |p| p.layers[l].order.clone());
         let bundles: Vec<Vec<u8>> = order
@@ -303,16 +304,13 @@ pub fn write_pack(
                 up.push_row(opts.quant, i, h, &mut b, &gguf.lossy_error);
                 let col: Vec<f32> = (0..h).map(|j| down[j * inter + i]).collect();
                 quantize_row(opts.quant, &col, &mut b);
-                if let Some(e) = &down_error {
-                    e.add(opts.quant, &col, &b[b.len() - layout.row_bytes as usize..]);
+                if measure_down {
+                    gguf.down_error.add(opts.quant, &col, &b[b.len() - layout.row_bytes as usize..]);
                 }
                 debug_assert_eq!(b.len() as u64, layout.bundle_bytes);
                 b
             })
             .collect();
-        if let Some(e) = down_error {
-            gguf.down_error.merge(&e);
-        }
         let seg_name = format!("ffn.{unit}");
         w.begin_segment(&seg_name, SegmentKind::Ffn)?;
         let seg = w.segments().len() as u32;
@@ -504,8 +502,7 @@ impl FfnRows {
 /// The tensor and the block.
 fn check_scales(name: &str, dtype: DType, bytes: &[u8]) -> Result<()> {
     let block = match dtype {
-        DType::Q8_0 => 34,
-        DType::Q4_0 => 18,
+        DType::Q8_0 | DType::Q4_0 => dtype.row_bytes(32).expect("one block") as usize,
         _ => return Ok(()),
     };
     if let Some(i) = bytes.chunks_exact(block).position(|b| !half::f16::from_le_bytes([b[0], b[1]]).is_finite()) {
@@ -533,12 +530,6 @@ impl RequantError {
         let mut g = self.err.lock().unwrap_or_else(|p| p.into_inner());
         g.0 += e;
         g.1 += m;
-    }
-    fn merge(&self, other: &Self) {
-        let o = *other.err.lock().unwrap_or_else(|p| p.into_inner());
-        let mut g = self.err.lock().unwrap_or_else(|p| p.into_inner());
-        g.0 += o.0;
-        g.1 += o.1;
     }
     /// `‖q − x‖ / ‖x‖`.
     fn relative(&self) -> f64 {

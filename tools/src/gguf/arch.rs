@@ -41,14 +41,7 @@ impl Keys<'_> {
         format!("{}.{k}", self.arch)
     }
     fn opt_u64(&self, k: &str) -> Result<Option<u64>> {
-        let key = self.key(k);
-        match self.g.get(&key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| anyhow!("metadata key {key:?} is {}, not a non-negative integer", v.kind())),
-        }
+        self.g.opt_u64(&self.key(k))
     }
     /// A count that must be present and positive, at most `max`.
     fn count(&self, k: &str, max: u64) -> Result<u64> {
@@ -83,13 +76,7 @@ impl Keys<'_> {
         }
     }
     fn opt_str(&self, k: &str) -> Result<Option<&str>> {
-        let key = self.key(k);
-        match self.g.get(&key) {
-            None => Ok(None),
-            Some(v) => {
-                v.as_str().map(Some).ok_or_else(|| anyhow!("metadata key {key:?} is {}, not a string", v.kind()))
-            }
-        }
+        self.g.opt_str(&self.key(k))
     }
 }
 
@@ -112,10 +99,8 @@ pub struct Built {
 /// `block_count`, settings nflash does not read (named).
 pub fn build(files: &[GgufFile], seen: &HashMap<&str, usize>, vocab: &Vocab) -> Result<Built> {
     let g = &files[0];
-    let arch = match g.get("general.architecture") {
-        Some(MetaValue::Str(s)) => s.as_str(),
-        Some(v) => bail!("metadata key \"general.architecture\" is {}, not a string", v.kind()),
-        None => bail!("metadata key \"general.architecture\" is missing; is this a model GGUF?"),
+    let Some(arch) = g.opt_str("general.architecture")? else {
+        bail!("metadata key \"general.architecture\" is missing; is this a model GGUF?");
     };
     let family = match arch {
         "llama" => Family::Llama,
@@ -272,8 +257,7 @@ pub fn build(files: &[GgufFile], seen: &HashMap<&str, usize>, vocab: &Vocab) -> 
                     }
                     let mut b = vec![0u8; t.bytes as usize];
                     f.read(t, 0, &mut b)?;
-                    let v: Vec<f64> =
-                        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect();
+                    let v: Vec<f64> = super::decode_floats(t.ggml, &b).into_iter().map(f64::from).collect();
                     if let Some(x) = v.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
                         bail!("tensor {name} holds {x}; LongRoPE factors are positive: the file is corrupt");
                     }

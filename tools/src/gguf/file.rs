@@ -619,6 +619,38 @@ impl GgufFile {
     pub fn get(&self, key: &str) -> Option<&MetaValue> {
         self.metadata.get(key)
     }
+
+    /// Metadata key `key` as an unsigned integer (any integer type, not
+    /// negative); `None` where the key is absent.
+    ///
+    /// # Errors
+    /// A value of another type or a negative one, naming the key.
+    pub fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
+        self.typed(key, "a non-negative integer", MetaValue::as_u64)
+    }
+
+    /// Metadata key `key` as a string; `None` where the key is absent.
+    ///
+    /// # Errors
+    /// A value of another type, naming the key.
+    pub fn opt_str(&self, key: &str) -> Result<Option<&str>> {
+        self.typed(key, "a string", MetaValue::as_str)
+    }
+
+    /// Metadata key `key` as a bool; `None` where the key is absent.
+    ///
+    /// # Errors
+    /// A value of another type, naming the key.
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        self.typed(key, "a bool", MetaValue::as_bool)
+    }
+
+    fn typed<'a, T>(&'a self, key: &str, what: &str, read: impl Fn(&'a MetaValue) -> Option<T>) -> Result<Option<T>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => read(v).map(Some).ok_or_else(|| anyhow!("metadata key {key:?} is {}, not {what}", v.kind())),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -25,15 +25,7 @@ use nflash_format::ModelConfig;
 /// # Errors
 /// A part number, count or tensor total that does not match (named).
 fn check_split(files: &[GgufFile]) -> Result<()> {
-    let get = |f: &GgufFile, k: &str| -> Result<Option<u64>> {
-        match f.get(k) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| anyhow!("{}: metadata key {k:?} is {}, not a count", f.path.display(), v.kind())),
-        }
-    };
+    let get = |f: &GgufFile, k: &str| f.opt_u64(k).with_context(|| f.path.display().to_string());
     let first = &files[0];
     let count = get(first, "split.count")?;
     if files.len() == 1 {
@@ -492,6 +484,17 @@ impl GgufStore {
     }
 }
 
+/// Little-endian F32, F16 or BF16 bytes (`ty`) as f32 (also the
+/// safetensors checkpoint's decoding).
+pub fn decode_floats(ty: GgmlType, bytes: &[u8]) -> Vec<f32> {
+    match ty {
+        GgmlType::F32 => bytes.par_chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        GgmlType::F16 => bytes.par_chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        GgmlType::BF16 => bytes.par_chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        other => unreachable!("{} is not a float type", other.name()),
+    }
+}
+
 /// Bytes of GGUF type `ty` holding `n` elements, as f32.
 ///
 /// # Errors
@@ -502,9 +505,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>> {
         bail!("{} bytes of {} do not hold {n} elements", bytes.len(), ty.name());
     }
     Ok(match ty {
-        GgmlType::F32 => bytes.par_chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        GgmlType::F16 => bytes.par_chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        GgmlType::BF16 => bytes.par_chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => decode_floats(ty, bytes),
         _ => {
             use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
             let dt = match ty {

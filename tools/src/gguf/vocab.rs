@@ -83,13 +83,6 @@ fn token_id(g: &GgufFile, key: &str, n: usize) -> Result<Option<u32>> {
     Ok(Some(id as u32))
 }
 
-fn flag(g: &GgufFile, key: &str) -> Result<Option<bool>> {
-    match g.get(key) {
-        None => Ok(None),
-        Some(v) => v.as_bool().map(Some).ok_or_else(|| anyhow!("metadata key {key:?} is {}, not a bool", v.kind())),
-    }
-}
-
 /// Builds the tokenizer of `g`: `gpt2` (byte-level BPE) or `llama`
 /// (SentencePiece) vocabularies.
 ///
@@ -98,10 +91,9 @@ fn flag(g: &GgufFile, key: &str) -> Result<Option<bool>> {
 /// [`PRE_TYPES`] (named), inconsistent arrays (tokens, types, merges,
 /// scores), a special token id beyond the vocabulary.
 pub fn build(g: &GgufFile) -> Result<Vocab> {
-    let model = g
-        .get("tokenizer.ggml.model")
-        .and_then(MetaValue::as_str)
-        .ok_or_else(|| anyhow!("metadata key \"tokenizer.ggml.model\" is missing or not a string; the GGUF has no tokenizer nflash can use"))?;
+    let model = g.opt_str("tokenizer.ggml.model")?.ok_or_else(|| {
+        anyhow!("metadata key \"tokenizer.ggml.model\" is missing; the GGUF has no tokenizer nflash can use")
+    })?;
     let tokens = strings(g, "tokenizer.ggml.tokens")?;
     let n = tokens.len();
     let types = ints(g, "tokenizer.ggml.token_type")?;
@@ -142,9 +134,8 @@ pub fn build(g: &GgufFile) -> Result<Vocab> {
 /// A `gpt2` (byte-level BPE) vocabulary: `tokenizer.ggml.merges` and
 /// llama.cpp's pre-tokenizer regexes for `tokenizer.ggml.pre`.
 fn gpt2(g: &GgufFile, vocab: Map<String, Value>, added: Vec<Value>) -> Result<Value> {
-    let pre = match g.get("tokenizer.ggml.pre") {
-        None => bail!("metadata key \"tokenizer.ggml.pre\" is missing: llama.cpp would fall back to the \"default\" pre-tokenizer and warn that quality degrades; convert the model again with a current llama.cpp"),
-        Some(v) => v.as_str().ok_or_else(|| anyhow!("metadata key \"tokenizer.ggml.pre\" is {}, not a string", v.kind()))?,
+    let Some(pre) = g.opt_str("tokenizer.ggml.pre")? else {
+        bail!("metadata key \"tokenizer.ggml.pre\" is missing: llama.cpp would fall back to the \"default\" pre-tokenizer and warn that quality degrades; convert the model again with a current llama.cpp");
     };
     let (regexes, ignore_merges) = pre_tokenizer(pre).ok_or_else(|| {
         anyhow!("tokenizer.ggml.pre is {pre:?}, a pre-tokenizer nflash does not build (it builds {PRE_TYPES}); nflash will not guess, since a wrong one tokenizes differently from llama.cpp")
@@ -206,11 +197,11 @@ fn spm(
         ),
         None => bail!("metadata key \"tokenizer.ggml.scores\" is missing; a SentencePiece vocabulary needs its scores"),
     };
-    let pre = g.get("tokenizer.ggml.pre").and_then(MetaValue::as_str).unwrap_or("default");
+    let pre = g.opt_str("tokenizer.ggml.pre")?.unwrap_or("default");
     if pre != "default" {
         bail!("tokenizer.ggml.pre is {pre:?} for a SentencePiece (\"llama\") vocabulary; llama.cpp reads only \"default\" there");
     }
-    let add_space_prefix = flag(g, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+    let add_space_prefix = g.opt_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
     let id_of: std::collections::HashSet<&str> = tokens.iter().map(String::as_str).collect();
     // (score of the merged token, its id, left, right), best first.
     let mut merges: Vec<(f64, usize, &str, &str)> = Vec::new();
@@ -264,7 +255,7 @@ fn specials(g: &GgufFile, tokens: &[String], spm: bool, tokenizer: Value) -> Res
     let eos = token_id(g, "tokenizer.ggml.eos_token_id", n)?;
     let eot = token_id(g, "tokenizer.ggml.eot_token_id", n)?.filter(|&t| Some(t) != eos);
     // llama.cpp's defaults without the key: BOS for SentencePiece vocabularies, none for BPE.
-    let add_bos = flag(g, "tokenizer.ggml.add_bos_token")?.unwrap_or(spm);
+    let add_bos = g.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(spm);
     let mut tc = Map::new();
     tc.insert("add_bos_token".into(), json!(add_bos));
     if let Some(b) = bos {
@@ -273,10 +264,7 @@ fn specials(g: &GgufFile, tokens: &[String], spm: bool, tokenizer: Value) -> Res
     if let Some(e) = eos {
         tc.insert("eos_token".into(), json!(tokens[e as usize]));
     }
-    if let Some(t) = g.get("tokenizer.chat_template") {
-        let t = t
-            .as_str()
-            .ok_or_else(|| anyhow!("metadata key \"tokenizer.chat_template\" is {}, not a string", t.kind()))?;
+    if let Some(t) = g.opt_str("tokenizer.chat_template")? {
         tc.insert("chat_template".into(), json!(t));
     }
     Ok(Vocab {
