@@ -7,7 +7,7 @@ Usage (once, on a development machine; the outputs are committed):
 
     python3 -m venv /tmp/tv && /tmp/tv/bin/pip install torch transformers sentencepiece
     make build && bash scripts/bench_setup.sh   # nflash-tiny; the vendored llama.cpp and llama-quantize
-    /tmp/tv/bin/python scripts/make_gguf_fixtures.py
+    /tmp/tv/bin/python scripts/make_gguf_fixtures.py [--only NAME...]
 
 For each twin of `TinySpec::GGUF_TWINS` (tests/src/lib.rs): `nflash-tiny
 gguf-NAME` writes the tiny Hugging Face checkpoint (random f32 weights,
@@ -31,7 +31,7 @@ OUT = os.path.join(ROOT, "tests/data/gguf")
 LLAMA = os.path.join(ROOT, "bench-out/llama-src/llama_cpp_python-0.3.36/vendor/llama.cpp")
 BIN = os.path.join(ROOT, "bench-out/llama-native/build/bin")
 TINY = os.path.join(ROOT, "target/release/nflash-tiny")
-TWINS = ["llama", "mixtral", "qwen2", "qwen3", "qwen3moe", "smollm3", "phi3", "gemma3"]
+TWINS = ["llama", "llama31", "mixtral", "qwen2", "qwen3", "qwen3moe", "smollm3", "phi3", "gemma3"]
 
 
 def train_spm(work):
@@ -78,10 +78,13 @@ def run(cmd, **kw):
 
 
 def main():
+    # `--only NAME...` remakes those twins alone (the others, the Q8_0 file
+    # and the ids stay as committed).
+    only = sys.argv[sys.argv.index("--only") + 1:] if "--only" in sys.argv else None
     os.makedirs(OUT, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
         model = train_spm(work)
-        for name in TWINS:
+        for name in only or TWINS:
             ck = os.path.join(work, name)
             run([TINY, f"gguf-{name}", ck])
             shutil.copy(model, os.path.join(ck, "tokenizer.model"))
@@ -92,6 +95,8 @@ def main():
             out = os.path.join(OUT, f"tiny-{name}-f32.gguf")
             run([sys.executable, "-c", CONVERT, LLAMA, ck, out, name])
             print(f"{name}: {os.path.getsize(out)} bytes")
+        if only:
+            return
         env = dict(os.environ, LD_LIBRARY_PATH=BIN)
         q8 = os.path.join(OUT, "tiny-llama-q8_0.gguf")
         run([os.path.join(BIN, "llama-quantize"), "--pure", os.path.join(OUT, "tiny-llama-f32.gguf"), q8, "Q8_0"], env=env)

@@ -305,6 +305,31 @@ pub enum RopeScaling {
     },
 }
 
+impl RopeScaling {
+    /// One inverse frequency (radians per token) after `llama3` scaling (HF
+    /// `_compute_llama3_parameters`): kept above the high-frequency band
+    /// (wavelength below `original / high_freq_factor`), divided by `factor`
+    /// below the low one, interpolated between; `inv_freq` itself for any
+    /// other scaling.
+    pub fn llama3_inv_freq(&self, inv_freq: f64) -> f64 {
+        let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } = self
+        else {
+            return inv_freq;
+        };
+        let old = *original_max_position_embeddings as f64;
+        let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+        let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+        if wavelen < high_wavelen {
+            inv_freq
+        } else if wavelen > low_wavelen {
+            inv_freq / factor
+        } else {
+            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+            (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+        }
+    }
+}
+
 /// Model hyper-parameters (SPEC §4.1). Sizes are element counts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
@@ -564,24 +589,8 @@ impl ModelConfig {
         match &self.rope_scaling {
             None => {}
             Some(RopeScaling::Linear { factor }) => inv_freq.iter_mut().for_each(|f| *f /= factor),
-            Some(RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            }) => {
-                let old = *original_max_position_embeddings as f64;
-                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
-                for f in inv_freq.iter_mut() {
-                    let wavelen = 2.0 * std::f64::consts::PI / *f;
-                    if wavelen < high_wavelen {
-                    } else if wavelen > low_wavelen {
-                        *f /= factor;
-                    } else {
-                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
-                    }
-                }
+            Some(scaling @ RopeScaling::Llama3 { .. }) => {
+                inv_freq.iter_mut().for_each(|f| *f = scaling.llama3_inv_freq(*f))
             }
             Some(RopeScaling::LongRope { short_factor, long_factor, .. }) => {
                 let ext = if long { long_factor } else { short_factor };

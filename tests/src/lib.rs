@@ -195,8 +195,8 @@ impl TinySpec {
     /// The architectures that have a GGUF twin in `tests/data/gguf/`
     /// (made by `scripts/make_gguf_fixtures.py` with llama.cpp's
     /// `convert_hf_to_gguf.py` from [`TinySpec::gguf_twin`]'s checkpoint).
-    pub const GGUF_TWINS: [&'static str; 8] =
-        ["llama", "mixtral", "qwen2", "qwen3", "qwen3moe", "smollm3", "phi3", "gemma3"];
+    pub const GGUF_TWINS: [&'static str; 9] =
+        ["llama", "llama31", "mixtral", "qwen2", "qwen3", "qwen3moe", "smollm3", "phi3", "gemma3"];
 
     /// The tiny checkpoint of GGUF twin `name` ([`Self::GGUF_TWINS`]):
     /// settings llama.cpp reads the way transformers does (a Gemma 3 with
@@ -207,6 +207,9 @@ impl TinySpec {
         let base = TinySpec { vocab: 400, seed: 60, ..Default::default() };
         Some(match name {
             "llama" => TinySpec { tied: false, ..base },
+            // Llama 3.1-style RoPE scaling, which the GGUF carries as
+            // `rope_freqs.weight` divisors only.
+            "llama31" => TinySpec { llama3_scaling: true, seed: 68, ..base },
             "mixtral" => TinySpec { arch: "MixtralForCausalLM", tied: false, seed: 61, ..base },
             "qwen2" => TinySpec { arch: "Qwen2ForCausalLM", seed: 62, ..base },
             "qwen3" => TinySpec { arch: "Qwen3ForCausalLM", head_dim: Some(32), seed: 63, ..base },

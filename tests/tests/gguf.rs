@@ -276,6 +276,8 @@ fn tiny_ggufs_of_every_architecture_match_their_hf_twins() {
             (ch.num_layers, ch.hidden_size, ch.intermediate_size, ch.head_dim),
             "{name}"
         );
+        // RoPE scaling recovered exactly, Llama 3's from rope_freqs.weight (llama31).
+        assert_eq!(cg.rope_scaling, ch.rope_scaling, "{name}");
         // The same f32 weights through the same kernels: the same bits
         // (the bound is 1e-4), in prefill and in decode.
         let (ours, theirs) = (our_logits(&gg, &tokens), our_logits(&hf, &tokens));

@@ -55,6 +55,7 @@ enum Arch {
     Phi3,
     /// The checkpoints of the GGUF twins (`TinySpec::gguf_twin`; tests/data/gguf/).
     GgufLlama,
+    GgufLlama31,
     GgufMixtral,
     GgufQwen2,
     GgufQwen3,

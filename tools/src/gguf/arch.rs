@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use anyhow::{anyhow, bail, Result};
-use nflash_format::MAX_LAYERS;
+use nflash_format::{MAX_CONTEXT, MAX_LAYERS};
 use serde_json::{json, Map, Value};
 
 use super::file::{GgufFile, MetaArray, MetaValue};
@@ -211,10 +211,20 @@ pub fn build(files: &[GgufFile], seen: &HashMap<&str, usize>, vocab: &Vocab) -> 
             ),
         }
     }
-    if seen.contains_key("rope_freqs.weight") {
-        bail!("the GGUF has rope_freqs.weight (Llama 3.1-style RoPE frequency factors); nflash does not read them from GGUF yet: convert the Hugging Face checkpoint");
-    }
     let mut consumed = Vec::new();
+    if seen.contains_key("rope_freqs.weight") {
+        // Llama 3.1-style scaling: llama.cpp's converter stores the
+        // per-frequency divisors, not the parameters they came from.
+        if c.contains_key("rope_scaling") {
+            bail!("the GGUF has both {arch}.rope.scaling.type and rope_freqs.weight; llama.cpp's converter writes one or the other: the file is corrupt");
+        }
+        let factors = rope_factors(files, seen, "rope_freqs.weight", head_dim / 2, "RoPE frequency")?;
+        let original = k.opt_u64("rope.scaling.original_context_length")?;
+        if let Some(scaling) = llama3_from_factors(&factors, theta, head_dim, original)? {
+            c.insert("rope_scaling".into(), scaling);
+        }
+        consumed.push("rope_freqs.weight".to_string());
+    }
     match family {
         Family::Llama | Family::Qwen2 | Family::Qwen3 => {}
         Family::SmolLm3 => {
@@ -244,25 +254,7 @@ pub fn build(files: &[GgufFile], seen: &HashMap<&str, usize>, vocab: &Vocab) -> 
                 if original.is_none() {
                     bail!("the GGUF has LongRoPE factors but no {arch}.rope.scaling.original_context_length");
                 }
-                let read = |name: &str| -> Result<Vec<f64>> {
-                    let f = &files[seen[name]];
-                    let t = f.tensor(name).expect("seen");
-                    if t.ggml != super::file::GgmlType::F32 || t.ne.len() != 1 || t.ne[0] * 2 != rot {
-                        bail!(
-                            "tensor {name} is {} of shape {:?}; LongRoPE factors are F32, one per rotated pair ({})",
-                            t.ggml.name(),
-                            t.ne,
-                            rot / 2
-                        );
-                    }
-                    let mut b = vec![0u8; t.bytes as usize];
-                    f.read(t, 0, &mut b)?;
-                    let v: Vec<f64> = super::decode_floats(t.ggml, &b).into_iter().map(f64::from).collect();
-                    if let Some(x) = v.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
-                        bail!("tensor {name} holds {x}; LongRoPE factors are positive: the file is corrupt");
-                    }
-                    Ok(v)
-                };
+                let read = |name| rope_factors(files, seen, name, rot / 2, "LongRoPE");
                 let (s, l) = (read("rope_factors_short.weight")?, read("rope_factors_long.weight")?);
                 c.insert("rope_scaling".into(), json!({"type": "longrope", "short_factor": s, "long_factor": l}));
                 consumed.extend(["rope_factors_short.weight".to_string(), "rope_factors_long.weight".to_string()]);
@@ -414,4 +406,183 @@ fn tensor_map(
         }
     }
     map
+}
+
+/// Reads a 1-D F32 tensor of `n` positive RoPE factors (Phi-3's
+/// `rope_factors_{short,long}`, Llama 3's `rope_freqs`).
+///
+/// # Errors
+/// Another type or shape, a factor that is not a positive number (named), I/O.
+fn rope_factors(files: &[GgufFile], seen: &HashMap<&str, usize>, name: &str, n: u64, what: &str) -> Result<Vec<f64>> {
+    let f = &files[seen[name]];
+    let t = f.tensor(name).expect("seen");
+    if t.ggml != super::file::GgmlType::F32 || t.ne.len() != 1 || t.ne[0] != n {
+        bail!(
+            "tensor {name} is {} of shape {:?}; {what} factors are F32, one per rotated pair ({n})",
+            t.ggml.name(),
+            t.ne
+        );
+    }
+    let mut b = vec![0u8; t.bytes as usize];
+    f.read(t, 0, &mut b)?;
+    let v: Vec<f64> = super::decode_floats(t.ggml, &b).into_iter().map(f64::from).collect();
+    if let Some(x) = v.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+        bail!("tensor {name} holds {x}; {what} factors are positive: the file is corrupt");
+    }
+    Ok(v)
+}
+
+/// The Hugging Face `rope_scaling` (`llama3`) whose per-frequency divisors
+/// are `factors` (`[head_dim / 2]`, llama.cpp's `rope_freqs.weight`), or
+/// `None` when every divisor is 1.
+///
+/// llama.cpp's converter (`conversion/llama.py`, `generate_extra_tensors`)
+/// stores `1 / ((1 − s) / factor + s)` per frequency `f`, with the
+/// smoothing `s = (L·f/2π − low) / (high − low)` clamped to [0, 1] (`L` the
+/// pretrained context), and drops the parameters. `factor` is the largest
+/// divisor; `s` is linear in `f`, so two frequencies inside the band give
+/// its slope and intercept, and with `L` (the
+/// `rope.scaling.original_context_length` key, which the converter does not
+/// write) the two band edges `low` and `high`; without the key, `low` is
+/// taken as 1 (as in every Llama 3.x), which gives `L` (8192 for Llama 3.x). These
+/// are rounded to 1/64 where that is within 1e-4 (the converter computes in
+/// f32), and the divisors they give must match the file's within 1e-5
+/// (relative), so the pack's RoPE is the file's. With fewer than two
+/// frequencies inside the band, the converter's defaults (`low` 1, `high` 4)
+/// are taken if they reproduce the divisors.
+///
+/// # Errors
+/// Divisors that no `llama3` setting reproduces (say which).
+fn llama3_from_factors(factors: &[f64], theta: f64, head_dim: u64, original: Option<u64>) -> Result<Option<Value>> {
+    let factor = factors.iter().copied().fold(1.0, f64::max);
+    if factors.iter().all(|&r| r == 1.0) {
+        return Ok(None);
+    }
+    let near = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b;
+    let inv_freq: Vec<f64> = (0..factors.len()).map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64)).collect();
+    // The smoothing of each frequency strictly inside the band.
+    let band: Vec<(f64, f64)> = factors
+        .iter()
+        .zip(&inv_freq)
+        .filter(|(&r, _)| !near(r, 1.0) && !near(r, factor))
+        .map(|(&r, &f)| (f, (1.0 / r - 1.0 / factor) / (1.0 - 1.0 / factor)))
+        .collect();
+    let mut old = original.unwrap_or(8192);
+    let (mut low, mut high) = (1.0, 4.0);
+    if band.len() >= 2 {
+        // Least squares of s = a·f + b.
+        let n = band.len() as f64;
+        let (mf, ms) = (band.iter().map(|p| p.0).sum::<f64>() / n, band.iter().map(|p| p.1).sum::<f64>() / n);
+        let sxy: f64 = band.iter().map(|(f, s)| (f - mf) * (s - ms)).sum();
+        let sxx: f64 = band.iter().map(|(f, _)| (f - mf) * (f - mf)).sum();
+        let a = sxy / sxx;
+        let b = ms - a * mf;
+        if original.is_none() {
+            // s = L·f / (2π(high − low)) − low / (high − low): only the slope
+            // and the intercept are in the file, so take low = 1, as every
+            // Llama 3.x has, which gives L.
+            let l = 2.0 * std::f64::consts::PI * a / -b;
+            if l.is_finite() && (1.0..=MAX_CONTEXT as f64).contains(&l.round()) {
+                old = l.round() as u64;
+            }
+        }
+        let width = old as f64 / (2.0 * std::f64::consts::PI * a);
+        low = -b * width;
+        high = low + width;
+        let snap = |x: f64| {
+            let g = (x * 64.0).round() / 64.0;
+            if (x - g).abs() <= 1e-4 * x.abs().max(1.0) {
+                g
+            } else {
+                x
+            }
+        };
+        (low, high) = (snap(low), snap(high));
+    }
+    let scaling = nflash_format::RopeScaling::Llama3 {
+        factor,
+        low_freq_factor: low,
+        high_freq_factor: high,
+        original_max_position_embeddings: old,
+    };
+    let ok = low.is_finite() && high.is_finite() && low > 0.0 && low < high;
+    if let Some((i, r)) = factors.iter().zip(&inv_freq).enumerate().find_map(|(i, (&r, &f))| {
+        let ours = if ok { f / scaling.llama3_inv_freq(f) } else { f64::NAN };
+        (!near(ours, r)).then_some((i, r))
+    }) {
+        bail!(
+            "rope_freqs.weight[{i}] is {r}, which no Llama 3 RoPE scaling (factor {factor}, low_freq_factor {low}, high_freq_factor {high}, original context {old}) gives; nflash reads rope_freqs of Llama 3.1-style models only: convert the Hugging Face checkpoint"
+        );
+    }
+    Ok(Some(json!({
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": old,
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `rope_freqs` as llama.cpp's converter computes it, in f32
+    /// (`conversion/llama.py`, `generate_extra_tensors`).
+    fn converter_factors(theta: f32, dim: usize, factor: f32, low: f32, high: f32, old: f32) -> Vec<f64> {
+        (0..dim / 2)
+            .map(|i| {
+                let freq = 1.0 / theta.powf((2 * i) as f32 / dim as f32);
+                let wavelen = 2.0 * std::f32::consts::PI / freq;
+                let r = if wavelen < old / high {
+                    1.0
+                } else if wavelen > old / low {
+                    factor
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                };
+                f64::from(r)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn llama3_scaling_is_recovered_from_rope_freqs() {
+        // Llama 3.1 8B (head_dim 128, factor 8), Llama 3.2 1B (head_dim 64,
+        // factor 32), a made-up one with other band edges and L given by the key.
+        for (theta, dim, factor, low, high, old, key) in [
+            (500000.0, 128, 8.0, 1.0, 4.0, 8192.0, None),
+            (500000.0, 64, 32.0, 1.0, 4.0, 8192.0, None),
+            (10000.0, 16, 8.0, 1.0, 4.0, 64.0, None),
+            (1e6, 128, 16.0, 2.0, 8.0, 32768.0, Some(32768)),
+        ] {
+            let f = converter_factors(theta, dim, factor, low, high, old);
+            let v = llama3_from_factors(&f, f64::from(theta), dim as u64, key).unwrap().unwrap();
+            assert_eq!(
+                v,
+                json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                       "original_max_position_embeddings": old as u64}),
+                "{theta} {dim}"
+            );
+        }
+    }
+
+    #[test]
+    fn rope_freqs_that_are_not_llama3_are_refused() {
+        let good = converter_factors(500000.0, 128, 8.0, 1.0, 4.0, 8192.0);
+        assert_eq!(llama3_from_factors(&vec![1.0; 64], 500000.0, 128, None).unwrap(), None);
+        // One divisor inside the band moved by 0.1%.
+        let i = good.iter().position(|&r| r > 1.0 && r < 8.0).unwrap() + 1;
+        let mut bent = good.clone();
+        bent[i] *= 1.001;
+        let e = llama3_from_factors(&bent, 500000.0, 128, None).unwrap_err().to_string();
+        assert!(e.contains("rope_freqs.weight[") && e.contains("Hugging Face checkpoint"), "{e}");
+        // Not monotone: a high frequency divided, a low one kept.
+        let mut swapped = good;
+        swapped.swap(0, 63);
+        assert!(llama3_from_factors(&swapped, 500000.0, 128, None).is_err());
+        // Divisors below 1 (llama3 only slows rotation down).
+        assert!(llama3_from_factors(&[0.5, 1.0, 1.0, 1.0], 10000.0, 8, None).is_err());
+    }
 }
