@@ -568,3 +568,61 @@ fn reads_started_ahead_keep_the_current_fetch_and_are_not_read_twice() {
     let total = run(1 << 30, false, None);
     assert_eq!(run(1 << 30, true, Some(total)), total, "each cluster read once");
 }
+
+#[test]
+fn the_cold_region_shrinks_and_grows_while_decoding_and_no_logit_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "elastic.nflash", "q8_0", &[]);
+    let pack = Pack::open_resident(&path).unwrap();
+    let n = pack.manifest().ffn.len();
+    // Every cluster cold, in a cold region that can hold them all.
+    let cfg = CacheConfig { hot_neurons: vec![0; n], cold_bytes: 1 << 30, ..CacheConfig::all_hot(&pack) };
+    let prompt: Vec<u32> = (0..12).map(|i| 3 + (i * 5) % 70).collect();
+    let (want, want_tokens, _) = generate_in(&path, &cfg, 2, &prompt, 12, false, Speculation::Never);
+
+    let model = nflash_runtime::load_model(&pack, &cfg).unwrap();
+    let mem = model.memory_control().expect("a neuron cache's memory can move");
+    let (floor, ceiling) = (mem.floor_bytes(), mem.ceiling_bytes());
+    assert!(floor < ceiling / 2, "floor {floor}, ceiling {ceiling}");
+    assert_eq!(mem.held_bytes(), ceiling);
+    // Another thread squeezes and releases the cache while the model decodes.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (logits, tokens) = std::thread::scope(|s| {
+        s.spawn(|| {
+            let sizes = [floor, ceiling, (floor + ceiling) / 2, 0, floor + 3 * 4096, u64::MAX];
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let held = mem.resize(sizes[i % sizes.len()]);
+                assert!((floor..=ceiling).contains(&held), "held {held} outside {floor}..={ceiling}");
+                i += 1;
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        });
+        // Stops the squeezing thread even when decoding panics.
+        struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let _stop = Stop(&stop);
+        nflash_tests::greedy(&model, &prompt, 12)
+    });
+    assert_eq!(tokens, want_tokens);
+    assert_eq!(logit_bits(&logits), logit_bits(&want), "a resize changed the logits");
+    let st = model.cache_stats();
+    assert!(st.budget_shrinks > 0 && st.budget_grows > 0 && st.bytes_returned > 0, "{st:?}");
+
+    // Between tokens: a shrink to the floor is complete by the next token's
+    // first fetch, and the clusters it dropped are read again.
+    let mut kv = model.new_kv_cache(64);
+    model.forward(&mut kv, &prompt).unwrap();
+    assert_eq!(mem.resize(ceiling), ceiling);
+    model.forward(&mut kv, &[5]).unwrap();
+    let before = model.cache_stats();
+    assert!(mem.resize(0) >= floor);
+    model.forward(&mut kv, &[6]).unwrap();
+    assert_eq!(mem.held_bytes(), floor);
+    let after = model.cache_stats().since(&before);
+    assert!(after.reads_after_shrink > 0 && after.bytes_returned > 0, "{after:?}");
+}

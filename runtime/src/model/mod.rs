@@ -42,7 +42,7 @@ use ops::Rope;
 use predictor::{LayerCounts, LayerSparse, PredictScratch};
 use source::Loc;
 
-pub use source::{CacheStats, ClusterSource, LayerClusters, Regions, SegmentClusters};
+pub use source::{CacheStats, ClusterSource, LayerClusters, MemoryControl, Regions, SegmentClusters};
 
 /// One FFN unit (SPEC §4.4): a dense layer's FFN, or one expert of a
 /// mixture of experts, with its own neuron clusters and predictor.
@@ -381,6 +381,13 @@ impl Model<'_> {
     /// The source's hot and cold regions, bytes, and whether reads bypass the page cache.
     pub fn cache_regions(&self) -> Regions {
         self.source.regions()
+    }
+
+    /// A handle that resizes the neuron cache's memory from any thread
+    /// while this model generates ([`MemoryControl`]); `None` when the
+    /// source's memory cannot move.
+    pub fn memory_control(&self) -> Option<std::sync::Arc<dyn MemoryControl>> {
+        self.source.memory_control()
     }
 
     /// Zeroes the counters and timings.

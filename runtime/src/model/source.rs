@@ -48,6 +48,14 @@ pub struct CacheStats {
     /// the next layer's usual clusters, a speculative prefetch, or a later
     /// expert of the token ([`ClusterSource::fetch_ahead`]).
     pub read_ahead_used: u64,
+    /// Resizes that gave memory back ([`MemoryControl::resize`]).
+    pub budget_shrinks: u64,
+    /// Resizes that took memory again.
+    pub budget_grows: u64,
+    /// Bytes given back to the system by those shrinks.
+    pub bytes_returned: u64,
+    /// Cluster reads of clusters that a shrink had dropped from memory.
+    pub reads_after_shrink: u64,
 }
 
 impl CacheStats {
@@ -82,6 +90,10 @@ impl CacheStats {
             speculated: self.speculated - before.speculated,
             speculated_used: self.speculated_used - before.speculated_used,
             read_ahead_used: self.read_ahead_used - before.read_ahead_used,
+            budget_shrinks: self.budget_shrinks - before.budget_shrinks,
+            budget_grows: self.budget_grows - before.budget_grows,
+            bytes_returned: self.bytes_returned - before.bytes_returned,
+            reads_after_shrink: self.reads_after_shrink - before.reads_after_shrink,
         }
     }
 }
@@ -98,6 +110,23 @@ pub struct Regions {
     /// The I/O engine reading cold clusters (`"io_uring"` or `"threads"`);
     /// `None` without a cold region.
     pub io_engine: Option<&'static str>,
+}
+
+/// Resizes a source's memory while it is in use, from any thread: an app
+/// or a pressure signal asks for less (or more) memory, and the source
+/// gives back (or takes) what it can between its floor and its ceiling.
+/// Results never depend on the size.
+pub trait MemoryControl: Send + Sync {
+    /// The least the source can hold, bytes (what one layer's fetch needs).
+    fn floor_bytes(&self) -> u64;
+    /// The most it holds, bytes (its size at load).
+    fn ceiling_bytes(&self) -> u64;
+    /// What it holds now, bytes.
+    fn held_bytes(&self) -> u64;
+    /// Moves toward holding `bytes` (clamped between floor and ceiling),
+    /// giving memory back to the system at once; returns what it holds
+    /// after, bytes (more than asked while the current fetch holds some).
+    fn resize(&self, bytes: u64) -> u64;
 }
 
 /// Gives the FFN the neuron clusters of a layer, resident.
@@ -147,6 +176,12 @@ pub trait ClusterSource: Send + Sync {
     /// Seconds compute threads have waited for reads so far, summed over threads.
     fn wait_s(&self) -> f64 {
         0.0
+    }
+
+    /// A handle that resizes the source's memory from any thread; `None`
+    /// for sources whose memory cannot move.
+    fn memory_control(&self) -> Option<std::sync::Arc<dyn MemoryControl>> {
+        None
     }
 
     /// Counters since the source was opened.

@@ -18,7 +18,7 @@ use super::flash::{FlashFile, Shared};
 use super::io::IoPipeline;
 use super::slots::{AlignedBuf, Claim, ReadRequest, Slots, Stalled, CORRUPT, FAILED, READY};
 use crate::error::{Error, Result};
-use crate::model::source::{CacheStats, ClusterSource, Loc, Regions};
+use crate::model::source::{CacheStats, ClusterSource, Loc, MemoryControl, Regions};
 
 /// Clusters that decode needs with at least this probability are read ahead
 /// while the previous layer computes.
@@ -80,6 +80,18 @@ struct Lru {
     /// The layer of the last [`NeuronCache::speculate`] call, until that layer's fetch
     /// (which keeps its epoch, so the speculative reads are not evicted by it).
     spec_layer: u32,
+    /// slot → given back to the system by a shrink ([`Lru::shrink`]): out of
+    /// the list, never claimed, until a grow brings it back.
+    off: Vec<bool>,
+    /// Slots in the list (not `off`).
+    n_on: usize,
+    /// Slots wanted by the last resize: a shrink that had to leave slots of
+    /// the fetch then running finishes at the next fetch.
+    target: usize,
+    /// `[layer][cluster / 64]` bit set: the cluster's slot was given back
+    /// by a shrink and the cluster not read again since (for
+    /// `reads_after_shrink`).
+    dropped: Vec<Vec<u64>>,
 }
 
 impl Lru {
@@ -97,6 +109,10 @@ impl Lru {
             counts: CacheStats::default(),
             epoch: 0,
             spec_layer: NONE,
+            off: vec![false; n_slots],
+            n_on: n_slots,
+            target: n_slots,
+            dropped: layers.iter().map(|l| vec![0; l.clusters.len().div_ceil(64)]).collect(),
         };
         for s in 0..n_slots as u32 {
             l.push_back(s);
@@ -129,6 +145,74 @@ impl Lru {
         self.tail = s;
     }
 
+    fn push_front(&mut self, s: u32) {
+        self.prev[s as usize] = NONE;
+        self.next[s as usize] = self.head;
+        if self.head == NONE {
+            self.tail = s
+        } else {
+            self.prev[self.head as usize] = s
+        }
+        self.head = s;
+    }
+
+    /// Gives slots back to the system, least recently used first, until
+    /// `to` remain (or no other can go): slots of the current fetch and
+    /// slots with a read or a check running stay. Their clusters are
+    /// forgotten (read again when needed). Returns the bytes given back.
+    fn shrink(&mut self, slots: &Slots, to: usize) -> u64 {
+        let mut bytes = 0u64;
+        let mut s = self.head;
+        while self.n_on > to && s != NONE {
+            let next = self.next[s as usize];
+            if self.used[s as usize] != self.epoch {
+                if let Some(b) = slots.discard(s) {
+                    self.unlink(s);
+                    self.off[s as usize] = true;
+                    self.n_on -= 1;
+                    let (ol, oc) = std::mem::replace(&mut self.owner[s as usize], (NONE, NONE));
+                    if ol != NONE {
+                        self.slot_of[ol as usize][oc as usize] = NONE;
+                        self.dropped[ol as usize][oc as usize / 64] |= 1 << (oc % 64);
+                    }
+                    self.prefetched[s as usize] = false;
+                    self.speculated[s as usize] = false;
+                    bytes += b as u64;
+                }
+            }
+            s = next;
+        }
+        bytes
+    }
+
+    /// Brings slots given back by [`Self::shrink`] into use again, until
+    /// `to` are (or none is left off), as the least recently used (taken
+    /// first; their pages are committed again by the reads into them).
+    /// Returns how many came back.
+    fn grow(&mut self, to: usize) -> usize {
+        let mut n = 0;
+        for s in 0..self.off.len() {
+            if self.n_on >= to {
+                break;
+            }
+            if std::mem::take(&mut self.off[s]) {
+                self.push_front(s as u32);
+                self.n_on += 1;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Counts a read of cluster `c` of `layer` whose slot a shrink gave back.
+    fn note_read(&mut self, layer: usize, c: usize) {
+        let w = &mut self.dropped[layer][c / 64];
+        if *w & (1 << (c % 64)) != 0 {
+            *w &= !(1 << (c % 64));
+            self.counts.reads_after_shrink += 1;
+        }
+    }
+
     fn touch(&mut self, s: u32) {
         self.unlink(s);
         self.push_back(s);
@@ -149,6 +233,7 @@ impl Lru {
         }
         self.owner[s as usize] = (layer as u32, c as u32);
         self.slot_of[layer][c] = s;
+        self.note_read(layer, c);
         self.prefetched[s as usize] = false;
         self.speculated[s as usize] = false;
         self.touch(s);
@@ -219,7 +304,9 @@ pub struct NeuronCache {
     layers: Vec<LayerLayout>,
     hot: AlignedBuf,
     shared: Arc<Shared>,
-    lru: Mutex<Lru>,
+    lru: Arc<Mutex<Lru>>,
+    /// The fewest cold slots a fetch can work with (one layer's cold clusters).
+    min_slots: usize,
     io: IoPipeline,
     wait_ns: AtomicU64,
 }
@@ -272,7 +359,8 @@ impl NeuronCache {
         };
         Ok(NeuronCache {
             path: pack.path().to_path_buf(),
-            lru: Mutex::new(Lru::new(&layers, n_slots)),
+            lru: Arc::new(Mutex::new(Lru::new(&layers, n_slots))),
+            min_slots: layers.iter().map(|l| l.clusters.len() - l.hot).max().unwrap_or(0),
             layers,
             hot,
             shared,
@@ -289,6 +377,17 @@ impl NeuronCache {
     /// Cold region, bytes.
     pub fn cold_bytes(&self) -> u64 {
         self.shared.slots.region_bytes() as u64
+    }
+
+    /// A handle that resizes this cache's memory from any thread
+    /// ([`MemoryControl`]), while generation goes on.
+    pub fn memory(&self) -> CacheMemory {
+        CacheMemory {
+            lru: Arc::clone(&self.lru),
+            shared: Arc::clone(&self.shared),
+            hot_bytes: self.hot_bytes(),
+            min_slots: self.min_slots,
+        }
     }
 
     /// Whether cluster reads bypass the page cache (`O_DIRECT`).
@@ -313,6 +412,11 @@ impl NeuronCache {
         // After a speculative prefetch of this layer, keep its epoch: its slots stay protected.
         if std::mem::replace(&mut lru.spec_layer, NONE) != layer as u32 {
             lru.epoch += 1;
+        }
+        if lru.n_on > lru.target {
+            let target = lru.target;
+            let b = lru.shrink(&self.shared.slots, target);
+            lru.counts.bytes_returned += b;
         }
         let mut st = CacheStats::default();
         let mut reads = Merger::new(&self.io);
@@ -622,10 +726,72 @@ impl ClusterSource for NeuronCache {
         NeuronCache::stats(self)
     }
 
+    fn memory_control(&self) -> Option<Arc<dyn MemoryControl>> {
+        Some(Arc::new(self.memory()))
+    }
+
     fn regions(&self) -> Regions {
         let cold_bytes = self.cold_bytes();
         let io_engine = (cold_bytes > 0).then(|| self.io.engine_name());
         Regions { hot_bytes: self.hot_bytes(), cold_bytes, direct: self.is_direct(), io_engine }
+    }
+}
+
+/// Resizes a [`NeuronCache`]'s memory from any thread ([`NeuronCache::memory`]).
+///
+/// The cold region shrinks by whole slots, least recently used first, each
+/// given back to the system at once (`madvise(MADV_DONTNEED)`), down to one
+/// layer's cold clusters (what a fetch needs); slots the current fetch
+/// holds, or that a read is filling, stay until a later call. It grows back
+/// by the same slots. The clusters that leave are read from flash again
+/// when a fetch needs them; results do not depend on the size. The hot
+/// region does not move.
+#[derive(Clone)]
+pub struct CacheMemory {
+    lru: Arc<Mutex<Lru>>,
+    shared: Arc<Shared>,
+    hot_bytes: u64,
+    min_slots: usize,
+}
+
+impl CacheMemory {
+    fn slot_bytes(&self) -> u64 {
+        self.shared.slots.slot_bytes() as u64
+    }
+}
+
+impl MemoryControl for CacheMemory {
+    fn floor_bytes(&self) -> u64 {
+        self.hot_bytes + self.min_slots as u64 * self.slot_bytes()
+    }
+
+    fn ceiling_bytes(&self) -> u64 {
+        self.hot_bytes + self.shared.slots.region_bytes() as u64
+    }
+
+    fn held_bytes(&self) -> u64 {
+        let lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+        self.hot_bytes + lru.n_on as u64 * self.slot_bytes()
+    }
+
+    fn resize(&self, bytes: u64) -> u64 {
+        let n = self.shared.slots.len();
+        let to = match bytes.saturating_sub(self.hot_bytes).checked_div(self.slot_bytes()) {
+            Some(k) => (k.min(n as u64) as usize).max(self.min_slots),
+            None => n,
+        };
+        let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+        lru.target = to;
+        if to < lru.n_on {
+            let b = lru.shrink(&self.shared.slots, to);
+            if b > 0 {
+                lru.counts.budget_shrinks += 1;
+                lru.counts.bytes_returned += b;
+            }
+        } else if to > lru.n_on && lru.grow(to) > 0 {
+            lru.counts.budget_grows += 1;
+        }
+        self.hot_bytes + lru.n_on as u64 * self.slot_bytes()
     }
 }
 
@@ -870,6 +1036,44 @@ mod tests {
         let mut big = layout(3, 0);
         big.clusters[1].read = 3 * 4096;
         assert_eq!(cold_slots(&[big], 0), (3, 3 * 4096));
+    }
+
+    #[test]
+    fn a_shrink_gives_back_the_least_recently_used_slots_but_not_the_current_fetchs() {
+        let layers = vec![layout(8, 0)];
+        let slots = Slots::new(6, 4096).unwrap();
+        let mut l = Lru::new(&layers, 6);
+        l.epoch = 1;
+        // Clusters 0..6 in slots 0..6, read in that order; 4 and 5 by the current fetch.
+        for c in 0..6 {
+            if c == 4 {
+                l.epoch += 1;
+            }
+            assert_eq!(l.evict(0, c), Some(c as u32));
+        }
+        assert_eq!(l.shrink(&slots, 1), 4 * 4096, "slots 0..4 go; the current fetch's stay");
+        assert_eq!((l.n_on, order(&l)), (2, vec![4, 5]));
+        assert!(l.off[..4].iter().all(|&o| o) && l.slot_of[0][..4].iter().all(|&s| s == NONE));
+        assert_eq!(l.owner[0], (NONE, NONE));
+        // The next fetch can take them.
+        l.epoch += 1;
+        assert_eq!(l.shrink(&slots, 1), 4096);
+        assert_eq!(order(&l), vec![5]);
+        assert_eq!(l.evict(0, 6), Some(5));
+        assert_eq!(l.evict(0, 7), None, "the last slot is the current fetch's");
+        // Growing brings them back as the least recently used, taken first.
+        assert_eq!(l.grow(3), 2);
+        assert_eq!((l.n_on, order(&l)), (3, vec![1, 0, 5]));
+        assert_eq!(l.grow(10), 3);
+        assert_eq!(l.n_on, 6);
+        // Reading again a cluster that a shrink dropped is counted once.
+        l.epoch += 1;
+        let s = l.evict(0, 0).unwrap();
+        assert!(!l.off[s as usize]);
+        assert_eq!(l.counts.reads_after_shrink, 1);
+        l.evict(0, 7);
+        assert_eq!(l.counts.reads_after_shrink, 1, "cluster 7 was never dropped");
+        assert_eq!(l.slot_of[0][0], s);
     }
 
     #[test]

@@ -19,4 +19,4 @@ pub mod io;
 pub mod slots;
 pub mod uring;
 
-pub use cache::NeuronCache;
+pub use cache::{CacheMemory, NeuronCache};

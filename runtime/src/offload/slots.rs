@@ -20,7 +20,6 @@
 //!   neither can be copied, so a pending slot is written by exactly one
 //!   request and read by nobody until it is published.
 
-use std::alloc::Layout;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
@@ -48,11 +47,16 @@ pub const LANDED: u8 = 5;
 /// Slot state: one thread is checking the landed cluster's CRC-32C.
 pub const CHECKING: u8 = 6;
 
-/// A zeroed heap buffer aligned to the page size ([`buffer_align`], as
-/// `O_DIRECT` reads into it need; pages are only committed when touched).
+/// A zeroed buffer of anonymous memory mapped for it alone, so aligned to
+/// the page size ([`buffer_align`], as `O_DIRECT` reads into it need);
+/// pages are only committed when touched, and [`AlignedBuf::discard`] gives
+/// them back to the system (the heap would keep freed memory: the binaries
+/// set `M_TRIM_THRESHOLD` high).
 pub struct AlignedBuf {
     ptr: *mut u8,
     len: usize,
+    /// The mapping `ptr` points into (unmapped on drop); `None` when empty.
+    map: Option<memmap2::MmapMut>,
 }
 
 // SAFETY: the buffer is plain bytes owned by this value; shared access goes
@@ -69,16 +73,38 @@ impl AlignedBuf {
     /// [`Error::Alloc`] naming `what` and the size if the allocation fails.
     pub fn zeroed(len: usize, what: &'static str) -> Result<Self> {
         if len == 0 {
-            return Ok(AlignedBuf { ptr: std::ptr::null_mut(), len: 0 });
+            return Ok(AlignedBuf { ptr: std::ptr::null_mut(), len: 0, map: None });
         }
-        let layout =
-            Layout::from_size_align(len, buffer_align()).map_err(|_| Error::Alloc { what, bytes: len as u64 })?;
-        // SAFETY: layout has non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
+        let mut map = memmap2::MmapMut::map_anon(len).map_err(|_| Error::Alloc { what, bytes: len as u64 })?;
+        let ptr = map.as_mut_ptr();
+        if !(ptr as usize).is_multiple_of(buffer_align()) {
             return Err(Error::Alloc { what, bytes: len as u64 });
         }
-        Ok(AlignedBuf { ptr, len })
+        Ok(AlignedBuf { ptr, len, map: Some(map) })
+    }
+
+    /// Gives the whole pages inside bytes `off .. off + n` back to the
+    /// system (`madvise(MADV_DONTNEED)`): resident memory falls at once, and
+    /// the range reads as zeros until written again. Returns the bytes given
+    /// back (the range rounded inwards to pages; 0 where the system refuses).
+    ///
+    /// # Safety
+    /// No thread may be reading or writing the range, nor use what it held.
+    unsafe fn discard(&self, off: usize, n: usize) -> usize {
+        let Some(map) = &self.map else { return 0 };
+        assert!(off.checked_add(n).is_some_and(|e| e <= self.len), "discard {off}+{n} of {}", self.len);
+        let page = super::align::page_size();
+        let (start, end) = (off.next_multiple_of(page), (off + n) / page * page);
+        if end <= start {
+            return 0;
+        }
+        // SAFETY: in bounds of our own private anonymous mapping; nobody
+        // uses the range (caller's contract), and DONTNEED only makes it
+        // read as zeros.
+        match unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) } {
+            Ok(()) => end - start,
+            Err(_) => 0,
+        }
     }
 
     /// Length, bytes.
@@ -137,15 +163,6 @@ impl AlignedBuf {
         }
         // SAFETY: in bounds (checked); exclusive (caller's contract).
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), n) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        if self.len > 0 {
-            // SAFETY: allocated in `zeroed` with this exact layout.
-            unsafe { std::alloc::dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, buffer_align())) }
-        }
     }
 }
 
@@ -331,6 +348,11 @@ impl Slots {
         })
     }
 
+    /// Bytes of one slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
     /// Number of slots.
     pub fn len(&self) -> usize {
         self.state.len()
@@ -426,6 +448,26 @@ impl Slots {
         self.want[s as usize].store(crc, Ordering::Relaxed);
         self.check_len[s as usize].store(len, Ordering::Relaxed);
         Ok(c)
+    }
+
+    /// Empties slot `s` and gives its memory back to the system
+    /// ([`AlignedBuf::discard`]), unless a read or a check is running in it
+    /// ([`PENDING`], [`CHECKING`]): then `None`. Returns the bytes given back.
+    /// The caller (the cache's LRU, under its lock) makes sure no reader uses
+    /// the slot's contents any more and gives it no new read meanwhile.
+    pub fn discard(&self, s: u32) -> Option<usize> {
+        let st = &self.state[s as usize];
+        // From LANDED too: the I/O thread's check then does not start (as in `claim`).
+        let taken = [EMPTY, READY, FAILED, CORRUPT, LANDED]
+            .iter()
+            .any(|&from| st.compare_exchange(from, EMPTY, Ordering::AcqRel, Ordering::Acquire).is_ok());
+        if !taken {
+            return None;
+        }
+        // SAFETY: the slot is EMPTY: no read is running into it (that needs a
+        // claim, which only the caller makes), and no reader uses it
+        // (caller's contract).
+        Some(unsafe { self.buf.discard(s as usize * self.slot_bytes, self.slot_bytes) })
     }
 
     /// Marks a slot whose read failed or whose cluster was damaged as
@@ -569,6 +611,46 @@ impl Slots {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pages of `len` bytes at `ptr` that are resident (`mincore`).
+    fn resident_pages(ptr: *const u8, len: usize) -> usize {
+        let page = crate::offload::align::page_size();
+        let mut v = vec![0u8; len.div_ceil(page)];
+        // SAFETY: `ptr .. ptr + len` is a live mapping of the test's own
+        // buffer (page aligned); `v` has one byte per page.
+        assert_eq!(unsafe { libc::mincore(ptr as *mut libc::c_void, len, v.as_mut_ptr()) }, 0);
+        v.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    #[test]
+    fn a_discarded_slot_gives_its_pages_back_and_reads_as_zeros() {
+        let page = crate::offload::align::page_size();
+        let slot = 16 * page;
+        let slots = Slots::new(4, slot).unwrap();
+        let ptr = slots.buf.ptr;
+        assert_eq!(resident_pages(ptr, 4 * slot), 0, "untouched pages are not committed");
+        for s in 0..4u32 {
+            let req = ReadRequest::new(0, slot as u64, slots.claim(s).unwrap(), slot as u32);
+            slots
+                .fill(req, |bufs| {
+                    bufs[0].fill(0xA5);
+                    Ok(())
+                })
+                .unwrap();
+        }
+        assert_eq!(resident_pages(ptr, 4 * slot), 4 * 16);
+        assert_eq!(slots.discard(1), Some(slot));
+        assert_eq!(slots.discard(2), Some(slot));
+        assert_eq!(resident_pages(ptr, 4 * slot), 2 * 16, "two slots' pages were given back");
+        assert_eq!((slots.state(1), slots.state(0)), (EMPTY, READY));
+        assert!(slots.ready_bytes(0, slot).unwrap().iter().all(|&b| b == 0xA5));
+        // SAFETY: slot 1 is empty and nobody writes it.
+        assert!(unsafe { slots.buf.range(slot, slot) }.iter().all(|&b| b == 0));
+        // A slot being read stays.
+        let _claim = slots.claim(3).unwrap();
+        assert_eq!(slots.discard(3), None);
+        assert_eq!(slots.state(3), PENDING);
+    }
 
     #[test]
     fn a_slot_goes_empty_pending_ready_and_its_bytes_arrive() {
