@@ -569,33 +569,33 @@ fn reads_started_ahead_keep_the_current_fetch_and_are_not_read_twice() {
     assert_eq!(run(1 << 30, true, Some(total)), total, "each cluster read once");
 }
 
-#[test]
-fn the_cold_region_shrinks_and_grows_while_decoding_and_no_logit_changes() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = pack(dir.path(), "elastic.nflash", "q8_0", &[]);
-    let pack = Pack::open_resident(&path).unwrap();
-    let n = pack.manifest().ffn.len();
-    // Every cluster cold, in a cold region that can hold them all.
-    let cfg = CacheConfig { hot_neurons: vec![0; n], cold_bytes: 1 << 30, ..CacheConfig::all_hot(&pack) };
+/// Decodes with `cfg` while another thread squeezes and releases the
+/// neuron cache (floor, ceiling and sizes between): the logits are the
+/// bits of an unsqueezed run. Then, between tokens: a resize to the floor
+/// gives back at once, clusters it dropped are read again, and a resize
+/// to the ceiling brings everything back.
+fn assert_squeezes_change_no_logit(path: &Path, cfg: &CacheConfig, what: &str) {
+    let pack = Pack::open_resident(path).unwrap();
     let prompt: Vec<u32> = (0..12).map(|i| 3 + (i * 5) % 70).collect();
-    let (want, want_tokens, _) = generate_in(&path, &cfg, 2, &prompt, 12, false, Speculation::Never);
+    let (want, want_tokens, _) = generate_in(path, cfg, 2, &prompt, 12, false, Speculation::Never);
 
-    let model = nflash_runtime::load_model(&pack, &cfg).unwrap();
+    let model = nflash_runtime::load_model(&pack, cfg).unwrap();
     let mem = model.memory_control().expect("a neuron cache's memory can move");
     let (floor, ceiling) = (mem.floor_bytes(), mem.ceiling_bytes());
-    assert!(floor < ceiling / 2, "floor {floor}, ceiling {ceiling}");
-    assert_eq!(mem.held_bytes(), ceiling);
-    // Another thread squeezes and releases the cache while the model decodes.
+    assert!(floor < ceiling, "{what}: floor {floor}, ceiling {ceiling}");
+    assert_eq!(mem.held_bytes(), ceiling, "{what}");
     let stop = std::sync::atomic::AtomicBool::new(false);
+    let resizes = std::sync::atomic::AtomicUsize::new(0);
     let (logits, tokens) = std::thread::scope(|s| {
         s.spawn(|| {
-            let sizes = [floor, ceiling, (floor + ceiling) / 2, 0, floor + 3 * 4096, u64::MAX];
+            let sizes = [floor, ceiling, (floor + ceiling) / 2, 0, floor + 3 * 4096, u64::MAX, (floor + ceiling) / 3];
             let mut i = 0;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 let held = mem.resize(sizes[i % sizes.len()]);
-                assert!((floor..=ceiling).contains(&held), "held {held} outside {floor}..={ceiling}");
+                assert!(held >= floor, "{what}: held {held} below the floor {floor}");
                 i += 1;
-                std::thread::sleep(std::time::Duration::from_micros(200));
+                resizes.store(i, std::sync::atomic::Ordering::Release);
+                std::thread::sleep(std::time::Duration::from_micros(300));
             }
         });
         // Stops the squeezing thread even when decoding panics.
@@ -606,23 +606,74 @@ fn the_cold_region_shrinks_and_grows_while_decoding_and_no_logit_changes() {
             }
         }
         let _stop = Stop(&stop);
+        // A shrink and a grow first, then the rest while decoding.
+        while resizes.load(std::sync::atomic::Ordering::Acquire) < 2 {
+            std::thread::yield_now();
+        }
         nflash_tests::greedy(&model, &prompt, 12)
     });
-    assert_eq!(tokens, want_tokens);
-    assert_eq!(logit_bits(&logits), logit_bits(&want), "a resize changed the logits");
+    assert_eq!(tokens, want_tokens, "{what}");
+    assert_eq!(logit_bits(&logits), logit_bits(&want), "{what}: a resize changed the logits");
     let st = model.cache_stats();
-    assert!(st.budget_shrinks > 0 && st.budget_grows > 0 && st.bytes_returned > 0, "{st:?}");
+    assert!(st.budget_shrinks > 0 && st.budget_grows > 0 && st.bytes_returned > 0, "{what}: {st:?}");
 
-    // Between tokens: a shrink to the floor is complete by the next token's
-    // first fetch, and the clusters it dropped are read again.
     let mut kv = model.new_kv_cache(64);
     model.forward(&mut kv, &prompt).unwrap();
-    assert_eq!(mem.resize(ceiling), ceiling);
+    assert_eq!(mem.resize(ceiling), ceiling, "{what}");
     model.forward(&mut kv, &[5]).unwrap();
     let before = model.cache_stats();
-    assert!(mem.resize(0) >= floor);
+    assert_eq!(mem.resize(0), floor, "{what}: between passes a resize is complete at once");
     model.forward(&mut kv, &[6]).unwrap();
-    assert_eq!(mem.held_bytes(), floor);
+    assert_eq!(mem.held_bytes(), floor, "{what}");
     let after = model.cache_stats().since(&before);
-    assert!(after.reads_after_shrink > 0 && after.bytes_returned > 0, "{after:?}");
+    assert!(after.reads_after_shrink > 0 && after.bytes_returned > 0, "{what}: {after:?}");
+    // A whole generation at the floor, then again after growing back.
+    let (at_floor, _) = nflash_tests::greedy(&model, &prompt, 12);
+    assert_eq!(logit_bits(&at_floor), logit_bits(&want), "{what}: at the floor");
+    assert_eq!(mem.resize(ceiling), ceiling, "{what}");
+    assert!(model.cache_stats().budget_grows > before.budget_grows);
+    let (grown, _) = nflash_tests::greedy(&model, &prompt, 12);
+    assert_eq!(logit_bits(&grown), logit_bits(&want), "{what}: grown back");
+}
+
+#[test]
+fn the_neuron_cache_shrinks_and_grows_while_decoding_and_no_logit_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "elastic.nflash", "q8_0", &[]);
+    let pack = Pack::open_resident(&path).unwrap();
+    let n = pack.manifest().ffn.len();
+    let all = |hot: u32| CacheConfig { hot_neurons: vec![hot; n], ..CacheConfig::all_hot(&pack) };
+    let inter = spec().inter as u32;
+    // Every cluster cold, in a cold region that can hold them all; every
+    // cluster hot (the hot region gives way, its clusters served cold); half
+    // and half, in a cold region of about one layer.
+    for (cfg, what) in [
+        (CacheConfig { cold_bytes: 1 << 30, ..all(0) }, "all cold"),
+        (CacheConfig { cold_bytes: 0, ..all(inter) }, "all hot"),
+        (CacheConfig { cold_bytes: 64 << 10, ..all(inter / 2) }, "half hot"),
+    ] {
+        assert_squeezes_change_no_logit(&path, &cfg, what);
+    }
+    // Clusters of 8 neurons and more, whose hot copies are in the ×8 layout
+    // (where the CPU has it) and go back to it when read again.
+    let ckpt = dir.path().join("ckpt");
+    let big = dir.path().join("big.nflash");
+    let o = run(
+        "prep",
+        &[
+            "convert",
+            "--model",
+            ckpt.to_str().unwrap(),
+            "--out",
+            big.to_str().unwrap(),
+            "--quant",
+            "q4_0",
+            "--cluster-bytes",
+            "4KiB",
+        ],
+    );
+    assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
+    let pack = Pack::open_resident(&big).unwrap();
+    let cfg = CacheConfig { cold_bytes: 0, ..CacheConfig::all_hot(&pack) };
+    assert_squeezes_change_no_logit(&big, &cfg, "all hot, 4 KiB clusters");
 }

@@ -14,7 +14,7 @@ use super::ffn::{BatchMask, Selection};
 use super::kv_cache::KvCache;
 use super::ops::{rms_norm, Rope};
 use super::predictor::{LayerCounts, LayerSparse, PredictScratch};
-use super::source::LayerClusters;
+use super::source::{ClusterSource, LayerClusters};
 use super::{ExpertPrefetch, Layer, Model, Pass, Pick, Router, SpecScratch, Speculation, Timings, Unit, Work};
 use crate::error::{Error, Result};
 use crate::kernels::gemm::MIN_BATCH;
@@ -42,6 +42,14 @@ impl Model<'_> {
     /// As [`Self::forward`].
     pub fn forward_with(&self, kv: &mut KvCache, tokens: &[u32], pass: Pass) -> Result<Vec<f32>> {
         let mut guard = self.work.lock().unwrap_or_else(|e| e.into_inner());
+        // Tells the source when the pass ends, on every return.
+        struct PassEnd<'s>(&'s dyn ClusterSource);
+        impl Drop for PassEnd<'_> {
+            fn drop(&mut self) {
+                self.0.end_pass();
+            }
+        }
+        let _end = PassEnd(self.source.as_ref());
         let work = &mut *guard;
         let (n, h, p0) = (tokens.len(), self.cfg.hidden_size as usize, kv.len());
         if p0 + n > kv.capacity() {

@@ -160,6 +160,10 @@ pub trait ClusterSource: Send + Sync {
     /// does not fit is read by that fetch). Sources without I/O ignore it.
     fn fetch_ahead(&self, _layer: usize, _needed: &[u32]) {}
 
+    /// The end of a forward pass: no cluster location from a fetch is used
+    /// until the next fetch. Sources whose memory moves resize then.
+    fn end_pass(&self) {}
+
     /// Index of `layer`'s first cluster that is not always resident
     /// (`usize::MAX` when every cluster is).
     fn first_cold_cluster(&self, _layer: usize) -> usize {

@@ -6,7 +6,7 @@
 //! cache, scratch) is outside this type; `nflash_plan::planner` sizes all
 //! three. [`NeuronCache`] is the model's [`ClusterSource`].
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use nflash_format::Pack;
@@ -55,6 +55,9 @@ struct LayerLayout {
     hot_base: usize,
     /// Clusters `0..x8` (hot ones) hold their bundles in the ×8 bundle layout.
     x8: usize,
+    /// The bundles' type, row width (elements) and size (bytes) when the
+    /// layer's hot clusters are in the ×8 layout (to put one read back there).
+    x8_form: Option<(nflash_format::DType, usize, u64)>,
 }
 
 /// LRU bookkeeping of the cold region, touched only by the compute side.
@@ -88,6 +91,13 @@ struct Lru {
     /// Slots wanted by the last resize: a shrink that had to leave slots of
     /// the fetch then running finishes at the next fetch.
     target: usize,
+    /// `[layer]` hot clusters wanted in memory by the last resize ([`Core::apply`]).
+    target_live: Vec<usize>,
+    /// A forward pass is running: between its first fetch and its end
+    /// ([`NeuronCache::end_pass`]), hot clusters change only at a fetch.
+    in_pass: bool,
+    /// The last resize is not fully applied ([`Core::apply`]).
+    pending: bool,
     /// `[layer][cluster / 64]` bit set: the cluster's slot was given back
     /// by a shrink and the cluster not read again since (for
     /// `reads_after_shrink`).
@@ -112,6 +122,9 @@ impl Lru {
             off: vec![false; n_slots],
             n_on: n_slots,
             target: n_slots,
+            target_live: Vec::new(),
+            in_pass: false,
+            pending: false,
             dropped: layers.iter().map(|l| vec![0; l.clusters.len().div_ceil(64)]).collect(),
         };
         for s in 0..n_slots as u32 {
@@ -202,6 +215,17 @@ impl Lru {
             }
         }
         n
+    }
+
+    /// Takes every slot but the first `n` out of use (a cache opened with
+    /// room beyond its planned slots).
+    fn keep_first(&mut self, n: usize) {
+        for s in n..self.off.len() {
+            self.unlink(s as u32);
+            self.off[s] = true;
+        }
+        self.n_on = n.min(self.off.len());
+        self.target = self.n_on;
     }
 
     /// Counts a read of cluster `c` of `layer` whose slot a shrink gave back.
@@ -299,16 +323,28 @@ impl<'a> Merger<'a> {
 
 /// The hot and cold regions plus the I/O pipeline feeding the cold one.
 pub struct NeuronCache {
+    core: Arc<Core>,
+    io: IoPipeline,
+    wait_ns: AtomicU64,
+}
+
+/// The regions and their bookkeeping, shared by the cache and its
+/// [`CacheMemory`] handles.
+struct Core {
     /// The pack file, for messages.
     path: std::path::PathBuf,
     layers: Vec<LayerLayout>,
     hot: AlignedBuf,
+    /// `[layer]` hot clusters in memory now (`..= LayerLayout::hot`): a
+    /// resize below the hot region gives the others back, and they are
+    /// served as cold clusters. Changed only under the LRU's lock, at a
+    /// point where no layer call uses a cluster ([`Core::apply`]).
+    live: Vec<AtomicUsize>,
     shared: Arc<Shared>,
-    lru: Arc<Mutex<Lru>>,
-    /// The fewest cold slots a fetch can work with (one layer's cold clusters).
-    min_slots: usize,
-    io: IoPipeline,
-    wait_ns: AtomicU64,
+    lru: Mutex<Lru>,
+    /// Cold slots at load (the plan's cold region); the slots beyond them
+    /// stage the hot clusters a resize gives back.
+    planned_slots: usize,
 }
 
 impl NeuronCache {
@@ -344,55 +380,66 @@ impl NeuronCache {
             interleave_hot(pack, &mut layers, hot.as_mut_slice());
         }
         let (n_slots, slot_bytes) = cold_slots(&layers, cfg.cold_bytes);
+        // Room to stage every hot cluster of a layer, should a resize give
+        // them all back: address space only until used.
+        let capacity = n_slots + layers.iter().map(|l| l.hot).max().unwrap_or(0);
         let shared = Arc::new(Shared {
             flash,
-            slots: Slots::new(n_slots, slot_bytes as usize)?,
+            slots: Slots::new(capacity, slot_bytes as usize)?,
             error: Mutex::new(None),
             bytes_read: AtomicU64::new(0),
             reads: AtomicU64::new(0),
         });
         // Without a cold region nothing is ever read: one idle thread, no ring.
-        let io = if n_slots == 0 {
+        let io = if capacity == 0 {
             IoPipeline::start(Arc::clone(&shared), 1, IoEngine::Threads)?
         } else {
             IoPipeline::start(Arc::clone(&shared), cfg.io_threads, cfg.io_engine)?
         };
-        Ok(NeuronCache {
+        let mut lru = Lru::new(&layers, capacity);
+        lru.keep_first(n_slots);
+        lru.target_live = layers.iter().map(|l| l.hot).collect();
+        let core = Core {
             path: pack.path().to_path_buf(),
-            lru: Arc::new(Mutex::new(Lru::new(&layers, n_slots))),
-            min_slots: layers.iter().map(|l| l.clusters.len() - l.hot).max().unwrap_or(0),
+            lru: Mutex::new(lru),
+            live: layers.iter().map(|l| AtomicUsize::new(l.hot)).collect(),
             layers,
             hot,
             shared,
-            io,
-            wait_ns: AtomicU64::new(0),
-        })
+            planned_slots: n_slots,
+        };
+        Ok(NeuronCache { core: Arc::new(core), io, wait_ns: AtomicU64::new(0) })
     }
 
-    /// Hot region, bytes.
+    /// Hot region at load, bytes.
     pub fn hot_bytes(&self) -> u64 {
-        self.hot.len() as u64
+        self.core.hot.len() as u64
     }
 
-    /// Cold region, bytes.
+    /// Cold region at load, bytes.
     pub fn cold_bytes(&self) -> u64 {
-        self.shared.slots.region_bytes() as u64
+        (self.core.planned_slots * self.core.shared.slots.slot_bytes()) as u64
     }
 
     /// A handle that resizes this cache's memory from any thread
     /// ([`MemoryControl`]), while generation goes on.
     pub fn memory(&self) -> CacheMemory {
-        CacheMemory {
-            lru: Arc::clone(&self.lru),
-            shared: Arc::clone(&self.shared),
-            hot_bytes: self.hot_bytes(),
-            min_slots: self.min_slots,
-        }
+        CacheMemory { core: Arc::clone(&self.core) }
+    }
+
+    /// Ends a forward pass: no cluster is in use until the next fetch, so a
+    /// resize that waits for the hot region happens now.
+    pub fn end_pass(&self) {
+        let mut lru = self.core.lru.lock().unwrap_or_else(|e| e.into_inner());
+        lru.in_pass = false;
+        // No slot is in use: the last fetch's may go too.
+        lru.epoch += 1;
+        self.core.apply(&mut lru);
     }
 
     /// Whether cluster reads bypass the page cache (`O_DIRECT`).
     pub fn is_direct(&self) -> bool {
-        self.shared.flash.is_direct()
+        self.core.shared.flash.is_direct()
     }
 
     /// Makes the clusters `needed` (ascending indices) of `layer` available:
@@ -405,25 +452,24 @@ impl NeuronCache {
     /// [`Error::Internal`] if the cold region cannot hold this layer's misses
     /// (a sizing bug: it is always at least one layer's cold clusters).
     pub fn fetch(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) -> Result<()> {
-        let lay = &self.layers[layer];
+        let lay = &self.core.layers[layer];
         table.clear();
         table.resize(lay.clusters.len(), Loc::None);
-        let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lru = self.core.lru.lock().unwrap_or_else(|e| e.into_inner());
         // After a speculative prefetch of this layer, keep its epoch: its slots stay protected.
         if std::mem::replace(&mut lru.spec_layer, NONE) != layer as u32 {
             lru.epoch += 1;
         }
-        if lru.n_on > lru.target {
-            let target = lru.target;
-            let b = lru.shrink(&self.shared.slots, target);
-            lru.counts.bytes_returned += b;
-        }
+        // No layer call uses a cluster now: a resize takes effect.
+        lru.in_pass = true;
+        self.core.apply(&mut lru);
+        let hot = self.core.live[layer].load(Ordering::Relaxed);
         let mut st = CacheStats::default();
         let mut reads = Merger::new(&self.io);
         for &c in needed {
             let c = c as usize;
             st.needed += 1;
-            if c < lay.hot {
+            if c < hot {
                 table[c] = Loc::Hot(lay.hot_base + (lay.clusters[c].offset - lay.clusters[0].offset) as usize);
                 st.hot_hits += 1;
                 continue;
@@ -458,9 +504,9 @@ impl NeuronCache {
         reads.flush();
         // Prefetch: the next layer's (or the next token's first layer's) cold
         // clusters that are usually needed, into slots not used by this layer.
-        let next = (layer + 1) % self.layers.len();
-        let nl = &self.layers[next];
-        for c in nl.hot..nl.clusters.len() {
+        let next = (layer + 1) % self.core.layers.len();
+        let nl = &self.core.layers[next];
+        for c in self.core.live[next].load(Ordering::Relaxed)..nl.clusters.len() {
             if !nl.prefetch[c] || lru.slot_of[next][c] != NONE {
                 continue;
             }
@@ -490,7 +536,7 @@ impl NeuronCache {
     /// exactly (router and predictor have run), so their reads start
     /// before the first expert computes. A no-op without a cold region.
     pub fn fetch_ahead(&self, layer: usize, needed: &[u32]) {
-        let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lru = self.core.lru.lock().unwrap_or_else(|e| e.into_inner());
         if !lru.owner.is_empty() {
             self.read_ahead(&mut lru, layer, needed, false);
         }
@@ -501,12 +547,12 @@ impl NeuronCache {
     /// marked read ahead (and `speculative`); stops when no slot is free.
     /// Clusters already held are touched. Returns how many reads it queued.
     fn read_ahead(&self, lru: &mut Lru, layer: usize, clusters: &[u32], speculative: bool) -> u64 {
-        let lay = &self.layers[layer];
+        let lay = &self.core.layers[layer];
         let mut reads = Merger::new(&self.io);
         let mut n = 0u64;
         for &c in clusters {
             let c = c as usize;
-            if c < lay.hot {
+            if c < self.core.live[layer].load(Ordering::Relaxed) {
                 continue;
             }
             let claim = match self.slot_held(lru, layer, c) {
@@ -534,7 +580,7 @@ impl NeuronCache {
 
     /// Index of `layer`'s first cold cluster (clusters before it are hot).
     pub fn first_cold_cluster(&self, layer: usize) -> usize {
-        self.layers[layer].hot
+        self.core.live[layer].load(Ordering::Relaxed)
     }
 
     /// Time compute threads have waited for reads so far, summed over threads, seconds.
@@ -551,7 +597,7 @@ impl NeuronCache {
     /// speculation missed; clusters it does not need stay in the LRU. A
     /// no-op when the cold region is empty.
     pub fn speculate(&self, layer: usize, likely: &[u32]) {
-        let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lru = self.core.lru.lock().unwrap_or_else(|e| e.into_inner());
         if lru.owner.is_empty() {
             return;
         }
@@ -569,7 +615,7 @@ impl NeuronCache {
         let s = lru.slot_of[layer][c];
         if s == NONE {
             Held::No
-        } else if self.shared.slots.forget_failed(s) {
+        } else if self.core.shared.slots.forget_failed(s) {
             Held::Failed(s)
         } else {
             Held::Yes(s)
@@ -609,10 +655,10 @@ impl NeuronCache {
     /// # Errors
     /// As [`Self::claim`].
     fn claim_slot(&self, layer: usize, c: usize, s: u32) -> Result<Claim> {
-        let lay = &self.layers[layer];
+        let lay = &self.core.layers[layer];
         let claim = match lay.crcs.get(c) {
-            Some(&crc) => self.shared.slots.claim_checked(s, lay.clusters[c].need, crc),
-            None => self.shared.slots.claim(s),
+            Some(&crc) => self.core.shared.slots.claim_checked(s, lay.clusters[c].need, crc),
+            None => self.core.shared.slots.claim(s),
         };
         claim.map_err(|e| self.stalled(layer, c, e))
     }
@@ -620,9 +666,9 @@ impl NeuronCache {
     /// The error for cluster `c` of `layer`, whose read (or the read still
     /// holding the slot it needs) did not land in time.
     fn stalled(&self, layer: usize, c: usize, e: Stalled) -> Error {
-        let span = self.layers[layer].clusters[c];
+        let span = self.core.layers[layer].clusters[c];
         Error::ReadStalled {
-            path: self.path.clone(),
+            path: self.core.path.clone(),
             layer,
             cluster: c,
             offset: span.offset,
@@ -639,20 +685,21 @@ impl NeuronCache {
     /// [`Error::Format`]) if the bytes read do not match its CRC-32C;
     /// [`Error::Internal`] if it was not fetched.
     pub fn cluster(&self, layer: usize, c: usize, loc: Loc) -> Result<&[u8]> {
-        let span = self.layers[layer].clusters[c];
+        let span = self.core.layers[layer].clusters[c];
         match loc {
             Loc::Hot(off) => self
+                .core
                 .hot
-                .as_slice()
-                .get(off..off + span.need as usize)
+                .get(off, span.need as usize)
                 .ok_or_else(|| Error::Internal(format!("layer {layer} cluster {c} outside the hot region"))),
             Loc::Slot(s) => {
-                let (state, waited) = self.shared.slots.wait(s).map_err(|e| self.stalled(layer, c, e))?;
+                let (state, waited) = self.core.shared.slots.wait(s).map_err(|e| self.stalled(layer, c, e))?;
                 if waited > 0 {
                     self.wait_ns.fetch_add(waited, Ordering::Relaxed);
                 }
                 match state {
                     READY => self
+                        .core
                         .shared
                         .slots
                         .ready_bytes(s, span.need as usize)
@@ -660,6 +707,7 @@ impl NeuronCache {
                     FAILED => {
                         // The next fetch of this cluster reads it again.
                         let msg = self
+                            .core
                             .shared
                             .error
                             .lock()
@@ -670,7 +718,7 @@ impl NeuronCache {
                         Err(Error::ClusterRead { layer, cluster: c, offset: span.offset, len: span.need as u64, msg })
                     }
                     // The next fetch of this cluster reads it again.
-                    CORRUPT => Err(self.damaged(layer, c, self.shared.slots.seen_crc(s))),
+                    CORRUPT => Err(self.damaged(layer, c, self.core.shared.slots.seen_crc(s))),
                     _ => Err(Error::Internal(format!("cold slot {s} used before it was fetched"))),
                 }
             }
@@ -680,14 +728,14 @@ impl NeuronCache {
 
     /// The error for cluster `c` of `layer` read with CRC-32C `computed`.
     fn damaged(&self, layer: usize, c: usize, computed: u32) -> Error {
-        damaged(&self.path, &self.layers[layer], c, computed)
+        damaged(&self.core.path, &self.core.layers[layer], c, computed)
     }
 
     /// Counters since load (cumulative; subtract with [`CacheStats::since`]).
     pub fn stats(&self) -> CacheStats {
-        let mut c = self.lru.lock().unwrap_or_else(|e| e.into_inner()).counts;
-        c.bytes_read = self.shared.bytes_read.load(Ordering::Relaxed);
-        c.reads = self.shared.reads.load(Ordering::Relaxed);
+        let mut c = self.core.lru.lock().unwrap_or_else(|e| e.into_inner()).counts;
+        c.bytes_read = self.core.shared.bytes_read.load(Ordering::Relaxed);
+        c.reads = self.core.shared.reads.load(Ordering::Relaxed);
         c.io_wait_s = self.wait_ns.load(Ordering::Relaxed) as f64 * 1e-9;
         c
     }
@@ -715,7 +763,11 @@ impl ClusterSource for NeuronCache {
     }
 
     fn x8_clusters(&self, layer: usize) -> usize {
-        self.layers[layer].x8
+        self.core.layers[layer].x8.min(self.core.live[layer].load(Ordering::Relaxed))
+    }
+
+    fn end_pass(&self) {
+        NeuronCache::end_pass(self)
     }
 
     fn wait_s(&self) -> f64 {
@@ -739,59 +791,200 @@ impl ClusterSource for NeuronCache {
 
 /// Resizes a [`NeuronCache`]'s memory from any thread ([`NeuronCache::memory`]).
 ///
-/// The cold region shrinks by whole slots, least recently used first, each
-/// given back to the system at once (`madvise(MADV_DONTNEED)`), down to one
-/// layer's cold clusters (what a fetch needs); slots the current fetch
-/// holds, or that a read is filling, stay until a later call. It grows back
-/// by the same slots. The clusters that leave are read from flash again
-/// when a fetch needs them; results do not depend on the size. The hot
-/// region does not move.
+/// Under a smaller size the cold region goes first, by whole slots, least
+/// recently used first, down to one layer's cold clusters (what a fetch
+/// needs); then the hot region, the same share of each layer's hot
+/// clusters, least often active first (the end of its hot prefix, SPEC
+/// §4.4's hot-first order), which are served as cold clusters from then on
+/// (the cold region grows by what a fetch of them needs). Every byte is
+/// given back to the system at once (`madvise(MADV_DONTNEED)`). Slots the
+/// current fetch holds, or that a read is filling, stay until the next
+/// fetch; hot clusters change only between layer calls (at a fetch, or
+/// at once while no forward pass runs). A larger size reads the hot
+/// clusters back from flash (checked, and in the ×8 layout again) and
+/// brings the slots back. Results do not depend on the size.
 #[derive(Clone)]
 pub struct CacheMemory {
-    lru: Arc<Mutex<Lru>>,
-    shared: Arc<Shared>,
-    hot_bytes: u64,
-    min_slots: usize,
-}
-
-impl CacheMemory {
-    fn slot_bytes(&self) -> u64 {
-        self.shared.slots.slot_bytes() as u64
-    }
+    core: Arc<Core>,
 }
 
 impl MemoryControl for CacheMemory {
     fn floor_bytes(&self) -> u64 {
-        self.hot_bytes + self.min_slots as u64 * self.slot_bytes()
+        self.core.cost(&vec![0; self.core.layers.len()])
     }
 
     fn ceiling_bytes(&self) -> u64 {
-        self.hot_bytes + self.shared.slots.region_bytes() as u64
+        self.core.hot.len() as u64 + (self.core.planned_slots * self.core.shared.slots.slot_bytes()) as u64
     }
 
     fn held_bytes(&self) -> u64 {
-        let lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
-        self.hot_bytes + lru.n_on as u64 * self.slot_bytes()
+        let lru = self.core.lru.lock().unwrap_or_else(|e| e.into_inner());
+        self.core.held(&lru)
     }
 
     fn resize(&self, bytes: u64) -> u64 {
-        let n = self.shared.slots.len();
-        let to = match bytes.saturating_sub(self.hot_bytes).checked_div(self.slot_bytes()) {
-            Some(k) => (k.min(n as u64) as usize).max(self.min_slots),
-            None => n,
-        };
-        let mut lru = self.lru.lock().unwrap_or_else(|e| e.into_inner());
-        lru.target = to;
-        if to < lru.n_on {
-            let b = lru.shrink(&self.shared.slots, to);
-            if b > 0 {
-                lru.counts.budget_shrinks += 1;
-                lru.counts.bytes_returned += b;
-            }
-        } else if to > lru.n_on && lru.grow(to) > 0 {
-            lru.counts.budget_grows += 1;
+        let core = &self.core;
+        let (live, slots) = core.plan(bytes);
+        let mut lru = core.lru.lock().unwrap_or_else(|e| e.into_inner());
+        let before = core.held(&lru);
+        let (shrinks, grows) = (lru.counts.budget_shrinks, lru.counts.budget_grows);
+        lru.target = slots;
+        lru.target_live = live;
+        lru.pending = true;
+        if lru.in_pass {
+            // Hot clusters wait for the next fetch; slots can go now, down
+            // to what the hot clusters in memory leave cold.
+            let to = slots.max(core.min_slots_now());
+            let b = lru.shrink(&core.shared.slots, to);
+            lru.counts.bytes_returned += b;
+        } else {
+            core.apply(&mut lru);
         }
-        self.hot_bytes + lru.n_on as u64 * self.slot_bytes()
+        // One resize counts once, when it asks for less or more than held,
+        // however many steps (now, at later fetches) it takes.
+        let wanted = core.cost(&lru.target_live)
+            + (slots.saturating_sub(core.min_slots(&lru.target_live)) * core.shared.slots.slot_bytes()) as u64;
+        lru.counts.budget_shrinks = shrinks + u64::from(wanted < before);
+        lru.counts.budget_grows = grows + u64::from(wanted > before);
+        core.held(&lru)
+    }
+}
+
+impl Core {
+    /// Bytes of the first `k` hot clusters of `l` in the hot region.
+    fn hot_prefix(&self, l: usize, k: usize) -> u64 {
+        let c = &self.layers[l].clusters;
+        if k == 0 {
+            0
+        } else {
+            c[k - 1].offset + c[k - 1].read as u64 - c[0].offset
+        }
+    }
+
+    /// Cold slots a fetch needs with `live` hot clusters per layer (the
+    /// most cold clusters of one layer).
+    fn min_slots(&self, live: &[usize]) -> usize {
+        self.layers.iter().zip(live).map(|(l, &k)| l.clusters.len() - k).max().unwrap_or(0)
+    }
+
+    /// Bytes held with `live` hot clusters per layer and the fewest slots.
+    fn cost(&self, live: &[usize]) -> u64 {
+        let hot: u64 = live.iter().enumerate().map(|(l, &k)| self.hot_prefix(l, k)).sum();
+        hot + (self.min_slots(live) * self.shared.slots.slot_bytes()) as u64
+    }
+
+    /// Bytes held now.
+    fn held(&self, lru: &Lru) -> u64 {
+        let hot: u64 = (0..self.layers.len()).map(|l| self.hot_prefix(l, self.live[l].load(Ordering::Relaxed))).sum();
+        hot + (lru.n_on * self.shared.slots.slot_bytes()) as u64
+    }
+
+    /// Hot clusters per layer and cold slots for holding at most `bytes`
+    /// (at least the floor): every hot cluster and up to the planned slots
+    /// if they fit; else the largest share of each layer's hot clusters
+    /// (in 1/1024ths) that fits with the slots its fetches need.
+    fn plan(&self, bytes: u64) -> (Vec<usize>, usize) {
+        let full: Vec<usize> = self.layers.iter().map(|l| l.hot).collect();
+        let slot = self.shared.slots.slot_bytes() as u64;
+        let cap = self.shared.slots.len();
+        let slots_for = |live: &[usize]| -> usize {
+            let hot = self.cost(live) - (self.min_slots(live) as u64 * slot);
+            let k = bytes.saturating_sub(hot).checked_div(slot).unwrap_or(0);
+            (k.min(self.planned_slots.max(self.min_slots(live)) as u64) as usize).max(self.min_slots(live)).min(cap)
+        };
+        if self.cost(&full) <= bytes {
+            let n = slots_for(&full);
+            return (full, n);
+        }
+        let share = |i: usize| -> Vec<usize> { full.iter().map(|&h| h * i / 1024).collect() };
+        let live = (0..1024).rev().map(share).find(|live| self.cost(live) <= bytes).unwrap_or_else(|| share(0));
+        let n = slots_for(&live);
+        (live, n)
+    }
+
+    /// Moves the regions to the last resize's targets. Called only where no
+    /// layer call uses a cluster: at a fetch, between forward passes.
+    fn apply(&self, lru: &mut Lru) {
+        if !std::mem::take(&mut lru.pending) {
+            return;
+        }
+        // Slots first: the hot clusters given back are cold from now on.
+        let need = self.min_slots(&lru.target_live);
+        if lru.n_on < need {
+            lru.grow(need);
+        }
+        for l in 0..self.layers.len() {
+            let (t, k) = (lru.target_live[l], self.live[l].load(Ordering::Relaxed));
+            if t < k {
+                let base = self.layers[l].hot_base as u64;
+                let (from, to) = (base + self.hot_prefix(l, t), base + self.hot_prefix(l, k));
+                self.live[l].store(t, Ordering::Relaxed);
+                // SAFETY: clusters t..k of `l` are not hot any more (`live`
+                // is t), so no later fetch hands out a location in this
+                // range, and no layer call holds one now (`apply` runs
+                // between layer calls, under the LRU's lock).
+                let b = unsafe { self.hot.give_back(from as usize, (to - from) as usize) };
+                lru.counts.bytes_returned += b as u64;
+            } else if t > k {
+                match self.promote(l, k, t) {
+                    Ok(()) => self.live[l].store(t, Ordering::Relaxed),
+                    // Stays cold; the next resize tries again.
+                    Err(_) => lru.target_live[l] = k,
+                }
+            }
+        }
+        let to = lru.target.max(self.min_slots_now());
+        if lru.n_on > to {
+            let b = lru.shrink(&self.shared.slots, to);
+            lru.counts.bytes_returned += b;
+            // Slots of the current fetch stay until the next one.
+            lru.pending = lru.n_on > to;
+        } else if lru.n_on < to {
+            lru.grow(to);
+        }
+    }
+
+    /// [`Self::min_slots`] of the hot clusters in memory now.
+    fn min_slots_now(&self) -> usize {
+        self.layers.iter().zip(&self.live).map(|(l, k)| l.clusters.len() - k.load(Ordering::Relaxed)).max().unwrap_or(0)
+    }
+
+    /// Reads hot clusters `k..t` of layer `l` back into the hot region
+    /// (one read), checks them and puts them in the ×8 layout where the
+    /// layer's other hot clusters are.
+    ///
+    /// # Errors
+    /// A read error or a damaged cluster.
+    fn promote(&self, l: usize, k: usize, t: usize) -> Result<()> {
+        let lay = &self.layers[l];
+        let (first, last) = (lay.clusters[k], lay.clusters[t - 1]);
+        let at = lay.hot_base + (first.offset - lay.clusters[0].offset) as usize;
+        let len = (last.offset + last.read as u64 - first.offset) as usize;
+        // SAFETY (the contract of `fill`): clusters k..t of `l` are not
+        // hot now (`live` is k), so no fetch hands out a location in this
+        // range and nobody reads it; `apply` runs under the LRU's lock,
+        // alone, between layer calls.
+        unsafe {
+            self.hot.fill(at, len, |buf| {
+                self.shared.flash.read_into(first.offset, &mut [buf], last.offset + last.need as u64 - first.offset)?;
+                for c in k..t {
+                    let span = lay.clusters[c];
+                    let off = (span.offset - first.offset) as usize;
+                    let bytes = &mut buf[off..off + span.need as usize];
+                    if let Some(&want) = lay.crcs.get(c) {
+                        let got = nflash_format::checksums::cluster_crc32c(bytes);
+                        if got != want {
+                            return Err(damaged(&self.path, lay, c, got));
+                        }
+                    }
+                    if let Some((dt, cols, bundle)) = lay.x8_form {
+                        let n = (span.need as u64 / bundle) as usize;
+                        nflash_format::interleave::interleave_bundles(dt, cols, n, bytes, &mut Vec::new());
+                    }
+                }
+                Ok(())
+            })
+        }
     }
 }
 
@@ -846,7 +1039,7 @@ fn layouts(
             })
             .collect();
         let label = m.config.unit_label(u);
-        layers.push(LayerLayout { label, clusters, crcs, hot, prefetch, hot_base: hot_total, x8: 0 });
+        layers.push(LayerLayout { label, clusters, crcs, hot, prefetch, hot_base: hot_total, x8: 0, x8_form: None });
         hot_total += hot_len;
     }
     Ok((layers, hot_total))
@@ -932,6 +1125,7 @@ fn interleave_hot(pack: &Pack, layers: &mut [LayerLayout], hot: &mut [u8]) {
             nflash_format::interleave::interleave_bundles(dt, cols as usize, c.n_neurons as usize, bytes, &mut scratch);
         }
         l.x8 = l.hot;
+        l.x8_form = Some((dt, cols as usize, f.bundle.bundle_bytes));
     }
 }
 
@@ -950,6 +1144,7 @@ mod tests {
             prefetch: vec![false; n_clusters],
             hot_base: 0,
             x8: 0,
+            x8_form: None,
         }
     }
 

@@ -137,6 +137,38 @@ impl AlignedBuf {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 
+    /// Bytes `off .. off + n`, or `None` past the end. Shared buffers are
+    /// written only through [`Self::fill`] and emptied through
+    /// [`Self::give_back`], whose callers promise that nobody reads the range.
+    pub fn get(&self, off: usize, n: usize) -> Option<&[u8]> {
+        if off.checked_add(n)? > self.len {
+            return None;
+        }
+        // SAFETY: in bounds; no thread writes the range (the contract of
+        // `fill` and `give_back`, the only writers of a shared buffer).
+        Some(unsafe { self.range(off, n) })
+    }
+
+    /// Runs `f` on bytes `off .. off + n`, writable, through a shared buffer.
+    ///
+    /// # Safety
+    /// Nobody reads or writes the range meanwhile, nor holds a slice of it
+    /// from [`Self::get`].
+    pub unsafe fn fill<R>(&self, off: usize, n: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        // SAFETY: exclusive (caller's contract); `range_mut` checks the bounds.
+        f(unsafe { self.range_mut(off, n) })
+    }
+
+    /// Gives the whole pages of bytes `off .. off + n` back to the system
+    /// ([`Self::discard`]); returns the bytes given back.
+    ///
+    /// # Safety
+    /// As [`Self::fill`]; what the range held is lost.
+    pub unsafe fn give_back(&self, off: usize, n: usize) -> usize {
+        // SAFETY: the caller's contract.
+        unsafe { self.discard(off, n) }
+    }
+
     /// Bytes `off .. off + n`, read-only, through the raw pointer (for
     /// [`Slots`], which shares the buffer between threads).
     ///
