@@ -15,6 +15,8 @@
 //!   cache kept across requests (prefix reuse), perplexity;
 //! - [`placement`]: memory budget → plan → where neuron clusters live, and
 //!   the engine loaded that way (what `nflash` and the C library run).
+//! - [`pressure`]: the system's memory signals (cgroup, `MemAvailable`,
+//!   PSI) and the governor that resizes the neuron cache under them.
 //!
 //! Planning (how much is hot, how big the cold cache is) is the
 //! `nflash-plan` crate. Entry points: [`nflash_format::Pack::open_resident`],
@@ -32,6 +34,7 @@ pub mod model;
 pub mod offload;
 pub mod placement;
 pub mod ppl;
+pub mod pressure;
 pub mod sampler;
 pub mod session;
 pub mod spin;

@@ -23,6 +23,7 @@ mod no_alloc;
 mod no_alloc_cache;
 mod offload;
 mod plan_sim;
+mod pressure;
 mod probe;
 mod profile;
 mod reference;

@@ -925,6 +925,9 @@ impl Core {
                 // between layer calls, under the LRU's lock).
                 let b = unsafe { self.hot.give_back(from as usize, (to - from) as usize) };
                 lru.counts.bytes_returned += b as u64;
+                for c in t..k {
+                    lru.dropped[l][c / 64] |= 1 << (c % 64);
+                }
             } else if t > k {
                 match self.promote(l, k, t) {
                     Ok(()) => self.live[l].store(t, Ordering::Relaxed),

@@ -7,6 +7,7 @@ use nflash_plan::layout::IoEngine;
 use nflash_plan::planner::parse_bytes;
 use nflash_plan::KvType;
 use nflash_runtime::placement::{self, MemoryOptions};
+use nflash_runtime::pressure::{Governor, Signals, Watch};
 use nflash_runtime::Engine;
 
 /// Memory options (PowerInfer-2's segmented neuron cache; SPEC §4.6).
@@ -38,6 +39,13 @@ pub struct MemoryArgs {
     /// I/O thread).
     #[arg(long, default_value = "auto", value_parser = parse_io_engine)]
     pub io_engine: IoEngine,
+    /// Memory kept free for other apps (e.g. 32MiB): when the memory cgroup's
+    /// room or MemAvailable falls below it, or PSI shows memory stalls,
+    /// nflash gives neuron-cache memory back (down to its floor: resident
+    /// weights, KV cache, scratch and one layer's staging slots), and takes
+    /// it again up to the budget once the pressure has been gone for 2 s.
+    #[arg(long, default_value = "32MiB", value_parser = parse_bytes)]
+    pub memory_reserve: u64,
     /// KV cache element type: f16 (half the memory, as llama.cpp) or f32.
     /// The memory plan sizes the KV cache for it.
     #[arg(long, default_value = "f16", value_parser = parse_kv)]
@@ -64,6 +72,15 @@ impl MemoryArgs {
             None => None,
         })
     }
+}
+
+/// Starts the governor that resizes `engine`'s neuron cache under memory
+/// pressure (`nflash_runtime::pressure`), keeping `a.memory_reserve` free;
+/// `None` if the cache's memory cannot move or the thread cannot start.
+pub fn follow_memory(engine: &Engine, a: &MemoryArgs) -> Option<Watch> {
+    let mem = engine.model.memory_control()?;
+    let gov = Governor::new(a.memory_reserve, mem.floor_bytes(), mem.ceiling_bytes());
+    Watch::start(Signals::detect(), gov, mem).ok()
 }
 
 /// Loads the engine as [`nflash_runtime::placement::load_engine`] does with

@@ -1,5 +1,6 @@
 //! `nflash run`: generate from a prompt, or chat interactively.
 
+use nflash_runtime::pressure::Watch;
 use std::io::{BufRead, Write};
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -137,6 +138,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         );
     }
     let budget = plan.as_ref().map(|p| p.memory_budget_bytes);
+    let watch = crate::memory::follow_memory(&engine, &a.memory);
     engine.model.set_dense(a.dense);
     engine.model.set_speculation(a.speculate);
     let (sampling, sources) = a.sampling.resolve(&engine.generation);
@@ -163,7 +165,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
             bail!("--raw applies to --prompt or --prompt-file; interactive mode always chats through the template");
         }
         let mut session = Session::new(&engine, ctx)?;
-        return interactive(&engine, &mut session, &mut sampler, &opts, &a, budget);
+        return interactive(&engine, &mut session, &mut sampler, &opts, &a, budget, watch.as_ref());
     };
     if prompt.trim().is_empty() {
         match &a.prompt_file {
@@ -198,7 +200,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         let _ = stdout.flush();
     })?;
     let _ = writeln!(stdout);
-    report(&a, &st, &engine.model, budget, kv.capacity())
+    report(&a, &st, &engine.model, budget, kv.capacity(), watch.as_ref())
 }
 
 /// How chat messages are rendered and tokenized
@@ -211,8 +213,15 @@ fn chat_options(a: &RunArgs) -> ChatOptions {
 }
 
 /// Prints / writes the stats; `budget`: the memory budget in force, bytes;
-/// `ctx`: the KV cache's capacity, tokens.
-fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: usize) -> Result<()> {
+/// `ctx`: the KV cache's capacity, tokens; `watch`: the memory governor.
+fn report(
+    a: &RunArgs,
+    st: &GenStats,
+    model: &Model,
+    budget: Option<u64>,
+    ctx: usize,
+    watch: Option<&Watch>,
+) -> Result<()> {
     let (counts, tm) = model.counters();
     let ptm = model.prefill_timings();
     let sparse = model.is_sparse_pack() && !a.dense;
@@ -297,6 +306,22 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
             nflash_runtime::offload::align::page_size() / 1024
         );
         message!("decode profile, ms per token: {}", profile(&tm, 1e3 / steps));
+        if let Some(w) = watch {
+            let (lo, hi) = w.held_range();
+            let t = model.cache_stats();
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            message!(
+                "memory pressure: follows {}; neuron cache held {:.1}-{:.1} MiB of {:.1} MiB; {} shrinks, {} grows, {:.1} MiB given back, {} clusters read again",
+                w.signals(),
+                mib(lo),
+                mib(hi),
+                mib(w.ceiling()),
+                t.budget_shrinks,
+                t.budget_grows,
+                mib(t.bytes_returned),
+                t.reads_after_shrink
+            );
+        }
         message!("prefill profile, ms in all: {}", profile(&ptm, 1e3));
         message!(
             "decode latency: mean {mean_ms:.2} ms, P50 {p50:.2} ms, P90 {p90:.2} ms, P99 {p99:.2} ms | neuron cache: hot {:.1} MiB, cold {:.1} MiB ({}), hit rate {:.1}% (hot region {:.1}%), {:.2} MiB read per token in {:.1} reads, I/O wait {:.1}% of decode",
@@ -383,6 +408,22 @@ fn report(a: &RunArgs, st: &GenStats, model: &Model, budget: Option<u64>, ctx: u
             "kv_cache": model.kv_type().name(),
         });
         let mut j = j;
+        // The budget over the run: what the governor gave back comes off it.
+        let total = model.cache_stats();
+        let range = watch.map(|w| {
+            let (lo, hi) = w.held_range();
+            (w.ceiling() - lo, w.ceiling() - hi)
+        });
+        j["budget_min_bytes"] = serde_json::json!(budget.zip(range).map(|(b, (lo, _))| b.saturating_sub(lo)));
+        j["budget_max_bytes"] = serde_json::json!(budget.zip(range).map(|(b, (_, hi))| b.saturating_sub(hi)));
+        j["budget_shrinks"] = serde_json::json!(total.budget_shrinks);
+        j["budget_grows"] = serde_json::json!(total.budget_grows);
+        j["bytes_returned"] = serde_json::json!(total.bytes_returned);
+        j["reads_after_shrink"] = serde_json::json!(total.reads_after_shrink);
+        j["memory_signals"] = serde_json::json!(watch.map(|w| w.signals()));
+        let mem = model.memory_control();
+        j["cache_floor_bytes"] = serde_json::json!(mem.as_ref().map(|m| m.floor_bytes()));
+        j["cache_ceiling_bytes"] = serde_json::json!(mem.as_ref().map(|m| m.ceiling_bytes()));
         j["misses_read_ahead"] = serde_json::json!((c.misses > 0).then(|| c.speculated_used as f64 / c.misses as f64));
         j["misses_read_early"] = serde_json::json!((c.misses > 0).then(|| c.read_ahead_used as f64 / c.misses as f64));
         j["expert_prefetch_precision"] = serde_json::json!((ep.guessed > 0).then(|| ep.precision()));
@@ -402,6 +443,7 @@ fn interactive(
     opts: &GenerateOptions,
     a: &RunArgs,
     budget: Option<u64>,
+    watch: Option<&Watch>,
 ) -> Result<()> {
     let system = a.system.as_deref();
     const NO_TEMPLATE: &str = "this pack has no chat template, so interactive chat is not possible; pass --prompt";
@@ -436,7 +478,7 @@ fn interactive(
                 continue;
             }
         };
-        report(a, &turn.stats, &engine.model, budget, session.capacity())?;
+        report(a, &turn.stats, &engine.model, budget, session.capacity(), watch)?;
         let reply = engine.tokenizer.decode(&turn.tokens)?;
         msgs.push(Message::new("assistant", &reply));
     }

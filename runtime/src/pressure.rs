@@ -1,0 +1,418 @@
+//! Memory that follows the system (issue 46): the signals Linux and Android
+//! give about memory running short, and the governor that resizes the
+//! neuron cache ([`MemoryControl`]) between its floor and its ceiling.
+//!
+//! Signals, each read only where the system offers it:
+//! - the process's memory cgroup: v2 `memory.max`/`memory.high` against
+//!   `memory.current`, v1 `memory.limit_in_bytes` against
+//!   `memory.usage_in_bytes`, each less the group's inactive file pages
+//!   (`memory.stat`), which the kernel takes back first;
+//! - `/proc/meminfo` `MemAvailable`;
+//! - PSI (`/proc/pressure/memory`, `some` stall time), where readable:
+//!   Android's SELinux denies it to apps, and with zram the kernel swaps
+//!   anonymous memory out instead of failing, so that stalls, not free
+//!   memory, show the squeeze.
+//!
+//! The governor polls every [`POLL`]; below the reserve it gives back the
+//! shortfall at once (one decode step later at most, for hot clusters),
+//! and it grows back only after [`CALM`] without pressure, half the spare
+//! room at a time (hysteresis, so that nflash and another app do not take
+//! turns evicting each other).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::model::MemoryControl;
+
+/// How often the governor reads the signals.
+pub const POLL: Duration = Duration::from_millis(50);
+
+/// How long pressure must be gone before the cache grows back.
+pub const CALM: Duration = Duration::from_secs(2);
+
+/// PSI `some` stall time per poll above which memory counts as short
+/// (microseconds; 5% of [`POLL`]).
+const STALL_US: u64 = 2_500;
+
+/// One reading of the signals ([`Signals::read`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reading {
+    /// Bytes the process's cgroup may still take before its limit: the
+    /// limit (the lower of `memory.max` and `memory.high`, v1
+    /// `memory.limit_in_bytes`) less the usage, not counting inactive file
+    /// pages; negative when over. `None` without a limited memory cgroup.
+    pub cgroup_room: Option<i64>,
+    /// `MemAvailable`, bytes.
+    pub available: Option<u64>,
+    /// PSI `some` total stall time, microseconds (cumulative).
+    pub stall_us: Option<u64>,
+}
+
+/// Where the signals of this process are read ([`Signals::detect`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Signals {
+    /// The memory cgroup's directory and whether it is cgroup v2.
+    pub cgroup: Option<(PathBuf, bool)>,
+    /// `/proc/meminfo`, if readable.
+    pub meminfo: Option<PathBuf>,
+    /// `/proc/pressure/memory`, if readable.
+    pub psi: Option<PathBuf>,
+}
+
+impl Signals {
+    /// Finds this process's memory cgroup (`/proc/self/cgroup` and
+    /// `/proc/self/mountinfo`), and checks that `/proc/meminfo` and
+    /// `/proc/pressure/memory` can be read.
+    pub fn detect() -> Self {
+        let read = |p: &str| std::fs::read_to_string(p).ok();
+        let cgroup = match (read("/proc/self/cgroup"), read("/proc/self/mountinfo")) {
+            (Some(c), Some(m)) => memory_cgroup(&c, &m),
+            _ => None,
+        };
+        let readable = |p: &str| read(p).map(|_| PathBuf::from(p));
+        Signals { cgroup, meminfo: readable("/proc/meminfo"), psi: readable("/proc/pressure/memory") }
+    }
+
+    /// A description for `--stats`: which signals are in use.
+    pub fn describe(&self) -> String {
+        let mut v = Vec::new();
+        match &self.cgroup {
+            Some((p, true)) => v.push(format!("cgroup v2 {}", p.display())),
+            Some((p, false)) => v.push(format!("cgroup v1 {}", p.display())),
+            None => {}
+        }
+        if self.meminfo.is_some() {
+            v.push("MemAvailable".into());
+        }
+        if self.psi.is_some() {
+            v.push("PSI".into());
+        }
+        if v.is_empty() {
+            "none".into()
+        } else {
+            v.join(", ")
+        }
+    }
+
+    /// Reads every signal (a missing or unreadable one is `None`).
+    pub fn read(&self) -> Reading {
+        let read = |p: &Path| std::fs::read_to_string(p).ok();
+        let cgroup_room = self.cgroup.as_ref().and_then(|(dir, v2)| {
+            let f = |name: &str| read(&dir.join(name));
+            if *v2 {
+                cgroup_room_v2(
+                    f("memory.max")?.as_str(),
+                    f("memory.high").as_deref(),
+                    &f("memory.current")?,
+                    &f("memory.stat")?,
+                )
+            } else {
+                cgroup_room_v1(&f("memory.limit_in_bytes")?, &f("memory.usage_in_bytes")?, &f("memory.stat")?)
+            }
+        });
+        Reading {
+            cgroup_room,
+            available: self.meminfo.as_deref().and_then(read).and_then(|s| mem_available(&s)),
+            stall_us: self.psi.as_deref().and_then(read).and_then(|s| psi_some_total(&s)),
+        }
+    }
+}
+
+/// The memory cgroup directory of a process from its `/proc/PID/cgroup`
+/// and `/proc/PID/mountinfo`: a v1 hierarchy with the `memory` controller,
+/// else the v2 one (unified) where it has `memory.max`; `(dir, is_v2)`.
+pub fn memory_cgroup(cgroup: &str, mountinfo: &str) -> Option<(PathBuf, bool)> {
+    // (hierarchy path, v2)
+    let mut v1 = None;
+    let mut v2 = None;
+    for line in cgroup.lines() {
+        let mut it = line.splitn(3, ':');
+        let (_, ctrl, path) = (it.next()?, it.next()?, it.next()?);
+        if ctrl.split(',').any(|c| c == "memory") {
+            v1 = Some(path.to_string());
+        } else if ctrl.is_empty() {
+            v2 = Some(path.to_string());
+        }
+    }
+    // mountinfo: ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTIONS
+    for line in mountinfo.lines() {
+        let (left, right) = line.split_once(" - ")?;
+        let f: Vec<&str> = left.split(' ').collect();
+        let r: Vec<&str> = right.split(' ').collect();
+        if f.len() < 5 || r.len() < 3 {
+            continue;
+        }
+        let (root, mount) = (f[3], f[4]);
+        let dir = |path: &str| -> PathBuf {
+            let rel = path.strip_prefix(root).unwrap_or(path).trim_start_matches('/');
+            Path::new(mount).join(rel)
+        };
+        if r[0] == "cgroup" && r[2].split(',').any(|o| o == "memory") {
+            if let Some(p) = &v1 {
+                return Some((dir(p), false));
+            }
+        }
+        if r[0] == "cgroup2" && v1.is_none() {
+            if let Some(p) = &v2 {
+                let d = dir(p);
+                if d.join("memory.max").exists() {
+                    return Some((d, true));
+                }
+            }
+        }
+    }
+    None
+}
+
+/// A `key value` field of a `memory.stat` (bytes), or 0.
+fn stat_field(stat: &str, key: &str) -> u64 {
+    stat.lines()
+        .find_map(|l| l.strip_prefix(key).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
+/// Cgroup v2 room (see [`Reading::cgroup_room`]): `max` and `high` are a
+/// byte count or `max`; `stat` gives `inactive_file`.
+pub fn cgroup_room_v2(max: &str, high: Option<&str>, current: &str, stat: &str) -> Option<i64> {
+    let limit = |s: &str| -> Option<u64> { s.trim().parse().ok() };
+    let lim = match (limit(max), high.and_then(limit)) {
+        (Some(a), Some(b)) => a.min(b),
+        (a, b) => a.or(b)?,
+    };
+    let used = current.trim().parse::<u64>().ok()?.saturating_sub(stat_field(stat, "inactive_file"));
+    Some(lim as i64 - used as i64)
+}
+
+/// Cgroup v1 room (see [`Reading::cgroup_room`]); a limit of 2^62 or more
+/// means none. `stat` gives `total_inactive_file` (the hierarchy's).
+pub fn cgroup_room_v1(limit: &str, usage: &str, stat: &str) -> Option<i64> {
+    let lim: u64 = limit.trim().parse().ok()?;
+    if lim >= 1 << 62 {
+        return None;
+    }
+    let inactive = match stat_field(stat, "total_inactive_file") {
+        0 => stat_field(stat, "inactive_file"),
+        n => n,
+    };
+    let used = usage.trim().parse::<u64>().ok()?.saturating_sub(inactive);
+    Some(lim as i64 - used as i64)
+}
+
+/// `MemAvailable` of a `/proc/meminfo`, bytes.
+pub fn mem_available(meminfo: &str) -> Option<u64> {
+    let l = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = l.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The `some` line's `total=` (microseconds stalled) of a PSI file.
+pub fn psi_some_total(psi: &str) -> Option<u64> {
+    let l = psi.lines().find(|l| l.starts_with("some "))?;
+    l.split_whitespace().find_map(|w| w.strip_prefix("total=")).and_then(|v| v.parse().ok())
+}
+
+/// The governor's decisions, from readings: pure, so that tests give it
+/// readings and times.
+#[derive(Debug, Clone)]
+pub struct Governor {
+    /// Bytes kept free below the cgroup's limit and of `MemAvailable`.
+    pub reserve: u64,
+    /// The most the cache may hold (its size at load, or `--memory-max`).
+    pub ceiling: u64,
+    /// The least it can hold.
+    pub floor: u64,
+    last_pressure: Option<Instant>,
+    last_stall: Option<u64>,
+}
+
+impl Governor {
+    /// A governor keeping `reserve` bytes free, for a cache between `floor` and `ceiling` bytes.
+    pub fn new(reserve: u64, floor: u64, ceiling: u64) -> Self {
+        Governor { reserve, ceiling, floor, last_pressure: None, last_stall: None }
+    }
+
+    /// The cache size to move to, given a reading at `now` and what the
+    /// cache `held`; `None` to stay. Memory is short when the cgroup's
+    /// room or `MemAvailable` is below the reserve (give back the
+    /// shortfall and half the reserve more), or when PSI shows stalls
+    /// while the room is below twice the reserve (give back a quarter of
+    /// what is above the floor). With room to spare for [`CALM`] since the
+    /// last shortage, take half the spare room above twice the reserve.
+    pub fn decide(&mut self, r: &Reading, held: u64, now: Instant) -> Option<u64> {
+        let room = [r.cgroup_room, r.available.map(|a| a.min(i64::MAX as u64) as i64)].into_iter().flatten().min();
+        let stalled = match (r.stall_us, self.last_stall.replace(r.stall_us.unwrap_or(0))) {
+            (Some(now), Some(before)) => now.saturating_sub(before) > STALL_US,
+            _ => false,
+        };
+        let reserve = self.reserve as i64;
+        let short = room.is_some_and(|x| x < reserve);
+        let tight = room.is_none_or(|x| x < 2 * reserve);
+        if short || (stalled && tight) {
+            self.last_pressure = Some(now);
+            let target = match room {
+                Some(x) if x < reserve => held.saturating_sub((reserve - x + reserve / 2) as u64),
+                _ => held - held.saturating_sub(self.floor) / 4,
+            };
+            let target = target.max(self.floor);
+            return (target < held).then_some(target);
+        }
+        let calm = self.last_pressure.is_none_or(|t| now.duration_since(t) >= CALM);
+        match room {
+            Some(x) if calm && held < self.ceiling && x > 2 * reserve => {
+                Some((held + ((x - 2 * reserve) / 2) as u64).min(self.ceiling))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The governor's thread: reads `signals` every [`POLL`] and resizes
+/// `mem`; stops when the handle is dropped.
+pub struct Watch {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// The least and the most the cache held, bytes, at the polls so far.
+    range: Arc<Mutex<(u64, u64)>>,
+    /// The cache's size at load, bytes.
+    ceiling: u64,
+    signals: String,
+}
+
+impl Watch {
+    /// Starts the thread (named `nflash-memory`).
+    ///
+    /// # Errors
+    /// The thread could not be started.
+    pub fn start(signals: Signals, mut gov: Governor, mem: Arc<dyn MemoryControl>) -> std::io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let held = mem.held_bytes();
+        let range = Arc::new(Mutex::new((held, held)));
+        let (s, rg) = (Arc::clone(&stop), Arc::clone(&range));
+        let (ceiling, described) = (mem.ceiling_bytes(), signals.describe());
+        let thread = std::thread::Builder::new().name("nflash-memory".into()).spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let r = signals.read();
+                let mut held = mem.held_bytes();
+                if let Some(target) = gov.decide(&r, held, Instant::now()) {
+                    held = mem.resize(target);
+                }
+                let mut g = rg.lock().unwrap_or_else(|e| e.into_inner());
+                *g = (g.0.min(held), g.1.max(held));
+                drop(g);
+                std::thread::park_timeout(POLL);
+            }
+        })?;
+        Ok(Watch { stop, thread: Some(thread), range, ceiling, signals: described })
+    }
+
+    /// The least and the most the cache held so far, bytes.
+    pub fn held_range(&self) -> (u64, u64) {
+        *self.range.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The cache's size at load, bytes.
+    pub fn ceiling(&self) -> u64 {
+        self.ceiling
+    }
+
+    /// The signals followed ([`Signals::describe`]).
+    pub fn signals(&self) -> &str {
+        &self.signals
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn the_memory_cgroup_is_found_in_v1_and_v2_layouts() {
+        // This machine's kind: cgroup v1 with the memory controller, v2 beside it.
+        let cg = "9:name=systemd:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n";
+        let mi = "30 25 0:26 / /sys/fs/cgroup/memory rw,relatime shared:9 - cgroup cgroup rw,memory\n\
+                  31 25 0:27 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
+        assert_eq!(memory_cgroup(cg, mi), Some((PathBuf::from("/sys/fs/cgroup/memory/process_api/abc"), false)));
+        // A container whose mount root is its own group.
+        let mi = "30 25 0:26 /process_api/abc /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
+        assert_eq!(memory_cgroup(cg, mi), Some((PathBuf::from("/sys/fs/cgroup/memory"), false)));
+        // No memory controller anywhere.
+        assert_eq!(memory_cgroup("1:cpu:/\n", "30 25 0:26 / /x rw - cgroup cgroup rw,cpu\n"), None);
+    }
+
+    #[test]
+    fn cgroup_room_counts_inactive_file_pages_as_free() {
+        let stat = "cache 10\ninactive_file 20971520\nactive_file 1\n";
+        assert_eq!(cgroup_room_v2("251658240\n", Some("max\n"), "220200960\n", stat), Some(50 * MIB as i64));
+        assert_eq!(
+            cgroup_room_v2("max\n", Some("104857600"), "115343360", "inactive_file 0\n"),
+            Some(-10 * MIB as i64)
+        );
+        assert_eq!(cgroup_room_v2("max\n", Some("max\n"), "1", ""), None);
+        let stat1 = "inactive_file 5\ntotal_inactive_file 10485760\n";
+        assert_eq!(cgroup_room_v1("251658240\n", "251658240\n", stat1), Some(10 * MIB as i64));
+        assert_eq!(cgroup_room_v1("9223372036854771712\n", "1", stat1), None);
+        assert_eq!(cgroup_room_v1("garbage", "1", stat1), None);
+    }
+
+    #[test]
+    fn meminfo_and_psi_are_parsed() {
+        let mi = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   2048 kB\n";
+        assert_eq!(mem_available(mi), Some(2 * MIB));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+        let psi = "some avg10=0.00 avg60=0.00 avg300=0.00 total=557206\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=228433\n";
+        assert_eq!(psi_some_total(psi), Some(557206));
+        assert_eq!(psi_some_total("full total=3\n"), None);
+    }
+
+    #[test]
+    fn the_governor_gives_back_at_once_and_grows_back_only_after_calm() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
+        let cg = |room_mib: i64| Reading { cgroup_room: Some(room_mib * MIB as i64), ..Default::default() };
+        // Room enough: stay.
+        assert_eq!(g.decide(&cg(64), 200 * MIB, at(0)), None);
+        // 12 MiB short of the reserve: give that back and 16 MiB more.
+        assert_eq!(g.decide(&cg(20), 200 * MIB, at(50)), Some(172 * MIB));
+        // Far over: down to the floor, not below.
+        assert_eq!(g.decide(&cg(-500), 172 * MIB, at(100)), Some(100 * MIB));
+        assert_eq!(g.decide(&cg(-500), 100 * MIB, at(150)), None, "already at the floor");
+        // The squeeze is gone, but not for long enough.
+        assert_eq!(g.decide(&cg(300), 100 * MIB, at(1000)), None);
+        // After CALM: half the room above twice the reserve, up to the ceiling.
+        assert_eq!(g.decide(&cg(104), 100 * MIB, at(2200)), Some(120 * MIB));
+        assert_eq!(g.decide(&cg(1000), 120 * MIB, at(2250)), Some(200 * MIB));
+        // MemAvailable counts too, the lower of the two.
+        let both = Reading { cgroup_room: Some(1 << 40), available: Some(16 * MIB), stall_us: None };
+        assert_eq!(g.decide(&both, 200 * MIB, at(2300)), Some(168 * MIB));
+    }
+
+    #[test]
+    fn psi_stalls_shrink_only_when_room_is_tight() {
+        let t0 = Instant::now();
+        let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
+        let r = |stall: u64, room: Option<u64>| Reading { cgroup_room: None, available: room, stall_us: Some(stall) };
+        assert_eq!(g.decide(&r(1000, Some(40 * MIB)), 200 * MIB, t0), None, "the first reading sets the baseline");
+        // 10 ms stalled within a poll, 40 MiB available (below twice the reserve): a quarter above the floor goes.
+        assert_eq!(g.decide(&r(11_000, Some(40 * MIB)), 200 * MIB, t0), Some(175 * MIB));
+        // Stalls with plenty available (someone else's cgroup): stay.
+        assert_eq!(g.decide(&r(30_000, Some(4096 * MIB)), 175 * MIB, t0 + CALM / 2), None);
+        // No stall since: no shrink; not calm yet: no grow.
+        assert_eq!(g.decide(&r(30_000, Some(4096 * MIB)), 175 * MIB, t0 + CALM / 2), None);
+        assert!(g.decide(&r(30_000, Some(4096 * MIB)), 175 * MIB, t0 + CALM * 2).is_some());
+    }
+}

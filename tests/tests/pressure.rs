@@ -1,0 +1,195 @@
+//! Memory pressure (issue 46): in a memory cgroup, another process grows
+//! while nflash decodes; nflash gives memory back instead of being
+//! OOM-killed, keeps its tokens, and grows back when the balloon leaves.
+//! Needs root and a memory cgroup (v1 or v2); skipped with a message
+//! elsewhere.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use nflash_tests::{bin, repo_root};
+
+/// A memory cgroup made for one test, removed on drop.
+struct Cgroup {
+    dir: PathBuf,
+    v2: bool,
+}
+
+impl Cgroup {
+    /// A new group limited to `limit` bytes: cgroup v1's memory hierarchy,
+    /// else v2 where its root enables the memory controller; `None` if
+    /// neither can be made (not root, no controller).
+    fn new(name: &str, limit: u64) -> Option<Self> {
+        let candidates = [
+            (PathBuf::from("/sys/fs/cgroup/memory"), false),
+            (PathBuf::from("/sys/fs/cgroup"), true),
+            (PathBuf::from("/sys/fs/cgroup/unified"), true),
+        ];
+        for (root, v2) in candidates {
+            let ok = if v2 {
+                std::fs::read_to_string(root.join("cgroup.subtree_control")).is_ok_and(|s| s.contains("memory"))
+            } else {
+                root.join("memory.limit_in_bytes").exists()
+            };
+            if !ok {
+                continue;
+            }
+            let dir = root.join(name);
+            let _ = std::fs::remove_dir(&dir);
+            if std::fs::create_dir(&dir).is_err() {
+                continue;
+            }
+            let g = Cgroup { dir, v2 };
+            let set = if v2 { g.write("memory.max", limit) } else { g.write("memory.limit_in_bytes", limit) };
+            if set.is_ok() {
+                if v2 {
+                    let _ = g.write("memory.swap.max", 0);
+                } else {
+                    let _ = g.write("memory.swappiness", 0);
+                }
+                return Some(g);
+            }
+        }
+        None
+    }
+
+    fn write(&self, file: &str, v: u64) -> std::io::Result<()> {
+        std::fs::write(self.dir.join(file), v.to_string())
+    }
+
+    /// Bytes the group uses now.
+    fn usage(&self) -> u64 {
+        let f = if self.v2 { "memory.current" } else { "memory.usage_in_bytes" };
+        std::fs::read_to_string(self.dir.join(f)).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+    }
+
+    /// OOM kills in the group so far.
+    fn oom_kills(&self) -> u64 {
+        let f = if self.v2 { "memory.events" } else { "memory.oom_control" };
+        let s = std::fs::read_to_string(self.dir.join(f)).unwrap_or_default();
+        s.lines().find_map(|l| l.strip_prefix("oom_kill ")).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+    }
+
+    /// `sh -c 'echo $$ > procs; exec program args'`: the program starts in the group.
+    fn command(&self, program: &Path, args: &[&str]) -> Command {
+        let mut c = Command::new("sh");
+        c.arg("-c")
+            .arg(format!("echo $$ > '{}' && exec \"$0\" \"$@\"", self.dir.join("cgroup.procs").display()))
+            .arg(program)
+            .args(args);
+        c
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+fn stats(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+#[test]
+fn a_balloon_in_the_cgroup_squeezes_nflash_to_its_floor_without_an_oom_kill() {
+    let pack = repo_root().join("models/smollm2-q8_0.nflash");
+    if !pack.exists() {
+        eprintln!("skipping: {} is made by make test (make demo)", pack.display());
+        return;
+    }
+    let Some(probe) = Cgroup::new("nflash-test-probe", 1 << 30) else {
+        eprintln!("skipping: no memory cgroup can be made here (needs root and a memory controller)");
+        return;
+    };
+    drop(probe);
+    let dir = tempfile::tempdir().unwrap();
+    let m = pack.to_str().unwrap();
+    let args = |json: &Path| -> Vec<String> {
+        [
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            "Tell me a long story about a lighthouse.",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--max-tokens",
+            "1200",
+            "--ctx",
+            "1300",
+            "--threads",
+            "2",
+            "--memory-budget",
+            "200MiB",
+            "--stats-json",
+            json.to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    // Unpressured, outside any limit: the tokens, the peak RSS and the floor.
+    let quiet = dir.path().join("quiet.json");
+    let a = args(&quiet);
+    let a: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+    let o = Command::new(bin("nflash")).args(&a).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want = o.stdout;
+    let q = stats(&quiet);
+    let rss = q["peak_rss_bytes"].as_u64().unwrap();
+    let (floor, ceiling) = (q["cache_floor_bytes"].as_u64().unwrap(), q["cache_ceiling_bytes"].as_u64().unwrap());
+    assert!(ceiling > floor + (32 << 20), "floor {floor}, ceiling {ceiling}: too little to squeeze");
+    // The limit leaves 48 MiB beside nflash at full size; the balloon takes
+    // that and all but 24 MiB of what nflash can give back: an nflash that
+    // kept its size would overflow the limit by far more than its file
+    // pages, which the kernel could take, and be OOM-killed.
+    let limit = rss + (48 << 20);
+    let balloon_mib = (48 + (ceiling - floor) / (1 << 20) - 24) / 10 * 10;
+    let g = Cgroup::new("nflash-test-balloon", limit).expect("the probe group could be made");
+    let loud = dir.path().join("loud.json");
+    let a = args(&loud);
+    let a: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+    let nf = g.command(&bin("nflash"), &a).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    // The balloon starts once nflash is loaded (its usage near the quiet run's peak).
+    let t0 = std::time::Instant::now();
+    while g.usage() + (24 << 20) < rss && t0.elapsed().as_secs() < 10 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let steps = (balloon_mib / 10).to_string();
+    let b =
+        g.command(&bin("nflash-balloon"), &["--step", "10", "--steps", &steps, "--hold-ms", "2000"]).output().unwrap();
+    let o = nf.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        g.oom_kills(),
+        0,
+        "the kernel OOM-killed in the group (nflash: {:?}; balloon: {:?})",
+        o.status,
+        b.status
+    );
+    assert!(o.status.success(), "nflash under the balloon: {:?}\n{err}", o.status);
+    assert!(b.status.success(), "the balloon: {:?}", b.status);
+    assert!(o.stdout == want, "the squeezed run's text differs from the quiet run's");
+    let s = stats(&loud);
+    let (lo, hi) = (s["budget_min_bytes"].as_u64().unwrap(), s["budget_max_bytes"].as_u64().unwrap());
+    assert!(s["budget_shrinks"].as_u64().unwrap() >= 1 && s["bytes_returned"].as_u64().unwrap() > 0, "{s}");
+    assert!(hi - lo >= (balloon_mib << 20) / 2, "the budget moved only {lo}..{hi} under a {balloon_mib} MiB balloon");
+    assert!(s["budget_grows"].as_u64().unwrap() >= 1, "nflash did not grow back after the balloon left: {s}");
+    eprintln!(
+        "balloon {balloon_mib} MiB in a {} MiB group: budget {}..{} MiB, {} shrinks, {} grows, decode {:.1} tok/s (unpressured {:.1})",
+        limit >> 20,
+        lo >> 20,
+        hi >> 20,
+        s["budget_shrinks"],
+        s["budget_grows"],
+        s["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
+        q["decode_tokens_per_s"].as_f64().unwrap_or(0.0)
+    );
+}
