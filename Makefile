@@ -10,7 +10,7 @@ BIN      := target/release
 
 FUZZ_SECS ?= 600
 
-.PHONY: all build model gguf demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe bench-verify bench-serve quality clean help
+.PHONY: all build model gguf demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe bench-verify bench-serve bench-pressure quality clean help
 
 all: build
 
@@ -33,6 +33,7 @@ help:
 	@echo "make bench-moe     - (root) nflash vs llama.cpp on a synthetic Mixtral (8 of 32 layers, full width) under"
 	@echo "                     memory limits of the whole model, fixed + 50% and + 25% of the experts"
 	@echo "make bench-serve   - load on nflash serve: 16 clients for 60 s, answered/503/latency/peak RSS vs budget"
+	@echo "make bench-pressure - (root) a balloon grows in nflash's and llama.cpp's memory cgroup: OOM kills, tokens/s before/during/after"
 	@echo "make bench-verify  - (root) what checking neuron-cluster CRC-32Cs costs: --verify lazy vs off on SmolLM2 and"
 	@echo "                     the bench-scale 7B pack, in memory and from flash, plus callgrind instruction counts"
 	@echo "make bench-scale   - (root) the same at 7B scale on synthetic ReLU models (sparsity 0.9/0.8/0.6;"
@@ -135,6 +136,11 @@ bench-scale: build model
 bench-moe: build model
 	bash scripts/bench_setup.sh
 	.venv-bench/bin/python scripts/bench_moe.py $(BENCH_MOE_ARGS)
+
+# Needs root: SmolLM2 q4_0/q8_0, nflash and llama.cpp (mmap) in a memory cgroup while a balloon grows, holds and leaves.
+bench-pressure: build model
+	bash scripts/bench_setup.sh
+	.venv-bench/bin/python scripts/bench_pressure.py --gguf-src models/.download/SmolLM2-135M-Instruct.Q4_1.gguf $(BENCH_PRESSURE_ARGS)
 
 # 16 clients for 60 s against nflash serve (tiny model and SmolLM2, each under a memory budget).
 bench-serve: build model

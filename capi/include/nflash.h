@@ -60,6 +60,12 @@ typedef struct {
   // Checksum checks: 0 lazy (each neuron cluster after it is read, before
   // it is used; the default), 1 full (also every segment at open), 2 off.
   uint32_t verify;
+  // Memory kept free for the rest of the system, bytes; 0: 32 MiB. When
+  // the process's memory cgroup, `MemAvailable` or PSI stalls show less
+  // than this, the model gives neuron-cache memory back at once, and
+  // takes it again 2 s after the pressure is gone (never above a cap
+  // set by [`nflash_trim_memory_to`] or [`nflash_trim_memory_level`]).
+  uint64_t memory_reserve_bytes;
 } nflash_options;
 
 // Sampling and length of one generation; [`nflash_params_default`] fills
@@ -132,6 +138,18 @@ typedef struct {
   // The memory budget in force, bytes (0: none, everything in memory).
   uint64_t memory_budget_bytes;
 } nflash_stats_t;
+
+// The memory of a model's neuron cache, the part of the model that can
+// leave memory ([`nflash_memory`]); the rest (resident weights, KV cache,
+// scratch) stays while the model is open.
+typedef struct {
+  // What the neuron cache holds now, bytes.
+  uint64_t held_bytes;
+  // The least it can hold: one layer's neuron clusters, staged for reading.
+  uint64_t floor_bytes;
+  // The most it holds (its size at open, from the memory budget).
+  uint64_t ceiling_bytes;
+} nflash_memory_t;
 
 #ifdef __cplusplus
 extern "C" {
@@ -224,6 +242,42 @@ nflash_status nflash_cancel(const nflash_model *model);
 // # Safety
 // `model` is from [`nflash_open`]; `out` is writable.
 nflash_status nflash_stats(const nflash_model *model, nflash_stats_t *out);
+
+// Caps `model`'s neuron cache (hot and cold neurons: the part of the
+// model that can leave memory) at `bytes` and gives the rest back to the
+// system at once (what the layer being computed holds goes when that
+// layer ends, within one decode step). Down to the floor (0 means the
+// floor); `UINT64_MAX` lifts the cap, and the cache grows back to its
+// size at open. The cap holds until changed: the governor never grows the
+// cache above it. Text does not change with the size; speed does (more
+// reads from flash). From any thread, also from a token callback; never
+// waits for a generation.
+//
+// # Safety
+// `model` is null or from [`nflash_open`] and not yet freed.
+nflash_status nflash_trim_memory_to(const nflash_model *model, uint64_t bytes);
+
+// [`nflash_trim_memory_to`] for an Android `onTrimMemory` `level`
+// (`ComponentCallbacks2.TRIM_MEMORY_*`), so that an app forwards its
+// callback as is. `TRIM_MEMORY_BACKGROUND` (40) and above, and
+// `RUNNING_CRITICAL` (15): the floor (the system kills background
+// processes largest first). `TRIM_MEMORY_UI_HIDDEN` (20) and
+// `RUNNING_LOW` (10): half of what is above the floor goes.
+// `RUNNING_MODERATE` (5): a quarter of it. 0 or below (not an Android
+// level; call it when the app is in the foreground again): the cap is
+// lifted. Since API 34 apps receive only `UI_HIDDEN` and `BACKGROUND`.
+// From any thread; never waits for a generation.
+//
+// # Safety
+// `model` is null or from [`nflash_open`] and not yet freed.
+nflash_status nflash_trim_memory_level(const nflash_model *model, int32_t level);
+
+// Writes what `model`'s neuron cache holds, and its floor and ceiling,
+// to `out`. From any thread; never waits for a generation.
+//
+// # Safety
+// `model` is null or from [`nflash_open`]; `out` is null or writable.
+nflash_status nflash_memory(const nflash_model *model, nflash_memory_t *out);
 
 // Forgets the conversation: the next call prefills its whole prompt. Waits
 // for a generation running on another thread; `NFLASH_STATUS_BUSY` from a

@@ -16,8 +16,10 @@
 //!
 //! Threads: every function may be called from any thread. Generations and
 //! [`nflash_reset`] on one model are serialized (a generation holds the
-//! model; a second call waits for it); [`nflash_cancel`], [`nflash_stats`]
-//! and [`nflash_params_default`] never wait. The token callback runs on the
+//! model; a second call waits for it); [`nflash_cancel`], [`nflash_stats`],
+//! [`nflash_params_default`], [`nflash_memory`] and the trims
+//! ([`nflash_trim_memory_to`], [`nflash_trim_memory_level`], for an app's
+//! `onTrimMemory`) never wait. The token callback runs on the
 //! thread that called [`nflash_chat`] or [`nflash_complete`] (the model
 //! computes on its own pool of threads, the big cores on a phone); from
 //! inside it, the calls that would wait for the model on which it runs
@@ -36,12 +38,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use nflash_format::Pack;
 use nflash_runtime::chat::{ChatOptions, Message};
 use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
+use nflash_runtime::model::MemoryControl;
 use nflash_runtime::placement::{self, MemoryOptions};
+use nflash_runtime::pressure::{level_target, Governor, Signals, Watch};
 use nflash_runtime::sampler::{self, Sampler, SamplerConfig};
 use nflash_runtime::session::{Session, Turn};
 use nflash_runtime::{Engine, Error};
@@ -95,6 +99,26 @@ pub struct NflashOptions {
     /// Checksum checks: 0 lazy (each neuron cluster after it is read, before
     /// it is used; the default), 1 full (also every segment at open), 2 off.
     pub verify: u32,
+    /// Memory kept free for the rest of the system, bytes; 0: 32 MiB. When
+    /// the process's memory cgroup, `MemAvailable` or PSI stalls show less
+    /// than this, the model gives neuron-cache memory back at once, and
+    /// takes it again 2 s after the pressure is gone (never above a cap
+    /// set by [`nflash_trim_memory_to`] or [`nflash_trim_memory_level`]).
+    pub memory_reserve_bytes: u64,
+}
+
+/// The memory of a model's neuron cache, the part of the model that can
+/// leave memory ([`nflash_memory`]); the rest (resident weights, KV cache,
+/// scratch) stays while the model is open.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NflashMemory {
+    /// What the neuron cache holds now, bytes.
+    pub held_bytes: u64,
+    /// The least it can hold: one layer's neuron clusters, staged for reading.
+    pub floor_bytes: u64,
+    /// The most it holds (its size at open, from the memory budget).
+    pub ceiling_bytes: u64,
 }
 
 /// Sampling and length of one generation; [`nflash_params_default`] fills
@@ -192,6 +216,10 @@ self_cell::self_cell!(
 /// An open model: a pack, its engine and conversation, a compute pool.
 /// Opaque to C.
 pub struct NflashModel {
+    /// The memory governor (first: it stops before the rest is dropped).
+    watch: Option<Watch>,
+    /// The neuron cache's memory, resized without waiting for a generation.
+    memory: Option<Arc<dyn MemoryControl>>,
     pool: rayon::ThreadPool,
     /// The pack's sampling defaults ([`nflash_params_default`]), read at open.
     defaults: NflashParams,
@@ -461,8 +489,20 @@ pub unsafe extern "C" fn nflash_open(
             })
         })?;
         let defaults = loaded.with_dependent(|_, r| pack_params(&r.engine));
-        let model =
-            NflashModel { pool, defaults, calls: Mutex::default(), last: Mutex::default(), loaded: Mutex::new(loaded) };
+        let memory = loaded.with_dependent(|_, r| r.engine.model.memory_control());
+        let reserve = if o.memory_reserve_bytes > 0 { o.memory_reserve_bytes } else { 32 << 20 };
+        let watch = memory.clone().and_then(|m| {
+            Watch::start(Signals::detect(), Governor::new(reserve, m.floor_bytes(), m.ceiling_bytes()), m).ok()
+        });
+        let model = NflashModel {
+            watch,
+            memory,
+            pool,
+            defaults,
+            calls: Mutex::default(),
+            last: Mutex::default(),
+            loaded: Mutex::new(loaded),
+        };
         // SAFETY: `out` is non-null and writable, per the caller.
         unsafe { out.write(Box::into_raw(Box::new(model))) };
         Ok(NflashStatus::Ok)
@@ -737,6 +777,84 @@ pub unsafe extern "C" fn nflash_stats(model: *const NflashModel, out: *mut Nflas
         let s = *lock(&m.last);
         // SAFETY: null or writable, per the caller.
         unsafe { put(out, s) }
+    })
+}
+
+/// Caps `model`'s neuron cache (hot and cold neurons: the part of the
+/// model that can leave memory) at `bytes` and gives the rest back to the
+/// system at once (what the layer being computed holds goes when that
+/// layer ends, within one decode step). Down to the floor (0 means the
+/// floor); `UINT64_MAX` lifts the cap, and the cache grows back to its
+/// size at open. The cap holds until changed: the governor never grows the
+/// cache above it. Text does not change with the size; speed does (more
+/// reads from flash). From any thread, also from a token callback; never
+/// waits for a generation.
+///
+/// # Safety
+/// `model` is null or from [`nflash_open`] and not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn nflash_trim_memory_to(model: *const NflashModel, bytes: u64) -> NflashStatus {
+    guard(|| {
+        // SAFETY: null or a live model, per the caller.
+        let m = unsafe { live(model) }?;
+        trim(m, |_| bytes);
+        Ok(NflashStatus::Ok)
+    })
+}
+
+/// [`nflash_trim_memory_to`] for an Android `onTrimMemory` `level`
+/// (`ComponentCallbacks2.TRIM_MEMORY_*`), so that an app forwards its
+/// callback as is. `TRIM_MEMORY_BACKGROUND` (40) and above, and
+/// `RUNNING_CRITICAL` (15): the floor (the system kills background
+/// processes largest first). `TRIM_MEMORY_UI_HIDDEN` (20) and
+/// `RUNNING_LOW` (10): half of what is above the floor goes.
+/// `RUNNING_MODERATE` (5): a quarter of it. 0 or below (not an Android
+/// level; call it when the app is in the foreground again): the cap is
+/// lifted. Since API 34 apps receive only `UI_HIDDEN` and `BACKGROUND`.
+/// From any thread; never waits for a generation.
+///
+/// # Safety
+/// `model` is null or from [`nflash_open`] and not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn nflash_trim_memory_level(model: *const NflashModel, level: i32) -> NflashStatus {
+    guard(|| {
+        // SAFETY: null or a live model, per the caller.
+        let m = unsafe { live(model) }?;
+        trim(m, |mem| match level {
+            ..=0 => u64::MAX,
+            _ => level_target(level, mem.floor_bytes(), mem.held_bytes(), mem.ceiling_bytes()),
+        });
+        Ok(NflashStatus::Ok)
+    })
+}
+
+/// Caps `m`'s neuron cache at the size `to` gives and resizes it there.
+fn trim(m: &NflashModel, to: impl FnOnce(&dyn MemoryControl) -> u64) {
+    let Some(mem) = &m.memory else { return };
+    let bytes = to(mem.as_ref());
+    if let Some(w) = &m.watch {
+        w.set_cap(bytes);
+    }
+    mem.resize(bytes);
+}
+
+/// Writes what `model`'s neuron cache holds, and its floor and ceiling,
+/// to `out`. From any thread; never waits for a generation.
+///
+/// # Safety
+/// `model` is null or from [`nflash_open`]; `out` is null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn nflash_memory(model: *const NflashModel, out: *mut NflashMemory) -> NflashStatus {
+    guard(|| {
+        // SAFETY: null or a live model, per the caller.
+        let m = unsafe { live(model) }?;
+        let v = m.memory.as_ref().map_or_else(NflashMemory::default, |mem| NflashMemory {
+            held_bytes: mem.held_bytes(),
+            floor_bytes: mem.floor_bytes(),
+            ceiling_bytes: mem.ceiling_bytes(),
+        });
+        // SAFETY: null or writable, per the caller.
+        unsafe { put(out, v) }
     })
 }
 

@@ -20,7 +20,7 @@
 //! turns evicting each other).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -268,6 +268,40 @@ impl Governor {
     }
 }
 
+/// Android's `ComponentCallbacks2.onTrimMemory` levels.
+pub mod trim_level {
+    /// `TRIM_MEMORY_RUNNING_MODERATE` (deprecated in API 34).
+    pub const RUNNING_MODERATE: i32 = 5;
+    /// `TRIM_MEMORY_RUNNING_LOW` (deprecated in API 34).
+    pub const RUNNING_LOW: i32 = 10;
+    /// `TRIM_MEMORY_RUNNING_CRITICAL` (deprecated in API 34).
+    pub const RUNNING_CRITICAL: i32 = 15;
+    /// `TRIM_MEMORY_UI_HIDDEN`: the app's UI is no longer visible.
+    pub const UI_HIDDEN: i32 = 20;
+    /// `TRIM_MEMORY_BACKGROUND`: the app is in the background, on the
+    /// system's list of processes to kill.
+    pub const BACKGROUND: i32 = 40;
+}
+
+/// The neuron-cache size for an `onTrimMemory` `level` (a cache now holding
+/// `held` bytes between `floor` and `ceiling`): `BACKGROUND` and above
+/// (`MODERATE` 60, `COMPLETE` 80) and `RUNNING_CRITICAL`: the floor (a
+/// process in the background is killed largest first); `UI_HIDDEN` and
+/// `RUNNING_LOW`: half of what is above the floor; `RUNNING_MODERATE`: a
+/// quarter of it goes; 0 or below: the ceiling (the app is in the
+/// foreground again). Levels between take the next lower one's size.
+pub fn level_target(level: i32, floor: u64, held: u64, ceiling: u64) -> u64 {
+    use trim_level::*;
+    let above = held.saturating_sub(floor);
+    match level {
+        i32::MIN..=0 => ceiling,
+        l if l >= BACKGROUND || (RUNNING_CRITICAL..UI_HIDDEN).contains(&l) => floor,
+        l if l >= RUNNING_LOW => floor + above / 2,
+        l if l >= RUNNING_MODERATE => held - above / 4,
+        _ => held,
+    }
+}
+
 /// The governor's thread: reads `signals` every [`POLL`] and resizes
 /// `mem`; stops when the handle is dropped.
 pub struct Watch {
@@ -277,6 +311,8 @@ pub struct Watch {
     range: Arc<Mutex<(u64, u64)>>,
     /// The cache's size at load, bytes.
     ceiling: u64,
+    /// The most an app lets the cache hold ([`Watch::set_cap`]), bytes.
+    cap: Arc<AtomicU64>,
     signals: String,
 }
 
@@ -291,8 +327,12 @@ impl Watch {
         let range = Arc::new(Mutex::new((held, held)));
         let (s, rg) = (Arc::clone(&stop), Arc::clone(&range));
         let (ceiling, described) = (mem.ceiling_bytes(), signals.describe());
+        let cap = Arc::new(AtomicU64::new(u64::MAX));
+        let cp = Arc::clone(&cap);
+        let full = gov.ceiling;
         let thread = std::thread::Builder::new().name("nflash-memory".into()).spawn(move || {
             while !s.load(Ordering::Relaxed) {
+                gov.ceiling = full.min(cp.load(Ordering::Relaxed));
                 let r = signals.read();
                 let mut held = mem.held_bytes();
                 if let Some(target) = gov.decide(&r, held, Instant::now()) {
@@ -304,7 +344,13 @@ impl Watch {
                 std::thread::park_timeout(POLL);
             }
         })?;
-        Ok(Watch { stop, thread: Some(thread), range, ceiling, signals: described })
+        Ok(Watch { stop, thread: Some(thread), range, ceiling, cap, signals: described })
+    }
+
+    /// Lets the cache grow back to at most `bytes` (an app's trim, which
+    /// the governor must not undo); `u64::MAX` lifts the cap.
+    pub fn set_cap(&self, bytes: u64) {
+        self.cap.store(bytes, Ordering::Relaxed);
     }
 
     /// The least and the most the cache held so far, bytes.
@@ -399,6 +445,15 @@ mod tests {
         // MemAvailable counts too, the lower of the two.
         let both = Reading { cgroup_room: Some(1 << 40), available: Some(16 * MIB), stall_us: None };
         assert_eq!(g.decide(&both, 200 * MIB, at(2300)), Some(168 * MIB));
+    }
+
+    #[test]
+    fn trim_levels_map_to_sizes() {
+        let t = |l| level_target(l, 100, 300, 400);
+        assert_eq!([t(80), t(60), t(40), t(15), t(17)], [100; 5]);
+        assert_eq!([t(20), t(10), t(12)], [200; 3]);
+        assert_eq!([t(5), t(1)], [250, 300]);
+        assert_eq!([t(0), t(-3)], [400, 400]);
     }
 
     #[test]

@@ -513,6 +513,54 @@ static void t_enable_thinking(void) {
           a.text, b.text);
 }
 
+/* ---- memory given back on request (issue 46: onTrimMemory) ---- */
+
+static bool trim_cb(const char *piece, size_t len, void *user) {
+    struct collect *c = user;
+    /* Mid-generation, from the callback: the floor, then the cap lifted. */
+    int n = atomic_load(&c->pieces);
+    if (n == 2 && nflash_trim_memory_level(model, 40) != NFLASH_STATUS_OK) c->after_stop += 100;
+    if (n == 5 && nflash_trim_memory_level(model, 0) != NFLASH_STATUS_OK) c->after_stop += 100;
+    return collect_cb(piece, len, user);
+}
+
+static void t_trim_memory(void) {
+    nflash_memory_t mem;
+    nflash_message msgs[] = {{"user", "What is the capital of France?"}};
+    struct collect full = {0}, at_floor = {0}, squeezed = {0};
+    CHECK_STATUS(nflash_trim_memory_to(NULL, 0), NFLASH_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(nflash_memory(model, NULL), NFLASH_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(nflash_memory(model, &mem), NFLASH_STATUS_OK);
+    CHECK(mem.floor_bytes > 0 && mem.floor_bytes < mem.ceiling_bytes && mem.held_bytes == mem.ceiling_bytes,
+          "held %llu, floor %llu, ceiling %llu", (unsigned long long)mem.held_bytes,
+          (unsigned long long)mem.floor_bytes, (unsigned long long)mem.ceiling_bytes);
+    CHECK_STATUS(nflash_chat(model, msgs, 1, &greedy, collect_cb, &full), NFLASH_STATUS_OK);
+    /* No generation runs: the floor at once. */
+    CHECK_STATUS(nflash_trim_memory_to(model, 0), NFLASH_STATUS_OK);
+    nflash_memory(model, &mem);
+    CHECK(mem.held_bytes == mem.floor_bytes, "after a trim to 0 the cache holds %llu, its floor is %llu",
+          (unsigned long long)mem.held_bytes, (unsigned long long)mem.floor_bytes);
+    CHECK_STATUS(nflash_reset(model), NFLASH_STATUS_OK);
+    CHECK_STATUS(nflash_chat(model, msgs, 1, &greedy, collect_cb, &at_floor), NFLASH_STATUS_OK);
+    CHECK(strcmp(full.text, at_floor.text) == 0, "at the floor the reply differs: \"%s\" vs \"%s\"", full.text,
+          at_floor.text);
+    nflash_memory(model, &mem);
+    CHECK(mem.held_bytes == mem.floor_bytes, "the cap was not kept: %llu held", (unsigned long long)mem.held_bytes);
+    CHECK_STATUS(nflash_trim_memory_to(model, UINT64_MAX), NFLASH_STATUS_OK);
+    nflash_memory(model, &mem);
+    CHECK(mem.held_bytes == mem.ceiling_bytes, "lifting the cap left %llu of %llu", (unsigned long long)mem.held_bytes,
+          (unsigned long long)mem.ceiling_bytes);
+    /* Trims from the token callback of a running generation. */
+    CHECK_STATUS(nflash_reset(model), NFLASH_STATUS_OK);
+    CHECK_STATUS(nflash_chat(model, msgs, 1, &greedy, trim_cb, &squeezed), NFLASH_STATUS_OK);
+    CHECK(squeezed.after_stop == 0, "a trim from the callback failed");
+    CHECK(strcmp(full.text, squeezed.text) == 0, "squeezed mid-reply the text differs: \"%s\" vs \"%s\"", full.text,
+          squeezed.text);
+    nflash_memory(model, &mem);
+    CHECK(mem.held_bytes == mem.ceiling_bytes, "after level 0 the cache holds %llu of %llu",
+          (unsigned long long)mem.held_bytes, (unsigned long long)mem.ceiling_bytes);
+}
+
 static const struct {
     const char *name;
     void (*run)(void);
@@ -534,6 +582,7 @@ static const struct {
     {"callback_stops", t_callback_stops},
     {"verify", t_verify},
     {"enable_thinking", t_enable_thinking},
+    {"trim_memory", t_trim_memory},
 };
 
 int main(int argc, char **argv) {

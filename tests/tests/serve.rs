@@ -823,3 +823,45 @@ fn chat_template_kwargs_enable_thinking_reaches_the_template() {
     assert_eq!(tokens(&s, json!({})), off);
     assert_eq!(tokens(&s, json!({"chat_template_kwargs": {"enable_thinking": true}})), default);
 }
+
+#[test]
+fn the_admin_endpoint_gives_memory_back_and_lifts_the_cap_under_the_key() {
+    let pack = crate::smollm2::pack("q8_0");
+    let tmp = tempfile::tempdir().unwrap();
+    let key_file = tmp.path().join("key");
+    std::fs::write(&key_file, "s3cret\n").unwrap();
+    let s = Server::start(&pack, &["--ctx", "512", "--api-key-file", key_file.to_str().unwrap()]);
+    let k = Some("s3cret");
+    let mem = |method: &str, body: Option<&str>| s.call(method, "/admin/memory", k, body);
+    let (st, _, m) = mem("GET", None);
+    assert_eq!(st, 200, "{m}");
+    let (held, floor, ceiling) =
+        (m["held_bytes"].as_u64().unwrap(), m["floor_bytes"].as_u64().unwrap(), m["ceiling_bytes"].as_u64().unwrap());
+    assert!(held == ceiling && floor < ceiling, "{m}");
+    let q = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let ask = || {
+        let (st, _, r) = s.call("POST", "/v1/chat/completions", k, Some(&chat(q.clone(), json!({})).to_string()));
+        assert_eq!(st, 200, "{r}");
+        reply(&r)
+    };
+    let full = ask();
+    // Down to the floor (idle: at once), the same reply, the cap kept.
+    let (st, _, m) = mem("POST", Some(r#"{"bytes": 0}"#));
+    assert_eq!((st, m["held_bytes"].as_u64()), (200, Some(floor)), "{m}");
+    assert_eq!(ask(), full);
+    assert_eq!(mem("GET", None).2["held_bytes"].as_u64(), Some(floor));
+    // onTrimMemory levels: UI_HIDDEN from the ceiling leaves half above the floor; 0 lifts the cap.
+    assert_eq!(mem("POST", Some(r#"{"level": 0}"#)).2["held_bytes"].as_u64(), Some(ceiling));
+    let half = mem("POST", Some(r#"{"level": 20}"#)).2["held_bytes"].as_u64().unwrap();
+    assert!(half > floor && half < ceiling, "UI_HIDDEN left {half} of {floor}..{ceiling}");
+    for bad in [r#"{"bytes": -1}"#, r#"{"level": "x"}"#, r#"{"bytes": 1, "level": 2}"#, "{}", "nope"] {
+        let (st, _, v) = mem("POST", Some(bad));
+        assert_eq!(st, 400, "{bad}: {v}");
+    }
+    // The server's key rules hold.
+    let (st, _, _) = s.call("GET", "/admin/memory", None, None);
+    assert_eq!(st, 401);
+    let (st, _, _) = s.call("POST", "/admin/memory", Some("wrong"), Some(r#"{"bytes": 0}"#));
+    assert_eq!(st, 401);
+    assert_eq!(mem("GET", None).2["held_bytes"].as_u64(), Some(half), "a refused request changed the cache");
+}

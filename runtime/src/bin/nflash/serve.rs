@@ -25,6 +25,8 @@
 //! `--special-tokens-in-content`; error messages sent to clients have file
 //! paths replaced ([`scrub_paths`]).
 
+use nflash_runtime::model::MemoryControl;
+use nflash_runtime::pressure::Watch;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
@@ -208,6 +210,10 @@ struct Shared {
     queue: usize,
     jobs: Arc<Queue>,
     budget: Option<u64>,
+    /// The neuron cache's memory (`/admin/memory`) and the governor that
+    /// follows the system's memory signals.
+    memory: Option<Arc<dyn MemoryControl>>,
+    watch: Option<Watch>,
 }
 
 /// The requests waiting for the generation thread, and whether it runs one.
@@ -365,6 +371,8 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         queue: a.queue,
         jobs: jobs.clone(),
         budget: plan.as_ref().map(|p| p.memory_budget_bytes),
+        memory: engine.model.memory_control(),
+        watch: crate::memory::follow_memory(&engine, &a.memory),
     });
     let addr = bound;
     listener.set_nonblocking(true).context("cannot make the listening socket non-blocking")?;
@@ -587,6 +595,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
+        .route("/admin/memory", get(memory).post(trim_memory))
         .fallback(not_found)
         .method_not_allowed_fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(shared.clone(), guard))
@@ -776,7 +785,7 @@ fn scrub_paths(message: &str) -> String {
         let starts_word = before.chars().last().is_none_or(|c| !(c.is_alphanumeric() || "/._-~<>".contains(c)));
         let len = from.find(|c: char| c.is_whitespace() || "\"'`,;()[]{}<>".contains(c)).unwrap_or(from.len());
         let word = from[..len].trim_end_matches([':', '.']);
-        let is_route = word == "/health" || word == "/v1" || word.starts_with("/v1/");
+        let is_route = word == "/health" || word == "/v1" || word.starts_with("/v1/") || word == "/admin/memory";
         if starts_word && !is_route && word.len() > 1 && word[1..].contains('/') {
             out.push_str("<path>");
             rest = &from[word.len()..];
@@ -793,12 +802,59 @@ async fn not_found(req: Request) -> ApiError {
     ApiError {
         status: StatusCode::NOT_FOUND,
         message: format!(
-            "no endpoint {} {}: nflash serve has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/ID and GET /health",
+            "no endpoint {} {}: nflash serve has POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/ID, GET /health and GET/POST /admin/memory",
             req.method(),
             req.uri().path()
         ),
         retry_after: None,
     }
+}
+
+/// The neuron cache's memory: what it holds, its floor and ceiling, bytes.
+fn memory_json(s: &Shared) -> Value {
+    match &s.memory {
+        Some(m) => {
+            json!({"held_bytes": m.held_bytes(), "floor_bytes": m.floor_bytes(), "ceiling_bytes": m.ceiling_bytes()})
+        }
+        None => json!({"held_bytes": null, "floor_bytes": null, "ceiling_bytes": null}),
+    }
+}
+
+/// `GET /admin/memory`: [`memory_json`].
+async fn memory(State(s): State<Arc<Shared>>) -> Response {
+    axum::Json(memory_json(&s)).into_response()
+}
+
+/// `POST /admin/memory` with `{"bytes": N}` (cap the neuron cache at N
+/// bytes; 0: its floor) or `{"level": L}` (an Android `onTrimMemory`
+/// level; 0 lifts the cap), as libnflash's `nflash_trim_memory_to` and
+/// `nflash_trim_memory_level` do: memory is given back at once, even while
+/// a reply is being generated. Answers with [`memory_json`].
+async fn trim_memory(State(s): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return ApiError::bad(format!("the body is not JSON: {e}")).into_response(),
+    };
+    let Some(mem) = &s.memory else { return axum::Json(memory_json(&s)).into_response() };
+    let cap = match (v.get("bytes"), v.get("level")) {
+        (Some(b), None) => match b.as_u64() {
+            Some(b) => b,
+            None => return ApiError::bad("bytes must be a whole number of bytes").into_response(),
+        },
+        (None, Some(l)) => match l.as_i64().and_then(|l| i32::try_from(l).ok()) {
+            Some(l) if l <= 0 => u64::MAX,
+            Some(l) => {
+                nflash_runtime::pressure::level_target(l, mem.floor_bytes(), mem.held_bytes(), mem.ceiling_bytes())
+            }
+            None => return ApiError::bad("level must be an integer (Android's TRIM_MEMORY_* levels)").into_response(),
+        },
+        _ => return ApiError::bad("give one of bytes (a cap, 0: the floor) or level (onTrimMemory's)").into_response(),
+    };
+    if let Some(w) = &s.watch {
+        w.set_cap(cap);
+    }
+    mem.resize(cap);
+    axum::Json(memory_json(&s)).into_response()
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {

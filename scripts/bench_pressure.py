@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""Memory-pressure benchmark (issue 46): nflash and llama.cpp (mmap) decode
+in a memory cgroup while a balloon process in the same group grows, holds
+and leaves.
+
+Run as root with the bench venv's python (`make bench-pressure` does both):
+
+    scripts/bench_setup.sh
+    .venv-bench/bin/python scripts/bench_pressure.py --gguf-src models/.download/SmolLM2-135M-Instruct.Q4_1.gguf
+
+Models: SmolLM2-135M-Instruct q4_0 and q8_0, the dense packs
+(bench-out/smollm2-{q}.nflash, `prep convert`) and the pure GGUFs llama.cpp
+reads (bench-out/smollm2-{q}.gguf, requantized from the Q4_1 GGUF), from
+nflash_bench.models as in `make bench`.
+
+Setting, per model (the issue's, for q8_0): a cgroup v1 group limited to L
+= --budget-mib + 40 MiB; nflash runs with `--memory-budget` --budget-mib
+(default 200) and --ctx 2048; llama.cpp is llama-completion (the native
+build of scripts/bench_setup.sh) with the weights mmapped and not repacked
+(nflash_bench.llama.native_llama_cmd), -c 2048. Both decode --tokens (1500)
+tokens of the fixed prompt, greedy, EOS ignored, 2 threads. Once the
+engine's first text appears and --before-s (2) more have passed, the
+balloon (tests' nflash-balloon) takes --balloon-mib (100) in 10 MiB steps
+every 100 ms, holds --hold-s (4), and leaves. Page cache dropped before
+each run; engines alternate run by run (--runs 3); medians over the runs.
+
+Figures: outcome (ok, or OOM-killed: the group's oom_kill count, exit
+status), tokens/s before (from first text to the balloon's start), during
+(from the balloon full to its leaving) and after (1 s after it left to the
+end), from the times of the engine's output bytes (bytes / the run's bytes
+per generated token); nflash's reaction time: from the first poll (every
+50 ms) at which the group's room (limit less usage) fell below the 32 MiB
+reserve to the first poll at which nflash's RSS was 4 MiB below its size
+then; nflash's --stats-json budget figures. One plot per model (the first
+run): memory of each process and the group, and tokens/s, over time, the
+balloon marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nflash_bench import common  # noqa: E402
+from nflash_bench.cgroup import CG_ROOT, drop_caches, need_root, oom_kills, remove_group  # noqa: E402
+from nflash_bench.common import MIB, REPO, die, fmt, log, median, run_info  # noqa: E402
+from nflash_bench.llama import llama_env, native_llama_cmd  # noqa: E402
+from nflash_bench.models import prepare_llama, prepare_nflash  # noqa: E402
+from nflash_bench.prompt import PROMPT_TEXT  # noqa: E402
+
+common.PROG = "bench-pressure"
+POLL_S = 0.05
+RESERVE = 32 * MIB
+
+
+def rss_of(pid: int) -> int | None:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def group(name: str, limit: int) -> Path:
+    d = CG_ROOT / f"nflash-bench-pressure-{os.getpid()}-{name}"
+    remove_group(d)
+    d.mkdir()
+    (d / "memory.limit_in_bytes").write_text(str(limit))
+    for f, v in (("memory.memsw.limit_in_bytes", limit), ("memory.swappiness", 0)):
+        try:
+            (d / f).write_text(str(v))
+        except OSError:
+            pass
+    return d
+
+
+def in_group(d: Path, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(d / "cgroup.procs"), *cmd],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def run_once(a, engine: str, cmd: list[str], env: dict | None, limit: int, tag: str) -> dict:
+    d = group(tag, limit)
+    try:
+        drop_caches()
+        t0 = time.perf_counter()
+        p = in_group(d, cmd, env)
+        out: list[tuple[float, int]] = []  # (time, bytes)
+        err: list[bytes] = []
+
+        def read_out():
+            while chunk := os.read(p.stdout.fileno(), 65536):
+                out.append((time.perf_counter() - t0, len(chunk)))
+
+        threads = [threading.Thread(target=read_out, daemon=True),
+                   threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True)]
+        for t in threads:
+            t.start()
+        series: list[tuple[float, int, int | None, int | None]] = []  # t, group usage, engine rss, balloon rss
+        balloon: dict = {}
+        state = {"balloon": None}
+
+        def poll():
+            while p.poll() is None:
+                b = state["balloon"]
+                u = int((d / "memory.usage_in_bytes").read_text())
+                series.append((time.perf_counter() - t0, u, rss_of(p.pid), rss_of(b.pid) if b else None))
+                time.sleep(POLL_S)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        # The balloon: --before-s after the first text.
+        while not out and p.poll() is None and time.perf_counter() - t0 < a.timeout:
+            time.sleep(0.01)
+        time.sleep(a.before_s)
+        if p.poll() is None:
+            steps = a.balloon_mib // 10
+            b = in_group(d, [str(a.balloon), "--step", "10", "--steps", str(steps), "--hold-ms",
+                             str(int(a.hold_s * 1000))])
+            state["balloon"] = b
+            balloon["start"] = time.perf_counter() - t0
+            for line in b.stdout:
+                balloon[line.decode().strip()] = time.perf_counter() - t0
+            balloon["exit"] = b.wait()
+        try:
+            code = p.wait(timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            code = p.wait()
+        end = time.perf_counter() - t0
+        for t in threads:
+            t.join(timeout=5)
+        poller.join(timeout=5)
+        kills = oom_kills(d) or 0
+    finally:
+        remove_group(d)
+    return {"engine": engine, "exit": code, "oom_kills": kills, "end_s": end, "out": out, "series": series,
+            "balloon": balloon, "stderr": b"".join(err).decode(errors="replace")[-4000:]}
+
+
+def rates(r: dict, tokens: int) -> dict:
+    """Tokens/s before, during and after the balloon, from output bytes."""
+    out, b = r["out"], r["balloon"]
+    if not out or "start" not in b:
+        return {}
+    total = sum(n for _, n in out)
+    # The first chunk may hold the echoed prompt (llama.cpp): not generated text.
+    gen = out[1:] if len(out) > 1 else out
+    per_tok = max(sum(n for _, n in gen) / tokens, 1e-9)
+
+    def rate(t0: float, t1: float) -> float | None:
+        if t1 - t0 < 0.3:
+            return None
+        return sum(n for t, n in gen if t0 <= t < t1) / per_tok / (t1 - t0)
+
+    first = gen[0][0]
+    full, leave = b.get("full", b["start"]), b.get("leaving", r["end_s"])
+    return {"before": rate(first, b["start"]), "during": rate(full, leave),
+            "after": rate(leave + 1.0, gen[-1][0]), "bytes": total}
+
+
+def reaction(r: dict, limit: int) -> float | None:
+    """Seconds from the group's room first falling below the reserve to the engine's RSS 4 MiB lower."""
+    s = [x for x in r["series"] if x[2] is not None]
+    for i, (t, u, rss, _) in enumerate(s):
+        if limit - u < RESERVE:
+            for t2, _, rss2, _ in s[i:]:
+                if rss2 is not None and rss2 < rss - 4 * MIB:
+                    return t2 - t
+            return None
+    return None
+
+
+def plot(runs: dict, limit: int, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 6), sharex="col", squeeze=False)
+    for col, (engine, r) in enumerate(runs.items()):
+        s = r["series"]
+        t = [x[0] for x in s]
+        ax = axes[0][col]
+        ax.plot(t, [x[1] / MIB for x in s], label="cgroup usage")
+        ax.plot(t, [(x[2] or 0) / MIB for x in s], label=f"{engine} RSS")
+        ax.plot(t, [(x[3] or 0) / MIB for x in s], label="balloon RSS")
+        ax.axhline(limit / MIB, color="k", ls="--", lw=0.8, label="limit")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"{title}: {engine} ({'OOM-killed' if r['oom_kills'] or r['exit'] else 'ok'})")
+        ax.legend(fontsize=7, loc="lower right")
+        ax2 = axes[1][col]
+        gen = r["out"][1:] if len(r["out"]) > 1 else r["out"]
+        per_tok = max(sum(n for _, n in gen) / max(r.get("tokens", 1), 1), 1e-9)
+        win, xs, ys = 0.5, [], []
+        if gen:
+            x = gen[0][0]
+            while x < gen[-1][0]:
+                xs.append(x + win / 2)
+                ys.append(sum(n for tt, n in gen if x <= tt < x + win) / per_tok / win)
+                x += win / 2
+        ax2.plot(xs, ys)
+        ax2.set_ylabel("tokens/s")
+        ax2.set_xlabel("s")
+        for a_ in (ax, ax2):
+            b = r["balloon"]
+            if "start" in b:
+                a_.axvspan(b["start"], b.get("leaving", r["end_s"]), color="orange", alpha=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quant", nargs="+", default=["q4_0", "q8_0"])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--budget-mib", type=int, default=200)
+    ap.add_argument("--balloon-mib", type=int, default=100)
+    ap.add_argument("--hold-s", type=float, default=4.0)
+    ap.add_argument("--before-s", type=float, default=2.0)
+    ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--out-dir", type=Path, default=REPO / "bench-out/pressure")
+    ap.add_argument("--cache-dir", type=Path, default=REPO / "bench-out")
+    ap.add_argument("--hf-model", type=Path, default=REPO / "models/SmolLM2-135M-Instruct")
+    ap.add_argument("--gguf-src", type=Path)
+    ap.add_argument("--nflash", type=Path, default=REPO / "target/release/nflash")
+    ap.add_argument("--prep", type=Path, default=REPO / "target/release/prep")
+    ap.add_argument("--balloon", type=Path, default=REPO / "target/release/nflash-balloon")
+    ap.add_argument("--llama", type=Path, default=REPO / "bench-out/llama-native/build/bin/llama-completion")
+    a = ap.parse_args(argv)
+    need_root("bench-pressure")
+    for p in (a.nflash, a.balloon, a.llama):
+        if not p.exists():
+            die(f"{p} not found: run `make build` and scripts/bench_setup.sh", 2)
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    ggufs = prepare_llama(a, a.cache_dir)
+    packs = prepare_nflash(a, a.cache_dir)
+    prompt = a.out_dir / "prompt.txt"
+    prompt.write_text(PROMPT_TEXT)
+    limit = (a.budget_mib + 40) * MIB
+    results = {"settings": {"limit_bytes": limit, "budget_bytes": a.budget_mib * MIB,
+                            "balloon_bytes": a.balloon_mib * MIB, "hold_s": a.hold_s, "tokens": a.tokens,
+                            "ctx": a.ctx, "threads": a.threads, "poll_s": POLL_S, "reserve_bytes": RESERVE},
+               **run_info(a), "models": {}}
+    for q in a.quant:
+        stats_json = a.out_dir / f"nflash-{q}.json"
+        cmds = {
+            "nflash": ([str(a.nflash), "run", "--model", str(packs[q]), "--prompt-file", str(prompt), "--raw",
+                        "--temperature", "0", "--ignore-eos", "--max-tokens", str(a.tokens), "--ctx", str(a.ctx),
+                        "--threads", str(a.threads), "--memory-budget", f"{a.budget_mib}MiB",
+                        "--stats-json", str(stats_json)], None),
+            "llama.cpp": (native_llama_cmd(a.llama, ggufs[q], prompt, a.tokens, a.threads, a.ctx),
+                          llama_env("native")),
+        }
+        per: dict[str, list] = {e: [] for e in cmds}
+        first: dict[str, dict] = {}
+        for i in range(a.runs):
+            for engine in (list(cmds) if i % 2 == 0 else list(reversed(cmds))):
+                cmd, env = cmds[engine]
+                log(f"{q} {engine} run {i + 1}/{a.runs}")
+                r = run_once(a, engine, cmd, env, limit, f"{q}-{engine.replace('.', '')}-{i}")
+                r["tokens"] = a.tokens
+                ok = r["exit"] == 0 and r["oom_kills"] == 0
+                row = {"outcome": "ok" if ok else ("oom-killed" if r["oom_kills"] or r["exit"] in (-9, 137)
+                                                   else f"exit {r['exit']}"),
+                       "oom_kills": r["oom_kills"], "balloon_exit": r["balloon"].get("exit"),
+                       **{f"tokens_per_s_{k}": v for k, v in rates(r, a.tokens).items() if k != "bytes"},
+                       "reaction_s": reaction(r, limit) if engine == "nflash" else None,
+                       "peak_group_bytes": max((x[1] for x in r["series"]), default=None)}
+                if engine == "nflash" and ok:
+                    s = json.loads(stats_json.read_text())
+                    row.update({k: s.get(k) for k in ("decode_tokens_per_s", "budget_min_bytes", "budget_max_bytes",
+                                                      "budget_shrinks", "budget_grows", "bytes_returned",
+                                                      "reads_after_shrink", "memory_signals")})
+                if not ok:
+                    log(f"  {row['outcome']}: {r['stderr'][-300:]}")
+                log("  " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                                     if k in ("outcome", "tokens_per_s_before", "tokens_per_s_during",
+                                              "tokens_per_s_after", "reaction_s")))
+                per[engine].append(row)
+                first.setdefault(engine, r)
+        plot(first, limit, a.out_dir / f"pressure-{q}.png", f"SmolLM2 {q}")
+        summary = {}
+        for engine, rows in per.items():
+            summary[engine] = {
+                "oom_killed_runs": sum(r["outcome"] != "ok" for r in rows), "runs": len(rows),
+                **{k: median([r.get(k) for r in rows if r["outcome"] == "ok"])
+                   for k in ("tokens_per_s_before", "tokens_per_s_during", "tokens_per_s_after", "reaction_s")}}
+        results["models"][q] = {"runs": per, "summary": summary}
+    (a.out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"\n| model | engine | OOM-killed runs | tok/s before | during | after | reaction s |")
+    print("|---|---|---|---|---|---|---|")
+    for q, m in results["models"].items():
+        for engine, s in m["summary"].items():
+            print(f"| {q} | {engine} | {s['oom_killed_runs']}/{s['runs']} | {fmt(s['tokens_per_s_before'])} | "
+                  f"{fmt(s['tokens_per_s_during'])} | {fmt(s['tokens_per_s_after'])} | {fmt(s['reaction_s'], 2)} |")
+    log(f"wrote {a.out_dir / 'results.json'} and the plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
