@@ -60,7 +60,8 @@ typedef struct {
   // Checksum checks: 0 lazy (each neuron cluster after it is read, before
   // it is used; the default), 1 full (also every segment at open), 2 off.
   uint32_t verify;
-  // Memory kept free for the rest of the system, bytes; 0: 32 MiB. When
+  // Memory kept free for the rest of the system, bytes; 0: 32 MiB (1: in
+  // effect none, only the limits themselves). When
   // the process's memory cgroup, `MemAvailable` or PSI stalls show less
   // than this, the model gives neuron-cache memory back at once, and
   // takes it again 2 s after the pressure is gone (never above a cap
@@ -141,7 +142,7 @@ typedef struct {
 
 // The memory of a model's neuron cache, the part of the model that can
 // leave memory ([`nflash_memory`]); the rest (resident weights, KV cache,
-// scratch) stays while the model is open.
+// scratch) stays while the model is open, and is not counted here.
 typedef struct {
   // What the neuron cache holds now, bytes.
   uint64_t held_bytes;
@@ -149,6 +150,8 @@ typedef struct {
   uint64_t floor_bytes;
   // The most it holds (its size at open, from the memory budget).
   uint64_t ceiling_bytes;
+  // The app's cap ([`nflash_trim_memory_to`]); `UINT64_MAX` when none.
+  uint64_t cap_bytes;
 } nflash_memory_t;
 
 #ifdef __cplusplus
@@ -244,12 +247,13 @@ nflash_status nflash_cancel(const nflash_model *model);
 nflash_status nflash_stats(const nflash_model *model, nflash_stats_t *out);
 
 // Caps `model`'s neuron cache (hot and cold neurons: the part of the
-// model that can leave memory) at `bytes` and gives the rest back to the
-// system at once (what the layer being computed holds goes when that
-// layer ends, within one decode step). Down to the floor (0 means the
-// floor); `UINT64_MAX` lifts the cap, and the cache grows back to its
-// size at open. The cap holds until changed: the governor never grows the
-// cache above it. Text does not change with the size; speed does (more
+// model that can leave memory) at `bytes` and gives what is above it back
+// to the system at once (what the layer being computed holds goes when
+// that layer ends, within one decode step). Down to the floor (0 means
+// the floor). A cap above what the cache holds takes nothing at once: the
+// governor grows the cache up to the cap when memory allows, and never
+// above it. `UINT64_MAX` lifts the cap, and the cache grows back to its
+// size at open at once. Text does not change with the size; speed does (more
 // reads from flash). From any thread, also from a token callback; never
 // waits for a generation.
 //
@@ -260,12 +264,13 @@ nflash_status nflash_trim_memory_to(const nflash_model *model, uint64_t bytes);
 // [`nflash_trim_memory_to`] for an Android `onTrimMemory` `level`
 // (`ComponentCallbacks2.TRIM_MEMORY_*`), so that an app forwards its
 // callback as is. `TRIM_MEMORY_BACKGROUND` (40) and above, and
-// `RUNNING_CRITICAL` (15): the floor (the system kills background
-// processes largest first). `TRIM_MEMORY_UI_HIDDEN` (20) and
-// `RUNNING_LOW` (10): half of what is above the floor goes.
-// `RUNNING_MODERATE` (5): a quarter of it. 0 or below (not an Android
-// level; call it when the app is in the foreground again): the cap is
-// lifted. Since API 34 apps receive only `UI_HIDDEN` and `BACKGROUND`.
+// `RUNNING_CRITICAL` (15): a cap at the floor (the system kills
+// background processes largest first). `TRIM_MEMORY_UI_HIDDEN` (20) and
+// `RUNNING_LOW` (10): the floor and half of the cache's size at open above
+// it. `RUNNING_MODERATE` (5): three quarters of it. The same level gives
+// the same cap however often it comes. 0 or below (not an Android level;
+// call it when the app is in the foreground again): the cap is lifted.
+// Since API 34 apps receive only `UI_HIDDEN` and `BACKGROUND`.
 // From any thread; never waits for a generation.
 //
 // # Safety

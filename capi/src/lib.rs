@@ -45,7 +45,7 @@ use nflash_runtime::chat::{ChatOptions, Message};
 use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
 use nflash_runtime::model::MemoryControl;
 use nflash_runtime::placement::{self, MemoryOptions};
-use nflash_runtime::pressure::{level_target, Governor, Signals, Watch};
+use nflash_runtime::pressure::{apply_cap, level_target, Governor, Signals, Watch};
 use nflash_runtime::sampler::{self, Sampler, SamplerConfig};
 use nflash_runtime::session::{Session, Turn};
 use nflash_runtime::{Engine, Error};
@@ -99,7 +99,8 @@ pub struct NflashOptions {
     /// Checksum checks: 0 lazy (each neuron cluster after it is read, before
     /// it is used; the default), 1 full (also every segment at open), 2 off.
     pub verify: u32,
-    /// Memory kept free for the rest of the system, bytes; 0: 32 MiB. When
+    /// Memory kept free for the rest of the system, bytes; 0: 32 MiB (1: in
+    /// effect none, only the limits themselves). When
     /// the process's memory cgroup, `MemAvailable` or PSI stalls show less
     /// than this, the model gives neuron-cache memory back at once, and
     /// takes it again 2 s after the pressure is gone (never above a cap
@@ -109,7 +110,7 @@ pub struct NflashOptions {
 
 /// The memory of a model's neuron cache, the part of the model that can
 /// leave memory ([`nflash_memory`]); the rest (resident weights, KV cache,
-/// scratch) stays while the model is open.
+/// scratch) stays while the model is open, and is not counted here.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NflashMemory {
@@ -119,6 +120,8 @@ pub struct NflashMemory {
     pub floor_bytes: u64,
     /// The most it holds (its size at open, from the memory budget).
     pub ceiling_bytes: u64,
+    /// The app's cap ([`nflash_trim_memory_to`]); `UINT64_MAX` when none.
+    pub cap_bytes: u64,
 }
 
 /// Sampling and length of one generation; [`nflash_params_default`] fills
@@ -781,12 +784,13 @@ pub unsafe extern "C" fn nflash_stats(model: *const NflashModel, out: *mut Nflas
 }
 
 /// Caps `model`'s neuron cache (hot and cold neurons: the part of the
-/// model that can leave memory) at `bytes` and gives the rest back to the
-/// system at once (what the layer being computed holds goes when that
-/// layer ends, within one decode step). Down to the floor (0 means the
-/// floor); `UINT64_MAX` lifts the cap, and the cache grows back to its
-/// size at open. The cap holds until changed: the governor never grows the
-/// cache above it. Text does not change with the size; speed does (more
+/// model that can leave memory) at `bytes` and gives what is above it back
+/// to the system at once (what the layer being computed holds goes when
+/// that layer ends, within one decode step). Down to the floor (0 means
+/// the floor). A cap above what the cache holds takes nothing at once: the
+/// governor grows the cache up to the cap when memory allows, and never
+/// above it. `UINT64_MAX` lifts the cap, and the cache grows back to its
+/// size at open at once. Text does not change with the size; speed does (more
 /// reads from flash). From any thread, also from a token callback; never
 /// waits for a generation.
 ///
@@ -805,12 +809,13 @@ pub unsafe extern "C" fn nflash_trim_memory_to(model: *const NflashModel, bytes:
 /// [`nflash_trim_memory_to`] for an Android `onTrimMemory` `level`
 /// (`ComponentCallbacks2.TRIM_MEMORY_*`), so that an app forwards its
 /// callback as is. `TRIM_MEMORY_BACKGROUND` (40) and above, and
-/// `RUNNING_CRITICAL` (15): the floor (the system kills background
-/// processes largest first). `TRIM_MEMORY_UI_HIDDEN` (20) and
-/// `RUNNING_LOW` (10): half of what is above the floor goes.
-/// `RUNNING_MODERATE` (5): a quarter of it. 0 or below (not an Android
-/// level; call it when the app is in the foreground again): the cap is
-/// lifted. Since API 34 apps receive only `UI_HIDDEN` and `BACKGROUND`.
+/// `RUNNING_CRITICAL` (15): a cap at the floor (the system kills
+/// background processes largest first). `TRIM_MEMORY_UI_HIDDEN` (20) and
+/// `RUNNING_LOW` (10): the floor and half of the cache's size at open above
+/// it. `RUNNING_MODERATE` (5): three quarters of it. The same level gives
+/// the same cap however often it comes. 0 or below (not an Android level;
+/// call it when the app is in the foreground again): the cap is lifted.
+/// Since API 34 apps receive only `UI_HIDDEN` and `BACKGROUND`.
 /// From any thread; never waits for a generation.
 ///
 /// # Safety
@@ -822,7 +827,7 @@ pub unsafe extern "C" fn nflash_trim_memory_level(model: *const NflashModel, lev
         let m = unsafe { live(model) }?;
         trim(m, |mem| match level {
             ..=0 => u64::MAX,
-            _ => level_target(level, mem.floor_bytes(), mem.held_bytes(), mem.ceiling_bytes()),
+            _ => level_target(level, mem.floor_bytes(), mem.ceiling_bytes()),
         });
         Ok(NflashStatus::Ok)
     })
@@ -835,7 +840,7 @@ fn trim(m: &NflashModel, to: impl FnOnce(&dyn MemoryControl) -> u64) {
     if let Some(w) = &m.watch {
         w.set_cap(bytes);
     }
-    mem.resize(bytes);
+    apply_cap(mem.as_ref(), bytes);
 }
 
 /// Writes what `model`'s neuron cache holds, and its floor and ceiling,
@@ -852,6 +857,7 @@ pub unsafe extern "C" fn nflash_memory(model: *const NflashModel, out: *mut Nfla
             held_bytes: mem.held_bytes(),
             floor_bytes: mem.floor_bytes(),
             ceiling_bytes: mem.ceiling_bytes(),
+            cap_bytes: m.watch.as_ref().and_then(|w| w.cap()).unwrap_or(u64::MAX),
         });
         // SAFETY: null or writable, per the caller.
         unsafe { put(out, v) }

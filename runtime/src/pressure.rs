@@ -78,10 +78,14 @@ impl Signals {
     /// A description for `--stats`: which signals are in use.
     pub fn describe(&self) -> String {
         let mut v = Vec::new();
-        match &self.cgroup {
-            Some((p, true)) => v.push(format!("cgroup v2 {}", p.display())),
-            Some((p, false)) => v.push(format!("cgroup v1 {}", p.display())),
-            None => {}
+        if let Some((p, v2)) = &self.cgroup {
+            let limited = self.read().cgroup_room.is_some();
+            v.push(format!(
+                "cgroup {} {}{}",
+                if *v2 { "v2" } else { "v1" },
+                p.display(),
+                if limited { "" } else { " (no limit set)" }
+            ));
         }
         if self.meminfo.is_some() {
             v.push("MemAvailable".into());
@@ -283,22 +287,36 @@ pub mod trim_level {
     pub const BACKGROUND: i32 = 40;
 }
 
-/// The neuron-cache size for an `onTrimMemory` `level` (a cache now holding
-/// `held` bytes between `floor` and `ceiling`): `BACKGROUND` and above
-/// (`MODERATE` 60, `COMPLETE` 80) and `RUNNING_CRITICAL`: the floor (a
-/// process in the background is killed largest first); `UI_HIDDEN` and
-/// `RUNNING_LOW`: half of what is above the floor; `RUNNING_MODERATE`: a
-/// quarter of it goes; 0 or below: the ceiling (the app is in the
-/// foreground again). Levels between take the next lower one's size.
-pub fn level_target(level: i32, floor: u64, held: u64, ceiling: u64) -> u64 {
+/// The neuron-cache cap for an `onTrimMemory` `level`, for a cache
+/// between `floor` and `ceiling` bytes (the same for the same level, however
+/// often it comes): `BACKGROUND` and above (`MODERATE` 60, `COMPLETE` 80)
+/// and `RUNNING_CRITICAL`: the floor (a process in the background is killed
+/// largest first); `UI_HIDDEN` and `RUNNING_LOW`: the floor and half of
+/// the rest; `RUNNING_MODERATE`: three quarters of the rest; 0 or below (not
+/// an Android level; the app is in the foreground again) and 1-4: the
+/// ceiling. Levels between take the next lower one's cap.
+pub fn level_target(level: i32, floor: u64, ceiling: u64) -> u64 {
     use trim_level::*;
-    let above = held.saturating_sub(floor);
+    let above = ceiling.saturating_sub(floor);
     match level {
-        i32::MIN..=0 => ceiling,
         l if l >= BACKGROUND || (RUNNING_CRITICAL..UI_HIDDEN).contains(&l) => floor,
         l if l >= RUNNING_LOW => floor + above / 2,
-        l if l >= RUNNING_MODERATE => held - above / 4,
-        _ => held,
+        l if l >= RUNNING_MODERATE => floor + above / 4 * 3,
+        _ => ceiling,
+    }
+}
+
+/// Applies an app's cap of `cap` bytes to `mem`: what is above it goes at
+/// once; below it nothing is taken, except that lifting the cap
+/// (`u64::MAX`, the app in the foreground again) grows back at once. The
+/// governor grows the cache up to the cap later, when memory allows.
+/// Returns what the cache holds after.
+pub fn apply_cap(mem: &dyn MemoryControl, cap: u64) -> u64 {
+    let held = mem.held_bytes();
+    if cap == u64::MAX || cap < held {
+        mem.resize(cap)
+    } else {
+        held
     }
 }
 
@@ -351,6 +369,11 @@ impl Watch {
     /// the governor must not undo); `u64::MAX` lifts the cap.
     pub fn set_cap(&self, bytes: u64) {
         self.cap.store(bytes, Ordering::Relaxed);
+    }
+
+    /// An app's cap on the cache, bytes; `None` when there is none.
+    pub fn cap(&self) -> Option<u64> {
+        Some(self.cap.load(Ordering::Relaxed)).filter(|&c| c != u64::MAX)
     }
 
     /// The least and the most the cache held so far, bytes.
@@ -449,11 +472,10 @@ mod tests {
 
     #[test]
     fn trim_levels_map_to_sizes() {
-        let t = |l| level_target(l, 100, 300, 400);
+        let t = |l| level_target(l, 100, 500);
         assert_eq!([t(80), t(60), t(40), t(15), t(17)], [100; 5]);
-        assert_eq!([t(20), t(10), t(12)], [200; 3]);
-        assert_eq!([t(5), t(1)], [250, 300]);
-        assert_eq!([t(0), t(-3)], [400, 400]);
+        assert_eq!([t(20), t(10), t(12), t(39)], [300; 4]);
+        assert_eq!([t(5), t(1), t(0), t(-3)], [400, 500, 500, 500]);
     }
 
     #[test]

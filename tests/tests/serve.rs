@@ -838,6 +838,9 @@ fn the_admin_endpoint_gives_memory_back_and_lifts_the_cap_under_the_key() {
     let (held, floor, ceiling) =
         (m["held_bytes"].as_u64().unwrap(), m["floor_bytes"].as_u64().unwrap(), m["ceiling_bytes"].as_u64().unwrap());
     assert!(held == ceiling && floor < ceiling, "{m}");
+    // Before any request too: down to the floor and back, nothing counted twice.
+    assert_eq!(mem("POST", Some(r#"{"bytes": 0}"#)).2["held_bytes"].as_u64(), Some(floor));
+    assert_eq!(mem("POST", Some(r#"{"level": 0}"#)).2["held_bytes"].as_u64(), Some(ceiling));
     let q = json!([{"role": "user", "content": "What is the capital of France?"}]);
     let ask = || {
         let (st, _, r) = s.call("POST", "/v1/chat/completions", k, Some(&chat(q.clone(), json!({})).to_string()));
@@ -854,10 +857,21 @@ fn the_admin_endpoint_gives_memory_back_and_lifts_the_cap_under_the_key() {
     assert_eq!(mem("POST", Some(r#"{"level": 0}"#)).2["held_bytes"].as_u64(), Some(ceiling));
     let half = mem("POST", Some(r#"{"level": 20}"#)).2["held_bytes"].as_u64().unwrap();
     assert!(half > floor && half < ceiling, "UI_HIDDEN left {half} of {floor}..{ceiling}");
+    // The same level again changes nothing; a cap above what is held takes nothing at once.
+    let (_, _, m) = mem("POST", Some(r#"{"level": 20}"#));
+    assert_eq!(m["held_bytes"].as_u64(), Some(half), "{m}");
+    let (_, _, m) = mem("POST", Some(&format!(r#"{{"bytes": {}}}"#, ceiling - 1)));
+    assert_eq!((m["held_bytes"].as_u64(), m["cap_bytes"].as_u64()), (Some(half), Some(ceiling - 1)), "{m}");
     for bad in [r#"{"bytes": -1}"#, r#"{"level": "x"}"#, r#"{"bytes": 1, "level": 2}"#, "{}", "nope"] {
         let (st, _, v) = mem("POST", Some(bad));
         assert_eq!(st, 400, "{bad}: {v}");
     }
+    // Bodies must be declared JSON, as on every endpoint (a cross-site form cannot).
+    let (st, _, v) = s.raw(
+        "POST /admin/memory\nHost: localhost\nAuthorization: Bearer s3cret\nContent-Type: text/plain",
+        r#"{"bytes": 0}"#,
+    );
+    assert_eq!(st, 415, "{v}");
     // The server's key rules hold.
     let (st, _, _) = s.call("GET", "/admin/memory", None, None);
     assert_eq!(st, 401);

@@ -117,7 +117,9 @@ impl Lru {
             prefetched: vec![false; n_slots],
             speculated: vec![false; n_slots],
             counts: CacheStats::default(),
-            epoch: 0,
+            // Above every slot's `used` (0): no slot is the current fetch's
+            // before the first fetch, so a resize can give any back.
+            epoch: 1,
             spec_layer: NONE,
             off: vec![false; n_slots],
             n_on: n_slots,

@@ -8,7 +8,7 @@ use nflash_plan::planner::parse_bytes;
 use nflash_plan::KvType;
 use nflash_runtime::placement::{self, MemoryOptions};
 use nflash_runtime::pressure::{Governor, Signals, Watch};
-use nflash_runtime::Engine;
+use nflash_runtime::{message, Engine};
 
 /// Memory options (PowerInfer-2's segmented neuron cache; SPEC §4.6).
 #[derive(Args, Clone, Debug)]
@@ -79,8 +79,16 @@ impl MemoryArgs {
 /// `None` if the cache's memory cannot move or the thread cannot start.
 pub fn follow_memory(engine: &Engine, a: &MemoryArgs) -> Option<Watch> {
     let mem = engine.model.memory_control()?;
+    let signals = Signals::detect();
+    if let Some(avail) = signals.read().available.filter(|&m| m <= a.memory_reserve) {
+        message!(
+            "warning: --memory-reserve {} MiB is more than the memory available now ({} MiB): the neuron cache will stay at its floor",
+            a.memory_reserve >> 20,
+            avail >> 20
+        );
+    }
     let gov = Governor::new(a.memory_reserve, mem.floor_bytes(), mem.ceiling_bytes());
-    Watch::start(Signals::detect(), gov, mem).ok()
+    Watch::start(signals, gov, mem).ok()
 }
 
 /// Loads the engine as [`nflash_runtime::placement::load_engine`] does with

@@ -424,6 +424,7 @@ fn report(
         let mem = model.memory_control();
         j["cache_floor_bytes"] = serde_json::json!(mem.as_ref().map(|m| m.floor_bytes()));
         j["cache_ceiling_bytes"] = serde_json::json!(mem.as_ref().map(|m| m.ceiling_bytes()));
+        j["cache_held_bytes"] = serde_json::json!(mem.as_ref().map(|m| m.held_bytes()));
         j["misses_read_ahead"] = serde_json::json!((c.misses > 0).then(|| c.speculated_used as f64 / c.misses as f64));
         j["misses_read_early"] = serde_json::json!((c.misses > 0).then(|| c.read_ahead_used as f64 / c.misses as f64));
         j["expert_prefetch_precision"] = serde_json::json!((ep.guessed > 0).then(|| ep.precision()));

@@ -398,7 +398,7 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         })
         .context("cannot start the HTTP thread")?;
     message!(
-        "nflash serve: {} on http://{addr} (context {ctx} tokens{}; {} request(s) may wait) — POST /v1/chat/completions, /v1/completions; GET /v1/models, /health",
+        "nflash serve: {} on http://{addr} (context {ctx} tokens{}; {} request(s) may wait) — POST /v1/chat/completions, /v1/completions; GET /v1/models, /health; GET/POST /admin/memory (give memory back)",
         shared.model_id,
         shared.budget.map_or(String::new(), |b| format!(", memory budget {:.1} MiB", b as f64 / (1u64 << 20) as f64)),
         a.queue
@@ -810,13 +810,17 @@ async fn not_found(req: Request) -> ApiError {
     }
 }
 
-/// The neuron cache's memory: what it holds, its floor and ceiling, bytes.
+/// The neuron cache's memory: what it holds, its floor and ceiling, and an
+/// app's cap (`null`: none), bytes.
 fn memory_json(s: &Shared) -> Value {
     match &s.memory {
-        Some(m) => {
-            json!({"held_bytes": m.held_bytes(), "floor_bytes": m.floor_bytes(), "ceiling_bytes": m.ceiling_bytes()})
-        }
-        None => json!({"held_bytes": null, "floor_bytes": null, "ceiling_bytes": null}),
+        Some(m) => json!({
+            "held_bytes": m.held_bytes(),
+            "floor_bytes": m.floor_bytes(),
+            "ceiling_bytes": m.ceiling_bytes(),
+            "cap_bytes": s.watch.as_ref().and_then(|w| w.cap()),
+        }),
+        None => json!({"held_bytes": null, "floor_bytes": null, "ceiling_bytes": null, "cap_bytes": null}),
     }
 }
 
@@ -830,7 +834,11 @@ async fn memory(State(s): State<Arc<Shared>>) -> Response {
 /// level; 0 lifts the cap), as libnflash's `nflash_trim_memory_to` and
 /// `nflash_trim_memory_level` do: memory is given back at once, even while
 /// a reply is being generated. Answers with [`memory_json`].
-async fn trim_memory(State(s): State<Arc<Shared>>, body: axum::body::Bytes) -> Response {
+async fn trim_memory(State(s): State<Arc<Shared>>, req: Request) -> Response {
+    let body = match read_body(&s, req).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
     let v: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => return ApiError::bad(format!("the body is not JSON: {e}")).into_response(),
@@ -843,9 +851,7 @@ async fn trim_memory(State(s): State<Arc<Shared>>, body: axum::body::Bytes) -> R
         },
         (None, Some(l)) => match l.as_i64().and_then(|l| i32::try_from(l).ok()) {
             Some(l) if l <= 0 => u64::MAX,
-            Some(l) => {
-                nflash_runtime::pressure::level_target(l, mem.floor_bytes(), mem.held_bytes(), mem.ceiling_bytes())
-            }
+            Some(l) => nflash_runtime::pressure::level_target(l, mem.floor_bytes(), mem.ceiling_bytes()),
             None => return ApiError::bad("level must be an integer (Android's TRIM_MEMORY_* levels)").into_response(),
         },
         _ => return ApiError::bad("give one of bytes (a cap, 0: the floor) or level (onTrimMemory's)").into_response(),
@@ -853,7 +859,7 @@ async fn trim_memory(State(s): State<Arc<Shared>>, body: axum::body::Bytes) -> R
     if let Some(w) = &s.watch {
         w.set_cap(cap);
     }
-    mem.resize(cap);
+    nflash_runtime::pressure::apply_cap(mem.as_ref(), cap);
     axum::Json(memory_json(&s)).into_response()
 }
 
