@@ -234,7 +234,9 @@ pub struct Governor {
 impl Governor {
     /// A governor keeping `reserve` bytes free, for a cache between `floor` and `ceiling` bytes.
     pub fn new(reserve: u64, floor: u64, ceiling: u64) -> Self {
-        Governor { reserve, ceiling, floor, last_pressure: None, last_stall: None }
+        // Past 2^60 bytes every reserve means "always short" (the room is
+        // compared in i64, twice the reserve included).
+        Governor { reserve: reserve.min(1 << 60), ceiling, floor, last_pressure: None, last_stall: None }
     }
 
     /// The cache size to move to, given a reading at `now` and what the
@@ -453,6 +455,9 @@ mod tests {
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
         let cg = |room_mib: i64| Reading { cgroup_room: Some(room_mib * MIB as i64), ..Default::default() };
+        // A reserve of more than there is: always short, down to the floor.
+        let mut huge = Governor::new(u64::MAX, 100 * MIB, 200 * MIB);
+        assert_eq!(huge.decide(&cg(1 << 20), 200 * MIB, at(0)), Some(100 * MIB));
         // Room enough: stay.
         assert_eq!(g.decide(&cg(64), 200 * MIB, at(0)), None);
         // 12 MiB short of the reserve: give that back and 16 MiB more.

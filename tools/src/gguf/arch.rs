@@ -220,6 +220,11 @@ pub fn build(files: &[GgufFile], seen: &HashMap<&str, usize>, vocab: &Vocab) -> 
         }
         let factors = rope_factors(files, seen, "rope_freqs.weight", head_dim / 2, "RoPE frequency")?;
         let original = k.opt_u64("rope.scaling.original_context_length")?;
+        if let Some(o) = original.filter(|o| !(1..=MAX_CONTEXT).contains(o)) {
+            bail!(
+                "{arch}.rope.scaling.original_context_length is {o}; it must be between 1 and {MAX_CONTEXT} tokens: the file is corrupt"
+            );
+        }
         if let Some(scaling) = llama3_from_factors(&factors, theta, head_dim, original)? {
             c.insert("rope_scaling".into(), scaling);
         }
@@ -458,6 +463,19 @@ fn llama3_from_factors(factors: &[f64], theta: f64, head_dim: u64, original: Opt
     if factors.iter().all(|&r| r == 1.0) {
         return Ok(None);
     }
+    const REFUSE: &str =
+        "nflash reads the rope_freqs of Llama 3.1-style models only: convert the Hugging Face checkpoint";
+    if let Some((i, r)) = factors.iter().enumerate().find(|(_, &r)| r < 1.0) {
+        bail!("rope_freqs.weight[{i}] is {r}, below 1: Llama 3 RoPE scaling only divides frequencies by 1 or more; {REFUSE}");
+    }
+    if let Some(i) = factors.windows(2).position(|w| w[1] < w[0]) {
+        bail!(
+            "rope_freqs.weight[{}] is {}, below the divisor before it ({}): Llama 3 RoPE scaling divides lower frequencies by as much or more; {REFUSE}",
+            i + 1,
+            factors[i + 1],
+            factors[i]
+        );
+    }
     let near = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b;
     let inv_freq: Vec<f64> = (0..factors.len()).map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64)).collect();
     // The smoothing of each frequency strictly inside the band.
@@ -467,53 +485,69 @@ fn llama3_from_factors(factors: &[f64], theta: f64, head_dim: u64, original: Opt
         .filter(|(&r, _)| !near(r, 1.0) && !near(r, factor))
         .map(|(&r, &f)| (f, (1.0 / r - 1.0 / factor) / (1.0 - 1.0 / factor)))
         .collect();
-    let mut old = original.unwrap_or(8192);
-    let (mut low, mut high) = (1.0, 4.0);
+    let two_pi = 2.0 * std::f64::consts::PI;
+    let snap = |x: f64| {
+        let g = (x * 64.0).round() / 64.0;
+        if (x - g).abs() <= 1e-4 * x.abs().max(1.0) {
+            g
+        } else {
+            x
+        }
+    };
+    // Candidate (original context, low, high), first match wins.
+    let mut candidates: Vec<(u64, f64, f64)> = Vec::new();
     if band.len() >= 2 {
-        // Least squares of s = a·f + b.
+        // Least squares of s = a·f + b, where s = L·f / (2π(high − low)) −
+        // low / (high − low): only the slope and the intercept are in the
+        // file. Without the key, take low = 1 (as every Llama 3.x), which gives L.
         let n = band.len() as f64;
         let (mf, ms) = (band.iter().map(|p| p.0).sum::<f64>() / n, band.iter().map(|p| p.1).sum::<f64>() / n);
         let sxy: f64 = band.iter().map(|(f, s)| (f - mf) * (s - ms)).sum();
         let sxx: f64 = band.iter().map(|(f, _)| (f - mf) * (f - mf)).sum();
         let a = sxy / sxx;
         let b = ms - a * mf;
-        if original.is_none() {
-            // s = L·f / (2π(high − low)) − low / (high − low): only the slope
-            // and the intercept are in the file, so take low = 1, as every
-            // Llama 3.x has, which gives L.
-            let l = 2.0 * std::f64::consts::PI * a / -b;
-            if l.is_finite() && (1.0..=MAX_CONTEXT as f64).contains(&l.round()) {
-                old = l.round() as u64;
-            }
-        }
-        let width = old as f64 / (2.0 * std::f64::consts::PI * a);
-        low = -b * width;
-        high = low + width;
-        let snap = |x: f64| {
-            let g = (x * 64.0).round() / 64.0;
-            if (x - g).abs() <= 1e-4 * x.abs().max(1.0) {
-                g
+        let old = original.unwrap_or_else(|| {
+            let l = (two_pi * a / -b).round();
+            if l.is_finite() && (1.0..=MAX_CONTEXT as f64).contains(&l) {
+                l as u64
             } else {
-                x
+                8192
             }
+        });
+        let width = old as f64 / (two_pi * a);
+        let low = -b * width;
+        candidates.push((old, snap(low), snap(low + width)));
+    } else {
+        // One frequency or none inside the band: llama.cpp's converter's
+        // defaults (low 1, high 4) with the key's context, else the one the
+        // banded frequency gives, else 8192, else a power of two.
+        let mut ls: Vec<u64> = original.into_iter().collect();
+        if let Some(&(f, s)) = band.first() {
+            ls.push((two_pi * (3.0 * s + 1.0) / f).round().clamp(1.0, MAX_CONTEXT as f64) as u64);
+        }
+        ls.push(8192);
+        ls.extend((4..=20).map(|k| 1u64 << k));
+        candidates.extend(ls.into_iter().map(|l| (l, 1.0, 4.0)));
+    }
+    let fits = |&(old, low, high): &(u64, f64, f64)| {
+        let scaling = nflash_format::RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_position_embeddings: old,
         };
-        (low, high) = (snap(low), snap(high));
-    }
-    let scaling = nflash_format::RopeScaling::Llama3 {
-        factor,
-        low_freq_factor: low,
-        high_freq_factor: high,
-        original_max_position_embeddings: old,
+        low.is_finite()
+            && high.is_finite()
+            && low > 0.0
+            && low < high
+            && factors.iter().zip(&inv_freq).all(|(&r, &f)| near(f / scaling.llama3_inv_freq(f), r))
     };
-    let ok = low.is_finite() && high.is_finite() && low > 0.0 && low < high;
-    if let Some((i, r)) = factors.iter().zip(&inv_freq).enumerate().find_map(|(i, (&r, &f))| {
-        let ours = if ok { f / scaling.llama3_inv_freq(f) } else { f64::NAN };
-        (!near(ours, r)).then_some((i, r))
-    }) {
+    let Some((old, low, high)) = candidates.iter().copied().find(fits) else {
         bail!(
-            "rope_freqs.weight[{i}] is {r}, which no Llama 3 RoPE scaling (factor {factor}, low_freq_factor {low}, high_freq_factor {high}, original context {old}) gives; nflash reads rope_freqs of Llama 3.1-style models only: convert the Hugging Face checkpoint"
+            "rope_freqs.weight holds divisors from 1 to {factor} that no Llama 3 RoPE scaling gives (the band between them must follow Llama 3's smoothing){}; {REFUSE}",
+            original.map_or(String::new(), |o| format!(" with the original context {o} of rope.scaling.original_context_length"))
         );
-    }
+    };
     Ok(Some(json!({
         "rope_type": "llama3",
         "factor": factor,
@@ -577,12 +611,18 @@ mod tests {
         let mut bent = good.clone();
         bent[i] *= 1.001;
         let e = llama3_from_factors(&bent, 500000.0, 128, None).unwrap_err().to_string();
-        assert!(e.contains("rope_freqs.weight[") && e.contains("Hugging Face checkpoint"), "{e}");
+        assert!(e.contains("no Llama 3 RoPE scaling") && e.contains("Hugging Face checkpoint"), "{e}");
         // Not monotone: a high frequency divided, a low one kept.
         let mut swapped = good;
         swapped.swap(0, 63);
         assert!(llama3_from_factors(&swapped, 500000.0, 128, None).is_err());
-        // Divisors below 1 (llama3 only slows rotation down).
-        assert!(llama3_from_factors(&[0.5, 1.0, 1.0, 1.0], 10000.0, 8, None).is_err());
+        // Divisors below 1 (llama3 only slows rotation down), named.
+        let e = llama3_from_factors(&[1.0, 0.5, 1.0, 1.0], 10000.0, 8, None).unwrap_err().to_string();
+        assert!(e.contains("rope_freqs.weight[1] is 0.5"), "{e}");
+        // One frequency inside the band and a context other than 8192: found.
+        let f = converter_factors(10000.0, 16, 8.0, 1.0, 4.0, 4096.0);
+        assert_eq!(f.iter().filter(|&&r| r > 1.0 && r < 8.0).count(), 1);
+        let v = llama3_from_factors(&f, 10000.0, 16, None).unwrap().unwrap();
+        assert_eq!(v["original_max_position_embeddings"], 4096);
     }
 }

@@ -847,12 +847,17 @@ async fn trim_memory(State(s): State<Arc<Shared>>, req: Request) -> Response {
     let cap = match (v.get("bytes"), v.get("level")) {
         (Some(b), None) => match b.as_u64() {
             Some(b) => b,
-            None => return ApiError::bad("bytes must be a whole number of bytes").into_response(),
+            None => return ApiError::bad("bytes must be a whole number of bytes from 0 to 2^64 - 1").into_response(),
         },
         (None, Some(l)) => match l.as_i64().and_then(|l| i32::try_from(l).ok()) {
             Some(l) if l <= 0 => u64::MAX,
             Some(l) => nflash_runtime::pressure::level_target(l, mem.floor_bytes(), mem.ceiling_bytes()),
-            None => return ApiError::bad("level must be an integer (Android's TRIM_MEMORY_* levels)").into_response(),
+            None => {
+                return ApiError::bad(
+                    "level must be an integer from -2^31 to 2^31 - 1 (Android's TRIM_MEMORY_* levels)",
+                )
+                .into_response()
+            }
         },
         _ => return ApiError::bad("give one of bytes (a cap, 0: the floor) or level (onTrimMemory's)").into_response(),
     };
