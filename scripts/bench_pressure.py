@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nflash_bench import common  # noqa: E402
-from nflash_bench.cgroup import CG_ROOT, drop_caches, need_root, oom_kills, remove_group  # noqa: E402
+from nflash_bench.cgroup import drop_caches, need_root, new_group, oom_kills, remove_group, remove_stale_groups  # noqa: E402
 from nflash_bench.common import MIB, REPO, die, fmt, log, median, run_info  # noqa: E402
 from nflash_bench.llama import llama_env, native_llama_cmd  # noqa: E402
 from nflash_bench.models import prepare_llama, prepare_nflash  # noqa: E402
@@ -70,26 +70,13 @@ def rss_of(pid: int) -> int | None:
     return None
 
 
-def group(name: str, limit: int) -> Path:
-    d = CG_ROOT / f"nflash-bench-pressure-{os.getpid()}-{name}"
-    remove_group(d)
-    d.mkdir()
-    (d / "memory.limit_in_bytes").write_text(str(limit))
-    for f, v in (("memory.memsw.limit_in_bytes", limit), ("memory.swappiness", 0)):
-        try:
-            (d / f).write_text(str(v))
-        except OSError:
-            pass
-    return d
-
-
 def in_group(d: Path, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(d / "cgroup.procs"), *cmd],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
-def run_once(a, engine: str, cmd: list[str], env: dict | None, limit: int, tag: str) -> dict:
-    d = group(tag, limit)
+def run_once(a, engine: str, cmd: list[str], env: dict | None, limit: int) -> dict:
+    d = new_group(limit)
     try:
         drop_caches()
         t0 = time.perf_counter()
@@ -239,6 +226,7 @@ def main(argv) -> int:
     ap.add_argument("--llama", type=Path, default=REPO / "bench-out/llama-native/build/bin/llama-completion")
     a = ap.parse_args(argv)
     need_root("bench-pressure")
+    remove_stale_groups()
     for p in (a.nflash, a.balloon, a.llama):
         if not p.exists():
             die(f"{p} not found: run `make build` and scripts/bench_setup.sh", 2)
@@ -268,7 +256,7 @@ def main(argv) -> int:
             for engine in (list(cmds) if i % 2 == 0 else list(reversed(cmds))):
                 cmd, env = cmds[engine]
                 log(f"{q} {engine} run {i + 1}/{a.runs}")
-                r = run_once(a, engine, cmd, env, limit, f"{q}-{engine.replace('.', '')}-{i}")
+                r = run_once(a, engine, cmd, env, limit)
                 r["tokens"] = a.tokens
                 ok = r["exit"] == 0 and r["oom_kills"] == 0
                 row = {"outcome": "ok" if ok else ("oom-killed" if r["oom_kills"] or r["exit"] in (-9, 137)

@@ -825,10 +825,7 @@ pub unsafe extern "C" fn nflash_trim_memory_level(model: *const NflashModel, lev
     guard(|| {
         // SAFETY: null or a live model, per the caller.
         let m = unsafe { live(model) }?;
-        trim(m, |mem| match level {
-            ..=0 => u64::MAX,
-            _ => level_target(level, mem.floor_bytes(), mem.ceiling_bytes()),
-        });
+        trim(m, |mem| level_target(level, mem.floor_bytes(), mem.ceiling_bytes()));
         Ok(NflashStatus::Ok)
     })
 }
@@ -836,11 +833,7 @@ pub unsafe extern "C" fn nflash_trim_memory_level(model: *const NflashModel, lev
 /// Caps `m`'s neuron cache at the size `to` gives and resizes it there.
 fn trim(m: &NflashModel, to: impl FnOnce(&dyn MemoryControl) -> u64) {
     let Some(mem) = &m.memory else { return };
-    let bytes = to(mem.as_ref());
-    if let Some(w) = &m.watch {
-        w.set_cap(bytes);
-    }
-    apply_cap(mem.as_ref(), bytes);
+    apply_cap(mem.as_ref(), m.watch.as_ref(), to(mem.as_ref()));
 }
 
 /// Writes what `model`'s neuron cache holds, and its floor and ceiling,

@@ -294,13 +294,14 @@ pub mod trim_level {
 /// often it comes): `BACKGROUND` and above (`MODERATE` 60, `COMPLETE` 80)
 /// and `RUNNING_CRITICAL`: the floor (a process in the background is killed
 /// largest first); `UI_HIDDEN` and `RUNNING_LOW`: the floor and half of
-/// the rest; `RUNNING_MODERATE`: three quarters of the rest; 0 or below (not
-/// an Android level; the app is in the foreground again) and 1-4: the
-/// ceiling. Levels between take the next lower one's cap.
+/// the rest; `RUNNING_MODERATE`: three quarters of the rest; 1-4: the
+/// ceiling; 0 or below (not an Android level; the app is in the foreground
+/// again): `u64::MAX`, no cap. Levels between take the next lower one's cap.
 pub fn level_target(level: i32, floor: u64, ceiling: u64) -> u64 {
     use trim_level::*;
     let above = ceiling.saturating_sub(floor);
     match level {
+        ..=0 => u64::MAX,
         l if l >= BACKGROUND || (RUNNING_CRITICAL..UI_HIDDEN).contains(&l) => floor,
         l if l >= RUNNING_LOW => floor + above / 2,
         l if l >= RUNNING_MODERATE => floor + above / 4 * 3,
@@ -308,12 +309,16 @@ pub fn level_target(level: i32, floor: u64, ceiling: u64) -> u64 {
     }
 }
 
-/// Applies an app's cap of `cap` bytes to `mem`: what is above it goes at
-/// once; below it nothing is taken, except that lifting the cap
+/// Applies an app's cap of `cap` bytes to `mem` (and to `watch`, whose
+/// governor then never grows the cache above it): what is above it goes
+/// at once; below it nothing is taken, except that lifting the cap
 /// (`u64::MAX`, the app in the foreground again) grows back at once. The
 /// governor grows the cache up to the cap later, when memory allows.
 /// Returns what the cache holds after.
-pub fn apply_cap(mem: &dyn MemoryControl, cap: u64) -> u64 {
+pub fn apply_cap(mem: &dyn MemoryControl, watch: Option<&Watch>, cap: u64) -> u64 {
+    if let Some(w) = watch {
+        w.set_cap(cap);
+    }
     let held = mem.held_bytes();
     if cap == u64::MAX || cap < held {
         mem.resize(cap)
@@ -480,7 +485,7 @@ mod tests {
         let t = |l| level_target(l, 100, 500);
         assert_eq!([t(80), t(60), t(40), t(15), t(17)], [100; 5]);
         assert_eq!([t(20), t(10), t(12), t(39)], [300; 4]);
-        assert_eq!([t(5), t(1), t(0), t(-3)], [400, 500, 500, 500]);
+        assert_eq!([t(5), t(1), t(0), t(-3)], [400, 500, u64::MAX, u64::MAX]);
     }
 
     #[test]

@@ -132,10 +132,8 @@ def oom_kills(d: Path) -> int | None:
 def run_in_cgroup(cmd: list[str], limit: int | None, timeout: float) -> dict:
     """Drops the page cache, runs cmd inside a fresh memory cgroup (limited to
     `limit` bytes, or unlimited), returns exit status, peaks and outputs."""
-    d = _new_group()
+    d = new_group(limit)
     try:
-        if limit is not None:
-            _set_limit(d, limit)
         drop_caches()
         wrapped = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(d / "cgroup.procs"), *cmd]
         code, ru, so, se, wall = run_measured_ru(wrapped, timeout)
@@ -148,6 +146,16 @@ def run_in_cgroup(cmd: list[str], limit: int | None, timeout: float) -> dict:
                 **_group_figures(d)}
     finally:
         remove_group(d)
+
+
+def new_group(limit: int | None) -> Path:
+    """A fresh group, limited to `limit` bytes (memory and memory + swap)
+    unless None; remove it with remove_group (remove_stale_groups finds it
+    if this process dies first)."""
+    d = _new_group()
+    if limit is not None:
+        _set_limit(d, limit)
+    return d
 
 
 def _new_group() -> Path:

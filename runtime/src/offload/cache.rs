@@ -60,6 +60,21 @@ struct LayerLayout {
     x8_form: Option<(nflash_format::DType, usize, u64)>,
 }
 
+impl LayerLayout {
+    /// Where cluster `c` starts in the hot region, bytes (its hot copy, if it has one).
+    fn hot_at(&self, c: usize) -> usize {
+        self.hot_base + (self.clusters[c].offset - self.clusters[0].offset) as usize
+    }
+
+    /// Bytes clusters `..k` take in the hot region.
+    fn prefix_bytes(&self, k: usize) -> u64 {
+        match k {
+            0 => 0,
+            _ => self.clusters[k - 1].offset + self.clusters[k - 1].read as u64 - self.clusters[0].offset,
+        }
+    }
+}
+
 /// LRU bookkeeping of the cold region, touched only by the compute side.
 struct Lru {
     /// `[layer][cluster]` → slot, or [`NONE`].
@@ -472,7 +487,7 @@ impl NeuronCache {
             let c = c as usize;
             st.needed += 1;
             if c < hot {
-                table[c] = Loc::Hot(lay.hot_base + (lay.clusters[c].offset - lay.clusters[0].offset) as usize);
+                table[c] = Loc::Hot(lay.hot_at(c));
                 st.hot_hits += 1;
                 continue;
             }
@@ -836,7 +851,7 @@ impl MemoryControl for CacheMemory {
         if lru.in_pass {
             // Hot clusters wait for the next fetch; slots can go now, down
             // to what the hot clusters in memory leave cold.
-            let to = slots.max(core.min_slots_now());
+            let to = slots.max(core.min_slots(core.live_now()));
             let b = lru.shrink(&core.shared.slots, to);
             lru.counts.bytes_returned += b;
         } else {
@@ -844,8 +859,7 @@ impl MemoryControl for CacheMemory {
         }
         // One resize counts once, when it asks for less or more than held,
         // however many steps (now, at later fetches) it takes.
-        let wanted = core.cost(&lru.target_live)
-            + (slots.saturating_sub(core.min_slots(&lru.target_live)) * core.shared.slots.slot_bytes()) as u64;
+        let wanted = core.bytes(&lru.target_live, slots);
         lru.counts.budget_shrinks = shrinks + u64::from(wanted < before);
         lru.counts.budget_grows = grows + u64::from(wanted > before);
         core.held(&lru)
@@ -853,32 +867,35 @@ impl MemoryControl for CacheMemory {
 }
 
 impl Core {
-    /// Bytes of the first `k` hot clusters of `l` in the hot region.
-    fn hot_prefix(&self, l: usize, k: usize) -> u64 {
-        let c = &self.layers[l].clusters;
-        if k == 0 {
-            0
-        } else {
-            c[k - 1].offset + c[k - 1].read as u64 - c[0].offset
-        }
+    /// `[layer]` hot clusters in memory now.
+    fn live_now(&self) -> impl Iterator<Item = usize> + '_ {
+        self.live.iter().map(|k| k.load(Ordering::Relaxed))
     }
 
-    /// Cold slots a fetch needs with `live` hot clusters per layer (the
-    /// most cold clusters of one layer).
-    fn min_slots(&self, live: &[usize]) -> usize {
-        self.layers.iter().zip(live).map(|(l, &k)| l.clusters.len() - k).max().unwrap_or(0)
+    /// Hot-region bytes with `live` (`[layer]`) hot clusters.
+    fn hot_bytes(&self, live: impl IntoIterator<Item = usize>) -> u64 {
+        self.layers.iter().zip(live).map(|(l, k)| l.prefix_bytes(k)).sum()
+    }
+
+    /// Cold slots a fetch needs with `live` (`[layer]`) hot clusters: the
+    /// most cold clusters of one layer.
+    fn min_slots(&self, live: impl IntoIterator<Item = usize>) -> usize {
+        self.layers.iter().zip(live).map(|(l, k)| l.clusters.len() - k).max().unwrap_or(0)
+    }
+
+    /// Bytes held with `live` hot clusters per layer and `slots` cold slots.
+    fn bytes(&self, live: &[usize], slots: usize) -> u64 {
+        self.hot_bytes(live.iter().copied()) + (slots * self.shared.slots.slot_bytes()) as u64
     }
 
     /// Bytes held with `live` hot clusters per layer and the fewest slots.
     fn cost(&self, live: &[usize]) -> u64 {
-        let hot: u64 = live.iter().enumerate().map(|(l, &k)| self.hot_prefix(l, k)).sum();
-        hot + (self.min_slots(live) * self.shared.slots.slot_bytes()) as u64
+        self.bytes(live, self.min_slots(live.iter().copied()))
     }
 
     /// Bytes held now.
     fn held(&self, lru: &Lru) -> u64 {
-        let hot: u64 = (0..self.layers.len()).map(|l| self.hot_prefix(l, self.live[l].load(Ordering::Relaxed))).sum();
-        hot + (lru.n_on * self.shared.slots.slot_bytes()) as u64
+        self.hot_bytes(self.live_now()) + (lru.n_on * self.shared.slots.slot_bytes()) as u64
     }
 
     /// Hot clusters per layer and cold slots for holding at most `bytes`
@@ -890,9 +907,9 @@ impl Core {
         let slot = self.shared.slots.slot_bytes() as u64;
         let cap = self.shared.slots.len();
         let slots_for = |live: &[usize]| -> usize {
-            let hot = self.cost(live) - (self.min_slots(live) as u64 * slot);
-            let k = bytes.saturating_sub(hot).checked_div(slot).unwrap_or(0);
-            (k.min(self.planned_slots.max(self.min_slots(live)) as u64) as usize).max(self.min_slots(live)).min(cap)
+            let need = self.min_slots(live.iter().copied());
+            let k = bytes.saturating_sub(self.hot_bytes(live.iter().copied())).checked_div(slot).unwrap_or(0);
+            (k.min(self.planned_slots.max(need) as u64) as usize).max(need).min(cap)
         };
         if self.cost(&full) <= bytes {
             let n = slots_for(&full);
@@ -911,15 +928,16 @@ impl Core {
             return;
         }
         // Slots first: the hot clusters given back are cold from now on.
-        let need = self.min_slots(&lru.target_live);
+        let need = self.min_slots(lru.target_live.iter().copied());
         if lru.n_on < need {
             lru.grow(need);
         }
         for l in 0..self.layers.len() {
             let (t, k) = (lru.target_live[l], self.live[l].load(Ordering::Relaxed));
             if t < k {
-                let base = self.layers[l].hot_base as u64;
-                let (from, to) = (base + self.hot_prefix(l, t), base + self.hot_prefix(l, k));
+                let lay = &self.layers[l];
+                let base = lay.hot_base as u64;
+                let (from, to) = (base + lay.prefix_bytes(t), base + lay.prefix_bytes(k));
                 self.live[l].store(t, Ordering::Relaxed);
                 // SAFETY: clusters t..k of `l` are not hot any more (`live`
                 // is t), so no later fetch hands out a location in this
@@ -938,7 +956,7 @@ impl Core {
                 }
             }
         }
-        let to = lru.target.max(self.min_slots_now());
+        let to = lru.target.max(self.min_slots(self.live_now()));
         if lru.n_on > to {
             let b = lru.shrink(&self.shared.slots, to);
             lru.counts.bytes_returned += b;
@@ -949,11 +967,6 @@ impl Core {
         }
     }
 
-    /// [`Self::min_slots`] of the hot clusters in memory now.
-    fn min_slots_now(&self) -> usize {
-        self.layers.iter().zip(&self.live).map(|(l, k)| l.clusters.len() - k.load(Ordering::Relaxed)).max().unwrap_or(0)
-    }
-
     /// Reads hot clusters `k..t` of layer `l` back into the hot region
     /// (one read), checks them and puts them in the ×8 layout where the
     /// layer's other hot clusters are.
@@ -962,31 +975,17 @@ impl Core {
     /// A read error or a damaged cluster.
     fn promote(&self, l: usize, k: usize, t: usize) -> Result<()> {
         let lay = &self.layers[l];
-        let (first, last) = (lay.clusters[k], lay.clusters[t - 1]);
-        let at = lay.hot_base + (first.offset - lay.clusters[0].offset) as usize;
-        let len = (last.offset + last.read as u64 - first.offset) as usize;
+        let at = lay.hot_at(k);
+        let len = (lay.prefix_bytes(t) - lay.prefix_bytes(k)) as usize;
         // SAFETY (the contract of `fill`): clusters k..t of `l` are not
         // hot now (`live` is k), so no fetch hands out a location in this
         // range and nobody reads it; `apply` runs under the LRU's lock,
         // alone, between layer calls.
         unsafe {
             self.hot.fill(at, len, |buf| {
-                self.shared.flash.read_into(first.offset, &mut [buf], last.offset + last.need as u64 - first.offset)?;
-                for c in k..t {
-                    let span = lay.clusters[c];
-                    let off = (span.offset - first.offset) as usize;
-                    let bytes = &mut buf[off..off + span.need as usize];
-                    if let Some(&want) = lay.crcs.get(c) {
-                        let got = nflash_format::checksums::cluster_crc32c(bytes);
-                        if got != want {
-                            return Err(damaged(&self.path, lay, c, got));
-                        }
-                    }
-                    if let Some((dt, cols, bundle)) = lay.x8_form {
-                        let n = (span.need as u64 / bundle) as usize;
-                        nflash_format::interleave::interleave_bundles(dt, cols, n, bytes, &mut Vec::new());
-                    }
-                }
+                read_clusters(&self.shared.flash, lay, k..t, buf)?;
+                check_clusters(&self.path, lay, k..t, buf)?;
+                interleave_clusters(lay, k..t, buf, &mut Vec::new());
                 Ok(())
             })
         }
@@ -1028,11 +1027,6 @@ fn layouts(
             })
             .collect::<Result<Vec<ClusterSpan>>>()?;
         let hot = hot_clusters(f, hot_n);
-        let hot_len = if hot == 0 {
-            0
-        } else {
-            (clusters[hot - 1].offset + clusters[hot - 1].read as u64 - clusters[0].offset) as usize
-        };
         // Read ahead the clusters needed by most tokens (PREFETCH_MIN_P).
         let p = nflash_plan::cost::neuron_need_probability(m.sparse.as_ref(), f.sparse.as_ref(), f.n_neurons as usize);
         let prefetch = f
@@ -1044,8 +1038,9 @@ fn layouts(
             })
             .collect();
         let label = m.config.unit_label(u);
-        layers.push(LayerLayout { label, clusters, crcs, hot, prefetch, hot_base: hot_total, x8: 0, x8_form: None });
-        hot_total += hot_len;
+        let l = LayerLayout { label, clusters, crcs, hot, prefetch, hot_base: hot_total, x8: 0, x8_form: None };
+        hot_total += l.prefix_bytes(hot) as usize;
+        layers.push(l);
     }
     Ok((layers, hot_total))
 }
@@ -1065,19 +1060,28 @@ fn cold_slots(layers: &[LayerLayout], cold_bytes: u64) -> (usize, u64) {
 }
 
 /// Reads every layer's hot prefix into `hot` (laid out as [`layouts`] says).
-/// Each prefix is one contiguous file range, read in 8 MiB pieces.
 fn read_hot(flash: &FlashFile, layers: &[LayerLayout], hot: &mut [u8]) -> Result<()> {
     for l in layers.iter().filter(|l| l.hot > 0) {
-        let last = l.clusters[l.hot - 1];
-        let (start, end) = (l.clusters[0].offset, last.offset + last.read as u64);
-        let need_end = last.offset + last.need as u64;
-        let mut at = start;
-        while at < end {
-            let n = (end - at).min(8 << 20);
-            let off = l.hot_base + (at - start) as usize;
-            flash.read_into(at, &mut [&mut hot[off..off + n as usize]], need_end.saturating_sub(at).min(n))?;
-            at += n;
-        }
+        read_clusters(flash, l, 0..l.hot, &mut hot[l.hot_base..])?;
+    }
+    Ok(())
+}
+
+/// Reads clusters `r` of `l`, one contiguous file range, into `buf` (laid
+/// out as in the hot region, from cluster `r.start`), in 8 MiB pieces.
+///
+/// # Errors
+/// As [`FlashFile::read_into`].
+fn read_clusters(flash: &FlashFile, l: &LayerLayout, r: std::ops::Range<usize>, buf: &mut [u8]) -> Result<()> {
+    let last = l.clusters[r.end - 1];
+    let (start, end) = (l.clusters[r.start].offset, last.offset + last.read as u64);
+    let need_end = last.offset + last.need as u64;
+    let mut at = start;
+    while at < end {
+        let n = (end - at).min(8 << 20);
+        let off = (at - start) as usize;
+        flash.read_into(at, &mut [&mut buf[off..off + n as usize]], need_end.saturating_sub(at).min(n))?;
+        at += n;
     }
     Ok(())
 }
@@ -1087,16 +1091,25 @@ fn read_hot(flash: &FlashFile, layers: &[LayerLayout], hot: &mut [u8]) -> Result
 /// Layers are checked in parallel on the compute threads.
 fn check_hot(path: &std::path::Path, layers: &[LayerLayout], hot: &[u8]) -> Result<()> {
     use rayon::prelude::*;
-    layers.par_iter().try_for_each(|l| {
-        for (c, (span, &want)) in l.clusters[..l.hot].iter().zip(&l.crcs).enumerate() {
-            let at = l.hot_base + (span.offset - l.clusters[0].offset) as usize;
-            let got = nflash_format::checksums::cluster_crc32c(&hot[at..at + span.need as usize]);
-            if got != want {
-                return Err(damaged(path, l, c, got));
-            }
+    layers.par_iter().try_for_each(|l| check_clusters(path, l, 0..l.hot, &hot[l.hot_base..]))
+}
+
+/// Checks clusters `r` of `l` in `buf` (laid out as in the hot region, from
+/// cluster `r.start`, in the file's row layout) against their CRC-32C,
+/// where the pack has them.
+///
+/// # Errors
+/// [`nflash_format::Error::ClusterChecksum`] (as [`Error::Format`]) for the first damaged one.
+fn check_clusters(path: &std::path::Path, l: &LayerLayout, r: std::ops::Range<usize>, buf: &[u8]) -> Result<()> {
+    let base = l.hot_at(r.start);
+    for c in r.filter(|&c| c < l.crcs.len()) {
+        let at = l.hot_at(c) - base;
+        let got = nflash_format::checksums::cluster_crc32c(&buf[at..at + l.clusters[c].need as usize]);
+        if got != l.crcs[c] {
+            return Err(damaged(path, l, c, got));
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
 /// The error for cluster `c` of layer `l` of the pack at `path`, read with CRC-32C `computed`.
@@ -1124,13 +1137,22 @@ fn interleave_hot(pack: &Pack, layers: &mut [LayerLayout], hot: &mut [u8]) {
         if l.hot == 0 || !nflash_format::interleave::can_interleave(dt, 8, cols) {
             continue;
         }
-        for (c, span) in f.clusters.iter().zip(&l.clusters).take(l.hot) {
-            let at = l.hot_base + (span.offset - l.clusters[0].offset) as usize;
-            let bytes = &mut hot[at..at + span.need as usize];
-            nflash_format::interleave::interleave_bundles(dt, cols as usize, c.n_neurons as usize, bytes, &mut scratch);
-        }
-        l.x8 = l.hot;
         l.x8_form = Some((dt, cols as usize, f.bundle.bundle_bytes));
+        interleave_clusters(l, 0..l.hot, &mut hot[l.hot_base..], &mut scratch);
+        l.x8 = l.hot;
+    }
+}
+
+/// Puts clusters `r` of `l` in `buf` (laid out as in the hot region, from
+/// cluster `r.start`) into the ×8 layout of the layer's hot clusters; a
+/// no-op for a layer whose hot clusters keep the row layout.
+fn interleave_clusters(l: &LayerLayout, r: std::ops::Range<usize>, buf: &mut [u8], scratch: &mut Vec<u8>) {
+    let Some((dt, cols, bundle)) = l.x8_form else { return };
+    let base = l.hot_at(r.start);
+    for c in r {
+        let (at, need) = (l.hot_at(c) - base, l.clusters[c].need as usize);
+        let n = (need as u64 / bundle) as usize;
+        nflash_format::interleave::interleave_bundles(dt, cols, n, &mut buf[at..at + need], scratch);
     }
 }
 

@@ -850,7 +850,6 @@ async fn trim_memory(State(s): State<Arc<Shared>>, req: Request) -> Response {
             None => return ApiError::bad("bytes must be a whole number of bytes from 0 to 2^64 - 1").into_response(),
         },
         (None, Some(l)) => match l.as_i64().and_then(|l| i32::try_from(l).ok()) {
-            Some(l) if l <= 0 => u64::MAX,
             Some(l) => nflash_runtime::pressure::level_target(l, mem.floor_bytes(), mem.ceiling_bytes()),
             None => {
                 return ApiError::bad(
@@ -861,10 +860,7 @@ async fn trim_memory(State(s): State<Arc<Shared>>, req: Request) -> Response {
         },
         _ => return ApiError::bad("give one of bytes (a cap, 0: the floor) or level (onTrimMemory's)").into_response(),
     };
-    if let Some(w) = &s.watch {
-        w.set_cap(cap);
-    }
-    nflash_runtime::pressure::apply_cap(mem.as_ref(), cap);
+    nflash_runtime::pressure::apply_cap(mem.as_ref(), s.watch.as_ref(), cap);
     axum::Json(memory_json(&s)).into_response()
 }
 
