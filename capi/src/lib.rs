@@ -478,8 +478,10 @@ pub unsafe extern "C" fn nflash_open(
         }
         let pool = nflash_runtime::cpu::compute_pool((o.threads > 0).then_some(o.threads as usize))?;
         let pack = placement::open_pack(Path::new(path), o.verify == 1, o.verify != 2)?;
+        let reserve = if o.memory_reserve_bytes > 0 { o.memory_reserve_bytes } else { 32 << 20 };
         let mem = MemoryOptions {
             memory_budget: (o.memory_budget_bytes > 0).then_some(o.memory_budget_bytes),
+            reserve: Some(reserve),
             ..Default::default()
         };
         let ctx = placement::context_len(&pack, (o.ctx > 0).then_some(o.ctx as usize))?;
@@ -493,9 +495,11 @@ pub unsafe extern "C" fn nflash_open(
         })?;
         let defaults = loaded.with_dependent(|_, r| pack_params(&r.engine));
         let memory = loaded.with_dependent(|_, r| r.engine.model.memory_control());
-        let reserve = if o.memory_reserve_bytes > 0 { o.memory_reserve_bytes } else { 32 << 20 };
+        let budget = loaded.with_dependent(|_, r| r.budget);
         let watch = memory.clone().and_then(|m| {
-            Watch::start(Signals::detect(), Governor::new(reserve, m.floor_bytes(), m.ceiling_bytes()), m).ok()
+            let mut gov = Governor::new(reserve, m.floor_bytes(), m.ceiling_bytes());
+            gov.budget = budget;
+            Watch::start(Signals::detect(), gov, m).ok()
         });
         let model = NflashModel {
             watch,

@@ -213,6 +213,13 @@ pub struct CacheConfig {
     /// is read and before it is used: hot clusters at load, cold ones on the
     /// I/O threads. No effect on packs without checksums (before 3.4).
     pub verify: bool,
+    /// Neuron-cache bytes (hot and cold regions) to hold at load; `None`:
+    /// all of it. Below the regions above, the cache opens as a resize to
+    /// this size would leave it (cold slots first, then the same share of
+    /// each layer's least active hot clusters), reads only the hot clusters
+    /// it keeps, and can grow to the full regions later (`nflash run
+    /// --memory-budget auto`, or a budget above the memory available at start).
+    pub start_bytes: Option<u64>,
 }
 
 /// How the runtime issues neuron-cluster reads.
@@ -253,6 +260,7 @@ impl CacheConfig {
             io_threads: 1,
             io_engine: IoEngine::Auto,
             verify: true,
+            start_bytes: None,
         }
     }
 
@@ -264,6 +272,7 @@ impl CacheConfig {
             io_threads: p.io_threads as usize,
             io_engine: IoEngine::Auto,
             verify: true,
+            start_bytes: None,
         }
     }
 }

@@ -157,6 +157,13 @@ pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footpri
     FixedRegion { resident, kv, scratch, runtime }
 }
 
+/// The least neuron cache a run of `m` can hold, bytes: one FFN unit's
+/// clusters (the largest), which stage its reads when nothing is hot. With
+/// the fixed region it is a plan's minimum budget.
+pub fn staging_bytes(m: &Manifest) -> u64 {
+    m.ffn.iter().map(|f| f.clusters.iter().map(|c| cluster_read_bytes(f, c)).sum::<u64>()).max().unwrap_or(0)
+}
+
 /// Chooses the neuron-cluster size for a layer of `n_neurons` bundles of
 /// `bundle_bytes`, whose neurons are needed with probabilities `p` (packed
 /// order): the size among 4 KiB … 512 KiB that minimises the expected decode
@@ -184,8 +191,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
     let fixed = fixed_region(m, req.ctx, req.kv, req.measured);
     let budget = req.budget_bytes;
     // The minimum: the fixed region and one layer's FFN clusters, which stage reads.
-    let max_layer: u64 =
-        m.ffn.iter().map(|f| f.clusters.iter().map(|c| cluster_read_bytes(f, c)).sum::<u64>()).max().unwrap_or(0);
+    let max_layer = staging_bytes(m);
     let need = fixed.total() + max_layer;
     if need > budget {
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;

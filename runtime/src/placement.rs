@@ -20,8 +20,20 @@ const DEFAULT_PROFILE: &str = include_str!("../../profiles/dev-host.toml");
 #[derive(Debug, Clone, Default)]
 pub struct MemoryOptions {
     /// `--memory-budget`: whole-process budget, bytes; `None`: the pack's
-    /// plan's, or everything in memory.
+    /// plan's, or everything in memory. With `auto`, the `--memory-max`.
     pub memory_budget: Option<u64>,
+    /// `--memory-budget auto`: the budget follows the memory available. The
+    /// plan is made for `memory_budget` (`--memory-max`) or, without one,
+    /// for a budget that holds the whole model in memory (the stored plan's
+    /// budget is not used), and the neuron cache starts at what the memory available at
+    /// load leaves ([`Self::reserve`]); a start short of the minimum is an error.
+    pub auto: bool,
+    /// `--memory-reserve`: bytes kept free for other apps
+    /// ([`crate::pressure::Reading::margin`]). The neuron cache starts no
+    /// larger than what the memory available at load, less this, leaves
+    /// beside the fixed region (it grows later, as the governor allows);
+    /// `None`: it starts as planned.
+    pub reserve: Option<u64>,
     /// `--device`: the profile to plan with; `None`: the pack's plan's
     /// device, else the built-in dev-host profile.
     pub device: Option<DeviceProfile>,
@@ -60,7 +72,16 @@ pub fn resolve(
 ) -> Result<(CacheConfig, Option<Plan>)> {
     let m = pack.manifest();
     let stored = m.plan.as_ref();
-    let budget = o.memory_budget.or(stored.map(|p| p.memory_budget_bytes));
+    let budget = if o.auto {
+        // Up to --memory-max, or the whole model in memory.
+        Some(o.memory_budget.unwrap_or_else(|| {
+            let all: Vec<u32> = m.ffn.iter().map(|f| f.n_neurons).collect();
+            let fixed = planner::fixed_region(m, ctx as u32, o.kv, measured).total();
+            fixed + planner::hot_region_bytes(m, &all).max(planner::staging_bytes(m))
+        }))
+    } else {
+        o.memory_budget.or(stored.map(|p| p.memory_budget_bytes))
+    };
     let plan = match (budget, stored) {
         (None, _) => None,
         // The stored plan as is, when nothing it depends on changed.
@@ -197,11 +218,77 @@ pub fn load_engine<'p>(
         let footprint =
             crate::stats::rss_bytes().map(|rss| Footprint { rss, peak: crate::stats::peak_rss_bytes().unwrap_or(rss) });
         let (cache, p) = resolve(pack, o, ctx, rayon::current_num_threads(), footprint)?;
+        let start_bytes = start_bytes(pack, o, ctx, &cache, p.as_ref(), footprint)?;
         plan = p;
-        Ok(CacheConfig { verify, ..cache })
+        Ok(CacheConfig { verify, start_bytes, ..cache })
     })?;
     engine.model.set_kv_type(o.kv);
     Ok((engine, plan))
+}
+
+/// Neuron-cache bytes (hot and cold regions) to hold at load, for
+/// [`CacheConfig::start_bytes`]: `None` (all of `cache`) where the memory
+/// available now, less `o.reserve` ([`crate::pressure::Reading::margin`],
+/// with the plan's budget), holds the fixed region and all of it, or
+/// without a reserve, a footprint or any signal; else what it leaves (at
+/// least the cache's minimum, one layer's clusters), with a note. `ctx`:
+/// tokens; `plan`: the one `cache` came from; `measured`: the process now.
+///
+/// # Errors
+/// [`Error::Budget`] with `o.auto` when the memory available does not hold
+/// the fixed region and the cache's minimum.
+fn start_bytes(
+    pack: &Pack,
+    o: &MemoryOptions,
+    ctx: usize,
+    cache: &CacheConfig,
+    plan: Option<&Plan>,
+    measured: Option<Footprint>,
+) -> Result<Option<u64>> {
+    let (Some(reserve), Some(f)) = (o.reserve, measured) else { return Ok(None) };
+    // A budget given (not auto's ceiling) may fill a cgroup's limit.
+    let budget = plan.map(|p| p.memory_budget_bytes).filter(|_| !o.auto);
+    let Some((margin, _)) = crate::pressure::Signals::detect().read().margin(reserve, budget) else {
+        return Ok(None);
+    };
+    let m = pack.manifest();
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let fixed = plan.map_or_else(|| planner::fixed_region(m, ctx as u32, o.kv, measured).total(), |p| p.fixed_bytes);
+    // The process may hold what it holds now and what is above the reserve.
+    let total = (f.rss.min(i64::MAX as u64) as i64).saturating_add(margin).max(0) as u64;
+    let full = planner::hot_region_bytes(m, &cache.hot_neurons).saturating_add(cache.cold_bytes);
+    let least = planner::staging_bytes(m);
+    if total >= fixed.saturating_add(full) {
+        if o.auto {
+            crate::message!("memory budget auto: the whole neuron cache fits ({:.1} MiB)", mib(full));
+        }
+        return Ok(None);
+    }
+    if total < fixed.saturating_add(least) {
+        let msg = format!(
+            "the memory available now less --memory-reserve ({:.1} MiB) leaves {:.1} MiB for this process, short of its minimum {:.1} MiB (fixed region {:.1} MiB and one layer's neuron clusters {:.1} MiB)",
+            mib(reserve),
+            mib(total),
+            mib(fixed + least),
+            mib(fixed),
+            mib(least)
+        );
+        if o.auto {
+            return Err(Error::Budget(format!(
+                "--memory-budget auto: {msg}; free memory, lower --ctx or --memory-reserve, or give a --memory-budget"
+            )));
+        }
+        crate::message!("warning: {msg}: the neuron cache starts at its minimum and the system may stop this process");
+        return Ok(Some(0));
+    }
+    let start = total - fixed;
+    crate::message!(
+        "note: the neuron cache starts at {:.1} MiB of its {:.1} MiB: that is what the memory available now leaves, less --memory-reserve ({:.1} MiB); it grows when memory is free",
+        mib(start),
+        mib(full),
+        mib(reserve)
+    );
+    Ok(Some(start))
 }
 
 /// The context length (KV cache tokens) to run `pack` with: `requested`,

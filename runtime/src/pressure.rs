@@ -44,10 +44,35 @@ pub struct Reading {
     /// `memory.limit_in_bytes`) less the usage, not counting inactive file
     /// pages; negative when over. `None` without a limited memory cgroup.
     pub cgroup_room: Option<i64>,
+    /// The cgroup's limit that `cgroup_room` is measured against, bytes.
+    pub cgroup_limit: Option<u64>,
     /// `MemAvailable`, bytes.
     pub available: Option<u64>,
     /// PSI `some` total stall time, microseconds (cumulative).
     pub stall_us: Option<u64>,
+}
+
+impl Reading {
+    /// `(bytes above its reserve, that reserve)` of the signal with the
+    /// least room above its own reserve, negative when short; `None` when
+    /// neither the cgroup's room nor `MemAvailable` is known. `MemAvailable`
+    /// keeps `reserve`; the cgroup keeps `reserve` too, or only the gap
+    /// between its limit and the process's `budget` where that is smaller
+    /// (see [`Governor::budget`]).
+    pub fn margin(&self, reserve: u64, budget: Option<u64>) -> Option<(i64, i64)> {
+        let reserve = reserve.min(1 << 60) as i64;
+        let cgroup_reserve = match (budget, self.cgroup_limit) {
+            (Some(b), Some(l)) => (l.saturating_sub(b) as i64).min(reserve),
+            _ => reserve,
+        };
+        [
+            self.cgroup_room.map(|x| (x.saturating_sub(cgroup_reserve), cgroup_reserve)),
+            self.available.map(|a| ((a.min(i64::MAX as u64) as i64).saturating_sub(reserve), reserve)),
+        ]
+        .into_iter()
+        .flatten()
+        .min_by_key(|m| m.0)
+    }
 }
 
 /// Where the signals of this process are read ([`Signals::detect`]).
@@ -103,21 +128,22 @@ impl Signals {
     /// Reads every signal (a missing or unreadable one is `None`).
     pub fn read(&self) -> Reading {
         let read = |p: &Path| std::fs::read_to_string(p).ok();
+        let mut cgroup_limit = None;
         let cgroup_room = self.cgroup.as_ref().and_then(|(dir, v2)| {
             let f = |name: &str| read(&dir.join(name));
-            if *v2 {
-                cgroup_room_v2(
-                    f("memory.max")?.as_str(),
-                    f("memory.high").as_deref(),
-                    &f("memory.current")?,
-                    &f("memory.stat")?,
-                )
+            let (max, high) =
+                if *v2 { (f("memory.max")?, f("memory.high")) } else { (f("memory.limit_in_bytes")?, None) };
+            let room = if *v2 {
+                cgroup_room_v2(&max, high.as_deref(), &f("memory.current")?, &f("memory.stat")?)
             } else {
-                cgroup_room_v1(&f("memory.limit_in_bytes")?, &f("memory.usage_in_bytes")?, &f("memory.stat")?)
-            }
+                cgroup_room_v1(&max, &f("memory.usage_in_bytes")?, &f("memory.stat")?)
+            };
+            cgroup_limit = room.and(cgroup_limit_of(&max, high.as_deref()));
+            room
         });
         Reading {
             cgroup_room,
+            cgroup_limit,
             available: self.meminfo.as_deref().and_then(read).and_then(|s| mem_available(&s)),
             stall_us: self.psi.as_deref().and_then(read).and_then(|s| psi_some_total(&s)),
         }
@@ -180,13 +206,17 @@ fn stat_field(stat: &str, key: &str) -> u64 {
 /// Cgroup v2 room (see [`Reading::cgroup_room`]): `max` and `high` are a
 /// byte count or `max`; `stat` gives `inactive_file`.
 pub fn cgroup_room_v2(max: &str, high: Option<&str>, current: &str, stat: &str) -> Option<i64> {
-    let limit = |s: &str| -> Option<u64> { s.trim().parse().ok() };
-    let lim = match (limit(max), high.and_then(limit)) {
-        (Some(a), Some(b)) => a.min(b),
-        (a, b) => a.or(b)?,
-    };
+    let lim = cgroup_limit_of(max, high)?;
     let used = current.trim().parse::<u64>().ok()?.saturating_sub(stat_field(stat, "inactive_file"));
     Some(lim as i64 - used as i64)
+}
+
+/// A cgroup's memory limit, bytes: the lower of `max` and `high` (v2
+/// `memory.max` and `memory.high`, v1 `memory.limit_in_bytes` and none),
+/// each a byte count or `max`.
+pub fn cgroup_limit_of(max: &str, high: Option<&str>) -> Option<u64> {
+    let limit = |s: &str| -> Option<u64> { s.trim().parse().ok() };
+    [limit(max), high.and_then(limit)].into_iter().flatten().min()
 }
 
 /// Cgroup v1 room (see [`Reading::cgroup_room`]); a limit of 2^62 or more
@@ -227,6 +257,12 @@ pub struct Governor {
     pub ceiling: u64,
     /// The least it can hold.
     pub floor: u64,
+    /// The whole process's memory budget (a numeric `--memory-budget`),
+    /// bytes. In a memory cgroup whose limit leaves less than the reserve
+    /// above it, the cgroup's reserve is that gap: the process may fill
+    /// the budget it was given (down to none when the budget is the
+    /// limit), and still gives back what other processes in the cgroup take.
+    pub budget: Option<u64>,
     last_pressure: Option<Instant>,
     last_stall: Option<u64>,
 }
@@ -236,38 +272,38 @@ impl Governor {
     pub fn new(reserve: u64, floor: u64, ceiling: u64) -> Self {
         // Past 2^60 bytes every reserve means "always short" (the room is
         // compared in i64, twice the reserve included).
-        Governor { reserve: reserve.min(1 << 60), ceiling, floor, last_pressure: None, last_stall: None }
+        Governor { reserve: reserve.min(1 << 60), ceiling, floor, budget: None, last_pressure: None, last_stall: None }
     }
 
     /// The cache size to move to, given a reading at `now` and what the
     /// cache `held`; `None` to stay. Memory is short when the cgroup's
-    /// room or `MemAvailable` is below the reserve (give back the
-    /// shortfall and half the reserve more), or when PSI shows stalls
-    /// while the room is below twice the reserve (give back a quarter of
-    /// what is above the floor). With room to spare for [`CALM`] since the
-    /// last shortage, take half the spare room above twice the reserve.
+    /// room is below its reserve (the reserve, or less with a [`Self::budget`])
+    /// or `MemAvailable` below the reserve (give back the shortfall and
+    /// half that reserve more), or when PSI shows stalls while the room is
+    /// below twice its reserve (give back a quarter of what is above the
+    /// floor). With room to spare for [`CALM`] since the last shortage,
+    /// take half the spare room above twice the reserve.
     pub fn decide(&mut self, r: &Reading, held: u64, now: Instant) -> Option<u64> {
-        let room = [r.cgroup_room, r.available.map(|a| a.min(i64::MAX as u64) as i64)].into_iter().flatten().min();
         let stalled = match (r.stall_us, self.last_stall.replace(r.stall_us.unwrap_or(0))) {
             (Some(now), Some(before)) => now.saturating_sub(before) > STALL_US,
             _ => false,
         };
-        let reserve = self.reserve as i64;
-        let short = room.is_some_and(|x| x < reserve);
-        let tight = room.is_none_or(|x| x < 2 * reserve);
+        let margin = r.margin(self.reserve, self.budget);
+        let short = margin.is_some_and(|(m, _)| m < 0);
+        let tight = margin.is_none_or(|(m, r)| m < r);
         if short || (stalled && tight) {
             self.last_pressure = Some(now);
-            let target = match room {
-                Some(x) if x < reserve => held.saturating_sub((reserve - x + reserve / 2) as u64),
+            let target = match margin {
+                Some((m, r)) if m < 0 => held.saturating_sub(m.unsigned_abs().saturating_add((r / 2) as u64)),
                 _ => held - held.saturating_sub(self.floor) / 4,
             };
             let target = target.max(self.floor);
             return (target < held).then_some(target);
         }
         let calm = self.last_pressure.is_none_or(|t| now.duration_since(t) >= CALM);
-        match room {
-            Some(x) if calm && held < self.ceiling && x > 2 * reserve => {
-                Some((held + ((x - 2 * reserve) / 2) as u64).min(self.ceiling))
+        match margin {
+            Some((m, r)) if calm && held < self.ceiling && m > r => {
+                Some((held + ((m - r) / 2) as u64).min(self.ceiling))
             }
             _ => None,
         }
@@ -476,8 +512,35 @@ mod tests {
         assert_eq!(g.decide(&cg(104), 100 * MIB, at(2200)), Some(120 * MIB));
         assert_eq!(g.decide(&cg(1000), 120 * MIB, at(2250)), Some(200 * MIB));
         // MemAvailable counts too, the lower of the two.
-        let both = Reading { cgroup_room: Some(1 << 40), available: Some(16 * MIB), stall_us: None };
+        let both = Reading { cgroup_room: Some(1 << 40), available: Some(16 * MIB), ..Default::default() };
         assert_eq!(g.decide(&both, 200 * MIB, at(2300)), Some(168 * MIB));
+    }
+
+    /// bench-offload runs with the budget at the cgroup's limit: the cache
+    /// fills the budget, and gives back only what others take.
+    #[test]
+    fn a_budget_near_the_cgroup_limit_keeps_only_the_gap_as_reserve() {
+        let t0 = Instant::now();
+        let cg = |room_mib: i64, limit_mib: u64| Reading {
+            cgroup_room: Some(room_mib * MIB as i64),
+            cgroup_limit: Some(limit_mib * MIB),
+            ..Default::default()
+        };
+        let mut g = Governor::new(32 * MIB, 10 * MIB, 60 * MIB);
+        g.budget = Some(113 * MIB);
+        // Alone at its budget in a 113 MiB group, 12 MiB of room: stay.
+        assert_eq!(g.decide(&cg(12, 113), 60 * MIB, t0), None);
+        // Someone else took 20 MiB of it: give back the shortfall.
+        assert_eq!(g.decide(&cg(-8, 113), 60 * MIB, t0), Some(52 * MIB));
+        // 10 MiB above the budget: that gap is the reserve (and half again is given back).
+        g.budget = Some(103 * MIB);
+        assert_eq!(g.decide(&cg(12, 113), 60 * MIB, t0), None);
+        assert_eq!(g.decide(&cg(4, 113), 60 * MIB, t0), Some(49 * MIB));
+        // No budget, or one far below the limit: the whole reserve.
+        for b in [None, Some(10 * MIB)] {
+            g.budget = b;
+            assert_eq!(g.decide(&cg(12, 113), 60 * MIB, t0), Some(24 * MIB));
+        }
     }
 
     #[test]
@@ -492,7 +555,8 @@ mod tests {
     fn psi_stalls_shrink_only_when_room_is_tight() {
         let t0 = Instant::now();
         let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
-        let r = |stall: u64, room: Option<u64>| Reading { cgroup_room: None, available: room, stall_us: Some(stall) };
+        let r =
+            |stall: u64, room: Option<u64>| Reading { available: room, stall_us: Some(stall), ..Default::default() };
         assert_eq!(g.decide(&r(1000, Some(40 * MIB)), 200 * MIB, t0), None, "the first reading sets the baseline");
         // 10 ms stalled within a poll, 40 MiB available (below twice the reserve): a quarter above the floor goes.
         assert_eq!(g.decide(&r(11_000, Some(40 * MIB)), 200 * MIB, t0), Some(175 * MIB));

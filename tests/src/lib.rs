@@ -785,6 +785,7 @@ pub fn placements(pack: &Path) -> Vec<(&'static str, CacheConfig)> {
         io_threads: io,
         io_engine: Default::default(),
         verify: true,
+        start_bytes: None,
     };
     vec![
         ("whole FFN in memory", all),

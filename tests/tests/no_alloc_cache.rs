@@ -60,6 +60,7 @@ fn fetching_cold_clusters_through_the_cache_does_not_allocate_per_token_alone() 
             io_threads: 2,
             io_engine: Default::default(),
             verify: true,
+            start_bytes: None,
         },
     )
     .unwrap();

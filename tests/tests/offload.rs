@@ -123,6 +123,7 @@ fn a_pack_shrunk_while_running_gives_an_error_not_a_crash() {
         io_threads: 1,
         io_engine: Default::default(),
         verify: true,
+        start_bytes: None,
     };
     let model = nflash_runtime::load_model(&p, &cfg).unwrap();
     let mut kv = model.new_kv_cache(16);
@@ -153,7 +154,15 @@ fn budgets_below_the_fixed_region_or_the_kv_cache_are_refused_up_front() {
     );
     assert_fails("KV cache larger than the budget", &o, &["KV cache at ctx 400000", "short", "or lower --ctx to"]);
     let o = run("nflash", &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "lots"]);
-    assert_fails("unparsable budget", &o, &["--memory-budget", "96MiB"]);
+    assert_fails("unparsable budget", &o, &["--memory-budget", "96MiB", "or auto"]);
+    let base = ["run", "--model", m, "--prompt", "a b", "--max-tokens", "2"];
+    let o = run("nflash", &[&base[..], &["--memory-budget", "64MiB", "--memory-max", "80MiB"]].concat());
+    assert_fails("--memory-max with a size", &o, &["--memory-max goes with --memory-budget auto"]);
+    let o = run("nflash", &[&base[..], &["--memory-budget", "auto", "--memory-reserve", "1000TiB"]].concat());
+    assert_fails("auto with no room", &o, &["--memory-budget auto", "--memory-reserve", "short of its minimum"]);
+    let o = run("nflash", &[&base[..], &["--memory-budget", "auto", "--memory-max", "64MiB", "--stats"]].concat());
+    assert!(o.status.success(), "auto up to 64MiB: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("at 64.0 MiB"), "{}", String::from_utf8_lossy(&o.stderr));
     let o = run(
         "nflash",
         &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "64MiB", "--ctx", "64"],
@@ -535,6 +544,7 @@ fn reads_started_ahead_keep_the_current_fetch_and_are_not_read_twice() {
             io_threads: 2,
             io_engine: Default::default(),
             verify: true,
+            start_bytes: None,
         };
         NeuronCache::open(&pack, &cfg).unwrap()
     };
@@ -634,6 +644,21 @@ fn assert_squeezes_change_no_logit(path: &Path, cfg: &CacheConfig, what: &str) {
     assert!(model.cache_stats().budget_grows > before.budget_grows);
     let (grown, _) = nflash_tests::greedy(&model, &prompt, 12);
     assert_eq!(logit_bits(&grown), logit_bits(&want), "{what}: grown back");
+
+    // Opened small (`--memory-budget auto`, or less memory free than the
+    // budget): only what fits is read at load, and the rest grows back.
+    for start in [0, (floor + ceiling) / 2] {
+        let small =
+            nflash_runtime::load_model(&pack, &CacheConfig { start_bytes: Some(start), ..cfg.clone() }).unwrap();
+        let mem = small.memory_control().unwrap();
+        let held = mem.held_bytes();
+        assert!(held >= floor && held <= start.max(floor), "{what}: opened at {start}, holds {held} (floor {floor})");
+        let (logits, _) = nflash_tests::greedy(&small, &prompt, 12);
+        assert_eq!(logit_bits(&logits), logit_bits(&want), "{what}: opened at {start}");
+        assert_eq!(mem.resize(ceiling), ceiling, "{what}: opened at {start}");
+        let (logits, _) = nflash_tests::greedy(&small, &prompt, 12);
+        assert_eq!(logit_bits(&logits), logit_bits(&want), "{what}: opened at {start}, grown");
+    }
 }
 
 #[test]

@@ -193,3 +193,75 @@ fn a_balloon_in_the_cgroup_squeezes_nflash_to_its_floor_without_an_oom_kill() {
         q["decode_tokens_per_s"].as_f64().unwrap_or(0.0)
     );
 }
+
+/// bench-offload's setting: the budget is the cgroup's limit. nflash uses
+/// its budget whole (the reserve inside the group is only what the limit
+/// leaves above the budget), and `--memory-budget auto` in the same group
+/// starts within the room less the reserve instead of at the whole model.
+#[test]
+fn a_budget_at_the_cgroup_limit_is_used_whole_and_auto_starts_within_the_room() {
+    let pack = repo_root().join("models/smollm2-q8_0.nflash");
+    if !pack.exists() {
+        eprintln!("skipping: {} is made by make test (make demo)", pack.display());
+        return;
+    }
+    let limit: u64 = 160 << 20;
+    let Some(g) = Cgroup::new("nflash-test-budget", limit) else {
+        eprintln!("skipping: no memory cgroup can be made here (needs root and a memory controller)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let m = pack.to_str().unwrap();
+    let run = |budget: &str, json: &Path, group: Option<&Cgroup>| {
+        let a = [
+            "run",
+            "--model",
+            m,
+            "--prompt",
+            "Tell me a story about a lighthouse.",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--max-tokens",
+            "150",
+            "--ctx",
+            "512",
+            "--threads",
+            "2",
+            "--memory-budget",
+            budget,
+            "--stats-json",
+            json.to_str().unwrap(),
+        ];
+        let o = match group {
+            Some(g) => g.command(&bin("nflash"), &a).output().unwrap(),
+            None => Command::new(bin("nflash")).args(a).output().unwrap(),
+        };
+        assert!(o.status.success(), "--memory-budget {budget}: {:?}\n{}", o.status, String::from_utf8_lossy(&o.stderr));
+        (o.stdout, stats(json), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let (want, _, _) = run("160MiB", &dir.path().join("free.json"), None);
+    let (text, s, err) = run("160MiB", &dir.path().join("limit.json"), Some(&g));
+    assert_eq!(g.oom_kills(), 0);
+    assert!(text == want, "the text at the limit differs from the run without one");
+    let ceiling = s["cache_ceiling_bytes"].as_u64().unwrap();
+    assert_eq!(s["budget_shrinks"], 0, "a budget at the cgroup's limit shrank alone in its group: {s}\n{err}");
+    assert_eq!(s["budget_min_bytes"], s["memory_budget_bytes"], "{s}");
+    assert_eq!(s["cache_held_bytes"].as_u64(), Some(ceiling), "{s}");
+    let (text, s, err) = run("auto", &dir.path().join("auto.json"), Some(&g));
+    assert_eq!(g.oom_kills(), 0);
+    assert!(text == want, "the text with --memory-budget auto differs");
+    assert!(err.contains("the neuron cache starts at"), "{err}");
+    let (budget, max) = (s["memory_budget_bytes"].as_u64().unwrap(), s["budget_max_bytes"].as_u64().unwrap());
+    let peak = s["peak_rss_bytes"].as_u64().unwrap();
+    eprintln!(
+        "auto in a {} MiB group: ceiling {} MiB, held up to {} MiB in the plan's terms, peak RSS {} MiB\n{err}",
+        limit >> 20,
+        budget >> 20,
+        max >> 20,
+        peak >> 20
+    );
+    assert!(budget > limit, "auto's ceiling {budget} is the whole model");
+    assert!(max < budget, "auto in a {} MiB group went up to its ceiling", limit >> 20);
+    assert!(peak + (24 << 20) <= limit, "auto in a {} MiB group peaked at {peak} bytes", limit >> 20);
+}

@@ -389,13 +389,9 @@ impl NeuronCache {
         let read_align = m.ffn.iter().map(nflash_plan::layout::read_align).max().unwrap_or(READ_ALIGN as u64);
         let flash = FlashFile::open(pack.path(), &meta, read_align)?;
         let checksums = if cfg.verify { pack.cluster_checksums()? } else { None };
-        let (mut layers, hot_total) = layouts(pack, cfg, checksums.as_ref())?;
-        let mut hot = AlignedBuf::zeroed(hot_total, "the hot region")?;
-        read_hot(&flash, &layers, hot.as_mut_slice())?;
-        check_hot(pack.path(), &layers, hot.as_slice())?;
-        if crate::kernels::x8_available() {
-            interleave_hot(pack, &mut layers, hot.as_mut_slice());
-        }
+        let (layers, hot_total) = layouts(pack, cfg, checksums.as_ref())?;
+        // Address space for the whole hot region: pages are committed as hot clusters are read.
+        let hot = AlignedBuf::zeroed(hot_total, "the hot region")?;
         let (n_slots, slot_bytes) = cold_slots(&layers, cfg.cold_bytes);
         // Room to stage every hot cluster of a layer, should a resize give
         // them all back: address space only until used.
@@ -407,23 +403,41 @@ impl NeuronCache {
             bytes_read: AtomicU64::new(0),
             reads: AtomicU64::new(0),
         });
-        // Without a cold region nothing is ever read: one idle thread, no ring.
-        let io = if capacity == 0 {
-            IoPipeline::start(Arc::clone(&shared), 1, IoEngine::Threads)?
-        } else {
-            IoPipeline::start(Arc::clone(&shared), cfg.io_threads, cfg.io_engine)?
-        };
-        let mut lru = Lru::new(&layers, capacity);
-        lru.keep_first(n_slots);
-        lru.target_live = layers.iter().map(|l| l.hot).collect();
-        let core = Core {
+        let mut core = Core {
             path: pack.path().to_path_buf(),
-            lru: Mutex::new(lru),
+            lru: Mutex::new(Lru::new(&layers, capacity)),
             live: layers.iter().map(|l| AtomicUsize::new(l.hot)).collect(),
             layers,
             hot,
-            shared,
+            shared: Arc::clone(&shared),
             planned_slots: n_slots,
+        };
+        // What to hold at first: everything, or what `start_bytes` holds,
+        // as a resize to it would leave the cache (the rest grows later).
+        let (live, slots) = match cfg.start_bytes {
+            Some(b) => core.plan(b),
+            None => (core.layers.iter().map(|l| l.hot).collect(), n_slots),
+        };
+        read_hot(&core.shared.flash, &core.layers, &live, core.hot.as_mut_slice())?;
+        check_hot(&core.path, &core.layers, &live, core.hot.as_slice())?;
+        if crate::kernels::x8_available() {
+            interleave_hot(pack, &mut core.layers, &live, core.hot.as_mut_slice());
+        }
+        let lru = core.lru.get_mut().unwrap_or_else(|e| e.into_inner());
+        lru.keep_first(slots);
+        for (l, (lay, &k)) in core.layers.iter().zip(&live).enumerate() {
+            core.live[l].store(k, Ordering::Relaxed);
+            // Hot clusters left on flash count as given back (`reads_after_shrink`).
+            for c in k..lay.hot {
+                lru.dropped[l][c / 64] |= 1 << (c % 64);
+            }
+        }
+        lru.target_live = live;
+        // Without a cold region nothing is ever read: one idle thread, no ring.
+        let io = if capacity == 0 {
+            IoPipeline::start(shared, 1, IoEngine::Threads)?
+        } else {
+            IoPipeline::start(shared, cfg.io_threads, cfg.io_engine)?
         };
         Ok(NeuronCache { core: Arc::new(core), io, wait_ns: AtomicU64::new(0) })
     }
@@ -1059,10 +1073,11 @@ fn cold_slots(layers: &[LayerLayout], cold_bytes: u64) -> (usize, u64) {
     (n_slots.max(layers.iter().map(|l| l.clusters.len() - l.hot).max().unwrap_or(0)), slot_bytes)
 }
 
-/// Reads every layer's hot prefix into `hot` (laid out as [`layouts`] says).
-fn read_hot(flash: &FlashFile, layers: &[LayerLayout], hot: &mut [u8]) -> Result<()> {
-    for l in layers.iter().filter(|l| l.hot > 0) {
-        read_clusters(flash, l, 0..l.hot, &mut hot[l.hot_base..])?;
+/// Reads the first `live[l]` hot clusters of every layer `l` into `hot`
+/// (laid out as [`layouts`] says).
+fn read_hot(flash: &FlashFile, layers: &[LayerLayout], live: &[usize], hot: &mut [u8]) -> Result<()> {
+    for (l, &k) in layers.iter().zip(live).filter(|(_, &k)| k > 0) {
+        read_clusters(flash, l, 0..k, &mut hot[l.hot_base..])?;
     }
     Ok(())
 }
@@ -1086,12 +1101,13 @@ fn read_clusters(flash: &FlashFile, l: &LayerLayout, r: std::ops::Range<usize>, 
     Ok(())
 }
 
-/// Checks every hot cluster in `hot` (laid out as [`layouts`] says, in the
-/// file's row layout: before [`interleave_hot`]) against its CRC-32C.
-/// Layers are checked in parallel on the compute threads.
-fn check_hot(path: &std::path::Path, layers: &[LayerLayout], hot: &[u8]) -> Result<()> {
+/// Checks the first `live[l]` hot clusters of every layer `l` in `hot`
+/// (laid out as [`layouts`] says, in the file's row layout: before
+/// [`interleave_hot`]) against their CRC-32C. Layers are checked in
+/// parallel on the compute threads.
+fn check_hot(path: &std::path::Path, layers: &[LayerLayout], live: &[usize], hot: &[u8]) -> Result<()> {
     use rayon::prelude::*;
-    layers.par_iter().try_for_each(|l| check_clusters(path, l, 0..l.hot, &hot[l.hot_base..]))
+    layers.par_iter().zip(live).try_for_each(|(l, &k)| check_clusters(path, l, 0..k, &hot[l.hot_base..]))
 }
 
 /// Checks clusters `r` of `l` in `buf` (laid out as in the hot region, from
@@ -1129,16 +1145,18 @@ fn damaged(path: &std::path::Path, l: &LayerLayout, c: usize, computed: u32) -> 
 /// Reorders every layer's hot clusters to the ×8 bundle layout (SPEC §5.1)
 /// where the bundles' type and width allow it, so decode computes 8 neurons'
 /// gate, up and down rows per kernel call; cold clusters keep the file's row
-/// layout (they are read into slots as stored).
-fn interleave_hot(pack: &Pack, layers: &mut [LayerLayout], hot: &mut [u8]) {
+/// layout (they are read into slots as stored). The first `live[l]` of layer
+/// `l` are in memory and reordered now; the others when they are read back
+/// ([`Core::promote`]).
+fn interleave_hot(pack: &Pack, layers: &mut [LayerLayout], live: &[usize], hot: &mut [u8]) {
     let mut scratch = Vec::new();
-    for (f, l) in pack.manifest().ffn.iter().zip(layers.iter_mut()) {
+    for ((f, l), &k) in pack.manifest().ffn.iter().zip(layers.iter_mut()).zip(live) {
         let (dt, cols) = (f.bundle.dtype, f.bundle.row_elems);
         if l.hot == 0 || !nflash_format::interleave::can_interleave(dt, 8, cols) {
             continue;
         }
         l.x8_form = Some((dt, cols as usize, f.bundle.bundle_bytes));
-        interleave_clusters(l, 0..l.hot, &mut hot[l.hot_base..], &mut scratch);
+        interleave_clusters(l, 0..k, &mut hot[l.hot_base..], &mut scratch);
         l.x8 = l.hot;
     }
 }

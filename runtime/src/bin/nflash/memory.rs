@@ -17,9 +17,16 @@ pub struct MemoryArgs {
     /// Whole-process memory budget (e.g. 96MiB, 1.5GiB): the fixed region
     /// (resident weights, KV cache at --ctx, scratch) plus hot neurons plus
     /// the cold neuron cache; the rest of the FFN is read from flash on
-    /// demand. Default: the pack's plan, or everything in memory.
+    /// demand. Under memory pressure nflash goes below it. `auto`: start at
+    /// the memory available less --memory-reserve and follow it, up to
+    /// --memory-max (default: the whole model in memory). Default: the
+    /// pack's plan, or everything in memory.
+    #[arg(long, value_parser = parse_budget)]
+    pub memory_budget: Option<Budget>,
+    /// With --memory-budget auto: the most nflash holds (e.g. 2GiB); the
+    /// plan is made for it.
     #[arg(long, value_parser = parse_bytes)]
-    pub memory_budget: Option<u64>,
+    pub memory_max: Option<u64>,
     /// Device profile (TOML) to plan with; default: the pack's plan's
     /// device, else the built-in dev-host profile.
     #[arg(long)]
@@ -52,6 +59,23 @@ pub struct MemoryArgs {
     pub kv: KvType,
 }
 
+/// A `--memory-budget`: bytes, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Budget {
+    /// A whole-process budget, bytes.
+    Bytes(u64),
+    /// Follow the memory available, up to `--memory-max`.
+    Auto,
+}
+
+/// `--memory-budget`: a size ([`parse_bytes`]) or `auto`.
+pub fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
+    if s.trim().eq_ignore_ascii_case("auto") {
+        return Ok(Budget::Auto);
+    }
+    parse_bytes(s).map(Budget::Bytes).map_err(|e| format!("{e}, or auto"))
+}
+
 /// `--io-engine`: `auto`, `uring` or `threads`.
 pub fn parse_io_engine(s: &str) -> std::result::Result<IoEngine, String> {
     s.parse()
@@ -75,9 +99,11 @@ impl MemoryArgs {
 }
 
 /// Starts the governor that resizes `engine`'s neuron cache under memory
-/// pressure (`nflash_runtime::pressure`), keeping `a.memory_reserve` free;
-/// `None` if the cache's memory cannot move or the thread cannot start.
-pub fn follow_memory(engine: &Engine, a: &MemoryArgs) -> Option<Watch> {
+/// pressure (`nflash_runtime::pressure`), keeping `a.memory_reserve` free
+/// (in a memory cgroup, at most the gap between its limit and `budget`, the
+/// plan's whole-process budget in bytes); `None` if the cache's memory
+/// cannot move or the thread cannot start.
+pub fn follow_memory(engine: &Engine, a: &MemoryArgs, budget: Option<u64>) -> Option<Watch> {
     let mem = engine.model.memory_control()?;
     let signals = Signals::detect();
     if let Some(avail) = signals.read().available.filter(|&m| m <= a.memory_reserve) {
@@ -87,7 +113,9 @@ pub fn follow_memory(engine: &Engine, a: &MemoryArgs) -> Option<Watch> {
             avail >> 20
         );
     }
-    let gov = Governor::new(a.memory_reserve, mem.floor_bytes(), mem.ceiling_bytes());
+    let mut gov = Governor::new(a.memory_reserve, mem.floor_bytes(), mem.ceiling_bytes());
+    // auto's ceiling is no budget the user gave: the whole reserve is kept.
+    gov.budget = budget.filter(|_| a.memory_budget != Some(Budget::Auto));
     Watch::start(signals, gov, mem).ok()
 }
 
@@ -101,8 +129,19 @@ pub fn load_engine<'p>(
     ctx: usize,
     verify: bool,
 ) -> Result<(Engine<'p>, Option<Plan>)> {
+    let auto = a.memory_budget == Some(Budget::Auto);
+    if a.memory_max.is_some() && !auto {
+        anyhow::bail!(
+            "--memory-max goes with --memory-budget auto; a --memory-budget of a size is already the most nflash holds"
+        );
+    }
     let o = MemoryOptions {
-        memory_budget: a.memory_budget,
+        memory_budget: match a.memory_budget {
+            Some(Budget::Bytes(b)) => Some(b),
+            _ => a.memory_max,
+        },
+        auto,
+        reserve: Some(a.memory_reserve),
         device,
         hot_fraction: a.hot_fraction,
         cold_cache: a.cold_cache,

@@ -138,7 +138,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         );
     }
     let budget = plan.as_ref().map(|p| p.memory_budget_bytes);
-    let watch = crate::memory::follow_memory(&engine, &a.memory);
+    let watch = crate::memory::follow_memory(&engine, &a.memory, budget);
     engine.model.set_dense(a.dense);
     engine.model.set_speculation(a.speculate);
     let (sampling, sources) = a.sampling.resolve(&engine.generation);

@@ -372,7 +372,7 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         jobs: jobs.clone(),
         budget: plan.as_ref().map(|p| p.memory_budget_bytes),
         memory: engine.model.memory_control(),
-        watch: crate::memory::follow_memory(&engine, &a.memory),
+        watch: crate::memory::follow_memory(&engine, &a.memory, plan.as_ref().map(|p| p.memory_budget_bytes)),
     });
     let addr = bound;
     listener.set_nonblocking(true).context("cannot make the listening socket non-blocking")?;
