@@ -33,10 +33,13 @@ pub const RUNTIME_BASE_BYTES: u64 = 16 << 20;
 pub const TOKENIZER_FACTOR: u64 = 6;
 
 /// Memory the runtime touches after it has measured itself at start (code
-/// of the compute kernels, thread stacks, allocator slack), bytes. Measured
-/// on SmolLM2-135M as peak RSS minus the start-up RSS, the hot and cold
-/// regions, the KV cache in use and the scratch estimate: about 4 MiB.
-pub const RUNTIME_MARGIN_BYTES: u64 = 4 << 20;
+/// of the compute kernels, thread stacks, I/O rings, allocator slack), bytes.
+/// Measured on SmolLM2-135M (q4_0 and q8_0, ctx 256–512, full prefill
+/// chunks, x86-64 AVX-512) as peak RSS minus the start-up RSS, the hot and
+/// cold regions, the KV cache and the scratch estimate: 3 to 4 MiB; one
+/// more for other machines (tests/tests/smollm2.rs fills a context under
+/// budgets and checks the peak).
+pub const RUNTIME_MARGIN_BYTES: u64 = 5 << 20;
 
 /// Most I/O threads a plan starts (and `--io-threads` accepts): one per
 /// read in flight, up to the deepest queue `nflash probe` measures.
@@ -138,16 +141,27 @@ pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footpri
     let h = c.hidden_size;
     let resident = m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn).map(|s| s.bytes).sum();
     let kv = kv_cache_bytes_of(c, ctx as usize, kv);
-    // One prefill chunk: activations [n, ·], one FFN weight tile (gate, up, down,
-    // f32), its [n, m] products, candle's copies of them, and the logits.
+    // One prefill chunk of n tokens, f32 (runtime/src/model/forward.rs): the
+    // residual and normed input [n, hidden] (and the sandwich norms' output)
+    // live through a layer; beside them, at most one step's buffers at a time,
+    // each freed before the next: attention's Q, K, V, result and output
+    // [n, ·] and its scores; the FFN's accumulator and quantized input
+    // [n, hidden], gate and up products of one tile [n, tile rows] (a short
+    // pass takes wider tiles, the same size in all: Ffn::forward_batch), one
+    // dequantized down tile [tile rows, hidden] and the predictor's mask
+    // [n, FFN] (bytes); or the predictor's own products, [n, FFN] twice.
     let n = (ctx as u64).min(crate::layout::prefill_chunk(c) as u64);
-    let tile_rows = (FFN_TILE_ELEMS as u64 / h.max(1)).clamp(1, c.intermediate_size.max(1));
-    let activations = n * crate::layout::prefill_activation_bytes(c);
-    let tile = 3 * tile_rows * h * 4 + 4 * n * tile_rows * 4 + 2 * n * h * 4;
-    let scores = n * ctx as u64 * 4;
+    let chunk = crate::layout::prefill_chunk(c) as u64;
+    let (inter, qd, kvd) = (c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let tile_rows = (FFN_TILE_ELEMS as u64 / h.max(1)).clamp(1, inter.max(1));
+    let live = n * (if c.sandwich_norms() { 3 } else { 2 }) * h * 4;
+    let attention = n * (2 * qd + 2 * kvd + h) * 4 + n * ctx as u64 * 4;
+    let mask = n * inter;
+    let ffn = 2 * n * h * 4 + 2 * (chunk * tile_rows).min(n * inter) * 4 + tile_rows * h * 4 + mask;
+    let predictor = if m.sparse.is_some() { 2 * n * inter * 4 + mask } else { 0 };
     // The runtime's per-neuron and per-cluster tables, allocated after it measured itself.
     let index = crate::layout::index_bytes(m);
-    let scratch = activations + tile + scores + 2 * c.vocab_size * 4 + n * c.intermediate_size + index;
+    let scratch = live + attention.max(ffn).max(predictor) + 2 * c.vocab_size * 4 + index;
     let runtime = match measured {
         Some(f) => {
             (f.rss.saturating_sub(resident) + RUNTIME_MARGIN_BYTES).max(f.peak.saturating_sub(resident + kv + scratch))

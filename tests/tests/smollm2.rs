@@ -335,3 +335,47 @@ fn kv_bits(kv: &nflash_runtime::model::kv_cache::KvCache) -> Vec<u32> {
     assert!(kv.n_layers() > 0 && !kv.is_empty(), "an empty KV cache");
     out
 }
+
+/// The planner's fixed region (scratch, runtime) is an estimate the budget
+/// depends on: a run that prefills full chunks and fills its context keeps
+/// its peak RSS within the budget, for budgets that offload part of the FFN.
+#[test]
+fn a_full_context_stays_within_the_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = tmp.path().join("p.txt");
+    // About 280 tokens: one full prefill chunk (256) and part of another.
+    std::fs::write(&prompt, eval_text().0.chars().take(1000).collect::<String>()).unwrap();
+    let stats = tmp.path().join("s.json");
+    for (q, budget, ctx) in [("q4_0", "80MiB", "384"), ("q8_0", "120MiB", "512"), ("q8_0", "105MiB", "384")] {
+        let p = pack(q);
+        let a = ["run", "--model", p.to_str().unwrap(), "--raw", "--prompt-file", prompt.to_str().unwrap()];
+        let o = run(
+            "nflash",
+            &[&a[..], &["--ctx", ctx, "--max-tokens", "600", "--ignore-eos", "--temperature", "0"]].concat(),
+        );
+        assert!(o.status.success(), "{q} in memory: {}", String::from_utf8_lossy(&o.stderr));
+        // Generation ends at the context; the figures are in the JSON.
+        let o2 = run(
+            "nflash",
+            &[
+                &a[..],
+                &["--ctx", ctx, "--memory-budget", budget, "--ignore-eos", "--temperature", "0"],
+                &["--stats-json", stats.to_str().unwrap()],
+            ]
+            .concat(),
+        );
+        assert!(o2.status.success(), "{q} at {budget}: {}", String::from_utf8_lossy(&o2.stderr));
+        assert_eq!(o.stdout, o2.stdout, "{q} at {budget}: the text differs from the run in memory");
+        let s: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+        let (peak, limit) = (s["peak_rss_bytes"].as_u64().unwrap(), s["memory_budget_bytes"].as_u64().unwrap());
+        let used = s["prompt_tokens"].as_u64().unwrap() + s["generated_tokens"].as_u64().unwrap();
+        eprintln!(
+            "{q} at {budget}, ctx {ctx}: {used} tokens, peak RSS {:.1} MiB, hit rate {}",
+            peak as f64 / 1048576.0,
+            s["cache_hit_rate"]
+        );
+        assert!(used + 2 >= ctx.parse::<u64>().unwrap(), "{q}: the run used {used} of {ctx} tokens");
+        assert!(s["bytes_read_per_token"].as_f64().unwrap() > 0.0, "{q} at {budget}: nothing offloaded");
+        assert!(peak <= limit, "{q} at {budget}, ctx {ctx}: peak RSS {peak} > budget {limit} bytes");
+    }
+}
