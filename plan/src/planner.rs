@@ -326,8 +326,9 @@ pub fn describe(p: &Plan, m: &Manifest) -> String {
     let all_n: u64 = m.ffn.iter().map(|f| f.n_neurons as u64).sum();
     let (lo, hi) = (p.hot_neurons.iter().min().copied().unwrap_or(0), p.hot_neurons.iter().max().copied().unwrap_or(0));
     let unit = if m.config.architecture.moe().is_some() { "expert" } else { "layer" };
+    let floor = p.fixed_bytes + staging_bytes(m);
     format!(
-        "plan for {} at {:.1} MiB (ctx {}, {} threads):\n  fixed region {:.1} MiB (resident {:.1} MiB, KV cache {:.1} MiB, scratch and runtime {:.1} MiB)\n  hot region   {:.1} MiB: {hot_n} of {all_n} neurons ({:.0}%), {lo}–{hi} per {unit}\n  cold region  {:.1} MiB (LRU of {:.0} KiB neuron clusters), {} I/O thread(s)\n  FFN on flash {:.1} MiB; expected {:.2} MiB read and {:.1} ms per decode token",
+        "plan for {} at {:.1} MiB (ctx {}, {} threads):\n  fixed region {:.1} MiB (resident {:.1} MiB, KV cache {:.1} MiB, scratch and runtime {:.1} MiB)\n  hot region   {:.1} MiB: {hot_n} of {all_n} neurons ({:.0}%), {lo}–{hi} per {unit}\n  cold region  {:.1} MiB (LRU of {:.0} KiB neuron clusters), {} I/O thread(s)\n  FFN on flash {:.1} MiB; expected {:.2} MiB read and {:.1} ms per decode token\n  under memory pressure down to a floor of {:.1} MiB (the fixed region and one {unit}'s clusters): the cold region's least recently used clusters leave first, then the same share of every {unit}'s least active hot clusters; back to {:.1} MiB 2 s after",
         p.device.name,
         mib(p.memory_budget_bytes),
         p.ctx,
@@ -344,6 +345,8 @@ pub fn describe(p: &Plan, m: &Manifest) -> String {
         mib(ffn_total),
         mib(p.expected_read_bytes_per_token),
         p.expected_token_ms,
+        mib(floor),
+        mib(p.memory_budget_bytes),
     )
 }
 

@@ -162,7 +162,8 @@ fn budgets_below_the_fixed_region_or_the_kv_cache_are_refused_up_front() {
     assert_fails("auto with no room", &o, &["--memory-budget auto", "--memory-reserve", "short of its minimum"]);
     let o = run("nflash", &[&base[..], &["--memory-budget", "auto", "--memory-max", "64MiB", "--stats"]].concat());
     assert!(o.status.success(), "auto up to 64MiB: {}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("at 64.0 MiB"), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("at 64.0 MiB") && err.contains("down to a floor of"), "{err}");
     let o = run(
         "nflash",
         &["run", "--model", m, "--prompt", "a b", "--max-tokens", "2", "--memory-budget", "64MiB", "--ctx", "64"],

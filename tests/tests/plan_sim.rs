@@ -55,7 +55,11 @@ fn estimates_follow_the_budget_and_the_precision() {
         assert!(f(r, "hot_hit_rate") <= f(r, "hit_rate") + 1e-12, "{r}");
         assert!((1000.0 / f(r, "token_ms") - f(r, "tokens_per_s")).abs() < 1e-6, "{r}");
         assert!(["compute", "compute + I/O", "flash I/O"].contains(&r["bound"].as_str().unwrap()), "{r}");
+        // Under pressure the budget gives way down to the floor: slower than any row, above the fixed region.
+        assert!(f(r, "floor_bytes") > f(r, "fixed_bytes") && f(r, "floor_bytes") < f(r, "memory_budget_bytes"), "{r}");
+        assert!(f(r, "floor_tokens_per_s") > 0.0 && f(r, "floor_tokens_per_s") <= f(r, "tokens_per_s"), "{r}");
     }
+    assert_eq!(rows[0]["floor_bytes"], rows[2]["floor_bytes"], "the floor does not depend on the budget");
     // A less precise predictor reads and computes more at the same budget.
     let loose = sim(&["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "0.25", "--precision", "0.2"]);
     assert!(f(&loose[0], "read_bytes_per_token") > f(&rows[2], "read_bytes_per_token"), "{loose:?} vs {:?}", rows[2]);

@@ -149,6 +149,11 @@ struct Case {
     hot_share: f64,
     /// The estimate, or why the planner refused the budget.
     est: std::result::Result<Estimate, String>,
+    /// Under memory pressure the budget goes down to this floor (the fixed
+    /// region and one layer's clusters, nothing hot), bytes, and decodes at
+    /// these tokens/s there (`None`: not estimated).
+    floor: u64,
+    floor_tokens_per_s: Option<f64>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -200,6 +205,19 @@ fn simulate(
             a.ctx, m.config.max_position_embeddings
         ));
     }
+    let request = |budget_bytes: u64| PlanRequest {
+        budget_bytes,
+        ctx: a.ctx,
+        kv: a.kv,
+        threads,
+        io_threads: None,
+        measured: None,
+        unit_share: Some(share.to_vec()),
+    };
+    // The floor the budget gives way to under pressure, and its speed.
+    let floor = fixed + planner::staging_bytes(m);
+    let floor_tokens_per_s =
+        planner::plan(m, dev, &request(floor)).ok().map(|p| 1e3 / cost::estimate(m, share, dev, &p).token_ms());
     budgets
         .into_iter()
         .map(|budget| {
@@ -211,16 +229,7 @@ fn simulate(
                     size(dev.memory.available_bytes)
                 ));
             }
-            let req = PlanRequest {
-                budget_bytes: budget,
-                ctx: a.ctx,
-                kv: a.kv,
-                threads,
-                io_threads: None,
-                measured: None,
-                unit_share: Some(share.to_vec()),
-            };
-            match planner::plan(m, dev, &req) {
+            match planner::plan(m, dev, &request(budget)) {
                 Ok(p) => Case {
                     label: label.to_string(),
                     sparsity,
@@ -229,6 +238,8 @@ fn simulate(
                     fixed: p.fixed_bytes,
                     hot_share: p.hot_bytes as f64 / ffn_bytes.max(1) as f64,
                     est: Ok(cost::estimate(m, share, dev, &p)),
+                    floor,
+                    floor_tokens_per_s,
                 },
                 Err(e) => Case {
                     label: label.to_string(),
@@ -238,6 +249,8 @@ fn simulate(
                     fixed,
                     hot_share: 0.0,
                     est: Err(e.to_string()),
+                    floor,
+                    floor_tokens_per_s,
                 },
             }
         })
@@ -307,6 +320,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
             let mut j = serde_json::json!({
                 "model": c.label, "sparsity": c.sparsity, "memory_budget_bytes": c.budget, "fixed_bytes": c.fixed,
                 "ffn_bytes": c.ffn_bytes, "threads": threads, "ctx": a.ctx,
+                "floor_bytes": c.floor, "floor_tokens_per_s": c.floor_tokens_per_s,
             });
             match &c.est {
                 Ok(e) => {
@@ -331,14 +345,27 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     }
     println!("plan-sim on {} ({threads} threads, ctx {}): decode cost per token", dev.name, a.ctx);
     println!(
-        "{:<26} {:>5} {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>9} {:>7} {:>8} {:>8}  bound",
-        "model", "spars", "budget", "fixed", "FFN", "hot", "hit", "MiB read", "compute", "I/O", "I/O exp", "tok/s"
+        "{:<26} {:>5} {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>9} {:>7} {:>8} {:>8} {:>9} {:>8}  bound",
+        "model",
+        "spars",
+        "budget",
+        "fixed",
+        "FFN",
+        "hot",
+        "hit",
+        "MiB read",
+        "compute",
+        "I/O",
+        "I/O exp",
+        "tok/s",
+        "floor",
+        "at floor"
     );
     for c in &cases {
         let sp = c.sparsity.map_or("dense".into(), |s| format!("{s:.2}"));
         match &c.est {
             Ok(e) => println!(
-                "{:<26} {:>5} {:>9} {:>9} {:>9} {:>5.0}% {:>6.3} {:>9.1} {:>7.1}ms {:>5.1}ms {:>6.1}ms {:>8.2}  {}",
+                "{:<26} {:>5} {:>9} {:>9} {:>9} {:>5.0}% {:>6.3} {:>9.1} {:>7.1}ms {:>5.1}ms {:>6.1}ms {:>8.2} {:>9} {:>8}  {}",
                 c.label,
                 sp,
                 size(c.budget),
@@ -351,6 +378,8 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
                 e.io_ms,
                 e.io_exposed_ms,
                 1e3 / e.token_ms(),
+                size(c.floor),
+                c.floor_tokens_per_s.map_or("-".into(), |t| format!("{t:.2}")),
                 e.bound()
             ),
             Err(why) => println!("{:<26} {:>5} {:>9} refused: {why}", c.label, sp, size(c.budget)),

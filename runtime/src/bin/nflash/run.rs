@@ -123,7 +123,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     if a.stats {
         if let Some(p) = &plan {
             message!(
-                "{} (planned at start from this process's measured footprint)",
+                "{}\n  (planned at start from this process's measured footprint)",
                 nflash_plan::planner::describe(p, pack.manifest())
             );
         }
