@@ -368,8 +368,12 @@ pub fn apply_cap(mem: &dyn MemoryControl, watch: Option<&Watch>, cap: u64) -> u6
 pub struct Watch {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
-    /// The least and the most the cache held, bytes, at the polls so far.
+    /// The least and the most the cache held, bytes, at the polls so far;
+    /// and since the last [`Watch::take_window`].
     range: Arc<Mutex<(u64, u64)>>,
+    window: Arc<Mutex<(u64, u64)>>,
+    /// What the cache held at the last poll, bytes.
+    last: Arc<AtomicU64>,
     /// The cache's size at load, bytes.
     ceiling: u64,
     /// The most an app lets the cache hold ([`Watch::set_cap`]), bytes.
@@ -386,7 +390,9 @@ impl Watch {
         let stop = Arc::new(AtomicBool::new(false));
         let held = mem.held_bytes();
         let range = Arc::new(Mutex::new((held, held)));
-        let (s, rg) = (Arc::clone(&stop), Arc::clone(&range));
+        let window = Arc::new(Mutex::new((held, held)));
+        let last = Arc::new(AtomicU64::new(held));
+        let (s, rg, wd, ls) = (Arc::clone(&stop), Arc::clone(&range), Arc::clone(&window), Arc::clone(&last));
         let (ceiling, described) = (mem.ceiling_bytes(), signals.describe());
         let cap = Arc::new(AtomicU64::new(u64::MAX));
         let cp = Arc::clone(&cap);
@@ -399,13 +405,15 @@ impl Watch {
                 if let Some(target) = gov.decide(&r, held, Instant::now()) {
                     held = mem.resize(target);
                 }
-                let mut g = rg.lock().unwrap_or_else(|e| e.into_inner());
-                *g = (g.0.min(held), g.1.max(held));
-                drop(g);
+                for r in [&rg, &wd] {
+                    let mut g = r.lock().unwrap_or_else(|e| e.into_inner());
+                    *g = (g.0.min(held), g.1.max(held));
+                }
+                ls.store(held, Ordering::Relaxed);
                 std::thread::park_timeout(POLL);
             }
         })?;
-        Ok(Watch { stop, thread: Some(thread), range, ceiling, cap, signals: described })
+        Ok(Watch { stop, thread: Some(thread), range, window, last, ceiling, cap, signals: described })
     }
 
     /// Lets the cache grow back to at most `bytes` (an app's trim, which
@@ -422,6 +430,15 @@ impl Watch {
     /// The least and the most the cache held so far, bytes.
     pub fn held_range(&self) -> (u64, u64) {
         *self.range.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The least and the most the cache held, bytes, at the polls since
+    /// the last call (for one request of a server); starts the next window
+    /// at what it held at the last poll.
+    pub fn take_window(&self) -> (u64, u64) {
+        let mut g = self.window.lock().unwrap_or_else(|e| e.into_inner());
+        let held = self.last.load(Ordering::Relaxed);
+        std::mem::replace(&mut *g, (held, held))
     }
 
     /// The cache's size at load, bytes.

@@ -830,7 +830,11 @@ fn the_admin_endpoint_gives_memory_back_and_lifts_the_cap_under_the_key() {
     let tmp = tempfile::tempdir().unwrap();
     let key_file = tmp.path().join("key");
     std::fs::write(&key_file, "s3cret\n").unwrap();
-    let s = Server::start(&pack, &["--ctx", "512", "--api-key-file", key_file.to_str().unwrap()]);
+    let budget: u64 = 200 << 20;
+    let s = Server::start(
+        &pack,
+        &["--ctx", "512", "--memory-budget", "200MiB", "--api-key-file", key_file.to_str().unwrap()],
+    );
     let k = Some("s3cret");
     let mem = |method: &str, body: Option<&str>| s.call(method, "/admin/memory", k, body);
     let (st, _, m) = mem("GET", None);
@@ -842,16 +846,23 @@ fn the_admin_endpoint_gives_memory_back_and_lifts_the_cap_under_the_key() {
     assert_eq!(mem("POST", Some(r#"{"bytes": 0}"#)).2["held_bytes"].as_u64(), Some(floor));
     assert_eq!(mem("POST", Some(r#"{"level": 0}"#)).2["held_bytes"].as_u64(), Some(ceiling));
     let q = json!([{"role": "user", "content": "What is the capital of France?"}]);
-    let ask = || {
+    let ask_timed = || {
         let (st, _, r) = s.call("POST", "/v1/chat/completions", k, Some(&chat(q.clone(), json!({})).to_string()));
         assert_eq!(st, 200, "{r}");
-        reply(&r)
+        (reply(&r), r["timings"].clone())
     };
-    let full = ask();
+    let (full, t) = ask_timed();
+    assert_eq!(t["budget_max_bytes"].as_u64(), Some(budget), "{t}");
+    assert_eq!((t["budget_shrinks"].as_u64(), t["reads_after_shrink"].as_u64()), (Some(0), Some(0)), "{t}");
     // Down to the floor (idle: at once), the same reply, the cap kept.
     let (st, _, m) = mem("POST", Some(r#"{"bytes": 0}"#));
     assert_eq!((st, m["held_bytes"].as_u64()), (200, Some(floor)), "{m}");
-    assert_eq!(ask(), full);
+    std::thread::sleep(std::time::Duration::from_millis(120));
+    let (again, t) = ask_timed();
+    assert_eq!(again, full);
+    // The request's timings: the budget it ran at, and the clusters it read again.
+    assert_eq!(t["budget_min_bytes"].as_u64(), Some(budget - (ceiling - floor)), "{t}");
+    assert!(t["reads_after_shrink"].as_u64().unwrap() > 0, "{t}");
     assert_eq!(mem("GET", None).2["held_bytes"].as_u64(), Some(floor));
     // onTrimMemory levels: UI_HIDDEN from the ceiling leaves half above the floor; 0 lifts the cap.
     assert_eq!(mem("POST", Some(r#"{"level": 0}"#)).2["held_bytes"].as_u64(), Some(ceiling));

@@ -403,8 +403,8 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         shared.budget.map_or(String::new(), |b| format!(", memory budget {:.1} MiB", b as f64 / (1u64 << 20) as f64)),
         a.queue
     );
+    generation_loop(&engine, &mut session, &jobs, Memory { watch: shared.watch.as_ref(), budget: shared.budget });
     drop(shared);
-    generation_loop(&engine, &mut session, &jobs);
     match http.join() {
         Ok(r) => r,
         Err(_) => bail!("the HTTP thread panicked"),
@@ -438,11 +438,19 @@ async fn serve_http(listener: tokio::net::TcpListener, app: Router, max: usize) 
     }
 }
 
+/// The memory budget and its governor, for each request's timings.
+#[derive(Clone, Copy)]
+struct Memory<'a> {
+    watch: Option<&'a Watch>,
+    /// The plan's whole-process budget, bytes.
+    budget: Option<u64>,
+}
+
 /// Runs jobs one at a time until the queue closes (the HTTP thread stopped).
-fn generation_loop(engine: &Engine, session: &mut Session, jobs: &Queue) {
+fn generation_loop(engine: &Engine, session: &mut Session, jobs: &Queue, memory: Memory) {
     while let Some(job) = jobs.take() {
         let t0 = Instant::now();
-        let last = run_job(engine, session, &job);
+        let last = run_job(engine, session, &job, memory);
         jobs.last_ms.store(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
         // Idle before the client hears the end, so its next request finds room.
         jobs.lock().busy = false;
@@ -453,9 +461,12 @@ fn generation_loop(engine: &Engine, session: &mut Session, jobs: &Queue) {
 /// One request: generate, streaming text back; cancelled when the client
 /// is gone. Returns the last event ([`Event::Done`] or [`Event::Failed`]),
 /// for the caller to send once the generation thread is idle.
-fn run_job(engine: &Engine, session: &mut Session, job: &Job) -> Event {
+fn run_job(engine: &Engine, session: &mut Session, job: &Job, memory: Memory) -> Event {
     let t0 = Instant::now();
     engine.model.reset_counters();
+    if let Some(w) = memory.watch {
+        w.take_window();
+    }
     let mut sampler = Sampler::new(job.sampling);
     let opts = GenerateOptions {
         max_tokens: job.max_tokens,
@@ -509,7 +520,7 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job) -> Event {
                 turn.stats.decode_tokens_per_s(),
                 wall,
             );
-            let timings = timings(job, &turn, (t0 - job.enqueued).as_secs_f64());
+            let timings = timings(job, &turn, (t0 - job.enqueued).as_secs_f64(), memory);
             Event::Done { prompt_tokens: job.ids.len(), completion_tokens: turn.tokens.len(), finish_reason, timings }
         }
         Err(e) => {
@@ -519,10 +530,25 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job) -> Event {
     }
 }
 
-/// nflash's timings of one request (the response's `timings` object).
-fn timings(job: &Job, turn: &Turn, queue_s: f64) -> Value {
+/// nflash's timings of one request (the response's `timings` object),
+/// with the memory budget over the request: its least and most (the
+/// budget less what the governor gave back, at its polls), and the
+/// shrinks, grows, bytes given back and clusters read again.
+fn timings(job: &Job, turn: &Turn, queue_s: f64, memory: Memory) -> Value {
     let st = &turn.stats;
+    let (p, d) = (&st.prefill_cache, &st.decode_cache);
+    let range = memory.watch.map(|w| {
+        let (lo, hi) = w.take_window();
+        (w.ceiling() - lo.min(w.ceiling()), w.ceiling() - hi.min(w.ceiling()))
+    });
+    let budget = |given: fn((u64, u64)) -> u64| memory.budget.zip(range).map(|(b, r)| b.saturating_sub(given(r)));
     json!({
+        "budget_min_bytes": budget(|r| r.0),
+        "budget_max_bytes": budget(|r| r.1),
+        "budget_shrinks": p.budget_shrinks + d.budget_shrinks,
+        "budget_grows": p.budget_grows + d.budget_grows,
+        "bytes_returned": p.bytes_returned + d.bytes_returned,
+        "reads_after_shrink": p.reads_after_shrink + d.reads_after_shrink,
         "queue_ms": queue_s * 1e3,
         "prompt_tokens": job.ids.len(),
         "reused_tokens": turn.reused_tokens,
