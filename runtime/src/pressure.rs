@@ -50,6 +50,8 @@ pub struct Reading {
     pub available: Option<u64>,
     /// PSI `some` total stall time, microseconds (cumulative).
     pub stall_us: Option<u64>,
+    /// A PSI trigger ([`PsiTrigger`]) fired since the last reading.
+    pub psi_fired: bool,
 }
 
 impl Reading {
@@ -72,6 +74,45 @@ impl Reading {
         .into_iter()
         .flatten()
         .min_by_key(|m| m.0)
+    }
+}
+
+/// Memory stall (PSI `some`) a trigger waits for within its window,
+/// microseconds: 5% of the window, as [`STALL_US`] is of [`POLL`].
+const TRIGGER_STALL_US: u64 = 50_000;
+
+/// A PSI trigger on `/proc/pressure/memory` (the kernel's
+/// Documentation/accounting/psi.rst, "Monitoring for pressure
+/// thresholds"): the kernel wakes a waiter when tasks stalled on memory
+/// for [`TRIGGER_STALL_US`] within a window, so the governor reacts at
+/// once rather than at its next poll. Where triggers are not permitted
+/// (kernels before 5.2, SELinux on Android apps, windows other than
+/// multiples of 2 s for unprivileged processes) there is none and the
+/// governor polls alone.
+pub struct PsiTrigger {
+    file: std::fs::File,
+}
+
+impl PsiTrigger {
+    /// A trigger on the PSI file at `path` with a 1 s window (2 s where
+    /// only that is permitted); `None` where neither is.
+    pub fn new(path: &Path) -> Option<Self> {
+        use std::io::Write;
+        [1_000_000u64, 2_000_000].into_iter().find_map(|window| {
+            let mut file = std::fs::OpenOptions::new().read(true).write(true).open(path).ok()?;
+            let stall = TRIGGER_STALL_US * window / 1_000_000;
+            file.write_all(format!("some {stall} {window}\0").as_bytes()).ok()?;
+            Some(PsiTrigger { file })
+        })
+    }
+
+    /// Waits up to `timeout` for the trigger; whether it fired. An error
+    /// (the trigger gone) counts as not fired.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let mut fds = [PollFd::new(&self.file, PollFlags::PRI)];
+        let t = Timespec::try_from(timeout).ok();
+        matches!(poll(&mut fds, t.as_ref()), Ok(n) if n > 0) && fds[0].revents().contains(PollFlags::PRI)
     }
 }
 
@@ -146,6 +187,7 @@ impl Signals {
             cgroup_limit,
             available: self.meminfo.as_deref().and_then(read).and_then(|s| mem_available(&s)),
             stall_us: self.psi.as_deref().and_then(read).and_then(|s| psi_some_total(&s)),
+            psi_fired: false,
         }
     }
 }
@@ -284,10 +326,11 @@ impl Governor {
     /// floor). With room to spare for [`CALM`] since the last shortage,
     /// take half the spare room above twice the reserve.
     pub fn decide(&mut self, r: &Reading, held: u64, now: Instant) -> Option<u64> {
-        let stalled = match (r.stall_us, self.last_stall.replace(r.stall_us.unwrap_or(0))) {
-            (Some(now), Some(before)) => now.saturating_sub(before) > STALL_US,
-            _ => false,
-        };
+        let stalled = r.psi_fired
+            || match (r.stall_us, self.last_stall.replace(r.stall_us.unwrap_or(0))) {
+                (Some(now), Some(before)) => now.saturating_sub(before) > STALL_US,
+                _ => false,
+            };
         let margin = r.margin(self.reserve, self.budget);
         let short = margin.is_some_and(|(m, _)| m < 0);
         let tight = margin.is_none_or(|(m, r)| m < r);
@@ -393,14 +436,20 @@ impl Watch {
         let window = Arc::new(Mutex::new((held, held)));
         let last = Arc::new(AtomicU64::new(held));
         let (s, rg, wd, ls) = (Arc::clone(&stop), Arc::clone(&range), Arc::clone(&window), Arc::clone(&last));
-        let (ceiling, described) = (mem.ceiling_bytes(), signals.describe());
+        let trigger = signals.psi.as_deref().and_then(PsiTrigger::new);
+        let mut described = signals.describe();
+        if trigger.is_some() {
+            described = described.replace("PSI", "PSI (with a trigger)");
+        }
+        let ceiling = mem.ceiling_bytes();
         let cap = Arc::new(AtomicU64::new(u64::MAX));
         let cp = Arc::clone(&cap);
         let full = gov.ceiling;
         let thread = std::thread::Builder::new().name("nflash-memory".into()).spawn(move || {
+            let mut fired = false;
             while !s.load(Ordering::Relaxed) {
                 gov.ceiling = full.min(cp.load(Ordering::Relaxed));
-                let r = signals.read();
+                let r = Reading { psi_fired: std::mem::take(&mut fired), ..signals.read() };
                 let mut held = mem.held_bytes();
                 if let Some(target) = gov.decide(&r, held, Instant::now()) {
                     held = mem.resize(target);
@@ -410,7 +459,11 @@ impl Watch {
                     *g = (g.0.min(held), g.1.max(held));
                 }
                 ls.store(held, Ordering::Relaxed);
-                std::thread::park_timeout(POLL);
+                // The next poll, or sooner when the PSI trigger fires.
+                match &trigger {
+                    Some(t) => fired = t.wait(POLL),
+                    None => std::thread::park_timeout(POLL),
+                }
             }
         })?;
         Ok(Watch { stop, thread: Some(thread), range, window, last, ceiling, cap, signals: described })
@@ -558,6 +611,23 @@ mod tests {
             g.budget = b;
             assert_eq!(g.decide(&cg(12, 113), 60 * MIB, t0), Some(24 * MIB));
         }
+    }
+
+    /// Where the kernel permits a trigger (root here, or a 2 s window), a
+    /// wait returns by its timeout; a fired trigger counts as a stall.
+    #[test]
+    fn a_psi_trigger_waits_and_a_fired_one_counts_as_a_stall() {
+        if let Some(t) = PsiTrigger::new(Path::new("/proc/pressure/memory")) {
+            let t0 = Instant::now();
+            t.wait(Duration::from_millis(30));
+            assert!(t0.elapsed() < Duration::from_secs(1));
+        }
+        assert!(PsiTrigger::new(Path::new("/nonexistent/pressure/memory")).is_none());
+        let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
+        let r = |fired| Reading { available: Some(40 * MIB), psi_fired: fired, ..Default::default() };
+        let t0 = Instant::now();
+        assert_eq!(g.decide(&r(false), 200 * MIB, t0), None);
+        assert_eq!(g.decide(&r(true), 200 * MIB, t0), Some(175 * MIB));
     }
 
     #[test]
