@@ -50,7 +50,11 @@ typedef struct nflash_model nflash_model;
 typedef struct {
   // Whole-process memory budget, bytes (fixed region, hot neurons and
   // the cold neuron cache); 0: the pack's plan's budget, else every
-  // neuron in memory.
+  // neuron in memory; `UINT64_MAX`: follow the memory available
+  // (`nflash run --memory-budget auto`): start at what is free less the
+  // reserve, up to the whole model in memory ([`nflash_trim_memory_to`]
+  // caps it). The neuron cache never starts larger than the memory free
+  // at open allows.
   uint64_t memory_budget_bytes;
   // Context length, tokens (the KV cache's size); 0: the pack plan's,
   // else min(4096, the model's maximum).

@@ -89,7 +89,11 @@ pub enum NflashStatus {
 pub struct NflashOptions {
     /// Whole-process memory budget, bytes (fixed region, hot neurons and
     /// the cold neuron cache); 0: the pack's plan's budget, else every
-    /// neuron in memory.
+    /// neuron in memory; `UINT64_MAX`: follow the memory available
+    /// (`nflash run --memory-budget auto`): start at what is free less the
+    /// reserve, up to the whole model in memory ([`nflash_trim_memory_to`]
+    /// caps it). The neuron cache never starts larger than the memory free
+    /// at open allows.
     pub memory_budget_bytes: u64,
     /// Context length, tokens (the KV cache's size); 0: the pack plan's,
     /// else min(4096, the model's maximum).
@@ -479,8 +483,10 @@ pub unsafe extern "C" fn nflash_open(
         let pool = nflash_runtime::cpu::compute_pool((o.threads > 0).then_some(o.threads as usize))?;
         let pack = placement::open_pack(Path::new(path), o.verify == 1, o.verify != 2)?;
         let reserve = if o.memory_reserve_bytes > 0 { o.memory_reserve_bytes } else { 32 << 20 };
+        let auto = o.memory_budget_bytes == u64::MAX;
         let mem = MemoryOptions {
-            memory_budget: (o.memory_budget_bytes > 0).then_some(o.memory_budget_bytes),
+            memory_budget: (o.memory_budget_bytes > 0 && !auto).then_some(o.memory_budget_bytes),
+            auto,
             reserve: Some(reserve),
             ..Default::default()
         };
@@ -495,7 +501,8 @@ pub unsafe extern "C" fn nflash_open(
         })?;
         let defaults = loaded.with_dependent(|_, r| pack_params(&r.engine));
         let memory = loaded.with_dependent(|_, r| r.engine.model.memory_control());
-        let budget = loaded.with_dependent(|_, r| r.budget);
+        // auto's ceiling is no budget the app gave: the whole reserve is kept.
+        let budget = loaded.with_dependent(|_, r| r.budget).filter(|_| !auto);
         let watch = memory.clone().and_then(|m| {
             let mut gov = Governor::new(reserve, m.floor_bytes(), m.ceiling_bytes());
             gov.budget = budget;

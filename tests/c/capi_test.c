@@ -561,10 +561,33 @@ static void t_trim_memory(void) {
           (unsigned long long)mem.held_bytes, (unsigned long long)mem.ceiling_bytes);
 }
 
+/* memory_budget_bytes UINT64_MAX: the budget follows the memory free (--memory-budget auto). */
+static void t_memory_auto(void) {
+    nflash_options o;
+    nflash_model *m = NULL;
+    nflash_memory_t mem;
+    nflash_message msgs[] = {{"user", "What is the capital of France?"}};
+    struct collect want = {0}, got = {0};
+    CHECK_STATUS(nflash_chat(model, msgs, 1, &greedy, collect_cb, &want), NFLASH_STATUS_OK);
+    CHECK_STATUS(nflash_reset(model), NFLASH_STATUS_OK);
+    nflash_options_default(&o);
+    o.memory_budget_bytes = UINT64_MAX;
+    CHECK_STATUS(nflash_open(pack_path, &o, &m), NFLASH_STATUS_OK);
+    if (!m) return;
+    CHECK_STATUS(nflash_memory(m, &mem), NFLASH_STATUS_OK);
+    CHECK(mem.floor_bytes < mem.ceiling_bytes && mem.held_bytes <= mem.ceiling_bytes, "held %llu, floor %llu, ceiling %llu",
+          (unsigned long long)mem.held_bytes, (unsigned long long)mem.floor_bytes, (unsigned long long)mem.ceiling_bytes);
+    CHECK_STATUS(nflash_chat(m, msgs, 1, &greedy, collect_cb, &got), NFLASH_STATUS_OK);
+    CHECK(strcmp(want.text, got.text) == 0, "with the budget auto the reply differs: \"%s\" vs \"%s\"", want.text,
+          got.text);
+    nflash_free(m);
+}
+
 static const struct {
     const char *name;
     void (*run)(void);
 } cases[] = {
+    {"memory_auto", t_memory_auto},
     {"null_pointers", t_null_pointers},
     {"status_kinds", t_status_kinds},
     {"callback_calls_stats", t_callback_calls_stats},
