@@ -52,6 +52,9 @@ pub struct Reading {
     pub stall_us: Option<u64>,
     /// A PSI trigger ([`PsiTrigger`]) fired since the last reading.
     pub psi_fired: bool,
+    /// `/proc/vmstat` `pswpout`: pages swapped out since boot (to zram on
+    /// most phones), cumulative.
+    pub swap_out_pages: Option<u64>,
 }
 
 impl Reading {
@@ -76,6 +79,10 @@ impl Reading {
         .min_by_key(|m| m.0)
     }
 }
+
+/// Pages swapped out between two readings that count as memory pressure:
+/// 256 (1 MiB of 4 KiB pages) per [`POLL`], 20 MiB/s.
+pub const SWAP_OUT_PAGES: u64 = 256;
 
 /// Memory stall (PSI `some`) a trigger waits for within its window,
 /// microseconds: 5% of the window, as [`STALL_US`] is of [`POLL`].
@@ -125,6 +132,10 @@ pub struct Signals {
     pub meminfo: Option<PathBuf>,
     /// `/proc/pressure/memory`, if readable.
     pub psi: Option<PathBuf>,
+    /// `/proc/vmstat`, if readable (swap-outs).
+    pub vmstat: Option<PathBuf>,
+    /// A zram device is among the swap areas (`/proc/swaps`).
+    pub zram: bool,
 }
 
 impl Signals {
@@ -138,7 +149,13 @@ impl Signals {
             _ => None,
         };
         let readable = |p: &str| read(p).map(|_| PathBuf::from(p));
-        Signals { cgroup, meminfo: readable("/proc/meminfo"), psi: readable("/proc/pressure/memory") }
+        Signals {
+            cgroup,
+            meminfo: readable("/proc/meminfo"),
+            psi: readable("/proc/pressure/memory"),
+            vmstat: readable("/proc/vmstat"),
+            zram: read("/proc/swaps").is_some_and(|s| swaps_have_zram(&s)),
+        }
     }
 
     /// A description for `--stats`: which signals are in use.
@@ -155,6 +172,9 @@ impl Signals {
         }
         if self.meminfo.is_some() {
             v.push("MemAvailable".into());
+        }
+        if self.vmstat.is_some() {
+            v.push(if self.zram { "swap-outs (to zram)" } else { "swap-outs" }.into());
         }
         if self.psi.is_some() {
             v.push("PSI".into());
@@ -188,6 +208,7 @@ impl Signals {
             available: self.meminfo.as_deref().and_then(read).and_then(|s| mem_available(&s)),
             stall_us: self.psi.as_deref().and_then(read).and_then(|s| psi_some_total(&s)),
             psi_fired: false,
+            swap_out_pages: self.vmstat.as_deref().and_then(read).and_then(|s| vmstat_field(&s, "pswpout")),
         }
     }
 }
@@ -276,6 +297,18 @@ pub fn cgroup_room_v1(limit: &str, usage: &str, stat: &str) -> Option<i64> {
     Some(lim as i64 - used as i64)
 }
 
+/// A field of a `/proc/vmstat` (`name value` lines).
+pub fn vmstat_field(vmstat: &str, name: &str) -> Option<u64> {
+    vmstat.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Whether a `/proc/swaps` lists a zram device: the kernel then compresses
+/// anonymous memory into RAM instead of failing, so free memory can look
+/// fine while it swaps (docs/android.md §3d).
+pub fn swaps_have_zram(swaps: &str) -> bool {
+    swaps.lines().skip(1).any(|l| l.split_whitespace().next().is_some_and(|dev| dev.contains("zram")))
+}
+
 /// `MemAvailable` of a `/proc/meminfo`, bytes.
 pub fn mem_available(meminfo: &str) -> Option<u64> {
     let l = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
@@ -307,6 +340,7 @@ pub struct Governor {
     pub budget: Option<u64>,
     last_pressure: Option<Instant>,
     last_stall: Option<u64>,
+    last_swap_out: Option<u64>,
 }
 
 impl Governor {
@@ -314,7 +348,15 @@ impl Governor {
     pub fn new(reserve: u64, floor: u64, ceiling: u64) -> Self {
         // Past 2^60 bytes every reserve means "always short" (the room is
         // compared in i64, twice the reserve included).
-        Governor { reserve: reserve.min(1 << 60), ceiling, floor, budget: None, last_pressure: None, last_stall: None }
+        Governor {
+            reserve: reserve.min(1 << 60),
+            ceiling,
+            floor,
+            budget: None,
+            last_pressure: None,
+            last_stall: None,
+            last_swap_out: None,
+        }
     }
 
     /// The cache size to move to, given a reading at `now` and what the
@@ -323,18 +365,25 @@ impl Governor {
     /// or `MemAvailable` below the reserve (give back the shortfall and
     /// half that reserve more), or when PSI shows stalls while the room is
     /// below twice its reserve (give back a quarter of what is above the
-    /// floor). With room to spare for [`CALM`] since the last shortage,
-    /// take half the spare room above twice the reserve.
+    /// floor). The system swapping out more than [`SWAP_OUT_PAGES`] pages
+    /// since the last reading (to zram, it compresses anonymous memory
+    /// while free memory looks fine) gives back a quarter too, whatever the
+    /// room. With room to spare for [`CALM`] since the last shortage, take
+    /// half the spare room above twice the reserve.
     pub fn decide(&mut self, r: &Reading, held: u64, now: Instant) -> Option<u64> {
         let stalled = r.psi_fired
             || match (r.stall_us, self.last_stall.replace(r.stall_us.unwrap_or(0))) {
                 (Some(now), Some(before)) => now.saturating_sub(before) > STALL_US,
                 _ => false,
             };
+        let swapping = match (r.swap_out_pages, std::mem::replace(&mut self.last_swap_out, r.swap_out_pages)) {
+            (Some(now), Some(before)) => now.saturating_sub(before) > SWAP_OUT_PAGES,
+            _ => false,
+        };
         let margin = r.margin(self.reserve, self.budget);
         let short = margin.is_some_and(|(m, _)| m < 0);
         let tight = margin.is_none_or(|(m, r)| m < r);
-        if short || (stalled && tight) {
+        if short || (stalled && tight) || swapping {
             self.last_pressure = Some(now);
             let target = match margin {
                 Some((m, r)) if m < 0 => held.saturating_sub(m.unsigned_abs().saturating_add((r / 2) as u64)),
@@ -628,6 +677,25 @@ mod tests {
         let t0 = Instant::now();
         assert_eq!(g.decide(&r(false), 200 * MIB, t0), None);
         assert_eq!(g.decide(&r(true), 200 * MIB, t0), Some(175 * MIB));
+    }
+
+    /// zram: swap-outs give memory back even with room to spare; a swap
+    /// area on disk is not zram.
+    #[test]
+    fn swap_outs_count_as_pressure_and_zram_is_recognised() {
+        let swaps = "Filename\tType\tSize\tUsed\tPriority\n/dev/zram0 partition 4194300 1200 100\n";
+        assert!(swaps_have_zram(swaps));
+        assert!(!swaps_have_zram("Filename\tType\tSize\tUsed\tPriority\n/swapfile file 1048572 0 -2\n"));
+        assert!(!swaps_have_zram("Filename\tType\tSize\tUsed\tPriority\n"));
+        let vmstat = "pswpin 12\npswpout 345\npswpout_zero 9\n";
+        assert_eq!(vmstat_field(vmstat, "pswpout"), Some(345));
+        assert_eq!(vmstat_field(vmstat, "pswp"), None);
+        let t0 = Instant::now();
+        let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
+        let r = |pages| Reading { available: Some(4096 * MIB), swap_out_pages: Some(pages), ..Default::default() };
+        assert_eq!(g.decide(&r(1000), 200 * MIB, t0), None, "the first reading sets the baseline");
+        assert_eq!(g.decide(&r(1000 + SWAP_OUT_PAGES), 200 * MIB, t0), None, "a trickle is not pressure");
+        assert_eq!(g.decide(&r(5000), 200 * MIB, t0), Some(175 * MIB), "swapping with plenty available");
     }
 
     #[test]
