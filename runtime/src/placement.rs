@@ -120,7 +120,8 @@ pub fn resolve(
                         stored.map_or(0, |p| p.threads)
                     )
                 } else {
-                    format!("--memory-budget: {e}")
+                    let flag = if o.auto { "--memory-max" } else { "--memory-budget" };
+                    format!("{flag}: {e}").replace("use --memory-budget", &format!("use {flag}"))
                 })
             })?)
         }
@@ -258,9 +259,16 @@ fn start_bytes(
     let total = (f.rss.min(i64::MAX as u64) as i64).saturating_add(margin).max(0) as u64;
     let full = planner::hot_region_bytes(m, &cache.hot_neurons).saturating_add(cache.cold_bytes);
     let least = planner::staging_bytes(m);
+    let ceiling = if o.memory_budget.is_some() { "--memory-max" } else { "the whole model" };
     if total >= fixed.saturating_add(full) {
         if o.auto {
-            crate::message!("memory budget auto: the whole neuron cache fits ({:.1} MiB)", mib(full));
+            crate::message!(
+                "memory budget auto: the memory available now less --memory-reserve ({:.1} MiB) leaves {:.1} MiB for this process, enough for the plan up to {ceiling} ({:.1} MiB): the neuron cache starts whole ({:.1} MiB)",
+                mib(reserve),
+                mib(total),
+                mib(fixed + full),
+                mib(full)
+            );
         }
         return Ok(None);
     }
@@ -282,13 +290,43 @@ fn start_bytes(
         return Ok(Some(0));
     }
     let start = total - fixed;
+    let plan = if o.auto { format!("the plan up to {ceiling}") } else { "the plan".into() };
     crate::message!(
-        "note: the neuron cache starts at {:.1} MiB of its {:.1} MiB: that is what the memory available now leaves, less --memory-reserve ({:.1} MiB); it grows when memory is free",
+        "note: the neuron cache starts at {:.1} MiB of the {:.1} MiB in {plan}: the memory available now less --memory-reserve ({:.1} MiB) leaves {:.1} MiB for this process; it grows toward the plan when memory is free (--stats: \"memory pressure\")",
         mib(start),
         mib(full),
-        mib(reserve)
+        mib(reserve),
+        mib(total)
     );
     Ok(Some(start))
+}
+
+/// Refuses to load `pack` (validated, nothing read yet) where the memory
+/// free now (the cgroup's room, `MemAvailable`) cannot hold its resident
+/// tensors and the runtime's own estimate (the planner's off-device figure,
+/// [`planner::RUNTIME_BASE_BYTES`] and the tokenizer), instead of being
+/// killed by the kernel while loading. Without signals, nothing is checked.
+///
+/// # Errors
+/// [`Error::Budget`] naming both figures.
+fn check_room_to_load(pack: &Pack) -> Result<()> {
+    let Some((room, _)) = crate::pressure::Signals::detect().read().margin(0, None) else { return Ok(()) };
+    let m = pack.manifest();
+    let resident: u64 = m.segments.iter().filter(|s| s.kind != nflash_format::SegmentKind::Ffn).map(|s| s.bytes).sum();
+    let held = crate::stats::rss_bytes().unwrap_or(0);
+    let need = resident + planner::RUNTIME_BASE_BYTES + planner::TOKENIZER_FACTOR * m.tokenizer.json_bytes;
+    let free = (held.min(i64::MAX as u64) as i64).saturating_add(room).max(0) as u64;
+    if free < need {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        return Err(Error::Budget(format!(
+            "only {:.1} MiB of memory is free for this process (its memory cgroup's limit, or MemAvailable), and loading {} takes about {:.1} MiB (resident tensors {:.1} MiB and the runtime); free memory, or run it where more is available",
+            mib(free),
+            pack.path().display(),
+            mib(need),
+            mib(resident)
+        )));
+    }
+    Ok(())
 }
 
 /// The context length (KV cache tokens) to run `pack` with: `requested`,
@@ -321,6 +359,7 @@ pub fn context_len(pack: &Pack, requested: Option<usize>) -> Result<usize> {
 /// As [`Pack::open_resident`], [`Pack::verify`], [`Pack::cluster_checksums`]
 /// and [`Pack::interleave`].
 pub fn open_pack(path: &std::path::Path, full_check: bool, check_clusters: bool) -> Result<Pack> {
+    check_room_to_load(&Pack::open(path)?)?;
     let mut pack = Pack::open_resident(path)?;
     if full_check {
         pack.verify()?;

@@ -162,13 +162,11 @@ impl Signals {
     pub fn describe(&self) -> String {
         let mut v = Vec::new();
         if let Some((p, v2)) = &self.cgroup {
-            let limited = self.read().cgroup_room.is_some();
-            v.push(format!(
-                "cgroup {} {}{}",
-                if *v2 { "v2" } else { "v1" },
-                p.display(),
-                if limited { "" } else { " (no limit set)" }
-            ));
+            let limit = match self.read().cgroup_limit {
+                Some(l) => format!(" (limit {:.1} MiB)", l as f64 / (1u64 << 20) as f64),
+                None => " (no limit set)".into(),
+            };
+            v.push(format!("cgroup {} {}{limit}", if *v2 { "v2" } else { "v1" }, p.display()));
         }
         if self.meminfo.is_some() {
             v.push("MemAvailable".into());
@@ -464,8 +462,6 @@ pub struct Watch {
     /// and since the last [`Watch::take_window`].
     range: Arc<Mutex<(u64, u64)>>,
     window: Arc<Mutex<(u64, u64)>>,
-    /// What the cache held at the last poll, bytes.
-    last: Arc<AtomicU64>,
     /// The cache's size at load, bytes.
     ceiling: u64,
     /// The most an app lets the cache hold ([`Watch::set_cap`]), bytes.
@@ -483,8 +479,7 @@ impl Watch {
         let held = mem.held_bytes();
         let range = Arc::new(Mutex::new((held, held)));
         let window = Arc::new(Mutex::new((held, held)));
-        let last = Arc::new(AtomicU64::new(held));
-        let (s, rg, wd, ls) = (Arc::clone(&stop), Arc::clone(&range), Arc::clone(&window), Arc::clone(&last));
+        let (s, rg, wd) = (Arc::clone(&stop), Arc::clone(&range), Arc::clone(&window));
         let trigger = signals.psi.as_deref().and_then(PsiTrigger::new);
         let mut described = signals.describe();
         if trigger.is_some() {
@@ -507,7 +502,6 @@ impl Watch {
                     let mut g = r.lock().unwrap_or_else(|e| e.into_inner());
                     *g = (g.0.min(held), g.1.max(held));
                 }
-                ls.store(held, Ordering::Relaxed);
                 // The next poll, or sooner when the PSI trigger fires.
                 match &trigger {
                     Some(t) => fired = t.wait(POLL),
@@ -515,7 +509,7 @@ impl Watch {
                 }
             }
         })?;
-        Ok(Watch { stop, thread: Some(thread), range, window, last, ceiling, cap, signals: described })
+        Ok(Watch { stop, thread: Some(thread), range, window, ceiling, cap, signals: described })
     }
 
     /// Lets the cache grow back to at most `bytes` (an app's trim, which
@@ -535,12 +529,13 @@ impl Watch {
     }
 
     /// The least and the most the cache held, bytes, at the polls since
-    /// the last call (for one request of a server); starts the next window
-    /// at what it held at the last poll.
-    pub fn take_window(&self) -> (u64, u64) {
+    /// the last call and now (`held`, what it holds now: for one request of
+    /// a server, called at its start and its end); starts the next window
+    /// at `held`.
+    pub fn take_window(&self, held: u64) -> (u64, u64) {
         let mut g = self.window.lock().unwrap_or_else(|e| e.into_inner());
-        let held = self.last.load(Ordering::Relaxed);
-        std::mem::replace(&mut *g, (held, held))
+        let (lo, hi) = std::mem::replace(&mut *g, (held, held));
+        (lo.min(held), hi.max(held))
     }
 
     /// The cache's size at load, bytes.

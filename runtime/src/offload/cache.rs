@@ -425,12 +425,10 @@ impl NeuronCache {
         }
         let lru = core.lru.get_mut().unwrap_or_else(|e| e.into_inner());
         lru.keep_first(slots);
-        for (l, (lay, &k)) in core.layers.iter().zip(&live).enumerate() {
-            core.live[l].store(k, Ordering::Relaxed);
-            // Hot clusters left on flash count as given back (`reads_after_shrink`).
-            for c in k..lay.hot {
-                lru.dropped[l][c / 64] |= 1 << (c % 64);
-            }
+        // Hot clusters left on flash were never held: their reads are not
+        // `reads_after_shrink`.
+        for (a, &k) in core.live.iter().zip(&live) {
+            a.store(k, Ordering::Relaxed);
         }
         lru.target_live = live;
         // Without a cold region nothing is ever read: one idle thread, no ring.

@@ -8,7 +8,7 @@ use nflash_plan::planner::parse_bytes;
 use nflash_plan::KvType;
 use nflash_runtime::placement::{self, MemoryOptions};
 use nflash_runtime::pressure::{Governor, Signals, Watch};
-use nflash_runtime::{message, Engine};
+use nflash_runtime::Engine;
 
 /// Memory options (PowerInfer-2's segmented neuron cache; SPEC §4.6).
 #[derive(Args, Clone, Debug)]
@@ -105,14 +105,8 @@ impl MemoryArgs {
 /// cannot move or the thread cannot start.
 pub fn follow_memory(engine: &Engine, a: &MemoryArgs, budget: Option<u64>) -> Option<Watch> {
     let mem = engine.model.memory_control()?;
+    // A reserve above what is free was reported when the cache was sized (placement).
     let signals = Signals::detect();
-    if let Some(avail) = signals.read().available.filter(|&m| m <= a.memory_reserve) {
-        message!(
-            "warning: --memory-reserve {} MiB is more than the memory available now ({} MiB): the neuron cache will stay at its floor",
-            a.memory_reserve >> 20,
-            avail >> 20
-        );
-    }
     let mut gov = Governor::new(a.memory_reserve, mem.floor_bytes(), mem.ceiling_bytes());
     // auto's ceiling is no budget the user gave: the whole reserve is kept.
     gov.budget = budget.filter(|_| a.memory_budget != Some(Budget::Auto));

@@ -464,8 +464,8 @@ fn generation_loop(engine: &Engine, session: &mut Session, jobs: &Queue, memory:
 fn run_job(engine: &Engine, session: &mut Session, job: &Job, memory: Memory) -> Event {
     let t0 = Instant::now();
     engine.model.reset_counters();
-    if let Some(w) = memory.watch {
-        w.take_window();
+    if let (Some(w), Some(m)) = (memory.watch, engine.model.memory_control()) {
+        w.take_window(m.held_bytes());
     }
     let mut sampler = Sampler::new(job.sampling);
     let opts = GenerateOptions {
@@ -520,7 +520,8 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job, memory: Memory) ->
                 turn.stats.decode_tokens_per_s(),
                 wall,
             );
-            let timings = timings(job, &turn, (t0 - job.enqueued).as_secs_f64(), memory);
+            let held = engine.model.memory_control().map_or(0, |m| m.held_bytes());
+            let timings = timings(job, &turn, (t0 - job.enqueued).as_secs_f64(), memory, held);
             Event::Done { prompt_tokens: job.ids.len(), completion_tokens: turn.tokens.len(), finish_reason, timings }
         }
         Err(e) => {
@@ -532,13 +533,14 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job, memory: Memory) ->
 
 /// nflash's timings of one request (the response's `timings` object),
 /// with the memory budget over the request: its least and most (the
-/// budget less what the governor gave back, at its polls), and the
+/// budget less what was given back, at its start, the governor's polls
+/// and its end; the cache holds `held` bytes now), and the
 /// shrinks, grows, bytes given back and clusters read again.
-fn timings(job: &Job, turn: &Turn, queue_s: f64, memory: Memory) -> Value {
+fn timings(job: &Job, turn: &Turn, queue_s: f64, memory: Memory, held: u64) -> Value {
     let st = &turn.stats;
     let (p, d) = (&st.prefill_cache, &st.decode_cache);
     let range = memory.watch.map(|w| {
-        let (lo, hi) = w.take_window();
+        let (lo, hi) = w.take_window(held);
         (w.ceiling() - lo.min(w.ceiling()), w.ceiling() - hi.min(w.ceiling()))
     });
     let budget = |given: fn((u64, u64)) -> u64| memory.budget.zip(range).map(|(b, r)| b.saturating_sub(given(r)));
