@@ -265,3 +265,28 @@ fn a_budget_at_the_cgroup_limit_is_used_whole_and_auto_starts_within_the_room() 
     assert!(max < budget, "auto in a {} MiB group went up to its ceiling", limit >> 20);
     assert!(peak + (24 << 20) <= limit, "auto in a {} MiB group peaked at {peak} bytes", limit >> 20);
 }
+
+/// A memory cgroup too small for the pack's resident tensors: nflash
+/// refuses before loading, with both figures, instead of being OOM-killed
+/// while it loads (with a budget, with `auto`, with none).
+#[test]
+fn a_cgroup_too_small_to_load_the_pack_is_refused_before_loading() {
+    let pack = repo_root().join("models/smollm2-q8_0.nflash");
+    if !pack.exists() {
+        eprintln!("skipping: {} is made by make test (make demo)", pack.display());
+        return;
+    }
+    let Some(g) = Cgroup::new("nflash-test-small", 40 << 20) else {
+        eprintln!("skipping: no memory cgroup can be made here (needs root and a memory controller)");
+        return;
+    };
+    let m = pack.to_str().unwrap();
+    for budget in [&["--memory-budget", "auto"][..], &["--memory-budget", "200MiB"], &[]] {
+        let a = [&["run", "--model", m, "--prompt", "Hi", "--max-tokens", "4", "--ctx", "128"][..], budget].concat();
+        let o = g.command(&bin("nflash"), &a).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(g.oom_kills(), 0, "{budget:?}: OOM-killed while loading: {:?}\n{err}", o.status);
+        assert_eq!(o.status.code(), Some(1), "{budget:?}: {:?}\n{err}", o.status);
+        assert!(err.contains("of memory is free for this process") && err.contains("resident tensors"), "{err}");
+    }
+}
