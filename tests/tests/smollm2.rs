@@ -359,7 +359,7 @@ fn a_full_context_stays_within_the_budget() {
             "nflash",
             &[
                 &a[..],
-                &["--ctx", ctx, "--memory-budget", budget, "--ignore-eos", "--temperature", "0"],
+                &["--ctx", ctx, "--max-tokens", "600", "--memory-budget", budget, "--ignore-eos", "--temperature", "0"],
                 &["--stats-json", stats.to_str().unwrap()],
             ]
             .concat(),
