@@ -139,7 +139,7 @@ impl FixedRegion {
 pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footprint>) -> FixedRegion {
     let c = &m.config;
     let h = c.hidden_size;
-    let resident = m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn).map(|s| s.bytes).sum();
+    let resident = resident_bytes(m);
     let kv = kv_cache_bytes_of(c, ctx as usize, kv);
     // One prefill chunk of n tokens, f32 (runtime/src/model/forward.rs): the
     // residual and normed input [n, hidden] (and the sandwich norms' output)
@@ -166,9 +166,21 @@ pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footpri
         Some(f) => {
             (f.rss.saturating_sub(resident) + RUNTIME_MARGIN_BYTES).max(f.peak.saturating_sub(resident + kv + scratch))
         }
-        None => RUNTIME_BASE_BYTES + TOKENIZER_FACTOR * m.tokenizer.json_bytes,
+        None => runtime_estimate(m),
     };
     FixedRegion { resident, kv, scratch, runtime }
+}
+
+/// Bytes of `m`'s tokenizer and resident segments (embeddings, attention,
+/// norms, predictors): every segment but the FFN's.
+pub fn resident_bytes(m: &Manifest) -> u64 {
+    m.segments.iter().filter(|s| s.kind != SegmentKind::Ffn).map(|s| s.bytes).sum()
+}
+
+/// The runtime's own memory for `m` estimated off the device, bytes:
+/// [`RUNTIME_BASE_BYTES`] and [`TOKENIZER_FACTOR`] times the tokenizer's JSON.
+pub fn runtime_estimate(m: &Manifest) -> u64 {
+    RUNTIME_BASE_BYTES + TOKENIZER_FACTOR * m.tokenizer.json_bytes
 }
 
 /// The least neuron cache a run of `m` can hold, bytes: one FFN unit's

@@ -249,14 +249,12 @@ fn start_bytes(
     let (Some(reserve), Some(f)) = (o.reserve, measured) else { return Ok(None) };
     // A budget given (not auto's ceiling) may fill a cgroup's limit.
     let budget = plan.map(|p| p.memory_budget_bytes).filter(|_| !o.auto);
-    let Some((margin, _)) = crate::pressure::Signals::detect().read().margin(reserve, budget) else {
+    let Some(total) = crate::pressure::Signals::detect().read().allowance(f.rss, reserve, budget) else {
         return Ok(None);
     };
     let m = pack.manifest();
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let fixed = plan.map_or_else(|| planner::fixed_region(m, ctx as u32, o.kv, measured).total(), |p| p.fixed_bytes);
-    // The process may hold what it holds now and what is above the reserve.
-    let total = (f.rss.min(i64::MAX as u64) as i64).saturating_add(margin).max(0) as u64;
     let full = planner::hot_region_bytes(m, &cache.hot_neurons).saturating_add(cache.cold_bytes);
     let least = planner::staging_bytes(m);
     let ceiling = if o.memory_budget.is_some() { "--memory-max" } else { "the whole model" };
@@ -304,18 +302,17 @@ fn start_bytes(
 /// Refuses to load `pack` (validated, nothing read yet) where the memory
 /// free now (the cgroup's room, `MemAvailable`) cannot hold its resident
 /// tensors and the runtime's own estimate (the planner's off-device figure,
-/// [`planner::RUNTIME_BASE_BYTES`] and the tokenizer), instead of being
+/// [`planner::runtime_estimate`]), instead of being
 /// killed by the kernel while loading. Without signals, nothing is checked.
 ///
 /// # Errors
 /// [`Error::Budget`] naming both figures.
 fn check_room_to_load(pack: &Pack) -> Result<()> {
-    let Some((room, _)) = crate::pressure::Signals::detect().read().margin(0, None) else { return Ok(()) };
-    let m = pack.manifest();
-    let resident: u64 = m.segments.iter().filter(|s| s.kind != nflash_format::SegmentKind::Ffn).map(|s| s.bytes).sum();
     let held = crate::stats::rss_bytes().unwrap_or(0);
-    let need = resident + planner::RUNTIME_BASE_BYTES + planner::TOKENIZER_FACTOR * m.tokenizer.json_bytes;
-    let free = (held.min(i64::MAX as u64) as i64).saturating_add(room).max(0) as u64;
+    let Some(free) = crate::pressure::Signals::detect().read().allowance(held, 0, None) else { return Ok(()) };
+    let m = pack.manifest();
+    let resident = planner::resident_bytes(m);
+    let need = resident + planner::runtime_estimate(m);
     if free < need {
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         return Err(Error::Budget(format!(

@@ -65,6 +65,7 @@ impl Reading {
     /// between its limit and the process's `budget` where that is smaller
     /// (see [`Governor::budget`]).
     pub fn margin(&self, reserve: u64, budget: Option<u64>) -> Option<(i64, i64)> {
+        // Past 2^60 bytes every reserve means "always short" (compared in i64).
         let reserve = reserve.min(1 << 60) as i64;
         let cgroup_reserve = match (budget, self.cgroup_limit) {
             (Some(b), Some(l)) => (l.saturating_sub(b) as i64).min(reserve),
@@ -77,6 +78,13 @@ impl Reading {
         .into_iter()
         .flatten()
         .min_by_key(|m| m.0)
+    }
+
+    /// Bytes the process may hold in all, holding `held` now: that and what
+    /// is above the reserve ([`Self::margin`]), at least 0; `None` as margin.
+    pub fn allowance(&self, held: u64, reserve: u64, budget: Option<u64>) -> Option<u64> {
+        let (margin, _) = self.margin(reserve, budget)?;
+        Some((held.min(i64::MAX as u64) as i64).saturating_add(margin).max(0) as u64)
     }
 }
 
@@ -158,8 +166,9 @@ impl Signals {
         }
     }
 
-    /// A description for `--stats`: which signals are in use.
-    pub fn describe(&self) -> String {
+    /// A description for `--stats`: which signals are in use (`trigger`:
+    /// PSI with a [`PsiTrigger`]).
+    pub fn describe(&self, trigger: bool) -> String {
         let mut v = Vec::new();
         if let Some((p, v2)) = &self.cgroup {
             let limit = match self.read().cgroup_limit {
@@ -175,7 +184,7 @@ impl Signals {
             v.push(if self.zram { "swap-outs (to zram)" } else { "swap-outs" }.into());
         }
         if self.psi.is_some() {
-            v.push("PSI".into());
+            v.push(if trigger { "PSI (with a trigger)" } else { "PSI" }.into());
         }
         if v.is_empty() {
             "none".into()
@@ -344,17 +353,7 @@ pub struct Governor {
 impl Governor {
     /// A governor keeping `reserve` bytes free, for a cache between `floor` and `ceiling` bytes.
     pub fn new(reserve: u64, floor: u64, ceiling: u64) -> Self {
-        // Past 2^60 bytes every reserve means "always short" (the room is
-        // compared in i64, twice the reserve included).
-        Governor {
-            reserve: reserve.min(1 << 60),
-            ceiling,
-            floor,
-            budget: None,
-            last_pressure: None,
-            last_stall: None,
-            last_swap_out: None,
-        }
+        Governor { reserve, ceiling, floor, budget: None, last_pressure: None, last_stall: None, last_swap_out: None }
     }
 
     /// The cache size to move to, given a reading at `now` and what the
@@ -481,10 +480,7 @@ impl Watch {
         let window = Arc::new(Mutex::new((held, held)));
         let (s, rg, wd) = (Arc::clone(&stop), Arc::clone(&range), Arc::clone(&window));
         let trigger = signals.psi.as_deref().and_then(PsiTrigger::new);
-        let mut described = signals.describe();
-        if trigger.is_some() {
-            described = described.replace("PSI", "PSI (with a trigger)");
-        }
+        let described = signals.describe(trigger.is_some());
         let ceiling = mem.ceiling_bytes();
         let cap = Arc::new(AtomicU64::new(u64::MAX));
         let cp = Arc::clone(&cap);

@@ -412,12 +412,10 @@ impl NeuronCache {
             shared: Arc::clone(&shared),
             planned_slots: n_slots,
         };
-        // What to hold at first: everything, or what `start_bytes` holds,
-        // as a resize to it would leave the cache (the rest grows later).
-        let (live, slots) = match cfg.start_bytes {
-            Some(b) => core.plan(b),
-            None => (core.layers.iter().map(|l| l.hot).collect(), n_slots),
-        };
+        // What to hold at first: what `start_bytes` holds (everything
+        // without it), as a resize to it would leave the cache (the rest
+        // grows later).
+        let (live, slots) = core.plan(cfg.start_bytes.unwrap_or(u64::MAX));
         read_hot(&core.shared.flash, &core.layers, &live, core.hot.as_mut_slice())?;
         check_hot(&core.path, &core.layers, &live, core.hot.as_slice())?;
         if crate::kernels::x8_available() {

@@ -6,6 +6,7 @@ use nflash_format::{DeviceProfile, Pack, Plan};
 use nflash_plan::layout::IoEngine;
 use nflash_plan::planner::parse_bytes;
 use nflash_plan::KvType;
+use nflash_runtime::model::CacheStats;
 use nflash_runtime::placement::{self, MemoryOptions};
 use nflash_runtime::pressure::{Governor, Signals, Watch};
 use nflash_runtime::Engine;
@@ -111,6 +112,34 @@ pub fn follow_memory(engine: &Engine, a: &MemoryArgs, budget: Option<u64>) -> Op
     // auto's ceiling is no budget the user gave: the whole reserve is kept.
     gov.budget = budget.filter(|_| a.memory_budget != Some(Budget::Auto));
     Watch::start(signals, gov, mem).ok()
+}
+
+/// The memory-budget keys of `--stats-json` and of serve's `timings`, over
+/// a span: `budget_min_bytes` and `budget_max_bytes` (the whole-process
+/// `budget` less what the cache had given back from its ceiling when it
+/// held least and most: `held` from the governor's `Watch`), and the
+/// span's `budget_shrinks`, `budget_grows`, `bytes_returned` and
+/// `reads_after_shrink`, summed over `spans`.
+pub fn budget_json(
+    budget: Option<u64>,
+    held: Option<(&Watch, (u64, u64))>,
+    spans: &[&CacheStats],
+) -> serde_json::Map<String, serde_json::Value> {
+    let given_back = held.map(|(w, (lo, hi))| (w.ceiling().saturating_sub(lo), w.ceiling().saturating_sub(hi)));
+    let less = |pick: fn((u64, u64)) -> u64| budget.zip(given_back).map(|(b, g)| b.saturating_sub(pick(g)));
+    let sum = |f: fn(&CacheStats) -> u64| spans.iter().map(|s| f(s)).sum::<u64>();
+    let j = serde_json::json!({
+        "budget_min_bytes": less(|g| g.0),
+        "budget_max_bytes": less(|g| g.1),
+        "budget_shrinks": sum(|s| s.budget_shrinks),
+        "budget_grows": sum(|s| s.budget_grows),
+        "bytes_returned": sum(|s| s.bytes_returned),
+        "reads_after_shrink": sum(|s| s.reads_after_shrink),
+    });
+    match j {
+        serde_json::Value::Object(m) => m,
+        _ => unreachable!("a JSON object literal"),
+    }
 }
 
 /// Loads the engine as [`nflash_runtime::placement::load_engine`] does with

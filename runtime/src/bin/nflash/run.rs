@@ -410,16 +410,8 @@ fn report(
         let mut j = j;
         // The budget over the run: what the governor gave back comes off it.
         let total = model.cache_stats();
-        let range = watch.map(|w| {
-            let (lo, hi) = w.held_range();
-            (w.ceiling() - lo, w.ceiling() - hi)
-        });
-        j["budget_min_bytes"] = serde_json::json!(budget.zip(range).map(|(b, (lo, _))| b.saturating_sub(lo)));
-        j["budget_max_bytes"] = serde_json::json!(budget.zip(range).map(|(b, (_, hi))| b.saturating_sub(hi)));
-        j["budget_shrinks"] = serde_json::json!(total.budget_shrinks);
-        j["budget_grows"] = serde_json::json!(total.budget_grows);
-        j["bytes_returned"] = serde_json::json!(total.bytes_returned);
-        j["reads_after_shrink"] = serde_json::json!(total.reads_after_shrink);
+        let span = crate::memory::budget_json(budget, watch.map(|w| (w, w.held_range())), &[&total]);
+        j.as_object_mut().expect("an object").extend(span);
         j["memory_signals"] = serde_json::json!(watch.map(|w| w.signals()));
         let mem = model.memory_control();
         j["cache_floor_bytes"] = serde_json::json!(mem.as_ref().map(|m| m.floor_bytes()));

@@ -538,19 +538,9 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job, memory: Memory) ->
 /// shrinks, grows, bytes given back and clusters read again.
 fn timings(job: &Job, turn: &Turn, queue_s: f64, memory: Memory, held: u64) -> Value {
     let st = &turn.stats;
-    let (p, d) = (&st.prefill_cache, &st.decode_cache);
-    let range = memory.watch.map(|w| {
-        let (lo, hi) = w.take_window(held);
-        (w.ceiling() - lo.min(w.ceiling()), w.ceiling() - hi.min(w.ceiling()))
-    });
-    let budget = |given: fn((u64, u64)) -> u64| memory.budget.zip(range).map(|(b, r)| b.saturating_sub(given(r)));
-    json!({
-        "budget_min_bytes": budget(|r| r.0),
-        "budget_max_bytes": budget(|r| r.1),
-        "budget_shrinks": p.budget_shrinks + d.budget_shrinks,
-        "budget_grows": p.budget_grows + d.budget_grows,
-        "bytes_returned": p.bytes_returned + d.bytes_returned,
-        "reads_after_shrink": p.reads_after_shrink + d.reads_after_shrink,
+    let held = memory.watch.map(|w| (w, w.take_window(held)));
+    let budget = crate::memory::budget_json(memory.budget, held, &[&st.prefill_cache, &st.decode_cache]);
+    let mut j = json!({
         "queue_ms": queue_s * 1e3,
         "prompt_tokens": job.ids.len(),
         "reused_tokens": turn.reused_tokens,
@@ -562,7 +552,9 @@ fn timings(job: &Job, turn: &Turn, queue_s: f64, memory: Memory, held: u64) -> V
         "decode_tokens_per_s": st.decode_tokens_per_s(),
         "cache_hit_rate": st.decode_cache.hit_rate(),
         "bytes_read": st.prefill_cache.bytes_read + st.decode_cache.bytes_read,
-    })
+    });
+    j.as_object_mut().expect("an object").extend(budget);
+    j
 }
 
 /// Finds stop strings in streamed text, holding back a tail that could be
