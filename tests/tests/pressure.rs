@@ -96,17 +96,25 @@ fn stats(path: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
-#[test]
-fn a_balloon_in_the_cgroup_squeezes_nflash_to_its_floor_without_an_oom_kill() {
+/// The demo's SmolLM2 q8_0 pack and a memory cgroup `name` limited to
+/// `limit` bytes; `None`, with a message saying why the test is skipped,
+/// without the pack (made by make test) or where no group can be made.
+fn pack_and_group(name: &str, limit: u64) -> Option<(PathBuf, Cgroup)> {
     let pack = repo_root().join("models/smollm2-q8_0.nflash");
     if !pack.exists() {
         eprintln!("skipping: {} is made by make test (make demo)", pack.display());
-        return;
+        return None;
     }
-    let Some(probe) = Cgroup::new("nflash-test-probe", 1 << 30) else {
+    let Some(g) = Cgroup::new(name, limit) else {
         eprintln!("skipping: no memory cgroup can be made here (needs root and a memory controller)");
-        return;
+        return None;
     };
+    Some((pack, g))
+}
+
+#[test]
+fn a_balloon_in_the_cgroup_squeezes_nflash_to_its_floor_without_an_oom_kill() {
+    let Some((pack, probe)) = pack_and_group("nflash-test-probe", 1 << 30) else { return };
     drop(probe);
     let dir = tempfile::tempdir().unwrap();
     let m = pack.to_str().unwrap();
@@ -200,16 +208,8 @@ fn a_balloon_in_the_cgroup_squeezes_nflash_to_its_floor_without_an_oom_kill() {
 /// starts within the room less the reserve instead of at the whole model.
 #[test]
 fn a_budget_at_the_cgroup_limit_is_used_whole_and_auto_starts_within_the_room() {
-    let pack = repo_root().join("models/smollm2-q8_0.nflash");
-    if !pack.exists() {
-        eprintln!("skipping: {} is made by make test (make demo)", pack.display());
-        return;
-    }
     let limit: u64 = 160 << 20;
-    let Some(g) = Cgroup::new("nflash-test-budget", limit) else {
-        eprintln!("skipping: no memory cgroup can be made here (needs root and a memory controller)");
-        return;
-    };
+    let Some((pack, g)) = pack_and_group("nflash-test-budget", limit) else { return };
     let dir = tempfile::tempdir().unwrap();
     let m = pack.to_str().unwrap();
     let run = |budget: &str, json: &Path, group: Option<&Cgroup>| {
@@ -271,15 +271,7 @@ fn a_budget_at_the_cgroup_limit_is_used_whole_and_auto_starts_within_the_room() 
 /// while it loads (with a budget, with `auto`, with none).
 #[test]
 fn a_cgroup_too_small_to_load_the_pack_is_refused_before_loading() {
-    let pack = repo_root().join("models/smollm2-q8_0.nflash");
-    if !pack.exists() {
-        eprintln!("skipping: {} is made by make test (make demo)", pack.display());
-        return;
-    }
-    let Some(g) = Cgroup::new("nflash-test-small", 40 << 20) else {
-        eprintln!("skipping: no memory cgroup can be made here (needs root and a memory controller)");
-        return;
-    };
+    let Some((pack, g)) = pack_and_group("nflash-test-small", 40 << 20) else { return };
     let m = pack.to_str().unwrap();
     for budget in [&["--memory-budget", "auto"][..], &["--memory-budget", "200MiB"], &[]] {
         let a = [&["run", "--model", m, "--prompt", "Hi", "--max-tokens", "4", "--ctx", "128"][..], budget].concat();
