@@ -34,6 +34,7 @@ help:
 	@echo "                     memory limits of the whole model, fixed + 50% and + 25% of the experts"
 	@echo "make bench-serve   - load on nflash serve: 16 clients for 60 s, answered/503/latency/peak RSS vs budget"
 	@echo "make bench-pressure - (root) a balloon grows in nflash's and llama.cpp's memory cgroup: OOM kills, tokens/s before/during/after"
+	@echo "                     (SmolLM2 q4_0/q8_0, and the synthetic 7B when bench-scale SPARSITIES=0.9 made it)"
 	@echo "make bench-verify  - (root) what checking neuron-cluster CRC-32Cs costs: --verify lazy vs off on SmolLM2 and"
 	@echo "                     the bench-scale 7B pack, in memory and from flash, plus callgrind instruction counts"
 	@echo "make bench-scale   - (root) the same at 7B scale on synthetic ReLU models (sparsity 0.9/0.8/0.6;"

@@ -8,20 +8,26 @@ Run as root with the bench venv's python (`make bench-pressure` does both):
     scripts/bench_setup.sh
     .venv-bench/bin/python scripts/bench_pressure.py --gguf-src models/.download/SmolLM2-135M-Instruct.Q4_1.gguf
 
-Models: SmolLM2-135M-Instruct q4_0 and q8_0, the dense packs
-(bench-out/smollm2-{q}.nflash, `prep convert`) and the pure GGUFs llama.cpp
-reads (bench-out/smollm2-{q}.gguf, requantized from the Q4_1 GGUF), from
-nflash_bench.models as in `make bench`.
+Models (--models, default q4_0,q8_0,7b): SmolLM2-135M-Instruct q4_0 and
+q8_0, the dense packs (bench-out/smollm2-{q}.nflash, `prep convert`) and
+the pure GGUFs llama.cpp reads (bench-out/smollm2-{q}.gguf, requantized
+from the Q4_1 GGUF), from nflash_bench.models as in `make bench`; and 7b,
+the synthetic llama-7b ReLU q4_0 pack at sparsity 0.9 and its GGUF that
+`make bench-scale SPARSITIES=0.9` leaves in --scale-dir (skipped with a
+note when they are missing: making them takes about an hour).
 
 Setting, per model (the issue's, for q8_0): a cgroup v1 group limited to L
 = --budget-mib + 40 MiB; nflash runs with `--memory-budget` --budget-mib
-(default 200) and --ctx 2048; llama.cpp is llama-completion (the native
+(default 200) and --ctx 2048; the 7B the same at its own scale
+(--scale-budget-mib 4700 + 256 MiB, a --scale-balloon-mib 2048 balloon in
+100 MiB steps held --scale-hold-s 8, --scale-tokens 160, ctx 512: the
+squeeze leaves room for about half of its FFN, bench-scale's (b)); llama.cpp is llama-completion (the native
 build of scripts/bench_setup.sh) with the weights mmapped and not repacked
 (nflash_bench.llama.native_llama_cmd), -c 2048. Both decode --tokens (1500)
 tokens of the fixed prompt, greedy, EOS ignored, 2 threads. Once the
 engine's first text appears and --before-s (2) more have passed, the
 balloon (tests' nflash-balloon) takes --balloon-mib (100) in 10 MiB steps
-every 100 ms, holds --hold-s (4), and leaves. Page cache dropped before
+(the 7B: 100 MiB) every 100 ms, holds --hold-s (4), and leaves. Page cache dropped before
 each run; engines alternate run by run (--runs 3); medians over the runs.
 
 Figures: outcome (ok, or OOM-killed: the group's oom_kill count, exit
@@ -41,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -58,6 +65,8 @@ from nflash_bench.prompt import PROMPT_TEXT  # noqa: E402
 common.PROG = "bench-pressure"
 POLL_S = 0.05
 RESERVE = 32 * MIB
+# bench-scale's pack at sparsity 0.9 (nflash_bench.scale.prepare).
+SCALE_TAG = "llama-7b-s0.9"
 
 
 def rss_of(pid: int) -> int | None:
@@ -75,7 +84,9 @@ def in_group(d: Path, cmd: list[str], env: dict | None = None) -> subprocess.Pop
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
-def run_once(a, engine: str, cmd: list[str], env: dict | None, limit: int) -> dict:
+def run_once(a, m: dict, engine: str, cmd: list[str], env: dict | None) -> dict:
+    """One run of `cmd` in a group limited to m["limit"] with m's balloon."""
+    limit = m["limit"]
     d = new_group(limit)
     try:
         drop_caches()
@@ -110,9 +121,9 @@ def run_once(a, engine: str, cmd: list[str], env: dict | None, limit: int) -> di
             time.sleep(0.01)
         time.sleep(a.before_s)
         if p.poll() is None:
-            steps = a.balloon_mib // 10
-            b = in_group(d, [str(a.balloon), "--step", "10", "--steps", str(steps), "--hold-ms",
-                             str(int(a.hold_s * 1000))])
+            steps = m["balloon_mib"] // m["step_mib"]
+            b = in_group(d, [str(a.balloon), "--step", str(m["step_mib"]), "--steps", str(steps), "--hold-ms",
+                             str(int(m["hold_s"] * 1000))])
             state["balloon"] = b
             balloon["start"] = time.perf_counter() - t0
             for line in b.stdout:
@@ -204,9 +215,36 @@ def plot(runs: dict, limit: int, path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def model_settings(a) -> dict[str, dict]:
+    """Per model in --models: its pack, GGUF and pressure setting (sizes in MiB, limit in bytes)."""
+    models: dict[str, dict] = {}
+    smol = [q for q in a.models if q in ("q4_0", "q8_0")]
+    if smol:
+        a.quant = smol
+        ggufs, packs = prepare_llama(a, a.cache_dir), prepare_nflash(a, a.cache_dir)
+        for q in smol:
+            models[q] = {"title": f"SmolLM2 {q}", "pack": packs[q], "gguf": ggufs[q], "budget_mib": a.budget_mib,
+                         "limit": (a.budget_mib + 40) * MIB, "balloon_mib": a.balloon_mib, "step_mib": 10,
+                         "hold_s": a.hold_s, "tokens": a.tokens, "ctx": a.ctx}
+    if "7b" in a.models:
+        pack, gguf = a.scale_dir / f"{SCALE_TAG}-q4_0.nflash", a.scale_dir / f"{SCALE_TAG}-q4_0.gguf"
+        if pack.exists() and gguf.exists():
+            models["7b"] = {"title": "synthetic llama-7b ReLU q4_0 (s=0.9)", "pack": pack, "gguf": gguf,
+                            "budget_mib": a.scale_budget_mib, "limit": (a.scale_budget_mib + 256) * MIB,
+                            "balloon_mib": a.scale_balloon_mib, "step_mib": 100, "hold_s": a.scale_hold_s,
+                            "tokens": a.scale_tokens, "ctx": a.scale_ctx}
+        else:
+            log(f"note: no 7B rows: {pack} or {gguf} is missing (make them with "
+                f"`.venv-bench/bin/python scripts/bench_scale.py --sparsities 0.9 --prepare-only`, about an hour)")
+    unknown = [x for x in a.models if x not in ("q4_0", "q8_0", "7b")]
+    if unknown:
+        die(f"--models: unknown {','.join(unknown)} (choose among q4_0,q8_0,7b)", 2)
+    return models
+
+
 def main(argv) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quant", nargs="+", default=["q4_0", "q8_0"])
+    ap.add_argument("--models", default="q4_0,q8_0,7b", help="comma-separated: q4_0, q8_0 (SmolLM2), 7b")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--budget-mib", type=int, default=200)
     ap.add_argument("--balloon-mib", type=int, default=100)
@@ -214,7 +252,15 @@ def main(argv) -> int:
     ap.add_argument("--before-s", type=float, default=2.0)
     ap.add_argument("--tokens", type=int, default=1500)
     ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--scale-dir", type=Path, default=REPO / "bench-out/scale",
+                    help="where bench-scale left the 7B pack and GGUF")
+    ap.add_argument("--scale-budget-mib", type=int, default=4700)
+    ap.add_argument("--scale-balloon-mib", type=int, default=2048)
+    ap.add_argument("--scale-hold-s", type=float, default=8.0)
+    ap.add_argument("--scale-tokens", type=int, default=160)
+    ap.add_argument("--scale-ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--nflash-extra", default="", help="more `nflash run` flags, e.g. \"--io-engine threads\"")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out-dir", type=Path, default=REPO / "bench-out/pressure")
     ap.add_argument("--cache-dir", type=Path, default=REPO / "bench-out")
@@ -225,29 +271,28 @@ def main(argv) -> int:
     ap.add_argument("--balloon", type=Path, default=REPO / "target/release/nflash-balloon")
     ap.add_argument("--llama", type=Path, default=REPO / "bench-out/llama-native/build/bin/llama-completion")
     a = ap.parse_args(argv)
+    a.models = [x for x in a.models.split(",") if x]
     need_root("bench-pressure")
     remove_stale_groups()
     for p in (a.nflash, a.balloon, a.llama):
         if not p.exists():
             die(f"{p} not found: run `make build` and scripts/bench_setup.sh", 2)
     a.out_dir.mkdir(parents=True, exist_ok=True)
-    ggufs = prepare_llama(a, a.cache_dir)
-    packs = prepare_nflash(a, a.cache_dir)
+    models = model_settings(a)
     prompt = a.out_dir / "prompt.txt"
     prompt.write_text(PROMPT_TEXT)
-    limit = (a.budget_mib + 40) * MIB
-    results = {"settings": {"limit_bytes": limit, "budget_bytes": a.budget_mib * MIB,
+    results = {"settings": {"limit_bytes": (a.budget_mib + 40) * MIB, "budget_bytes": a.budget_mib * MIB,
                             "balloon_bytes": a.balloon_mib * MIB, "hold_s": a.hold_s, "tokens": a.tokens,
-                            "ctx": a.ctx, "threads": a.threads, "poll_s": POLL_S, "reserve_bytes": RESERVE},
+                            "ctx": a.ctx, "threads": a.threads, "nflash_extra": a.nflash_extra, "poll_s": POLL_S, "reserve_bytes": RESERVE},
                **run_info(a), "models": {}}
-    for q in a.quant:
+    for q, m in models.items():
         stats_json = a.out_dir / f"nflash-{q}.json"
         cmds = {
-            "nflash": ([str(a.nflash), "run", "--model", str(packs[q]), "--prompt-file", str(prompt), "--raw",
-                        "--temperature", "0", "--ignore-eos", "--max-tokens", str(a.tokens), "--ctx", str(a.ctx),
-                        "--threads", str(a.threads), "--memory-budget", f"{a.budget_mib}MiB",
-                        "--stats-json", str(stats_json)], None),
-            "llama.cpp": (native_llama_cmd(a.llama, ggufs[q], prompt, a.tokens, a.threads, a.ctx),
+            "nflash": ([str(a.nflash), "run", "--model", str(m["pack"]), "--prompt-file", str(prompt), "--raw",
+                        "--temperature", "0", "--ignore-eos", "--max-tokens", str(m["tokens"]), "--ctx",
+                        str(m["ctx"]), "--threads", str(a.threads), "--memory-budget", f"{m['budget_mib']}MiB",
+                        "--stats-json", str(stats_json), *shlex.split(a.nflash_extra)], None),
+            "llama.cpp": (native_llama_cmd(a.llama, m["gguf"], prompt, m["tokens"], a.threads, m["ctx"]),
                           llama_env("native")),
         }
         per: dict[str, list] = {e: [] for e in cmds}
@@ -256,14 +301,14 @@ def main(argv) -> int:
             for engine in (list(cmds) if i % 2 == 0 else list(reversed(cmds))):
                 cmd, env = cmds[engine]
                 log(f"{q} {engine} run {i + 1}/{a.runs}")
-                r = run_once(a, engine, cmd, env, limit)
-                r["tokens"] = a.tokens
+                r = run_once(a, m, engine, cmd, env)
+                r["tokens"] = m["tokens"]
                 ok = r["exit"] == 0 and r["oom_kills"] == 0
                 row = {"outcome": "ok" if ok else ("oom-killed" if r["oom_kills"] or r["exit"] in (-9, 137)
                                                    else f"exit {r['exit']}"),
                        "oom_kills": r["oom_kills"], "balloon_exit": r["balloon"].get("exit"),
-                       **{f"tokens_per_s_{k}": v for k, v in rates(r, a.tokens).items() if k != "bytes"},
-                       "reaction_s": reaction(r, limit) if engine == "nflash" else None,
+                       **{f"tokens_per_s_{k}": v for k, v in rates(r, m["tokens"]).items() if k != "bytes"},
+                       "reaction_s": reaction(r, m["limit"]) if engine == "nflash" else None,
                        "peak_group_bytes": max((x[1] for x in r["series"]), default=None)}
                 if engine == "nflash" and ok:
                     s = json.loads(stats_json.read_text())
@@ -277,14 +322,15 @@ def main(argv) -> int:
                                               "tokens_per_s_after", "reaction_s")))
                 per[engine].append(row)
                 first.setdefault(engine, r)
-        plot(first, limit, a.out_dir / f"pressure-{q}.png", f"SmolLM2 {q}")
+        plot(first, m["limit"], a.out_dir / f"pressure-{q}.png", m["title"])
         summary = {}
         for engine, rows in per.items():
             summary[engine] = {
                 "oom_killed_runs": sum(r["outcome"] != "ok" for r in rows), "runs": len(rows),
                 **{k: median([r.get(k) for r in rows if r["outcome"] == "ok"])
                    for k in ("tokens_per_s_before", "tokens_per_s_during", "tokens_per_s_after", "reaction_s")}}
-        results["models"][q] = {"runs": per, "summary": summary}
+        setting = {k: (str(v) if isinstance(v, Path) else v) for k, v in m.items()}
+        results["models"][q] = {"setting": setting, "runs": per, "summary": summary}
     (a.out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print(f"\n| model | engine | OOM-killed runs | tok/s before | during | after | reaction s |")
     print("|---|---|---|---|---|---|---|")
