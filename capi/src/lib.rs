@@ -609,6 +609,7 @@ fn generate(
             stop_ids: r.engine.stop_ids.clone(),
             ignore_eos: false,
             cancel: call.cancel.clone(),
+            ..Default::default()
         };
         let mut sampler = Sampler::new(SamplerConfig {
             temperature: p.temperature,

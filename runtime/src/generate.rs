@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::draft::DraftKind;
 use crate::error::{Error, Result};
 use crate::model::kv_cache::KvCache;
 use crate::model::Model;
@@ -21,10 +22,24 @@ pub struct GenStats {
     pub generated_tokens: usize,
     /// Prefill wall time, seconds (prompt forward passes + first sample).
     pub prefill_s: f64,
-    /// Single-token forward passes in decode.
+    /// Forward passes in decode: single-token ones, and verify passes of
+    /// speculative decoding (`decode_passes` in `--stats-json`).
     pub decode_steps: usize,
-    /// Decode wall time, seconds (single-token forward passes + sampling).
+    /// Tokens decode's passes sampled (accepted draft tokens and each
+    /// pass's own sample): `decode_steps` without speculative decoding.
+    pub decode_tokens: usize,
+    /// Decode wall time, seconds (forward passes, drafting + sampling).
     pub decode_s: f64,
+    /// Tokens drafted for verify passes (speculative decoding).
+    pub draft_tokens: usize,
+    /// Drafted tokens the model's own samples matched (kept).
+    pub accepted_tokens: usize,
+    /// Wall time spent drafting, seconds.
+    pub draft_s: f64,
+    /// Wall time of verify passes (forward pass + sampling), seconds.
+    pub verify_s: f64,
+    /// The draft used ([`GenerateOptions::speculate`]).
+    pub draft: crate::draft::DraftKind,
     /// Set to the context length (tokens) when generation stopped because
     /// the KV cache was full.
     pub context_full: Option<usize>,
@@ -62,9 +77,19 @@ impl GenStats {
     pub fn prefill_tokens_per_s(&self) -> f64 {
         rate(self.prompt_tokens, self.prefill_s)
     }
-    /// Decode forward passes per second.
+    /// Tokens per second of decode: tokens its passes sampled (with
+    /// speculative decoding, several per verify pass) over its wall time.
     pub fn decode_tokens_per_s(&self) -> f64 {
-        rate(self.decode_steps, self.decode_s)
+        rate(self.decode_tokens, self.decode_s)
+    }
+
+    /// Share of drafted tokens kept (0 when nothing was drafted).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.draft_tokens == 0 {
+            0.0
+        } else {
+            self.accepted_tokens as f64 / self.draft_tokens as f64
+        }
     }
 }
 
@@ -89,6 +114,9 @@ pub struct GenerateOptions {
     /// between prefill passes and after every token (whether or not the
     /// token produced text). The default is never raised.
     pub cancel: CancelToken,
+    /// Speculative decoding (off by default): a draft's guesses checked by
+    /// verify passes; the tokens are those plain decoding gives.
+    pub speculate: crate::draft::SpecOptions,
 }
 
 /// A flag that stops a generation ([`GenerateOptions::cancel`]); clones
@@ -217,7 +245,19 @@ pub fn generate_until(
     let mut stream = TextStream::default();
     let t1 = Instant::now();
     let cache0 = model.cache_stats();
+    // Speculative decoding: `ahead` holds tokens already sampled after
+    // `next` by a verify pass, whose forward passes (all but the last's)
+    // are done; `context` the ids a lookup draft searches.
+    let spec = opts.speculate;
+    let mut ahead: std::collections::VecDeque<u32> = std::collections::VecDeque::new();
+    let mut context: Vec<u32> = if spec.draft == DraftKind::Off { Vec::new() } else { prompt.to_vec() };
+    let mut draft = Vec::new();
+    let kv0 = kv.len();
+    // Positions plain decoding would hold when generation ends: every token
+    // pushed has had its forward pass, but a break right after a push.
+    let mut kv_end;
     loop {
+        kv_end = kv0 + out.len();
         if opts.max_tokens == 0 {
             stats.finish = Finish::Length;
             break;
@@ -241,16 +281,71 @@ pub fn generate_until(
             stats.finish = Finish::Length;
             break;
         }
+        if let Some(t) = ahead.pop_front() {
+            // `next`'s forward pass was part of the verify pass.
+            next = t;
+            continue;
+        }
         if kv.len() + 1 >= kv.capacity() {
             stats.context_full = Some(kv.capacity());
             stats.finish = Finish::ContextFull;
             break;
         }
         let ts = Instant::now();
-        let hs = model.forward(kv, &[next])?;
-        next = sampler.sample(&model.checked_logits(&hs, kv.len() - 1)?);
+        // Draft at most what the budget of tokens and the context leave.
+        let room = spec.max_draft.min(opts.max_tokens - out.len() - 1).min(kv.capacity() - kv.len() - 2);
+        if spec.draft != DraftKind::Off {
+            context.push(next);
+            if room > 0 {
+                crate::draft::lookup(&context, room, &mut draft);
+            }
+        }
+        stats.draft_s += ts.elapsed().as_secs_f64();
+        if draft.is_empty() {
+            let hs = model.forward(kv, &[next])?;
+            next = sampler.sample(&model.checked_logits(&hs, kv.len() - 1)?);
+            stats.decode_tokens += 1;
+        } else {
+            let tv = Instant::now();
+            let base = kv.len();
+            let mut tokens = Vec::with_capacity(draft.len() + 1);
+            tokens.push(next);
+            tokens.extend_from_slice(&draft);
+            let hs = model.verify(kv, &tokens)?;
+            let h = model.cfg.hidden_size as usize;
+            // The model's sample at each position, kept while it matches
+            // the draft; the first that differs, follows the last guess or
+            // ends generation (a stop id) ends the pass: exactly the
+            // samples plain decoding draws.
+            let mut kept = 0;
+            let last = loop {
+                let row = &hs[kept * h..(kept + 1) * h];
+                let t = sampler.sample(&model.checked_logits(row, base + kept)?);
+                let stops = !opts.ignore_eos && opts.stop_ids.contains(&t);
+                if kept < draft.len() && t == draft[kept] && !stops {
+                    ahead.push_back(t);
+                    kept += 1;
+                } else {
+                    break t;
+                }
+            };
+            kv.truncate(base + kept + 1);
+            context.extend(ahead.iter());
+            ahead.push_back(last);
+            next = ahead.pop_front().unwrap_or(last);
+            stats.draft_tokens += draft.len();
+            stats.accepted_tokens += kept;
+            stats.decode_tokens += kept + 1;
+            stats.verify_s += tv.elapsed().as_secs_f64();
+            draft.clear();
+        }
         stats.step_s.push(ts.elapsed().as_secs_f64());
         stats.decode_steps += 1;
+    }
+    // A verify pass may have run tokens past where generation stopped:
+    // leave the KV cache as plain decoding would.
+    if kv.len() > kv_end {
+        kv.truncate(kv_end);
     }
     stats.decode_s = t1.elapsed().as_secs_f64();
     stats.decode_cache = model.cache_stats().since(&cache0);
@@ -260,6 +355,7 @@ pub fn generate_until(
         }
     }
     stats.generated_tokens = out.len();
+    stats.draft = spec.draft;
     stats.stopped_at = kv.len();
     Ok((out, stats))
 }

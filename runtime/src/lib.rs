@@ -25,6 +25,7 @@
 
 pub mod chat;
 pub mod cpu;
+pub mod draft;
 pub mod engine;
 pub mod error;
 pub mod generate;

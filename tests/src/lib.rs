@@ -728,6 +728,38 @@ pub fn greedy(model: &nflash_runtime::model::Model, prompt: &[u32], steps: usize
     (logits, tokens)
 }
 
+/// Checks that verify passes ([`nflash_runtime::model::Model::verify`])
+/// give the logits that decode gave (`ref_logits`: after `prompt` and after
+/// each of `ref_tokens`, at least 10), bit for bit: a pass of 4 tokens whose
+/// last two are wrong guesses (the first two rows must match; the KV cache
+/// is rolled back past them), then passes of 5 and 3 right ones.
+pub fn check_verify(
+    model: &nflash_runtime::model::Model,
+    prompt: &[u32],
+    ref_logits: &[Vec<f32>],
+    ref_tokens: &[u32],
+    name: &str,
+) {
+    let h = model.cfg.hidden_size as usize;
+    let vocab = model.cfg.vocab_size as u32;
+    let mut kv = model.new_kv_cache(prompt.len() + ref_tokens.len() + 1);
+    model.forward(&mut kv, prompt).unwrap();
+    let p = prompt.len();
+    let wrong = |t: u32| (t + 1 + vocab / 2) % vocab;
+    let check = |kv: &mut nflash_runtime::model::kv_cache::KvCache, tokens: &[u32], first: usize, rows: usize| {
+        let hs = model.verify(kv, tokens).unwrap();
+        for r in 0..rows {
+            let got = logit_bits(&[model.logits(&hs[r * h..(r + 1) * h])]);
+            assert_eq!(got, logit_bits(&ref_logits[first + r..first + r + 1]), "{name}: verify row {r} of {tokens:?}");
+        }
+    };
+    let t = ref_tokens;
+    check(&mut kv, &[t[0], t[1], wrong(t[2]), wrong(t[3])], 1, 2);
+    assert_eq!(kv.truncate(p + 2), p + 2, "{name}: roll back");
+    check(&mut kv, &t[2..7], 3, 5);
+    check(&mut kv, &t[7..10], 8, 3);
+}
+
 /// The bits of logit rows, for comparisons that mean "the same bits"
 /// (`==` on f32 takes -0.0 for 0.0 and never matches NaN).
 pub fn logit_bits(rows: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -818,6 +850,13 @@ pub fn check_placement_and_threads(path: &Path) {
                 assert!(st.cold_hits > 0, "{name}: the cold region never hit: {st:?}");
             }
         }
+        // Verify passes (speculative decoding) give decode's bits.
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        pool.install(|| {
+            let pack = Pack::open_resident(path).unwrap();
+            let model = nflash_runtime::load_model(&pack, &cfg).unwrap();
+            check_verify(&model, &prompt, &ref_logits, &ref_tokens, name);
+        });
         // Speculative prefetch before every layer: reads move earlier, results do not change.
         let (logits, tokens, st) = generate_in(path, &cfg, 2, &prompt, 10, false, Speculation::Always);
         assert_eq!(tokens, ref_tokens, "{name}, speculating: tokens differ");

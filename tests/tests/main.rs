@@ -33,4 +33,5 @@ mod serve;
 mod smollm2;
 mod sparse;
 mod spec;
+mod speculative;
 mod synth;

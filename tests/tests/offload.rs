@@ -63,7 +63,8 @@ fn sparse_results_do_not_depend_on_where_weights_live_or_threads() {
 
 /// `nflash run` reorders resident Q4_0 and Q8_0 matrices into groups of 8
 /// rows (SPEC §5.1): prefill and decode give the same bits as the row
-/// layout, with the FFN in memory or on flash, on 1 or 2 threads.
+/// layout, with the FFN in memory or on flash, on 1 or 2 threads, and
+/// verify passes (speculative decoding) give decode's bits over it.
 #[test]
 fn the_x8_layout_changes_no_result() {
     if !nflash_runtime::kernels::x8_available() {
@@ -75,11 +76,20 @@ fn the_x8_layout_changes_no_result() {
     let same = |path: &Path, cfgs: Vec<(&str, CacheConfig)>| {
         for (name, cfg) in cfgs {
             for threads in [1, 2] {
-                let rows = generate_in(path, &cfg, threads, &prompt, 8, false, Speculation::Auto);
-                let inter = generate_in(path, &cfg, threads, &prompt, 8, true, Speculation::Auto);
+                let rows = generate_in(path, &cfg, threads, &prompt, 10, false, Speculation::Auto);
+                let inter = generate_in(path, &cfg, threads, &prompt, 10, true, Speculation::Auto);
                 assert_eq!(rows.1, inter.1, "{name}, {threads} threads: tokens differ");
                 assert_eq!(logit_bits(&rows.0), logit_bits(&inter.0), "{name}, {threads} threads: logits differ");
             }
+            // Verify passes over interleaved matrices give decode's bits too.
+            let rows = generate_in(path, &cfg, 2, &prompt, 10, false, Speculation::Auto);
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+            pool.install(|| {
+                let mut p = Pack::open_resident(path).unwrap();
+                p.interleave().unwrap();
+                let model = nflash_runtime::load_model(&p, &cfg).unwrap();
+                nflash_tests::check_verify(&model, &prompt, &rows.0, &rows.1, name);
+            });
         }
     };
     for quant in ["q8_0", "q4_0"] {

@@ -34,9 +34,21 @@ impl Model<'_> {
         self.forward_with(kv, tokens, pass)
     }
 
+    /// A speculative verification pass ([`Pass::Verify`]): `tokens` at
+    /// positions `kv.len()..`, each computed with decode's bits, and their
+    /// final-normed hidden states `[n, hidden]`; the KV cache grows by `n`
+    /// (roll back rejected positions with [`KvCache::truncate`]).
+    ///
+    /// # Errors
+    /// As [`Self::forward`].
+    pub fn verify(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.forward_with(kv, tokens, Pass::Verify)
+    }
+
     /// [`Self::forward`] with an explicit pass: batches of at least
     /// `MIN_BATCH` tokens use dense matmuls (masked for [`Pass::Evaluate`]),
-    /// smaller ones run token by token (sparse unless [`Pass::Prefill`]).
+    /// smaller ones and every [`Pass::Verify`] run token by token (sparse
+    /// unless [`Pass::Prefill`]).
     ///
     /// # Errors
     /// As [`Self::forward`].
@@ -68,7 +80,7 @@ impl Model<'_> {
         // projection; long ones: f32 panels), and they sum in different
         // orders: a token's results depend on its pass, so session.rs reuses
         // only whole passes, the ones a fresh prefill runs (generate.rs `prefill`).
-        let batched = n >= MIN_BATCH || pass == Pass::Prefill;
+        let batched = (n >= MIN_BATCH && pass != Pass::Verify) || pass == Pass::Prefill;
         let sparse_on = self.sparse_enabled && pass != Pass::Prefill;
         let tables = |rope| {
             let (cos, sin) = Rope::tables(rope, p0, n, kv.capacity());
@@ -120,7 +132,12 @@ impl Model<'_> {
                 None => {
                     let unit = &layer.units[0];
                     let sparse = unit.sparse.as_ref().filter(|_| sparse_on);
-                    (self.ffn_rows(unit, sparse, batched, &xn, work, &mut tm, out)?, sparse.is_some())
+                    let c = if pass == Pass::Verify && n > 1 {
+                        self.ffn_verify(unit, sparse, &xn, work, &mut tm, out)?
+                    } else {
+                        self.ffn_rows(unit, sparse, batched, &xn, work, &mut tm, out)?
+                    };
+                    (c, sparse.is_some())
                 }
                 Some(router) => (self.ffn_moe(l, layer, router, sparse_on, batched, &xn, work, &mut tm, out)?, true),
             };
@@ -350,6 +367,53 @@ impl Model<'_> {
             .and_then(|()| self.ffn_picked(unit, sparse, &picks[0], work, tm, out, t1));
         work.picks = picks;
         r
+    }
+
+    /// A verify pass's FFN of one unit ([`Pass::Verify`]): `xn` `[n, hidden]`
+    /// normed, `out` `[n, hidden]` the residual it adds to. Every token's
+    /// neurons are selected first ([`Self::pick`], as decode does); the
+    /// first token's clusters are fetched and the others' reads started
+    /// ([`ClusterSource::fetch_ahead`]), so the union is read in one go; then
+    /// each token is computed as decode computes it, in order.
+    fn ffn_verify(
+        &self,
+        unit: &Unit,
+        sparse: Option<&LayerSparse>,
+        xn: &[f32],
+        work: &mut Work,
+        tm: &mut Timings,
+        out: &mut [f32],
+    ) -> Result<LayerCounts> {
+        let h = self.cfg.hidden_size as usize;
+        let n = xn.len() / h;
+        let mut picks = std::mem::take(&mut work.picks);
+        picks.resize_with(n, Pick::default);
+        let result = (|| -> Result<LayerCounts> {
+            let xin = work.xin.get_or_insert_with(|| DotInput::new(unit.ffn.dtype()));
+            for (x, pick) in xn.chunks_exact(h).zip(picks.iter_mut()) {
+                xin.set(x);
+                self.pick(unit, sparse, x, xin, &mut work.predict, pick);
+                tm.predictor_s += pick.pred_s;
+            }
+            let tf = Instant::now();
+            self.source.fetch(unit.index, &picks[0].needed, &mut work.table)?;
+            for pick in &picks[1..] {
+                self.source.fetch_ahead(unit.index, &pick.needed);
+            }
+            tm.ffn_s += tf.elapsed().as_secs_f64();
+            let mut counts = LayerCounts::default();
+            for (t, (x, outr)) in xn.chunks_exact(h).zip(out.chunks_exact_mut(h)).enumerate() {
+                let t1 = Instant::now();
+                if t > 0 {
+                    self.source.fetch(unit.index, &picks[t].needed, &mut work.table)?;
+                }
+                work.xin.get_or_insert_with(|| DotInput::new(unit.ffn.dtype())).set(x);
+                counts.add(&self.ffn_picked(unit, sparse, &picks[t], work, tm, outr, t1)?);
+            }
+            Ok(counts)
+        })();
+        work.picks = picks;
+        result
     }
 
     /// One unit's selection for one token (decode): its predictor's choice

@@ -88,6 +88,14 @@ pub enum Pass {
     /// Quality evaluation of sparse decode over a batch: dense matmuls with
     /// the neurons decode would skip dropped, and recall counted.
     Evaluate,
+    /// Speculative verification: a few tokens (the last sampled one and a
+    /// draft's guesses after it) in one pass, each with decode's arithmetic
+    /// and bits (never the batched kernels) and its own predicted neurons.
+    /// A layer's clusters that any of the tokens needs are read in one go:
+    /// the first token's fetch, then the others' reads started at once
+    /// ([`ClusterSource::fetch_ahead`]), so each cold cluster is read once
+    /// per pass while the cold region holds them.
+    Verify,
 }
 
 /// Time spent per step of the forward pass, seconds, summed over calls:

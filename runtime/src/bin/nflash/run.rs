@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::builder::TypedValueParser;
 use clap::Args;
 use nflash_runtime::chat::{ChatOptions, ContentTokens, Message};
+use nflash_runtime::draft::{DraftKind, SpecOptions};
 use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
 use nflash_runtime::model::predictor::SparsitySummary;
 use nflash_runtime::model::Speculation;
@@ -97,6 +98,22 @@ pub struct RunArgs {
         value_parser = clap::builder::PossibleValuesParser::new(Speculation::ALL.map(|(_, name)| name)).try_map(|s| s.parse::<Speculation>())
     )]
     speculate: Speculation,
+    /// Speculative decoding: a draft guesses up to --draft-tokens next
+    /// tokens and one verify pass of the model checks them all, each with
+    /// decode's arithmetic, so the text is the same as without. off, or
+    /// lookup (prompt lookup: what followed the latest earlier occurrence of
+    /// the last 1–3 tokens; pays where the output repeats the prompt or
+    /// itself, as summaries, extraction and code edits do). Not the same as
+    /// --speculate, the prefetch of neuron clusters.
+    #[arg(
+        long,
+        default_value = "off",
+        value_parser = clap::builder::PossibleValuesParser::new(DraftKind::ALL.map(|(_, name)| name)).try_map(|s| s.parse::<DraftKind>())
+    )]
+    speculate_draft: DraftKind,
+    /// Most tokens a draft guesses per verify pass (K; the pass runs K + 1 tokens).
+    #[arg(long, default_value_t = nflash_runtime::draft::DEFAULT_DRAFT_TOKENS, value_parser = clap::value_parser!(u16).range(1..=16).map(usize::from))]
+    draft_tokens: usize,
     #[command(flatten)]
     memory: MemoryArgs,
 }
@@ -158,6 +175,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         max_tokens: a.max_tokens,
         stop_ids: engine.stop_ids.clone(),
         ignore_eos: a.ignore_eos,
+        speculate: SpecOptions { draft: a.speculate_draft, max_draft: a.draft_tokens },
         ..Default::default()
     };
     let Some(prompt) = prompt else {
@@ -228,7 +246,7 @@ fn report(
     // Dense decode reports 0% (every neuron read and computed).
     let sparsity = SparsitySummary::new(&counts);
     // Per decode step, milliseconds.
-    let per = |s: f64| 1e3 * s / st.decode_steps.max(1) as f64;
+    let per = |s: f64| 1e3 * s / st.decode_tokens.max(1) as f64;
     if let Some(ctx) = st.context_full {
         message!("note: stopped because the context ({ctx} tokens) is full; raise --ctx for longer output");
     }
@@ -242,7 +260,8 @@ fn report(
     );
     let c = &st.decode_cache;
     let ep = model.expert_prefetch();
-    let steps = st.decode_steps.max(1) as f64;
+    // Per token decode sampled (several per verify pass).
+    let steps = st.decode_tokens.max(1) as f64;
     let bytes_per_token = c.bytes_read as f64 / steps;
     // Compute threads wait in parallel: their summed wait over the thread count is wall time.
     let io_wait_share = if st.decode_s > 0.0 {
@@ -269,6 +288,18 @@ fn report(
             st.decode_tokens_per_s(),
             rss as f64 / (1 << 20) as f64
         );
+        if st.draft != DraftKind::Off {
+            message!(
+                "speculative decoding ({}): {} tokens drafted, {} accepted ({:.1}%), {:.2} tokens per pass; draft {:.3} s, verify passes {:.3} s",
+                st.draft.name(),
+                st.draft_tokens,
+                st.accepted_tokens,
+                100.0 * st.acceptance_rate(),
+                st.decode_tokens as f64 / st.decode_steps.max(1) as f64,
+                st.draft_s,
+                st.verify_s
+            );
+        }
         message!(
             "decode per token: attention {:.2} ms, predictor {:.2} ms, FFN {:.2} ms, lm_head {:.2} ms{}",
             per(tm.attention_s()),
@@ -408,6 +439,22 @@ fn report(
             "kv_cache": model.kv_type().name(),
         });
         let mut j = j;
+        // Speculative decoding: verify passes apart from tokens.
+        let spec = serde_json::json!({
+            "decode_passes": st.decode_steps,
+            "decode_tokens": st.decode_tokens,
+            "speculate_draft": st.draft.name(),
+            "draft_tokens": st.draft_tokens,
+            "accepted_tokens": st.accepted_tokens,
+            "acceptance_rate": st.acceptance_rate(),
+            "acceptance_by_draft": acceptance_by_draft(st),
+            "draft_seconds": st.draft_s,
+            "verify_seconds": st.verify_s,
+            "clusters_read_per_token": c.misses as f64 / steps,
+        });
+        if let (Some(o), serde_json::Value::Object(add)) = (j.as_object_mut(), spec) {
+            o.extend(add);
+        }
         // The budget over the run: what the governor gave back comes off it.
         let total = model.cache_stats();
         let span = crate::memory::budget_json(budget, watch.map(|w| (w, w.held_range())), &[&total]);
@@ -424,6 +471,20 @@ fn report(
         write_atomic(path, format!("{j}\n").as_bytes())?;
     }
     Ok(())
+}
+
+/// `--stats-json`'s `acceptance_by_draft`: per draft kind used, tokens
+/// drafted and accepted and the acceptance rate (empty without speculation).
+pub fn acceptance_by_draft(st: &GenStats) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    if st.draft != DraftKind::Off {
+        m.insert(
+            st.draft.name().to_string(),
+            serde_json::json!({"draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
+                "acceptance_rate": st.acceptance_rate()}),
+        );
+    }
+    serde_json::Value::Object(m)
 }
 
 /// A read–eval–print chat. The whole conversation is re-rendered each turn

@@ -473,6 +473,7 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job, memory: Memory) ->
         stop_ids: engine.stop_ids.clone(),
         ignore_eos: job.ignore_eos,
         cancel: job.cancel.clone(),
+        ..Default::default()
     };
     let mut stops = StopScan::new(job.stop.clone());
     let result = session.generate(engine, &job.ids, &mut sampler, &opts, |piece| {
@@ -547,7 +548,8 @@ fn timings(job: &Job, turn: &Turn, queue_s: f64, memory: Memory, held: u64) -> V
         "prefill_tokens": st.prompt_tokens,
         "prefill_ms": st.prefill_s * 1e3,
         "prefill_tokens_per_s": st.prefill_tokens_per_s(),
-        "decode_tokens": st.decode_steps,
+        "decode_tokens": st.decode_tokens,
+        "decode_passes": st.decode_steps,
         "decode_ms": st.decode_s * 1e3,
         "decode_tokens_per_s": st.decode_tokens_per_s(),
         "cache_hit_rate": st.decode_cache.hit_rate(),

@@ -1,0 +1,180 @@
+//! Speculative decoding (issue 47): a draft's guesses checked by verify
+//! passes give the tokens, and leave the KV cache, that plain decoding
+//! gives, greedy and seeded sampling alike, on dense, sparse and
+//! mixture-of-experts packs, with the FFN in memory or on flash.
+
+use std::path::{Path, PathBuf};
+
+use nflash_format::Pack;
+use nflash_runtime::draft::{DraftKind, SpecOptions};
+use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
+use nflash_runtime::sampler::{Sampler, SamplerConfig};
+use nflash_runtime::Engine;
+use nflash_tests::{placements, run, tiny_words, write_tiny_checkpoint, TinySpec, QUICK_CALIB};
+
+/// `prep convert` of a tiny checkpoint of `spec` into `dir/name`, with
+/// 1 KiB neuron clusters (many per layer) and `extra` flags.
+fn pack(dir: &Path, spec: &TinySpec, name: &str, quant: &str, extra: &[&str]) -> PathBuf {
+    let ckpt = dir.join(format!("{name}-ckpt"));
+    write_tiny_checkpoint(&ckpt, spec);
+    let out = dir.join(name);
+    let mut args = vec!["convert", "--model", ckpt.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quant", quant];
+    args.extend_from_slice(&["--cluster-bytes", "1KiB"]);
+    args.extend_from_slice(extra);
+    let o = run("prep", &args);
+    assert!(o.status.success(), "prep convert failed: {}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+/// Prompts (token ids valid for vocabularies of 96 or more): repeated
+/// phrases, which lookup drafts from, and words without repeats.
+fn prompts() -> Vec<Vec<u32>> {
+    let phrase: Vec<u32> = vec![11, 40, 7, 23, 5, 61];
+    let mut repeated = phrase.clone();
+    repeated.extend([3, 9]);
+    repeated.extend(&phrase);
+    repeated.extend(&phrase[..3]);
+    vec![
+        repeated,
+        (0..20).map(|i| 3 + (i * 13) % 90).collect(),
+        vec![17, 17, 17, 17, 17],
+        (0..9).map(|i| 4 + (i * 7) % 50).collect(),
+    ]
+}
+
+/// Generates from `prompt` with `engine` under `draft`; the tokens, the
+/// KV cache's length at the end and the counters.
+fn gen(engine: &Engine, prompt: &[u32], temperature: f32, draft: DraftKind, k: usize) -> (Vec<u32>, usize, GenStats) {
+    let mut kv = engine.model.new_kv_cache(96);
+    let mut sampler = Sampler::new(SamplerConfig { temperature, top_k: 0, top_p: 1.0, seed: 7 });
+    let opts = GenerateOptions {
+        max_tokens: 40,
+        stop_ids: engine.stop_ids.clone(),
+        ignore_eos: temperature > 0.0,
+        speculate: SpecOptions { draft, max_draft: k },
+        ..Default::default()
+    };
+    let (ids, st) = generate(&engine.model, &mut kv, &engine.tokenizer, prompt, &mut sampler, &opts, |_| ()).unwrap();
+    (ids, kv.len(), st)
+}
+
+/// Every placement of `path`'s FFN, greedy and sampled (at temperatures
+/// high enough that tiny models' samples vary), K = 1, 3 and 6:
+/// the speculative tokens and KV-cache length equal plain decoding's; the
+/// drafts were really checked (some accepted, some rejected) overall.
+fn check_same_tokens(path: &Path) {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    pool.install(|| {
+        let pack = Pack::open_resident(path).unwrap();
+        let (mut accepted, mut rejected) = (0, 0);
+        for (name, cfg) in placements(path) {
+            let engine = Engine::load_with(&pack, &cfg).unwrap();
+            for (i, prompt) in prompts().iter().enumerate() {
+                for temperature in [0.0, 1.5, 6.0] {
+                    let plain = gen(&engine, prompt, temperature, DraftKind::Off, 4);
+                    assert_eq!(plain.2.draft_tokens, 0);
+                    for k in [1, 3, 6] {
+                        let spec = gen(&engine, prompt, temperature, DraftKind::Lookup, k);
+                        let what = format!("{name}, prompt {i}, temperature {temperature}, K {k}");
+                        assert_eq!(spec.0, plain.0, "{what}: tokens differ");
+                        assert_eq!(spec.1, plain.1, "{what}: KV cache lengths differ");
+                        assert_eq!(spec.2.decode_tokens, plain.2.decode_tokens, "{what}: decode tokens");
+                        assert!(spec.2.accepted_tokens <= spec.2.draft_tokens);
+                        accepted += spec.2.accepted_tokens;
+                        rejected += spec.2.draft_tokens - spec.2.accepted_tokens;
+                    }
+                }
+            }
+        }
+        assert!(accepted > 0 && rejected > 0, "drafts never accepted ({accepted}) or never rejected ({rejected})");
+    });
+}
+
+#[test]
+fn lookup_gives_plain_decodings_tokens_dense() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
+    check_same_tokens(&pack(dir.path(), &spec, "dense.nflash", "q8_0", &[]));
+}
+
+#[test]
+fn lookup_gives_plain_decodings_tokens_sparse() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
+    let calib = dir.path().join("calib.txt");
+    std::fs::write(&calib, tiny_words(1200, spec.vocab, 7)).unwrap();
+    let mut flags = vec!["--calib", calib.to_str().unwrap(), "--sparsity", "0.5"];
+    flags.extend(QUICK_CALIB);
+    let p = pack(dir.path(), &spec, "sparse.nflash", "q4_0", &flags);
+    assert!(Pack::open_resident(&p).unwrap().manifest().sparse.is_some(), "the pack is not sparse");
+    check_same_tokens(&p);
+}
+
+#[test]
+fn lookup_gives_plain_decodings_tokens_moe() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec {
+        arch: "MixtralForCausalLM",
+        tied: false,
+        rope_theta: 1e6,
+        seed: 31,
+        vocab: 96,
+        ..TinySpec::default()
+    };
+    check_same_tokens(&pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]));
+}
+
+/// `nflash run --speculate-draft lookup` prints the text plain decoding
+/// prints, and `--stats-json` reports the drafts: passes apart from tokens.
+#[test]
+fn nflash_run_speculates_with_the_same_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
+    let p = pack(dir.path(), &spec, "dense.nflash", "q8_0", &[]);
+    let words = tiny_words(30, spec.vocab, 3);
+    let prompt = format!("{words} {words}");
+    let go = |draft: &str| {
+        let json = dir.path().join(format!("{draft}.json"));
+        let o = run(
+            "nflash",
+            &[
+                "run",
+                "--model",
+                p.to_str().unwrap(),
+                "--prompt",
+                &prompt,
+                "--raw",
+                "--temperature",
+                "0",
+                "--ignore-eos",
+                "--max-tokens",
+                "48",
+                "--speculate-draft",
+                draft,
+                "--stats-json",
+                json.to_str().unwrap(),
+            ],
+        );
+        assert!(o.status.success(), "{draft}: {}", String::from_utf8_lossy(&o.stderr));
+        let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+        (String::from_utf8(o.stdout).unwrap(), j)
+    };
+    let (plain, pj) = go("off");
+    let (spec_text, sj) = go("lookup");
+    assert_eq!(spec_text, plain);
+    assert_eq!(pj["draft_tokens"], 0);
+    assert_eq!(pj["decode_passes"], pj["decode_tokens"]);
+    assert_eq!(sj["speculate_draft"], "lookup");
+    let (drafted, accepted) = (sj["draft_tokens"].as_u64().unwrap(), sj["accepted_tokens"].as_u64().unwrap());
+    assert!(drafted > 0 && accepted <= drafted, "{sj}");
+    assert_eq!(sj["decode_tokens"], pj["decode_tokens"]);
+    assert_eq!(
+        sj["decode_passes"].as_u64().unwrap() + accepted,
+        sj["decode_tokens"].as_u64().unwrap(),
+        "each pass samples its accepted tokens and one more"
+    );
+    assert_eq!(sj["acceptance_by_draft"]["lookup"]["accepted_tokens"], accepted);
+    // Out-of-range K is refused by the parser.
+    let o = run("nflash", &["run", "--model", p.to_str().unwrap(), "--prompt", "a", "--draft-tokens", "0"]);
+    assert!(!o.status.success());
+}
