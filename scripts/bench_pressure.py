@@ -20,14 +20,15 @@ Setting, per model (the issue's, for q8_0): a cgroup v1 group limited to L
 = --budget-mib + 40 MiB; nflash runs with `--memory-budget` --budget-mib
 (default 200) and --ctx 2048; the 7B the same at its own scale
 (--scale-budget-mib 4700 + 256 MiB, a --scale-balloon-mib 2048 balloon in
-100 MiB steps held --scale-hold-s 8, --scale-tokens 160, ctx 512: the
-squeeze leaves room for about half of its FFN, bench-scale's (b)); llama.cpp is llama-completion (the native
+--scale-step-mib 10 MiB steps held --scale-hold-s 8, --scale-tokens 400,
+ctx 512: the squeeze leaves room for about half of its FFN, bench-scale's
+(b)); llama.cpp is llama-completion (the native
 build of scripts/bench_setup.sh) with the weights mmapped and not repacked
 (nflash_bench.llama.native_llama_cmd), -c 2048. Both decode --tokens (1500)
 tokens of the fixed prompt, greedy, EOS ignored, 2 threads. Once the
 engine's first text appears and --before-s (2) more have passed, the
 balloon (tests' nflash-balloon) takes --balloon-mib (100) in 10 MiB steps
-(the 7B: 100 MiB) every 100 ms, holds --hold-s (4), and leaves. Page cache dropped before
+every 100 ms, holds --hold-s (4), and leaves. Page cache dropped before
 each run; engines alternate run by run (--runs 3); medians over the runs.
 
 Figures: outcome (ok, or OOM-killed: the group's oom_kill count, exit
@@ -231,7 +232,7 @@ def model_settings(a) -> dict[str, dict]:
         if pack.exists() and gguf.exists():
             models["7b"] = {"title": "synthetic llama-7b ReLU q4_0 (s=0.9)", "pack": pack, "gguf": gguf,
                             "budget_mib": a.scale_budget_mib, "limit": (a.scale_budget_mib + 256) * MIB,
-                            "balloon_mib": a.scale_balloon_mib, "step_mib": 100, "hold_s": a.scale_hold_s,
+                            "balloon_mib": a.scale_balloon_mib, "step_mib": a.scale_step_mib, "hold_s": a.scale_hold_s,
                             "tokens": a.scale_tokens, "ctx": a.scale_ctx}
         else:
             log(f"note: no 7B rows: {pack} or {gguf} is missing (make them with "
@@ -256,8 +257,10 @@ def main(argv) -> int:
                     help="where bench-scale left the 7B pack and GGUF")
     ap.add_argument("--scale-budget-mib", type=int, default=4700)
     ap.add_argument("--scale-balloon-mib", type=int, default=2048)
+    ap.add_argument("--scale-step-mib", type=int, default=10,
+                    help="the 7B balloon's step every 100 ms (SmolLM2's is 10 MiB)")
     ap.add_argument("--scale-hold-s", type=float, default=8.0)
-    ap.add_argument("--scale-tokens", type=int, default=160)
+    ap.add_argument("--scale-tokens", type=int, default=400)
     ap.add_argument("--scale-ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--nflash-extra", default="", help="more `nflash run` flags, e.g. \"--io-engine threads\"")

@@ -91,6 +91,14 @@ typedef struct {
   // for one, -1 (the default) leaves the template's own default
   // (thinking). Templates that do not read it ignore it.
   int32_t enable_thinking;
+  // Speculative decoding's draft (`nflash run --speculate-draft`): 0 off
+  // (the default), 1 prompt lookup (guesses the next tokens from the
+  // earlier text and checks them in one verify pass). The text is the
+  // same either way; lookup pays where the reply repeats the prompt
+  // (summaries, extraction, edits) or the model reads from flash.
+  uint32_t speculate_draft;
+  // Most tokens drafted per verify pass, 1–16; 0: 4 (`--draft-tokens`).
+  uint32_t draft_tokens;
 } nflash_params;
 
 // One chat message (both strings UTF-8, NUL-terminated).
@@ -142,6 +150,12 @@ typedef struct {
   uint64_t peak_rss_bytes;
   // The memory budget in force, bytes (0: none, everything in memory).
   uint64_t memory_budget_bytes;
+  // Tokens drafted for verify passes (speculative decoding; 0 when off).
+  uint32_t draft_tokens;
+  // Of those, tokens kept (the model's own samples matched them).
+  uint32_t accepted_tokens;
+  // Forward passes of decode (one per token without speculation).
+  uint32_t decode_passes;
 } nflash_stats_t;
 
 // The memory of a model's neuron cache, the part of the model that can

@@ -42,6 +42,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use nflash_format::Pack;
 use nflash_runtime::chat::{ChatOptions, Message};
+use nflash_runtime::draft::{DraftKind, SpecOptions};
 use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
 use nflash_runtime::model::MemoryControl;
 use nflash_runtime::placement::{self, MemoryOptions};
@@ -148,6 +149,14 @@ pub struct NflashParams {
     /// for one, -1 (the default) leaves the template's own default
     /// (thinking). Templates that do not read it ignore it.
     pub enable_thinking: i32,
+    /// Speculative decoding's draft (`nflash run --speculate-draft`): 0 off
+    /// (the default), 1 prompt lookup (guesses the next tokens from the
+    /// earlier text and checks them in one verify pass). The text is the
+    /// same either way; lookup pays where the reply repeats the prompt
+    /// (summaries, extraction, edits) or the model reads from flash.
+    pub speculate_draft: u32,
+    /// Most tokens drafted per verify pass, 1–16; 0: 4 (`--draft-tokens`).
+    pub draft_tokens: u32,
 }
 
 /// One chat message (both strings UTF-8, NUL-terminated).
@@ -185,6 +194,12 @@ pub struct NflashStats {
     pub peak_rss_bytes: u64,
     /// The memory budget in force, bytes (0: none, everything in memory).
     pub memory_budget_bytes: u64,
+    /// Tokens drafted for verify passes (speculative decoding; 0 when off).
+    pub draft_tokens: u32,
+    /// Of those, tokens kept (the model's own samples matched them).
+    pub accepted_tokens: u32,
+    /// Forward passes of decode (one per token without speculation).
+    pub decode_passes: u32,
 }
 
 /// Receives each piece of generated text: `len` bytes of UTF-8 at `piece`
@@ -550,6 +565,8 @@ fn pack_params(engine: &Engine) -> NflashParams {
         top_p: g.top_p.unwrap_or(sampler::DEFAULT_TOP_P),
         seed: 0,
         enable_thinking: -1,
+        speculate_draft: 0,
+        draft_tokens: 0,
     }
 }
 
@@ -589,6 +606,16 @@ fn generate(
         1 => Some(true),
         v => return Err(invalid(format!("params.enable_thinking {v} must be -1 (the template's default), 0 or 1"))),
     };
+    let draft = match p.speculate_draft {
+        0 => DraftKind::Off,
+        1 => DraftKind::Lookup,
+        v => return Err(invalid(format!("params.speculate_draft {v} must be 0 (off) or 1 (prompt lookup)"))),
+    };
+    let max_draft = match p.draft_tokens {
+        0 => nflash_runtime::draft::DEFAULT_DRAFT_TOKENS,
+        v @ 1..=16 => v as usize,
+        v => return Err(invalid(format!("params.draft_tokens {v} must be 0 (the default, 4) or 1–16"))),
+    };
     lock(&m.loaded).with_dependent_mut(|_, r| {
         // At most a context's worth, counted before a long text is tokenized whole.
         let limit = r.session.capacity() - 1;
@@ -609,7 +636,7 @@ fn generate(
             stop_ids: r.engine.stop_ids.clone(),
             ignore_eos: false,
             cancel: call.cancel.clone(),
-            ..Default::default()
+            speculate: SpecOptions { draft, max_draft },
         };
         let mut sampler = Sampler::new(SamplerConfig {
             temperature: p.temperature,
@@ -667,6 +694,9 @@ fn generate(
             bytes_read: st.prefill_cache.bytes_read + st.decode_cache.bytes_read,
             peak_rss_bytes: nflash_runtime::stats::peak_rss_bytes().unwrap_or(0),
             memory_budget_bytes: r.budget.unwrap_or(0),
+            draft_tokens: st.draft_tokens as u32,
+            accepted_tokens: st.accepted_tokens as u32,
+            decode_passes: st.decode_steps as u32,
         };
         // Stopped by the callback: OK; by nflash_cancel: CANCELLED (a cancel
         // after the last token changes nothing).

@@ -513,6 +513,38 @@ static void t_enable_thinking(void) {
           a.text, b.text);
 }
 
+/* ---- speculative decoding (issue 47): the same text, drafts counted ---- */
+
+static void t_speculate(void) {
+    nflash_params p;
+    nflash_stats_t st;
+    CHECK_STATUS(nflash_params_default(model, &p), NFLASH_STATUS_OK);
+    CHECK(p.speculate_draft == 0 && p.draft_tokens == 0, "params_default speculates: draft %u, K %u",
+          p.speculate_draft, p.draft_tokens);
+    p = greedy;
+    p.max_tokens = 48;
+    const char *doc = "The river flows past the old mill. The river flows past the old mill. "
+                      "The river flows past the old mill. The river";
+    struct collect plain = {0}, spec = {0};
+    CHECK_STATUS(nflash_complete(model, doc, &p, collect_cb, &plain), NFLASH_STATUS_OK);
+    CHECK_STATUS(nflash_stats(model, &st), NFLASH_STATUS_OK);
+    CHECK(st.draft_tokens == 0 && st.accepted_tokens == 0, "drafted %u without a draft", st.draft_tokens);
+    p.speculate_draft = 1;
+    p.draft_tokens = 6;
+    CHECK_STATUS(nflash_complete(model, doc, &p, collect_cb, &spec), NFLASH_STATUS_OK);
+    CHECK(strcmp(plain.text, spec.text) == 0, "lookup changed the text: \"%s\" vs \"%s\"", plain.text, spec.text);
+    CHECK_STATUS(nflash_stats(model, &st), NFLASH_STATUS_OK);
+    CHECK(st.draft_tokens > 0 && st.accepted_tokens <= st.draft_tokens && st.decode_passes > 0,
+          "drafted %u, accepted %u, passes %u", st.draft_tokens, st.accepted_tokens, st.decode_passes);
+    p.speculate_draft = 2;
+    CHECK_STATUS(nflash_complete(model, doc, &p, NULL, NULL), NFLASH_STATUS_INVALID_ARGUMENT);
+    CHECK_ERROR_NAMES("speculate_draft");
+    p.speculate_draft = 1;
+    p.draft_tokens = 17;
+    CHECK_STATUS(nflash_complete(model, doc, &p, NULL, NULL), NFLASH_STATUS_INVALID_ARGUMENT);
+    CHECK_ERROR_NAMES("draft_tokens");
+}
+
 /* ---- memory given back on request (issue 46: onTrimMemory) ---- */
 
 static bool trim_cb(const char *piece, size_t len, void *user) {
@@ -605,6 +637,7 @@ static const struct {
     {"callback_stops", t_callback_stops},
     {"verify", t_verify},
     {"enable_thinking", t_enable_thinking},
+    {"speculate", t_speculate},
     {"trim_memory", t_trim_memory},
 };
 

@@ -890,3 +890,27 @@ fn the_admin_endpoint_gives_memory_back_and_lifts_the_cap_under_the_key() {
     assert_eq!(st, 401);
     assert_eq!(mem("GET", None).2["held_bytes"].as_u64(), Some(half), "a refused request changed the cache");
 }
+
+/// `nflash serve --speculate-draft lookup`: the reply plain decoding gives,
+/// streamed or not, and timings that count the drafts.
+#[test]
+fn speculative_decoding_serves_the_same_reply() {
+    let pack = crate::smollm2::pack("q8_0");
+    let text = "Copy this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.";
+    let q = json!([{"role": "user", "content": text}]);
+    let body = chat(q, json!({"max_tokens": 40}));
+    let plain = Server::start(&pack, &[]);
+    let (st, p) = plain.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{p}");
+    assert_eq!(p["timings"]["draft_tokens"], 0);
+    drop(plain);
+    let spec = Server::start(&pack, &["--speculate-draft", "lookup", "--draft-tokens", "6"]);
+    let (st, r) = spec.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(reply(&r), reply(&p));
+    let t = &r["timings"];
+    let (drafted, accepted) = (t["draft_tokens"].as_u64().unwrap(), t["accepted_tokens"].as_u64().unwrap());
+    assert!(drafted > 0 && accepted > 0 && accepted <= drafted, "{t}");
+    assert_eq!(t["decode_passes"].as_u64().unwrap() + accepted, t["decode_tokens"].as_u64().unwrap(), "{t}");
+    assert_eq!(t["decode_tokens"], p["timings"]["decode_tokens"]);
+}

@@ -60,6 +60,8 @@ use tokio_stream::StreamExt;
 use crate::common::{context_len, in_pool, open_pack, Verify};
 use crate::memory::{load_engine, MemoryArgs};
 use crate::sampling::{clock_seed, SamplingArgs};
+use clap::builder::TypedValueParser;
+use nflash_runtime::draft::{DraftKind, SpecOptions};
 
 /// Arguments of `nflash serve`.
 #[derive(Args)]
@@ -121,6 +123,18 @@ pub struct ServeArgs {
     enable_thinking: Option<bool>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    /// Speculative decoding for every request: off, or lookup (the next
+    /// tokens guessed from the earlier text, checked in one verify pass;
+    /// the same text). Timings report drafted and accepted tokens.
+    #[arg(
+        long,
+        default_value = "off",
+        value_parser = clap::builder::PossibleValuesParser::new(DraftKind::ALL.map(|(_, name)| name)).try_map(|s| s.parse::<DraftKind>())
+    )]
+    speculate_draft: DraftKind,
+    /// Most tokens a draft guesses per verify pass (K).
+    #[arg(long, default_value_t = nflash_runtime::draft::DEFAULT_DRAFT_TOKENS, value_parser = clap::value_parser!(u16).range(1..=16).map(usize::from))]
+    draft_tokens: usize,
     /// Compute threads (default: the big cores where a phone has big and
     /// little ones, pinned there; else all cores).
     #[arg(long)]
@@ -202,6 +216,8 @@ struct Shared {
     /// else nflash's); the seed only when --seed was given.
     sampling: SamplerConfig,
     fixed_seed: bool,
+    /// Speculative decoding (--speculate-draft, --draft-tokens).
+    speculate: SpecOptions,
     max_tokens: usize,
     max_tokens_limit: usize,
     max_body: usize,
@@ -310,6 +326,7 @@ struct Job {
     enqueued: Instant,
     /// Raised when the client goes away ([`Waiter`]).
     cancel: CancelToken,
+    speculate: SpecOptions,
 }
 
 /// What the generation thread sends back for a job.
@@ -364,6 +381,7 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         prompter: engine.prompter(),
         sampling,
         fixed_seed: a.sampling.seed.is_some(),
+        speculate: SpecOptions { draft: a.speculate_draft, max_draft: a.draft_tokens },
         max_tokens,
         max_tokens_limit,
         max_body: a.max_body as usize,
@@ -473,7 +491,7 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job, memory: Memory) ->
         stop_ids: engine.stop_ids.clone(),
         ignore_eos: job.ignore_eos,
         cancel: job.cancel.clone(),
-        ..Default::default()
+        speculate: job.speculate,
     };
     let mut stops = StopScan::new(job.stop.clone());
     let result = session.generate(engine, &job.ids, &mut sampler, &opts, |piece| {
@@ -550,6 +568,9 @@ fn timings(job: &Job, turn: &Turn, queue_s: f64, memory: Memory, held: u64) -> V
         "prefill_tokens_per_s": st.prefill_tokens_per_s(),
         "decode_tokens": st.decode_tokens,
         "decode_passes": st.decode_steps,
+        "draft_tokens": st.draft_tokens,
+        "accepted_tokens": st.accepted_tokens,
+        "acceptance_rate": st.acceptance_rate(),
         "decode_ms": st.decode_s * 1e3,
         "decode_tokens_per_s": st.decode_tokens_per_s(),
         "cache_hit_rate": st.decode_cache.hit_rate(),
@@ -1207,6 +1228,7 @@ async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Resul
         events: tx,
         enqueued: Instant::now(),
         cancel: cancel.clone(),
+        speculate: s.speculate,
     };
     if !s.jobs.push(job, s.queue) {
         let waiting = s.jobs.lock().jobs.len() as u64 + 1;
