@@ -20,9 +20,9 @@ Setting, per model (the issue's, for q8_0): a cgroup v1 group limited to L
 = --budget-mib + 40 MiB; nflash runs with `--memory-budget` --budget-mib
 (default 200) and --ctx 2048; the 7B the same at its own scale
 (--scale-budget-mib 4700 + 256 MiB, a --scale-balloon-mib 2048 balloon in
---scale-step-mib 10 MiB steps held --scale-hold-s 8, --scale-tokens 400,
-ctx 512: the squeeze leaves room for about half of its FFN, bench-scale's
-(b)); llama.cpp is llama-completion (the native
+--scale-step-mib 10 MiB steps from --scale-balloon-at-s 15 s after the
+engine starts, held --scale-hold-s 8, --scale-tokens 400, ctx 512: the
+squeeze leaves room for about half of its FFN, bench-scale's (b)); llama.cpp is llama-completion (the native
 build of scripts/bench_setup.sh) with the weights mmapped and not repacked
 (nflash_bench.llama.native_llama_cmd), -c 2048. Both decode --tokens (1500)
 tokens of the fixed prompt, greedy, EOS ignored, 2 threads. Once the
@@ -35,7 +35,9 @@ Figures: outcome (ok, or OOM-killed: the group's oom_kill count, exit
 status), tokens/s before (from first text to the balloon's start), during
 (from the balloon full to its leaving) and after (1 s after it left to the
 end), from the times of the engine's output bytes (bytes / the run's bytes
-per generated token); nflash's reaction time: from the first poll (every
+per generated token: text of even byte length per token, which the
+synthetic 7B's is not), and over the whole decode (the engine's own count:
+nflash's --stats-json, llama.cpp's eval timing); nflash's reaction time: from the first poll (every
 50 ms) at which the group's room (limit less usage) fell below the 32 MiB
 reserve to the first poll at which nflash's RSS was 4 MiB below its size
 then; nflash's --stats-json budget figures. One plot per model (the first
@@ -59,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nflash_bench import common  # noqa: E402
 from nflash_bench.cgroup import drop_caches, need_root, new_group, oom_kills, remove_group, remove_stale_groups  # noqa: E402
 from nflash_bench.common import MIB, REPO, die, fmt, log, median, run_info  # noqa: E402
-from nflash_bench.llama import llama_env, native_llama_cmd  # noqa: E402
+from nflash_bench.llama import llama_env, native_llama_cmd, parse_native_llama  # noqa: E402
 from nflash_bench.models import prepare_llama, prepare_nflash  # noqa: E402
 from nflash_bench.prompt import PROMPT_TEXT  # noqa: E402
 
@@ -117,10 +119,14 @@ def run_once(a, m: dict, engine: str, cmd: list[str], env: dict | None) -> dict:
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
-        # The balloon: --before-s after the first text.
-        while not out and p.poll() is None and time.perf_counter() - t0 < a.timeout:
-            time.sleep(0.01)
-        time.sleep(a.before_s)
+        # The balloon: --before-s after the first text, or at a fixed time
+        # after the start (the synthetic 7B's text comes out in bursts).
+        if m.get("balloon_at_s") is not None:
+            time.sleep(max(0.0, m["balloon_at_s"] - (time.perf_counter() - t0)))
+        else:
+            while not out and p.poll() is None and time.perf_counter() - t0 < a.timeout:
+                time.sleep(0.01)
+            time.sleep(a.before_s)
         if p.poll() is None:
             steps = m["balloon_mib"] // m["step_mib"]
             b = in_group(d, [str(a.balloon), "--step", str(m["step_mib"]), "--steps", str(steps), "--hold-ms",
@@ -152,8 +158,8 @@ def rates(r: dict, tokens: int) -> dict:
     if not out or "start" not in b:
         return {}
     total = sum(n for _, n in out)
-    # The first chunk may hold the echoed prompt (llama.cpp): not generated text.
-    gen = out[1:] if len(out) > 1 else out
+    # Generated text only: llama.cpp runs with --no-display-prompt.
+    gen = out
     per_tok = max(sum(n for _, n in gen) / tokens, 1e-9)
 
     def rate(t0: float, t1: float) -> float | None:
@@ -196,7 +202,7 @@ def plot(runs: dict, limit: int, path: Path, title: str) -> None:
         ax.set_title(f"{title}: {engine} ({'OOM-killed' if r['oom_kills'] or r['exit'] else 'ok'})")
         ax.legend(fontsize=7, loc="lower right")
         ax2 = axes[1][col]
-        gen = r["out"][1:] if len(r["out"]) > 1 else r["out"]
+        gen = r["out"]
         per_tok = max(sum(n for _, n in gen) / max(r.get("tokens", 1), 1), 1e-9)
         win, xs, ys = 0.5, [], []
         if gen:
@@ -233,7 +239,7 @@ def model_settings(a) -> dict[str, dict]:
             models["7b"] = {"title": "synthetic llama-7b ReLU q4_0 (s=0.9)", "pack": pack, "gguf": gguf,
                             "budget_mib": a.scale_budget_mib, "limit": (a.scale_budget_mib + 256) * MIB,
                             "balloon_mib": a.scale_balloon_mib, "step_mib": a.scale_step_mib, "hold_s": a.scale_hold_s,
-                            "tokens": a.scale_tokens, "ctx": a.scale_ctx}
+                            "tokens": a.scale_tokens, "ctx": a.scale_ctx, "balloon_at_s": a.scale_balloon_at_s}
         else:
             log(f"note: no 7B rows: {pack} or {gguf} is missing (make them with "
                 f"`.venv-bench/bin/python scripts/bench_scale.py --sparsities 0.9 --prepare-only`, about an hour)")
@@ -260,6 +266,9 @@ def main(argv) -> int:
     ap.add_argument("--scale-step-mib", type=int, default=10,
                     help="the 7B balloon's step every 100 ms (SmolLM2's is 10 MiB)")
     ap.add_argument("--scale-hold-s", type=float, default=8.0)
+    ap.add_argument("--scale-balloon-at-s", type=float, default=15.0,
+                    help="the 7B's balloon starts this long after the engine (its text comes out in bursts, "
+                         "so its first text does not say when decode began)")
     ap.add_argument("--scale-tokens", type=int, default=400)
     ap.add_argument("--scale-ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
@@ -295,8 +304,9 @@ def main(argv) -> int:
                         "--temperature", "0", "--ignore-eos", "--max-tokens", str(m["tokens"]), "--ctx",
                         str(m["ctx"]), "--threads", str(a.threads), "--memory-budget", f"{m['budget_mib']}MiB",
                         "--stats-json", str(stats_json), *shlex.split(a.nflash_extra)], None),
-            "llama.cpp": (native_llama_cmd(a.llama, m["gguf"], prompt, m["tokens"], a.threads, m["ctx"]),
-                          llama_env("native")),
+            # Without the prompt echoed, its output is the generated text alone, as nflash's.
+            "llama.cpp": (native_llama_cmd(a.llama, m["gguf"], prompt, m["tokens"], a.threads, m["ctx"])
+                          + ["--no-display-prompt"], llama_env("native")),
         }
         per: dict[str, list] = {e: [] for e in cmds}
         first: dict[str, dict] = {}
@@ -318,6 +328,9 @@ def main(argv) -> int:
                     row.update({k: s.get(k) for k in ("decode_tokens_per_s", "budget_min_bytes", "budget_max_bytes",
                                                       "budget_shrinks", "budget_grows", "bytes_returned",
                                                       "reads_after_shrink", "memory_signals")})
+                if engine == "llama.cpp" and ok:
+                    perf = parse_native_llama(r["stderr"])
+                    row["decode_tokens_per_s"] = perf["n_eval"] / (perf["t_eval_ms"] / 1e3) if perf else None
                 if not ok:
                     log(f"  {row['outcome']}: {r['stderr'][-300:]}")
                 log("  " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
@@ -331,16 +344,18 @@ def main(argv) -> int:
             summary[engine] = {
                 "oom_killed_runs": sum(r["outcome"] != "ok" for r in rows), "runs": len(rows),
                 **{k: median([r.get(k) for r in rows if r["outcome"] == "ok"])
-                   for k in ("tokens_per_s_before", "tokens_per_s_during", "tokens_per_s_after", "reaction_s")}}
+                   for k in ("tokens_per_s_before", "tokens_per_s_during", "tokens_per_s_after", "reaction_s",
+                             "decode_tokens_per_s")}}
         setting = {k: (str(v) if isinstance(v, Path) else v) for k, v in m.items()}
         results["models"][q] = {"setting": setting, "runs": per, "summary": summary}
     (a.out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\n| model | engine | OOM-killed runs | tok/s before | during | after | reaction s |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n| model | engine | OOM-killed runs | tok/s before | during | after | whole decode | reaction s |")
+    print("|---|---|---|---|---|---|---|---|")
     for q, m in results["models"].items():
         for engine, s in m["summary"].items():
             print(f"| {q} | {engine} | {s['oom_killed_runs']}/{s['runs']} | {fmt(s['tokens_per_s_before'])} | "
-                  f"{fmt(s['tokens_per_s_during'])} | {fmt(s['tokens_per_s_after'])} | {fmt(s['reaction_s'], 2)} |")
+                  f"{fmt(s['tokens_per_s_during'])} | {fmt(s['tokens_per_s_after'])} | "
+                  f"{fmt(s['decode_tokens_per_s'])} | {fmt(s['reaction_s'], 2)} |")
     log(f"wrote {a.out_dir / 'results.json'} and the plots")
     return 0
 

@@ -590,6 +590,34 @@ fn reads_started_ahead_keep_the_current_fetch_and_are_not_read_twice() {
     assert_eq!(run(1 << 30, true, Some(total)), total, "each cluster read once");
 }
 
+/// During a forward pass a shrink gives back at once the hot clusters of
+/// every unit but the one whose locations the last fetch handed out (a
+/// prefill layer call lasts about a second at 7B: a balloon growing
+/// 100 MiB/s does not wait for it); that unit's go at the next fetch.
+#[test]
+fn a_shrink_during_a_pass_frees_the_other_layers_at_once() {
+    use nflash_runtime::model::MemoryControl;
+    use nflash_runtime::offload::NeuronCache;
+    let dir = tempfile::tempdir().unwrap();
+    let path = pack(dir.path(), "inpass.nflash", "q8_0", &[]);
+    let pack = Pack::open_resident(&path).unwrap();
+    let cache = NeuronCache::open(&pack, &CacheConfig::all_hot(&pack)).unwrap();
+    let mem = cache.memory();
+    let (floor, ceiling) = (mem.floor_bytes(), mem.ceiling_bytes());
+    let all = |l: usize| (0..pack.manifest().ffn[l].clusters.len() as u32).collect::<Vec<u32>>();
+    let mut table = Vec::new();
+    cache.fetch(1, &all(1), &mut table).unwrap();
+    let held = mem.resize(0);
+    // Three layers of equal size: layer 1's hot clusters stay, the others'
+    // went (the floor, one layer's clusters to stage reads, comes in).
+    let layer = ceiling / 3;
+    assert_eq!(held, floor + layer, "held {held} of {ceiling}, floor {floor}: layer 1's hot clusters alone stay");
+    // The next fetch lets layer 1's go; the pass ends at the floor.
+    cache.fetch(2, &all(2), &mut table).unwrap();
+    cache.end_pass();
+    assert_eq!(mem.held_bytes(), floor);
+}
+
 /// Decodes with `cfg` while another thread squeezes and releases the
 /// neuron cache (floor, ceiling and sizes between): the logits are the
 /// bits of an unsqueezed run. Then, between tokens: a resize to the floor

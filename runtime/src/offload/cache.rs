@@ -109,8 +109,13 @@ struct Lru {
     /// `[layer]` hot clusters wanted in memory by the last resize ([`Core::apply`]).
     target_live: Vec<usize>,
     /// A forward pass is running: between its first fetch and its end
-    /// ([`NeuronCache::end_pass`]), hot clusters change only at a fetch.
+    /// ([`NeuronCache::end_pass`]), the hot clusters of the unit whose
+    /// locations the last fetch handed out ([`Self::busy`]) change only at
+    /// a fetch; every other unit's at once.
     in_pass: bool,
+    /// The unit of the last fetch in this pass, whose hot locations a
+    /// layer call may be using (`NONE` between passes).
+    busy: u32,
     /// The last resize is not fully applied ([`Core::apply`]).
     pending: bool,
     /// `[layer][cluster / 64]` bit set: the cluster's slot was given back
@@ -141,6 +146,7 @@ impl Lru {
             target: n_slots,
             target_live: Vec::new(),
             in_pass: false,
+            busy: NONE,
             pending: false,
             dropped: layers.iter().map(|l| vec![0; l.clusters.len().div_ceil(64)]).collect(),
         };
@@ -459,6 +465,7 @@ impl NeuronCache {
     pub fn end_pass(&self) {
         let mut lru = self.core.lru.lock().unwrap_or_else(|e| e.into_inner());
         lru.in_pass = false;
+        lru.busy = NONE;
         // No slot is in use: the last fetch's may go too.
         lru.epoch += 1;
         self.core.apply(&mut lru);
@@ -489,7 +496,9 @@ impl NeuronCache {
         }
         // No layer call uses a cluster now: a resize takes effect.
         lru.in_pass = true;
+        lru.busy = NONE;
         self.core.apply(&mut lru);
+        lru.busy = layer as u32;
         let hot = self.core.live[layer].load(Ordering::Relaxed);
         let mut st = CacheStats::default();
         let mut reads = Merger::new(&self.io);
@@ -858,15 +867,10 @@ impl MemoryControl for CacheMemory {
         lru.target = slots;
         lru.target_live = live;
         lru.pending = true;
-        if lru.in_pass {
-            // Hot clusters wait for the next fetch; slots can go now, down
-            // to what the hot clusters in memory leave cold.
-            let to = slots.max(core.min_slots(core.live_now()));
-            let b = lru.shrink(&core.shared.slots, to);
-            lru.counts.bytes_returned += b;
-        } else {
-            core.apply(&mut lru);
-        }
+        // In a pass, the unit a layer call may be using keeps its hot
+        // clusters until the next fetch; the rest moves now (at 7B a
+        // prefill layer call lasts about a second, and other apps do not wait).
+        core.apply(&mut lru);
         // One resize counts once, when it asks for less or more than held,
         // however many steps (now, at later fetches) it takes.
         let wanted = core.bytes(&lru.target_live, slots);
@@ -931,8 +935,10 @@ impl Core {
         (live, n)
     }
 
-    /// Moves the regions to the last resize's targets. Called only where no
-    /// layer call uses a cluster: at a fetch, between forward passes.
+    /// Moves the regions to the last resize's targets, but for the hot
+    /// clusters of the unit a layer call may be using (`lru.busy`), which
+    /// stay pending until the next fetch. Slots of the current fetch stay
+    /// too ([`Lru::shrink`]).
     fn apply(&self, lru: &mut Lru) {
         if !std::mem::take(&mut lru.pending) {
             return;
@@ -944,6 +950,10 @@ impl Core {
         }
         for l in 0..self.layers.len() {
             let (t, k) = (lru.target_live[l], self.live[l].load(Ordering::Relaxed));
+            if t != k && l == lru.busy as usize {
+                lru.pending = true;
+                continue;
+            }
             if t < k {
                 let lay = &self.layers[l];
                 let base = lay.hot_base as u64;
@@ -951,8 +961,9 @@ impl Core {
                 self.live[l].store(t, Ordering::Relaxed);
                 // SAFETY: clusters t..k of `l` are not hot any more (`live`
                 // is t), so no later fetch hands out a location in this
-                // range, and no layer call holds one now (`apply` runs
-                // between layer calls, under the LRU's lock).
+                // range, and no layer call holds one now: `l` is not the
+                // unit of the pass's last fetch (`busy`), whose locations
+                // are the only ones a layer call uses, and we hold the LRU's lock.
                 let b = unsafe { self.hot.give_back(from as usize, (to - from) as usize) };
                 lru.counts.bytes_returned += b as u64;
                 for c in t..k {
@@ -971,7 +982,7 @@ impl Core {
             let b = lru.shrink(&self.shared.slots, to);
             lru.counts.bytes_returned += b;
             // Slots of the current fetch stay until the next one.
-            lru.pending = lru.n_on > to;
+            lru.pending |= lru.n_on > to;
         } else if lru.n_on < to {
             lru.grow(to);
         }
@@ -990,7 +1001,7 @@ impl Core {
         // SAFETY (the contract of `fill`): clusters k..t of `l` are not
         // hot now (`live` is k), so no fetch hands out a location in this
         // range and nobody reads it; `apply` runs under the LRU's lock,
-        // alone, between layer calls.
+        // alone, and never for the unit a layer call may be using (`busy`).
         unsafe {
             self.hot.fill(at, len, |buf| {
                 read_clusters(&self.shared.flash, lay, k..t, buf)?;
