@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::builder::TypedValueParser;
 use clap::Args;
 use nflash_runtime::chat::{ChatOptions, ContentTokens, Message};
-use nflash_runtime::draft::{DraftKind, SpecOptions};
+use nflash_runtime::draft::DraftKind;
 use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
 use nflash_runtime::model::predictor::SparsitySummary;
 use nflash_runtime::model::Speculation;
@@ -20,7 +20,7 @@ use nflash_runtime::{Engine, Model};
 
 use crate::common::{check_output, context_len, in_pool, open_pack, read_text, write_atomic, Verify};
 use crate::memory::{load_engine, MemoryArgs};
-use crate::sampling::SamplingArgs;
+use crate::sampling::{SamplingArgs, SpeculateArgs};
 use nflash_runtime::{message, message_part};
 
 /// Arguments of `nflash run`.
@@ -98,22 +98,8 @@ pub struct RunArgs {
         value_parser = clap::builder::PossibleValuesParser::new(Speculation::ALL.map(|(_, name)| name)).try_map(|s| s.parse::<Speculation>())
     )]
     speculate: Speculation,
-    /// Speculative decoding: a draft guesses up to --draft-tokens next
-    /// tokens and one verify pass of the model checks them all, each with
-    /// decode's arithmetic, so the text is the same as without. off, or
-    /// lookup (prompt lookup: what followed the latest earlier occurrence of
-    /// the last 1–3 tokens; pays where the output repeats the prompt or
-    /// itself, as summaries, extraction and code edits do). Not the same as
-    /// --speculate, the prefetch of neuron clusters.
-    #[arg(
-        long,
-        default_value = "off",
-        value_parser = clap::builder::PossibleValuesParser::new(DraftKind::ALL.map(|(_, name)| name)).try_map(|s| s.parse::<DraftKind>())
-    )]
-    speculate_draft: DraftKind,
-    /// Most tokens a draft guesses per verify pass (K; the pass runs K + 1 tokens).
-    #[arg(long, default_value_t = nflash_runtime::draft::DEFAULT_DRAFT_TOKENS, value_parser = clap::value_parser!(u16).range(1..=16).map(usize::from))]
-    draft_tokens: usize,
+    #[command(flatten)]
+    speculative: SpeculateArgs,
     #[command(flatten)]
     memory: MemoryArgs,
 }
@@ -175,7 +161,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         max_tokens: a.max_tokens,
         stop_ids: engine.stop_ids.clone(),
         ignore_eos: a.ignore_eos,
-        speculate: SpecOptions { draft: a.speculate_draft, max_draft: a.draft_tokens },
+        speculate: a.speculative.options(),
         ..Default::default()
     };
     let Some(prompt) = prompt else {

@@ -1,6 +1,8 @@
-//! The sampling flags shared by `nflash run` and `nflash serve`.
+//! The sampling and speculative-decoding flags shared by `nflash run` and `nflash serve`.
 
+use clap::builder::TypedValueParser;
 use clap::Args;
+use nflash_runtime::draft::{DraftKind, SpecOptions};
 use nflash_runtime::sampler::{self, SamplerConfig};
 
 /// Sampling options; each defaults to the checkpoint's
@@ -64,4 +66,32 @@ impl SamplingArgs {
 /// A seed from the clock, nanoseconds.
 pub fn clock_seed() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+}
+
+/// Speculative-decoding options (`nflash_runtime::draft`).
+#[derive(Args, Clone, Debug)]
+pub struct SpeculateArgs {
+    /// Speculative decoding: a draft guesses up to --draft-tokens next
+    /// tokens and one verify pass of the model checks them all, each with
+    /// decode's arithmetic, so the text is the same as without. off, or
+    /// lookup (prompt lookup: what followed the latest earlier occurrence of
+    /// the last 1–3 tokens; pays where the output repeats the prompt or
+    /// itself, as summaries, extraction and code edits do). Not the same as
+    /// --speculate, the prefetch of neuron clusters.
+    #[arg(
+        long,
+        default_value = "off",
+        value_parser = clap::builder::PossibleValuesParser::new(DraftKind::ALL.map(|(_, name)| name)).try_map(|s| s.parse::<DraftKind>())
+    )]
+    pub speculate_draft: DraftKind,
+    /// Most tokens a draft guesses per verify pass (K; the pass runs K + 1 tokens).
+    #[arg(long, default_value_t = nflash_runtime::draft::DEFAULT_DRAFT_TOKENS, value_parser = clap::value_parser!(u16).range(1..=16).map(usize::from))]
+    pub draft_tokens: usize,
+}
+
+impl SpeculateArgs {
+    /// The generation's speculative-decoding settings.
+    pub fn options(&self) -> SpecOptions {
+        SpecOptions { draft: self.speculate_draft, max_draft: self.draft_tokens }
+    }
 }

@@ -59,9 +59,8 @@ use tokio_stream::StreamExt;
 
 use crate::common::{context_len, in_pool, open_pack, Verify};
 use crate::memory::{load_engine, MemoryArgs};
-use crate::sampling::{clock_seed, SamplingArgs};
-use clap::builder::TypedValueParser;
-use nflash_runtime::draft::{DraftKind, SpecOptions};
+use crate::sampling::{clock_seed, SamplingArgs, SpeculateArgs};
+use nflash_runtime::draft::SpecOptions;
 
 /// Arguments of `nflash serve`.
 #[derive(Args)]
@@ -123,18 +122,9 @@ pub struct ServeArgs {
     enable_thinking: Option<bool>,
     #[command(flatten)]
     sampling: SamplingArgs,
-    /// Speculative decoding for every request: off, or lookup (the next
-    /// tokens guessed from the earlier text, checked in one verify pass;
-    /// the same text). Timings report drafted and accepted tokens.
-    #[arg(
-        long,
-        default_value = "off",
-        value_parser = clap::builder::PossibleValuesParser::new(DraftKind::ALL.map(|(_, name)| name)).try_map(|s| s.parse::<DraftKind>())
-    )]
-    speculate_draft: DraftKind,
-    /// Most tokens a draft guesses per verify pass (K).
-    #[arg(long, default_value_t = nflash_runtime::draft::DEFAULT_DRAFT_TOKENS, value_parser = clap::value_parser!(u16).range(1..=16).map(usize::from))]
-    draft_tokens: usize,
+    /// Speculative decoding for every request (timings report drafted and accepted tokens).
+    #[command(flatten)]
+    speculative: SpeculateArgs,
     /// Compute threads (default: the big cores where a phone has big and
     /// little ones, pinned there; else all cores).
     #[arg(long)]
@@ -381,7 +371,7 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         prompter: engine.prompter(),
         sampling,
         fixed_seed: a.sampling.seed.is_some(),
-        speculate: SpecOptions { draft: a.speculate_draft, max_draft: a.draft_tokens },
+        speculate: a.speculative.options(),
         max_tokens,
         max_tokens_limit,
         max_body: a.max_body as usize,
