@@ -35,7 +35,7 @@ Figures: outcome (ok, or OOM-killed: the group's oom_kill count, exit
 status), tokens/s before (from first text to the balloon's start), during
 (from the balloon full to its leaving) and after (1 s after it left to the
 end), from the times of the engine's output bytes (bytes / the run's bytes
-per generated token: text of even byte length per token, which the
+per generated token: text of a steady byte length per token, which the
 synthetic 7B's is not), and over the whole decode (the engine's own count:
 nflash's --stats-json, llama.cpp's eval timing); nflash's reaction time: from the first poll (every
 50 ms) at which the group's room (limit less usage) fell below the 32 MiB
@@ -224,6 +224,9 @@ def plot(runs: dict, limit: int, path: Path, title: str) -> None:
 
 def model_settings(a) -> dict[str, dict]:
     """Per model in --models: its pack, GGUF and pressure setting (sizes in MiB, limit in bytes)."""
+    unknown = [x for x in a.models if x not in ("q4_0", "q8_0", "7b")]
+    if unknown:
+        die(f"--models: unknown {','.join(unknown)} (choose among q4_0,q8_0,7b)", 2)
     models: dict[str, dict] = {}
     smol = [q for q in a.models if q in ("q4_0", "q8_0")]
     if smol:
@@ -243,9 +246,6 @@ def model_settings(a) -> dict[str, dict]:
         else:
             log(f"note: no 7B rows: {pack} or {gguf} is missing (make them with "
                 f"`.venv-bench/bin/python scripts/bench_scale.py --sparsities 0.9 --prepare-only`, about an hour)")
-    unknown = [x for x in a.models if x not in ("q4_0", "q8_0", "7b")]
-    if unknown:
-        die(f"--models: unknown {','.join(unknown)} (choose among q4_0,q8_0,7b)", 2)
     return models
 
 

@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use nflash_format::Pack;
 use nflash_runtime::chat::{ChatOptions, Message};
-use nflash_runtime::draft::{DraftKind, SpecOptions};
+use nflash_runtime::draft::{self, DraftKind, SpecOptions};
 use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
 use nflash_runtime::model::MemoryControl;
 use nflash_runtime::placement::{self, MemoryOptions};
@@ -611,10 +611,16 @@ fn generate(
         1 => DraftKind::Lookup,
         v => return Err(invalid(format!("params.speculate_draft {v} must be 0 (off) or 1 (prompt lookup)"))),
     };
-    let max_draft = match p.draft_tokens {
-        0 => nflash_runtime::draft::DEFAULT_DRAFT_TOKENS,
-        v @ 1..=16 => v as usize,
-        v => return Err(invalid(format!("params.draft_tokens {v} must be 0 (the default, 4) or 1–16"))),
+    let max_draft = match p.draft_tokens as usize {
+        0 => draft::DEFAULT_DRAFT_TOKENS,
+        v @ 1..=draft::MAX_DRAFT_TOKENS => v,
+        v => {
+            return Err(invalid(format!(
+                "params.draft_tokens {v} must be 0 (the default, {}) or 1–{}",
+                draft::DEFAULT_DRAFT_TOKENS,
+                draft::MAX_DRAFT_TOKENS
+            )))
+        }
     };
     lock(&m.loaded).with_dependent_mut(|_, r| {
         // At most a context's worth, counted before a long text is tokenized whole.

@@ -55,6 +55,9 @@ impl Default for SpecOptions {
 /// Default K: tokens drafted per verify pass.
 pub const DEFAULT_DRAFT_TOKENS: usize = 4;
 
+/// Largest K accepted (`--draft-tokens`, libnflash's `params.draft_tokens`).
+pub const MAX_DRAFT_TOKENS: usize = 16;
+
 /// Longest n-gram prompt lookup matches (tokens); it tries n = 3, 2, 1 in
 /// turn, as llama.cpp's `lookup` example and prompt-lookup decoding
 /// (Saxena 2023) do.

@@ -461,7 +461,7 @@ fn report(
 
 /// `--stats-json`'s `acceptance_by_draft`: per draft kind used, tokens
 /// drafted and accepted and the acceptance rate (empty without speculation).
-pub fn acceptance_by_draft(st: &GenStats) -> serde_json::Value {
+fn acceptance_by_draft(st: &GenStats) -> serde_json::Value {
     let mut m = serde_json::Map::new();
     if st.draft != DraftKind::Off {
         m.insert(

@@ -85,7 +85,7 @@ pub struct SpeculateArgs {
     )]
     pub speculate_draft: DraftKind,
     /// Most tokens a draft guesses per verify pass (K; the pass runs K + 1 tokens).
-    #[arg(long, default_value_t = nflash_runtime::draft::DEFAULT_DRAFT_TOKENS, value_parser = clap::value_parser!(u16).range(1..=16).map(usize::from))]
+    #[arg(long, default_value_t = nflash_runtime::draft::DEFAULT_DRAFT_TOKENS, value_parser = clap::value_parser!(u16).range(1..=nflash_runtime::draft::MAX_DRAFT_TOKENS as i64).map(usize::from))]
     pub draft_tokens: usize,
 }
 

@@ -206,8 +206,6 @@ struct Shared {
     /// else nflash's); the seed only when --seed was given.
     sampling: SamplerConfig,
     fixed_seed: bool,
-    /// Speculative decoding (--speculate-draft, --draft-tokens).
-    speculate: SpecOptions,
     max_tokens: usize,
     max_tokens_limit: usize,
     max_body: usize,
@@ -316,7 +314,6 @@ struct Job {
     enqueued: Instant,
     /// Raised when the client goes away ([`Waiter`]).
     cancel: CancelToken,
-    speculate: SpecOptions,
 }
 
 /// What the generation thread sends back for a job.
@@ -371,7 +368,6 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         prompter: engine.prompter(),
         sampling,
         fixed_seed: a.sampling.seed.is_some(),
-        speculate: a.speculative.options(),
         max_tokens,
         max_tokens_limit,
         max_body: a.max_body as usize,
@@ -411,7 +407,8 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         shared.budget.map_or(String::new(), |b| format!(", memory budget {:.1} MiB", b as f64 / (1u64 << 20) as f64)),
         a.queue
     );
-    generation_loop(&engine, &mut session, &jobs, Memory { watch: shared.watch.as_ref(), budget: shared.budget });
+    let memory = Memory { watch: shared.watch.as_ref(), budget: shared.budget };
+    generation_loop(&engine, &mut session, &jobs, memory, a.speculative.options());
     drop(shared);
     match http.join() {
         Ok(r) => r,
@@ -454,11 +451,12 @@ struct Memory<'a> {
     budget: Option<u64>,
 }
 
-/// Runs jobs one at a time until the queue closes (the HTTP thread stopped).
-fn generation_loop(engine: &Engine, session: &mut Session, jobs: &Queue, memory: Memory) {
+/// Runs jobs one at a time until the queue closes (the HTTP thread
+/// stopped), each with the server's speculative decoding `spec`.
+fn generation_loop(engine: &Engine, session: &mut Session, jobs: &Queue, memory: Memory, spec: SpecOptions) {
     while let Some(job) = jobs.take() {
         let t0 = Instant::now();
-        let last = run_job(engine, session, &job, memory);
+        let last = run_job(engine, session, &job, memory, spec);
         jobs.last_ms.store(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
         // Idle before the client hears the end, so its next request finds room.
         jobs.lock().busy = false;
@@ -469,7 +467,7 @@ fn generation_loop(engine: &Engine, session: &mut Session, jobs: &Queue, memory:
 /// One request: generate, streaming text back; cancelled when the client
 /// is gone. Returns the last event ([`Event::Done`] or [`Event::Failed`]),
 /// for the caller to send once the generation thread is idle.
-fn run_job(engine: &Engine, session: &mut Session, job: &Job, memory: Memory) -> Event {
+fn run_job(engine: &Engine, session: &mut Session, job: &Job, memory: Memory, spec: SpecOptions) -> Event {
     let t0 = Instant::now();
     engine.model.reset_counters();
     if let (Some(w), Some(m)) = (memory.watch, engine.model.memory_control()) {
@@ -481,7 +479,7 @@ fn run_job(engine: &Engine, session: &mut Session, job: &Job, memory: Memory) ->
         stop_ids: engine.stop_ids.clone(),
         ignore_eos: job.ignore_eos,
         cancel: job.cancel.clone(),
-        speculate: job.speculate,
+        speculate: spec,
     };
     let mut stops = StopScan::new(job.stop.clone());
     let result = session.generate(engine, &job.ids, &mut sampler, &opts, |piece| {
@@ -1218,7 +1216,6 @@ async fn submit(s: &Arc<Shared>, ids: Vec<u32>, p: &Params, kind: Kind) -> Resul
         events: tx,
         enqueued: Instant::now(),
         cancel: cancel.clone(),
-        speculate: s.speculate,
     };
     if !s.jobs.push(job, s.queue) {
         let waiting = s.jobs.lock().jobs.len() as u64 + 1;
