@@ -93,9 +93,13 @@ typedef struct {
   int32_t enable_thinking;
   // Speculative decoding's draft (`nflash run --speculate-draft`): 0 off
   // (the default), 1 prompt lookup (guesses the next tokens from the
-  // earlier text and checks them in one verify pass). The text is the
-  // same either way; lookup pays where the reply repeats the prompt
-  // (summaries, extraction, edits) or the model reads from flash.
+  // earlier text and checks them in one verify pass), 2 self-speculation
+  // (guesses them with the model on the neurons it holds in memory,
+  // without flash reads), 3 auto (prompt lookup where the acceptance seen
+  // so far says it pays, plain decoding elsewhere). The text is the same
+  // either way; lookup pays where the reply repeats the prompt
+  // (summaries, extraction, edits), self-speculation where the model
+  // reads much from flash.
   uint32_t speculate_draft;
   // Most tokens drafted per verify pass, 1–16; 0: 4 (`--draft-tokens`).
   uint32_t draft_tokens;

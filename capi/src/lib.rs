@@ -151,9 +151,13 @@ pub struct NflashParams {
     pub enable_thinking: i32,
     /// Speculative decoding's draft (`nflash run --speculate-draft`): 0 off
     /// (the default), 1 prompt lookup (guesses the next tokens from the
-    /// earlier text and checks them in one verify pass). The text is the
-    /// same either way; lookup pays where the reply repeats the prompt
-    /// (summaries, extraction, edits) or the model reads from flash.
+    /// earlier text and checks them in one verify pass), 2 self-speculation
+    /// (guesses them with the model on the neurons it holds in memory,
+    /// without flash reads), 3 auto (prompt lookup where the acceptance seen
+    /// so far says it pays, plain decoding elsewhere). The text is the same
+    /// either way; lookup pays where the reply repeats the prompt
+    /// (summaries, extraction, edits), self-speculation where the model
+    /// reads much from flash.
     pub speculate_draft: u32,
     /// Most tokens drafted per verify pass, 1–16; 0: 4 (`--draft-tokens`).
     pub draft_tokens: u32,
@@ -609,7 +613,13 @@ fn generate(
     let draft = match p.speculate_draft {
         0 => DraftKind::Off,
         1 => DraftKind::Lookup,
-        v => return Err(invalid(format!("params.speculate_draft {v} must be 0 (off) or 1 (prompt lookup)"))),
+        2 => DraftKind::SelfDraft,
+        3 => DraftKind::Auto,
+        v => {
+            return Err(invalid(format!(
+                "params.speculate_draft {v} must be 0 (off), 1 (prompt lookup), 2 (self-speculation) or 3 (auto)"
+            )))
+        }
     };
     let max_draft = match p.draft_tokens as usize {
         0 => draft::DEFAULT_DRAFT_TOKENS,

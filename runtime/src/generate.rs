@@ -34,6 +34,8 @@ pub struct GenStats {
     pub draft_tokens: usize,
     /// Drafted tokens the model's own samples matched (kept).
     pub accepted_tokens: usize,
+    /// Forward passes a model draft ran (self-speculation), not counted in `decode_steps`.
+    pub draft_passes: usize,
     /// Wall time spent drafting, seconds.
     pub draft_s: f64,
     /// Wall time of verify passes (forward pass + sampling), seconds.
@@ -250,7 +252,10 @@ pub fn generate_until(
     // are done; `context` the ids a lookup draft searches.
     let spec = opts.speculate;
     let mut ahead: std::collections::VecDeque<u32> = std::collections::VecDeque::new();
-    let mut context: Vec<u32> = if spec.draft == DraftKind::Off { Vec::new() } else { prompt.to_vec() };
+    let mut context: Vec<u32> = if spec.draft.source() == DraftKind::Lookup { prompt.to_vec() } else { Vec::new() };
+    // `auto`: K per pass from the acceptance so far, 0 where it does not pay.
+    let offload = model.cache_regions().io_engine.is_some();
+    let mut adaptive = (spec.draft == DraftKind::Auto).then(|| crate::draft::Adaptive::new(spec.max_draft, offload));
     let mut draft = Vec::new();
     let kv0 = kv.len();
     // Positions plain decoding would hold when generation ends: every token
@@ -293,11 +298,21 @@ pub fn generate_until(
         }
         let ts = Instant::now();
         // Draft at most what the budget of tokens and the context leave.
-        let room = spec.max_draft.min(opts.max_tokens - out.len() - 1).min(kv.capacity() - kv.len() - 2);
-        if spec.draft != DraftKind::Off {
-            context.push(next);
-            if room > 0 {
-                crate::draft::lookup(&context, room, &mut draft);
+        let want = adaptive.as_mut().map_or(spec.max_draft, |a| a.next_k());
+        let room = want.min(opts.max_tokens - out.len() - 1).min(kv.capacity() - kv.len() - 2);
+        match spec.draft.source() {
+            DraftKind::Off | DraftKind::Auto => {}
+            DraftKind::Lookup => {
+                context.push(next);
+                if room > 0 {
+                    crate::draft::lookup(&context, room, &mut draft);
+                }
+            }
+            DraftKind::SelfDraft => {
+                if room > 0 {
+                    let stops: &[u32] = if opts.ignore_eos { &[] } else { &opts.stop_ids };
+                    stats.draft_passes += crate::draft::self_draft(model, kv, next, room, stops, &mut draft)?;
+                }
             }
         }
         stats.draft_s += ts.elapsed().as_secs_f64();
@@ -330,7 +345,12 @@ pub fn generate_until(
                 }
             };
             kv.truncate(base + kept + 1);
-            context.extend(ahead.iter());
+            if spec.draft.source() == DraftKind::Lookup {
+                context.extend(ahead.iter());
+            }
+            if let Some(a) = &mut adaptive {
+                a.record(draft.len(), kept);
+            }
             ahead.push_back(last);
             next = ahead.pop_front().unwrap_or(last);
             stats.draft_tokens += draft.len();

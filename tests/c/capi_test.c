@@ -536,7 +536,20 @@ static void t_speculate(void) {
     CHECK_STATUS(nflash_stats(model, &st), NFLASH_STATUS_OK);
     CHECK(st.draft_tokens > 0 && st.accepted_tokens <= st.draft_tokens && st.decode_passes > 0,
           "drafted %u, accepted %u, passes %u", st.draft_tokens, st.accepted_tokens, st.decode_passes);
+    struct collect self_spec = {0};
     p.speculate_draft = 2;
+    CHECK_STATUS(nflash_complete(model, doc, &p, collect_cb, &self_spec), NFLASH_STATUS_OK);
+    CHECK(strcmp(plain.text, self_spec.text) == 0, "self-speculation changed the text: \"%s\" vs \"%s\"", plain.text,
+          self_spec.text);
+    CHECK_STATUS(nflash_stats(model, &st), NFLASH_STATUS_OK);
+    CHECK(st.draft_tokens > 0 && st.accepted_tokens <= st.draft_tokens, "self: drafted %u, accepted %u",
+          st.draft_tokens, st.accepted_tokens);
+    struct collect auto_spec = {0};
+    p.speculate_draft = 3;
+    CHECK_STATUS(nflash_complete(model, doc, &p, collect_cb, &auto_spec), NFLASH_STATUS_OK);
+    CHECK(strcmp(plain.text, auto_spec.text) == 0, "auto changed the text: \"%s\" vs \"%s\"", plain.text,
+          auto_spec.text);
+    p.speculate_draft = 4;
     CHECK_STATUS(nflash_complete(model, doc, &p, NULL, NULL), NFLASH_STATUS_INVALID_ARGUMENT);
     CHECK_ERROR_NAMES("speculate_draft");
     p.speculate_draft = 1;

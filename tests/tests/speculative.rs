@@ -58,32 +58,55 @@ fn gen(engine: &Engine, prompt: &[u32], temperature: f32, draft: DraftKind, k: u
     (ids, kv.len(), st)
 }
 
-/// Every placement of `path`'s FFN, greedy and sampled (at temperatures
-/// high enough that tiny models' samples vary), K = 1, 3 and 6:
+/// The drafts checked: every kind but `off`.
+const DRAFTS: [DraftKind; 3] = [DraftKind::Lookup, DraftKind::SelfDraft, DraftKind::Auto];
+
+/// Every placement of `path`'s FFN (in memory, and partly on flash, where a
+/// self-draft sees only part of the neurons), greedy and sampled (at
+/// temperatures high enough that tiny models' samples vary), each draft
+/// with K = 1, 3 and 6:
 /// the speculative tokens and KV-cache length equal plain decoding's; the
 /// drafts were really checked (some accepted, some rejected) overall.
-fn check_same_tokens(path: &Path) {
+/// With `partial_differs`, greedy self-drafts from part of the FFN must
+/// miss some tokens (a tiny Gemma 3's embeddings, scaled by √hidden,
+/// outweigh its FFN: here its greedy self-drafts were all kept).
+fn check_same_tokens(path: &Path, partial_differs: bool) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     pool.install(|| {
         let pack = Pack::open_resident(path).unwrap();
         let (mut accepted, mut rejected) = (0, 0);
-        for (name, cfg) in placements(path) {
+        for (pi, (name, cfg)) in placements(path).into_iter().enumerate() {
             let engine = Engine::load_with(&pack, &cfg).unwrap();
+            // Greedy self-drafts: (drafted, accepted) in this placement.
+            let mut self_greedy = (0, 0);
             for (i, prompt) in prompts().iter().enumerate() {
                 for temperature in [0.0, 1.5, 6.0] {
                     let plain = gen(&engine, prompt, temperature, DraftKind::Off, 4);
                     assert_eq!(plain.2.draft_tokens, 0);
-                    for k in [1, 3, 6] {
-                        let spec = gen(&engine, prompt, temperature, DraftKind::Lookup, k);
-                        let what = format!("{name}, prompt {i}, temperature {temperature}, K {k}");
+                    for (draft, k) in DRAFTS.iter().flat_map(|&d| [1, 3, 6].map(|k| (d, k))) {
+                        let spec = gen(&engine, prompt, temperature, draft, k);
+                        let what = format!("{name}, prompt {i}, temperature {temperature}, {draft:?} K {k}");
                         assert_eq!(spec.0, plain.0, "{what}: tokens differ");
                         assert_eq!(spec.1, plain.1, "{what}: KV cache lengths differ");
                         assert_eq!(spec.2.decode_tokens, plain.2.decode_tokens, "{what}: decode tokens");
                         assert!(spec.2.accepted_tokens <= spec.2.draft_tokens);
                         accepted += spec.2.accepted_tokens;
                         rejected += spec.2.draft_tokens - spec.2.accepted_tokens;
+                        if draft == DraftKind::SelfDraft && temperature == 0.0 {
+                            self_greedy.0 += spec.2.draft_tokens;
+                            self_greedy.1 += spec.2.accepted_tokens;
+                        }
                     }
                 }
+            }
+            // The self-draft is the model on its resident neurons: the
+            // whole model in memory (every guess kept), a part of it with
+            // nothing hot and a minimal cold region (guesses rejected).
+            let (drafted, kept) = self_greedy;
+            match pi {
+                0 => assert!(drafted > 0 && kept == drafted, "{name}: self-draft kept {kept} of {drafted}"),
+                1 | 2 if partial_differs => assert!(kept < drafted, "{name}: self-draft kept {kept} of {drafted}"),
+                _ => {}
             }
         }
         assert!(accepted > 0 && rejected > 0, "drafts never accepted ({accepted}) or never rejected ({rejected})");
@@ -91,14 +114,14 @@ fn check_same_tokens(path: &Path) {
 }
 
 #[test]
-fn lookup_gives_plain_decodings_tokens_dense() {
+fn speculation_gives_plain_decodings_tokens_dense() {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
-    check_same_tokens(&pack(dir.path(), &spec, "dense.nflash", "q8_0", &[]));
+    check_same_tokens(&pack(dir.path(), &spec, "dense.nflash", "q8_0", &[]), true);
 }
 
 #[test]
-fn lookup_gives_plain_decodings_tokens_sparse() {
+fn speculation_gives_plain_decodings_tokens_sparse() {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
     let calib = dir.path().join("calib.txt");
@@ -107,11 +130,11 @@ fn lookup_gives_plain_decodings_tokens_sparse() {
     flags.extend(QUICK_CALIB);
     let p = pack(dir.path(), &spec, "sparse.nflash", "q4_0", &flags);
     assert!(Pack::open_resident(&p).unwrap().manifest().sparse.is_some(), "the pack is not sparse");
-    check_same_tokens(&p);
+    check_same_tokens(&p, true);
 }
 
 #[test]
-fn lookup_gives_plain_decodings_tokens_moe() {
+fn speculation_gives_plain_decodings_tokens_moe() {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinySpec {
         arch: "MixtralForCausalLM",
@@ -121,7 +144,16 @@ fn lookup_gives_plain_decodings_tokens_moe() {
         vocab: 96,
         ..TinySpec::default()
     };
-    check_same_tokens(&pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]));
+    check_same_tokens(&pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]), true);
+}
+
+/// Sliding-window layers (Gemma 3, window 5): their KV rings roll back
+/// past drafts and rejected guesses.
+#[test]
+fn speculation_gives_plain_decodings_tokens_sliding_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec { vocab: 96, ..TinySpec::gemma3(41) };
+    check_same_tokens(&pack(dir.path(), &spec, "gemma3.nflash", "q8_0", &[]), false);
 }
 
 /// `nflash run --speculate-draft lookup` prints the text plain decoding
@@ -165,6 +197,12 @@ fn nflash_run_speculates_with_the_same_text() {
     assert_eq!(pj["draft_tokens"], 0);
     assert_eq!(pj["decode_passes"], pj["decode_tokens"]);
     assert_eq!(sj["speculate_draft"], "lookup");
+    for draft in ["self", "auto"] {
+        let (text, j) = go(draft);
+        assert_eq!(text, plain, "{draft}");
+        assert_eq!(j["speculate_draft"], draft);
+        assert_eq!(j["decode_tokens"], pj["decode_tokens"], "{draft}");
+    }
     let (drafted, accepted) = (sj["draft_tokens"].as_u64().unwrap(), sj["accepted_tokens"].as_u64().unwrap());
     assert!(drafted > 0 && accepted <= drafted, "{sj}");
     assert_eq!(sj["decode_tokens"], pj["decode_tokens"]);

@@ -373,6 +373,11 @@ impl Ffn {
         }
     }
 
+    /// Index of the cluster holding packed position `p` (`p < n_neurons`).
+    pub fn cluster_of(&self, p: usize) -> usize {
+        self.cluster_of[p] as usize
+    }
+
     /// Packed position of cluster `c`'s first neuron (`n_neurons` for `c == n_clusters`).
     pub fn first_neuron(&self, c: usize) -> usize {
         self.clusters.get(c).map_or(self.n_neurons(), |c| c.first as usize)

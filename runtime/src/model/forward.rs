@@ -14,7 +14,7 @@ use super::ffn::{BatchMask, Selection};
 use super::kv_cache::KvCache;
 use super::ops::{rms_norm, Rope};
 use super::predictor::{LayerCounts, LayerSparse, PredictScratch};
-use super::source::{ClusterSource, LayerClusters};
+use super::source::{ClusterSource, LayerClusters, Loc};
 use super::{ExpertPrefetch, Layer, Model, Pass, Pick, Router, SpecScratch, Speculation, Timings, Unit, Work};
 use crate::error::{Error, Result};
 use crate::kernels::gemm::MIN_BATCH;
@@ -43,6 +43,17 @@ impl Model<'_> {
     /// As [`Self::forward`].
     pub fn verify(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
         self.forward_with(kv, tokens, Pass::Verify)
+    }
+
+    /// A self-speculation draft pass ([`Pass::Draft`]) of `token` at
+    /// position `kv.len()`: the final-normed hidden state `[hidden]` of the
+    /// model on its resident neurons only (no flash reads); the KV cache
+    /// grows by one (truncate it before the verify pass).
+    ///
+    /// # Errors
+    /// As [`Self::forward`].
+    pub fn draft(&self, kv: &mut KvCache, token: u32) -> Result<Vec<f32>> {
+        self.forward_with(kv, &[token], Pass::Draft)
     }
 
     /// [`Self::forward`] with an explicit pass: batches of at least
@@ -134,12 +145,14 @@ impl Model<'_> {
                     let sparse = unit.sparse.as_ref().filter(|_| sparse_on);
                     let c = if pass == Pass::Verify && n > 1 {
                         self.ffn_verify(unit, sparse, &xn, work, &mut tm, out)?
+                    } else if pass == Pass::Draft {
+                        self.ffn_token(unit, sparse, &xn, true, work, &mut tm, out)?
                     } else {
                         self.ffn_rows(unit, sparse, batched, &xn, work, &mut tm, out)?
                     };
                     (c, sparse.is_some())
                 }
-                Some(router) => (self.ffn_moe(l, layer, router, sparse_on, batched, &xn, work, &mut tm, out)?, true),
+                Some(router) => (self.ffn_moe(l, layer, router, sparse_on, pass, &xn, work, &mut tm, out)?, true),
             };
             if let Some(w) = &layer.post_ffn_norm {
                 let t = Instant::now();
@@ -149,11 +162,11 @@ impl Model<'_> {
             }
             // Decode: start the next layer's cold reads (a mixture of
             // experts: read its likely experts) before its attention.
-            if n == 1 && speculate {
+            if n == 1 && speculate && pass != Pass::Draft {
                 let useful = self.speculation_yield(&work.expert_prefetch);
                 self.speculate(l + 1, &x, &work.layer_wait, useful, &mut work.spec, &mut tm);
             }
-            if pass != Pass::Prefill {
+            if pass != Pass::Prefill && pass != Pass::Draft {
                 work.counts[l].add(&counts);
             }
             // 5. Non-finite activations end the pass here, naming the layer
@@ -220,7 +233,7 @@ impl Model<'_> {
         let h = self.cfg.hidden_size as usize;
         let mut c = LayerCounts::default();
         for (xr, outr) in xn.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-            c.add(&self.ffn_token(unit, sparse, xr, work, tm, outr)?);
+            c.add(&self.ffn_token(unit, sparse, xr, false, work, tm, outr)?);
         }
         Ok(c)
     }
@@ -239,7 +252,7 @@ impl Model<'_> {
         layer: &Layer,
         router: &Router,
         sparse_on: bool,
-        batched: bool,
+        pass: Pass,
         xn: &[f32],
         work: &mut Work,
         tm: &mut Timings,
@@ -247,6 +260,7 @@ impl Model<'_> {
     ) -> Result<LayerCounts> {
         let h = self.cfg.hidden_size as usize;
         let n = xn.len() / h;
+        let batched = (n >= MIN_BATCH && pass != Pass::Verify) || pass == Pass::Prefill;
         let k = router.moe.experts_per_token as usize;
         // Route every token: `routes[t·k ..]` its experts, ascending, with weights.
         let t = Instant::now();
@@ -289,7 +303,8 @@ impl Model<'_> {
             } else {
                 for (t, outr) in out.chunks_exact_mut(h).enumerate() {
                     let (xr, experts) = (&xn[t * h..(t + 1) * h], &routes[t * k..(t + 1) * k]);
-                    counts.add(&self.ffn_moe_token(layer, experts, sparse_on, xr, work, tm, &mut ys, outr)?);
+                    let resident = pass == Pass::Draft;
+                    counts.add(&self.ffn_moe_token(layer, experts, sparse_on, resident, xr, work, tm, &mut ys, outr)?);
                 }
             }
             Ok(())
@@ -344,12 +359,16 @@ impl Model<'_> {
     /// One token's FFN through one unit (`x`: normed input `[hidden]`,
     /// `out`: residual `[hidden]`), sparse when `sparse` is given: predict
     /// ([`Self::pick`]), fetch the clusters of the selected neurons, compute
-    /// ([`Self::ffn_picked`]). Time spent goes to `tm`.
+    /// ([`Self::ffn_picked`]). Time spent goes to `tm`. With `resident`
+    /// (a draft pass), only the selected neurons in memory now
+    /// ([`Self::fetch_picked`]).
+    #[allow(clippy::too_many_arguments)]
     fn ffn_token(
         &self,
         unit: &Unit,
         sparse: Option<&LayerSparse>,
         x: &[f32],
+        resident: bool,
         work: &mut Work,
         tm: &mut Timings,
         out: &mut [f32],
@@ -362,11 +381,34 @@ impl Model<'_> {
         tm.predictor_s += picks[0].pred_s;
         let t1 = Instant::now();
         let r = self
-            .source
-            .fetch(unit.index, &picks[0].needed, &mut work.table)
+            .fetch_picked(unit, resident, &mut picks[0], &mut work.table)
             .and_then(|()| self.ffn_picked(unit, sparse, &picks[0], work, tm, out, t1));
         work.picks = picks;
         r
+    }
+
+    /// Fetches the clusters of `pick` into `table` ([`ClusterSource::fetch`]);
+    /// with `resident` (a draft pass), only those in memory now
+    /// ([`ClusterSource::fetch_resident`]), and `pick` is cut down to them
+    /// and to the selected neurons they hold.
+    fn fetch_picked(&self, unit: &Unit, resident: bool, pick: &mut Pick, table: &mut Vec<Loc>) -> Result<()> {
+        if !resident {
+            return self.source.fetch(unit.index, &pick.needed, table);
+        }
+        self.source.fetch_resident(unit.index, &pick.needed, table)?;
+        let here = |c: u32| table.get(c as usize).is_some_and(|l| *l != Loc::None);
+        let ffn = &unit.ffn;
+        if pick.listed {
+            pick.list.retain(|&p| here(ffn.cluster_of(p as usize) as u32));
+        } else {
+            pick.list.clear();
+            for &c in pick.needed.iter().filter(|&&c| here(c)) {
+                pick.list.extend(ffn.first_neuron(c as usize) as u32..ffn.first_neuron(c as usize + 1) as u32);
+            }
+            pick.listed = true;
+        }
+        pick.needed.retain(|&c| here(c));
+        Ok(())
     }
 
     /// A verify pass's FFN of one unit ([`Pass::Verify`]): `xn` `[n, hidden]`
@@ -487,6 +529,7 @@ impl Model<'_> {
         layer: &Layer,
         experts: &[(u32, f32)],
         sparse_on: bool,
+        resident: bool,
         x: &[f32],
         work: &mut Work,
         tm: &mut Timings,
@@ -508,8 +551,8 @@ impl Model<'_> {
                 tm.predictor_s += picks[j].pred_s;
                 let tf = Instant::now();
                 if j == 0 {
-                    self.source.fetch(unit_of(e).index, &picks[0].needed, &mut work.table)?;
-                } else {
+                    self.fetch_picked(unit_of(e), resident, &mut picks[0], &mut work.table)?;
+                } else if !resident {
                     self.source.fetch_ahead(unit_of(e).index, &picks[j].needed);
                 }
                 tm.ffn_s += tf.elapsed().as_secs_f64();
@@ -517,7 +560,7 @@ impl Model<'_> {
             for (j, &(e, w)) in experts.iter().enumerate() {
                 let t = Instant::now();
                 if j > 0 {
-                    self.source.fetch(unit_of(e).index, &picks[j].needed, &mut work.table)?;
+                    self.fetch_picked(unit_of(e), resident, &mut picks[j], &mut work.table)?;
                 }
                 ys.clear();
                 ys.resize(h, 0.0);

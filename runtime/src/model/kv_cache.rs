@@ -81,6 +81,9 @@ pub struct KvCache {
     kv_dim: usize,
     capacity: usize,
     len: usize,
+    /// A position [`Self::truncate`] must be able to return to
+    /// ([`Self::hold`]); `usize::MAX` for none.
+    hold: usize,
 }
 
 /// One layer's keys and values.
@@ -125,7 +128,7 @@ impl KvCache {
                 first: 0,
             })
             .collect();
-        KvCache { layers, kv, kv_dim, capacity, len: 0 }
+        KvCache { layers, kv, kv_dim, capacity, len: 0, hold: usize::MAX }
     }
 
     /// The element type.
@@ -182,6 +185,14 @@ impl KvCache {
         len
     }
 
+    /// Keeps truncating back to `len` possible while passes run one token
+    /// at a time (a draft's guesses, issue 47): until `hold(None)`, each
+    /// sliding-window layer keeps every row that position `len` attends to
+    /// (its ring grows by those passes' rows past its room, if it must).
+    pub fn hold(&mut self, len: Option<usize>) {
+        self.hold = len.unwrap_or(usize::MAX);
+    }
+
     /// Appends `k`, `v` (`[n, kv_dim]`, f32: positions `len()..len() + n`)
     /// to `layer`. All layers must be appended the same number of rows
     /// before [`Self::commit`]. A sliding-window layer whose ring would
@@ -191,7 +202,7 @@ impl KvCache {
         let kv_dim = self.kv_dim;
         let l = &mut self.layers[layer];
         if let Some(w) = l.window {
-            let keep_from = (self.len + 1).saturating_sub(w);
+            let keep_from = (self.len.min(self.hold) + 1).saturating_sub(w);
             if l.rows(kv_dim) + k.len() / kv_dim > l.ring && keep_from > l.first {
                 let drop = (keep_from - l.first) * kv_dim;
                 l.k.drop_front(drop);
@@ -254,5 +265,25 @@ mod tests {
         assert_eq!(kv.truncate(5), 5);
         assert_eq!(kv.truncate(3), 0);
         assert!(kv.is_empty() && kv.layer_rows(0) == 0 && kv.layer(1).2 == 0);
+    }
+
+    /// One-token passes after `hold(Some(p))` (a draft's) keep truncation
+    /// to `p` possible though the ring fills; without the hold they do not.
+    #[test]
+    fn a_hold_keeps_a_truncation_back_to_it_possible() {
+        for held in [false, true] {
+            let mut kv = KvCache::with_layers(&[(Some(3), 4)], 2, 64, KvType::F32);
+            let row = vec![1f32; 2];
+            let step = |kv: &mut KvCache| {
+                kv.append(0, &row, &row);
+                kv.commit(1);
+            };
+            (0..6).for_each(|_| step(&mut kv));
+            kv.hold(held.then_some(6));
+            (0..4).for_each(|_| step(&mut kv));
+            assert_eq!(kv.can_truncate_to(6), held, "hold {held}");
+            kv.hold(None);
+            assert_eq!(kv.truncate(6), if held { 6 } else { 0 });
+        }
     }
 }

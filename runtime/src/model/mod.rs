@@ -96,6 +96,13 @@ pub enum Pass {
     /// ([`ClusterSource::fetch_ahead`]), so each cold cluster is read once
     /// per pass while the cold region holds them.
     Verify,
+    /// Self-speculation's draft (`crate::draft::DraftKind::SelfDraft`): one
+    /// token through the model as it stands in memory. Each FFN computes
+    /// only the selected neurons whose clusters are resident (hot, or
+    /// cold and already read: [`ClusterSource::fetch_resident`]); nothing
+    /// is read from flash or prefetched, and the pass is left out of the
+    /// decode counters. An approximation of decode, for guessing tokens.
+    Draft,
 }
 
 /// Time spent per step of the forward pass, seconds, summed over calls:

@@ -142,6 +142,18 @@ pub trait ClusterSource: Send + Sync {
     /// The source's, e.g. a cold region too small for one layer's clusters.
     fn fetch(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) -> Result<()>;
 
+    /// As [`Self::fetch`], for a draft pass (self-speculation: the model on
+    /// what it holds in memory): only the clusters of `needed` that are in
+    /// memory now get a location in `table`; the others stay [`Loc::None`].
+    /// Reads nothing, waits for no read, counts nothing. By default every
+    /// cluster is in memory (sources without I/O).
+    ///
+    /// # Errors
+    /// As [`Self::fetch`].
+    fn fetch_resident(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) -> Result<()> {
+        self.fetch(layer, needed, table)
+    }
+
     /// The bytes (at least `n_neurons × bundle_bytes`) of cluster `c` of
     /// `layer` at `loc` (from [`Self::fetch`]), waiting for its read if needed.
     ///

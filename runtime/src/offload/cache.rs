@@ -562,6 +562,40 @@ impl NeuronCache {
         Ok(())
     }
 
+    /// [`Self::fetch`] for a draft pass (`ClusterSource::fetch_resident`):
+    /// locates the clusters of `needed` that are hot, or in a cold slot
+    /// whose read has completed and been checked ([`READY`]); the others
+    /// stay [`Loc::None`]. Starts no read (nor the next layer's prefetch),
+    /// waits for none and leaves the counters alone; the slots it locates
+    /// are touched, so they are protected for this layer call as a fetch's
+    /// are (from eviction and from a resize).
+    pub fn fetch_resident(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) {
+        let lay = &self.core.layers[layer];
+        table.clear();
+        table.resize(lay.clusters.len(), Loc::None);
+        let mut lru = self.core.lru.lock().unwrap_or_else(|e| e.into_inner());
+        if std::mem::replace(&mut lru.spec_layer, NONE) != layer as u32 {
+            lru.epoch += 1;
+        }
+        lru.in_pass = true;
+        lru.busy = NONE;
+        self.core.apply(&mut lru);
+        lru.busy = layer as u32;
+        let hot = self.core.live[layer].load(Ordering::Relaxed);
+        for &c in needed {
+            let c = c as usize;
+            if c < hot {
+                table[c] = Loc::Hot(lay.hot_at(c));
+                continue;
+            }
+            let s = lru.slot_of[layer][c];
+            if s != NONE && self.core.shared.slots.state(s) == READY {
+                lru.touch(s);
+                table[c] = Loc::Slot(s);
+            }
+        }
+    }
+
     /// Starts reading the clusters `needed` (ascending indices) of `layer`
     /// that are not in memory, as part of the current fetch: unlike
     /// [`Self::fetch`] it starts no new epoch, so the slots of the fetch
@@ -780,6 +814,11 @@ impl NeuronCache {
 impl ClusterSource for NeuronCache {
     fn fetch(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) -> Result<()> {
         NeuronCache::fetch(self, layer, needed, table)
+    }
+
+    fn fetch_resident(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) -> Result<()> {
+        NeuronCache::fetch_resident(self, layer, needed, table);
+        Ok(())
     }
 
     fn cluster(&self, layer: usize, c: usize, loc: Loc) -> Result<&[u8]> {

@@ -434,6 +434,7 @@ fn report(
             "accepted_tokens": st.accepted_tokens,
             "acceptance_rate": st.acceptance_rate(),
             "acceptance_by_draft": acceptance_by_draft(st),
+            "draft_passes": st.draft_passes,
             "draft_seconds": st.draft_s,
             "verify_seconds": st.verify_s,
             "clusters_read_per_token": c.misses as f64 / steps,
@@ -465,7 +466,7 @@ fn acceptance_by_draft(st: &GenStats) -> serde_json::Value {
     let mut m = serde_json::Map::new();
     if st.draft != DraftKind::Off {
         m.insert(
-            st.draft.name().to_string(),
+            st.draft.source().name().to_string(),
             serde_json::json!({"draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
                 "acceptance_rate": st.acceptance_rate()}),
         );

@@ -73,11 +73,15 @@ pub fn clock_seed() -> u64 {
 pub struct SpeculateArgs {
     /// Speculative decoding: a draft guesses up to --draft-tokens next
     /// tokens and one verify pass of the model checks them all, each with
-    /// decode's arithmetic, so the text is the same as without. off, or
+    /// decode's arithmetic, so the text is the same as without. off; auto
+    /// (prompt lookup where it pays: K follows the acceptance so far, and
+    /// drafting pauses where a verify pass would cost more than it saves);
     /// lookup (prompt lookup: what followed the latest earlier occurrence of
     /// the last 1–3 tokens; pays where the output repeats the prompt or
-    /// itself, as summaries, extraction and code edits do). Not the same as
-    /// --speculate, the prefetch of neuron clusters.
+    /// itself, as summaries, extraction and code edits do), or self
+    /// (self-speculation: the model on the neurons it holds in memory, no
+    /// flash reads; pays where decode reads much from flash). Not the same
+    /// as --speculate, the prefetch of neuron clusters.
     #[arg(
         long,
         default_value = "off",
