@@ -214,31 +214,43 @@ impl Adaptive {
     }
 }
 
+/// Added to the sampler's seed for a self-draft's own sampler, so the
+/// draft's random numbers are its own and reproducible.
+pub const DRAFT_SEED_SALT: u64 = 0x9e37_79b9_7f4a_7c15;
+
 /// Self-speculation draft: runs `first` (the last sampled token, at
 /// position `kv.len()`) and then each guess through the model on its
-/// resident neurons only ([`crate::model::Model::draft`], no flash reads),
-/// and puts the argmax of each pass's logits into `out` (cleared first):
-/// at most `k` guesses, ending before one in `stop_ids` or with non-finite
-/// logits. The passes write the KV cache past `kv.len()`; it is truncated
-/// back before this returns, so the verify pass finds it as it was.
-/// Returns the draft passes run.
+/// resident neurons only ([`crate::model::Model::draft`], no flash reads).
+/// Each guess is drawn by `sampler` (the generation's settings, its own
+/// seed: the argmax when greedy) from the distribution of that pass's
+/// logits, which goes to `dists` (`[guesses]`, for speculative sampling's
+/// `min(1, p/q)`); the guesses go to `out` (both cleared first): at most
+/// `k`, ending before one in `stop_ids` or with non-finite logits. The
+/// passes write the KV cache past `kv.len()`; it is truncated back before
+/// this returns, so the verify pass finds it as it was. Returns the draft
+/// passes run.
 ///
 /// # Errors
 /// Model errors (a failed pass).
+#[allow(clippy::too_many_arguments)]
 pub fn self_draft(
     model: &crate::model::Model,
     kv: &mut crate::model::kv_cache::KvCache,
+    sampler: &mut crate::sampler::Sampler,
     first: u32,
     k: usize,
     stop_ids: &[u32],
     out: &mut Vec<u32>,
+    dists: &mut Vec<Vec<(u32, f32)>>,
 ) -> crate::error::Result<usize> {
     out.clear();
+    dists.clear();
     let base = kv.len();
     kv.hold(Some(base));
     let mut passes = 0;
     let result = (|| {
         let mut t = first;
+        let mut q = Vec::new();
         while out.len() < k {
             let hs = model.draft(kv, t)?;
             passes += 1;
@@ -246,11 +258,13 @@ pub fn self_draft(
             if !logits.iter().all(|v| v.is_finite()) {
                 break;
             }
-            t = crate::sampler::argmax(&logits);
+            sampler.distribution(&logits, &mut q);
+            t = sampler.draw(&q);
             if stop_ids.contains(&t) {
                 break;
             }
             out.push(t);
+            dists.push(q.clone());
         }
         Ok(passes)
     })();

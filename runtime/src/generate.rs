@@ -257,6 +257,16 @@ pub fn generate_until(
     let offload = model.cache_regions().io_engine.is_some();
     let mut adaptive = (spec.draft == DraftKind::Auto).then(|| crate::draft::Adaptive::new(spec.max_draft, offload));
     let mut draft = Vec::new();
+    // Self-speculation: the draft's sampler and each guess's distribution.
+    let mut draft_dists: Vec<Vec<(u32, f32)>> = Vec::new();
+    let mut draft_sampler = (spec.draft == DraftKind::SelfDraft).then(|| {
+        let cfg = sampler.config();
+        Sampler::new(crate::sampler::SamplerConfig {
+            seed: cfg.seed.wrapping_add(crate::draft::DRAFT_SEED_SALT),
+            ..cfg
+        })
+    });
+    let mut p_dist = Vec::new();
     let kv0 = kv.len();
     // Positions plain decoding would hold when generation ends: every token
     // pushed has had its forward pass, but a break right after a push.
@@ -309,9 +319,10 @@ pub fn generate_until(
                 }
             }
             DraftKind::SelfDraft => {
-                if room > 0 {
+                if let (true, Some(ds)) = (room > 0, draft_sampler.as_mut()) {
                     let stops: &[u32] = if opts.ignore_eos { &[] } else { &opts.stop_ids };
-                    stats.draft_passes += crate::draft::self_draft(model, kv, next, room, stops, &mut draft)?;
+                    stats.draft_passes +=
+                        crate::draft::self_draft(model, kv, ds, next, room, stops, &mut draft, &mut draft_dists)?;
                 }
             }
         }
@@ -328,22 +339,36 @@ pub fn generate_until(
             tokens.extend_from_slice(&draft);
             let hs = model.verify(kv, &tokens)?;
             let h = model.cfg.hidden_size as usize;
-            // The model's sample at each position, kept while it matches
-            // the draft; the first that differs, follows the last guess or
-            // ends generation (a stop id) ends the pass: exactly the
-            // samples plain decoding draws.
+            // Point-mass guesses (lookup): the model's sample at each
+            // position, kept while it matches the draft; the first that
+            // differs, follows the last guess or ends generation (a stop
+            // id) ends the pass: exactly the samples plain decoding draws.
+            // Guesses drawn from a distribution (self): speculative
+            // sampling's accept-or-resample, exactly the model's
+            // distribution (greedy: the same tokens as plain decoding).
             let mut kept = 0;
             let last = loop {
                 let row = &hs[kept * h..(kept + 1) * h];
-                let t = sampler.sample(&model.checked_logits(row, base + kept)?);
+                let logits = model.checked_logits(row, base + kept)?;
+                let (matched, t) = match draft_dists.get(kept) {
+                    Some(q) if kept < draft.len() => {
+                        sampler.distribution(&logits, &mut p_dist);
+                        sampler.accept_or_resample(&p_dist, q, draft[kept])
+                    }
+                    _ => {
+                        let t = sampler.sample(&logits);
+                        (kept < draft.len() && t == draft[kept], t)
+                    }
+                };
                 let stops = !opts.ignore_eos && opts.stop_ids.contains(&t);
-                if kept < draft.len() && t == draft[kept] && !stops {
+                if matched && !stops {
                     ahead.push_back(t);
                     kept += 1;
                 } else {
                     break t;
                 }
             };
+            draft_dists.clear();
             kv.truncate(base + kept + 1);
             if spec.draft.source() == DraftKind::Lookup {
                 context.extend(ahead.iter());
