@@ -10,7 +10,7 @@ BIN      := target/release
 
 FUZZ_SECS ?= 600
 
-.PHONY: all build model gguf demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe bench-verify bench-serve bench-pressure quality clean help
+.PHONY: all build model gguf demo test fuzz lint android test-aarch64 mca bench bench-offload bench-scale bench-moe bench-verify bench-serve bench-pressure bench-speculate quality clean help
 
 all: build
 
@@ -35,6 +35,8 @@ help:
 	@echo "make bench-serve   - load on nflash serve: 16 clients for 60 s, answered/503/latency/peak RSS vs budget"
 	@echo "make bench-pressure - (root) a balloon grows in nflash's and llama.cpp's memory cgroup: OOM kills, tokens/s before/during/after"
 	@echo "                     (SmolLM2 q4_0/q8_0, and the synthetic 7B when bench-scale SPARSITIES=0.9 made it)"
+	@echo "make bench-speculate - (root) speculative decoding's drafts (off/auto/lookup/self) in memory and at bench-offload's"
+	@echo "                     limits (b), (c), with llama.cpp's own lookup decoding beside; run bench-offload first"
 	@echo "make bench-verify  - (root) what checking neuron-cluster CRC-32Cs costs: --verify lazy vs off on SmolLM2 and"
 	@echo "                     the bench-scale 7B pack, in memory and from flash, plus callgrind instruction counts"
 	@echo "make bench-scale   - (root) the same at 7B scale on synthetic ReLU models (sparsity 0.9/0.8/0.6;"
@@ -148,6 +150,11 @@ bench-serve: build model
 	$(PYTHON) scripts/bench_serve.py $(BENCH_SERVE_ARGS)
 
 # Needs root; uses bench-scale's 7B pack when present (--skip-7b otherwise: BENCH_VERIFY_ARGS=--skip-7b).
+# Needs root, and bench-offload's pack, GGUF and results; the synthetic 7B when bench-scale made it.
+bench-speculate: build model
+	BENCH_LOOKUP=1 bash scripts/bench_setup.sh
+	.venv-bench/bin/python scripts/bench_speculate.py $(BENCH_SPECULATE_ARGS)
+
 bench-verify: build model
 	$(PYTHON) scripts/bench_verify.py $(BENCH_VERIFY_ARGS)
 

@@ -39,6 +39,10 @@
 #   PYTHON            interpreter used to create the venv (default python3)
 #   BENCH_VENV        venv dir (default <repo>/.venv-bench)
 #   BENCH_SKIP_AVX2   set to 1 to build only the native llama.cpp
+#   BENCH_LOOKUP      set to 1 to build llama.cpp's prompt-lookup example too
+#                     (bench-out/llama-lookup/build/bin/llama-lookup: the
+#                     native build's flags with LLAMA_BUILD_EXAMPLES=ON; the
+#                     peer of `make bench-speculate`)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -177,6 +181,33 @@ if [ -n "$NATIVE_NO_FLAGS" ]; then
     NATIVE_ARGS="$NATIVE_ARGS '-DCMAKE_C_FLAGS=$NATIVE_NO_FLAGS' '-DCMAKE_CXX_FLAGS=$NATIVE_NO_FLAGS'"
 fi
 build native "$NATIVE_ARGS"
+
+# llama.cpp's own prompt-lookup decoding (examples/lookup), natively built.
+build_lookup() {
+    local dir="$OUT/llama-lookup" args="${NATIVE_ARGS/-DLLAMA_BUILD_EXAMPLES=OFF/-DLLAMA_BUILD_EXAMPLES=ON}"
+    local bin="$dir/build/bin/llama-lookup" log="$dir/build.log"
+    mkdir -p "$dir"
+    if [ -x "$bin" ] && [ "$(cat "$dir/flags" 2>/dev/null)" = "$args" ] \
+       && [ -z "$(find "$SRC" -newer "$bin" -print -quit)" ]; then
+        echo "bench_setup: llama-lookup is up to date: $bin"
+        return 0
+    fi
+    rm -rf "$dir/build"
+    echo "bench_setup: building llama-lookup with $JOBS job(s) (log: $log)"
+    # shellcheck disable=SC2086  # args is a list of flags
+    if ! { PATH="$VENV/bin:$PATH" eval cmake -S "\"$SRC\"" -B "\"$dir/build\"" -G Ninja $args \
+           && PATH="$VENV/bin:$PATH" cmake --build "$dir/build" --target llama-lookup --parallel "$JOBS"; } >"$log" 2>&1; then
+        echo "bench_setup: llama-lookup build failed; last lines of $log:" >&2
+        tail -n 40 "$log" >&2
+        exit 1
+    fi
+    touch "$bin"
+    printf '%s' "$args" >"$dir/flags"
+    echo "bench_setup: llama-lookup built: $bin"
+}
+if [ "${BENCH_LOOKUP:-0}" = 1 ]; then
+    build_lookup
+fi
 
 BEYOND_AVX2=""
 for e in $NATIVE_EXTS; do

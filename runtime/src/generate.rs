@@ -34,6 +34,8 @@ pub struct GenStats {
     pub draft_tokens: usize,
     /// Drafted tokens the model's own samples matched (kept).
     pub accepted_tokens: usize,
+    /// Verify passes (decode passes that checked a draft).
+    pub verify_passes: usize,
     /// Forward passes a model draft ran (self-speculation), not counted in `decode_steps`.
     pub draft_passes: usize,
     /// Wall time spent drafting, seconds.
@@ -379,6 +381,7 @@ pub fn generate_until(
             ahead.push_back(last);
             next = ahead.pop_front().unwrap_or(last);
             stats.draft_tokens += draft.len();
+            stats.verify_passes += 1;
             stats.accepted_tokens += kept;
             stats.decode_tokens += kept + 1;
             stats.verify_s += tv.elapsed().as_secs_f64();

@@ -210,6 +210,11 @@ fn nflash_run_speculates_with_the_same_text() {
     assert_eq!(pj["draft_tokens"], 0);
     assert_eq!(pj["decode_passes"], pj["decode_tokens"]);
     assert_eq!(sj["speculate_draft"], "lookup");
+    // A verify pass fetches the union of its tokens' clusters: no more than their sum.
+    let union = sj["verify_cluster_union_per_pass"].as_f64().unwrap();
+    let needed = sj["verify_clusters_needed_per_pass"].as_f64().unwrap();
+    assert!(union > 0.0 && union <= needed, "union {union}, needed {needed}");
+    assert!(pj["verify_cluster_union_per_pass"].is_null());
     for draft in ["self", "auto"] {
         let (text, j) = go(draft);
         assert_eq!(text, plain, "{draft}");

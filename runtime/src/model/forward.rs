@@ -443,7 +443,11 @@ impl Model<'_> {
                 self.source.fetch_ahead(unit.index, &pick.needed);
             }
             tm.ffn_s += tf.elapsed().as_secs_f64();
-            let mut counts = LayerCounts::default();
+            let mut counts = LayerCounts {
+                verify_needed: picks.iter().map(|p| p.needed.len() as u64).sum(),
+                verify_union: union_len(picks.iter().map(|p| &p.needed[..])),
+                ..Default::default()
+            };
             for (t, (x, outr)) in xn.chunks_exact(h).zip(out.chunks_exact_mut(h)).enumerate() {
                 let t1 = Instant::now();
                 if t > 0 {
@@ -724,6 +728,14 @@ impl Model<'_> {
         self.lm_head.matmul(&xs, &mut out);
         out
     }
+}
+
+/// Size of the union of ascending index lists (a verify pass's clusters).
+fn union_len<'a>(lists: impl Iterator<Item = &'a [u32]>) -> u64 {
+    let mut all: Vec<u32> = lists.flatten().copied().collect();
+    all.sort_unstable();
+    all.dedup();
+    all.len() as u64
 }
 
 /// RMSNorms each row of `x` (`[n, hidden]`) into `out`, rows in parallel

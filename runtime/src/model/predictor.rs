@@ -243,6 +243,12 @@ pub struct LayerCounts {
     pub active: u64,
     /// Truly active pairs that were predicted (batched evaluation).
     pub hit: u64,
+    /// Verify passes (speculative decoding) of a dense layer: neuron
+    /// clusters each token needed, summed over the pass's tokens.
+    pub verify_needed: u64,
+    /// The same passes' union of those clusters: what the pass fetches
+    /// (`verify_union / verify_needed` is the share a pass does not repeat).
+    pub verify_union: u64,
 }
 
 impl LayerCounts {
@@ -265,6 +271,8 @@ impl LayerCounts {
         self.computed += o.computed;
         self.active += o.active;
         self.hit += o.hit;
+        self.verify_needed += o.verify_needed;
+        self.verify_union += o.verify_union;
     }
 }
 

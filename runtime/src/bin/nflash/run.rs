@@ -435,6 +435,13 @@ fn report(
             "acceptance_rate": st.acceptance_rate(),
             "acceptance_by_draft": acceptance_by_draft(st),
             "draft_passes": st.draft_passes,
+            "verify_passes": st.verify_passes,
+            // Dense layers' neuron clusters per verify pass: each token's
+            // summed, and their union (what the pass fetched).
+            "verify_clusters_needed_per_pass": (st.verify_passes > 0)
+                .then(|| counts.iter().map(|c| c.verify_needed).sum::<u64>() as f64 / st.verify_passes as f64),
+            "verify_cluster_union_per_pass": (st.verify_passes > 0)
+                .then(|| counts.iter().map(|c| c.verify_union).sum::<u64>() as f64 / st.verify_passes as f64),
             "draft_seconds": st.draft_s,
             "verify_seconds": st.verify_s,
             "clusters_read_per_token": c.misses as f64 / steps,
