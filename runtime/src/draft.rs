@@ -111,22 +111,22 @@ pub fn lookup(context: &[u32], k: usize, out: &mut Vec<u32>) {
     }
 }
 
-/// What one more token of a verify pass costs, in decode steps, when the
-/// model is in memory: a pass of K + 1 tokens costs about `1 + β·K` steps.
-/// A verify pass computes each token with decode's kernels, so in memory an
-/// extra token costs a decode step's compute, less the attention it shares
-/// at long contexts: with SmolLM2-135M Q4_0 on a 2-core Zen 4, about 0.65
-/// after an 800-token prompt and 1.0 after a 30-token one. 1.0 means no
-/// acceptance pays, and `auto` drafts nothing in memory: on every prompt of
-/// `make bench-speculate` (docs/benchmarks.md, 2026-12-06 21:10), prompt
-/// lookup in memory was slower than plain decoding.
+/// What one more token of a verify pass costs, in decode steps, as `auto`
+/// counts it when the model is in memory: a pass of K + 1 tokens costs
+/// `1 + β·K` steps. A verify pass computes each token with decode's
+/// kernels; `make bench-speculate` (docs/benchmarks.md, 2026-12-06 21:40)
+/// measured 0.47–0.68 per extra token in memory with SmolLM2-135M Q4_0,
+/// more for passes of one guess, and prompt lookup in memory won on one
+/// prompt of four (1.16×, acceptance 0.68) and lost on three (0.74–0.93×).
+/// 1.0 keeps `auto` from drafting in memory at all: probing for that one
+/// case would cost the other three about what it gains.
 pub const VERIFY_TOKEN_COST_IN_MEMORY: f64 = 1.0;
 
 /// [`VERIFY_TOKEN_COST_IN_MEMORY`] when the model reads neuron clusters
 /// from flash: the pass reads the clusters its tokens share once, and
-/// their reads overlap the compute, so an extra token costs less than a
-/// step (0.25–0.45 at bench-offload's limits (b) and (c) in the same
-/// benchmark).
+/// their reads overlap the compute, so an extra token costs less than in
+/// memory (0.19–0.53 at bench-offload's limits (b) and (c) in the same
+/// benchmark; 0.44 for the synthetic 7B at bench-scale's (b)).
 pub const VERIFY_TOKEN_COST_OFFLOAD: f64 = 0.5;
 
 /// Tokens [`Adaptive`] first decodes plainly after a pass that did not pay
