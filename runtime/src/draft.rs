@@ -115,11 +115,13 @@ pub fn lookup(context: &[u32], k: usize, out: &mut Vec<u32>) {
 /// counts it when the model is in memory: a pass of K + 1 tokens costs
 /// `1 + β·K` steps. A verify pass computes each token with decode's
 /// kernels; `make bench-speculate` (docs/benchmarks.md, 2026-12-06 21:40)
-/// measured 0.47–0.68 per extra token in memory with SmolLM2-135M Q4_0,
-/// more for passes of one guess, and prompt lookup in memory won on one
-/// prompt of four (1.16×, acceptance 0.68) and lost on three (0.74–0.93×).
-/// 1.0 keeps `auto` from drafting in memory at all: probing for that one
-/// case would cost the other three about what it gains.
+/// measured 0.47–0.68 per extra token in memory with SmolLM2-135M Q4_0, and
+/// prompt lookup in memory won on one prompt of four (1.16×, acceptance
+/// 0.68) and lost on three (0.74–0.93×). With 0.6 here, `auto`'s probes
+/// cost 4–8% in memory and never paid on those prompts (the same
+/// benchmark's `results-auto-beta-0.6.json`); 1.0 keeps `auto` from
+/// drafting in memory at all (`--speculate-draft lookup` still drafts
+/// there, for text that repeats itself).
 pub const VERIFY_TOKEN_COST_IN_MEMORY: f64 = 1.0;
 
 /// [`VERIFY_TOKEN_COST_IN_MEMORY`] when the model reads neuron clusters
@@ -231,43 +233,36 @@ impl Adaptive {
     }
 }
 
-/// Added to the sampler's seed for a self-draft's own sampler, so the
-/// draft's random numbers are its own and reproducible.
-pub const DRAFT_SEED_SALT: u64 = 0x9e37_79b9_7f4a_7c15;
-
 /// Self-speculation draft: runs `first` (the last sampled token, at
 /// position `kv.len()`) and then each guess through the model on its
-/// resident neurons only ([`crate::model::Model::draft`], no flash reads).
-/// Each guess is drawn by `sampler` (the generation's settings, its own
-/// seed: the argmax when greedy) from the distribution of that pass's
-/// logits, which goes to `dists` (`[guesses]`, for speculative sampling's
-/// `min(1, p/q)`); the guesses go to `out` (both cleared first): at most
-/// `k`, ending before one in `stop_ids` or with non-finite logits. The
-/// passes write the KV cache past `kv.len()`; it is truncated back before
-/// this returns, so the verify pass finds it as it was. Returns the draft
-/// passes run.
+/// resident neurons only ([`crate::model::Model::draft`], no flash reads),
+/// and puts the argmax of each pass's logits into `out` (cleared first):
+/// at most `k` guesses, ending before one in `stop_ids` or with non-finite
+/// logits. The guesses are point masses, checked against the model's own
+/// samples (`crate::generate`), because what is resident depends on run-time
+/// state (reads in flight, memory pressure): drawing guesses from the
+/// draft's distribution for speculative sampling
+/// ([`crate::sampler::Sampler::accept_or_resample`]) would make a seeded
+/// run's text depend on it. The passes write the KV cache past
+/// `kv.len()`; it is truncated back before this returns, so the verify pass
+/// finds it as it was. Returns the draft passes run.
 ///
 /// # Errors
 /// Model errors (a failed pass).
-#[allow(clippy::too_many_arguments)]
 pub fn self_draft(
     model: &crate::model::Model,
     kv: &mut crate::model::kv_cache::KvCache,
-    sampler: &mut crate::sampler::Sampler,
     first: u32,
     k: usize,
     stop_ids: &[u32],
     out: &mut Vec<u32>,
-    dists: &mut Vec<Vec<(u32, f32)>>,
 ) -> crate::error::Result<usize> {
     out.clear();
-    dists.clear();
     let base = kv.len();
     kv.hold(Some(base));
     let mut passes = 0;
     let result = (|| {
         let mut t = first;
-        let mut q = Vec::new();
         while out.len() < k {
             let hs = model.draft(kv, t)?;
             passes += 1;
@@ -275,13 +270,11 @@ pub fn self_draft(
             if !logits.iter().all(|v| v.is_finite()) {
                 break;
             }
-            sampler.distribution(&logits, &mut q);
-            t = sampler.draw(&q);
+            t = crate::sampler::argmax(&logits);
             if stop_ids.contains(&t) {
                 break;
             }
             out.push(t);
-            dists.push(q.clone());
         }
         Ok(passes)
     })();
@@ -321,11 +314,11 @@ mod tests {
     #[test]
     fn adaptive_k_follows_acceptance_and_pauses_where_it_does_not_pay() {
         // In memory no acceptance pays: nothing is ever drafted.
-        let mut mem = Adaptive::new(8, false);
-        assert!(!mem.can_pay());
+        let mut never = Adaptive::new(8, false);
+        assert!(!never.can_pay());
         for _ in 0..100 {
-            assert_eq!(mem.next_k(), 0);
-            mem.record(4, 4);
+            assert_eq!(never.next_k(), 0);
+            never.record(4, 4);
         }
         let mut a = Adaptive::new(8, true);
         // The prior (one accepted, one rejected): p = 0.5 pays only a little.

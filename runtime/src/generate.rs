@@ -25,8 +25,9 @@ pub struct GenStats {
     /// Forward passes in decode: single-token ones, and verify passes of
     /// speculative decoding (`decode_passes` in `--stats-json`).
     pub decode_steps: usize,
-    /// Tokens decode's passes sampled (accepted draft tokens and each
-    /// pass's own sample): `decode_steps` without speculative decoding.
+    /// Tokens decode's passes sampled and generation used (accepted draft
+    /// tokens and each pass's own sample; not those past a stop):
+    /// `decode_steps` without speculative decoding.
     pub decode_tokens: usize,
     /// Decode wall time, seconds (forward passes, drafting + sampling).
     pub decode_s: f64,
@@ -259,16 +260,6 @@ pub fn generate_until(
     let offload = model.cache_regions().io_engine.is_some();
     let mut adaptive = (spec.draft == DraftKind::Auto).then(|| crate::draft::Adaptive::new(spec.max_draft, offload));
     let mut draft = Vec::new();
-    // Self-speculation: the draft's sampler and each guess's distribution.
-    let mut draft_dists: Vec<Vec<(u32, f32)>> = Vec::new();
-    let mut draft_sampler = (spec.draft == DraftKind::SelfDraft).then(|| {
-        let cfg = sampler.config();
-        Sampler::new(crate::sampler::SamplerConfig {
-            seed: cfg.seed.wrapping_add(crate::draft::DRAFT_SEED_SALT),
-            ..cfg
-        })
-    });
-    let mut p_dist = Vec::new();
     let kv0 = kv.len();
     // Positions plain decoding would hold when generation ends: every token
     // pushed has had its forward pass, but a break right after a push.
@@ -321,10 +312,9 @@ pub fn generate_until(
                 }
             }
             DraftKind::SelfDraft => {
-                if let (true, Some(ds)) = (room > 0, draft_sampler.as_mut()) {
+                if room > 0 {
                     let stops: &[u32] = if opts.ignore_eos { &[] } else { &opts.stop_ids };
-                    stats.draft_passes +=
-                        crate::draft::self_draft(model, kv, ds, next, room, stops, &mut draft, &mut draft_dists)?;
+                    stats.draft_passes += crate::draft::self_draft(model, kv, next, room, stops, &mut draft)?;
                 }
             }
         }
@@ -341,36 +331,26 @@ pub fn generate_until(
             tokens.extend_from_slice(&draft);
             let hs = model.verify(kv, &tokens)?;
             let h = model.cfg.hidden_size as usize;
-            // Point-mass guesses (lookup): the model's sample at each
-            // position, kept while it matches the draft; the first that
-            // differs, follows the last guess or ends generation (a stop
-            // id) ends the pass: exactly the samples plain decoding draws.
-            // Guesses drawn from a distribution (self): speculative
-            // sampling's accept-or-resample, exactly the model's
-            // distribution (greedy: the same tokens as plain decoding).
+            // The model's sample at each position, kept while it matches
+            // the draft; the first that differs, follows the last guess or
+            // ends generation (a stop id) ends the pass: exactly the
+            // samples plain decoding draws. For a guess, which is a point
+            // mass, that is speculative sampling's accept-or-resample
+            // (`Sampler::accept_or_resample` with q = the guess), with
+            // plain decoding's random numbers: the text never depends on
+            // the draft, nor on what a self-draft found in memory.
             let mut kept = 0;
             let last = loop {
                 let row = &hs[kept * h..(kept + 1) * h];
-                let logits = model.checked_logits(row, base + kept)?;
-                let (matched, t) = match draft_dists.get(kept) {
-                    Some(q) if kept < draft.len() => {
-                        sampler.distribution(&logits, &mut p_dist);
-                        sampler.accept_or_resample(&p_dist, q, draft[kept])
-                    }
-                    _ => {
-                        let t = sampler.sample(&logits);
-                        (kept < draft.len() && t == draft[kept], t)
-                    }
-                };
+                let t = sampler.sample(&model.checked_logits(row, base + kept)?);
                 let stops = !opts.ignore_eos && opts.stop_ids.contains(&t);
-                if matched && !stops {
+                if kept < draft.len() && t == draft[kept] && !stops {
                     ahead.push_back(t);
                     kept += 1;
                 } else {
                     break t;
                 }
             };
-            draft_dists.clear();
             kv.truncate(base + kept + 1);
             if spec.draft.source() == DraftKind::Lookup {
                 context.extend(ahead.iter());
@@ -390,6 +370,9 @@ pub fn generate_until(
         stats.step_s.push(ts.elapsed().as_secs_f64());
         stats.decode_steps += 1;
     }
+    // Tokens a verify pass sampled past where generation stopped were
+    // never used: not counted as decoded (plain decoding never samples them).
+    stats.decode_tokens -= ahead.len();
     // A verify pass may have run tokens past where generation stopped:
     // leave the KV cache as plain decoding would.
     if kv.len() > kv_end {

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
 use nflash_runtime::draft::{DraftKind, SpecOptions};
-use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
+use std::ops::ControlFlow;
+
+use nflash_runtime::generate::{generate, generate_until, GenStats, GenerateOptions};
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::Engine;
 use nflash_tests::{placements, run, tiny_words, write_tiny_checkpoint, TinySpec, QUICK_CALIB};
@@ -77,8 +79,8 @@ fn check_same_tokens(path: &Path, partial_differs: bool) {
         let (mut accepted, mut rejected) = (0, 0);
         for (pi, (name, cfg)) in placements(path).into_iter().enumerate() {
             let engine = Engine::load_with(&pack, &cfg).unwrap();
-            // Self-drafts, greedy and sampled: (drafted, accepted) in this placement.
-            let mut self_counts = [(0, 0); 2];
+            // Greedy self-drafts: (drafted, accepted) in this placement.
+            let mut self_greedy = (0, 0);
             for (i, prompt) in prompts().iter().enumerate() {
                 for temperature in [0.0, 1.5, 6.0] {
                     let plain = gen(&engine, prompt, temperature, DraftKind::Off, 4);
@@ -86,38 +88,25 @@ fn check_same_tokens(path: &Path, partial_differs: bool) {
                     for (draft, k) in DRAFTS.iter().flat_map(|&d| [1, 3, 6].map(|k| (d, k))) {
                         let spec = gen(&engine, prompt, temperature, draft, k);
                         let what = format!("{name}, prompt {i}, temperature {temperature}, {draft:?} K {k}");
-                        // A sampled self-draft's guesses come from the
-                        // draft's own random numbers: speculative sampling
-                        // keeps the distribution (sampler.rs tests), not the
-                        // seeded tokens; the lengths stay.
-                        let sampled_self = draft == DraftKind::SelfDraft && temperature > 0.0;
-                        if !sampled_self {
-                            assert_eq!(spec.0, plain.0, "{what}: tokens differ");
-                        }
-                        assert_eq!(spec.0.len(), plain.0.len(), "{what}: lengths differ");
+                        assert_eq!(spec.0, plain.0, "{what}: tokens differ");
                         assert_eq!(spec.1, plain.1, "{what}: KV cache lengths differ");
                         assert_eq!(spec.2.decode_tokens, plain.2.decode_tokens, "{what}: decode tokens");
                         assert!(spec.2.accepted_tokens <= spec.2.draft_tokens);
                         accepted += spec.2.accepted_tokens;
                         rejected += spec.2.draft_tokens - spec.2.accepted_tokens;
-                        if draft == DraftKind::SelfDraft {
-                            let c = &mut self_counts[sampled_self as usize];
-                            (c.0, c.1) = (c.0 + spec.2.draft_tokens, c.1 + spec.2.accepted_tokens);
+                        if draft == DraftKind::SelfDraft && temperature == 0.0 {
+                            (self_greedy.0, self_greedy.1) =
+                                (self_greedy.0 + spec.2.draft_tokens, self_greedy.1 + spec.2.accepted_tokens);
                         }
                     }
                 }
             }
             // The self-draft is the model on its resident neurons: the
-            // whole model in memory (its distribution is the model's: every
-            // guess kept, greedy or sampled, min(1, p/q) = 1), a part of it
-            // with nothing hot and a minimal cold region (greedy guesses
-            // rejected).
-            let [(drafted, kept), (s_drafted, s_kept)] = self_counts;
+            // whole model in memory (every greedy guess kept), a part of it
+            // with nothing hot and a minimal cold region (guesses rejected).
+            let (drafted, kept) = self_greedy;
             match pi {
-                0 => assert!(
-                    drafted > 0 && kept == drafted && s_drafted > 0 && s_kept == s_drafted,
-                    "{name}: self-draft kept {kept} of {drafted} greedy, {s_kept} of {s_drafted} sampled"
-                ),
+                0 => assert!(drafted > 0 && kept == drafted, "{name}: self-draft kept {kept} of {drafted}"),
                 1 | 2 if partial_differs => assert!(kept < drafted, "{name}: self-draft kept {kept} of {drafted}"),
                 _ => {}
             }
@@ -158,6 +147,46 @@ fn speculation_gives_plain_decodings_tokens_moe() {
         ..TinySpec::default()
     };
     check_same_tokens(&pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]), true);
+}
+
+/// A generation stopped by its caller in the middle of a verify pass's
+/// accepted tokens counts only the tokens it used as decoded: the same
+/// `decode_tokens` as plain decoding stopped at the same piece.
+#[test]
+fn a_stop_inside_a_verify_pass_counts_only_the_tokens_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
+    let path = pack(dir.path(), &spec, "dense.nflash", "q8_0", &[]);
+    let pack = Pack::open_resident(&path).unwrap();
+    let engine = Engine::load_with(&pack, &placements(&path)[0].1).unwrap();
+    let prompt = &prompts()[1];
+    let run = |draft: DraftKind| {
+        let mut kv = engine.model.new_kv_cache(96);
+        let mut sampler = Sampler::new(SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 7 });
+        let opts = GenerateOptions {
+            max_tokens: 40,
+            ignore_eos: true,
+            speculate: SpecOptions { draft, max_draft: 16 },
+            ..Default::default()
+        };
+        let mut pieces = 0;
+        let (ids, st) = generate_until(&engine.model, &mut kv, &engine.tokenizer, prompt, &mut sampler, &opts, |_| {
+            pieces += 1;
+            if pieces == 5 {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })
+        .unwrap();
+        (ids, kv.len(), st)
+    };
+    // In memory a self-draft is the model: every guess is kept, 16 a pass.
+    let (plain, spec) = (run(DraftKind::Off), run(DraftKind::SelfDraft));
+    assert_eq!(spec.0, plain.0);
+    assert_eq!(spec.1, plain.1);
+    assert!(spec.2.accepted_tokens > spec.2.decode_tokens - spec.2.decode_steps, "no pass was cut short: {:?}", spec.2);
+    assert_eq!(spec.2.decode_tokens, plain.2.decode_tokens);
 }
 
 /// Sliding-window layers (Gemma 3, window 5): their KV rings roll back

@@ -487,18 +487,7 @@ impl NeuronCache {
     /// (a sizing bug: it is always at least one layer's cold clusters).
     pub fn fetch(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) -> Result<()> {
         let lay = &self.core.layers[layer];
-        table.clear();
-        table.resize(lay.clusters.len(), Loc::None);
-        let mut lru = self.core.lru.lock().unwrap_or_else(|e| e.into_inner());
-        // After a speculative prefetch of this layer, keep its epoch: its slots stay protected.
-        if std::mem::replace(&mut lru.spec_layer, NONE) != layer as u32 {
-            lru.epoch += 1;
-        }
-        // No layer call uses a cluster now: a resize takes effect.
-        lru.in_pass = true;
-        lru.busy = NONE;
-        self.core.apply(&mut lru);
-        lru.busy = layer as u32;
+        let mut lru = self.begin_layer_call(layer, table);
         let hot = self.core.live[layer].load(Ordering::Relaxed);
         let mut st = CacheStats::default();
         let mut reads = Merger::new(&self.io);
@@ -562,6 +551,25 @@ impl NeuronCache {
         Ok(())
     }
 
+    /// The start of a layer call ([`Self::fetch`], [`Self::fetch_resident`]):
+    /// `table` emptied to `layer`'s clusters, a new epoch (unless a
+    /// speculative prefetch of this layer began it: its slots stay
+    /// protected), a pending resize applied (no layer call uses a cluster
+    /// now), then `layer` marked busy. Returns the LRU, locked.
+    fn begin_layer_call(&self, layer: usize, table: &mut Vec<Loc>) -> std::sync::MutexGuard<'_, Lru> {
+        table.clear();
+        table.resize(self.core.layers[layer].clusters.len(), Loc::None);
+        let mut lru = self.core.lru.lock().unwrap_or_else(|e| e.into_inner());
+        if std::mem::replace(&mut lru.spec_layer, NONE) != layer as u32 {
+            lru.epoch += 1;
+        }
+        lru.in_pass = true;
+        lru.busy = NONE;
+        self.core.apply(&mut lru);
+        lru.busy = layer as u32;
+        lru
+    }
+
     /// [`Self::fetch`] for a draft pass (`ClusterSource::fetch_resident`):
     /// locates the clusters of `needed` that are hot, or in a cold slot
     /// whose read has completed and been checked ([`READY`]); the others
@@ -571,16 +579,7 @@ impl NeuronCache {
     /// are (from eviction and from a resize).
     pub fn fetch_resident(&self, layer: usize, needed: &[u32], table: &mut Vec<Loc>) {
         let lay = &self.core.layers[layer];
-        table.clear();
-        table.resize(lay.clusters.len(), Loc::None);
-        let mut lru = self.core.lru.lock().unwrap_or_else(|e| e.into_inner());
-        if std::mem::replace(&mut lru.spec_layer, NONE) != layer as u32 {
-            lru.epoch += 1;
-        }
-        lru.in_pass = true;
-        lru.busy = NONE;
-        self.core.apply(&mut lru);
-        lru.busy = layer as u32;
+        let mut lru = self.begin_layer_call(layer, table);
         let hot = self.core.live[layer].load(Ordering::Relaxed);
         for &c in needed {
             let c = c as usize;

@@ -80,10 +80,9 @@ pub struct SpeculateArgs {
     /// the last 1–3 tokens; pays where the output repeats the prompt or
     /// itself, as summaries, extraction and code edits do), or self
     /// (self-speculation: the model on the neurons it holds in memory, no
-    /// flash reads; pays where decode reads much from flash; with
-    /// temperature > 0 its guesses are sampled and checked by speculative
-    /// sampling: the same distribution, not the same text for a seed). Not
-    /// the same as --speculate, the prefetch of neuron clusters.
+    /// flash reads; pays where decode reads much from flash and much of a
+    /// sparse pack is resident). Not the same as --speculate, the prefetch
+    /// of neuron clusters.
     #[arg(
         long,
         default_value = "off",
