@@ -50,11 +50,6 @@ impl Sampler {
         Sampler { cfg, rng: StdRng::seed_from_u64(cfg.seed), idx: Vec::new(), probs: Vec::new() }
     }
 
-    /// Its settings.
-    pub fn config(&self) -> SamplerConfig {
-        self.cfg
-    }
-
     /// Chooses a token id from `logits` (`[vocab]`).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.cfg.temperature <= 0.0 {

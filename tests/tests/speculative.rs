@@ -9,7 +9,7 @@ use nflash_format::Pack;
 use nflash_runtime::draft::{DraftKind, SpecOptions};
 use std::ops::ControlFlow;
 
-use nflash_runtime::generate::{generate, generate_until, GenStats, GenerateOptions};
+use nflash_runtime::generate::{generate_until, GenStats, GenerateOptions};
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::Engine;
 use nflash_tests::{placements, run, tiny_words, write_tiny_checkpoint, TinySpec, QUICK_CALIB};
@@ -47,8 +47,6 @@ fn prompts() -> Vec<Vec<u32>> {
 /// Generates from `prompt` with `engine` under `draft`; the tokens, the
 /// KV cache's length at the end and the counters.
 fn gen(engine: &Engine, prompt: &[u32], temperature: f32, draft: DraftKind, k: usize) -> (Vec<u32>, usize, GenStats) {
-    let mut kv = engine.model.new_kv_cache(96);
-    let mut sampler = Sampler::new(SamplerConfig { temperature, top_k: 0, top_p: 1.0, seed: 7 });
     let opts = GenerateOptions {
         max_tokens: 40,
         stop_ids: engine.stop_ids.clone(),
@@ -56,7 +54,22 @@ fn gen(engine: &Engine, prompt: &[u32], temperature: f32, draft: DraftKind, k: u
         speculate: SpecOptions { draft, max_draft: k },
         ..Default::default()
     };
-    let (ids, st) = generate(&engine.model, &mut kv, &engine.tokenizer, prompt, &mut sampler, &opts, |_| ()).unwrap();
+    gen_with(engine, prompt, temperature, &opts, |_| ControlFlow::Continue(()))
+}
+
+/// [`gen`] with the caller's options and text callback (seed 7, a
+/// 96-token KV cache).
+fn gen_with(
+    engine: &Engine,
+    prompt: &[u32],
+    temperature: f32,
+    opts: &GenerateOptions,
+    on_text: impl FnMut(&str) -> ControlFlow<()>,
+) -> (Vec<u32>, usize, GenStats) {
+    let mut kv = engine.model.new_kv_cache(96);
+    let mut sampler = Sampler::new(SamplerConfig { temperature, top_k: 0, top_p: 1.0, seed: 7 });
+    let (ids, st) =
+        generate_until(&engine.model, &mut kv, &engine.tokenizer, prompt, &mut sampler, opts, on_text).unwrap();
     (ids, kv.len(), st)
 }
 
@@ -161,8 +174,6 @@ fn a_stop_inside_a_verify_pass_counts_only_the_tokens_used() {
     let engine = Engine::load_with(&pack, &placements(&path)[0].1).unwrap();
     let prompt = &prompts()[1];
     let run = |draft: DraftKind| {
-        let mut kv = engine.model.new_kv_cache(96);
-        let mut sampler = Sampler::new(SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 7 });
         let opts = GenerateOptions {
             max_tokens: 40,
             ignore_eos: true,
@@ -170,7 +181,7 @@ fn a_stop_inside_a_verify_pass_counts_only_the_tokens_used() {
             ..Default::default()
         };
         let mut pieces = 0;
-        let (ids, st) = generate_until(&engine.model, &mut kv, &engine.tokenizer, prompt, &mut sampler, &opts, |_| {
+        gen_with(&engine, prompt, 0.0, &opts, |_| {
             pieces += 1;
             if pieces == 5 {
                 ControlFlow::Break(())
@@ -178,8 +189,6 @@ fn a_stop_inside_a_verify_pass_counts_only_the_tokens_used() {
                 ControlFlow::Continue(())
             }
         })
-        .unwrap();
-        (ids, kv.len(), st)
     };
     // In memory a self-draft is the model: every guess is kept, 16 a pass.
     let (plain, spec) = (run(DraftKind::Off), run(DraftKind::SelfDraft));

@@ -91,7 +91,7 @@ impl Model<'_> {
         // projection; long ones: f32 panels), and they sum in different
         // orders: a token's results depend on its pass, so session.rs reuses
         // only whole passes, the ones a fresh prefill runs (generate.rs `prefill`).
-        let batched = (n >= MIN_BATCH && pass != Pass::Verify) || pass == Pass::Prefill;
+        let batched = pass.batched(n);
         let sparse_on = self.sparse_enabled && pass != Pass::Prefill;
         let tables = |rope| {
             let (cos, sin) = Rope::tables(rope, p0, n, kv.capacity());
@@ -260,7 +260,7 @@ impl Model<'_> {
     ) -> Result<LayerCounts> {
         let h = self.cfg.hidden_size as usize;
         let n = xn.len() / h;
-        let batched = (n >= MIN_BATCH && pass != Pass::Verify) || pass == Pass::Prefill;
+        let (batched, resident) = (pass.batched(n), pass == Pass::Draft);
         let k = router.moe.experts_per_token as usize;
         // Route every token: `routes[t·k ..]` its experts, ascending, with weights.
         let t = Instant::now();
@@ -303,7 +303,6 @@ impl Model<'_> {
             } else {
                 for (t, outr) in out.chunks_exact_mut(h).enumerate() {
                     let (xr, experts) = (&xn[t * h..(t + 1) * h], &routes[t * k..(t + 1) * k]);
-                    let resident = pass == Pass::Draft;
                     counts.add(&self.ffn_moe_token(layer, experts, sparse_on, resident, xr, work, tm, &mut ys, outr)?);
                 }
             }

@@ -105,6 +105,14 @@ pub enum Pass {
     Draft,
 }
 
+impl Pass {
+    /// Whether a pass of `n` tokens takes the batched kernels: prefill
+    /// always, verify passes never, others from `MIN_BATCH` tokens on.
+    pub(crate) fn batched(self, n: usize) -> bool {
+        (n >= crate::kernels::gemm::MIN_BATCH && self != Pass::Verify) || self == Pass::Prefill
+    }
+}
+
 /// Time spent per step of the forward pass, seconds, summed over calls:
 /// the per-op profile of `nflash run --stats` (decode per token, prefill in
 /// total). Wall time on the calling thread: a step's parallel region and its
