@@ -79,7 +79,7 @@ test: model build $(DEMO_PACK)
 	@# sparse, ReLU, MoE), so both paths are checked on whatever CPU runs this.
 	NFLASH_KERNELS=portable $(CARGO) test --release --workspace --lib
 	NFLASH_KERNELS=portable $(CARGO) test --release --workspace --test main -- \
-		reference:: gemma3:: offload:: sparse:: relu:: moe::
+		reference:: gemma3:: offload:: sparse:: relu:: moe:: speculative::verify_passes
 	@cmp -s scripts/requirements-test.txt .venv/.requirements-test.txt || \
 		{ .venv/bin/pip install -q -r scripts/requirements-test.txt && cp scripts/requirements-test.txt .venv/.requirements-test.txt; }
 	.venv/bin/python scripts/test_openai_client.py $(DEMO_PACK)
@@ -149,12 +149,12 @@ bench-pressure: build model
 bench-serve: build model
 	$(PYTHON) scripts/bench_serve.py $(BENCH_SERVE_ARGS)
 
-# Needs root; uses bench-scale's 7B pack when present (--skip-7b otherwise: BENCH_VERIFY_ARGS=--skip-7b).
 # Needs root, and bench-offload's pack, GGUF and results; the synthetic 7B when bench-scale made it.
 bench-speculate: build model
 	BENCH_LOOKUP=1 bash scripts/bench_setup.sh
 	.venv-bench/bin/python scripts/bench_speculate.py $(BENCH_SPECULATE_ARGS)
 
+# Needs root; uses bench-scale's 7B pack when present (--skip-7b otherwise: BENCH_VERIFY_ARGS=--skip-7b).
 bench-verify: build model
 	$(PYTHON) scripts/bench_verify.py $(BENCH_VERIFY_ARGS)
 

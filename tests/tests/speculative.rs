@@ -128,11 +128,57 @@ fn check_same_tokens(path: &Path, partial_differs: bool) {
     });
 }
 
+/// A verify pass gives decode's bits: its final hidden states (from which
+/// the logits follow) equal, bit for bit, those of decoding the same tokens
+/// one pass each, under every placement and 1 to 3 threads, for passes of
+/// 2, 5 and 17 tokens (K = 1, 4 and 16) after each prompt; and decoding on
+/// after the KV cache is rolled back into the pass gives decode's bits too.
+fn check_verify_bits(path: &Path) {
+    let pack = Pack::open_resident(path).unwrap();
+    for (name, cfg) in placements(path) {
+        for threads in 1..=3 {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let engine = Engine::load_with(&pack, &cfg).unwrap();
+                let model = &engine.model;
+                let h = model.cfg.hidden_size as usize;
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                for (i, prompt) in prompts().iter().enumerate() {
+                    for n in [2, 5, 17] {
+                        let tokens: Vec<u32> = (0..n).map(|j| ((5 + 7 * j + i) % 90 + 3) as u32).collect();
+                        let mut kv = model.new_kv_cache(96);
+                        model.forward(&mut kv, prompt).unwrap();
+                        let mut decoded = Vec::new();
+                        for &t in &tokens {
+                            decoded.extend(bits(&model.forward(&mut kv, &[t]).unwrap()));
+                        }
+                        let mut kv = model.new_kv_cache(96);
+                        model.forward(&mut kv, prompt).unwrap();
+                        let verified = bits(&model.verify(&mut kv, &tokens).unwrap());
+                        let what = format!("{name}, {threads} threads, prompt {i}, {n} tokens");
+                        for t in 0..n {
+                            assert!(
+                                verified[t * h..(t + 1) * h] == decoded[t * h..(t + 1) * h],
+                                "{what}: token {t}'s hidden state differs from decode's"
+                            );
+                        }
+                        kv.truncate(prompt.len() + 1);
+                        let next = bits(&model.forward(&mut kv, &[tokens[1]]).unwrap());
+                        assert!(next[..] == decoded[h..2 * h], "{what}: decode after a rollback differs");
+                    }
+                }
+            });
+        }
+    }
+}
+
 #[test]
 fn speculation_gives_plain_decodings_tokens_dense() {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
-    check_same_tokens(&pack(dir.path(), &spec, "dense.nflash", "q8_0", &[]), true);
+    let p = pack(dir.path(), &spec, "dense.nflash", "q8_0", &[]);
+    check_verify_bits(&p);
+    check_same_tokens(&p, true);
 }
 
 #[test]
@@ -145,6 +191,7 @@ fn speculation_gives_plain_decodings_tokens_sparse() {
     flags.extend(QUICK_CALIB);
     let p = pack(dir.path(), &spec, "sparse.nflash", "q4_0", &flags);
     assert!(Pack::open_resident(&p).unwrap().manifest().sparse.is_some(), "the pack is not sparse");
+    check_verify_bits(&p);
     check_same_tokens(&p, true);
 }
 
@@ -159,7 +206,9 @@ fn speculation_gives_plain_decodings_tokens_moe() {
         vocab: 96,
         ..TinySpec::default()
     };
-    check_same_tokens(&pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]), true);
+    let p = pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]);
+    check_verify_bits(&p);
+    check_same_tokens(&p, true);
 }
 
 /// A generation stopped by its caller in the middle of a verify pass's
@@ -204,7 +253,20 @@ fn a_stop_inside_a_verify_pass_counts_only_the_tokens_used() {
 fn speculation_gives_plain_decodings_tokens_sliding_window() {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinySpec { vocab: 96, ..TinySpec::gemma3(41) };
-    check_same_tokens(&pack(dir.path(), &spec, "gemma3.nflash", "q8_0", &[]), false);
+    let p = pack(dir.path(), &spec, "gemma3.nflash", "q8_0", &[]);
+    check_verify_bits(&p);
+    check_same_tokens(&p, false);
+}
+
+/// Verify passes give decode's bits on every weight type: Q4_0, f16 and
+/// f32 bundles (Q8_0 is the dense test's).
+#[test]
+fn verify_passes_give_decodes_bits_on_every_weight_type() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec { inter: 256, layers: 2, vocab: 96, ..TinySpec::default() };
+    for quant in ["q4_0", "f16", "f32"] {
+        check_verify_bits(&pack(dir.path(), &spec, &format!("{quant}.nflash"), quant, &[]));
+    }
 }
 
 /// `nflash run --speculate-draft lookup` prints the text plain decoding

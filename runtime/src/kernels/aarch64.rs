@@ -1603,10 +1603,11 @@ pub unsafe fn dequant_x8_q8_0(group: &[u8], cols: usize, out: &mut [f32]) {
 /// after row, `s = a · d` and one fused multiply-add per element (the bits
 /// of [`axpy_x8_rows`] with every row set). Short prefills' down projection.
 #[inline(always)]
-unsafe fn axpy_x8_tokens_blocks<B: X8Block>(group: &[u8], a: &[[f32; 8]], outs: &mut [&mut [f32]]) {
+unsafe fn axpy_x8_tokens_blocks<B: X8Block>(group: &[u8], a: &[[f32; 8]], masks: &[u8], outs: &mut [&mut [f32]]) {
     let cols = outs.first().map_or(0, |o| o.len());
     let nb = cols / 32;
     assert!(cols.is_multiple_of(32) && group.len() >= nb * B::BYTES && a.len() == outs.len());
+    assert_eq!(masks.len(), a.len(), "×8 token axpy: masks");
     assert!(outs.iter().all(|o| o.len() == cols), "×8 token axpy: output rows of different lengths");
     let mut w = [[vdupq_n_f32(0.0); 8]; 8];
     for b in 0..nb {
@@ -1617,10 +1618,10 @@ unsafe fn axpy_x8_tokens_blocks<B: X8Block>(group: &[u8], a: &[[f32; 8]], outs: 
             w[r] = [fl[0], fl[1], fl[2], fl[3], fh[0], fh[1], fh[2], fh[3]];
             *dr = f16_at(p.add(2 * r));
         }
-        for (at, out) in a.iter().zip(outs.iter_mut()) {
+        for ((at, &mask), out) in a.iter().zip(masks).zip(outs.iter_mut()) {
             let o = out.as_mut_ptr().add(32 * b);
             let mut acc = load_block(o);
-            for r in 0..8 {
+            for r in (0..8).filter(|r| mask & (1 << r) != 0) {
                 let s = at[r] * d[r];
                 for (acc, &wv) in acc.iter_mut().zip(&w[r]) {
                     *acc = vfmaq_n_f32(*acc, wv, s);
@@ -1635,16 +1636,16 @@ unsafe fn axpy_x8_tokens_blocks<B: X8Block>(group: &[u8], a: &[[f32; 8]], outs: 
 ///
 /// # Safety
 /// None beyond aarch64; lengths are asserted.
-pub unsafe fn axpy_x8_tokens_q4_0(group: &[u8], a: &[[f32; 8]], outs: &mut [&mut [f32]]) {
-    axpy_x8_tokens_blocks::<Q4X8>(group, a, outs)
+pub unsafe fn axpy_x8_tokens_q4_0(group: &[u8], a: &[[f32; 8]], masks: &[u8], outs: &mut [&mut [f32]]) {
+    axpy_x8_tokens_blocks::<Q4X8>(group, a, masks, outs)
 }
 
 /// [`axpy_x8_tokens_blocks`] for Q8_0×8 groups, NEON.
 ///
 /// # Safety
 /// As [`axpy_x8_tokens_q4_0`].
-pub unsafe fn axpy_x8_tokens_q8_0(group: &[u8], a: &[[f32; 8]], outs: &mut [&mut [f32]]) {
-    axpy_x8_tokens_blocks::<Q8X8>(group, a, outs)
+pub unsafe fn axpy_x8_tokens_q8_0(group: &[u8], a: &[[f32; 8]], masks: &[u8], outs: &mut [&mut [f32]]) {
+    axpy_x8_tokens_blocks::<Q8X8>(group, a, masks, outs)
 }
 
 /// Elements `4k + j` and `16 + 4k + j` (quant byte `4k + j`'s low and

@@ -925,24 +925,25 @@ pub fn axpy_x8(dtype: DType, group: &[u8], a: [f32; 8], mask: u8, out: &mut [f32
     }
 }
 
-/// `outs[t] += Σ_r a[t][r] · row r` over all 8 rows of one ×8 group of
-/// `dtype` (Q4_0 or Q8_0) for the tokens of `a`: each `outs[t]` is
-/// `[cols]`, the group's first `cols / 32` column blocks (so a caller can
-/// split the columns among threads). Each token gets the bits of
-/// [`axpy_x8`] with every row set; the tokens share each block's unpacked
-/// weights. The down projection of a short prefill, without dequantizing
-/// the matrix.
+/// `outs[t] += Σ_r a[t][r] · row r` over the rows `r` of one ×8 group of
+/// `dtype` (Q4_0 or Q8_0) set in `masks[t]`, for the tokens of `a`: each
+/// `outs[t]` is `[cols]`, the group's first `cols / 32` column blocks (so a
+/// caller can split the columns among threads). Each token gets the bits
+/// of [`axpy_x8`] with its mask; the tokens share each block's unpacked
+/// weights. The down projection of a short prefill (every row set) without
+/// dequantizing the matrix, and of a verify pass (each token its neurons).
 ///
 /// Panics on another dtype or on slices too short for the shape (caller bugs).
-pub fn axpy_x8_tokens(dtype: DType, group: &[u8], a: &[[f32; 8]], outs: &mut [&mut [f32]]) {
+pub fn axpy_x8_tokens(dtype: DType, group: &[u8], a: &[[f32; 8]], masks: &[u8], outs: &mut [&mut [f32]]) {
     assert_eq!(a.len(), outs.len(), "×8 token axpy: tokens");
+    assert_eq!(a.len(), masks.len(), "×8 token axpy: masks");
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: features checked above; lengths asserted inside.
         unsafe {
             match dtype {
-                DType::Q4_0 => x86::axpy_x8_tokens_q4_0(group, a, outs),
-                DType::Q8_0 => x86::axpy_x8_tokens_q8_0(group, a, outs),
+                DType::Q4_0 => x86::axpy_x8_tokens_q4_0(group, a, masks, outs),
+                DType::Q8_0 => x86::axpy_x8_tokens_q8_0(group, a, masks, outs),
                 _ => unreachable!("axpy_x8_tokens on {dtype}"),
             }
         }
@@ -953,15 +954,15 @@ pub fn axpy_x8_tokens(dtype: DType, group: &[u8], a: &[[f32; 8]], outs: &mut [&m
         // SAFETY: NEON checked; lengths asserted inside.
         unsafe {
             match dtype {
-                DType::Q4_0 => aarch64::axpy_x8_tokens_q4_0(group, a, outs),
-                DType::Q8_0 => aarch64::axpy_x8_tokens_q8_0(group, a, outs),
+                DType::Q4_0 => aarch64::axpy_x8_tokens_q4_0(group, a, masks, outs),
+                DType::Q8_0 => aarch64::axpy_x8_tokens_q8_0(group, a, masks, outs),
                 _ => unreachable!("axpy_x8_tokens on {dtype}"),
             }
         }
         return;
     }
-    for (at, o) in a.iter().zip(outs.iter_mut()) {
-        axpy_x8(dtype, group, *at, 0xFF, o);
+    for ((at, &m), o) in a.iter().zip(masks).zip(outs.iter_mut()) {
+        axpy_x8(dtype, group, *at, m, o);
     }
 }
 

@@ -807,9 +807,10 @@ fn quantize_q8_0_matches_portable_and_candle_byte_for_byte() {
     }
 }
 
-/// The multi-token ×8 axpy (short prefill's down projection) gives each
-/// token the bits of the one-token kernel with every row set, for token
-/// counts around its tiles of 8, 4, 2 and 1 and both quantizations.
+/// The multi-token ×8 axpy (short prefill's and verify's down projection)
+/// gives each token the bits of the one-token kernel with that token's
+/// mask (every row set, none, and mixed), for token counts around its
+/// tiles of 8, 4, 2 and 1 and both quantizations.
 #[test]
 fn axpy_x8_tokens_gives_each_token_the_bits_of_axpy_x8() {
     let cols = 96;
@@ -826,20 +827,21 @@ fn axpy_x8_tokens_gives_each_token_the_bits_of_axpy_x8() {
                     std::array::from_fn(|r| if (t + r) % 5 == 0 { 0.0 } else { v[r] })
                 })
                 .collect();
+            let masks: Vec<u8> = (0..n).map(|t| [0xFF, 0x00, 0x5A, 0x81, 0x3C][t % 5] ^ (t / 5) as u8).collect();
             let init = rnd_vec(&mut seed, n * cols, 1.0);
             let mut got = init.clone();
             let mut outs: Vec<&mut [f32]> = got.chunks_mut(cols).collect();
-            axpy_x8_tokens(dt, group, &a, &mut outs);
+            axpy_x8_tokens(dt, group, &a, &masks, &mut outs);
             // The last two column blocks alone, as a thread given them would.
             let mut part = init.clone();
             let mut pouts: Vec<&mut [f32]> = part.chunks_mut(cols).map(|r| &mut r[32..]).collect();
-            axpy_x8_tokens(dt, &group[(8 * rb / 3)..], &a, &mut pouts);
+            axpy_x8_tokens(dt, &group[(8 * rb / 3)..], &a, &masks, &mut pouts);
             let mut want = init.clone();
             for (t, at) in a.iter().enumerate() {
                 let o = &mut want[t * cols..(t + 1) * cols];
                 match dt {
-                    DType::Q4_0 => portable::axpy_x8_q4_0(group, *at, 0xFF, o),
-                    _ => portable::axpy_x8_q8_0(group, *at, 0xFF, o),
+                    DType::Q4_0 => portable::axpy_x8_q4_0(group, *at, masks[t], o),
+                    _ => portable::axpy_x8_q8_0(group, *at, masks[t], o),
                 }
             }
             assert_eq!(got, want, "{dt}, {n} tokens");

@@ -588,10 +588,10 @@ pub unsafe fn axpy_x8_q8_0(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut 
     axpy_x8_blocks::<Q8Row>(group, a, mask, out)
 }
 
-/// `outs[t] += Σ_r a[t][r] · row r` for the tokens `t` of `a` over all 8
-/// rows of one ×8 group (each `outs[t]`: `[cols]`, the group's first
-/// `cols / 32` column blocks): for each token, the bits of
-/// [`axpy_x8_blocks`] with every row set. Each column block's rows are
+/// `outs[t] += Σ_r a[t][r] · row r` for the tokens `t` of `a` over the
+/// rows `r` of one ×8 group set in `masks[t]` (each `outs[t]`: `[cols]`,
+/// the group's first `cols / 32` column blocks): for each token, the bits
+/// of [`axpy_x8_blocks`] with its mask. Each column block's rows are
 /// unpacked to f32 once for all the tokens (the down projection of a short
 /// prefill, straight from the quantized weights).
 ///
@@ -599,10 +599,16 @@ pub unsafe fn axpy_x8_q8_0(group: &[u8], a: [f32; X8_ROWS], mask: u8, out: &mut 
 /// The CPU must have AVX2, FMA and F16C; lengths are asserted.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy_x8_tokens_blocks<B: RowBlock>(group: &[u8], a: &[[f32; X8_ROWS]], outs: &mut [&mut [f32]]) {
+unsafe fn axpy_x8_tokens_blocks<B: RowBlock>(
+    group: &[u8],
+    a: &[[f32; X8_ROWS]],
+    masks: &[u8],
+    outs: &mut [&mut [f32]],
+) {
     let cols = outs.first().map_or(0, |o| o.len());
     let (nb, gblock) = (cols / 32, B::X8_BLOCK);
     assert!(cols.is_multiple_of(32) && group.len() >= nb * gblock && a.len() == outs.len());
+    assert_eq!(masks.len(), a.len(), "×8 token axpy: masks");
     assert!(outs.iter().all(|o| o.len() == cols), "×8 token axpy: output rows of different lengths");
     let mut p = group.as_ptr();
     // The block's 8 rows as f32, [row][32].
@@ -615,12 +621,12 @@ unsafe fn axpy_x8_tokens_blocks<B: RowBlock>(group: &[u8], a: &[[f32; X8_ROWS]],
                 _mm256_storeu_ps(w[r].as_mut_ptr().add(8 * k), part_f32(parts[r][k]));
             }
         }
-        for (at, out) in a.iter().zip(outs.iter_mut()) {
+        for ((at, &mask), out) in a.iter().zip(masks).zip(outs.iter_mut()) {
             let mut s = [0f32; X8_ROWS];
             _mm256_storeu_ps(s.as_mut_ptr(), _mm256_mul_ps(_mm256_loadu_ps(at.as_ptr()), d));
             let dst = out.as_mut_ptr().add(32 * b);
             let mut acc: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(dst.add(8 * k)));
-            for r in 0..X8_ROWS {
+            for r in (0..X8_ROWS).filter(|r| mask & (1 << r) != 0) {
                 let sr = _mm256_set1_ps(s[r]);
                 for k in 0..4 {
                     acc[k] = _mm256_fmadd_ps(sr, _mm256_loadu_ps(w[r].as_ptr().add(8 * k)), acc[k]);
@@ -640,8 +646,8 @@ unsafe fn axpy_x8_tokens_blocks<B: RowBlock>(group: &[u8], a: &[[f32; X8_ROWS]],
 /// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
 /// are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_x8_tokens_q4_0(group: &[u8], a: &[[f32; X8_ROWS]], outs: &mut [&mut [f32]]) {
-    axpy_x8_tokens_blocks::<Q4Row>(group, a, outs)
+pub unsafe fn axpy_x8_tokens_q4_0(group: &[u8], a: &[[f32; X8_ROWS]], masks: &[u8], outs: &mut [&mut [f32]]) {
+    axpy_x8_tokens_blocks::<Q4Row>(group, a, masks, outs)
 }
 
 /// [`axpy_x8_tokens_blocks`] for Q8_0×8 groups.
@@ -650,8 +656,8 @@ pub unsafe fn axpy_x8_tokens_q4_0(group: &[u8], a: &[[f32; X8_ROWS]], outs: &mut
 /// The CPU must have AVX2, FMA and F16C (`super::has_avx2`); slice lengths
 /// are asserted.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_x8_tokens_q8_0(group: &[u8], a: &[[f32; X8_ROWS]], outs: &mut [&mut [f32]]) {
-    axpy_x8_tokens_blocks::<Q8Row>(group, a, outs)
+pub unsafe fn axpy_x8_tokens_q8_0(group: &[u8], a: &[[f32; X8_ROWS]], masks: &[u8], outs: &mut [&mut [f32]]) {
+    axpy_x8_tokens_blocks::<Q8Row>(group, a, masks, outs)
 }
 
 /// `q · 2^24` is what a byte `q` placed in the top byte of a 32-bit lane

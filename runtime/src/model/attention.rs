@@ -193,24 +193,37 @@ fn lap(t: Instant, acc: &mut f64) -> Instant {
     now
 }
 
+/// Tokens per attention task in a pass of several tokens (verify, prefill):
+/// the block's queries share each cached key and value row they read.
+const ATTN_BLOCK: usize = 16;
+
 /// Scaled dot-product attention of queries `q` (`[n, n_heads · head_dim]`,
 /// positions `p0 ..`) over the cached keys and values `kc`, `vc`
 /// (`[rows, n_kv_heads · head_dim]`, f16 or f32, row 0 holding position
 /// `first`) into `out` (`[n, n_heads · head_dim]`), causal, each token
-/// seeing at most the `window` positions up to itself. One task per (token, KV head) computes
-/// the query heads that share that KV head (GQA) together, so each cached
-/// row is read once for all of them; when that makes fewer than four tasks
-/// per thread (decode: one token, a few KV heads), one task per (token,
-/// query head) instead, so the threads finish together (SmolLM2's 3 KV
-/// heads on 2 threads left one thread a third idle). Each head's result
-/// has the same bits either way (the kernels sum each head on its own).
-/// The tasks run in parallel even for one decode token over a few cached
-/// positions: on one thread the other would idle long enough for rayon to
-/// put it to sleep, and waking it cost the next op more than attention
-/// saved (SmolLM2 q4_0 after a 16-token prompt: output projection 0.73 →
-/// 0.58 ms, decode 96 → 99 tokens/s, medians of 4; at 190 positions a
-/// 2¹⁸-product threshold had cost 2.2 ms of attention per token against
-/// 1.35 ms).
+/// seeing at most the `window` positions up to itself.
+///
+/// One token (decode): one task per KV head computes the query heads that
+/// share it (GQA) together, so each cached row is read once for all of
+/// them; when that makes fewer than four tasks per thread, one task per
+/// query head instead, so the threads finish together (SmolLM2's 3 KV
+/// heads on 2 threads left one thread a third idle). The tasks run in
+/// parallel even over a few cached positions: on one thread the other
+/// would idle long enough for rayon to put it to sleep, and waking it cost
+/// the next op more than attention saved (SmolLM2 q4_0 after a 16-token
+/// prompt: output projection 0.73 → 0.58 ms, decode 96 → 99 tokens/s,
+/// medians of 4; at 190 positions a 2¹⁸-product threshold had cost 2.2 ms
+/// of attention per token against 1.35 ms).
+///
+/// Several tokens: tasks take blocks of up to [`ATTN_BLOCK`] tokens
+/// ([`attend_block`]), so a verify pass reads the cache once, not once
+/// per token (an 810-token SmolLM2 q4_0 prefill took 1349 ms against
+/// 1428 ms one task per token, medians of 4 alternating runs).
+///
+/// Each (token, head) has decode's bits whatever the task: its scores are
+/// `dot_kv · scale` each, its softmax runs over its own positions, and its
+/// output takes one fused multiply-add per position in ascending order
+/// (`kernels::attn_values`).
 #[allow(clippy::too_many_arguments)]
 fn attend(
     q: &[f32],
@@ -223,33 +236,137 @@ fn attend(
     out: &mut [f32],
 ) {
     let (nh, hd) = (h.n_heads, h.head_dim);
-    let (qd, kvd) = (nh * hd, h.n_kv_heads * hd);
+    let qd = nh * hd;
     let n = q.len() / qd.max(1);
-    let scale = h.scale;
     let group = nh / h.n_kv_heads;
+    let blocks = n.div_ceil(ATTN_BLOCK);
     // Query heads per task: a whole GQA group, or one head when that leaves
     // too few tasks to share out.
-    let per = if n * h.n_kv_heads >= 4 * rayon::current_num_threads() { group } else { 1 };
-    let tasks_per_token = nh / per;
-    let task = |scores: &mut Vec<f32>, idx: usize, out: &mut [f32]| {
-        let (t, h0) = (idx / tasks_per_token, idx % tasks_per_token * per);
-        let kvh = h0 / group;
-        let pos = p0 + t;
-        // Sliding window: the current token and the `w − 1` before it, as
-        // transformers' `sliding_window_overlay` and llama.cpp's
-        // `is_masked_swa`; `start` as a row of the layer's cache.
-        let start = window.map_or(0, |w| (pos + 1).saturating_sub(w)).max(first);
-        let len = pos + 1 - start;
-        let start = start - first;
-        let qv = &q[t * qd + h0 * hd..t * qd + (h0 + per) * hd];
+    let per = if blocks * h.n_kv_heads >= 4 * rayon::current_num_threads() { group } else { 1 };
+    let span = Span { kc, vc, first, p0, window, h, q };
+    if n == 1 {
+        return out
+            .par_chunks_mut(per * hd)
+            .enumerate()
+            .for_each_init(Vec::new, |scores, (i, o)| span.token(scores, 0, i * per, per, o));
+    }
+    // Tokens per block: the fewest blocks of at most ATTN_BLOCK, as even as can be.
+    let tb = n.div_ceil(blocks);
+    let tasks: Vec<(usize, usize)> = (0..blocks).flat_map(|b| (0..nh / per).map(move |g| (b * tb, g * per))).collect();
+    let results: Vec<Vec<f32>> =
+        tasks.par_iter().map(|&(t0, h0)| attend_block(&span, t0, (t0 + tb).min(n), h0, per)).collect();
+    for (&(t0, h0), r) in tasks.iter().zip(&results) {
+        for (i, o) in r.chunks_exact(per * hd).enumerate() {
+            let at = (t0 + i) * qd + h0 * hd;
+            out[at..at + per * hd].copy_from_slice(o);
+        }
+    }
+}
+
+/// What [`attend`]'s tasks share: the pass's queries, the layer's cache and
+/// the geometry.
+struct Span<'a> {
+    q: &'a [f32],
+    kc: KvSlice<'a>,
+    vc: KvSlice<'a>,
+    first: usize,
+    p0: usize,
+    window: Option<usize>,
+    h: &'a Heads,
+}
+
+impl Span<'_> {
+    /// Cache rows `[start, end)` that token `t` of the pass attends to.
+    /// Sliding window: the token and the `w − 1` before it, as
+    /// transformers' `sliding_window_overlay` and llama.cpp's
+    /// `is_masked_swa`.
+    fn rows(&self, t: usize) -> (usize, usize) {
+        let pos = self.p0 + t;
+        let start = self.window.map_or(0, |w| (pos + 1).saturating_sub(w)).max(self.first);
+        (start - self.first, pos + 1 - self.first)
+    }
+
+    /// Token `t`'s query heads `h0 .. h0 + per` (one GQA group or part of
+    /// one) into `out` (`[per, head_dim]`): decode's task.
+    fn token(&self, scores: &mut Vec<f32>, t: usize, h0: usize, per: usize, out: &mut [f32]) {
+        let h = self.h;
+        let (hd, qd, kvd) = (h.head_dim, h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim);
+        let off = h0 / (h.n_heads / h.n_kv_heads) * hd;
+        let (start, end) = self.rows(t);
+        let len = end - start;
         scores.clear();
         scores.resize(per * len, 0.0);
-        attn_scores(qv, hd, kc, kvd, kvh * hd, start, scale, scores);
+        attn_scores(&self.q[t * qd + h0 * hd..][..per * hd], hd, self.kc, kvd, off, start, h.scale, scores);
         scores.chunks_exact_mut(len).for_each(softmax);
         out.fill(0.0);
-        attn_values(scores, hd, vc, kvd, kvh * hd, start, out);
+        attn_values(scores, hd, self.vc, kvd, off, start, out);
+    }
+}
+
+/// Tokens `t0 .. t1` of a pass, query heads `h0 .. h0 + per` (of one KV
+/// head): `[t1 − t0, per, head_dim]`. The block's scores are computed over
+/// the union of its tokens' rows in one call (each key read once for every
+/// query of the block; scores a token does not see are dropped), each
+/// (token, head) softmaxed over its own rows, then the values: each head's
+/// rows before those every token sees, then the rows all see in one call
+/// for the block (each value row read once), then its own last rows, so
+/// each head adds its positions in ascending order as decode does.
+fn attend_block(s: &Span, t0: usize, t1: usize, h0: usize, per: usize) -> Vec<f32> {
+    let h = s.h;
+    let (hd, qd, kvd) = (h.head_dim, h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim);
+    let off = h0 / (h.n_heads / h.n_kv_heads) * hd;
+    let heads = (t1 - t0) * per;
+    // Rows [lo, hi) some token sees; [common.0, common.1) every token sees.
+    let (lo, common_end) = s.rows(t0);
+    let (common_start, hi) = s.rows(t1 - 1);
+    let len = hi - lo;
+    let mut qs = Vec::with_capacity(heads * hd);
+    for t in t0..t1 {
+        qs.extend_from_slice(&s.q[t * qd + h0 * hd..][..per * hd]);
+    }
+    let mut scores = vec![0f32; heads * len];
+    attn_scores(&qs, hd, s.kc, kvd, off, lo, h.scale, &mut scores);
+    for t in t0..t1 {
+        let (a, b) = s.rows(t);
+        for i in (t - t0) * per..(t - t0 + 1) * per {
+            softmax(&mut scores[i * len + a - lo..i * len + b - lo]);
+        }
+    }
+    let mut out = vec![0f32; heads * hd];
+    // One head's values over its rows [a, b) (a cache row range), added to its output.
+    let own = |i: usize, (a, b): (usize, usize), out: &mut [f32]| {
+        if a < b {
+            attn_values(&scores[i * len + a - lo..i * len + b - lo], hd, s.vc, kvd, off, a, &mut out[i * hd..][..hd]);
+        }
     };
-    out.par_chunks_mut(per * hd).enumerate().for_each_init(Vec::new, |scores, (idx, o)| task(scores, idx, o));
+    if common_start >= common_end {
+        // No row every token sees (a sliding window shorter than the block).
+        for t in t0..t1 {
+            for i in (t - t0) * per..(t - t0 + 1) * per {
+                own(i, s.rows(t), &mut out);
+            }
+        }
+        return out;
+    }
+    for t in t0..t1 {
+        let (a, _) = s.rows(t);
+        for i in (t - t0) * per..(t - t0 + 1) * per {
+            own(i, (a, common_start), &mut out);
+        }
+    }
+    let cl = common_end - common_start;
+    let mut p = Vec::with_capacity(heads * cl);
+    for i in 0..heads {
+        p.extend_from_slice(&scores[i * len + common_start - lo..][..cl]);
+    }
+    attn_values(&p, hd, s.vc, kvd, off, common_start, &mut out);
+    for t in t0..t1 {
+        let (_, b) = s.rows(t);
+        for i in (t - t0) * per..(t - t0 + 1) * per {
+            own(i, (common_end, b), &mut out);
+        }
+    }
+    out
 }
 
 /// `out = x · mᵀ` for `x` `[n, cols]`: in a batch, the quantized GEMM

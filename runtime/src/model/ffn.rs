@@ -16,7 +16,9 @@ use super::source::LayerClusters;
 use crate::error::Result;
 use crate::kernels::gemm::Dst;
 use crate::kernels::matrix::{direct_f32, gemm_tokens, Acts};
-use crate::kernels::{axpy_row, axpy_x8, gemm_x8, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Batch, Q8Vec};
+use crate::kernels::{
+    axpy_row, axpy_x8, axpy_x8_tokens, dot, gemm_x8, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Batch, Q8Vec,
+};
 use nflash_format::interleave::{can_interleave, pack_group, X8_ROWS};
 
 /// Batches of at most this many tokens run the FFN's down projection
@@ -135,6 +137,219 @@ impl Ffn {
             out.iter_mut().zip(b).for_each(|(o, b)| *o += b);
         }
         Ok(computed)
+    }
+
+    /// `outs[t] += FFN(x_t)` for the tokens of a verify pass (`ys`: their
+    /// normed inputs as Q8_0 vectors, for Q4_0 and Q8_0 bundles; `outs`:
+    /// `[n, hidden]`), token `t` over the neurons `sels[t]` selects, with
+    /// the bits [`Self::forward_token`] gives it alone: its selection is cut
+    /// into decode's chunks ([`Self::chunk_bounds`]), each chunk summed from
+    /// zero in ascending packed order into a partial row of its own, and
+    /// each token's rows added to its output in order.
+    ///
+    /// The chunks of every token, ordered by their first neuron, are cut
+    /// into runs of about equal work, one rayon task each
+    /// ([`Self::run_window`]). A task walks its chunks in lockstep: each
+    /// group of 8 bundles (or row-layout neuron) that any of them selects
+    /// is computed for all of those chunks' tokens at once, so its weights
+    /// are read once for the pass, not once per token: gate and up by
+    /// `kernels::gemm_x8` four tokens at a time, down by
+    /// `kernels::axpy_x8_tokens` with each token's mask. `computed[t]`
+    /// (`[n]`) grows by the number of token `t`'s down projections computed.
+    ///
+    /// # Errors
+    /// A failed cluster read ([`crate::Error::ClusterRead`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_tokens(
+        &self,
+        src: &LayerClusters,
+        ys: &[&Q8Vec],
+        sels: &[Selection],
+        gate: Option<(Criterion, f32)>,
+        s: &mut FfnScratch,
+        outs: &mut [f32],
+        computed: &mut [u64],
+    ) -> Result<()> {
+        let (h, nn) = (self.hidden, self.n_neurons());
+        // 1. Every token's decode chunks, numbered token after token.
+        s.chunks.clear();
+        for (t, sel) in sels.iter().enumerate() {
+            self.chunk_bounds(sel, sel.len(nn), &mut s.bounds);
+            s.chunks.extend(s.bounds.windows(2).map(|b| TokenChunk { t, lo: b[0], hi: b[1] }));
+        }
+        let FfnScratch { chunks, order, cuts, partials, .. } = s;
+        let nc = chunks.len();
+        // 2. The chunks by first neuron, cut into runs of about equal size.
+        let first = |c: &TokenChunk| if c.lo < c.hi { sels[c.t].get(c.lo) } else { 0 };
+        order.clear();
+        order.extend(0..nc);
+        order.sort_by_key(|&i| (first(&chunks[i]), chunks[i].t));
+        let total: usize = chunks.iter().map(|c| c.hi - c.lo).sum();
+        let runs = (4 * rayon::current_num_threads()).min(nc).max(1);
+        cuts.clear();
+        cuts.push(0);
+        let mut sum = 0;
+        for (k, &i) in order.iter().enumerate() {
+            sum += chunks[i].hi - chunks[i].lo;
+            if sum * runs >= cuts.len() * total.max(1) && k + 1 < nc {
+                cuts.push(k + 1);
+            }
+        }
+        cuts.push(nc);
+        partials.resize(nc * h, 0.0);
+        let dst = Dst::new(partials, nc, h, h);
+        let (chunks, order) = (&chunks[..], &order[..]);
+        let done: Vec<Vec<u32>> = cuts
+            .par_windows(2)
+            .map(|w| self.run_window(src, ys, sels, gate, chunks, &order[w[0]..w[1]], &dst))
+            .collect::<Result<_>>()?;
+        // 3. Each token's partial rows in order, then the down bias: decode's sums.
+        for (w, d) in cuts.windows(2).zip(&done) {
+            for (&i, &n) in order[w[0]..w[1]].iter().zip(d) {
+                computed[chunks[i].t] += n as u64;
+            }
+        }
+        for (i, c) in chunks.iter().enumerate() {
+            let out = &mut outs[c.t * h..(c.t + 1) * h];
+            out.iter_mut().zip(&partials[i * h..(i + 1) * h]).for_each(|(o, a)| *o += a);
+        }
+        if let Some(b) = &self.down_bias {
+            for out in outs.chunks_exact_mut(h) {
+                out.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+            }
+        }
+        Ok(())
+    }
+
+    /// The chunks `ids` of a verify pass ([`Self::forward_tokens`]), each
+    /// into its row of `dst` (`[chunks, hidden]`, written by this task
+    /// alone) from zero, in lockstep: at each group of 8 bundles of a ×8
+    /// cluster, or row-layout neuron, that any of them selects next, every
+    /// chunk that selects in it computes its neurons there as
+    /// [`Self::run_chunk`] would (the same kernels' bits, in the same
+    /// order). Returns the down projections computed per chunk of `ids`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_window(
+        &self,
+        src: &LayerClusters,
+        ys: &[&Q8Vec],
+        sels: &[Selection],
+        gate: Option<(Criterion, f32)>,
+        chunks: &[TokenChunk],
+        ids: &[usize],
+        dst: &Dst,
+    ) -> Result<Vec<u32>> {
+        /// A chunk's next selection index, its end, its partial row (of
+        /// `dst`) and its count.
+        struct Cursor {
+            t: usize,
+            i: usize,
+            hi: usize,
+            id: usize,
+            done: u32,
+        }
+        let (h, dt) = (self.hidden, self.layout.dtype);
+        let m = X8_ROWS * self.layout.row_bytes as usize;
+        let mut curs: Vec<Cursor> = ids
+            .iter()
+            .map(|&id| {
+                let c = chunks[id];
+                // SAFETY: chunk `id`'s row is this task's alone (the windows
+                // share no chunk), and no other reference to it is live.
+                unsafe { dst.row(id, 0, h) }.fill(0.0);
+                Cursor { t: c.t, i: c.lo, hi: c.hi, id, done: 0 }
+            })
+            .collect();
+        let mut cur = None;
+        // Per group: the cursors that select in it, their masks, gate and up values.
+        let (mut part, mut masks) = (Vec::new(), Vec::new());
+        let (mut g, mut u) = (Vec::new(), Vec::new());
+        let (mut a, mut kept) = (Vec::new(), Vec::new());
+        let mut packed = Vec::new();
+        let mut tokens: Vec<&Q8Vec> = Vec::new();
+        let mut accs: Vec<&mut [f32]> = Vec::new();
+        loop {
+            let next = curs.iter().filter(|c| c.i < c.hi).map(|c| sels[c.t].get(c.i)).min();
+            let Some(p) = next else { break };
+            let g0 = self.group_start(p);
+            let x8 = self.in_x8_group(src, p);
+            // A full group of 8 row-layout bundles: packed into the ×8
+            // layout here (the same bits: `in_x8_group`'s clusters are
+            // packed alike), so its tokens share the ×8 kernels.
+            let full = x8
+                || (can_interleave(dt, X8_ROWS as u64, h as u64)
+                    && g0 + X8_ROWS <= self.first_neuron(self.cluster_of(p) + 1));
+            if !full {
+                // A row-layout neuron: each chunk at it, as `run_chunk`'s `single`.
+                let (g_row, u_row, d_row) = self.bundle_at(src, &mut cur, p)?;
+                for c in curs.iter_mut().filter(|c| c.i < c.hi && sels[c.t].get(c.i) == p) {
+                    c.i += 1;
+                    let gv = dot(dt, h, g_row, ys[c.t]);
+                    if !self.passes_gate(gate, p, gv) {
+                        continue;
+                    }
+                    let av = self.output(p, gv, dot(dt, h, u_row, ys[c.t]));
+                    if keeps(gate, av) {
+                        // SAFETY: as above.
+                        axpy_row(dt, d_row, av, unsafe { dst.row(c.id, 0, h) });
+                        c.done += 1;
+                    }
+                }
+                continue;
+            }
+            part.clear();
+            masks.clear();
+            for (k, c) in curs.iter_mut().enumerate() {
+                let mut mask = 0u8;
+                while c.i < c.hi && sels[c.t].get(c.i) < g0 + X8_ROWS {
+                    mask |= 1 << (sels[c.t].get(c.i) - g0);
+                    c.i += 1;
+                }
+                if mask != 0 {
+                    part.push(k);
+                    masks.push(mask);
+                }
+            }
+            let grp = if x8 {
+                &self.cluster_bytes(src, &mut cur, g0)?[self.offsets[g0] as usize..][..3 * m]
+            } else {
+                packed.resize(3 * m, 0);
+                let rb = self.layout.row_bytes as usize;
+                let bytes = self.cluster_bytes(src, &mut cur, g0)?;
+                let bundle = |r: usize| &bytes[self.offsets[g0 + r] as usize..][..3 * rb];
+                for (k, out) in packed.chunks_exact_mut(m).enumerate() {
+                    pack_group(dt, h, std::array::from_fn(|r| Some(&bundle(r)[k * rb..(k + 1) * rb])), out);
+                }
+                &packed[..]
+            };
+            tokens.clear();
+            tokens.extend(part.iter().map(|&k| ys[curs[k].t]));
+            gemm_x8_each(dt, h, &grp[..m], &tokens, &mut g);
+            gemm_x8_each(dt, h, &grp[m..2 * m], &tokens, &mut u);
+            a.clear();
+            kept.clear();
+            for (j, &mask) in masks.iter().enumerate() {
+                let out = self.outputs_x8(g0, g[j], u[j]);
+                let (mut aj, mut kj) = ([0f32; X8_ROWS], 0u8);
+                for r in (0..X8_ROWS).filter(|r| mask & (1 << r) != 0) {
+                    if self.passes_gate(gate, g0 + r, g[j][r]) && keeps(gate, out[r]) {
+                        aj[r] = out[r];
+                        kj |= 1 << r;
+                    }
+                }
+                a.push(aj);
+                kept.push(kj);
+            }
+            for (j, &k) in part.iter().enumerate() {
+                curs[k].done += kept[j].count_ones();
+                // SAFETY: as above; the participants are distinct chunks,
+                // and `accs` is cleared before their rows are taken again.
+                accs.push(unsafe { dst.row(curs[k].id, 0, h) });
+            }
+            axpy_x8_tokens(dt, &grp[2 * m..], &a, &kept, &mut accs);
+            accs.clear();
+        }
+        Ok(curs.iter().map(|c| c.done).collect())
     }
 
     /// Where the selection `sel` (`n_sel` neurons) is cut into decode tasks,
@@ -462,6 +677,37 @@ pub struct FfnScratch {
     computed: Vec<u32>,
     /// `[n_chunks + 1]` where the selection is cut into tasks.
     bounds: Vec<usize>,
+    /// A verify pass's chunks, token after token ([`Ffn::forward_tokens`]).
+    chunks: Vec<TokenChunk>,
+    /// Their indices, ordered by first neuron.
+    order: Vec<usize>,
+    /// Where `order` is cut into tasks (`[tasks + 1]`).
+    cuts: Vec<usize>,
+}
+
+/// One decode chunk of one token of a verify pass: selection indices
+/// `lo .. hi` of token `t` ([`Ffn::forward_tokens`]).
+#[derive(Clone, Copy)]
+struct TokenChunk {
+    t: usize,
+    lo: usize,
+    hi: usize,
+}
+
+/// `out[j] = group · ys[j]` (the 8 rows of one ×8 group dotted with each
+/// token), four tokens per `kernels::gemm_x8` call: each the bits
+/// `kernels::dot` gives the row in the row layout, whatever the batch.
+fn gemm_x8_each(dt: nflash_format::DType, cols: usize, group: &[u8], ys: &[&Q8Vec], out: &mut Vec<[f32; X8_ROWS]>) {
+    out.clear();
+    for y in ys.chunks(4) {
+        match *y {
+            [a, b, c, d] => out.extend(gemm_x8(dt, cols, group, [a, b, c, d])),
+            [a, b, c] => out.extend(gemm_x8(dt, cols, group, [a, b, c])),
+            [a, b] => out.extend(gemm_x8(dt, cols, group, [a, b])),
+            [a] => out.extend(gemm_x8(dt, cols, group, [a])),
+            _ => unreachable!("chunks of 1 to 4"),
+        }
+    }
 }
 
 impl Ffn {
@@ -827,6 +1073,7 @@ impl Ffn {
             let mut outs: Vec<&mut [f32]> = local.chunks_exact_mut(w.max(1)).collect();
             let mut buf = Vec::new();
             let mut at = vec![[0f32; X8_ROWS]; n];
+            let all = vec![0xFFu8; n];
             for (i, &(j0, k, ref w)) in weights.iter().enumerate() {
                 if let Some((_, _, GroupWeights::X8(next))) = weights.get(i + 1) {
                     // This task's piece of the next group, while this one computes.
@@ -845,7 +1092,7 @@ impl Ffn {
                         &buf[..]
                     }
                 };
-                crate::kernels::axpy_x8_tokens(dt, &group[b0 * gblock..b1 * gblock], &at, &mut outs);
+                crate::kernels::axpy_x8_tokens(dt, &group[b0 * gblock..b1 * gblock], &at, &all, &mut outs);
             }
             for (r, l) in rows.iter_mut().zip(local.chunks_exact(w.max(1))) {
                 r.copy_from_slice(l);
