@@ -84,8 +84,10 @@ const DRAFTS: [DraftKind; 3] = [DraftKind::Lookup, DraftKind::SelfDraft, DraftKi
 /// drafts were really checked (some accepted, some rejected) overall.
 /// With `partial_differs`, greedy self-drafts from part of the FFN must
 /// miss some tokens (a tiny Gemma 3's embeddings, scaled by √hidden,
-/// outweigh its FFN: here its greedy self-drafts were all kept).
+/// outweigh its FFN: here its greedy self-drafts were all kept). First,
+/// [`check_verify_bits`].
 fn check_same_tokens(path: &Path, partial_differs: bool) {
+    check_verify_bits(path);
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     pool.install(|| {
         let pack = Pack::open_resident(path).unwrap();
@@ -176,9 +178,7 @@ fn check_verify_bits(path: &Path) {
 fn speculation_gives_plain_decodings_tokens_dense() {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
-    let p = pack(dir.path(), &spec, "dense.nflash", "q8_0", &[]);
-    check_verify_bits(&p);
-    check_same_tokens(&p, true);
+    check_same_tokens(&pack(dir.path(), &spec, "dense.nflash", "q8_0", &[]), true);
 }
 
 #[test]
@@ -191,7 +191,6 @@ fn speculation_gives_plain_decodings_tokens_sparse() {
     flags.extend(QUICK_CALIB);
     let p = pack(dir.path(), &spec, "sparse.nflash", "q4_0", &flags);
     assert!(Pack::open_resident(&p).unwrap().manifest().sparse.is_some(), "the pack is not sparse");
-    check_verify_bits(&p);
     check_same_tokens(&p, true);
 }
 
@@ -206,9 +205,7 @@ fn speculation_gives_plain_decodings_tokens_moe() {
         vocab: 96,
         ..TinySpec::default()
     };
-    let p = pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]);
-    check_verify_bits(&p);
-    check_same_tokens(&p, true);
+    check_same_tokens(&pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]), true);
 }
 
 /// A generation stopped by its caller in the middle of a verify pass's
@@ -253,9 +250,7 @@ fn a_stop_inside_a_verify_pass_counts_only_the_tokens_used() {
 fn speculation_gives_plain_decodings_tokens_sliding_window() {
     let dir = tempfile::tempdir().unwrap();
     let spec = TinySpec { vocab: 96, ..TinySpec::gemma3(41) };
-    let p = pack(dir.path(), &spec, "gemma3.nflash", "q8_0", &[]);
-    check_verify_bits(&p);
-    check_same_tokens(&p, false);
+    check_same_tokens(&pack(dir.path(), &spec, "gemma3.nflash", "q8_0", &[]), false);
 }
 
 /// Verify passes give decode's bits on every weight type: Q4_0, f16 and

@@ -89,9 +89,10 @@ pub struct RunArgs {
     #[arg(long)]
     dense: bool,
     /// Speculative prefetch: read the next layer's likely cold neuron clusters
-    /// while its attention runs. auto = dense layers where the wait it is
-    /// expected to hide (measured) outweighs its predictor time; a mixture
-    /// of experts' layers only score their guess (always reads it ahead).
+    /// while its attention runs. auto = on in dense layers where the read
+    /// wait it would hide (measured so far) outweighs the predictor time it
+    /// costs; in a mixture of experts' layers it only scores its guess (the
+    /// routed experts are always read ahead).
     #[arg(
         long,
         default_value = "auto",
