@@ -519,8 +519,15 @@ unsafe fn gemm_x8_mm<const P: usize>(q4: bool, cols: usize, prep: &[u8], pairs: 
 }
 
 /// [`gemm_x8`] over `ys`, four tokens per call and a tail of 1 to 3:
-/// `put(t0, out)` as [`gemm_x8_tokens`].
-fn gemm_x8_quads(dtype: DType, cols: usize, group: &[u8], ys: &[&Q8Vec], mut put: impl FnMut(usize, &[[f32; 8]])) {
+/// `put(t0, out)` as [`gemm_x8_tokens`] (a verify pass's FFN calls it
+/// with the tokens that select in one group).
+pub(crate) fn gemm_x8_quads(
+    dtype: DType,
+    cols: usize,
+    group: &[u8],
+    ys: &[&Q8Vec],
+    mut put: impl FnMut(usize, &[[f32; 8]]),
+) {
     let mut quads = ys.chunks_exact(4);
     let mut t0 = 0;
     for q in &mut quads {

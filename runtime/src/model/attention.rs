@@ -286,12 +286,17 @@ impl Span<'_> {
         (start - self.first, pos + 1 - self.first)
     }
 
+    /// Offset in a cache row of the KV head that query head `h0` reads (GQA).
+    fn kv_off(&self, h0: usize) -> usize {
+        h0 / (self.h.n_heads / self.h.n_kv_heads) * self.h.head_dim
+    }
+
     /// Token `t`'s query heads `h0 .. h0 + per` (one GQA group or part of
     /// one) into `out` (`[per, head_dim]`): decode's task.
     fn token(&self, scores: &mut Vec<f32>, t: usize, h0: usize, per: usize, out: &mut [f32]) {
         let h = self.h;
         let (hd, qd, kvd) = (h.head_dim, h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim);
-        let off = h0 / (h.n_heads / h.n_kv_heads) * hd;
+        let off = self.kv_off(h0);
         let (start, end) = self.rows(t);
         let len = end - start;
         scores.clear();
@@ -314,7 +319,7 @@ impl Span<'_> {
 fn attend_block(s: &Span, t0: usize, t1: usize, h0: usize, per: usize) -> Vec<f32> {
     let h = s.h;
     let (hd, qd, kvd) = (h.head_dim, h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim);
-    let off = h0 / (h.n_heads / h.n_kv_heads) * hd;
+    let off = s.kv_off(h0);
     let heads = (t1 - t0) * per;
     // Rows [lo, hi) some token sees; [common.0, common.1) every token sees.
     let (lo, common_end) = s.rows(t0);

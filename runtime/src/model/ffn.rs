@@ -17,7 +17,8 @@ use crate::error::Result;
 use crate::kernels::gemm::Dst;
 use crate::kernels::matrix::{direct_f32, gemm_tokens, Acts};
 use crate::kernels::{
-    axpy_row, axpy_x8, axpy_x8_tokens, dot, gemm_x8, quantized_prefill, row_dot, row_to_f32, DotInput, Q8Batch, Q8Vec,
+    axpy_row, axpy_x8, axpy_x8_tokens, dot, gemm_x8, gemm_x8_quads, quantized_prefill, row_dot, row_to_f32, DotInput,
+    Q8Batch, Q8Vec,
 };
 use nflash_format::interleave::{can_interleave, pack_group, X8_ROWS};
 
@@ -268,6 +269,7 @@ impl Ffn {
         let mut packed = Vec::new();
         let mut tokens: Vec<&Q8Vec> = Vec::new();
         let mut accs: Vec<&mut [f32]> = Vec::new();
+        let packable = can_interleave(dt, X8_ROWS as u64, h as u64);
         loop {
             let next = curs.iter().filter(|c| c.i < c.hi).map(|c| sels[c.t].get(c.i)).min();
             let Some(p) = next else { break };
@@ -276,9 +278,7 @@ impl Ffn {
             // A full group of 8 row-layout bundles: packed into the ×8
             // layout here (the same bits: `in_x8_group`'s clusters are
             // packed alike), so its tokens share the ×8 kernels.
-            let full = x8
-                || (can_interleave(dt, X8_ROWS as u64, h as u64)
-                    && g0 + X8_ROWS <= self.first_neuron(self.cluster_of(p) + 1));
+            let full = x8 || (packable && g0 + X8_ROWS <= self.first_neuron(self.cluster_of(p) + 1));
             if !full {
                 // A row-layout neuron: each chunk at it, as `run_chunk`'s `single`.
                 let (g_row, u_row, d_row) = self.bundle_at(src, &mut cur, p)?;
@@ -324,8 +324,10 @@ impl Ffn {
             };
             tokens.clear();
             tokens.extend(part.iter().map(|&k| ys[curs[k].t]));
-            gemm_x8_each(dt, h, &grp[..m], &tokens, &mut g);
-            gemm_x8_each(dt, h, &grp[m..2 * m], &tokens, &mut u);
+            for (half, vals) in [(&grp[..m], &mut g), (&grp[m..2 * m], &mut u)] {
+                vals.clear();
+                gemm_x8_quads(dt, h, half, &tokens, |_, d| vals.extend_from_slice(d));
+            }
             a.clear();
             kept.clear();
             for (j, &mask) in masks.iter().enumerate() {
@@ -692,22 +694,6 @@ struct TokenChunk {
     t: usize,
     lo: usize,
     hi: usize,
-}
-
-/// `out[j] = group · ys[j]` (the 8 rows of one ×8 group dotted with each
-/// token), four tokens per `kernels::gemm_x8` call: each the bits
-/// `kernels::dot` gives the row in the row layout, whatever the batch.
-fn gemm_x8_each(dt: nflash_format::DType, cols: usize, group: &[u8], ys: &[&Q8Vec], out: &mut Vec<[f32; X8_ROWS]>) {
-    out.clear();
-    for y in ys.chunks(4) {
-        match *y {
-            [a, b, c, d] => out.extend(gemm_x8(dt, cols, group, [a, b, c, d])),
-            [a, b, c] => out.extend(gemm_x8(dt, cols, group, [a, b, c])),
-            [a, b] => out.extend(gemm_x8(dt, cols, group, [a, b])),
-            [a] => out.extend(gemm_x8(dt, cols, group, [a])),
-            _ => unreachable!("chunks of 1 to 4"),
-        }
-    }
 }
 
 impl Ffn {

@@ -448,7 +448,7 @@ impl Model<'_> {
         let mut picks = std::mem::take(&mut work.picks);
         picks.resize_with(n, Pick::default);
         let result = (|| -> Result<LayerCounts> {
-            let xins = DotInput::rows(dtype, xn, h);
+            let mut xins = DotInput::rows(dtype, xn, h);
             for ((x, xin), pick) in xn.chunks_exact(h).zip(&xins).zip(picks.iter_mut()) {
                 self.pick(unit, sparse, x, xin, &mut work.predict, pick);
                 tm.predictor_s += pick.pred_s;
@@ -463,20 +463,17 @@ impl Model<'_> {
                 let t1 = Instant::now();
                 self.source.fetch(unit.index, &union, &mut work.table)?;
                 let src = LayerClusters::new(self.source.as_ref(), unit.index, &work.table);
-                let sels: Vec<Selection> =
-                    picks.iter().map(|p| if p.listed { Selection::List(&p.list) } else { Selection::All }).collect();
+                let neurons = unit.ffn.n_neurons() as u64;
+                let sels: Vec<Selection> = picks.iter().map(|p| p.selection(neurons).0).collect();
                 let ys: Vec<&Q8Vec> = xins.iter().map(q8_input).collect();
                 let gate = sparse.map(|sp| (sp.criterion, sp.threshold));
                 let mut computed = vec![0u64; n];
                 let wait0 = self.source.wait_s();
                 unit.ffn.forward_tokens(&src, &ys, &sels, gate, &mut work.ffn, out, &mut computed)?;
                 tm.ffn_s += t1.elapsed().as_secs_f64();
-                let waited = (self.source.wait_s() - wait0) / rayon::current_num_threads() as f64;
-                let w = &mut work.layer_wait[self.cfg.unit_layer_expert(unit.index).0];
-                (w.0, w.1) = (w.0 + waited, w.1 + picks.iter().map(|p| p.pred_s).sum::<f64>());
-                let neurons = unit.ffn.n_neurons() as u64;
+                self.add_layer_wait(work, unit.index, wait0, picks.iter().map(|p| p.pred_s).sum());
                 for (pick, &done) in picks.iter().zip(&computed) {
-                    let read = if pick.listed { pick.list.len() as u64 } else { neurons };
+                    let read = pick.selection(neurons).1;
                     counts.add(&LayerCounts { neurons, read, computed: done, ..Default::default() });
                 }
                 return Ok(counts);
@@ -487,12 +484,13 @@ impl Model<'_> {
                 self.source.fetch_ahead(unit.index, &pick.needed);
             }
             tm.ffn_s += tf.elapsed().as_secs_f64();
-            for (t, (x, outr)) in xn.chunks_exact(h).zip(out.chunks_exact_mut(h)).enumerate() {
+            for (t, (xin, outr)) in xins.iter_mut().zip(out.chunks_exact_mut(h)).enumerate() {
                 let t1 = Instant::now();
                 if t > 0 {
                     self.source.fetch(unit.index, &picks[t].needed, &mut work.table)?;
                 }
-                work.xin.get_or_insert_with(|| DotInput::new(dtype)).set(x);
+                // The token's input, prepared once for its pick.
+                std::mem::swap(work.xin.get_or_insert_with(|| DotInput::new(dtype)), xin);
                 counts.add(&self.ffn_picked(unit, sparse, &picks[t], work, tm, outr, t1)?);
             }
             Ok(counts)
@@ -547,16 +545,22 @@ impl Model<'_> {
         let xin = xin.as_ref().ok_or_else(|| Error::Internal("FFN input not prepared".into()))?;
         let src = LayerClusters::new(self.source.as_ref(), u, table);
         let gate = sparse.map(|sp| (sp.criterion, sp.threshold));
-        let (sel, read) =
-            if pick.listed { (Selection::List(&pick.list), pick.list.len() as u64) } else { (Selection::All, n) };
+        let (sel, read) = pick.selection(n);
         let wait0 = self.source.wait_s();
         let computed = ffn_unit.forward_token(&src, xin, sel, gate, ffn, out)?;
         tm.ffn_s += t1.elapsed().as_secs_f64();
+        self.add_layer_wait(work, u, wait0, pick.pred_s);
+        Ok(LayerCounts { neurons: n, read, computed, ..Default::default() })
+    }
+
+    /// Adds to unit `u`'s layer in `work.layer_wait` the wall time compute
+    /// threads waited for reads since the source's `wait_s` was `wait0`,
+    /// and `pred_s` of predictor time.
+    fn add_layer_wait(&self, work: &mut Work, u: usize, wait0: f64, pred_s: f64) {
         // Compute threads wait side by side: their summed wait over the thread count is wall time.
         let waited = (self.source.wait_s() - wait0) / rayon::current_num_threads() as f64;
         let w = &mut work.layer_wait[self.cfg.unit_layer_expert(u).0];
-        (w.0, w.1) = (w.0 + waited, w.1 + pick.pred_s);
-        Ok(LayerCounts { neurons: n, read, computed, ..Default::default() })
+        (w.0, w.1) = (w.0 + waited, w.1 + pred_s);
     }
 
     /// One token's mixture-of-experts FFN (decode): `experts` (its routed

@@ -222,6 +222,18 @@ struct Pick {
     pred_s: f64,
 }
 
+impl Pick {
+    /// The neurons to compute, as the FFN takes them, and how many of the
+    /// unit's `n_neurons` that is.
+    fn selection(&self, n_neurons: u64) -> (ffn::Selection<'_>, u64) {
+        if self.listed {
+            (ffn::Selection::List(&self.list), self.list.len() as u64)
+        } else {
+            (ffn::Selection::All, n_neurons)
+        }
+    }
+}
+
 /// When decode runs a speculative prefetch ([`Model::set_speculation`];
 /// `nflash run --speculate`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
