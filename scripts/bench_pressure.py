@@ -20,8 +20,8 @@ Setting, per model (the issue's, for q8_0): a cgroup v1 group limited to L
 = --budget-mib + 40 MiB; nflash runs with `--memory-budget` --budget-mib
 (default 200) and --ctx 2048; the 7B the same at its own scale
 (--scale-budget-mib 4700 + 256 MiB, a --scale-balloon-mib 2048 balloon in
---scale-step-mib 10 MiB steps from --scale-balloon-at-s 15 s after the
-engine starts, held --scale-hold-s 8, --scale-tokens 400, ctx 512: the
+--scale-step-mib 10 MiB steps, held --scale-hold-s 8, --scale-tokens 400,
+ctx 512: the
 squeeze leaves room for about half of its FFN, bench-scale's (b)); llama.cpp is llama-completion (the native
 build of scripts/bench_setup.sh) with the weights mmapped and not repacked
 (nflash_bench.llama.native_llama_cmd), -c 2048. Both decode --tokens (1500)
@@ -34,9 +34,10 @@ each run; engines alternate run by run (--runs 3); medians over the runs.
 Figures: outcome (ok, or OOM-killed: the group's oom_kill count, exit
 status), tokens/s before (from first text to the balloon's start), during
 (from the balloon full to its leaving) and after (1 s after it left to the
-end), from the times of the engine's output bytes (bytes / the run's bytes
+end): nflash's from the time of each token (--stats-json `token_times_s`),
+llama.cpp's from the times of its output bytes (bytes / the run's bytes
 per generated token: text of a steady byte length per token, which the
-synthetic 7B's is not), and over the whole decode (the engine's own count:
+synthetic 7B's is only roughly), and over the whole decode (the engine's own count:
 nflash's --stats-json, llama.cpp's eval timing); nflash's reaction time: from the first poll (every
 50 ms) at which the group's room (limit less usage) fell below the 32 MiB
 reserve to the first poll at which nflash's RSS was 4 MiB below its size
@@ -93,7 +94,7 @@ def run_once(a, m: dict, engine: str, cmd: list[str], env: dict | None) -> dict:
     d = new_group(limit)
     try:
         drop_caches()
-        t0 = time.perf_counter()
+        t0, t0_unix = time.perf_counter(), time.time()
         p = in_group(d, cmd, env)
         out: list[tuple[float, int]] = []  # (time, bytes)
         err: list[bytes] = []
@@ -119,14 +120,14 @@ def run_once(a, m: dict, engine: str, cmd: list[str], env: dict | None) -> dict:
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
-        # The balloon: --before-s after the first text, or at a fixed time
-        # after the start (the synthetic 7B's text comes out in bursts).
+        # The balloon: --before-s (the 7B: --scale-before-s) after the
+        # first text, or at a fixed time after the start.
         if m.get("balloon_at_s") is not None:
             time.sleep(max(0.0, m["balloon_at_s"] - (time.perf_counter() - t0)))
         else:
             while not out and p.poll() is None and time.perf_counter() - t0 < a.timeout:
                 time.sleep(0.01)
-            time.sleep(a.before_s)
+            time.sleep(m["before_s"])
         if p.poll() is None:
             steps = m["balloon_mib"] // m["step_mib"]
             b = in_group(d, [str(a.balloon), "--step", str(m["step_mib"]), "--steps", str(steps), "--hold-ms",
@@ -148,29 +149,38 @@ def run_once(a, m: dict, engine: str, cmd: list[str], env: dict | None) -> dict:
         kills = oom_kills(d) or 0
     finally:
         remove_group(d)
-    return {"engine": engine, "exit": code, "oom_kills": kills, "end_s": end, "out": out, "series": series,
+    return {"engine": engine, "exit": code, "oom_kills": kills, "end_s": end, "out": out, "t0_unix": t0_unix,
+            "series": series,
             "balloon": balloon, "stderr": b"".join(err).decode(errors="replace")[-4000:]}
 
 
-def rates(r: dict, tokens: int) -> dict:
-    """Tokens/s before, during and after the balloon, from output bytes."""
-    out, b = r["out"], r["balloon"]
-    if not out or "start" not in b:
+def token_events(r: dict, tokens: int, stats: dict | None) -> list[tuple[float, float]]:
+    """(seconds after the engine started, tokens) events of a run: each
+    token's time from nflash's --stats-json, else the engine's output
+    bytes as tokens (generated text only: llama.cpp runs with
+    --no-display-prompt)."""
+    if stats and stats.get("token_times_s") and stats.get("decode_start_unix_s"):
+        start = stats["decode_start_unix_s"] - r["t0_unix"]
+        return [(start + t, 1.0) for t in stats["token_times_s"]]
+    per_tok = max(sum(n for _, n in r["out"]) / tokens, 1e-9)
+    return [(t, n / per_tok) for t, n in r["out"]]
+
+
+def rates(r: dict, events: list[tuple[float, float]]) -> dict:
+    """Tokens/s before, during and after the balloon."""
+    b = r["balloon"]
+    if not events or "start" not in b:
         return {}
-    total = sum(n for _, n in out)
-    # Generated text only: llama.cpp runs with --no-display-prompt.
-    gen = out
-    per_tok = max(sum(n for _, n in gen) / tokens, 1e-9)
 
     def rate(t0: float, t1: float) -> float | None:
         if t1 - t0 < 0.3:
             return None
-        return sum(n for t, n in gen if t0 <= t < t1) / per_tok / (t1 - t0)
+        return sum(n for t, n in events if t0 <= t < t1) / (t1 - t0)
 
-    first = gen[0][0]
+    first = events[0][0]
     full, leave = b.get("full", b["start"]), b.get("leaving", r["end_s"])
     return {"before": rate(first, b["start"]), "during": rate(full, leave),
-            "after": rate(leave + 1.0, gen[-1][0]), "bytes": total}
+            "after": rate(leave + 1.0, events[-1][0])}
 
 
 def reaction(r: dict, limit: int) -> float | None:
@@ -202,14 +212,13 @@ def plot(runs: dict, limit: int, path: Path, title: str) -> None:
         ax.set_title(f"{title}: {engine} ({'OOM-killed' if r['oom_kills'] or r['exit'] else 'ok'})")
         ax.legend(fontsize=7, loc="lower right")
         ax2 = axes[1][col]
-        gen = r["out"]
-        per_tok = max(sum(n for _, n in gen) / max(r.get("tokens", 1), 1), 1e-9)
+        ev = r.get("events", [])
         win, xs, ys = 0.5, [], []
-        if gen:
-            x = gen[0][0]
-            while x < gen[-1][0]:
+        if ev:
+            x = ev[0][0]
+            while x < ev[-1][0]:
                 xs.append(x + win / 2)
-                ys.append(sum(n for tt, n in gen if x <= tt < x + win) / per_tok / win)
+                ys.append(sum(n for tt, n in ev if x <= tt < x + win) / win)
                 x += win / 2
         ax2.plot(xs, ys)
         ax2.set_ylabel("tokens/s")
@@ -235,14 +244,15 @@ def model_settings(a) -> dict[str, dict]:
         for q in smol:
             models[q] = {"title": f"SmolLM2 {q}", "pack": packs[q], "gguf": ggufs[q], "budget_mib": a.budget_mib,
                          "limit": (a.budget_mib + 40) * MIB, "balloon_mib": a.balloon_mib, "step_mib": 10,
-                         "hold_s": a.hold_s, "tokens": a.tokens, "ctx": a.ctx}
+                         "hold_s": a.hold_s, "tokens": a.tokens, "ctx": a.ctx, "before_s": a.before_s}
     if "7b" in a.models:
         pack, gguf = a.scale_dir / f"{SCALE_TAG}-q4_0.nflash", a.scale_dir / f"{SCALE_TAG}-q4_0.gguf"
         if pack.exists() and gguf.exists():
             models["7b"] = {"title": "synthetic llama-7b ReLU q4_0 (s=0.9)", "pack": pack, "gguf": gguf,
                             "budget_mib": a.scale_budget_mib, "limit": (a.scale_budget_mib + 256) * MIB,
                             "balloon_mib": a.scale_balloon_mib, "step_mib": a.scale_step_mib, "hold_s": a.scale_hold_s,
-                            "tokens": a.scale_tokens, "ctx": a.scale_ctx, "balloon_at_s": a.scale_balloon_at_s}
+                            "tokens": a.scale_tokens, "ctx": a.scale_ctx, "before_s": a.scale_before_s,
+                            "balloon_at_s": a.scale_balloon_at_s}
         else:
             log(f"note: no 7B rows: {pack} or {gguf} is missing (make them with "
                 f"`.venv-bench/bin/python scripts/bench_scale.py --sparsities 0.9 --prepare-only`, about an hour)")
@@ -266,9 +276,10 @@ def main(argv) -> int:
     ap.add_argument("--scale-step-mib", type=int, default=10,
                     help="the 7B balloon's step every 100 ms (SmolLM2's is 10 MiB)")
     ap.add_argument("--scale-hold-s", type=float, default=8.0)
-    ap.add_argument("--scale-balloon-at-s", type=float, default=15.0,
-                    help="the 7B's balloon starts this long after the engine (its text comes out in bursts, "
-                         "so its first text does not say when decode began)")
+    ap.add_argument("--scale-before-s", type=float, default=5.0,
+                    help="the 7B's balloon starts this long after the engine's first text")
+    ap.add_argument("--scale-balloon-at-s", type=float, default=None,
+                    help="start the 7B's balloon this long after the engine starts instead")
     ap.add_argument("--scale-tokens", type=int, default=400)
     ap.add_argument("--scale-ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
@@ -314,17 +325,19 @@ def main(argv) -> int:
             for engine in (list(cmds) if i % 2 == 0 else list(reversed(cmds))):
                 cmd, env = cmds[engine]
                 log(f"{q} {engine} run {i + 1}/{a.runs}")
+                stats_json.unlink(missing_ok=True)
                 r = run_once(a, m, engine, cmd, env)
                 r["tokens"] = m["tokens"]
                 ok = r["exit"] == 0 and r["oom_kills"] == 0
+                s = json.loads(stats_json.read_text()) if engine == "nflash" and ok else None
+                r["events"] = token_events(r, m["tokens"], s)
                 row = {"outcome": "ok" if ok else ("oom-killed" if r["oom_kills"] or r["exit"] in (-9, 137)
                                                    else f"exit {r['exit']}"),
                        "oom_kills": r["oom_kills"], "balloon_exit": r["balloon"].get("exit"),
-                       **{f"tokens_per_s_{k}": v for k, v in rates(r, m["tokens"]).items() if k != "bytes"},
+                       **{f"tokens_per_s_{k}": v for k, v in rates(r, r["events"]).items()},
                        "reaction_s": reaction(r, m["limit"]) if engine == "nflash" else None,
                        "peak_group_bytes": max((x[1] for x in r["series"]), default=None)}
-                if engine == "nflash" and ok:
-                    s = json.loads(stats_json.read_text())
+                if s is not None:
                     row.update({k: s.get(k) for k in ("decode_tokens_per_s", "budget_min_bytes", "budget_max_bytes",
                                                       "budget_shrinks", "budget_grows", "bytes_returned",
                                                       "reads_after_shrink", "memory_signals")})

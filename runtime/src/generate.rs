@@ -50,6 +50,13 @@ pub struct GenStats {
     pub context_full: Option<usize>,
     /// Wall time of each decode step (forward pass + sampling), seconds `[decode_steps]`.
     pub step_s: Vec<f64>,
+    /// When decode began (the first token sampled by prefill), seconds
+    /// since the Unix epoch: aligns [`Self::token_s`] with other clocks.
+    pub decode_start_unix_s: f64,
+    /// When each generated token was handed out, seconds after
+    /// `decode_start_unix_s` `[generated_tokens]`: tokens/s over any span
+    /// of decode (`make bench-pressure`'s before, during and after).
+    pub token_s: Vec<f64>,
     /// Neuron-cache counters over decode only.
     pub decode_cache: crate::model::CacheStats,
     /// Neuron-cache counters over prefill only.
@@ -249,6 +256,8 @@ pub fn generate_until(
     let mut out = Vec::new();
     let mut stream = TextStream::default();
     let t1 = Instant::now();
+    stats.decode_start_unix_s =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let cache0 = model.cache_stats();
     // Speculative decoding: `ahead` holds tokens already sampled after
     // `next` by a verify pass, whose forward passes (all but the last's)
@@ -279,6 +288,7 @@ pub fn generate_until(
             break;
         }
         out.push(next);
+        stats.token_s.push(t1.elapsed().as_secs_f64());
         if let Some(piece) = stream.push(tok, next)? {
             if on_text(&piece).is_break() {
                 stats.finish = Finish::Cancelled;

@@ -6,7 +6,10 @@
 //! - the process's memory cgroup: v2 `memory.max`/`memory.high` against
 //!   `memory.current`, v1 `memory.limit_in_bytes` against
 //!   `memory.usage_in_bytes`, each less the group's inactive file pages
-//!   (`memory.stat`), which the kernel takes back first;
+//!   (`memory.stat`), which the kernel takes back first; v2
+//!   `memory.events` (the group reaching `high` or `max`, and OOM kills in
+//!   it), v1 `memory.oom_control` (OOM kills) and a v1
+//!   `memory.pressure_level` notifier ([`PressureLevel`]);
 //! - `/proc/meminfo` `MemAvailable`;
 //! - PSI (`/proc/pressure/memory`, `some` stall time), where readable:
 //!   Android's SELinux denies it to apps, and with zram the kernel swaps
@@ -32,6 +35,17 @@ pub const POLL: Duration = Duration::from_millis(50);
 /// How long pressure must be gone before the cache grows back.
 pub const CALM: Duration = Duration::from_secs(2);
 
+/// The v1 `memory.pressure_level` a [`Watch`] listens for: `medium`, the
+/// group swapping or evicting active file pages (`low` fires at every
+/// reclaim of the page cache, which reading flash causes all the time).
+pub const PRESSURE_LEVEL: &str = "medium";
+
+/// The default [`Governor::burst_min`]: 16 MiB.
+pub const BURST_MIN: u64 = 16 << 20;
+
+/// How fast the remembered burst fades: halved every 10 s without a larger one.
+const BURST_HALF_LIFE: Duration = Duration::from_secs(10);
+
 /// PSI `some` stall time per poll above which memory counts as short
 /// (microseconds; 5% of [`POLL`]).
 const STALL_US: u64 = 2_500;
@@ -55,6 +69,15 @@ pub struct Reading {
     /// `/proc/vmstat` `pswpout`: pages swapped out since boot (to zram on
     /// most phones), cumulative.
     pub swap_out_pages: Option<u64>,
+    /// Times the cgroup reached its limits: v2 `memory.events` `high` plus
+    /// `max`, cumulative (the kernel reclaimed or throttled in the group).
+    pub limit_hits: Option<u64>,
+    /// Processes of the cgroup the kernel OOM-killed: v2 `memory.events`,
+    /// v1 `memory.oom_control`, `oom_kill`; cumulative.
+    pub oom_kills: Option<u64>,
+    /// The v1 `memory.pressure_level` notifier ([`PressureLevel`]) fired
+    /// since the last reading.
+    pub level_fired: bool,
 }
 
 impl Reading {
@@ -63,12 +86,14 @@ impl Reading {
     /// neither the cgroup's room nor `MemAvailable` is known. `MemAvailable`
     /// keeps `reserve`; the cgroup keeps `reserve` too, or only the gap
     /// between its limit and the process's `budget` where that is smaller
-    /// (see [`Governor::budget`]).
-    pub fn margin(&self, reserve: u64, budget: Option<u64>) -> Option<(i64, i64)> {
+    /// (see [`Governor::budget`]). Both keep at least `least` bytes
+    /// (the governor's guess at the next burst, [`Governor::burst_bytes`]).
+    pub fn margin(&self, reserve: u64, budget: Option<u64>, least: u64) -> Option<(i64, i64)> {
         // Past 2^60 bytes every reserve means "always short" (compared in i64).
-        let reserve = reserve.min(1 << 60) as i64;
+        let least = least.min(1 << 60) as i64;
+        let reserve = (reserve.min(1 << 60) as i64).max(least);
         let cgroup_reserve = match (budget, self.cgroup_limit) {
-            (Some(b), Some(l)) => (l.saturating_sub(b) as i64).min(reserve),
+            (Some(b), Some(l)) => (l.saturating_sub(b) as i64).min(reserve).max(least),
             _ => reserve,
         };
         [
@@ -83,7 +108,7 @@ impl Reading {
     /// Bytes the process may hold in all, holding `held` now: that and what
     /// is above the reserve ([`Self::margin`]), at least 0; `None` as margin.
     pub fn allowance(&self, held: u64, reserve: u64, budget: Option<u64>) -> Option<u64> {
-        let (margin, _) = self.margin(reserve, budget)?;
+        let (margin, _) = self.margin(reserve, budget, 0)?;
         Some((held.min(i64::MAX as u64) as i64).saturating_add(margin).max(0) as u64)
     }
 }
@@ -124,11 +149,69 @@ impl PsiTrigger {
     /// Waits up to `timeout` for the trigger; whether it fired. An error
     /// (the trigger gone) counts as not fired.
     pub fn wait(&self, timeout: Duration) -> bool {
-        use rustix::event::{poll, PollFd, PollFlags, Timespec};
-        let mut fds = [PollFd::new(&self.file, PollFlags::PRI)];
-        let t = Timespec::try_from(timeout).ok();
-        matches!(poll(&mut fds, t.as_ref()), Ok(n) if n > 0) && fds[0].revents().contains(PollFlags::PRI)
+        wait_for_signal(Some(self), None, timeout).0
     }
+}
+
+/// A cgroup v1 `memory.pressure_level` notifier (the kernel's
+/// Documentation/admin-guide/cgroup-v1/memory.rst, "Memory Pressure"): an
+/// eventfd registered through the group's `cgroup.event_control`, which
+/// the kernel signals when reclaim in the group reaches the level
+/// (`low`: any reclaim; `medium`: swapping or evicting active file pages;
+/// `critical`: about to OOM-kill). Needs write access to the group's
+/// `cgroup.event_control` (root, or the group's owner); `None` elsewhere,
+/// and on cgroup v2, which has no such file.
+pub struct PressureLevel {
+    event: rustix::fd::OwnedFd,
+    // Kept open while registered.
+    _level: std::fs::File,
+}
+
+impl PressureLevel {
+    /// Registers a notifier for `level` on the v1 memory cgroup `dir`.
+    pub fn new(dir: &Path, level: &str) -> Option<Self> {
+        use rustix::event::{eventfd, EventfdFlags};
+        use rustix::fd::AsRawFd;
+        let event = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).ok()?;
+        let file = std::fs::File::open(dir.join("memory.pressure_level")).ok()?;
+        let line = format!("{} {} {level}", event.as_raw_fd(), file.as_raw_fd());
+        std::fs::write(dir.join("cgroup.event_control"), line).ok()?;
+        Some(PressureLevel { event, _level: file })
+    }
+
+    /// Whether the notifier fired since the last call (resets it).
+    pub fn take(&self) -> bool {
+        let mut n = [0u8; 8];
+        matches!(rustix::io::read(&self.event, &mut n), Ok(8))
+    }
+
+    /// Waits up to `timeout` for the notifier (the kernel signals it from
+    /// a work queue, shortly after the reclaim); whether it fired (resets it).
+    pub fn wait(&self, timeout: Duration) -> bool {
+        wait_for_signal(None, Some(self), timeout).1
+    }
+}
+
+/// Waits up to `timeout` for a PSI `trigger` or a v1 pressure `level`
+/// notifier, whichever the system gave (a plain sleep, cut short by
+/// [`std::thread::Thread::unpark`], with neither); whether each fired.
+fn wait_for_signal(trigger: Option<&PsiTrigger>, level: Option<&PressureLevel>, timeout: Duration) -> (bool, bool) {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    if trigger.is_none() && level.is_none() {
+        std::thread::park_timeout(timeout);
+        return (false, false);
+    }
+    let mut fds = Vec::with_capacity(2);
+    if let Some(t) = trigger {
+        fds.push(PollFd::new(&t.file, PollFlags::PRI));
+    }
+    if let Some(l) = level {
+        fds.push(PollFd::new(&l.event, PollFlags::IN));
+    }
+    let t = Timespec::try_from(timeout).ok();
+    let ready = matches!(poll(&mut fds, t.as_ref()), Ok(n) if n > 0);
+    let psi = ready && trigger.is_some() && fds[0].revents().contains(PollFlags::PRI);
+    (psi, level.is_some_and(|l| l.take()))
 }
 
 /// Where the signals of this process are read ([`Signals::detect`]).
@@ -167,15 +250,26 @@ impl Signals {
     }
 
     /// A description for `--stats`: which signals are in use (`trigger`:
-    /// PSI with a [`PsiTrigger`]).
-    pub fn describe(&self, trigger: bool) -> String {
+    /// PSI with a [`PsiTrigger`]; `level`: a v1 [`PressureLevel`] notifier).
+    pub fn describe(&self, trigger: bool, level: bool) -> String {
         let mut v = Vec::new();
         if let Some((p, v2)) = &self.cgroup {
-            let limit = match self.read().cgroup_limit {
+            let r = self.read();
+            let limit = match r.cgroup_limit {
                 Some(l) => format!(" (limit {:.1} MiB)", l as f64 / (1u64 << 20) as f64),
                 None => " (no limit set)".into(),
             };
-            v.push(format!("cgroup {} {}{limit}", if *v2 { "v2" } else { "v1" }, p.display()));
+            let mut events = Vec::new();
+            if r.limit_hits.is_some() {
+                events.push("memory.events");
+            } else if r.oom_kills.is_some() {
+                events.push("memory.oom_control");
+            }
+            if level {
+                events.push("memory.pressure_level");
+            }
+            let events = if events.is_empty() { String::new() } else { format!(", {}", events.join(", ")) };
+            v.push(format!("cgroup {} {}{limit}{events}", if *v2 { "v2" } else { "v1" }, p.display()));
         }
         if self.meminfo.is_some() {
             v.push("MemAvailable".into());
@@ -197,6 +291,17 @@ impl Signals {
     pub fn read(&self) -> Reading {
         let read = |p: &Path| std::fs::read_to_string(p).ok();
         let mut cgroup_limit = None;
+        let (mut limit_hits, mut oom_kills) = (None, None);
+        if let Some((dir, v2)) = &self.cgroup {
+            let events = read(&dir.join(if *v2 { "memory.events" } else { "memory.oom_control" }));
+            if let Some(e) = events {
+                if *v2 {
+                    let f = |k| count_field(&e, k);
+                    limit_hits = f("high").zip(f("max")).map(|(h, m)| h.saturating_add(m));
+                }
+                oom_kills = count_field(&e, "oom_kill");
+            }
+        }
         let cgroup_room = self.cgroup.as_ref().and_then(|(dir, v2)| {
             let f = |name: &str| read(&dir.join(name));
             let (max, high) =
@@ -215,7 +320,10 @@ impl Signals {
             available: self.meminfo.as_deref().and_then(read).and_then(|s| mem_available(&s)),
             stall_us: self.psi.as_deref().and_then(read).and_then(|s| psi_some_total(&s)),
             psi_fired: false,
-            swap_out_pages: self.vmstat.as_deref().and_then(read).and_then(|s| vmstat_field(&s, "pswpout")),
+            swap_out_pages: self.vmstat.as_deref().and_then(read).and_then(|s| count_field(&s, "pswpout")),
+            limit_hits,
+            oom_kills,
+            level_fired: false,
         }
     }
 }
@@ -304,8 +412,9 @@ pub fn cgroup_room_v1(limit: &str, usage: &str, stat: &str) -> Option<i64> {
     Some(lim as i64 - used as i64)
 }
 
-/// A field of a `/proc/vmstat` (`name value` lines).
-pub fn vmstat_field(vmstat: &str, name: &str) -> Option<u64> {
+/// A `name value` line's value in a `/proc/vmstat`, or a cgroup's
+/// `memory.events` (v2) or `memory.oom_control` (v1).
+pub fn count_field(vmstat: &str, name: &str) -> Option<u64> {
     vmstat.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
@@ -345,42 +454,74 @@ pub struct Governor {
     /// the budget it was given (down to none when the budget is the
     /// limit), and still gives back what other processes in the cgroup take.
     pub budget: Option<u64>,
+    /// The least drop in room between two readings, not of the cache's
+    /// own making, that counts as another process's burst
+    /// ([`Self::burst_bytes`]), bytes ([`BURST_MIN`]; `u64::MAX`: none
+    /// does): smaller changes are file pages moving between the inactive
+    /// and active lists as clusters are read.
+    pub burst_min: u64,
     last_pressure: Option<Instant>,
     last_stall: Option<u64>,
     last_swap_out: Option<u64>,
+    last_limit_hits: Option<u64>,
+    last_oom_kills: Option<u64>,
+    /// The room (cgroup's or `MemAvailable`, the lower), what the cache
+    /// held, and when, at the last reading.
+    last_room: Option<(i64, u64, Instant)>,
+    burst: f64,
 }
 
 impl Governor {
     /// A governor keeping `reserve` bytes free, for a cache between `floor` and `ceiling` bytes.
     pub fn new(reserve: u64, floor: u64, ceiling: u64) -> Self {
-        Governor { reserve, ceiling, floor, budget: None, last_pressure: None, last_stall: None, last_swap_out: None }
+        Governor {
+            reserve,
+            ceiling,
+            floor,
+            budget: None,
+            burst_min: BURST_MIN,
+            last_pressure: None,
+            last_stall: None,
+            last_swap_out: None,
+            last_limit_hits: None,
+            last_oom_kills: None,
+            last_room: None,
+            burst: 0.0,
+        }
     }
 
     /// The cache size to move to, given a reading at `now` and what the
     /// cache `held`; `None` to stay. Memory is short when the cgroup's
     /// room is below its reserve (the reserve, or less with a [`Self::budget`])
     /// or `MemAvailable` below the reserve (give back the shortfall and
-    /// half that reserve more), or when PSI shows stalls while the room is
-    /// below twice its reserve (give back a quarter of what is above the
-    /// floor). The system swapping out more than [`SWAP_OUT_PAGES`] pages
-    /// since the last reading (to zram, it compresses anonymous memory
-    /// while free memory looks fine) gives back a quarter too, whatever the
-    /// room. With room to spare for [`CALM`] since the last shortage, take
+    /// half that reserve more), or when the room is below twice its
+    /// reserve and the system says it is reclaiming: PSI stalls, the v1
+    /// pressure-level notifier, or the v2 group reaching `memory.high` or
+    /// `memory.max` (give back a quarter of what is above the floor). The
+    /// system swapping out more than [`SWAP_OUT_PAGES`] pages since the
+    /// last reading (to zram, it compresses anonymous memory while free
+    /// memory looks fine), or an OOM kill in the cgroup, gives back a
+    /// quarter too, whatever the room. Every reserve is at least
+    /// [`Self::burst_bytes`], after another process took room in a burst. With room to spare for [`CALM`] since the last shortage, take
     /// half the spare room above twice the reserve.
     pub fn decide(&mut self, r: &Reading, held: u64, now: Instant) -> Option<u64> {
-        let stalled = r.psi_fired
-            || match (r.stall_us, self.last_stall.replace(r.stall_us.unwrap_or(0))) {
-                (Some(now), Some(before)) => now.saturating_sub(before) > STALL_US,
-                _ => false,
-            };
-        let swapping = match (r.swap_out_pages, std::mem::replace(&mut self.last_swap_out, r.swap_out_pages)) {
-            (Some(now), Some(before)) => now.saturating_sub(before) > SWAP_OUT_PAGES,
-            _ => false,
-        };
-        let margin = r.margin(self.reserve, self.budget);
+        // How much a cumulative count grew since the last reading (0 at the first).
+        fn grew(now: Option<u64>, last: &mut Option<u64>) -> u64 {
+            match (now, std::mem::replace(last, now)) {
+                (Some(n), Some(b)) => n.saturating_sub(b),
+                _ => 0,
+            }
+        }
+        let stall = grew(r.stall_us, &mut self.last_stall);
+        let swapped = grew(r.swap_out_pages, &mut self.last_swap_out);
+        let hits = grew(r.limit_hits, &mut self.last_limit_hits);
+        let killed = grew(r.oom_kills, &mut self.last_oom_kills);
+        let stalled = r.psi_fired || r.level_fired || stall > STALL_US || hits > 0;
+        self.track_bursts(r, held, now);
+        let margin = r.margin(self.reserve, self.budget, self.burst_bytes());
         let short = margin.is_some_and(|(m, _)| m < 0);
         let tight = margin.is_none_or(|(m, r)| m < r);
-        if short || (stalled && tight) || swapping {
+        if short || (stalled && tight) || swapped > SWAP_OUT_PAGES || killed > 0 {
             self.last_pressure = Some(now);
             let target = match margin {
                 Some((m, r)) if m < 0 => held.saturating_sub(m.unsigned_abs().saturating_add((r / 2) as u64)),
@@ -396,6 +537,33 @@ impl Governor {
             }
             _ => None,
         }
+    }
+
+    /// The extra reserve kept for other processes' bursts, bytes: twice
+    /// the largest drop in room between two readings that nflash did not
+    /// cause (at least [`Self::burst_min`]), halved every 10 s. Another process
+    /// that allocates 100 MiB at a time, faster than the governor polls,
+    /// would otherwise outrun a smaller reserve and have the kernel
+    /// OOM-kill one of the two; after its first such step the cache makes
+    /// room for the next one ahead of it.
+    pub fn burst_bytes(&self) -> u64 {
+        2 * self.burst as u64
+    }
+
+    /// Updates the remembered burst from a reading at `now`, with the cache holding `held`.
+    fn track_bursts(&mut self, r: &Reading, held: u64, now: Instant) {
+        let room = [r.cgroup_room, r.available.map(|a| a.min(i64::MAX as u64) as i64)].into_iter().flatten().min();
+        if let (Some(room), Some((before, held_before, at))) = (room, self.last_room) {
+            // The cache's own change since then moved the room too (it
+            // grew: less room; it gave back: more).
+            let others = before - room - (held as i64 - held_before as i64);
+            let fade = 0.5f64.powf(now.saturating_duration_since(at).as_secs_f64() / BURST_HALF_LIFE.as_secs_f64());
+            self.burst *= fade;
+            if others >= self.burst_min.min(i64::MAX as u64) as i64 {
+                self.burst = self.burst.max(others as f64);
+            }
+        }
+        self.last_room = room.map(|x| (x, held, now));
     }
 }
 
@@ -480,16 +648,21 @@ impl Watch {
         let window = Arc::new(Mutex::new((held, held)));
         let (s, rg, wd) = (Arc::clone(&stop), Arc::clone(&range), Arc::clone(&window));
         let trigger = signals.psi.as_deref().and_then(PsiTrigger::new);
-        let described = signals.describe(trigger.is_some());
+        let level = match &signals.cgroup {
+            Some((dir, false)) => PressureLevel::new(dir, PRESSURE_LEVEL),
+            _ => None,
+        };
+        let described = signals.describe(trigger.is_some(), level.is_some());
         let ceiling = mem.ceiling_bytes();
         let cap = Arc::new(AtomicU64::new(u64::MAX));
         let cp = Arc::clone(&cap);
         let full = gov.ceiling;
         let thread = std::thread::Builder::new().name("nflash-memory".into()).spawn(move || {
-            let mut fired = false;
+            let mut fired = (false, false);
             while !s.load(Ordering::Relaxed) {
                 gov.ceiling = full.min(cp.load(Ordering::Relaxed));
-                let r = Reading { psi_fired: std::mem::take(&mut fired), ..signals.read() };
+                let (psi_fired, level_fired) = std::mem::take(&mut fired);
+                let r = Reading { psi_fired, level_fired, ..signals.read() };
                 let mut held = mem.held_bytes();
                 if let Some(target) = gov.decide(&r, held, Instant::now()) {
                     held = mem.resize(target);
@@ -498,11 +671,8 @@ impl Watch {
                     let mut g = r.lock().unwrap_or_else(|e| e.into_inner());
                     *g = (g.0.min(held), g.1.max(held));
                 }
-                // The next poll, or sooner when the PSI trigger fires.
-                match &trigger {
-                    Some(t) => fired = t.wait(POLL),
-                    None => std::thread::park_timeout(POLL),
-                }
+                // The next poll, or sooner when a PSI trigger or pressure-level notifier fires.
+                fired = wait_for_signal(trigger.as_ref(), level.as_ref(), POLL);
             }
         })?;
         Ok(Watch { stop, thread: Some(thread), range, window, ceiling, cap, signals: described })
@@ -605,9 +775,11 @@ mod tests {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
+        g.burst_min = u64::MAX; // the other rules alone
         let cg = |room_mib: i64| Reading { cgroup_room: Some(room_mib * MIB as i64), ..Default::default() };
         // A reserve of more than there is: always short, down to the floor.
         let mut huge = Governor::new(u64::MAX, 100 * MIB, 200 * MIB);
+        huge.burst_min = u64::MAX; // the other rules alone
         assert_eq!(huge.decide(&cg(1 << 20), 200 * MIB, at(0)), Some(100 * MIB));
         // Room enough: stay.
         assert_eq!(g.decide(&cg(64), 200 * MIB, at(0)), None);
@@ -637,6 +809,7 @@ mod tests {
             ..Default::default()
         };
         let mut g = Governor::new(32 * MIB, 10 * MIB, 60 * MIB);
+        g.burst_min = u64::MAX; // the other rules alone
         g.budget = Some(113 * MIB);
         // Alone at its budget in a 113 MiB group, 12 MiB of room: stay.
         assert_eq!(g.decide(&cg(12, 113), 60 * MIB, t0), None);
@@ -664,6 +837,7 @@ mod tests {
         }
         assert!(PsiTrigger::new(Path::new("/nonexistent/pressure/memory")).is_none());
         let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
+        g.burst_min = u64::MAX; // the other rules alone
         let r = |fired| Reading { available: Some(40 * MIB), psi_fired: fired, ..Default::default() };
         let t0 = Instant::now();
         assert_eq!(g.decide(&r(false), 200 * MIB, t0), None);
@@ -679,14 +853,112 @@ mod tests {
         assert!(!swaps_have_zram("Filename\tType\tSize\tUsed\tPriority\n/swapfile file 1048572 0 -2\n"));
         assert!(!swaps_have_zram("Filename\tType\tSize\tUsed\tPriority\n"));
         let vmstat = "pswpin 12\npswpout 345\npswpout_zero 9\n";
-        assert_eq!(vmstat_field(vmstat, "pswpout"), Some(345));
-        assert_eq!(vmstat_field(vmstat, "pswp"), None);
+        assert_eq!(count_field(vmstat, "pswpout"), Some(345));
+        assert_eq!(count_field(vmstat, "pswp"), None);
         let t0 = Instant::now();
         let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
+        g.burst_min = u64::MAX; // the other rules alone
         let r = |pages| Reading { available: Some(4096 * MIB), swap_out_pages: Some(pages), ..Default::default() };
         assert_eq!(g.decide(&r(1000), 200 * MIB, t0), None, "the first reading sets the baseline");
         assert_eq!(g.decide(&r(1000 + SWAP_OUT_PAGES), 200 * MIB, t0), None, "a trickle is not pressure");
         assert_eq!(g.decide(&r(5000), 200 * MIB, t0), Some(175 * MIB), "swapping with plenty available");
+    }
+
+    /// Both cgroup versions' files, read as the governor's thread reads
+    /// them (machines here have v1; v2 from files laid out as the kernel's).
+    #[test]
+    fn cgroup_files_of_both_versions_are_read_into_a_reading() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+        w("memory.max", "251658240\n");
+        w("memory.high", "max\n");
+        w("memory.current", "220200960\n");
+        w("memory.stat", "anon 1\ninactive_file 20971520\n");
+        w("memory.events", "low 0\nhigh 3\nmax 4\noom 1\noom_kill 1\n");
+        let v2 = Signals { cgroup: Some((dir.path().to_path_buf(), true)), ..Default::default() };
+        let r = v2.read();
+        assert_eq!((r.cgroup_room, r.cgroup_limit), (Some(50 * MIB as i64), Some(240 * MIB)));
+        assert_eq!((r.limit_hits, r.oom_kills), (Some(7), Some(1)));
+        assert!(v2.describe(false, false).contains("cgroup v2") && v2.describe(false, false).contains("memory.events"));
+        // memory.high below memory.max is the limit.
+        w("memory.high", "230686720\n");
+        assert_eq!(v2.read().cgroup_room, Some(30 * MIB as i64));
+        // No memory.events (an old kernel): the rest is still read.
+        std::fs::remove_file(dir.path().join("memory.events")).unwrap();
+        assert_eq!((v2.read().limit_hits, v2.read().oom_kills, v2.read().cgroup_limit), (None, None, Some(220 * MIB)));
+
+        let dir = tempfile::tempdir().unwrap();
+        let w = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+        w("memory.limit_in_bytes", "251658240\n");
+        w("memory.usage_in_bytes", "241172480\n");
+        w("memory.stat", "total_inactive_file 0\n");
+        w("memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n");
+        let v1 = Signals { cgroup: Some((dir.path().to_path_buf(), false)), ..Default::default() };
+        let r = v1.read();
+        assert_eq!((r.cgroup_room, r.limit_hits, r.oom_kills), (Some(10 * MIB as i64), None, Some(2)));
+        assert!(v1.describe(false, true).contains("memory.oom_control, memory.pressure_level"));
+        // Garbage in a file reads as that signal missing, not as a number.
+        w("memory.usage_in_bytes", "12ab\n");
+        assert_eq!(v1.read().cgroup_room, None);
+    }
+
+    /// The group reaching its limits, or the v1 notifier, counts as a PSI
+    /// stall does (only while room is tight); an OOM kill in the group
+    /// gives back whatever the room.
+    #[test]
+    fn limit_hits_and_notifiers_shrink_when_tight_and_oom_kills_always() {
+        let t0 = Instant::now();
+        let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
+        g.burst_min = u64::MAX; // the other rules alone
+        let r = |room: u64, hits: u64, kills: u64| Reading {
+            cgroup_room: Some((room * MIB) as i64),
+            limit_hits: Some(hits),
+            oom_kills: Some(kills),
+            ..Default::default()
+        };
+        assert_eq!(g.decide(&r(40, 5, 0), 200 * MIB, t0), None, "the first reading sets the baseline");
+        assert_eq!(g.decide(&r(40, 5, 0), 200 * MIB, t0), None, "no new hit");
+        assert_eq!(g.decide(&r(40, 6, 0), 200 * MIB, t0), Some(175 * MIB), "a hit with room tight");
+        assert_eq!(g.decide(&r(400, 9, 0), 175 * MIB, t0), None, "hits with room to spare");
+        assert_eq!(g.decide(&r(400, 9, 1), 175 * MIB, t0), Some(156 * MIB + 256 * 1024), "an OOM kill");
+        let notified = Reading { level_fired: true, ..r(40, 9, 1) };
+        assert_eq!(g.decide(&notified, 200 * MIB, t0), Some(175 * MIB));
+        assert_eq!(g.decide(&Reading { level_fired: true, ..r(400, 9, 1) }, 200 * MIB, t0), None);
+    }
+
+    /// A burst of another process's memory raises the reserve for the
+    /// next one; the cache's own growth and file-page noise do not; the
+    /// raise fades.
+    #[test]
+    fn a_burst_raises_the_reserve_until_it_fades() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let cg = |room_mib: i64| Reading { cgroup_room: Some(room_mib * MIB as i64), ..Default::default() };
+        let mut g = Governor::new(32 * MIB, 100 * MIB, 800 * MIB);
+        assert_eq!(g.decide(&cg(100), 800 * MIB, at(0)), None);
+        // Someone took 100 MiB within a poll: keep 200 MiB free, not 32.
+        assert_eq!(g.decide(&cg(0), 800 * MIB, at(50)), Some(500 * MIB));
+        assert_eq!(g.burst_bytes(), 200 * MIB);
+        // What the cache gave back came back as room: no new burst, and
+        // the room is above the raised reserve.
+        assert_eq!(g.decide(&cg(300), 500 * MIB, at(100)), None);
+        // Halved 10 s later; the cache's own growth is no burst.
+        g.decide(&cg(200), 600 * MIB, at(10_100));
+        assert!(g.burst_bytes().abs_diff(100 * MIB) < MIB, "{}", g.burst_bytes());
+
+        // Noise below BURST_MIN is no burst: the 32 MiB reserve alone.
+        let mut g = Governor::new(32 * MIB, 100 * MIB, 800 * MIB);
+        assert_eq!(g.decide(&cg(60), 800 * MIB, at(0)), None);
+        assert_eq!(g.decide(&cg(50), 800 * MIB, at(50)), None);
+        assert_eq!(g.burst_bytes(), 0);
+        // With the budget at the cgroup's limit (no reserve in the group)
+        // a burst is still kept free.
+        let lim = |room_mib: i64| Reading { cgroup_limit: Some(500 * MIB), ..cg(room_mib) };
+        let mut g = Governor::new(32 * MIB, 100 * MIB, 400 * MIB);
+        g.budget = Some(500 * MIB);
+        assert_eq!(g.decide(&lim(10), 400 * MIB, at(0)), None);
+        // 50 MiB taken: 100 MiB kept free, and half that more given back.
+        assert_eq!(g.decide(&lim(-40), 400 * MIB, at(50)), Some(210 * MIB));
     }
 
     #[test]
@@ -701,6 +973,7 @@ mod tests {
     fn psi_stalls_shrink_only_when_room_is_tight() {
         let t0 = Instant::now();
         let mut g = Governor::new(32 * MIB, 100 * MIB, 200 * MIB);
+        g.burst_min = u64::MAX; // the other rules alone
         let r =
             |stall: u64, room: Option<u64>| Reading { available: room, stall_us: Some(stall), ..Default::default() };
         assert_eq!(g.decide(&r(1000, Some(40 * MIB)), 200 * MIB, t0), None, "the first reading sets the baseline");

@@ -282,6 +282,14 @@ fn stats_json_reports_latency_percentiles_and_cache_figures() {
     assert!((0.0..1.0).contains(&f("cache_hit_rate")), "nothing hot: some clusters must miss");
     assert!(f("bytes_read_per_token") > 0.0);
     assert!((0.0..=1.0).contains(&f("io_wait_share")));
+    // Each generated token's time after decode began, in order, within
+    // decode; decode began during this run (seconds since the epoch).
+    let times: Vec<f64> = v["token_times_s"].as_array().unwrap().iter().map(|t| t.as_f64().unwrap()).collect();
+    assert_eq!(times.len() as u64, v["generated_tokens"].as_u64().unwrap(), "{v}");
+    assert!(times[0] < 0.1 && times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    assert!(*times.last().unwrap() <= f("decode_seconds"), "{times:?}");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!((now - 60.0..now).contains(&f("decode_start_unix_s")), "{v}");
     // Nothing hot but room for every cluster: the cold LRU serves the hits.
     let v = stats(["--cold-cache", "64MiB"]);
     let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("missing {k} in {v}"));

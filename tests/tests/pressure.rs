@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use nflash_tests::{bin, repo_root};
 
@@ -186,6 +187,10 @@ fn a_balloon_in_the_cgroup_squeezes_nflash_to_its_floor_without_an_oom_kill() {
     assert!(b.status.success(), "the balloon: {:?}", b.status);
     assert!(o.stdout == want, "the squeezed run's text differs from the quiet run's");
     let s = stats(&loud);
+    // The group's own signals are followed beside its room.
+    let followed = s["memory_signals"].as_str().unwrap_or_default();
+    let want_signal = if g.v2 { "memory.events" } else { "memory.pressure_level" };
+    assert!(followed.contains(want_signal), "{want_signal} not among the signals followed: {followed}");
     let (lo, hi) = (s["budget_min_bytes"].as_u64().unwrap(), s["budget_max_bytes"].as_u64().unwrap());
     assert!(s["budget_shrinks"].as_u64().unwrap() >= 1 && s["bytes_returned"].as_u64().unwrap() > 0, "{s}");
     assert!(hi - lo >= (balloon_mib << 20) / 2, "the budget moved only {lo}..{hi} under a {balloon_mib} MiB balloon");
@@ -281,4 +286,41 @@ fn a_cgroup_too_small_to_load_the_pack_is_refused_before_loading() {
         assert_eq!(o.status.code(), Some(1), "{budget:?}: {:?}\n{err}", o.status);
         assert!(err.contains("of memory is free for this process") && err.contains("resident tensors"), "{err}");
     }
+}
+
+/// The cgroup v1 `memory.pressure_level` notifier the governor listens to
+/// (`nflash_runtime::pressure::PressureLevel`) is registered and fires:
+/// a 96 MiB file read through the page cache by a process in a 32 MiB
+/// group makes the kernel reclaim there (`low`, the level that every
+/// reclaim reaches; the governor listens for `medium`).
+#[test]
+fn a_v1_pressure_level_notifier_fires_when_the_group_reclaims() {
+    use nflash_runtime::pressure::PressureLevel;
+    let Some(g) = Cgroup::new("nflash-test-level", 32 << 20) else {
+        eprintln!("skipping: no memory cgroup can be made here (needs root and a memory controller)");
+        return;
+    };
+    if g.v2 {
+        eprintln!("skipping: cgroup v2 has no memory.pressure_level (memory.events is read instead)");
+        return;
+    }
+    let level = PressureLevel::new(&g.dir, "low").expect("a notifier on a v1 group, as root");
+    assert!(!level.take(), "nothing reclaimed yet");
+    // Written from outside the group and past the page cache, on disk (not
+    // tmpfs): read in the group, its pages are charged there, clean, and
+    // the kernel drops them to make room.
+    let dir = tempfile::tempdir_in(repo_root().join("target")).unwrap();
+    let file = dir.path().join("fill");
+    let of = format!("of={}", file.display());
+    let st = Command::new("dd")
+        .args(["if=/dev/zero", &of, "bs=1M", "count=96", "oflag=direct"])
+        .stderr(Stdio::null())
+        .status();
+    assert!(st.unwrap().success(), "dd writing {}", file.display());
+    let st = g.command(Path::new("cat"), &[file.to_str().unwrap()]).stdout(Stdio::null()).status();
+    assert!(st.unwrap().success(), "cat in the group");
+    assert!(level.wait(Duration::from_secs(5)), "the group reclaimed 64 MiB or more without a notification");
+    while level.wait(Duration::from_millis(200)) {}
+    assert!(!level.take(), "a notification is taken once");
+    assert!(PressureLevel::new(&dir.path().join("no-such-group"), "low").is_none());
 }

@@ -455,6 +455,9 @@ fn report(
         let span = crate::memory::budget_json(budget, watch.map(|w| (w, w.held_range())), &[&total]);
         j.as_object_mut().expect("an object").extend(span);
         j["memory_signals"] = serde_json::json!(watch.map(|w| w.signals()));
+        // When decode began and each token came: tokens/s over any span.
+        j["decode_start_unix_s"] = serde_json::json!(st.decode_start_unix_s);
+        j["token_times_s"] = serde_json::json!(st.token_s);
         let mem = model.memory_control();
         j["cache_floor_bytes"] = serde_json::json!(mem.as_ref().map(|m| m.floor_bytes()));
         j["cache_ceiling_bytes"] = serde_json::json!(mem.as_ref().map(|m| m.ceiling_bytes()));
