@@ -233,6 +233,86 @@ pub fn estimate(m: &Manifest, share: &[f64], dev: &DeviceProfile, p: &Plan) -> E
     estimate_with(m, share, dev, p.threads, (p.ctx, KvType::of_plan(m, p)), &needs, &hot, p.cold_bytes)
 }
 
+/// Speculative decoding as the cost model sees it (issue 47): each decode
+/// pass verifies `draft_tokens` drafted tokens beside its own.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Verify {
+    /// Tokens drafted per pass, K: at most `nflash run --draft-tokens`, on
+    /// average `draft_tokens / verify_passes` of its `--stats-json` (a
+    /// prompt lookup drafts only where it finds a match).
+    pub draft_tokens: f64,
+    /// Share of the drafted tokens accepted, α (`acceptance_rate` of
+    /// `nflash run --stats-json`).
+    pub acceptance: f64,
+    /// What each token of a pass beyond the first adds to the pass's
+    /// compute, as a share of a decode token's (weights are read once per
+    /// pass either way; the lm_head runs only up to the first rejected
+    /// token). [`VERIFY_TOKEN_COST`] on the dev host; near 1 where
+    /// compute bounds decode and the kernels' cost per token does not fall
+    /// with more tokens, lower where memory bandwidth bounds it.
+    pub token_cost: f64,
+    /// Clusters a pass reads per cluster its tokens need in all, as
+    /// measured on a pack (`verify_cluster_union_per_pass` /
+    /// `verify_clusters_needed_per_pass` of `nflash run --stats-json`);
+    /// `None`: tokens need clusters independently.
+    pub union_share: Option<f64>,
+}
+
+/// [`Verify::token_cost`] fitted to the dev host's `make bench-speculate`
+/// (bench/runs/2026-12-06-speculate): a pass of `1 + K` tokens cost
+/// `1 + 0.5·K` decode tokens (SmolLM2 in memory, prompt lookup on the
+/// summary prompt: 2.44 tokens per pass of 4.4 at 0.93x plain decode; the
+/// synthetic 7B at bench-scale's (b): 2.31 of 2.5 at 1.40x).
+pub const VERIFY_TOKEN_COST: f64 = 0.5;
+
+impl Verify {
+    /// Tokens a pass gives on average: its own and the accepted drafted
+    /// ones, `1 + α·K` (with speculation on every pass, `decode_tokens /
+    /// decode_passes` of `nflash run --stats-json`).
+    pub fn tokens_per_pass(&self) -> f64 {
+        1.0 + self.acceptance.clamp(0.0, 1.0) * self.draft_tokens.max(0.0)
+    }
+}
+
+/// The expected cost of one verify pass of `v.draft_tokens + 1` tokens
+/// with plan `p` (as [`estimate`] for one decode token; divide
+/// [`Verify::tokens_per_pass`] by its [`Estimate::token_ms`] for tokens/s):
+/// attention, predictor and lm_head weights read once and their compute
+/// `1 + token_cost · K` times a token's; the KV cache read per token; the
+/// FFN the larger of the union of the tokens' bundles at the sparse FFN
+/// speed and `1 + token_cost · K` times a token's; each cold cluster needed
+/// by any of the pass's tokens read once, with the cold LRU's window
+/// counted in passes. A cluster a token needs with probability `p` is
+/// needed by the pass with `1 − (1 − p)^(K+1)` (tokens independent: real
+/// text's tokens share more neurons, so this is an upper bound), or with
+/// `union_share · (K+1) · p` (at least `p`, at most 1) where measured.
+/// `read_bytes_per_token` of the result is per pass.
+pub fn estimate_verify(m: &Manifest, share: &[f64], dev: &DeviceProfile, p: &Plan, v: &Verify) -> Estimate {
+    let hot: Vec<usize> = m.ffn.iter().zip(&p.hot_neurons).map(|(f, &h)| hot_clusters(f, h)).collect();
+    let n = v.draft_tokens.max(0.0) + 1.0;
+    let needs: Vec<Vec<Cl>> = cluster_needs(m, share)
+        .into_iter()
+        .map(|cs| {
+            let any = |p: f64| match v.union_share {
+                Some(u) => (u * n * p).clamp(p, 1.0),
+                None => 1.0 - (1.0 - p).powf(n),
+            };
+            cs.into_iter().map(|c| Cl { p: any(c.p), ..c }).collect()
+        })
+        .collect();
+    let pass = Pass { tokens: n, token_cost: v.token_cost };
+    estimate_pass(m, share, dev, p.threads, (p.ctx, KvType::of_plan(m, p)), &needs, &hot, p.cold_bytes, pass)
+}
+
+/// The tokens of a forward pass the cost model prices ([`estimate_pass`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Pass {
+    /// Tokens in the pass, on average (1: decode).
+    pub(crate) tokens: f64,
+    /// [`Verify::token_cost`].
+    pub(crate) token_cost: f64,
+}
+
 /// [`estimate`] from the planner's per-layer clusters and hot cluster counts,
 /// for a KV cache of `kv` elements at `ctx` tokens.
 ///
@@ -252,11 +332,33 @@ pub(crate) fn estimate_with(
     share: &[f64],
     dev: &DeviceProfile,
     threads: u32,
-    (ctx, kv): (u32, KvType),
+    ctx_kv: (u32, KvType),
     layers: &[Vec<Cl>],
     hot: &[usize],
     cold_bytes: u64,
 ) -> Estimate {
+    let decode = Pass { tokens: 1.0, token_cost: 0.0 };
+    estimate_pass(m, share, dev, threads, ctx_kv, layers, hot, cold_bytes, decode)
+}
+
+/// [`estimate_with`] for a forward pass of `pass.tokens` tokens whose
+/// clusters' need probabilities in `layers` are the pass's (any token's);
+/// see [`estimate_verify`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn estimate_pass(
+    m: &Manifest,
+    share: &[f64],
+    dev: &DeviceProfile,
+    threads: u32,
+    (ctx, kv): (u32, KvType),
+    layers: &[Vec<Cl>],
+    hot: &[usize],
+    cold_bytes: u64,
+    pass: Pass,
+) -> Estimate {
+    let n = pass.tokens.max(1.0);
+    // A token's compute, `ms`, for the whole pass (its weights read once).
+    let more = |ms: f64| ms * (1.0 + pass.token_cost * (n - 1.0));
     let matvec = dev.matvec_bytes_per_s(threads);
     let attention = dev.attention_bytes_per_s(threads);
     let ffn_speed = dev.ffn_bytes_per_s(threads);
@@ -276,15 +378,22 @@ pub(crate) fn estimate_with(
         let first = l == 0 || m.ffn[l - 1].layer != f.layer;
         let attn_ms = if first {
             let kv_ms = kv_read_bytes(m, f.layer as usize, ctx / 2, kv) as f64 / matvec * 1e3;
-            attention_bytes(m, f.layer as usize) as f64 / attention * 1e3 + kv_ms
+            more(attention_bytes(m, f.layer as usize) as f64 / attention * 1e3) + n * kv_ms
         } else {
             0.0
         };
         e.attention_ms += attn_ms;
         let run = unit_share_of(share, l);
-        let pred_ms = f.sparse.as_ref().map_or(0, |s| s.predictor_bytes) as f64 * run / predictor * 1e3;
+        let pred_ms = more(f.sparse.as_ref().map_or(0, |s| s.predictor_bytes) as f64 * run / predictor * 1e3);
         e.predictor_ms += pred_ms;
-        let ffn_ms = run * q.iter().sum::<f64>() * f.bundle.bundle_bytes as f64 / ffn_speed * 1e3;
+        let bundle_ms = f.bundle.bundle_bytes as f64 / ffn_speed * 1e3;
+        let ffn_ms = if n == 1.0 {
+            run * q.iter().sum::<f64>() * bundle_ms
+        } else {
+            // The bundles any token needs, each read once; or each token's compute.
+            let union: f64 = q.iter().map(|q| 1.0 - (1.0 - run * q).powf(n)).sum();
+            (union * bundle_ms).max(more(run * q.iter().sum::<f64>() * bundle_ms))
+        };
         e.ffn_ms += ffn_ms;
         // read_cpu_ms: the reads' CPU time per compute thread.
         let (mut io_s, mut read_cpu_ms, mut bytes) = (0.0, 0.0, 0.0);
@@ -335,7 +444,7 @@ pub(crate) fn estimate_with(
         })
         .map(|t| t.bytes)
         .sum();
-    e.lm_head_ms = head as f64 / matvec * 1e3;
+    e.lm_head_ms = more(head as f64 / matvec * 1e3);
     e.hit_rate = if needed > 0.0 { found / needed } else { 1.0 };
     e.hot_hit_rate = if needed > 0.0 { found_hot / needed } else { 1.0 };
     e
@@ -478,6 +587,65 @@ mod tests {
         let all =
             estimate_with(&m, &[1.0; 4], &dev, 2, (64, KvType::F16), &cluster_needs(&m, &[1.0; 4]), &[1, 1, 1, 1], 0);
         assert!((est.ffn_ms * 4.0 - all.ffn_ms).abs() < 1e-9 * all.ffn_ms.max(1.0), "{} {}", est.ffn_ms, all.ffn_ms);
+    }
+
+    /// A verify pass of one token is decode; with every draft rejected a
+    /// pass gives one token at more cost; reads of clusters shared by the
+    /// pass's tokens are paid once, so where flash bounds decode a pass
+    /// of accepted tokens is cheaper per token.
+    #[test]
+    fn a_verify_pass_pays_shared_reads_once_and_compute_per_token() {
+        let dev = nflash_format::DeviceProfile::parse(include_str!("../../profiles/dev-host.toml")).unwrap();
+        let o = crate::sim::SimOptions {
+            sparsity: 0.9,
+            skew: 1.5,
+            quant: nflash_format::DType::Q4_0,
+            recall: 0.99,
+            precision: 1.0,
+            predictor_budget: 0.1,
+            router_skew: 0.0,
+        };
+        let (m, share) = crate::sim::synthetic_manifest(&crate::sim::shape("llama-7b").unwrap(), &o, &dev).unwrap();
+        let req = |budget_bytes| crate::planner::PlanRequest {
+            budget_bytes,
+            ctx: 128,
+            kv: KvType::F16,
+            threads: 2,
+            io_threads: None,
+            measured: None,
+            unit_share: Some(share.clone()),
+        };
+        let fixed = crate::planner::fixed_region(&m, 128, KvType::F16, None).total();
+        let ffn: u64 =
+            m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| crate::layout::cluster_read_bytes(f, c))).sum();
+        let v = |k: f64, a, union_share| Verify { draft_tokens: k, acceptance: a, token_cost: 1.0, union_share };
+        let in_memory = crate::planner::plan(&m, &dev, &req(fixed + ffn + (64 << 20))).unwrap();
+        let offloaded = crate::planner::plan(&m, &dev, &req(fixed + ffn / 4)).unwrap();
+        for p in [&in_memory, &offloaded] {
+            let one = estimate(&m, &share, &dev, p);
+            let same = estimate_verify(&m, &share, &dev, p, &v(0.0, 0.5, None));
+            assert!((same.token_ms() - one.token_ms()).abs() < 1e-9 * one.token_ms(), "{same:?} {one:?}");
+        }
+        // In memory, compute bound: a pass of 4 gives fewer than 4 tokens
+        // for 4 tokens' compute; with no compute per extra token it pays.
+        let one = estimate(&m, &share, &dev, &in_memory);
+        let pass = estimate_verify(&m, &share, &dev, &in_memory, &v(3.0, 0.8, None));
+        let t = v(3.0, 0.8, None).tokens_per_pass();
+        assert!(pass.token_ms() / t > one.token_ms(), "{} against {}", pass.token_ms() / t, one.token_ms());
+        let free = Verify { token_cost: 0.0, ..v(3.0, 0.8, None) };
+        assert!(estimate_verify(&m, &share, &dev, &in_memory, &free).token_ms() / t < one.token_ms());
+        // Offloaded: tokens that share their clusters (a third of what
+        // they need in all is distinct) read less per token, and a pass
+        // per token costs less than decode.
+        let one = estimate(&m, &share, &dev, &offloaded);
+        let shared = estimate_verify(&m, &share, &dev, &offloaded, &v(3.0, 0.8, Some(0.33)));
+        let apart = estimate_verify(&m, &share, &dev, &offloaded, &v(3.0, 0.8, None));
+        assert!(shared.read_bytes_per_token < apart.read_bytes_per_token);
+        assert!(shared.read_bytes_per_token / t < one.read_bytes_per_token, "{shared:?} {one:?}");
+        assert!(shared.token_ms() / t < one.token_ms(), "{} against {}", shared.token_ms() / t, one.token_ms());
+        assert_eq!(v(4.0, 0.0, None).tokens_per_pass(), 1.0);
+        assert_eq!(v(4.0, 1.0, None).tokens_per_pass(), 5.0);
+        assert!((v(3.4, 0.424, None).tokens_per_pass() - 2.4416).abs() < 1e-12);
     }
 
     #[test]

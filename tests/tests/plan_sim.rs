@@ -159,6 +159,38 @@ fn a_closed_output_pipe_ends_plan_sim_quietly() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// Speculative decoding (issue 47): a verify pass's figures beside each
+/// row. Nothing accepted: one token per pass at a pass's cost, slower than
+/// decode; where flash bounds decode, tokens that share their clusters
+/// make speculation pay, and more so the more they share.
+#[test]
+fn speculation_is_priced_from_acceptance_and_the_union_of_clusters() {
+    let spec = |extra: &[&str]| -> Vec<Value> {
+        let mut a = vec!["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "1,0.25", "--draft-tokens", "3"];
+        a.extend_from_slice(extra);
+        sim(&a)
+    };
+    let s = |r: &Value, k: &str| f(&r["speculative"], k);
+    let plain = sim(&["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "1,0.25"]);
+    assert!(plain.iter().all(|r| r.get("speculative").is_none()), "{plain:?}");
+    let none = spec(&["--acceptance", "0"]);
+    let some = spec(&["--acceptance", "0.8", "--union-share", "0.3"]);
+    let more = spec(&["--acceptance", "0.8", "--union-share", "0.1"]);
+    for ((r, n), (s_, m)) in plain.iter().zip(&none).zip(some.iter().zip(&more)) {
+        assert_eq!(f(r, "tokens_per_s"), f(n, "tokens_per_s"), "the plain estimate does not move");
+        assert_eq!(s(n, "tokens_per_pass"), 1.0);
+        assert!(s(n, "speedup") < 1.0, "{n}");
+        assert!((s(s_, "tokens_per_pass") - 3.4).abs() < 1e-9, "{s_}");
+        assert!((s(s_, "tokens_per_s") / f(s_, "tokens_per_s") - s(s_, "speedup")).abs() < 1e-9, "{s_}");
+        assert!(s(m, "read_bytes_per_pass") <= s(s_, "read_bytes_per_pass"), "{m} {s_}");
+        assert!(s(m, "speedup") >= s(s_, "speedup"), "{m} {s_}");
+    }
+    // A quarter of the FFN in memory: a pass that reads shared clusters
+    // once gives more tokens/s.
+    assert!(f(&some[1], "io_ms") > 0.0, "{}", some[1]);
+    assert!(s(&some[1], "speedup") > 1.0, "{}", some[1]);
+}
+
 #[test]
 fn bad_plan_sim_arguments_are_refused() {
     let device = repo_root().join("profiles/oneplus-12.toml");
@@ -170,6 +202,10 @@ fn bad_plan_sim_arguments_are_refused() {
     };
     assert_fails("unknown shape", &o(&["--shape", "gpt-5"]), &["gpt-5", "llama-7b"]);
     assert_fails("precision 0", &o(&["--shape", "llama-7b", "--precision", "0"]), &["--precision"]);
+    assert_fails("acceptance 2", &o(&["--shape", "llama-7b", "--acceptance", "2"]), &["--acceptance 2"]);
+    assert_fails("union share alone", &o(&["--shape", "llama-7b", "--union-share", "0.5"]), &["--acceptance"]);
+    let a = &["--shape", "llama-7b", "--acceptance", "0.5", "--union-share", "0"];
+    assert_fails("union share 0", &o(a), &["--union-share 0"]);
     assert_fails(
         "missing device",
         &run("nflash", &["plan-sim", "--device", "/nonexistent.toml", "--shape", "llama-7b"]),

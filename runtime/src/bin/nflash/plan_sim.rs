@@ -62,6 +62,31 @@ pub struct PlanSimArgs {
     /// Compute threads; default: the device's cores.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
+    /// Speculative decoding (`nflash run --speculate-draft`): also predict
+    /// tokens/s with verify passes of --draft-tokens drafted tokens of
+    /// which this share is accepted (`acceptance_rate` of
+    /// `nflash run --stats-json`), 0 to 1.
+    #[arg(long)]
+    acceptance: Option<f64>,
+    /// With --acceptance: tokens drafted per verify pass, on average
+    /// (`draft_tokens / verify_passes` of `nflash run --stats-json`; a
+    /// prompt lookup drafts fewer than its --draft-tokens where it finds
+    /// no long match).
+    #[arg(long, default_value_t = 4.0)]
+    draft_tokens: f64,
+    /// With --acceptance: the share of a decode token's compute that each
+    /// token of a verify pass beyond the first adds (weights are read once
+    /// per pass) [default: 0.5, fitted on the dev host; near 1 where
+    /// compute bounds decode, lower where memory bandwidth does].
+    #[arg(long)]
+    verify_token_cost: Option<f64>,
+    /// With --acceptance: the clusters a verify pass reads per cluster its
+    /// tokens need in all, as measured on the pack
+    /// (`verify_cluster_union_per_pass` / `verify_clusters_needed_per_pass`
+    /// of `nflash run --stats-json`) [default: tokens need clusters
+    /// independently, an upper bound].
+    #[arg(long)]
+    union_share: Option<f64>,
     /// Print JSON lines instead of the table.
     #[arg(long)]
     json: bool,
@@ -107,6 +132,21 @@ fn check(a: &PlanSimArgs) -> Result<(ShapeOptions, Option<String>)> {
     }
     if !(0.0..=8.0).contains(&o.router_skew) {
         bail!("--router-skew {} is outside [0, 8]", o.router_skew);
+    }
+    if let Some(x) = a.acceptance.filter(|x| !(0.0..=1.0).contains(x)) {
+        bail!("--acceptance {x} is outside [0, 1]");
+    }
+    if let Some(c) = a.verify_token_cost.filter(|c| !(0.0..=2.0).contains(c)) {
+        bail!("--verify-token-cost {c} is outside [0, 2]");
+    }
+    if !(0.0..=16.0).contains(&a.draft_tokens) {
+        bail!("--draft-tokens {} is outside [0, 16]", a.draft_tokens);
+    }
+    if let Some(u) = a.union_share.filter(|u| !(*u > 0.0 && *u <= 1.0)) {
+        bail!("--union-share {u} is outside (0, 1]");
+    }
+    if a.acceptance.is_none() && (a.union_share.is_some() || a.verify_token_cost.is_some()) {
+        bail!("--union-share and --verify-token-cost describe verify passes: give --acceptance too");
     }
     let given: Vec<&str> = [
         ("--sparsity", !a.sparsity.is_empty()),
@@ -154,6 +194,8 @@ struct Case {
     /// these tokens/s there (`None`: not estimated).
     floor: u64,
     floor_tokens_per_s: Option<f64>,
+    /// With --acceptance: one verify pass's estimate.
+    verify: Option<Estimate>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -218,6 +260,7 @@ fn simulate(
     let floor = fixed + planner::staging_bytes(m);
     let floor_tokens_per_s =
         planner::plan(m, dev, &request(floor)).ok().map(|p| 1e3 / cost::estimate(m, share, dev, &p).token_ms());
+    let verify = verify_of(a);
     budgets
         .into_iter()
         .map(|budget| {
@@ -240,6 +283,7 @@ fn simulate(
                     est: Ok(cost::estimate(m, share, dev, &p)),
                     floor,
                     floor_tokens_per_s,
+                    verify: verify.map(|v| cost::estimate_verify(m, share, dev, &p, &v)),
                 },
                 Err(e) => Case {
                     label: label.to_string(),
@@ -251,10 +295,21 @@ fn simulate(
                     est: Err(e.to_string()),
                     floor,
                     floor_tokens_per_s,
+                    verify: None,
                 },
             }
         })
         .collect()
+}
+
+/// The verify pass of --acceptance, --draft-tokens, --verify-token-cost and --union-share.
+fn verify_of(a: &PlanSimArgs) -> Option<cost::Verify> {
+    Some(cost::Verify {
+        draft_tokens: a.draft_tokens,
+        acceptance: a.acceptance?,
+        token_cost: a.verify_token_cost.unwrap_or(cost::VERIFY_TOKEN_COST),
+        union_share: a.union_share,
+    })
 }
 
 pub fn run(a: PlanSimArgs) -> Result<()> {
@@ -336,6 +391,16 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
                 }
                 Err(why) => j["refused"] = serde_json::json!(why),
             }
+            if let (Some(v), Some(pass), Ok(e)) = (verify_of(&a), &c.verify, &c.est) {
+                let tps = v.tokens_per_pass() * 1e3 / pass.token_ms();
+                j["speculative"] = serde_json::json!({
+                    "acceptance": v.acceptance, "draft_tokens": v.draft_tokens,
+                    "verify_token_cost": v.token_cost, "union_share": v.union_share,
+                    "tokens_per_pass": v.tokens_per_pass(), "pass_ms": pass.token_ms(),
+                    "read_bytes_per_pass": pass.read_bytes_per_token, "tokens_per_s": tps,
+                    "speedup": tps * e.token_ms() / 1e3,
+                });
+            }
             println!("{j}");
         }
         for n in &notes {
@@ -345,7 +410,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     }
     println!("plan-sim on {} ({threads} threads, ctx {}): decode cost per token", dev.name, a.ctx);
     println!(
-        "{:<26} {:>5} {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>9} {:>7} {:>8} {:>8} {:>9} {:>8}  bound",
+        "{:<26} {:>5} {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>9} {:>7} {:>8} {:>8} {:>9} {:>8}{}  bound",
         "model",
         "spars",
         "budget",
@@ -359,13 +424,14 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         "I/O exp",
         "tok/s",
         "floor",
-        "at floor"
+        "at floor",
+        if a.acceptance.is_some() { format!(" {:>9} {:>6}", "spec tok/s", "x") } else { String::new() }
     );
     for c in &cases {
         let sp = c.sparsity.map_or("dense".into(), |s| format!("{s:.2}"));
         match &c.est {
             Ok(e) => println!(
-                "{:<26} {:>5} {:>9} {:>9} {:>9} {:>5.0}% {:>6.3} {:>9.1} {:>7.1}ms {:>5.1}ms {:>6.1}ms {:>8.2} {:>9} {:>8}  {}",
+                "{:<26} {:>5} {:>9} {:>9} {:>9} {:>5.0}% {:>6.3} {:>9.1} {:>7.1}ms {:>5.1}ms {:>6.1}ms {:>8.2} {:>9} {:>8}{}  {}",
                 c.label,
                 sp,
                 size(c.budget),
@@ -380,6 +446,13 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
                 1e3 / e.token_ms(),
                 size(c.floor),
                 c.floor_tokens_per_s.map_or("-".into(), |t| format!("{t:.2}")),
+                match (verify_of(&a), &c.verify) {
+                    (Some(v), Some(pass)) => {
+                        let tps = v.tokens_per_pass() * 1e3 / pass.token_ms();
+                        format!(" {:>10.2} {:>5.2}x", tps, tps * e.token_ms() / 1e3)
+                    }
+                    _ => String::new(),
+                },
                 e.bound()
             ),
             Err(why) => println!("{:<26} {:>5} {:>9} refused: {why}", c.label, sp, size(c.budget)),
@@ -410,6 +483,16 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         ""
     };
     println!("compute: weights touched per token (attention with the KV cache at half the context) / {speed}{attn_note}, {ffn_note}{cpu_note}; I/O: cold misses per token (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part of it not hidden behind the layer's FFN compute (and its attention where a speculative prefetch runs, as `nflash run --speculate auto` decides: {waste:.0}% extra reads), a layer taking max(compute, reads) + {loss} × the smaller (the I/O threads share the cores); bound: flash I/O when I/O exp is over half the token, compute + I/O over a fifth, else compute; floor: the least memory pressure can take the budget to (the fixed region and one layer's clusters, nothing hot), and at floor its tokens/s");
+    if let Some(v) = verify_of(&a) {
+        println!(
+            "spec tok/s: speculative decoding, verify passes of {} drafted tokens of which {} are accepted ({:.2} tokens per pass), the draft free (prompt lookup); a pass reads its weights once and the union of its tokens' cold clusters ({}), and computes {} of a decode token's work per token beyond the first; x: against plain decode",
+            v.draft_tokens,
+            v.acceptance,
+            v.tokens_per_pass(),
+            v.union_share.map_or("tokens independent".into(), |u| format!("{u} of the clusters they need in all")),
+            v.token_cost
+        );
+    }
     let mut seen = std::collections::HashSet::new();
     for n in notes.iter().filter(|n| seen.insert(n.as_str())) {
         println!("note: {n}");
