@@ -21,7 +21,7 @@ Setting, per model (the issue's, for q8_0): a cgroup v1 group limited to L
 (default 200) and --ctx 2048; the 7B the same at its own scale
 (--scale-budget-mib 4700 + 256 MiB, a --scale-balloon-mib 2048 balloon in
 --scale-step-mib 10 MiB steps, held --scale-hold-s 8, --scale-tokens 400,
-ctx 512: the
+ctx 1024 (the 356-token prompt and 400 tokens): the
 squeeze leaves room for about half of its FFN, bench-scale's (b)); llama.cpp is llama-completion (the native
 build of scripts/bench_setup.sh) with the weights mmapped and not repacked
 (nflash_bench.llama.native_llama_cmd), -c 2048. Both decode --tokens (1500)
@@ -281,7 +281,7 @@ def main(argv) -> int:
     ap.add_argument("--scale-balloon-at-s", type=float, default=None,
                     help="start the 7B's balloon this long after the engine starts instead")
     ap.add_argument("--scale-tokens", type=int, default=400)
-    ap.add_argument("--scale-ctx", type=int, default=512)
+    ap.add_argument("--scale-ctx", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--nflash-extra", default="", help="more `nflash run` flags, e.g. \"--io-engine threads\"")
     ap.add_argument("--timeout", type=float, default=600)
@@ -337,6 +337,9 @@ def main(argv) -> int:
                        **{f"tokens_per_s_{k}": v for k, v in rates(r, r["events"]).items()},
                        "reaction_s": reaction(r, m["limit"]) if engine == "nflash" else None,
                        "peak_group_bytes": max((x[1] for x in r["series"]), default=None)}
+                if s is not None and s.get("generated_tokens", 0) < m["tokens"]:
+                    log(f"  note: nflash generated {s.get('generated_tokens')} of {m['tokens']} tokens "
+                        f"(a prompt of {s.get('prompt_tokens')} tokens in a context of {m['ctx']})")
                 if s is not None:
                     row.update({k: s.get(k) for k in ("decode_tokens_per_s", "budget_min_bytes", "budget_max_bytes",
                                                       "budget_shrinks", "budget_grows", "bytes_returned",
