@@ -71,9 +71,9 @@ pub struct PlanSimArgs {
     /// With --acceptance: tokens drafted per verify pass, on average
     /// (`draft_tokens / verify_passes` of `nflash run --stats-json`; a
     /// prompt lookup drafts fewer than its --draft-tokens where it finds
-    /// no long match).
-    #[arg(long, default_value_t = 4.0)]
-    draft_tokens: f64,
+    /// no long match) [default: 4].
+    #[arg(long)]
+    draft_tokens: Option<f64>,
     /// With --acceptance: the share of a decode token's compute that each
     /// token of a verify pass beyond the first adds (weights are read once
     /// per pass) [default: 0.5, fitted on the dev host; near 1 where
@@ -139,14 +139,15 @@ fn check(a: &PlanSimArgs) -> Result<(ShapeOptions, Option<String>)> {
     if let Some(c) = a.verify_token_cost.filter(|c| !(0.0..=2.0).contains(c)) {
         bail!("--verify-token-cost {c} is outside [0, 2]");
     }
-    if !(0.0..=16.0).contains(&a.draft_tokens) {
-        bail!("--draft-tokens {} is outside [0, 16]", a.draft_tokens);
+    if let Some(k) = a.draft_tokens.filter(|k| !(0.0..=16.0).contains(k)) {
+        bail!("--draft-tokens {k} is outside [0, 16]");
     }
     if let Some(u) = a.union_share.filter(|u| !(*u > 0.0 && *u <= 1.0)) {
         bail!("--union-share {u} is outside (0, 1]");
     }
-    if a.acceptance.is_none() && (a.union_share.is_some() || a.verify_token_cost.is_some()) {
-        bail!("--union-share and --verify-token-cost describe verify passes: give --acceptance too");
+    if a.acceptance.is_none() && (a.draft_tokens.is_some() || a.union_share.is_some() || a.verify_token_cost.is_some())
+    {
+        bail!("--draft-tokens, --union-share and --verify-token-cost describe verify passes: give --acceptance too");
     }
     let given: Vec<&str> = [
         ("--sparsity", !a.sparsity.is_empty()),
@@ -305,7 +306,7 @@ fn simulate(
 /// The verify pass of --acceptance, --draft-tokens, --verify-token-cost and --union-share.
 fn verify_of(a: &PlanSimArgs) -> Option<cost::Verify> {
     Some(cost::Verify {
-        draft_tokens: a.draft_tokens,
+        draft_tokens: a.draft_tokens.unwrap_or(4.0),
         acceptance: a.acceptance?,
         token_cost: a.verify_token_cost.unwrap_or(cost::VERIFY_TOKEN_COST),
         union_share: a.union_share,
