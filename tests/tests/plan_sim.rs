@@ -205,6 +205,13 @@ fn bad_plan_sim_arguments_are_refused() {
     assert_fails("acceptance 2", &o(&["--shape", "llama-7b", "--acceptance", "2"]), &["--acceptance 2"]);
     assert_fails("union share alone", &o(&["--shape", "llama-7b", "--union-share", "0.5"]), &["--acceptance"]);
     assert_fails("draft tokens alone", &o(&["--shape", "llama-7b", "--draft-tokens", "3"]), &["--acceptance"]);
+    assert_fails(
+        "negative acceptance",
+        &o(&["--shape", "llama-7b", "--acceptance", "-0.1"]),
+        &["--acceptance -0.1 is outside"],
+    );
+    let a = &["--shape", "llama-7b", "--acceptance", "0.5", "--draft-tokens", "0"];
+    assert_fails("no draft tokens", &o(a), &["--draft-tokens 0 is outside"]);
     let a = &["--shape", "llama-7b", "--acceptance", "0.5", "--union-share", "0"];
     assert_fails("union share 0", &o(a), &["--union-share 0"]);
     assert_fails(

@@ -66,26 +66,28 @@ pub struct PlanSimArgs {
     /// tokens/s with verify passes of --draft-tokens drafted tokens of
     /// which this share is accepted (`acceptance_rate` of
     /// `nflash run --stats-json`), 0 to 1.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     acceptance: Option<f64>,
     /// With --acceptance: tokens drafted per verify pass, on average
     /// (`draft_tokens / verify_passes` of `nflash run --stats-json`; a
     /// prompt lookup drafts fewer than its --draft-tokens where it finds
-    /// no long match) [default: 4].
-    #[arg(long)]
+    /// no long match); above 0, at most 16 [default: 4].
+    #[arg(long, allow_negative_numbers = true)]
     draft_tokens: Option<f64>,
-    /// With --acceptance: the share of a decode token's compute that each
-    /// token of a verify pass beyond the first adds (weights are read once
-    /// per pass) [default: 0.5, fitted on the dev host; near 1 where
-    /// compute bounds decode, lower where memory bandwidth does].
-    #[arg(long)]
+    /// With --acceptance: what each token of a verify pass beyond the
+    /// first adds to the pass's compute, in decode tokens' compute (weights
+    /// are read once per pass), 0 to 2 [default: 0.5, fitted on the dev
+    /// host; near 1 where compute bounds decode, lower where memory
+    /// bandwidth does].
+    #[arg(long, allow_negative_numbers = true)]
     verify_token_cost: Option<f64>,
     /// With --acceptance: the clusters a verify pass reads per cluster its
     /// tokens need in all, as measured on the pack
     /// (`verify_cluster_union_per_pass` / `verify_clusters_needed_per_pass`
-    /// of `nflash run --stats-json`) [default: tokens need clusters
-    /// independently, an upper bound].
-    #[arg(long)]
+    /// of `nflash run --stats-json`), above 0, at most 1 [default: tokens
+    /// need clusters independently, more than real text's tokens, which
+    /// share their neurons, need].
+    #[arg(long, allow_negative_numbers = true)]
     union_share: Option<f64>,
     /// Print JSON lines instead of the table.
     #[arg(long)]
@@ -139,8 +141,8 @@ fn check(a: &PlanSimArgs) -> Result<(ShapeOptions, Option<String>)> {
     if let Some(c) = a.verify_token_cost.filter(|c| !(0.0..=2.0).contains(c)) {
         bail!("--verify-token-cost {c} is outside [0, 2]");
     }
-    if let Some(k) = a.draft_tokens.filter(|k| !(0.0..=16.0).contains(k)) {
-        bail!("--draft-tokens {k} is outside [0, 16]");
+    if let Some(k) = a.draft_tokens.filter(|k| !(*k > 0.0 && *k <= 16.0)) {
+        bail!("--draft-tokens {k} is outside (0, 16]");
     }
     if let Some(u) = a.union_share.filter(|u| !(*u > 0.0 && *u <= 1.0)) {
         bail!("--union-share {u} is outside (0, 1]");
@@ -486,7 +488,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     println!("compute: weights touched per token (attention with the KV cache at half the context) / {speed}{attn_note}, {ffn_note}{cpu_note}; I/O: cold misses per token (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part of it not hidden behind the layer's FFN compute (and its attention where a speculative prefetch runs, as `nflash run --speculate auto` decides: {waste:.0}% extra reads), a layer taking max(compute, reads) + {loss} × the smaller (the I/O threads share the cores); bound: flash I/O when I/O exp is over half the token, compute + I/O over a fifth, else compute; floor: the least memory pressure can take the budget to (the fixed region and one layer's clusters, nothing hot), and at floor its tokens/s");
     if let Some(v) = verify_of(&a) {
         println!(
-            "spec tok/s: speculative decoding, verify passes of {} drafted tokens of which {} are accepted ({:.2} tokens per pass), the draft free (prompt lookup); a pass reads its weights once and the union of its tokens' cold clusters ({}), and computes {} of a decode token's work per token beyond the first; x: against plain decode",
+            "spec tok/s: speculative decoding, verify passes of {} drafted tokens, a share of {} of them accepted ({:.2} tokens per pass), the draft free (prompt lookup); a pass reads its weights once and the union of its tokens' cold clusters ({}), and computes {} of a decode token's work per token beyond the first; x: against plain decode",
             v.draft_tokens,
             v.acceptance,
             v.tokens_per_pass(),
