@@ -137,11 +137,12 @@ def run_once(a, m: dict, engine: str, cmd: list[str], env: dict | None) -> dict:
             for line in b.stdout:
                 balloon[line.decode().strip()] = time.perf_counter() - t0
             balloon["exit"] = b.wait()
+        timed_out = False
         try:
             code = p.wait(timeout=a.timeout)
         except subprocess.TimeoutExpired:
             p.kill()
-            code = p.wait()
+            code, timed_out = p.wait(), True
         end = time.perf_counter() - t0
         for t in threads:
             t.join(timeout=5)
@@ -149,7 +150,8 @@ def run_once(a, m: dict, engine: str, cmd: list[str], env: dict | None) -> dict:
         kills = oom_kills(d) or 0
     finally:
         remove_group(d)
-    return {"engine": engine, "exit": code, "oom_kills": kills, "end_s": end, "out": out, "t0_unix": t0_unix,
+    return {"engine": engine, "exit": code, "timed_out": timed_out, "oom_kills": kills, "end_s": end, "out": out,
+            "t0_unix": t0_unix,
             "series": series,
             "balloon": balloon, "stderr": b"".join(err).decode(errors="replace")[-4000:]}
 
@@ -331,7 +333,8 @@ def main(argv) -> int:
                 ok = r["exit"] == 0 and r["oom_kills"] == 0
                 s = json.loads(stats_json.read_text()) if engine == "nflash" and ok else None
                 r["events"] = token_events(r, m["tokens"], s)
-                row = {"outcome": "ok" if ok else ("oom-killed" if r["oom_kills"] or r["exit"] in (-9, 137)
+                row = {"outcome": "ok" if ok else (f"timed out after {a.timeout:.0f} s" if r["timed_out"] else
+                                                   "oom-killed" if r["oom_kills"] or r["exit"] in (-9, 137)
                                                    else f"exit {r['exit']}"),
                        "oom_kills": r["oom_kills"], "balloon_exit": r["balloon"].get("exit"),
                        **{f"tokens_per_s_{k}": v for k, v in rates(r, r["events"]).items()},
@@ -358,7 +361,8 @@ def main(argv) -> int:
         summary = {}
         for engine, rows in per.items():
             summary[engine] = {
-                "oom_killed_runs": sum(r["outcome"] != "ok" for r in rows), "runs": len(rows),
+                "oom_killed_runs": sum(r["outcome"] == "oom-killed" for r in rows), "runs": len(rows),
+                "failed_runs": sum(r["outcome"] != "ok" for r in rows),
                 **{k: median([r.get(k) for r in rows if r["outcome"] == "ok"])
                    for k in ("tokens_per_s_before", "tokens_per_s_during", "tokens_per_s_after", "reaction_s",
                              "decode_tokens_per_s")}}
