@@ -211,7 +211,8 @@ def plot(runs: dict, limit: int, path: Path, title: str) -> None:
         ax.plot(t, [(x[3] or 0) / MIB for x in s], label="balloon RSS")
         ax.axhline(limit / MIB, color="k", ls="--", lw=0.8, label="limit")
         ax.set_ylabel("MiB")
-        ax.set_title(f"{title}: {engine} ({'OOM-killed' if r['oom_kills'] or r['exit'] else 'ok'})")
+        state = "timed out" if r.get("timed_out") else "OOM-killed" if r["oom_kills"] or r["exit"] else "ok"
+        ax.set_title(f"{title}: {engine} ({state})")
         ax.legend(fontsize=7, loc="lower right")
         ax2 = axes[1][col]
         ev = r.get("events", [])
