@@ -609,6 +609,10 @@ pub fn level_target(level: i32, floor: u64, ceiling: u64) -> u64 {
 /// governor grows the cache up to the cap later, when memory allows.
 /// Returns what the cache holds after.
 pub fn apply_cap(mem: &dyn MemoryControl, watch: Option<&Watch>, cap: u64) -> u64 {
+    // The governor's decision in flight finishes first, or waits for this
+    // one: it never grows the cache past a cap set between its reading
+    // of the cap and its resize.
+    let _turn = watch.map(|w| w.turn.lock().unwrap_or_else(|e| e.into_inner()));
     if let Some(w) = watch {
         w.set_cap(cap);
     }
@@ -633,6 +637,9 @@ pub struct Watch {
     ceiling: u64,
     /// The most an app lets the cache hold ([`Watch::set_cap`]), bytes.
     cap: Arc<AtomicU64>,
+    /// Held by the governor from reading the cap to resizing, and by
+    /// [`apply_cap`]: one of the two moves the cache at a time.
+    turn: Arc<Mutex<()>>,
     signals: String,
 }
 
@@ -656,17 +663,21 @@ impl Watch {
         let ceiling = mem.ceiling_bytes();
         let cap = Arc::new(AtomicU64::new(u64::MAX));
         let cp = Arc::clone(&cap);
+        let turn = Arc::new(Mutex::new(()));
+        let tn = Arc::clone(&turn);
         let full = gov.ceiling;
         let thread = std::thread::Builder::new().name("nflash-memory".into()).spawn(move || {
             let mut fired = (false, false);
             while !s.load(Ordering::Relaxed) {
-                gov.ceiling = full.min(cp.load(Ordering::Relaxed));
                 let (psi_fired, level_fired) = std::mem::take(&mut fired);
                 let r = Reading { psi_fired, level_fired, ..signals.read() };
+                let turn = tn.lock().unwrap_or_else(|e| e.into_inner());
+                gov.ceiling = full.min(cp.load(Ordering::Relaxed));
                 let mut held = mem.held_bytes();
                 if let Some(target) = gov.decide(&r, held, Instant::now()) {
                     held = mem.resize(target);
                 }
+                drop(turn);
                 for r in [&rg, &wd] {
                     let mut g = r.lock().unwrap_or_else(|e| e.into_inner());
                     *g = (g.0.min(held), g.1.max(held));
@@ -675,7 +686,7 @@ impl Watch {
                 fired = wait_for_signal(trigger.as_ref(), level.as_ref(), POLL);
             }
         })?;
-        Ok(Watch { stop, thread: Some(thread), range, window, ceiling, cap, signals: described })
+        Ok(Watch { stop, thread: Some(thread), range, window, ceiling, cap, turn, signals: described })
     }
 
     /// Lets the cache grow back to at most `bytes` (an app's trim, which
@@ -959,6 +970,65 @@ mod tests {
         assert_eq!(g.decide(&lim(10), 400 * MIB, at(0)), None);
         // 50 MiB taken: 100 MiB kept free, and half that more given back.
         assert_eq!(g.decide(&lim(-40), 400 * MIB, at(50)), Some(210 * MIB));
+    }
+
+    /// A cache whose `held_bytes`, asked by the governor's thread, takes
+    /// 30 ms and says so in `inside` (a governor's reading in flight when
+    /// an app trims).
+    struct SlowCache {
+        held: AtomicU64,
+        inside: AtomicBool,
+    }
+
+    impl MemoryControl for SlowCache {
+        fn floor_bytes(&self) -> u64 {
+            100 * MIB
+        }
+        fn ceiling_bytes(&self) -> u64 {
+            400 * MIB
+        }
+        fn held_bytes(&self) -> u64 {
+            if std::thread::current().name() == Some("nflash-memory") {
+                self.inside.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(30));
+            }
+            self.held.load(Ordering::SeqCst)
+        }
+        fn resize(&self, bytes: u64) -> u64 {
+            let b = bytes.clamp(100 * MIB, 400 * MIB);
+            self.held.store(b, Ordering::SeqCst);
+            b
+        }
+    }
+
+    /// The serve admin test's failure under load: the governor read the
+    /// cap, an app's trim set a lower one and shrank, and the governor,
+    /// with room to spare, then grew the cache back past it. A trim that
+    /// comes while the governor is deciding now waits for it, and its cap
+    /// holds.
+    #[test]
+    fn an_apps_cap_holds_against_a_governor_that_would_grow() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+        w("memory.limit_in_bytes", "10737418240\n");
+        w("memory.usage_in_bytes", "0\n");
+        w("memory.stat", "total_inactive_file 0\n");
+        let signals = Signals { cgroup: Some((dir.path().to_path_buf(), false)), ..Default::default() };
+        let cache = Arc::new(SlowCache { held: AtomicU64::new(400 * MIB), inside: AtomicBool::new(false) });
+        let mem: Arc<dyn MemoryControl> = cache.clone();
+        let watch = Watch::start(signals, Governor::new(32 * MIB, 100 * MIB, 400 * MIB), Arc::clone(&mem)).unwrap();
+        for round in 0..3 {
+            assert_eq!(apply_cap(mem.as_ref(), Some(&watch), u64::MAX), 400 * MIB);
+            // Trim while the governor reads what the cache holds.
+            cache.inside.store(false, Ordering::SeqCst);
+            let t0 = Instant::now();
+            while !cache.inside.load(Ordering::SeqCst) && t0.elapsed() < Duration::from_secs(2) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            apply_cap(mem.as_ref(), Some(&watch), 100 * MIB);
+            std::thread::sleep(POLL * 3);
+            assert_eq!(cache.held.load(Ordering::SeqCst), 100 * MIB, "round {round}: the governor grew past the cap");
+        }
     }
 
     #[test]
