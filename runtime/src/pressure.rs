@@ -875,18 +875,32 @@ mod tests {
         assert_eq!(g.decide(&r(5000), 200 * MIB, t0), Some(175 * MIB), "swapping with plenty available");
     }
 
+    /// A memory cgroup directory of `files` (`name`, text), v2 or v1, and
+    /// the signals read from it alone.
+    fn fake_cgroup(v2: bool, files: &[(&str, &str)]) -> (tempfile::TempDir, Signals) {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.path().join(name), text).unwrap();
+        }
+        let signals = Signals { cgroup: Some((dir.path().to_path_buf(), v2)), ..Default::default() };
+        (dir, signals)
+    }
+
     /// Both cgroup versions' files, read as the governor's thread reads
     /// them (machines here have v1; v2 from files laid out as the kernel's).
     #[test]
     fn cgroup_files_of_both_versions_are_read_into_a_reading() {
-        let dir = tempfile::tempdir().unwrap();
+        let (dir, v2) = fake_cgroup(
+            true,
+            &[
+                ("memory.max", "251658240\n"),
+                ("memory.high", "max\n"),
+                ("memory.current", "220200960\n"),
+                ("memory.stat", "anon 1\ninactive_file 20971520\n"),
+                ("memory.events", "low 0\nhigh 3\nmax 4\noom 1\noom_kill 1\n"),
+            ],
+        );
         let w = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
-        w("memory.max", "251658240\n");
-        w("memory.high", "max\n");
-        w("memory.current", "220200960\n");
-        w("memory.stat", "anon 1\ninactive_file 20971520\n");
-        w("memory.events", "low 0\nhigh 3\nmax 4\noom 1\noom_kill 1\n");
-        let v2 = Signals { cgroup: Some((dir.path().to_path_buf(), true)), ..Default::default() };
         let r = v2.read();
         assert_eq!((r.cgroup_room, r.cgroup_limit), (Some(50 * MIB as i64), Some(240 * MIB)));
         assert_eq!((r.limit_hits, r.oom_kills), (Some(7), Some(1)));
@@ -898,13 +912,16 @@ mod tests {
         std::fs::remove_file(dir.path().join("memory.events")).unwrap();
         assert_eq!((v2.read().limit_hits, v2.read().oom_kills, v2.read().cgroup_limit), (None, None, Some(220 * MIB)));
 
-        let dir = tempfile::tempdir().unwrap();
+        let (dir, v1) = fake_cgroup(
+            false,
+            &[
+                ("memory.limit_in_bytes", "251658240\n"),
+                ("memory.usage_in_bytes", "241172480\n"),
+                ("memory.stat", "total_inactive_file 0\n"),
+                ("memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n"),
+            ],
+        );
         let w = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
-        w("memory.limit_in_bytes", "251658240\n");
-        w("memory.usage_in_bytes", "241172480\n");
-        w("memory.stat", "total_inactive_file 0\n");
-        w("memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n");
-        let v1 = Signals { cgroup: Some((dir.path().to_path_buf(), false)), ..Default::default() };
         let r = v1.read();
         assert_eq!((r.cgroup_room, r.limit_hits, r.oom_kills), (Some(10 * MIB as i64), None, Some(2)));
         assert!(v1.describe(false, true).contains("memory.oom_control, memory.pressure_level"));
@@ -1008,12 +1025,14 @@ mod tests {
     /// holds.
     #[test]
     fn an_apps_cap_holds_against_a_governor_that_would_grow() {
-        let dir = tempfile::tempdir().unwrap();
-        let w = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
-        w("memory.limit_in_bytes", "10737418240\n");
-        w("memory.usage_in_bytes", "0\n");
-        w("memory.stat", "total_inactive_file 0\n");
-        let signals = Signals { cgroup: Some((dir.path().to_path_buf(), false)), ..Default::default() };
+        let (_dir, signals) = fake_cgroup(
+            false,
+            &[
+                ("memory.limit_in_bytes", "10737418240\n"),
+                ("memory.usage_in_bytes", "0\n"),
+                ("memory.stat", "total_inactive_file 0\n"),
+            ],
+        );
         let cache = Arc::new(SlowCache { held: AtomicU64::new(400 * MIB), inside: AtomicBool::new(false) });
         let mem: Arc<dyn MemoryControl> = cache.clone();
         let watch = Watch::start(signals, Governor::new(32 * MIB, 100 * MIB, 400 * MIB), Arc::clone(&mem)).unwrap();
