@@ -35,8 +35,9 @@ pub use matrix::{matvec_many, matvec_many_from, par_chunk, QMatrix};
 
 /// The environment variable that forces the portable kernels:
 /// `NFLASH_KERNELS=portable` runs every kernel from [`portable`] (no SIMD
-/// kernel is dispatched, and matrices stay in the row layout); unset or
-/// `auto` dispatches by the CPU's features. Read once per process. Results
+/// kernel is dispatched, and matrices stay in the row layout);
+/// `NFLASH_KERNELS=avx2` keeps x86-64 to the AVX2 kernels (no AVX-512
+/// VNNI); unset or `auto` dispatches by the CPU's features. Read once per process. Results
 /// are the same bits either way (`kernels/tests.rs`, and the tests'
 /// `kernel_paths` module runs whole models both ways); the switch exists to
 /// check that on whatever CPU the tests run on, and to rule the SIMD
@@ -62,6 +63,24 @@ fn has_avx2() -> bool {
         std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether the AVX-512 VNNI forms of the ×8 GEMM (`x86::gemm_x8_*_vnni`)
+/// can run: [`has_avx2`] and AVX-512VL with AVX-512 VNNI (Intel since Ice
+/// Lake and Cascade Lake, AMD since Zen 4), unless [`KERNELS_ENV`] is
+/// `avx2`. They give the AVX2 kernels' bits.
+#[inline]
+fn has_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let off = *OFF.get_or_init(|| std::env::var(KERNELS_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("avx2")));
+        !off && has_avx2() && std::is_x86_feature_detected!("avx512vl") && std::is_x86_feature_detected!("avx512vnni")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -124,7 +143,9 @@ fn has_i8mm() -> bool {
 /// [`gemm_x8_tokens`]), `"dotprod"` or `"neon"` (aarch64), or `"portable"`
 /// (for `nflash probe` and `--stats`).
 pub fn isa() -> &'static str {
-    if has_avx2() {
+    if has_vnni() {
+        "avx512vnni"
+    } else if has_avx2() {
         "avx2"
     } else if has_neon() {
         if has_i8mm() {
@@ -330,6 +351,17 @@ pub fn quantized_prefill(dtype: DType) -> bool {
 #[inline]
 pub fn gemm_x8<const T: usize>(dtype: DType, cols: usize, group: &[u8], ys: [&Q8Vec; T]) -> [[f32; 8]; T] {
     let yb = ys.map(|y| y.bytes());
+    #[cfg(target_arch = "x86_64")]
+    if has_vnni() {
+        // SAFETY: AVX2/FMA/F16C/AVX-512VL/VNNI presence checked above; lengths checked inside.
+        return unsafe {
+            match dtype {
+                DType::Q4_0 => x86::gemm_x8_q4_0_vnni(cols, group, yb, ys.map(|y| &y.sums[..])),
+                DType::Q8_0 => x86::gemm_x8_q8_0_vnni(cols, group, yb),
+                _ => unreachable!("gemm_x8 on {dtype}"),
+            }
+        };
+    }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: AVX2/FMA/F16C presence checked above; lengths checked inside.

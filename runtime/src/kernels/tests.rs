@@ -143,6 +143,86 @@ fn x8_group(dt: DType, cols: usize, r: [Option<&[u8]>; 8]) -> Vec<u64> {
     aligned(&g)
 }
 
+/// The AVX-512 VNNI ×8 kernels give the AVX2 kernels' bits for 1 to 4
+/// tokens, on random rows and on the extremes of the integer sums (Q4_0
+/// nibbles of 15 and 0 against Q8_0 values of ±127, where AVX2's i16 sums
+/// come closest to saturating). Skipped on CPUs without AVX-512 VNNI.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn vnni_gemm_x8_gives_the_avx2_bits() {
+    if !super::has_vnni() {
+        eprintln!("skipped: no AVX-512 VNNI on this CPU");
+        return;
+    }
+    let bits = |v: &[[f32; 8]]| v.iter().flatten().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let mut seed = 5u32;
+    for cols in [32usize, 64, 576, 1536] {
+        // Extremes: rows of 7 (one −8 sets the scale) and all-±127 inputs.
+        let edge: Vec<f32> = (0..cols).map(|i| if i % 32 == 0 { -8.0 } else { 7.0 }).collect();
+        let flip: Vec<f32> = (0..cols).map(|i| if i % 2 == 0 { -8.0 } else { 7.0 }).collect();
+        let mut ys: Vec<Q8Vec> = (0..2).map(|_| Q8Vec::from_slice(&rnd_vec(&mut seed, cols, 3.0))).collect();
+        ys.push(Q8Vec::from_slice(&vec![127.0; cols]));
+        ys.push(Q8Vec::from_slice(&(0..cols).map(|i| if i % 3 == 0 { -127.0 } else { 127.0 }).collect::<Vec<_>>()));
+        for dt in [DType::Q4_0, DType::Q8_0] {
+            let rb = dt.row_bytes(cols as u64).unwrap() as usize;
+            let mut rows: Vec<Vec<u64>> = (0..6).map(|_| quantized(dt, &rnd_vec(&mut seed, cols, 1.0))).collect();
+            rows.push(quantized(dt, &edge));
+            rows.push(quantized(dt, &flip));
+            let g = x8_group(dt, cols, std::array::from_fn(|i| Some(view(&rows[i], rb))));
+            let gv = view(&g, 8 * rb);
+            let yb: Vec<&[u8]> = ys.iter().map(|y| y.bytes()).collect();
+            let sm: Vec<&[i32]> = ys.iter().map(|y| &y.sums[..]).collect();
+            // SAFETY: AVX2/FMA/F16C and AVX-512VL/VNNI checked above; lengths checked inside.
+            let (a, v) = unsafe {
+                match dt {
+                    DType::Q4_0 => (
+                        [
+                            bits(&x86::gemm_x8_q4_0(cols, gv, [yb[0]], [sm[0]])),
+                            bits(&x86::gemm_x8_q4_0(cols, gv, [yb[1], yb[2]], [sm[1], sm[2]])),
+                            bits(&x86::gemm_x8_q4_0(cols, gv, [yb[0], yb[1], yb[3]], [sm[0], sm[1], sm[3]])),
+                            bits(&x86::gemm_x8_q4_0(
+                                cols,
+                                gv,
+                                [yb[0], yb[1], yb[2], yb[3]],
+                                [sm[0], sm[1], sm[2], sm[3]],
+                            )),
+                        ],
+                        [
+                            bits(&x86::gemm_x8_q4_0_vnni(cols, gv, [yb[0]], [sm[0]])),
+                            bits(&x86::gemm_x8_q4_0_vnni(cols, gv, [yb[1], yb[2]], [sm[1], sm[2]])),
+                            bits(&x86::gemm_x8_q4_0_vnni(cols, gv, [yb[0], yb[1], yb[3]], [sm[0], sm[1], sm[3]])),
+                            bits(&x86::gemm_x8_q4_0_vnni(
+                                cols,
+                                gv,
+                                [yb[0], yb[1], yb[2], yb[3]],
+                                [sm[0], sm[1], sm[2], sm[3]],
+                            )),
+                        ],
+                    ),
+                    _ => (
+                        [
+                            bits(&x86::gemm_x8_q8_0(cols, gv, [yb[0]])),
+                            bits(&x86::gemm_x8_q8_0(cols, gv, [yb[1], yb[2]])),
+                            bits(&x86::gemm_x8_q8_0(cols, gv, [yb[0], yb[1], yb[3]])),
+                            bits(&x86::gemm_x8_q8_0(cols, gv, [yb[0], yb[1], yb[2], yb[3]])),
+                        ],
+                        [
+                            bits(&x86::gemm_x8_q8_0_vnni(cols, gv, [yb[0]])),
+                            bits(&x86::gemm_x8_q8_0_vnni(cols, gv, [yb[1], yb[2]])),
+                            bits(&x86::gemm_x8_q8_0_vnni(cols, gv, [yb[0], yb[1], yb[3]])),
+                            bits(&x86::gemm_x8_q8_0_vnni(cols, gv, [yb[0], yb[1], yb[2], yb[3]])),
+                        ],
+                    ),
+                }
+            };
+            assert_eq!(a, v, "{dt} VNNI against AVX2 at {cols} columns");
+            // The edge rows' sums are the extremes they were made for.
+            let want = dot(dt, cols, view(&rows[6], rb), &ys[2]);
+            assert!(want > 0.0 && want.is_finite(), "{dt} edge row dot {want}");
+        }
+    }
+}
+
 /// Whatever kernel [`dot`], [`dot4`], [`gemm_x8`], [`axpy`] and [`axpy2`]
 /// dispatch to on this CPU gives the bits of the portable reference; and a
 /// row gives the same bits alone, in a quad, and in a ×8 group with 1 to 4

@@ -391,6 +391,94 @@ pub unsafe fn gemm_x8_q8_0<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]
     store8(acc)
 }
 
+/// [`gemm_x8_q4_0`] with AVX-512 VNNI: each word run's 4-byte dots are
+/// summed into 32-bit lanes by `vpdpbusd` (one instruction where AVX2
+/// takes `maddubs`, an i16 add and, per block, a `madd`). The integer
+/// block dots are exact in both (AVX2's i16 sums stay below 8 × 2 × 15 ×
+/// 127 = 30 480), and the f32 steps are the same, so the bits are
+/// [`gemm_x8_q4_0`]'s (`kernels/tests.rs`). Two partial sums per block
+/// halve the dependency chain.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA, F16C, AVX-512VL and AVX-512 VNNI
+/// (`super::has_vnni`); slice lengths are asserted.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub unsafe fn gemm_x8_q4_0_vnni<const T: usize>(
+    cols: usize,
+    group: &[u8],
+    ys: [&[u8]; T],
+    sums: [&[i32]; T],
+) -> [[f32; X8_ROWS]; T] {
+    let nb = cols / 32;
+    assert!(group.len() >= nb * Q4_0_X8_BLOCK);
+    assert!(ys.iter().all(|y| y.len() >= nb * 34) && sums.iter().all(|s| s.len() >= nb));
+    let m4 = _mm256_set1_epi8(0x0F);
+    let zero = _mm256_setzero_si256();
+    let mut acc = [_mm256_setzero_ps(); T];
+    let mut p = group.as_ptr();
+    for b in 0..nb {
+        prefetch_x8(p, Q4_0_X8_BLOCK);
+        let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        // Word run k: elements 4k..4k+4 (low nibbles) and 16+4k.. (high) of each row.
+        let (mut lo, mut hi) = ([zero; 4], [zero; 4]);
+        for k in 0..4 {
+            let q = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+            lo[k] = _mm256_and_si256(q, m4);
+            hi[k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        }
+        for t in 0..T {
+            let yp = ys[t].as_ptr().add(b * 34 + 2);
+            let mut s0 = _mm256_dpbusd_epi32(zero, lo[0], bcast4(yp));
+            let mut s1 = _mm256_dpbusd_epi32(zero, hi[0], bcast4(yp.add(16)));
+            for k in 1..4 {
+                s0 = _mm256_dpbusd_epi32(s0, lo[k], bcast4(yp.add(4 * k)));
+                s1 = _mm256_dpbusd_epi32(s1, hi[k], bcast4(yp.add(16 + 4 * k)));
+            }
+            let dot = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(8 * sums[t][b]));
+            let d = _mm256_mul_ps(dx, _mm256_set1_ps(f16_at(yp.sub(2))));
+            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc[t]);
+        }
+        p = p.add(Q4_0_X8_BLOCK);
+    }
+    store8(acc)
+}
+
+/// [`gemm_x8_q8_0`] with AVX-512 VNNI: `vpdpbusd(|x|, sign(y, x))` per
+/// word run, the same exact integer block dots, so the same bits
+/// (`kernels/tests.rs`).
+///
+/// # Safety
+/// As [`gemm_x8_q4_0_vnni`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub unsafe fn gemm_x8_q8_0_vnni<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]; T]) -> [[f32; X8_ROWS]; T] {
+    let nb = cols / 32;
+    assert!(group.len() >= nb * Q8_0_X8_BLOCK && ys.iter().all(|y| y.len() >= nb * 34));
+    let zero = _mm256_setzero_si256();
+    let mut acc = [_mm256_setzero_ps(); T];
+    let mut p = group.as_ptr();
+    for b in 0..nb {
+        prefetch_x8(p, Q8_0_X8_BLOCK);
+        let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        let (mut x, mut ax) = ([zero; 8], [zero; 8]);
+        for k in 0..8 {
+            x[k] = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+            ax[k] = _mm256_abs_epi8(x[k]);
+        }
+        for t in 0..T {
+            let yp = ys[t].as_ptr().add(b * 34 + 2);
+            let (mut s0, mut s1) = (zero, zero);
+            for k in (0..8).step_by(2) {
+                s0 = _mm256_dpbusd_epi32(s0, ax[k], _mm256_sign_epi8(bcast4(yp.add(4 * k)), x[k]));
+                s1 = _mm256_dpbusd_epi32(s1, ax[k + 1], _mm256_sign_epi8(bcast4(yp.add(4 * k + 4)), x[k + 1]));
+            }
+            let d = _mm256_mul_ps(dx, _mm256_set1_ps(f16_at(yp.sub(2))));
+            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc[t]);
+        }
+        p = p.add(Q8_0_X8_BLOCK);
+    }
+    store8(acc)
+}
+
 /// 32 Q4_0 values of the block at `p` (after its scale) as i8 in −8..7.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
