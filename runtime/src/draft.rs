@@ -88,13 +88,14 @@ pub const LOOKUP_MAX_NGRAM: usize = 3;
 /// latest earlier occurrence in `context` (token ids: the prompt and the
 /// text so far) of its last n tokens that `k` tokens follow (else the
 /// latest one, followed by fewer), and puts the (at most `k`) tokens that
-/// followed it into `out` (cleared first). Empty when no n-gram recurs.
-/// Cost: one backward scan of `context` per n, O(len × n).
-pub fn lookup(context: &[u32], k: usize, out: &mut Vec<u32>) {
+/// followed it into `out` (cleared first). Returns n, the length of the
+/// match (0, and `out` empty, when no n-gram recurs). Cost: one backward
+/// scan of `context` per n, O(len × n).
+pub fn lookup(context: &[u32], k: usize, out: &mut Vec<u32>) -> usize {
     out.clear();
     let len = context.len();
     if k == 0 || len < 2 {
-        return;
+        return 0;
     }
     for n in (1..=LOOKUP_MAX_NGRAM.min(len - 1)).rev() {
         let tail = &context[len - n..];
@@ -106,9 +107,10 @@ pub fn lookup(context: &[u32], k: usize, out: &mut Vec<u32>) {
         if let Some(i) = full.or_else(|| (0..len - n).rev().find(|&i| at(i))) {
             let from = i + n;
             out.extend_from_slice(&context[from..(from + k).min(len)]);
-            return;
+            return n;
         }
     }
+    0
 }
 
 /// What one more token of a verify pass costs, in decode steps, as `auto`
@@ -131,12 +133,13 @@ pub const VERIFY_TOKEN_COST_IN_MEMORY: f64 = 1.0;
 /// benchmark; 0.44 for the synthetic 7B at bench-scale's (b)).
 pub const VERIFY_TOKEN_COST_OFFLOAD: f64 = 0.5;
 
-/// Tokens [`Adaptive`] first decodes plainly after a pass that did not pay
-/// (doubling after each probe that still does not, up to
+/// Lookup matches of one length that [`Adaptive`] first lets pass without
+/// drafting (decoding plainly) after a pass of that length that did not
+/// pay (doubling after each probe that still does not, up to
 /// [`ADAPTIVE_MAX_PAUSE`]).
 pub const ADAPTIVE_PAUSE: usize = 8;
 
-/// Longest pause of [`Adaptive`], tokens.
+/// Longest pause of [`Adaptive`], matches of one length.
 pub const ADAPTIVE_MAX_PAUSE: usize = 64;
 
 /// Weight each earlier verify pass keeps in [`Adaptive`]'s counts per later
@@ -144,26 +147,40 @@ pub const ADAPTIVE_MAX_PAUSE: usize = 64;
 const ADAPTIVE_DECAY: f64 = 0.9;
 
 /// The `auto` draft's controller: chooses K for each verify pass from the
-/// acceptance seen so far, or 0 (decode plainly) where speculation would
-/// cost more than it saves. It uses counts only, so a seeded run makes the
-/// same choices on every machine.
+/// acceptance seen so far after lookup matches of the same length, or 0
+/// (decode plainly) where speculation would cost more than it saves. It
+/// uses counts only, so a seeded run makes the same choices on every
+/// machine.
 ///
 /// Model: each guess is accepted with probability `p` until the first
 /// rejection (a geometric run), so a pass with K guesses yields
 /// `E(K) = (1 − p^(K+1)) / (1 − p)` tokens for a cost of `1 + β·K` decode
 /// steps (β: [`VERIFY_TOKEN_COST_IN_MEMORY`] or
-/// [`VERIFY_TOKEN_COST_OFFLOAD`]). `p` is estimated as accepted guesses
-/// over accepted guesses plus rejections (the maximum-likelihood estimate
-/// for such runs), decayed per pass, starting from one of each. K is the
-/// one that maximizes `E(K) / (1 + β·K)`; when even that is at most 1 (a
-/// plain step's yield), drafting pauses for [`ADAPTIVE_PAUSE`] tokens,
-/// then probes again.
+/// [`VERIFY_TOKEN_COST_OFFLOAD`]). `p` is estimated apart for each match
+/// length n (1 to [`LOOKUP_MAX_NGRAM`] tokens; [`lookup`] returns it): a
+/// guess that continues a 3-gram is far likelier than one that continues a
+/// lone recurring token (on `make bench-speculate`'s summary prompt, 74%
+/// of first guesses after a 3-gram match against 23% after a 1-gram one).
+/// Each estimate is accepted guesses over accepted guesses plus
+/// rejections (the maximum-likelihood estimate for such runs), decayed per
+/// pass, starting from one of each. K is the one that maximizes
+/// `E(K) / (1 + β·K)`; when even that is at most 1 (a plain step's yield),
+/// matches of that length draft nothing for the next [`ADAPTIVE_PAUSE`]
+/// times they occur (doubling while probes still do not pay), then probe
+/// again.
 #[derive(Debug, Clone)]
 pub struct Adaptive {
-    accepted: f64,
-    rejected: f64,
+    /// Per match length (index n − 1).
+    arms: [Arm; LOOKUP_MAX_NGRAM],
     beta: f64,
     max_k: usize,
+}
+
+/// [`Adaptive`]'s counts for one match length.
+#[derive(Debug, Clone, Copy)]
+struct Arm {
+    accepted: f64,
+    rejected: f64,
     pause: usize,
     wait: usize,
 }
@@ -173,18 +190,27 @@ impl Adaptive {
     /// model reads neuron clusters from flash.
     pub fn new(max_k: usize, offload: bool) -> Self {
         let beta = if offload { VERIFY_TOKEN_COST_OFFLOAD } else { VERIFY_TOKEN_COST_IN_MEMORY };
-        Adaptive { accepted: 1.0, rejected: 1.0, beta, max_k, pause: ADAPTIVE_PAUSE, wait: 0 }
+        let arm = Arm { accepted: 1.0, rejected: 1.0, pause: ADAPTIVE_PAUSE, wait: 0 };
+        Adaptive { arms: [arm; LOOKUP_MAX_NGRAM], beta, max_k }
     }
 
-    /// The estimated chance that a guess is accepted, given the ones before it were.
-    pub fn acceptance(&self) -> f64 {
-        self.accepted / (self.accepted + self.rejected)
+    /// The arm of match length `n` (clamped to 1 ..= [`LOOKUP_MAX_NGRAM`]).
+    fn arm(&mut self, n: usize) -> &mut Arm {
+        &mut self.arms[n.clamp(1, LOOKUP_MAX_NGRAM) - 1]
     }
 
-    /// The best K (1..=max_k) for the current estimate, and its expected
-    /// tokens per decode step's cost (above 1: speculation pays).
-    pub fn best(&self) -> (usize, f64) {
-        let p = self.acceptance();
+    /// The estimated chance that a guess after a match of `n` tokens is
+    /// accepted, given the ones before it were.
+    pub fn acceptance(&self, n: usize) -> f64 {
+        let a = &self.arms[n.clamp(1, LOOKUP_MAX_NGRAM) - 1];
+        a.accepted / (a.accepted + a.rejected)
+    }
+
+    /// The best K (1..=max_k) after a match of `n` tokens for the current
+    /// estimate, and its expected tokens per decode step's cost (above 1:
+    /// speculation pays).
+    pub fn best(&self, n: usize) -> (usize, f64) {
+        let p = self.acceptance(n);
         let mut best = (1, 0.0);
         for k in 1..=self.max_k.max(1) {
             let yield_ = (1.0 - p.powi(k as i32 + 1)) / (1.0 - p).max(1e-9);
@@ -203,32 +229,38 @@ impl Adaptive {
         (k + 1.0) / (1.0 + self.beta * k) > 1.0
     }
 
-    /// Guesses to draft for the next step: 0 while paused (decode plainly),
-    /// and always where no acceptance could pay ([`Self::can_pay`]).
-    pub fn next_k(&mut self) -> usize {
+    /// Guesses to draft after a lookup match of `n` tokens: 0 while that
+    /// length is paused (decode plainly), and always where no acceptance
+    /// could pay ([`Self::can_pay`]).
+    pub fn next_k(&mut self, n: usize) -> usize {
         if !self.can_pay() {
             return 0;
         }
-        if self.wait > 0 {
-            self.wait -= 1;
+        let arm = self.arm(n);
+        if arm.wait > 0 {
+            arm.wait -= 1;
             return 0;
         }
-        self.best().0
+        self.best(n).0
     }
 
-    /// Records a verify pass that checked `drafted` guesses and kept
-    /// `kept` of them, and pauses drafting if speculation no longer pays.
-    pub fn record(&mut self, drafted: usize, kept: usize) {
+    /// Records a verify pass after a match of `n` tokens that checked
+    /// `drafted` guesses and kept `kept` of them, and pauses that length
+    /// if speculation after it no longer pays.
+    pub fn record(&mut self, n: usize, drafted: usize, kept: usize) {
         if drafted == 0 {
             return;
         }
-        self.accepted = self.accepted * ADAPTIVE_DECAY + kept as f64;
-        self.rejected = self.rejected * ADAPTIVE_DECAY + (kept < drafted) as u8 as f64;
-        if self.best().1 > 1.0 {
-            self.pause = ADAPTIVE_PAUSE;
+        let arm = self.arm(n);
+        arm.accepted = arm.accepted * ADAPTIVE_DECAY + kept as f64;
+        arm.rejected = arm.rejected * ADAPTIVE_DECAY + (kept < drafted) as u8 as f64;
+        let pays = self.best(n).1 > 1.0;
+        let arm = self.arm(n);
+        if pays {
+            arm.pause = ADAPTIVE_PAUSE;
         } else {
-            self.wait = self.pause;
-            self.pause = (self.pause * 2).min(ADAPTIVE_MAX_PAUSE);
+            arm.wait = arm.pause;
+            arm.pause = (arm.pause * 2).min(ADAPTIVE_MAX_PAUSE);
         }
     }
 }
@@ -289,7 +321,8 @@ mod tests {
 
     fn draft(context: &[u32], k: usize) -> Vec<u32> {
         let mut out = Vec::new();
-        lookup(context, k, &mut out);
+        let n = lookup(context, k, &mut out);
+        assert_eq!(n == 0, out.is_empty(), "a match length is returned with a draft");
         out
     }
 
@@ -305,68 +338,82 @@ mod tests {
         assert_eq!(draft(&[9, 7, 7, 7, 7, 7, 7, 7], 3), vec![7, 7, 7]);
         // Else the latest, followed by fewer.
         assert_eq!(draft(&[9, 7, 7, 7, 7], 3), vec![7]);
-        // A 3-gram beats a later 1-gram.
+        // A 3-gram beats a later 1-gram, and its length is returned.
         assert_eq!(draft(&[4, 5, 6, 0, 6, 1, 4, 5, 6], 1), vec![0]);
+        let mut out = Vec::new();
+        assert_eq!(lookup(&[4, 5, 6, 0, 6, 1, 4, 5, 6], 1, &mut out), 3);
+        assert_eq!(lookup(&[5, 6, 7, 8, 6], 3, &mut out), 1);
+        assert_eq!(lookup(&[1, 2, 9, 1, 2], 3, &mut out), 2);
+        assert_eq!(out, vec![9, 1, 2]);
     }
 
     /// High acceptance: long drafts; low: pauses that grow, then a probe;
-    /// recovery resets the pause. The choices follow the counts alone.
+    /// recovery resets the pause. Each match length keeps its own counts.
+    /// The choices follow the counts alone.
     #[test]
     fn adaptive_k_follows_acceptance_and_pauses_where_it_does_not_pay() {
         // In memory no acceptance pays: nothing is ever drafted.
         let mut never = Adaptive::new(8, false);
         assert!(!never.can_pay());
         for _ in 0..100 {
-            assert_eq!(never.next_k(), 0);
-            never.record(4, 4);
+            assert_eq!(never.next_k(3), 0);
+            never.record(3, 4, 4);
         }
         let mut a = Adaptive::new(8, true);
         // The prior (one accepted, one rejected): p = 0.5 pays only a little.
-        assert_eq!(a.best().0, 1);
+        assert_eq!(a.best(3).0, 1);
         for _ in 0..20 {
-            let k = a.next_k();
+            let k = a.next_k(3);
             assert!(k > 0);
-            a.record(k, k);
+            a.record(3, k, k);
         }
-        assert!(a.acceptance() > 0.9, "{}", a.acceptance());
-        assert_eq!(a.next_k(), 8, "every guess accepted: the longest draft");
-        // Every first guess rejected: speculation stops paying.
+        assert!(a.acceptance(3) > 0.9, "{}", a.acceptance(3));
+        assert_eq!(a.next_k(3), 8, "every guess accepted: the longest draft");
+        // 3-gram matches learned nothing about 1-gram ones.
+        assert_eq!(a.acceptance(1), 0.5);
+        assert_eq!(a.next_k(1), 1);
+        // Every first guess after a 1-gram rejected: those stop drafting,
+        // while 3-gram matches keep their long drafts.
         let mut paused = 0;
         for _ in 0..40 {
-            match a.next_k() {
+            match a.next_k(1) {
                 0 => paused += 1,
-                k => a.record(k, 0),
+                k => a.record(1, k, 0),
             }
         }
-        assert!(a.best().1 <= 1.0 && paused >= 20, "paused {paused} of 40 steps");
+        assert!(a.best(1).1 <= 1.0 && paused >= 20, "paused {paused} of 40 matches");
+        assert_eq!(a.next_k(3), 8, "a 1-gram's rejections leave 3-gram drafts alone");
         // Pauses double up to the cap.
         let waits: Vec<usize> = (0..3)
             .map(|_| {
                 let mut n = 0;
-                while a.next_k() == 0 {
+                while a.next_k(1) == 0 {
                     n += 1;
                 }
-                a.record(1, 0);
+                a.record(1, 1, 0);
                 n
             })
             .collect();
         assert!(waits.windows(2).all(|w| w[1] >= w[0]) && waits[2] <= ADAPTIVE_MAX_PAUSE, "{waits:?}");
+        // Lengths beyond the longest n-gram share its counts.
+        assert_eq!(a.acceptance(LOOKUP_MAX_NGRAM + 2), a.acceptance(LOOKUP_MAX_NGRAM));
         // Offload makes extra tokens cheaper than in memory: a lower acceptance pays.
         let (mut mem, mut off) = (Adaptive::new(4, false), Adaptive::new(4, true));
         for _ in 0..10 {
-            mem.record(2, 1);
-            off.record(2, 1);
+            mem.record(2, 2, 1);
+            off.record(2, 2, 1);
         }
-        assert!(off.best().1 > mem.best().1);
+        assert!(off.best(2).1 > mem.best(2).1);
         // A middling acceptance (1 of 2 per pass) is about break-even offloaded.
-        assert!((off.best().1 - 1.0).abs() < 0.2, "{}", off.best().1);
+        assert!((off.best(2).1 - 1.0).abs() < 0.2, "{}", off.best(2).1);
         // The same outcomes give the same choices.
         let run = || {
             let mut a = Adaptive::new(6, true);
             (0..50)
                 .map(|i| {
-                    let k = a.next_k();
-                    a.record(k, (i * 7 % 5).min(k));
+                    let n = 1 + i % 3;
+                    let k = a.next_k(n);
+                    a.record(n, k, (i * 7 % 5).min(k));
                     k
                 })
                 .collect::<Vec<_>>()

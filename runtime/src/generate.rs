@@ -269,6 +269,8 @@ pub fn generate_until(
     let offload = model.cache_regions().io_engine.is_some();
     let mut adaptive = (spec.draft == DraftKind::Auto).then(|| crate::draft::Adaptive::new(spec.max_draft, offload));
     let mut draft = Vec::new();
+    // The length of the n-gram a lookup draft continues.
+    let mut match_len = 0;
     let kv0 = kv.len();
     // Positions plain decoding would hold when generation ends: every token
     // pushed has had its forward pass, but a break right after a push.
@@ -310,15 +312,22 @@ pub fn generate_until(
             break;
         }
         let ts = Instant::now();
-        // Draft at most what the budget of tokens and the context leave.
-        let want = adaptive.as_mut().map_or(spec.max_draft, |a| a.next_k());
-        let room = want.min(opts.max_tokens - out.len() - 1).min(kv.capacity() - kv.len() - 2);
+        // Draft at most what the budget of tokens and the context leave;
+        // `auto` cuts a lookup draft to the K its match length pays for.
+        let room = if adaptive.as_ref().is_some_and(|a| !a.can_pay()) {
+            0
+        } else {
+            spec.max_draft.min(opts.max_tokens - out.len() - 1).min(kv.capacity() - kv.len() - 2)
+        };
         match spec.draft.source() {
             DraftKind::Off | DraftKind::Auto => {}
             DraftKind::Lookup => {
                 context.push(next);
                 if room > 0 {
-                    crate::draft::lookup(&context, room, &mut draft);
+                    match_len = crate::draft::lookup(&context, room, &mut draft);
+                    if let Some(a) = adaptive.as_mut().filter(|_| match_len > 0) {
+                        draft.truncate(a.next_k(match_len));
+                    }
                 }
             }
             DraftKind::SelfDraft => {
@@ -366,7 +375,7 @@ pub fn generate_until(
                 context.extend(ahead.iter());
             }
             if let Some(a) = &mut adaptive {
-                a.record(draft.len(), kept);
+                a.record(match_len, draft.len(), kept);
             }
             ahead.push_back(last);
             next = ahead.pop_front().unwrap_or(last);
