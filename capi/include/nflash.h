@@ -92,11 +92,12 @@ typedef struct {
   // (thinking). Templates that do not read it ignore it.
   int32_t enable_thinking;
   // Speculative decoding's draft (`nflash run --speculate-draft`): 0 off
-  // (the default), 1 prompt lookup (guesses the next tokens from the
+  // (what a zeroed struct asks for), 1 prompt lookup (guesses the next tokens from the
   // earlier text and checks them in one verify pass), 2 self-speculation
   // (guesses them with the model on the neurons it holds in memory,
   // without flash reads), 3 auto (prompt lookup where the acceptance seen
-  // so far says it pays, plain decoding elsewhere). The text is the same
+  // so far says it pays, plain decoding elsewhere; what
+  // `nflash_params_default` gives, as `nflash run`'s default). The text is the same
   // either way; lookup pays where the reply repeats the prompt
   // (summaries, extraction, edits), self-speculation where the model
   // reads much from flash.
@@ -207,7 +208,7 @@ nflash_status nflash_open(const char *path, const nflash_options *options, nflas
 
 // Fills `out` with the pack's sampling defaults (its
 // `generation_config.json`, else temperature 0.8, top-k 40, top-p 0.95),
-// 256 tokens and seed 0. Never waits for a generation.
+// 256 tokens, seed 0 and the `auto` draft (3). Never waits for a generation.
 //
 // # Safety
 // `model` is null or from [`nflash_open`]; `out` is writable.

@@ -150,11 +150,12 @@ pub struct NflashParams {
     /// (thinking). Templates that do not read it ignore it.
     pub enable_thinking: i32,
     /// Speculative decoding's draft (`nflash run --speculate-draft`): 0 off
-    /// (the default), 1 prompt lookup (guesses the next tokens from the
+    /// (what a zeroed struct asks for), 1 prompt lookup (guesses the next tokens from the
     /// earlier text and checks them in one verify pass), 2 self-speculation
     /// (guesses them with the model on the neurons it holds in memory,
     /// without flash reads), 3 auto (prompt lookup where the acceptance seen
-    /// so far says it pays, plain decoding elsewhere). The text is the same
+    /// so far says it pays, plain decoding elsewhere; what
+    /// `nflash_params_default` gives, as `nflash run`'s default). The text is the same
     /// either way; lookup pays where the reply repeats the prompt
     /// (summaries, extraction, edits), self-speculation where the model
     /// reads much from flash.
@@ -544,7 +545,7 @@ pub unsafe extern "C" fn nflash_open(
 
 /// Fills `out` with the pack's sampling defaults (its
 /// `generation_config.json`, else temperature 0.8, top-k 40, top-p 0.95),
-/// 256 tokens and seed 0. Never waits for a generation.
+/// 256 tokens, seed 0 and the `auto` draft (3). Never waits for a generation.
 ///
 /// # Safety
 /// `model` is null or from [`nflash_open`]; `out` is writable.
@@ -559,7 +560,7 @@ pub unsafe extern "C" fn nflash_params_default(model: *const NflashModel, out: *
 }
 
 /// The pack's sampling defaults (its `generation_config.json`, else
-/// temperature 0.8, top-k 40, top-p 0.95), 256 tokens, seed 0.
+/// temperature 0.8, top-k 40, top-p 0.95), 256 tokens, seed 0, the `auto` draft.
 fn pack_params(engine: &Engine) -> NflashParams {
     let g = &engine.generation;
     NflashParams {
@@ -569,7 +570,7 @@ fn pack_params(engine: &Engine) -> NflashParams {
         top_p: g.top_p.unwrap_or(sampler::DEFAULT_TOP_P),
         seed: 0,
         enable_thinking: -1,
-        speculate_draft: 0,
+        speculate_draft: 3,
         draft_tokens: 0,
     }
 }

@@ -519,7 +519,7 @@ static void t_speculate(void) {
     nflash_params p;
     nflash_stats_t st;
     CHECK_STATUS(nflash_params_default(model, &p), NFLASH_STATUS_OK);
-    CHECK(p.speculate_draft == 0 && p.draft_tokens == 0, "params_default speculates: draft %u, K %u",
+    CHECK(p.speculate_draft == 3 && p.draft_tokens == 0, "params_default: draft %u (want 3, auto), K %u (want 0: 4)",
           p.speculate_draft, p.draft_tokens);
     p = greedy;
     p.max_tokens = 48;

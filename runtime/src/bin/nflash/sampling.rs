@@ -73,9 +73,11 @@ pub fn clock_seed() -> u64 {
 pub struct SpeculateArgs {
     /// Speculative decoding: a draft guesses up to --draft-tokens next
     /// tokens and one verify pass of the model checks them all, each with
-    /// decode's arithmetic, so the text is the same as without. off; auto
-    /// (prompt lookup where it pays: K follows the acceptance so far, and
-    /// drafting pauses where a verify pass would cost more than it saves);
+    /// decode's arithmetic, so the text is the same as without. off; auto,
+    /// the default (prompt lookup where it pays: K follows the acceptance so
+    /// far after matches of the same length, and drafting pauses where a
+    /// verify pass would cost more than it saves; in memory it never
+    /// drafts);
     /// lookup (prompt lookup: what followed the latest earlier occurrence of
     /// the last 1–3 tokens; pays where the output repeats the prompt or
     /// itself, as summaries, extraction and code edits do), or self
@@ -85,7 +87,7 @@ pub struct SpeculateArgs {
     /// of neuron clusters.
     #[arg(
         long,
-        default_value = "off",
+        default_value = "auto",
         value_parser = clap::builder::PossibleValuesParser::new(DraftKind::ALL.map(|(_, name)| name)).try_map(|s| s.parse::<DraftKind>())
     )]
     pub speculate_draft: DraftKind,
