@@ -208,6 +208,39 @@ fn speculation_gives_plain_decodings_tokens_moe() {
     check_same_tokens(&pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]), true);
 }
 
+/// A mixture of experts' verify pass routes every token first, then reads
+/// each routed expert's clusters once for the pass: the union of the
+/// tokens' clusters is counted (below the sum of each token's, since the
+/// tokens share experts), and with nothing hot and a minimal cold region the
+/// pass reads no more clusters from flash than that union (token by token,
+/// the later tokens re-read what the earlier ones' experts evicted).
+#[test]
+fn a_moe_verify_pass_reads_each_routed_experts_clusters_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec =
+        TinySpec { arch: "MixtralForCausalLM", tied: false, rope_theta: 1e6, seed: 31, vocab: 96, ..TinySpec::default() };
+    let path = pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]);
+    let pack = Pack::open_resident(&path).unwrap();
+    let (name, cfg) = placements(&path).remove(2);
+    let engine = Engine::load_with(&pack, &cfg).unwrap();
+    let model = &engine.model;
+    for (i, prompt) in prompts().iter().enumerate() {
+        let mut kv = model.new_kv_cache(96);
+        model.forward(&mut kv, prompt).unwrap();
+        model.reset_counters();
+        let before = model.cache_stats();
+        let tokens: Vec<u32> = (0..9).map(|j| ((11 + 5 * j + i) % 90 + 3) as u32).collect();
+        model.verify(&mut kv, &tokens).unwrap();
+        let read = model.cache_stats().since(&before);
+        let counts = model.counters().0;
+        let needed: u64 = counts.iter().map(|c| c.verify_needed).sum();
+        let union: u64 = counts.iter().map(|c| c.verify_union).sum();
+        let what = format!("{name}, prompt {i}: needed {needed}, union {union}, read {read:?}");
+        assert!(union > 0 && union < needed, "{what}");
+        assert!(read.misses > 0 && read.misses <= union, "{what}");
+    }
+}
+
 /// A generation stopped by its caller in the middle of a verify pass's
 /// accepted tokens counts only the tokens it used as decoded: the same
 /// `decode_tokens` as plain decoding stopped at the same piece.

@@ -312,6 +312,8 @@ impl Model<'_> {
                         out[t * h..(t + 1) * h].iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
                     }
                 }
+            } else if pass == Pass::Verify && n > 1 {
+                counts = self.ffn_moe_verify(layer, &routes, k, sparse_on, xn, work, tm, out)?;
             } else {
                 for (t, outr) in out.chunks_exact_mut(h).enumerate() {
                     let (xr, experts) = (&xn[t * h..(t + 1) * h], &routes[t * k..(t + 1) * k]);
@@ -561,6 +563,88 @@ impl Model<'_> {
         let waited = (self.source.wait_s() - wait0) / rayon::current_num_threads() as f64;
         let w = &mut work.layer_wait[self.cfg.unit_layer_expert(u).0];
         (w.0, w.1) = (w.0 + waited, w.1 + pred_s);
+    }
+
+    /// A verify pass's mixture-of-experts FFN ([`Pass::Verify`], `n` > 1
+    /// tokens; `routes` `[n · k]`, each token's experts ascending, with
+    /// weights): grouped per expert, so each routed expert's clusters are
+    /// read once for the pass. Every (token, expert) selection is made
+    /// first ([`Self::pick`], as decode makes it); then, expert after
+    /// expert, the union of its tokens' clusters is fetched (the later
+    /// experts' reads started right after the first's,
+    /// [`ClusterSource::fetch_ahead`]) and each of its tokens computed from
+    /// that token's prepared input ([`Self::ffn_picked`], decode's bits);
+    /// last, each token adds its experts' outputs times their weights to
+    /// `out` (`[n, hidden]`) in its routing order, as decode does
+    /// ([`Self::ffn_moe_token`]). One expert's union fits the cold region,
+    /// which holds at least one layer's cold clusters.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_moe_verify(
+        &self,
+        layer: &Layer,
+        routes: &[(u32, f32)],
+        k: usize,
+        sparse_on: bool,
+        xn: &[f32],
+        work: &mut Work,
+        tm: &mut Timings,
+        out: &mut [f32],
+    ) -> Result<LayerCounts> {
+        let h = self.cfg.hidden_size as usize;
+        let n = xn.len() / h;
+        let unit_of = |e: u32| &layer.units[e as usize];
+        let sparse_of = |e: u32| unit_of(e).sparse.as_ref().filter(|_| sparse_on);
+        let dtype = layer.units[0].ffn.dtype();
+        let mut picks = std::mem::take(&mut work.picks);
+        picks.resize_with(n * k, Pick::default);
+        let result = (|| -> Result<LayerCounts> {
+            let mut xins = DotInput::rows(dtype, xn, h);
+            // 1. Every token's selection in each of its experts.
+            for (i, (&(e, _), pick)) in routes.iter().zip(picks.iter_mut()).enumerate() {
+                let t = i / k;
+                self.pick(unit_of(e), sparse_of(e), &xn[t * h..(t + 1) * h], &xins[t], &mut work.predict, pick);
+                tm.predictor_s += pick.pred_s;
+            }
+            // 2. The experts routed to, ascending, and the union of each one's clusters.
+            let mut experts: Vec<u32> = routes.iter().map(|r| r.0).collect();
+            experts.sort_unstable();
+            experts.dedup();
+            let slots = |e: u32| (0..n * k).filter(move |&i| routes[i].0 == e);
+            let unions: Vec<Vec<u32>> =
+                experts.iter().map(|&e| union_of(slots(e).map(|i| &picks[i].needed[..]))).collect();
+            let mut counts = LayerCounts {
+                verify_needed: picks.iter().map(|p| p.needed.len() as u64).sum(),
+                verify_union: unions.iter().map(|u| u.len() as u64).sum(),
+                ..Default::default()
+            };
+            // 3. Expert after expert: its union fetched once, its tokens computed.
+            let tf = Instant::now();
+            for (&e, u) in experts.iter().zip(&unions).skip(1) {
+                self.source.fetch_ahead(unit_of(e).index, u);
+            }
+            tm.ffn_s += tf.elapsed().as_secs_f64();
+            let mut ys = vec![0f32; n * k * h];
+            for (&e, u) in experts.iter().zip(&unions) {
+                let mut t1 = Instant::now();
+                self.source.fetch(unit_of(e).index, u, &mut work.table)?;
+                for i in slots(e) {
+                    let xin = &mut xins[i / k];
+                    std::mem::swap(work.xin.get_or_insert_with(|| DotInput::new(dtype)), xin);
+                    let c = self.ffn_picked(unit_of(e), sparse_of(e), &picks[i], work, tm, &mut ys[i * h..(i + 1) * h], t1);
+                    std::mem::swap(work.xin.get_or_insert_with(|| DotInput::new(dtype)), xin);
+                    counts.add(&c?);
+                    t1 = Instant::now();
+                }
+            }
+            // 4. Each token's experts, weighted, in its routing order.
+            for (i, (&(_, w), y)) in routes.iter().zip(ys.chunks_exact(h)).enumerate() {
+                let t = i / k;
+                out[t * h..(t + 1) * h].iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
+            }
+            Ok(counts)
+        })();
+        work.picks = picks;
+        result
     }
 
     /// One token's mixture-of-experts FFN (decode): `experts` (its routed
