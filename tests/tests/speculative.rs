@@ -217,8 +217,14 @@ fn speculation_gives_plain_decodings_tokens_moe() {
 #[test]
 fn a_moe_verify_pass_reads_each_routed_experts_clusters_once() {
     let dir = tempfile::tempdir().unwrap();
-    let spec =
-        TinySpec { arch: "MixtralForCausalLM", tied: false, rope_theta: 1e6, seed: 31, vocab: 96, ..TinySpec::default() };
+    let spec = TinySpec {
+        arch: "MixtralForCausalLM",
+        tied: false,
+        rope_theta: 1e6,
+        seed: 31,
+        vocab: 96,
+        ..TinySpec::default()
+    };
     let path = pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]);
     let pack = Pack::open_resident(&path).unwrap();
     let (name, cfg) = placements(&path).remove(2);

@@ -303,6 +303,39 @@ unsafe fn store8<const T: usize>(acc: [__m256; T]) -> [[f32; X8_ROWS]; T] {
     out
 }
 
+/// One Q4_0×8 block at `p` (SPEC §5.1; its next blocks prefetched): the 8
+/// rows' scales as f32 lanes and, per word run k, the low nibbles (elements
+/// 4k..4k+4 of each row) and the high ones (16+4k..) as bytes 0..15.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0_x8_block(p: *const u8) -> (__m256, [__m256i; 4], [__m256i; 4]) {
+    prefetch_x8(p, Q4_0_X8_BLOCK);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+    let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+    for k in 0..4 {
+        let q = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+        lo[k] = _mm256_and_si256(q, m4);
+        hi[k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    }
+    (dx, lo, hi)
+}
+
+/// One Q8_0×8 block at `p` (its next blocks prefetched): the 8 rows'
+/// scales as f32 lanes, the 8 word runs and their absolute values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_x8_block(p: *const u8) -> (__m256, [__m256i; 8], [__m256i; 8]) {
+    prefetch_x8(p, Q8_0_X8_BLOCK);
+    let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+    let (mut x, mut ax) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
+    for k in 0..8 {
+        x[k] = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
+        ax[k] = _mm256_abs_epi8(x[k]);
+    }
+    (dx, x, ax)
+}
+
 /// The 8 rows of one Q4_0×8 group (SPEC §5.1) dotted with `T` Q8_0 vectors
 /// `ys` (`sums[t]`: their per-block Σq): `out[t][r]`. Each 32-bit lane is
 /// one row: a 32-byte word run of the group against a broadcast 4 bytes of
@@ -323,20 +356,11 @@ pub unsafe fn gemm_x8_q4_0<const T: usize>(
     let nb = cols / 32;
     assert!(group.len() >= nb * Q4_0_X8_BLOCK);
     assert!(ys.iter().all(|y| y.len() >= nb * 34) && sums.iter().all(|s| s.len() >= nb));
-    let m4 = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
     let mut p = group.as_ptr();
     for b in 0..nb {
-        prefetch_x8(p, Q4_0_X8_BLOCK);
-        let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        // Word run k: elements 4k..4k+4 (low nibbles) and 16+4k.. (high) of each row.
-        let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
-        for k in 0..4 {
-            let q = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
-            lo[k] = _mm256_and_si256(q, m4);
-            hi[k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        }
+        let (dx, lo, hi) = q4_0_x8_block(p);
         for t in 0..T {
             let yp = ys[t].as_ptr().add(b * 34 + 2);
             let mut s = _mm256_maddubs_epi16(lo[0], bcast4(yp));
@@ -369,13 +393,7 @@ pub unsafe fn gemm_x8_q8_0<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]
     let mut acc = [_mm256_setzero_ps(); T];
     let mut p = group.as_ptr();
     for b in 0..nb {
-        prefetch_x8(p, Q8_0_X8_BLOCK);
-        let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        let (mut x, mut ax) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
-        for k in 0..8 {
-            x[k] = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
-            ax[k] = _mm256_abs_epi8(x[k]);
-        }
+        let (dx, x, ax) = q8_0_x8_block(p);
         for t in 0..T {
             let yp = ys[t].as_ptr().add(b * 34 + 2);
             let mut s = _mm256_setzero_si256();
@@ -412,20 +430,11 @@ pub unsafe fn gemm_x8_q4_0_vnni<const T: usize>(
     let nb = cols / 32;
     assert!(group.len() >= nb * Q4_0_X8_BLOCK);
     assert!(ys.iter().all(|y| y.len() >= nb * 34) && sums.iter().all(|s| s.len() >= nb));
-    let m4 = _mm256_set1_epi8(0x0F);
     let zero = _mm256_setzero_si256();
     let mut acc = [_mm256_setzero_ps(); T];
     let mut p = group.as_ptr();
     for b in 0..nb {
-        prefetch_x8(p, Q4_0_X8_BLOCK);
-        let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        // Word run k: elements 4k..4k+4 (low nibbles) and 16+4k.. (high) of each row.
-        let (mut lo, mut hi) = ([zero; 4], [zero; 4]);
-        for k in 0..4 {
-            let q = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
-            lo[k] = _mm256_and_si256(q, m4);
-            hi[k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        }
+        let (dx, lo, hi) = q4_0_x8_block(p);
         for t in 0..T {
             let yp = ys[t].as_ptr().add(b * 34 + 2);
             let mut s0 = _mm256_dpbusd_epi32(zero, lo[0], bcast4(yp));
@@ -457,13 +466,7 @@ pub unsafe fn gemm_x8_q8_0_vnni<const T: usize>(cols: usize, group: &[u8], ys: [
     let mut acc = [_mm256_setzero_ps(); T];
     let mut p = group.as_ptr();
     for b in 0..nb {
-        prefetch_x8(p, Q8_0_X8_BLOCK);
-        let dx = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        let (mut x, mut ax) = ([zero; 8], [zero; 8]);
-        for k in 0..8 {
-            x[k] = _mm256_loadu_si256(p.add(16 + 32 * k) as *const __m256i);
-            ax[k] = _mm256_abs_epi8(x[k]);
-        }
+        let (dx, x, ax) = q8_0_x8_block(p);
         for t in 0..T {
             let yp = ys[t].as_ptr().add(b * 34 + 2);
             let (mut s0, mut s1) = (zero, zero);

@@ -630,7 +630,8 @@ impl Model<'_> {
                 for i in slots(e) {
                     let xin = &mut xins[i / k];
                     std::mem::swap(work.xin.get_or_insert_with(|| DotInput::new(dtype)), xin);
-                    let c = self.ffn_picked(unit_of(e), sparse_of(e), &picks[i], work, tm, &mut ys[i * h..(i + 1) * h], t1);
+                    let c =
+                        self.ffn_picked(unit_of(e), sparse_of(e), &picks[i], work, tm, &mut ys[i * h..(i + 1) * h], t1);
                     std::mem::swap(work.xin.get_or_insert_with(|| DotInput::new(dtype)), xin);
                     counts.add(&c?);
                     t1 = Instant::now();
