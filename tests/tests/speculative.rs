@@ -194,18 +194,15 @@ fn speculation_gives_plain_decodings_tokens_sparse() {
     check_same_tokens(&p, true);
 }
 
+/// The mixture of experts the MoE tests convert: a tiny Mixtral.
+fn tiny_mixtral() -> TinySpec {
+    TinySpec { arch: "MixtralForCausalLM", tied: false, rope_theta: 1e6, seed: 31, vocab: 96, ..TinySpec::default() }
+}
+
 #[test]
 fn speculation_gives_plain_decodings_tokens_moe() {
     let dir = tempfile::tempdir().unwrap();
-    let spec = TinySpec {
-        arch: "MixtralForCausalLM",
-        tied: false,
-        rope_theta: 1e6,
-        seed: 31,
-        vocab: 96,
-        ..TinySpec::default()
-    };
-    check_same_tokens(&pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]), true);
+    check_same_tokens(&pack(dir.path(), &tiny_mixtral(), "moe.nflash", "q4_0", &[]), true);
 }
 
 /// A mixture of experts' verify pass routes every token first, then reads
@@ -217,15 +214,7 @@ fn speculation_gives_plain_decodings_tokens_moe() {
 #[test]
 fn a_moe_verify_pass_reads_each_routed_experts_clusters_once() {
     let dir = tempfile::tempdir().unwrap();
-    let spec = TinySpec {
-        arch: "MixtralForCausalLM",
-        tied: false,
-        rope_theta: 1e6,
-        seed: 31,
-        vocab: 96,
-        ..TinySpec::default()
-    };
-    let path = pack(dir.path(), &spec, "moe.nflash", "q4_0", &[]);
+    let path = pack(dir.path(), &tiny_mixtral(), "moe.nflash", "q4_0", &[]);
     let pack = Pack::open_resident(&path).unwrap();
     let (name, cfg) = placements(&path).remove(2);
     let engine = Engine::load_with(&pack, &cfg).unwrap();

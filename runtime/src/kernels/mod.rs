@@ -44,11 +44,17 @@ pub use matrix::{matvec_many, matvec_many_from, par_chunk, QMatrix};
 /// kernels out when chasing a wrong result.
 pub const KERNELS_ENV: &str = "NFLASH_KERNELS";
 
-/// Whether [`KERNELS_ENV`] asks for the portable kernels (read once).
+/// [`KERNELS_ENV`]'s value, trimmed and lowercased (`""` when unset), read once.
+#[inline]
+fn kernels_env() -> &'static str {
+    static VALUE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    VALUE.get_or_init(|| std::env::var(KERNELS_ENV).map(|v| v.trim().to_ascii_lowercase()).unwrap_or_default())
+}
+
+/// Whether [`KERNELS_ENV`] asks for the portable kernels.
 #[inline]
 fn portable_forced() -> bool {
-    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| std::env::var(KERNELS_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("portable")))
+    kernels_env() == "portable"
 }
 
 /// Whether the AVX2 kernels can run on this CPU (checked once, then cached
@@ -78,9 +84,10 @@ fn has_avx2() -> bool {
 fn has_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let off = *OFF.get_or_init(|| std::env::var(KERNELS_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("avx2")));
-        !off && has_avx2() && std::is_x86_feature_detected!("avx512vl") && std::is_x86_feature_detected!("avx512vnni")
+        kernels_env() != "avx2"
+            && has_avx2()
+            && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx512vnni")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -303,6 +303,18 @@ unsafe fn store8<const T: usize>(acc: [__m256; T]) -> [[f32; X8_ROWS]; T] {
     out
 }
 
+/// One block's f32 step of the ×8 GEMMs, the same for every kernel that
+/// sums the block's integer dots (AVX2 and VNNI, whose bits are the same
+/// for that): `acc + (dx · dy) · dot`, with `dx` the 8 rows' scales, `dy`
+/// the Q8_0 input block's f16 scale (at `yp − 2`, `yp` its values) and
+/// `dot` the 8 rows' exact integer dots, in one fused multiply-add.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_fma(acc: __m256, dx: __m256, yp: *const u8, dot: __m256i) -> __m256 {
+    let d = _mm256_mul_ps(dx, _mm256_set1_ps(f16_at(yp.sub(2))));
+    _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc)
+}
+
 /// One Q4_0×8 block at `p` (SPEC §5.1; its next blocks prefetched): the 8
 /// rows' scales as f32 lanes and, per word run k, the low nibbles (elements
 /// 4k..4k+4 of each row) and the high ones (16+4k..) as bytes 0..15.
@@ -370,8 +382,7 @@ pub unsafe fn gemm_x8_q4_0<const T: usize>(
                 s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[k], bcast4(yp.add(16 + 4 * k))));
             }
             let dot = _mm256_sub_epi32(_mm256_madd_epi16(s, ones), _mm256_set1_epi32(8 * sums[t][b]));
-            let d = _mm256_mul_ps(dx, _mm256_set1_ps(f16_at(yp.sub(2))));
-            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc[t]);
+            acc[t] = block_fma(acc[t], dx, yp, dot);
         }
         p = p.add(Q4_0_X8_BLOCK);
     }
@@ -401,8 +412,7 @@ pub unsafe fn gemm_x8_q8_0<const T: usize>(cols: usize, group: &[u8], ys: [&[u8]
                 let p16 = _mm256_maddubs_epi16(ax[k], _mm256_sign_epi8(bcast4(yp.add(4 * k)), x[k]));
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, ones));
             }
-            let d = _mm256_mul_ps(dx, _mm256_set1_ps(f16_at(yp.sub(2))));
-            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[t]);
+            acc[t] = block_fma(acc[t], dx, yp, s);
         }
         p = p.add(Q8_0_X8_BLOCK);
     }
@@ -444,8 +454,7 @@ pub unsafe fn gemm_x8_q4_0_vnni<const T: usize>(
                 s1 = _mm256_dpbusd_epi32(s1, hi[k], bcast4(yp.add(16 + 4 * k)));
             }
             let dot = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(8 * sums[t][b]));
-            let d = _mm256_mul_ps(dx, _mm256_set1_ps(f16_at(yp.sub(2))));
-            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc[t]);
+            acc[t] = block_fma(acc[t], dx, yp, dot);
         }
         p = p.add(Q4_0_X8_BLOCK);
     }
@@ -474,8 +483,7 @@ pub unsafe fn gemm_x8_q8_0_vnni<const T: usize>(cols: usize, group: &[u8], ys: [
                 s0 = _mm256_dpbusd_epi32(s0, ax[k], _mm256_sign_epi8(bcast4(yp.add(4 * k)), x[k]));
                 s1 = _mm256_dpbusd_epi32(s1, ax[k + 1], _mm256_sign_epi8(bcast4(yp.add(4 * k + 4)), x[k + 1]));
             }
-            let d = _mm256_mul_ps(dx, _mm256_set1_ps(f16_at(yp.sub(2))));
-            acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc[t]);
+            acc[t] = block_fma(acc[t], dx, yp, _mm256_add_epi32(s0, s1));
         }
         p = p.add(Q8_0_X8_BLOCK);
     }

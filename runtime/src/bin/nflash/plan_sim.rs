@@ -308,7 +308,7 @@ fn simulate(
 /// The verify pass of --acceptance, --draft-tokens, --verify-token-cost and --union-share.
 fn verify_of(a: &PlanSimArgs) -> Option<cost::Verify> {
     Some(cost::Verify {
-        draft_tokens: a.draft_tokens.unwrap_or(4.0),
+        draft_tokens: a.draft_tokens.unwrap_or(nflash_runtime::draft::DEFAULT_DRAFT_TOKENS as f64),
         acceptance: a.acceptance?,
         token_cost: a.verify_token_cost.unwrap_or(cost::VERIFY_TOKEN_COST),
         union_share: a.union_share,
