@@ -150,7 +150,7 @@ bench-serve: build model
 	$(PYTHON) scripts/bench_serve.py $(BENCH_SERVE_ARGS)
 
 # Needs root, and bench-offload's pack, GGUF and results; the synthetic 7B when bench-scale made it.
-bench-speculate: build model
+bench-speculate: build model $(DEMO_PACK)
 	BENCH_LOOKUP=1 bash scripts/bench_setup.sh
 	.venv-bench/bin/python scripts/bench_speculate.py $(BENCH_SPECULATE_ARGS)
 

@@ -71,6 +71,12 @@ typedef struct {
   // takes it again 2 s after the pressure is gone (never above a cap
   // set by [`nflash_trim_memory_to`] or [`nflash_trim_memory_level`]).
   uint64_t memory_reserve_bytes;
+  // A draft pack for speculative decoding (`nflash run --draft`): the
+  // path of a small model with this model's tokenizer, NUL-terminated,
+  // read during [`nflash_open`] only; null: none. It is held all in
+  // memory inside the budget, and `params.speculate_draft` 3 (auto) or
+  // 4 uses it.
+  const char *draft_path;
 } nflash_options;
 
 // Sampling and length of one generation; [`nflash_params_default`] fills
@@ -100,7 +106,8 @@ typedef struct {
   // `nflash_params_default` gives, as `nflash run`'s default). The text is the same
   // either way; lookup pays where the reply repeats the prompt
   // (summaries, extraction, edits), self-speculation where the model
-  // reads much from flash.
+  // reads much from flash; 4 the draft pack (`options.draft_path`), which
+  // auto means where the model was opened with one.
   uint32_t speculate_draft;
   // Most tokens drafted per verify pass, 1–16; 0: 4 (`--draft-tokens`).
   uint32_t draft_tokens;

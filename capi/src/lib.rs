@@ -41,6 +41,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use nflash_format::Pack;
+use nflash_plan::planner;
 use nflash_runtime::chat::{ChatOptions, Message};
 use nflash_runtime::draft::{self, DraftKind, SpecOptions};
 use nflash_runtime::generate::{CancelToken, Finish, GenerateOptions};
@@ -86,7 +87,7 @@ pub enum NflashStatus {
 /// Options of [`nflash_open`]; [`nflash_options_default`] fills them (all
 /// zero).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct NflashOptions {
     /// Whole-process memory budget, bytes (fixed region, hot neurons and
     /// the cold neuron cache); 0: the pack's plan's budget, else every
@@ -111,6 +112,25 @@ pub struct NflashOptions {
     /// takes it again 2 s after the pressure is gone (never above a cap
     /// set by [`nflash_trim_memory_to`] or [`nflash_trim_memory_level`]).
     pub memory_reserve_bytes: u64,
+    /// A draft pack for speculative decoding (`nflash run --draft`): the
+    /// path of a small model with this model's tokenizer, NUL-terminated,
+    /// read during [`nflash_open`] only; null: none. It is held all in
+    /// memory inside the budget, and `params.speculate_draft` 3 (auto) or
+    /// 4 uses it.
+    pub draft_path: *const c_char,
+}
+
+impl Default for NflashOptions {
+    fn default() -> Self {
+        NflashOptions {
+            memory_budget_bytes: 0,
+            ctx: 0,
+            threads: 0,
+            verify: 0,
+            memory_reserve_bytes: 0,
+            draft_path: std::ptr::null(),
+        }
+    }
 }
 
 /// The memory of a model's neuron cache, the part of the model that can
@@ -158,7 +178,8 @@ pub struct NflashParams {
     /// `nflash_params_default` gives, as `nflash run`'s default). The text is the same
     /// either way; lookup pays where the reply repeats the prompt
     /// (summaries, extraction, edits), self-speculation where the model
-    /// reads much from flash.
+    /// reads much from flash; 4 the draft pack (`options.draft_path`), which
+    /// auto means where the model was opened with one.
     pub speculate_draft: u32,
     /// Most tokens drafted per verify pass, 1–16; 0: 4 (`--draft-tokens`).
     pub draft_tokens: u32,
@@ -225,7 +246,13 @@ pub struct NflashStats {
 /// same model: that thread waits for this generation.
 pub type NflashTokenFn = Option<unsafe extern "C" fn(piece: *const c_char, len: usize, user: *mut c_void) -> bool>;
 
-/// The engine and its conversation, borrowing the pack.
+/// The packs an open model reads: its own and its draft's.
+struct Packs {
+    model: Pack,
+    draft: Option<Pack>,
+}
+
+/// The engine and its conversation, borrowing the packs.
 struct Running<'a> {
     engine: Engine<'a>,
     session: Session,
@@ -234,7 +261,7 @@ struct Running<'a> {
 
 self_cell::self_cell!(
     struct Loaded {
-        owner: Pack,
+        owner: Packs,
         #[not_covariant]
         dependent: Running,
     }
@@ -502,6 +529,13 @@ pub unsafe extern "C" fn nflash_open(
         }
         let pool = nflash_runtime::cpu::compute_pool((o.threads > 0).then_some(o.threads as usize))?;
         let pack = placement::open_pack(Path::new(path), o.verify == 1, o.verify != 2)?;
+        let draft = if o.draft_path.is_null() {
+            None
+        } else {
+            // SAFETY: non-null, so a NUL-terminated string, per the caller.
+            let draft_path = unsafe { text(o.draft_path, "options.draft_path") }?;
+            Some(placement::open_pack(Path::new(draft_path), o.verify == 1, o.verify != 2)?)
+        };
         let reserve = if o.memory_reserve_bytes > 0 { o.memory_reserve_bytes } else { 32 << 20 };
         let auto = o.memory_budget_bytes == u64::MAX;
         let mem = MemoryOptions {
@@ -511,10 +545,15 @@ pub unsafe extern "C" fn nflash_open(
             ..Default::default()
         };
         let ctx = placement::context_len(&pack, (o.ctx > 0).then_some(o.ctx as usize))?;
+        let draft_bytes = draft.as_ref().map_or(0, |d| planner::draft_pack_bytes(d.manifest(), ctx as u32, mem.kv));
+        let mem = MemoryOptions { draft_bytes, ..mem };
         // Loaded on the pool, whose thread count the plan depends on.
         let loaded = pool.install(|| {
-            Loaded::try_new(pack, |pack| -> Result<Running<'_>, Error> {
-                let (engine, plan) = placement::load_engine(pack, &mem, ctx, o.verify != 2)?;
+            Loaded::try_new(Packs { model: pack, draft }, |packs| -> Result<Running<'_>, Error> {
+                let (mut engine, plan) = placement::load_engine(&packs.model, &mem, ctx, o.verify != 2)?;
+                if let Some(d) = &packs.draft {
+                    engine.attach_draft(Engine::load(d)?, d.path())?;
+                }
                 let session = Session::new(&engine, ctx)?;
                 Ok(Running { engine, session, budget: plan.map(|p| p.memory_budget_bytes) })
             })
@@ -616,9 +655,10 @@ fn generate(
         1 => DraftKind::Lookup,
         2 => DraftKind::SelfDraft,
         3 => DraftKind::Auto,
+        4 => DraftKind::Pack,
         v => {
             return Err(invalid(format!(
-                "params.speculate_draft {v} must be 0 (off), 1 (prompt lookup), 2 (self-speculation) or 3 (auto)"
+                "params.speculate_draft {v} must be 0 (off), 1 (prompt lookup), 2 (self-speculation), 3 (auto) or 4 (the draft pack)"
             )))
         }
     };
@@ -634,6 +674,16 @@ fn generate(
         }
     };
     lock(&m.loaded).with_dependent_mut(|_, r| {
+        // auto means the draft pack where the model was opened with one.
+        let draft = match (draft, r.engine.draft.is_some()) {
+            (DraftKind::Auto, true) => DraftKind::Pack,
+            (DraftKind::Pack, false) => {
+                return Err(invalid(
+                    "params.speculate_draft 4 needs a draft pack: open the model with options.draft_path",
+                ))
+            }
+            (d, _) => d,
+        };
         // At most a context's worth, counted before a long text is tokenized whole.
         let limit = r.session.capacity() - 1;
         let ids = match &req {

@@ -614,6 +614,7 @@ mod tests {
             io_threads: None,
             measured: None,
             unit_share: Some(share.clone()),
+            draft_bytes: 0,
         };
         let fixed = crate::planner::fixed_region(&m, 128, KvType::F16, None).total();
         let ffn: u64 =

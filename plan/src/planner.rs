@@ -84,6 +84,11 @@ pub struct PlanRequest {
     /// Each FFN unit's share of the tokens (`[units]`: `Pack::unit_share`,
     /// an expert's routed share); `None` = [`crate::cost::uniform_unit_share`].
     pub unit_share: Option<Vec<f64>>,
+    /// Memory held beside the model in the same budget, bytes: a draft
+    /// pack for speculative decoding (`nflash run --draft`; issue 47), its
+    /// weights, KV cache and scratch ([`draft_pack_bytes`]); 0 = none.
+    /// Counted in the fixed region ([`FixedRegion::draft`]).
+    pub draft_bytes: u64,
 }
 
 /// What a process measured of itself once loaded, bytes.
@@ -109,12 +114,14 @@ pub struct FixedRegion {
     pub scratch: u64,
     /// Runtime code, libraries, in-memory tokenizer.
     pub runtime: u64,
+    /// A draft pack held beside the model ([`PlanRequest::draft_bytes`]).
+    pub draft: u64,
 }
 
 impl FixedRegion {
     /// Sum of the parts.
     pub fn total(&self) -> u64 {
-        self.resident + self.kv + self.scratch + self.runtime
+        self.resident + self.kv + self.scratch + self.runtime + self.draft
     }
 
     /// `resident R MiB + KV cache at ctx N: K MiB + …` for messages.
@@ -126,7 +133,7 @@ impl FixedRegion {
             mib(self.kv),
             mib(self.scratch),
             mib(self.runtime)
-        )
+        ) + &if self.draft > 0 { format!(" + draft pack {:.1} MiB", mib(self.draft)) } else { String::new() }
     }
 }
 
@@ -168,7 +175,19 @@ pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footpri
         }
         None => runtime_estimate(m),
     };
-    FixedRegion { resident, kv, scratch, runtime }
+    FixedRegion { resident, kv, scratch, runtime, draft: 0 }
+}
+
+/// What a draft pack `m` (speculative decoding's `--draft`, issue 47)
+/// holds beside the model it drafts for, bytes: all of it in memory
+/// (resident segments, every FFN neuron cluster), its KV cache at `ctx`
+/// tokens of `kv` elements, its scratch and its in-memory tokenizer
+/// ([`TOKENIZER_FACTOR`]); the process's own base ([`RUNTIME_BASE_BYTES`])
+/// is the model's, counted once.
+pub fn draft_pack_bytes(m: &Manifest, ctx: u32, kv: KvType) -> u64 {
+    let f = fixed_region(m, ctx, kv, None);
+    let all: Vec<u32> = m.ffn.iter().map(|u| u.n_neurons).collect();
+    f.resident + f.kv + f.scratch + TOKENIZER_FACTOR * m.tokenizer.json_bytes + hot_region_bytes(m, &all)
 }
 
 /// Bytes of `m`'s tokenizer and resident segments (embeddings, attention,
@@ -214,7 +233,7 @@ pub fn choose_cluster_bytes(dev: &DeviceProfile, bundle_bytes: u64, p: &[f64]) -
 /// [`nflash_format::Error::Budget`] (wrapped) if the fixed region alone
 /// exceeds the budget, saying by how much.
 pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan> {
-    let fixed = fixed_region(m, req.ctx, req.kv, req.measured);
+    let fixed = FixedRegion { draft: req.draft_bytes, ..fixed_region(m, req.ctx, req.kv, req.measured) };
     let budget = req.budget_bytes;
     // The minimum: the fixed region and one layer's FFN clusters, which stage reads.
     let max_layer = staging_bytes(m);
@@ -232,7 +251,9 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         // estimate, since a load peak larger than the steady state does not
         // shrink with the KV cache.
         let slack = nflash_format::error::MEASUREMENT_SLACK_BYTES;
-        let fits = |c: u64| fixed_region(m, c as u32, req.kv, req.measured).total() + max_layer + slack <= budget;
+        let fits = |c: u64| {
+            fixed_region(m, c as u32, req.kv, req.measured).total() + req.draft_bytes + max_layer + slack <= budget
+        };
         while ctx_fit >= 16 && !fits(ctx_fit) {
             ctx_fit = ctx_fit * 15 / 16;
         }

@@ -19,16 +19,21 @@ pub enum DraftKind {
     /// Prompt lookup where it pays: [`Adaptive`] picks K from the
     /// acceptance seen so far and drafts nothing while the expected gain
     /// does not cover a verify pass's cost (counts only, no clocks).
+    /// `nflash run --draft PACK` makes it [`DraftKind::Pack`].
     Auto,
+    /// A draft pack: a small model with the same tokenizer, all in memory,
+    /// with its own KV cache ([`DraftCache`]); greedy guesses.
+    Pack,
 }
 
 impl DraftKind {
     /// Every value, with its command-line name.
-    pub const ALL: [(DraftKind, &'static str); 4] = [
+    pub const ALL: [(DraftKind, &'static str); 5] = [
         (DraftKind::Off, "off"),
         (DraftKind::Auto, "auto"),
         (DraftKind::Lookup, "lookup"),
         (DraftKind::SelfDraft, "self"),
+        (DraftKind::Pack, "pack"),
     ];
 
     /// The draft that makes the guesses: [`DraftKind::Lookup`] for
@@ -41,7 +46,7 @@ impl DraftKind {
         }
     }
 
-    /// The name used in flags and statistics (`off`, `auto`, `lookup`, `self`).
+    /// The name used in flags and statistics (`off`, `auto`, `lookup`, `self`, `pack`).
     pub fn name(self) -> &'static str {
         Self::ALL.iter().find(|(k, _)| *k == self).map_or("off", |(_, n)| n)
     }
@@ -50,10 +55,10 @@ impl DraftKind {
 impl std::str::FromStr for DraftKind {
     type Err = crate::error::Error;
 
-    /// `off`, `auto`, `lookup` or `self`.
+    /// `off`, `auto`, `lookup`, `self` or `pack`.
     fn from_str(s: &str) -> crate::error::Result<Self> {
         Self::ALL.iter().find(|(_, name)| *name == s).map(|(v, _)| *v).ok_or_else(|| {
-            crate::error::Error::Usage(format!("unknown draft {s:?}: expected off, auto, lookup or self"))
+            crate::error::Error::Usage(format!("unknown draft {s:?}: expected off, auto, lookup, self or pack"))
         })
     }
 }
@@ -313,6 +318,135 @@ pub fn self_draft(
     kv.hold(None);
     kv.truncate(base);
     result
+}
+
+/// A draft pack's KV cache and the token ids in it, for
+/// [`DraftKind::Pack`]: the draft model (all in memory) follows the text
+/// the target model commits, catching up on the tokens it has not seen
+/// before each draft and dropping the guesses the verify pass rejected
+/// (the longest prefix it shares with the text is kept).
+pub struct DraftCache {
+    kv: crate::model::kv_cache::KvCache,
+    /// The ids in `kv`, one per position.
+    ids: Vec<u32>,
+    /// Catch-ups that found the shared prefix gone from a sliding-window
+    /// layer's KV ring and ran the text from the start.
+    restarts: usize,
+}
+
+impl DraftCache {
+    /// An empty cache of `capacity` tokens for the draft `model`.
+    ///
+    /// # Errors
+    /// [`crate::Error::KvCache`] when the KV cache cannot be reserved.
+    pub fn new(model: &crate::model::Model, capacity: usize) -> crate::error::Result<Self> {
+        Ok(DraftCache { kv: model.try_new_kv_cache(capacity)?, ids: Vec::new(), restarts: 0 })
+    }
+
+    /// Tokens in the draft's KV cache.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Catch-ups ([`Self::catch_up`]) that could not roll a sliding-window
+    /// layer's KV ring back to the prefix shared with the text and ran the
+    /// text from the start instead (slower, same guesses).
+    pub fn restarts(&self) -> usize {
+        self.restarts
+    }
+
+    /// Whether the draft's KV cache is empty.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Makes the draft's KV cache hold `text` (token ids): keeps the
+    /// longest prefix it shares with `text` and runs the rest through the
+    /// draft `model`, in prefill passes of
+    /// [`nflash_plan::layout::prefill_chunk`] tokens. Returns the passes run.
+    ///
+    /// # Errors
+    /// The draft model's errors (a failed pass; the cache is then emptied).
+    pub fn catch_up(&mut self, model: &crate::model::Model, text: &[u32]) -> crate::error::Result<usize> {
+        let same = self.ids.iter().zip(text).take_while(|(a, b)| a == b).count();
+        let kept = self.kv.truncate(same);
+        self.restarts += usize::from(kept < same);
+        self.ids.truncate(kept);
+        let mut passes = 0;
+        for chunk in text[kept..].chunks(nflash_plan::layout::prefill_chunk(&model.cfg)) {
+            if let Err(e) = model.forward(&mut self.kv, chunk) {
+                self.kv.truncate(0);
+                self.ids.clear();
+                return Err(e);
+            }
+            self.ids.extend_from_slice(chunk);
+            passes += 1;
+        }
+        Ok(passes)
+    }
+
+    /// Guesses up to `k` tokens after `text` (the token ids the target
+    /// model has committed: its KV cache's and the last sampled token)
+    /// with the draft `model`, greedily (argmax, as [`self_draft`]'s
+    /// guesses and for the same reason), into `out` (cleared first). First
+    /// the draft catches up ([`Self::catch_up`]) on `text` less its last
+    /// token, then runs that token and each guess but the last, one
+    /// decode pass each. Drafting ends early before a
+    /// guess in `stop_ids` or at or past `vocab` (the target's vocabulary),
+    /// at non-finite logits, or where the draft's KV cache is full.
+    /// Returns the draft's forward passes.
+    ///
+    /// # Errors
+    /// The draft model's errors (a failed pass).
+    pub fn propose(
+        &mut self,
+        model: &crate::model::Model,
+        text: &[u32],
+        k: usize,
+        stop_ids: &[u32],
+        vocab: u64,
+        out: &mut Vec<u32>,
+    ) -> crate::error::Result<usize> {
+        out.clear();
+        let Some((&last, before)) = text.split_last() else { return Ok(0) };
+        // Room for `text` and all but the last guess.
+        let k = k.min((self.kv.capacity() + 1).saturating_sub(text.len()));
+        if k == 0 {
+            return Ok(0);
+        }
+        let mut passes = self.catch_up(model, before)?;
+        // A sliding-window layer keeps the rows the next catch-up may
+        // truncate back to (the guesses are run one at a time).
+        self.kv.hold(Some(self.ids.len()));
+        let guessed = (|| {
+            let mut t = last;
+            loop {
+                let hs = model.forward(&mut self.kv, &[t])?;
+                self.ids.push(t);
+                passes += 1;
+                let logits = model.logits(&hs);
+                if !logits.iter().all(|v| v.is_finite()) {
+                    break;
+                }
+                t = crate::sampler::argmax(&logits);
+                if stop_ids.contains(&t) || u64::from(t) >= vocab {
+                    break;
+                }
+                out.push(t);
+                if out.len() == k {
+                    break;
+                }
+            }
+            Ok(passes)
+        })();
+        self.kv.hold(None);
+        if guessed.is_err() {
+            // A failed pass may have left rows uncommitted: start over next time.
+            self.kv.truncate(0);
+            self.ids.clear();
+        }
+        guessed
+    }
 }
 
 #[cfg(test)]

@@ -23,6 +23,9 @@ pub struct Engine<'a> {
     raw_bos: RawBos,
     /// Sampling defaults stored in the pack (SPEC §4.9).
     pub generation: nflash_format::GenerationDefaults,
+    /// A draft model for speculative decoding's [`crate::draft::DraftKind::Pack`]
+    /// (`nflash run --draft`), all in memory; see [`Self::attach_draft`].
+    pub draft: Option<Model<'a>>,
 }
 
 /// How a raw prompt starts (SPEC §4.2 `add_bos_token`).
@@ -93,7 +96,37 @@ impl<'a> Engine<'a> {
             RawBos::Prepend(model.cfg.bos_token_id.filter(|_| info.add_bos_token))
         };
         let generation = pack.metadata()?.generation.unwrap_or_default();
-        Ok(Engine { stop_ids: model.cfg.eos_token_ids.clone(), model, tokenizer, template, raw_bos, generation })
+        Ok(Engine {
+            stop_ids: model.cfg.eos_token_ids.clone(),
+            model,
+            tokenizer,
+            template,
+            raw_bos,
+            generation,
+            draft: None,
+        })
+    }
+
+    /// Makes `draft` (a small model's engine, loaded all in memory:
+    /// [`Engine::load`]) this engine's draft model for
+    /// [`crate::draft::DraftKind::Pack`]; its KV cache and counters are its
+    /// own. The two must share a tokenizer: every id names the same token.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] naming the first id whose token differs, and the
+    /// draft's path.
+    pub fn attach_draft(&mut self, draft: Engine<'a>, path: &std::path::Path) -> Result<()> {
+        if let Some((id, ours, theirs)) = self.tokenizer.vocab_difference(&draft.tokenizer) {
+            let show = |t: Option<String>| t.map_or_else(|| "missing".to_string(), |t| format!("{t:?}"));
+            return Err(Error::Usage(format!(
+                "the draft pack {} has another tokenizer than the model: token id {id} is {} in the model and {} in the draft; a draft must share the model's tokenizer (the same model family, e.g. a smaller SmolLM2 for SmolLM2)",
+                path.display(),
+                show(ours),
+                show(theirs)
+            )));
+        }
+        self.draft = Some(draft.model);
+        Ok(())
     }
 
     /// Token ids of a raw prompt (no chat template): the tokenizer's tokens,

@@ -20,7 +20,8 @@ pub struct GenStats {
     pub prompt_tokens: usize,
     /// Tokens generated (the stop token not counted).
     pub generated_tokens: usize,
-    /// Prefill wall time, seconds (prompt forward passes + first sample).
+    /// Prefill wall time, seconds (prompt forward passes, a draft pack's
+    /// too, + first sample).
     pub prefill_s: f64,
     /// Forward passes in decode: single-token ones, and verify passes of
     /// speculative decoding (`decode_passes` in `--stats-json`).
@@ -37,7 +38,8 @@ pub struct GenStats {
     pub accepted_tokens: usize,
     /// Verify passes (decode passes that checked a draft).
     pub verify_passes: usize,
-    /// Forward passes a model draft ran (self-speculation), not counted in `decode_steps`.
+    /// Forward passes a model draft ran (self-speculation, or a draft
+    /// pack's, its catch-up prefill passes included), not counted in `decode_steps`.
     pub draft_passes: usize,
     /// Wall time spent drafting, seconds.
     pub draft_s: f64,
@@ -212,6 +214,19 @@ pub fn prefill(model: &Model, kv: &mut KvCache, prompt: &[u32], cancel: &CancelT
     model.checked_logits(&last_hidden, kv.len() - 1).map(Some)
 }
 
+/// A draft pack for one generation ([`DraftKind::Pack`]): the draft model
+/// and its KV cache, which [`crate::session::Session`] keeps across the
+/// turns of a conversation.
+pub struct PackDraft<'r, 'm> {
+    /// The draft model, all in memory ([`crate::Engine::draft`]).
+    pub model: &'r Model<'m>,
+    /// Its KV cache and the ids in it.
+    pub cache: &'r mut crate::draft::DraftCache,
+    /// The ids the target's KV cache holds before the prompt (a
+    /// conversation's earlier turns).
+    pub history: &'r [u32],
+}
+
 /// As [`generate`], with `on_text` able to stop generation: after
 /// [`ControlFlow::Break`] no further token is computed and the stats say
 /// [`Finish::Cancelled`]. The KV cache then holds the prompt and every
@@ -230,8 +245,30 @@ pub fn generate_until(
     prompt: &[u32],
     sampler: &mut Sampler,
     opts: &GenerateOptions,
+    on_text: impl FnMut(&str) -> ControlFlow<()>,
+) -> Result<(Vec<u32>, GenStats)> {
+    generate_with_draft(model, kv, tok, prompt, sampler, opts, None, on_text)
+}
+
+/// As [`generate_until`], with a draft pack for [`DraftKind::Pack`]
+/// (`pack`; `None` for the other drafts).
+///
+/// # Errors
+/// As [`generate`]; [`Error::Usage`] for [`DraftKind::Pack`] without `pack`.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_with_draft(
+    model: &Model,
+    kv: &mut KvCache,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    opts: &GenerateOptions,
+    mut pack: Option<PackDraft<'_, '_>>,
     mut on_text: impl FnMut(&str) -> ControlFlow<()>,
 ) -> Result<(Vec<u32>, GenStats)> {
+    if opts.speculate.draft == DraftKind::Pack && pack.is_none() {
+        return Err(Error::Usage("--speculate-draft pack needs a draft pack: pass --draft PACK".into()));
+    }
     if prompt.is_empty() {
         return Err(Error::EmptyPrompt);
     }
@@ -246,6 +283,10 @@ pub fn generate_until(
     let t0 = Instant::now();
     let prefill0 = model.cache_stats();
     let first = prefill(model, kv, prompt, &opts.cancel)?.map(|logits| sampler.sample(&logits));
+    // A draft pack reads the prompt too, as part of prefill.
+    if let (Some(p), Some(_)) = (pack.as_mut(), first) {
+        stats.draft_passes += p.cache.catch_up(p.model, &[p.history, prompt].concat())?;
+    }
     stats.prefill_s = t0.elapsed().as_secs_f64();
     stats.prefill_cache = model.cache_stats().since(&prefill0);
     let Some(mut next) = first else {
@@ -264,7 +305,12 @@ pub fn generate_until(
     // are done; `context` the ids a lookup draft searches.
     let spec = opts.speculate;
     let mut ahead: std::collections::VecDeque<u32> = std::collections::VecDeque::new();
-    let mut context: Vec<u32> = if spec.draft.source() == DraftKind::Lookup { prompt.to_vec() } else { Vec::new() };
+    // (With a draft pack, the whole text the target has committed.)
+    let mut context: Vec<u32> = match (spec.draft.source(), &pack) {
+        (DraftKind::Lookup, _) => prompt.to_vec(),
+        (DraftKind::Pack, Some(p)) => [p.history, prompt].concat(),
+        _ => Vec::new(),
+    };
     // `auto`: K per pass from the acceptance so far, 0 where it does not pay.
     let offload = model.cache_regions().io_engine.is_some();
     let mut adaptive = (spec.draft == DraftKind::Auto).then(|| crate::draft::Adaptive::new(spec.max_draft, offload));
@@ -330,6 +376,14 @@ pub fn generate_until(
                     }
                 }
             }
+            DraftKind::Pack => {
+                context.push(next);
+                if let (Some(p), true) = (pack.as_mut(), room > 0) {
+                    let stops: &[u32] = if opts.ignore_eos { &[] } else { &opts.stop_ids };
+                    stats.draft_passes +=
+                        p.cache.propose(p.model, &context, room, stops, model.cfg.vocab_size, &mut draft)?;
+                }
+            }
             DraftKind::SelfDraft => {
                 if room > 0 {
                     let stops: &[u32] = if opts.ignore_eos { &[] } else { &opts.stop_ids };
@@ -371,7 +425,7 @@ pub fn generate_until(
                 }
             };
             kv.truncate(base + kept + 1);
-            if spec.draft.source() == DraftKind::Lookup {
+            if matches!(spec.draft.source(), DraftKind::Lookup | DraftKind::Pack) {
                 context.extend(ahead.iter());
             }
             if let Some(a) = &mut adaptive {

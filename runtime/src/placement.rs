@@ -47,6 +47,9 @@ pub struct MemoryOptions {
     pub io_engine: IoEngine,
     /// `--kv`: KV cache element type.
     pub kv: KvType,
+    /// `--draft`: bytes a draft pack holds beside the model, inside the
+    /// budget ([`nflash_plan::planner::draft_pack_bytes`]); 0 = none.
+    pub draft_bytes: u64,
 }
 
 /// The cache layout to run with, and the plan it came from (if any).
@@ -76,7 +79,7 @@ pub fn resolve(
         // Up to --memory-max, or the whole model in memory.
         Some(o.memory_budget.unwrap_or_else(|| {
             let all: Vec<u32> = m.ffn.iter().map(|f| f.n_neurons).collect();
-            let fixed = planner::fixed_region(m, ctx as u32, o.kv, measured).total();
+            let fixed = planner::fixed_region(m, ctx as u32, o.kv, measured).total() + o.draft_bytes;
             fixed + planner::hot_region_bytes(m, &all).max(planner::staging_bytes(m))
         }))
     } else {
@@ -91,6 +94,7 @@ pub fn resolve(
                 && KvType::of_plan(m, p) == o.kv
                 && p.threads as usize == threads
                 && o.device.is_none()
+                && o.draft_bytes == 0
                 && measured.is_none() =>
         {
             Some(p.clone())
@@ -110,6 +114,7 @@ pub fn resolve(
                 io_threads: o.io_threads.map(|n| n as u32),
                 measured,
                 unit_share: Some(pack.unit_share()?),
+                draft_bytes: o.draft_bytes,
             };
             Some(planner::plan(m, &dev, &req).map_err(|e| {
                 Error::Budget(if o.memory_budget.is_none() {
@@ -254,7 +259,10 @@ fn start_bytes(
     };
     let m = pack.manifest();
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    let fixed = plan.map_or_else(|| planner::fixed_region(m, ctx as u32, o.kv, measured).total(), |p| p.fixed_bytes);
+    let fixed = plan.map_or_else(
+        || planner::fixed_region(m, ctx as u32, o.kv, measured).total() + o.draft_bytes,
+        |p| p.fixed_bytes,
+    );
     let full = planner::hot_region_bytes(m, &cache.hot_neurons).saturating_add(cache.cold_bytes);
     let least = planner::staging_bytes(m);
     let ceiling = if o.memory_budget.is_some() { "--memory-max" } else { "the whole model" };

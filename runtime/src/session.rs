@@ -5,9 +5,10 @@
 
 use std::ops::ControlFlow;
 
+use crate::draft::{DraftCache, DraftKind};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::generate::{generate_until, prefill, CancelToken, GenStats, GenerateOptions};
+use crate::generate::{generate_with_draft, prefill, CancelToken, GenStats, GenerateOptions, PackDraft};
 use crate::model::kv_cache::KvCache;
 use crate::sampler::Sampler;
 
@@ -23,6 +24,8 @@ pub struct Session {
     /// a reused prefix holds the bits of the keys and values a fresh
     /// prefill would compute.
     prefilled: usize,
+    /// A draft pack's KV cache ([`DraftKind::Pack`]), made at its first use.
+    draft: Option<DraftCache>,
 }
 
 /// What one [`Session::generate`] did.
@@ -43,7 +46,7 @@ impl Session {
     /// # Errors
     /// [`crate::Error::KvCache`] when the KV cache cannot be reserved.
     pub fn new(engine: &Engine, ctx: usize) -> Result<Self> {
-        Ok(Session { kv: engine.model.try_new_kv_cache(ctx)?, cached: Vec::new(), prefilled: 0 })
+        Ok(Session { kv: engine.model.try_new_kv_cache(ctx)?, cached: Vec::new(), prefilled: 0, draft: None })
     }
 
     /// The context length, tokens (the KV cache's capacity).
@@ -78,7 +81,19 @@ impl Session {
     ) -> Result<Turn> {
         let common = self.keep_prefix(engine, ids);
         let new = &ids[common..];
-        match generate_until(&engine.model, &mut self.kv, &engine.tokenizer, new, sampler, opts, on_text) {
+        // A draft pack's KV cache lives as long as the conversation.
+        let pack = match (&engine.draft, opts.speculate.draft) {
+            (Some(model), DraftKind::Pack) => {
+                if self.draft.is_none() {
+                    self.draft = Some(DraftCache::new(model, self.kv.capacity())?);
+                }
+                self.draft.as_mut().map(|cache| PackDraft { model, cache, history: &self.cached[..common] })
+            }
+            _ => None,
+        };
+        let result =
+            generate_with_draft(&engine.model, &mut self.kv, &engine.tokenizer, new, sampler, opts, pack, on_text);
+        match result {
             Ok((tokens, stats)) => {
                 self.prefilled_through(engine, new);
                 self.cached.extend_from_slice(&tokens);

@@ -153,6 +153,31 @@ impl Tokenizer {
         max_id.max(self.inner.get_vocab_size(true))
     }
 
+    /// The first difference between this tokenizer's vocabulary and
+    /// `other`'s (added tokens included), as `(id, this token, other's
+    /// token)` with `None` for an id one of them lacks; `None` when every
+    /// id names the same token in both (a draft model must share the
+    /// target's ids: `Engine::attach_draft`).
+    pub fn vocab_difference(&self, other: &Tokenizer) -> Option<(u32, Option<String>, Option<String>)> {
+        let by_id = |t: &Tokenizer| {
+            let mut v: Vec<(u32, String)> = t.inner.get_vocab(true).into_iter().map(|(s, id)| (id, s)).collect();
+            v.sort_unstable();
+            v
+        };
+        let (a, b) = (by_id(self), by_id(other));
+        let (mut i, mut j) = (0, 0);
+        while i < a.len() || j < b.len() {
+            match (a.get(i), b.get(j)) {
+                (Some(x), Some(y)) if x == y => (i, j) = (i + 1, j + 1),
+                (Some(x), Some(y)) if x.0 == y.0 => return Some((x.0, Some(x.1.clone()), Some(y.1.clone()))),
+                (Some(x), y) if y.is_none_or(|y| x.0 < y.0) => return Some((x.0, Some(x.1.clone()), None)),
+                (_, Some(y)) => return Some((y.0, None, Some(y.1.clone()))),
+                _ => break,
+            }
+        }
+        None
+    }
+
     /// The token with the largest id (added tokens included), if any.
     pub fn highest_id(&self) -> Option<(String, u32)> {
         self.inner.get_vocab(true).into_iter().max_by_key(|(_, id)| *id)

@@ -556,6 +556,33 @@ static void t_speculate(void) {
     p.draft_tokens = 17;
     CHECK_STATUS(nflash_complete(model, doc, &p, NULL, NULL), NFLASH_STATUS_INVALID_ARGUMENT);
     CHECK_ERROR_NAMES("draft_tokens");
+
+    /* A draft pack (options.draft_path; here the pack itself, whose greedy
+       guesses are all kept): 4, and auto with a draft, give the same text. */
+    nflash_options o;
+    nflash_options_default(&o);
+    CHECK(o.draft_path == NULL, "options_default: a draft path");
+    o.ctx = 1024;
+    o.draft_path = "/nonexistent.nflash";
+    nflash_model *drafted = NULL;
+    CHECK_STATUS(nflash_open(pack_path, &o, &drafted), NFLASH_STATUS_IO);
+    CHECK_ERROR_NAMES("nonexistent.nflash");
+    o.draft_path = pack_path;
+    CHECK_STATUS(nflash_open(pack_path, &o, &drafted), NFLASH_STATUS_OK);
+    if (!drafted) return;
+    for (unsigned kind = 3; kind <= 4; kind++) {
+        struct collect pack_spec = {0};
+        p.speculate_draft = kind;
+        p.draft_tokens = 4;
+        CHECK_STATUS(nflash_complete(drafted, doc, &p, collect_cb, &pack_spec), NFLASH_STATUS_OK);
+        CHECK(strcmp(plain.text, pack_spec.text) == 0, "draft pack (%u) changed the text: \"%s\" vs \"%s\"", kind,
+              plain.text, pack_spec.text);
+        CHECK_STATUS(nflash_stats(drafted, &st), NFLASH_STATUS_OK);
+        CHECK(st.draft_tokens > 0 && st.accepted_tokens == st.draft_tokens,
+              "draft pack (%u): drafted %u, accepted %u (the model itself: all)", kind, st.draft_tokens,
+              st.accepted_tokens);
+    }
+    nflash_free(drafted);
 }
 
 /* ---- memory given back on request (issue 46: onTrimMemory) ---- */

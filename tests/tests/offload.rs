@@ -432,6 +432,7 @@ fn the_planner_fills_the_budget_hot_first_and_bounds_the_hot_set_by_io_time() {
         io_threads: None,
         measured: None,
         unit_share: None,
+        draft_bytes: 0,
     };
     let fixed = fixed_region(m, 64, KvType::F16, None).total();
     let ffn: u64 = m.segments.iter().filter(|s| s.kind == nflash_format::SegmentKind::Ffn).map(|s| s.bytes).sum();
@@ -461,6 +462,21 @@ fn the_planner_fills_the_budget_hot_first_and_bounds_the_hot_set_by_io_time() {
     // Below the fixed region: refused, saying by how much.
     let e = plan(m, &slow, &req(fixed - 1)).unwrap_err().to_string();
     assert!(e.contains("short of the minimum") && e.contains("fixed region"), "{e}");
+    // A draft pack (issue 47) is held inside the same budget: the fixed
+    // region grows by its bytes, the neuron cache shrinks by as much, and a
+    // budget that held the model alone is refused with it, naming it.
+    let draft = nflash_plan::planner::draft_pack_bytes(m, 64, KvType::F16);
+    assert!(draft > ffn, "a draft holds its whole FFN: {draft} of FFN {ffn}");
+    let b = fixed + draft + ffn * 3 / 4;
+    let alone = plan(m, &slow, &req(b)).unwrap();
+    let with = plan(m, &slow, &PlanRequest { draft_bytes: draft, ..req(b) }).unwrap();
+    assert_eq!(with.fixed_bytes, alone.fixed_bytes + draft);
+    assert!(with.fixed_bytes + with.hot_bytes + with.cold_bytes <= b, "{with:?}");
+    let whole = |pl: &nflash_format::Plan| pl.hot_neurons.iter().zip(&m.ffn).all(|(&h, f)| h == f.n_neurons);
+    assert!(whole(&alone), "alone, the model fits whole: {alone:?}");
+    assert!(!whole(&with) && with.cold_bytes > 0, "beside the draft it does not: {with:?}");
+    let e = plan(m, &slow, &PlanRequest { draft_bytes: draft, ..req(fixed + ffn / 2) }).unwrap_err().to_string();
+    assert!(e.contains("draft pack"), "{e}");
 }
 
 #[test]

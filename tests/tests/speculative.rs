@@ -6,10 +6,10 @@
 use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
-use nflash_runtime::draft::{DraftKind, SpecOptions};
+use nflash_runtime::draft::{DraftCache, DraftKind, SpecOptions};
 use std::ops::ControlFlow;
 
-use nflash_runtime::generate::{generate_until, GenStats, GenerateOptions};
+use nflash_runtime::generate::{generate_until, generate_with_draft, GenStats, GenerateOptions, PackDraft};
 use nflash_runtime::sampler::{Sampler, SamplerConfig};
 use nflash_runtime::Engine;
 use nflash_tests::{placements, run, tiny_words, write_tiny_checkpoint, TinySpec, QUICK_CALIB};
@@ -272,6 +272,149 @@ fn a_stop_inside_a_verify_pass_counts_only_the_tokens_used() {
     assert_eq!(spec.2.decode_tokens, plain.2.decode_tokens);
 }
 
+/// Generates from `prompt` with `engine` and the draft model `draft`
+/// ([`DraftKind::Pack`], K = `k`; seed 7, a 96-token KV cache); the
+/// tokens, the KV cache's length at the end and the counters.
+fn gen_drafted(
+    engine: &Engine,
+    draft: &nflash_runtime::Model,
+    prompt: &[u32],
+    temperature: f32,
+    k: usize,
+) -> (Vec<u32>, usize, GenStats) {
+    let opts = GenerateOptions {
+        max_tokens: 40,
+        stop_ids: engine.stop_ids.clone(),
+        ignore_eos: temperature > 0.0,
+        speculate: SpecOptions { draft: DraftKind::Pack, max_draft: k },
+        ..Default::default()
+    };
+    let mut kv = engine.model.new_kv_cache(96);
+    let mut cache = DraftCache::new(draft, 96).unwrap();
+    let pack = PackDraft { model: draft, cache: &mut cache, history: &[] };
+    let mut sampler = Sampler::new(SamplerConfig { temperature, top_k: 0, top_p: 1.0, seed: 7 });
+    let (ids, st) =
+        generate_with_draft(&engine.model, &mut kv, &engine.tokenizer, prompt, &mut sampler, &opts, Some(pack), |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    (ids, kv.len(), st)
+}
+
+/// A draft pack's guesses give plain decoding's tokens and KV cache under
+/// every placement of `target`, greedy and sampled, K = 1, 3 and 6, with
+/// each of `drafts` (the target itself, in memory: every greedy guess
+/// kept; another model with the same tokenizer: some kept, some not).
+fn check_draft_pack(target: &Path, drafts: &[&Path]) {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    pool.install(|| {
+        let pack = Pack::open_resident(target).unwrap();
+        let draft_packs: Vec<Pack> = drafts.iter().map(|d| Pack::open_resident(d).unwrap()).collect();
+        let draft_engines: Vec<Engine> = draft_packs.iter().map(|d| Engine::load(d).unwrap()).collect();
+        for (name, cfg) in placements(target) {
+            let engine = Engine::load_with(&pack, &cfg).unwrap();
+            for (di, draft) in draft_engines.iter().enumerate() {
+                let (mut drafted, mut kept, mut greedy) = (0, 0, (0, 0));
+                for (i, prompt) in prompts().iter().enumerate() {
+                    for temperature in [0.0, 1.5] {
+                        let plain = gen(&engine, prompt, temperature, DraftKind::Off, 4);
+                        for k in [1, 3, 6] {
+                            let spec = gen_drafted(&engine, &draft.model, prompt, temperature, k);
+                            let what = format!("{name}, draft {di}, prompt {i}, temperature {temperature}, K {k}");
+                            assert_eq!(spec.0, plain.0, "{what}: tokens differ");
+                            assert_eq!(spec.1, plain.1, "{what}: KV cache lengths differ");
+                            assert_eq!(spec.2.decode_tokens, plain.2.decode_tokens, "{what}: decode tokens");
+                            assert_eq!(spec.2.draft, DraftKind::Pack);
+                            (drafted, kept) = (drafted + spec.2.draft_tokens, kept + spec.2.accepted_tokens);
+                            if temperature == 0.0 {
+                                greedy = (greedy.0 + spec.2.draft_tokens, greedy.1 + spec.2.accepted_tokens);
+                            }
+                        }
+                    }
+                }
+                let what = format!("{name}, draft {di}: {kept} of {drafted} kept, greedy {greedy:?}");
+                assert!(drafted > 0 && kept > 0, "{what}");
+                if drafts[di] == target {
+                    // The target itself drafts exactly its greedy tokens
+                    // wherever its FFN is whole in memory.
+                    if name.starts_with("whole") {
+                        assert_eq!(greedy.0, greedy.1, "{what}");
+                    }
+                } else {
+                    assert!(kept < drafted, "{what}");
+                }
+            }
+        }
+    });
+}
+
+/// A draft pack (issue 47): the target itself and a smaller model with the
+/// same tokenizer, for dense, sparse and mixture-of-experts targets.
+#[test]
+fn a_draft_pack_gives_plain_decodings_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
+    let small =
+        pack(d, &TinySpec { inter: 64, layers: 1, vocab: 96, seed: 5, ..TinySpec::default() }, "small", "q8_0", &[]);
+    let dense = pack(d, &spec, "dense.nflash", "q8_0", &[]);
+    check_draft_cache(&dense);
+    check_draft_pack(&dense, &[&dense, &small]);
+    let calib = d.join("calib.txt");
+    std::fs::write(&calib, tiny_words(1200, spec.vocab, 7)).unwrap();
+    let mut flags = vec!["--calib", calib.to_str().unwrap(), "--sparsity", "0.5"];
+    flags.extend(QUICK_CALIB);
+    let sparse = pack(d, &spec, "sparse.nflash", "q4_0", &flags);
+    check_draft_pack(&sparse, &[&sparse, &small]);
+    let moe = pack(d, &tiny_mixtral(), "moe.nflash", "q4_0", &[]);
+    check_draft_pack(&moe, &[&moe, &small]);
+}
+
+/// Sliding-window layers in the draft (Gemma 3, window 5): its KV rings
+/// roll back past rejected guesses (a tiny Gemma 3's greedy tokens follow
+/// its embeddings, so it drafts for a Llama, whose tokens differ).
+#[test]
+fn a_sliding_window_draft_pack_gives_plain_decodings_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
+    let target = pack(dir.path(), &spec, "dense.nflash", "q8_0", &[]);
+    let draft = pack(dir.path(), &TinySpec { vocab: 96, ..TinySpec::gemma3(43) }, "gemma3.nflash", "q8_0", &[]);
+    check_draft_pack(&target, &[&draft]);
+    check_draft_cache(&draft);
+}
+
+/// A draft pack's KV cache, rolled back past rejected guesses and caught up
+/// on the text that was kept, guesses what a fresh draft does: one that
+/// prefills the prompt, then runs the text after it one token at a time,
+/// as the draft's own catch-ups do (the same passes, so the same bits).
+fn check_draft_cache(path: &Path) {
+    let pack = Pack::open_resident(path).unwrap();
+    let engine = Engine::load(&pack).unwrap();
+    let model = &engine.model;
+    for (pi, prompt) in prompts().iter().enumerate() {
+        let mut cache = DraftCache::new(model, 96).unwrap();
+        let mut text = prompt.clone();
+        let (mut guesses, mut want) = (Vec::new(), Vec::new());
+        for i in 0..12 {
+            let k = 1 + i % 4;
+            cache.propose(model, &text, k, &[], 96, &mut guesses).unwrap();
+            let mut fresh = DraftCache::new(model, 96).unwrap();
+            fresh.catch_up(model, &text[..prompt.len() - 1]).unwrap();
+            for j in prompt.len()..text.len() {
+                fresh.catch_up(model, &text[..j]).unwrap();
+            }
+            fresh.propose(model, &text, k, &[], 96, &mut want).unwrap();
+            assert_eq!(guesses, want, "prompt {pi}, proposal {i}: {text:?}");
+            assert_eq!(cache.restarts(), 0, "prompt {pi}, proposal {i}: the KV cache was run again from the start");
+            assert!(!guesses.is_empty());
+            // Keep some guesses (none, some, all in turn), then a token of the target's.
+            let kept = i % (guesses.len() + 1);
+            text.extend_from_slice(&guesses[..kept]);
+            text.push((3 + (i * 13 + pi * 7) % 90) as u32);
+        }
+    }
+}
+
 /// Sliding-window layers (Gemma 3, window 5): their KV rings roll back
 /// past drafts and rejected guesses.
 #[test]
@@ -356,4 +499,67 @@ fn nflash_run_speculates_with_the_same_text() {
     // Out-of-range K is refused by the parser.
     let o = run("nflash", &["run", "--model", p.to_str().unwrap(), "--prompt", "a", "--draft-tokens", "0"]);
     assert!(!o.status.success());
+}
+
+/// `nflash run --draft PACK`: the draft pack's guesses (`auto` means pack
+/// with a draft) give plain decoding's text; it is planned inside
+/// --memory-budget and shown; a draft with another tokenizer, `pack`
+/// without a draft and a draft with another kind are refused, saying why.
+#[test]
+fn nflash_run_drafts_with_a_draft_pack() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = TinySpec { inter: 256, layers: 3, vocab: 96, ..TinySpec::default() };
+    let p = pack(d, &spec, "dense.nflash", "q8_0", &[]);
+    let small =
+        pack(d, &TinySpec { inter: 64, layers: 1, vocab: 96, seed: 5, ..TinySpec::default() }, "small", "q8_0", &[]);
+    let other = pack(d, &TinySpec { inter: 64, layers: 1, vocab: 128, ..TinySpec::default() }, "other", "q8_0", &[]);
+    let words = tiny_words(30, spec.vocab, 3);
+    let go = |extra: &[&str]| {
+        let json = d.join("stats.json");
+        let mut args = vec!["run", "--model", p.to_str().unwrap(), "--prompt", &words, "--raw", "--temperature", "0"];
+        args.extend([
+            "--ignore-eos",
+            "--max-tokens",
+            "40",
+            "--ctx",
+            "128",
+            "--stats",
+            "--stats-json",
+            json.to_str().unwrap(),
+        ]);
+        args.extend_from_slice(extra);
+        let o = run("nflash", &args);
+        let j = std::fs::read_to_string(&json).ok().map(|t| serde_json::from_str::<serde_json::Value>(&t).unwrap());
+        let _ = std::fs::remove_file(&json);
+        (o, j)
+    };
+    let (plain, pj) = go(&["--speculate-draft", "off"]);
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
+    for (draft, kind) in [(&p, "pack"), (&small, "auto")] {
+        let (o, j) = go(&["--draft", draft.to_str().unwrap(), "--speculate-draft", kind]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{err}");
+        assert_eq!(o.stdout, plain.stdout, "{kind}");
+        let j = j.unwrap();
+        assert_eq!(j["speculate_draft"], "pack", "{j}");
+        assert_eq!(j["decode_tokens"], pj.as_ref().unwrap()["decode_tokens"]);
+        assert!(j["acceptance_by_draft"]["pack"]["draft_tokens"].as_u64().unwrap() > 0, "{j}");
+        assert!(err.contains("draft pack") && err.contains("MiB in memory"), "{err}");
+    }
+    // Inside a budget: the plan's fixed region holds the draft.
+    let (o, _) = go(&["--draft", small.to_str().unwrap(), "--memory-budget", "64MiB"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("inside the fixed region"), "{err}");
+    assert_eq!(o.stdout, plain.stdout);
+    // Refusals.
+    let refused = |extra: &[&str], want: &str| {
+        let (o, _) = go(extra);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "{extra:?}: {err}");
+    };
+    refused(&["--draft", other.to_str().unwrap()], "another tokenizer");
+    refused(&["--speculate-draft", "pack"], "needs a draft pack");
+    refused(&["--draft", small.to_str().unwrap(), "--speculate-draft", "lookup"], "not lookup");
+    refused(&["--draft", d.join("missing.nflash").to_str().unwrap()], "missing.nflash");
 }

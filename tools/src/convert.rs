@@ -361,6 +361,7 @@ pub fn run(a: ConvertArgs) -> Result<()> {
                 .as_ref()
                 .and_then(|p| p.routed_share.as_ref())
                 .map(|s| s.iter().map(|&v| v as f64).collect()),
+            draft_bytes: 0,
         };
         move |m: &nflash_format::Manifest| -> Result<nflash_format::Plan> {
             Ok(nflash_plan::planner::plan(m, dev, &req)?)

@@ -1,6 +1,6 @@
 //! `--memory-budget` and the cache overrides shared by `run` and `ppl`.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use nflash_format::{DeviceProfile, Pack, Plan};
 use nflash_plan::layout::IoEngine;
@@ -144,9 +144,13 @@ pub fn budget_json(
 
 /// Loads the engine as [`nflash_runtime::placement::load_engine`] does with
 /// these options. `device`: from [`MemoryArgs::device_profile`]; `ctx`:
-/// tokens; `verify`: check each neuron cluster's CRC-32C as it is read.
+/// tokens; `verify`: check each neuron cluster's CRC-32C as it is read;
+/// `draft`: a draft pack (`--draft`), planned inside the budget
+/// ([`nflash_plan::planner::draft_pack_bytes`]), loaded all in memory after
+/// the model and attached to it.
 pub fn load_engine<'p>(
     pack: &'p Pack,
+    draft: Option<&'p Pack>,
     a: &MemoryArgs,
     device: Option<DeviceProfile>,
     ctx: usize,
@@ -171,6 +175,13 @@ pub fn load_engine<'p>(
         io_threads: a.io_threads,
         io_engine: a.io_engine,
         kv: a.kv,
+        draft_bytes: draft.map_or(0, |d| nflash_plan::planner::draft_pack_bytes(d.manifest(), ctx as u32, a.kv)),
     };
-    Ok(placement::load_engine(pack, &o, ctx, verify)?)
+    let (mut engine, plan) = placement::load_engine(pack, &o, ctx, verify)?;
+    if let Some(d) = draft {
+        let mut model = Engine::load(d).with_context(|| format!("loading the draft pack {}", d.path().display()))?;
+        model.model.set_kv_type(a.kv);
+        engine.attach_draft(model, d.path())?;
+    }
+    Ok((engine, plan))
 }

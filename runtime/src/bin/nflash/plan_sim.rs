@@ -258,6 +258,7 @@ fn simulate(
         io_threads: None,
         measured: None,
         unit_share: Some(share.to_vec()),
+        draft_bytes: 0,
     };
     // The floor the budget gives way to under pressure, and its speed.
     let floor = fixed + planner::staging_bytes(m);

@@ -61,7 +61,7 @@ fn run_in_pool(a: PplArgs) -> Result<()> {
     let pack = open_pack(&a.model, a.verify)?;
     let max_pos = pack.manifest().config.max_position_embeddings;
     let ctx = a.ctx.unwrap_or_else(|| (max_pos as usize).clamp(2, 512));
-    let (mut engine, _) = load_engine(&pack, &a.memory, device, ctx, a.verify.clusters())?;
+    let (mut engine, _) = load_engine(&pack, None, &a.memory, device, ctx, a.verify.clusters())?;
     engine.model.set_dense(a.dense);
     if ctx as u64 > max_pos {
         message!("warning: --ctx {ctx} exceeds the model's trained context ({max_pos} tokens); perplexity past it is not meaningful");

@@ -9,8 +9,8 @@ use anyhow::{bail, Context, Result};
 use clap::builder::TypedValueParser;
 use clap::Args;
 use nflash_runtime::chat::{ChatOptions, ContentTokens, Message};
-use nflash_runtime::draft::DraftKind;
-use nflash_runtime::generate::{generate, GenStats, GenerateOptions};
+use nflash_runtime::draft::{DraftCache, DraftKind};
+use nflash_runtime::generate::{generate_with_draft, GenStats, GenerateOptions, PackDraft};
 use nflash_runtime::model::predictor::SparsitySummary;
 use nflash_runtime::model::Speculation;
 use nflash_runtime::sampler::Sampler;
@@ -120,15 +120,26 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         (None, Some(f)) => Some(read_text(f)?),
         (None, None) => None,
     };
+    a.speculative.check()?;
     let device = a.memory.device_profile()?;
     let pack = open_pack(&a.model, a.verify)?;
+    let draft = a.speculative.draft.as_deref().map(|p| open_pack(p, a.verify)).transpose()?;
     let ctx = context_len(&pack, a.ctx)?;
-    let (mut engine, plan) = load_engine(&pack, &a.memory, device, ctx, a.verify.clusters())?;
+    let (mut engine, plan) = load_engine(&pack, draft.as_ref(), &a.memory, device, ctx, a.verify.clusters())?;
     if a.stats {
         if let Some(p) = &plan {
             message!(
                 "{}\n  (planned at start from this process's measured footprint)",
                 nflash_plan::planner::describe(p, pack.manifest())
+            );
+        }
+        if let Some(d) = &draft {
+            message!(
+                "draft pack {}: {:.1} MiB in memory{} (weights, KV cache at ctx {ctx}, scratch)",
+                d.path().display(),
+                nflash_plan::planner::draft_pack_bytes(d.manifest(), ctx as u32, a.memory.kv) as f64
+                    / (1u64 << 20) as f64,
+                if plan.is_some() { ", inside the fixed region" } else { "" }
             );
         }
     }
@@ -199,11 +210,24 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         engine.encode_raw(&prompt)?
     };
     let mut kv = engine.model.try_new_kv_cache(ctx)?;
+    let mut draft_cache = engine.draft.as_ref().map(|d| DraftCache::new(d, ctx)).transpose()?;
+    let pack_draft =
+        engine.draft.as_ref().zip(draft_cache.as_mut()).map(|(model, cache)| PackDraft { model, cache, history: &[] });
     let mut stdout = std::io::stdout().lock();
-    let (_, st) = generate(&engine.model, &mut kv, &engine.tokenizer, &ids, &mut sampler, &opts, |piece| {
-        let _ = stdout.write_all(piece.as_bytes());
-        let _ = stdout.flush();
-    })?;
+    let (_, st) = generate_with_draft(
+        &engine.model,
+        &mut kv,
+        &engine.tokenizer,
+        &ids,
+        &mut sampler,
+        &opts,
+        pack_draft,
+        |piece| {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+            ControlFlow::Continue(())
+        },
+    )?;
     let _ = writeln!(stdout);
     report(&a, &st, &engine.model, budget, kv.capacity(), watch.as_ref())
 }

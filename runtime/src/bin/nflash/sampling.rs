@@ -1,5 +1,8 @@
 //! The sampling and speculative-decoding flags shared by `nflash run` and `nflash serve`.
 
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
 use clap::builder::TypedValueParser;
 use clap::Args;
 use nflash_runtime::draft::{DraftKind, SpecOptions};
@@ -83,8 +86,9 @@ pub struct SpeculateArgs {
     /// itself, as summaries, extraction and code edits do), or self
     /// (self-speculation: the model on the neurons it holds in memory, no
     /// flash reads; pays where decode reads much from flash and much of a
-    /// sparse pack is resident). Not the same as --speculate, the prefetch
-    /// of neuron clusters.
+    /// sparse pack is resident), or pack (a draft pack's guesses: --draft;
+    /// auto means pack when --draft is given). Not the same as --speculate,
+    /// the prefetch of neuron clusters.
     #[arg(
         long,
         default_value = "auto",
@@ -94,11 +98,41 @@ pub struct SpeculateArgs {
     /// Most tokens a draft guesses per verify pass (K; the pass runs K + 1 tokens).
     #[arg(long, default_value_t = nflash_runtime::draft::DEFAULT_DRAFT_TOKENS, value_parser = clap::value_parser!(u16).range(1..=nflash_runtime::draft::MAX_DRAFT_TOKENS as i64).map(usize::from))]
     pub draft_tokens: usize,
+    /// A draft pack (from `prep convert`): a small model with the model's
+    /// tokenizer (the same family, e.g. SmolLM2-135M for a larger SmolLM2)
+    /// whose greedy guesses verify passes check. It is held all in memory,
+    /// with a KV cache of its own, inside --memory-budget (--stats shows
+    /// its share of the fixed region).
+    #[arg(long, value_name = "PACK")]
+    pub draft: Option<PathBuf>,
 }
 
 impl SpeculateArgs {
-    /// The generation's speculative-decoding settings.
+    /// The generation's speculative-decoding settings: `auto` with a
+    /// `--draft` is `pack`.
     pub fn options(&self) -> SpecOptions {
-        SpecOptions { draft: self.speculate_draft, max_draft: self.draft_tokens }
+        let draft = match (self.speculate_draft, &self.draft) {
+            (DraftKind::Auto, Some(_)) => DraftKind::Pack,
+            (d, _) => d,
+        };
+        SpecOptions { draft, max_draft: self.draft_tokens }
+    }
+
+    /// Checks that --draft and --speculate-draft agree.
+    ///
+    /// # Errors
+    /// `pack` without --draft, or --draft with a draft that does not use it.
+    pub fn check(&self) -> Result<()> {
+        match (self.speculate_draft, &self.draft) {
+            (DraftKind::Pack, None) => {
+                bail!("--speculate-draft pack needs a draft pack: pass --draft PACK (a small model with the same tokenizer)")
+            }
+            (DraftKind::Auto | DraftKind::Pack, _) | (_, None) => Ok(()),
+            (d, Some(p)) => bail!(
+                "--draft {} is used by --speculate-draft pack (or auto), not {}; drop one of them",
+                p.display(),
+                d.name()
+            ),
+        }
     }
 }

@@ -327,10 +327,12 @@ enum Event {
 }
 
 fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Result<()> {
+    a.speculative.check()?;
     let device = a.memory.device_profile()?;
     let pack = open_pack(&a.model, a.verify)?;
+    let draft = a.speculative.draft.as_deref().map(|p| open_pack(p, a.verify)).transpose()?;
     let ctx = context_len(&pack, a.ctx)?;
-    let (engine, plan) = load_engine(&pack, &a.memory, device, ctx, a.verify.clusters())?;
+    let (engine, plan) = load_engine(&pack, draft.as_ref(), &a.memory, device, ctx, a.verify.clusters())?;
     let mut session = Session::new(&engine, ctx)?;
     let (sampling, _) = a.sampling.resolve(&engine.generation);
     let model_id = a.alias.clone().unwrap_or_else(|| {
