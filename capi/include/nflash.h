@@ -106,8 +106,9 @@ typedef struct {
   // `nflash_params_default` gives, as `nflash run`'s default). The text is the same
   // either way; lookup pays where the reply repeats the prompt
   // (summaries, extraction, edits), self-speculation where the model
-  // reads much from flash; 4 the draft pack (`options.draft_path`), which
-  // auto means where the model was opened with one.
+  // reads much from flash; 4 the draft pack (`options.draft_path`), with
+  // which auto drafts where the model was opened with one (where its
+  // acceptance so far pays: never in memory).
   uint32_t speculate_draft;
   // Most tokens drafted per verify pass, 1–16; 0: 4 (`--draft-tokens`).
   uint32_t draft_tokens;

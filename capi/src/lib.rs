@@ -178,8 +178,9 @@ pub struct NflashParams {
     /// `nflash_params_default` gives, as `nflash run`'s default). The text is the same
     /// either way; lookup pays where the reply repeats the prompt
     /// (summaries, extraction, edits), self-speculation where the model
-    /// reads much from flash; 4 the draft pack (`options.draft_path`), which
-    /// auto means where the model was opened with one.
+    /// reads much from flash; 4 the draft pack (`options.draft_path`), with
+    /// which auto drafts where the model was opened with one (where its
+    /// acceptance so far pays: never in memory).
     pub speculate_draft: u32,
     /// Most tokens drafted per verify pass, 1–16; 0: 4 (`--draft-tokens`).
     pub draft_tokens: u32,
@@ -552,7 +553,7 @@ pub unsafe extern "C" fn nflash_open(
             Loaded::try_new(Packs { model: pack, draft }, |packs| -> Result<Running<'_>, Error> {
                 let (mut engine, plan) = placement::load_engine(&packs.model, &mem, ctx, o.verify != 2)?;
                 if let Some(d) = &packs.draft {
-                    engine.attach_draft(Engine::load(d)?, d.path())?;
+                    engine.attach_draft(&packs.model, d)?;
                 }
                 let session = Session::new(&engine, ctx)?;
                 Ok(Running { engine, session, budget: plan.map(|p| p.memory_budget_bytes) })
@@ -674,16 +675,10 @@ fn generate(
         }
     };
     lock(&m.loaded).with_dependent_mut(|_, r| {
-        // auto means the draft pack where the model was opened with one.
-        let draft = match (draft, r.engine.draft.is_some()) {
-            (DraftKind::Auto, true) => DraftKind::Pack,
-            (DraftKind::Pack, false) => {
-                return Err(invalid(
-                    "params.speculate_draft 4 needs a draft pack: open the model with options.draft_path",
-                ))
-            }
-            (d, _) => d,
-        };
+        // auto drafts with the draft pack where the model was opened with one.
+        if draft == DraftKind::Pack && r.engine.draft.is_none() {
+            return Err(invalid("params.speculate_draft 4 needs a draft pack: open the model with options.draft_path"));
+        }
         // At most a context's worth, counted before a long text is tokenized whole.
         let limit = r.session.capacity() - 1;
         let ids = match &req {

@@ -18,8 +18,9 @@ pub enum DraftKind {
     SelfDraft,
     /// Prompt lookup where it pays: [`Adaptive`] picks K from the
     /// acceptance seen so far and drafts nothing while the expected gain
-    /// does not cover a verify pass's cost (counts only, no clocks).
-    /// `nflash run --draft PACK` makes it [`DraftKind::Pack`].
+    /// does not cover a verify pass's cost (counts only, no clocks). With a
+    /// draft pack (`nflash run --draft PACK`) the pack guesses, under the
+    /// same controller with its passes' cost counted.
     Auto,
     /// A draft pack: a small model with the same tokenizer, all in memory,
     /// with its own KV cache ([`DraftCache`]); greedy guesses.
@@ -192,11 +193,20 @@ struct Arm {
 
 impl Adaptive {
     /// A controller for at most `max_k` guesses per pass; `offload`: the
-    /// model reads neuron clusters from flash.
+    /// model reads neuron clusters from flash. A draft made by a model adds
+    /// its passes' cost ([`Self::with_draft_cost`]).
     pub fn new(max_k: usize, offload: bool) -> Self {
         let beta = if offload { VERIFY_TOKEN_COST_OFFLOAD } else { VERIFY_TOKEN_COST_IN_MEMORY };
         let arm = Arm { accepted: 1.0, rejected: 1.0, pause: ADAPTIVE_PAUSE, wait: 0 };
         Adaptive { arms: [arm; LOOKUP_MAX_NGRAM], beta, max_k }
+    }
+
+    /// Counts each guess's draft pass too: `cost` decode steps of the model
+    /// (a draft pack: [`DraftModel::cost`]), added to β. `auto` with a draft
+    /// pack keeps one arm (match length 1) for all its guesses.
+    pub fn with_draft_cost(mut self, cost: f64) -> Self {
+        self.beta += cost.max(0.0);
+        self
     }
 
     /// The arm of match length `n` (clamped to 1 ..= [`LOOKUP_MAX_NGRAM`]).
@@ -320,6 +330,17 @@ pub fn self_draft(
     result
 }
 
+/// A draft pack's model, attached to the engine it drafts for
+/// (`Engine::attach_draft`).
+pub struct DraftModel<'a> {
+    /// The draft model, all in memory.
+    pub model: crate::model::Model<'a>,
+    /// What one of its forward passes costs, in decode steps of the model
+    /// it drafts for, as `auto` counts it ([`Adaptive::with_draft_cost`]):
+    /// its pack's bytes over the model's (counts, no clocks).
+    pub cost: f64,
+}
+
 /// A draft pack's KV cache and the token ids in it, for
 /// [`DraftKind::Pack`]: the draft model (all in memory) follows the text
 /// the target model commits, catching up on the tokens it has not seen
@@ -363,7 +384,9 @@ impl DraftCache {
     /// Makes the draft's KV cache hold `text` (token ids): keeps the
     /// longest prefix it shares with `text` and runs the rest through the
     /// draft `model`, in prefill passes of
-    /// [`nflash_plan::layout::prefill_chunk`] tokens. Returns the passes run.
+    /// [`nflash_plan::layout::prefill_chunk`] tokens. It stops before an id
+    /// past the draft's embedding rows (the model's may be more: padded
+    /// vocabularies), so it then holds less than `text`. Returns the passes run.
     ///
     /// # Errors
     /// The draft model's errors (a failed pass; the cache is then emptied).
@@ -372,8 +395,10 @@ impl DraftCache {
         let kept = self.kv.truncate(same);
         self.restarts += usize::from(kept < same);
         self.ids.truncate(kept);
+        let known =
+            text[kept..].iter().position(|&t| u64::from(t) >= model.cfg.vocab_size).map_or(text.len(), |i| kept + i);
         let mut passes = 0;
-        for chunk in text[kept..].chunks(nflash_plan::layout::prefill_chunk(&model.cfg)) {
+        for chunk in text[kept..known].chunks(nflash_plan::layout::prefill_chunk(&model.cfg)) {
             if let Err(e) = model.forward(&mut self.kv, chunk) {
                 self.kv.truncate(0);
                 self.ids.clear();
@@ -393,7 +418,8 @@ impl DraftCache {
     /// token, then runs that token and each guess but the last, one
     /// decode pass each. Drafting ends early before a
     /// guess in `stop_ids` or at or past `vocab` (the target's vocabulary),
-    /// at non-finite logits, or where the draft's KV cache is full.
+    /// at non-finite logits, or where the draft's KV cache is full; it
+    /// guesses nothing after an id past the draft's embedding rows.
     /// Returns the draft's forward passes.
     ///
     /// # Errors
@@ -415,6 +441,10 @@ impl DraftCache {
             return Ok(0);
         }
         let mut passes = self.catch_up(model, before)?;
+        if self.ids.len() < before.len() || u64::from(last) >= model.cfg.vocab_size {
+            // The text holds an id the draft has no embedding for: no guess.
+            return Ok(passes);
+        }
         // A sliding-window layer keeps the rows the next catch-up may
         // truncate back to (the guesses are run one at a time).
         self.kv.hold(Some(self.ids.len()));
@@ -486,6 +516,10 @@ mod tests {
     /// The choices follow the counts alone.
     #[test]
     fn adaptive_k_follows_acceptance_and_pauses_where_it_does_not_pay() {
+        // A draft pass that costs a tenth of a step still pays offloaded;
+        // one as dear as half a step (β + 0.5 ≥ 1) never does.
+        assert!(Adaptive::new(4, true).with_draft_cost(0.1).can_pay());
+        assert!(!Adaptive::new(4, true).with_draft_cost(0.5).can_pay());
         // In memory no acceptance pays: nothing is ever drafted.
         let mut never = Adaptive::new(8, false);
         assert!(!never.can_pay());

@@ -25,7 +25,7 @@ pub struct Engine<'a> {
     pub generation: nflash_format::GenerationDefaults,
     /// A draft model for speculative decoding's [`crate::draft::DraftKind::Pack`]
     /// (`nflash run --draft`), all in memory; see [`Self::attach_draft`].
-    pub draft: Option<Model<'a>>,
+    pub draft: Option<crate::draft::DraftModel<'a>>,
 }
 
 /// How a raw prompt starts (SPEC §4.2 `add_bos_token`).
@@ -107,15 +107,22 @@ impl<'a> Engine<'a> {
         })
     }
 
-    /// Makes `draft` (a small model's engine, loaded all in memory:
-    /// [`Engine::load`]) this engine's draft model for
-    /// [`crate::draft::DraftKind::Pack`]; its KV cache and counters are its
-    /// own. The two must share a tokenizer: every id names the same token.
+    /// Loads the pack `draft` all in memory ([`Engine::load`]) as this
+    /// engine's draft model for [`crate::draft::DraftKind::Pack`] (and
+    /// `auto`); its KV cache and counters are its own, its KV type this
+    /// model's. The two must share a tokenizer: every id names the same
+    /// token. `pack`: this engine's pack, whose bytes against the draft's
+    /// give [`crate::draft::DraftModel::cost`].
     ///
     /// # Errors
-    /// [`Error::Usage`] naming the first id whose token differs, and the
-    /// draft's path.
-    pub fn attach_draft(&mut self, draft: Engine<'a>, path: &std::path::Path) -> Result<()> {
+    /// As [`Engine::load`]; [`Error::Usage`] naming the first id whose token
+    /// differs, and the draft's path.
+    pub fn attach_draft(&mut self, pack: &Pack, draft: &'a Pack) -> Result<()> {
+        let bytes = |p: &Pack| p.manifest().segments.iter().map(|s| s.bytes).sum::<u64>();
+        let cost = bytes(draft) as f64 / bytes(pack).max(1) as f64;
+        let path = draft.path();
+        let mut draft = Engine::load(draft)?;
+        draft.model.set_kv_type(self.model.kv_type());
         if let Some((id, ours, theirs)) = self.tokenizer.vocab_difference(&draft.tokenizer) {
             let show = |t: Option<String>| t.map_or_else(|| "missing".to_string(), |t| format!("{t:?}"));
             return Err(Error::Usage(format!(
@@ -125,7 +132,7 @@ impl<'a> Engine<'a> {
                 show(theirs)
             )));
         }
-        self.draft = Some(draft.model);
+        self.draft = Some(crate::draft::DraftModel { model: draft.model, cost });
         Ok(())
     }
 

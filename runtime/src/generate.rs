@@ -47,6 +47,9 @@ pub struct GenStats {
     pub verify_s: f64,
     /// The draft used ([`GenerateOptions::speculate`]).
     pub draft: crate::draft::DraftKind,
+    /// The draft that made the guesses: [`Self::draft`] with `auto`
+    /// resolved (prompt lookup, or the draft pack where one was given).
+    pub draft_source: crate::draft::DraftKind,
     /// Set to the context length (tokens) when generation stopped because
     /// the KV cache was full.
     pub context_full: Option<usize>,
@@ -219,12 +222,20 @@ pub fn prefill(model: &Model, kv: &mut KvCache, prompt: &[u32], cancel: &CancelT
 /// turns of a conversation.
 pub struct PackDraft<'r, 'm> {
     /// The draft model, all in memory ([`crate::Engine::draft`]).
-    pub model: &'r Model<'m>,
+    pub draft: &'r crate::draft::DraftModel<'m>,
     /// Its KV cache and the ids in it.
     pub cache: &'r mut crate::draft::DraftCache,
     /// The ids the target's KV cache holds before the prompt (a
     /// conversation's earlier turns).
     pub history: &'r [u32],
+}
+
+/// A draft pack's failed pass (a damaged draft: non-finite activations)
+/// ends its drafting for the generation, which goes on without it: the
+/// text never depended on it. Says so on stderr; returns `None`.
+fn drop_draft<'r, 'm>(e: Error) -> Option<PackDraft<'r, 'm>> {
+    crate::message!("warning: the draft pack failed ({e}); decoding goes on without it");
+    None
 }
 
 /// As [`generate`], with `on_text` able to stop generation: after
@@ -251,7 +262,8 @@ pub fn generate_until(
 }
 
 /// As [`generate_until`], with a draft pack for [`DraftKind::Pack`]
-/// (`pack`; `None` for the other drafts).
+/// (`pack`; `None` for the other drafts), which [`DraftKind::Auto`] then
+/// drafts with (under [`crate::draft::Adaptive`], its passes' cost counted).
 ///
 /// # Errors
 /// As [`generate`]; [`Error::Usage`] for [`DraftKind::Pack`] without `pack`.
@@ -285,7 +297,10 @@ pub fn generate_with_draft(
     let first = prefill(model, kv, prompt, &opts.cancel)?.map(|logits| sampler.sample(&logits));
     // A draft pack reads the prompt too, as part of prefill.
     if let (Some(p), Some(_)) = (pack.as_mut(), first) {
-        stats.draft_passes += p.cache.catch_up(p.model, &[p.history, prompt].concat())?;
+        match p.cache.catch_up(&p.draft.model, &[p.history, prompt].concat()) {
+            Ok(n) => stats.draft_passes += n,
+            Err(e) => pack = drop_draft(e),
+        }
     }
     stats.prefill_s = t0.elapsed().as_secs_f64();
     stats.prefill_cache = model.cache_stats().since(&prefill0);
@@ -306,14 +321,25 @@ pub fn generate_with_draft(
     let spec = opts.speculate;
     let mut ahead: std::collections::VecDeque<u32> = std::collections::VecDeque::new();
     // (With a draft pack, the whole text the target has committed.)
-    let mut context: Vec<u32> = match (spec.draft.source(), &pack) {
+    // The draft that guesses: `auto` drafts with a draft pack where one is given.
+    let source = match (spec.draft, &pack) {
+        (DraftKind::Auto, Some(_)) => DraftKind::Pack,
+        (d, _) => d.source(),
+    };
+    let mut context: Vec<u32> = match (source, &pack) {
         (DraftKind::Lookup, _) => prompt.to_vec(),
         (DraftKind::Pack, Some(p)) => [p.history, prompt].concat(),
         _ => Vec::new(),
     };
     // `auto`: K per pass from the acceptance so far, 0 where it does not pay.
     let offload = model.cache_regions().io_engine.is_some();
-    let mut adaptive = (spec.draft == DraftKind::Auto).then(|| crate::draft::Adaptive::new(spec.max_draft, offload));
+    let mut adaptive = (spec.draft == DraftKind::Auto).then(|| {
+        let a = crate::draft::Adaptive::new(spec.max_draft, offload);
+        match &pack {
+            Some(p) if source == DraftKind::Pack => a.with_draft_cost(p.draft.cost),
+            _ => a,
+        }
+    });
     let mut draft = Vec::new();
     // The length of the n-gram a lookup draft continues.
     let mut match_len = 0;
@@ -365,7 +391,7 @@ pub fn generate_with_draft(
         } else {
             spec.max_draft.min(opts.max_tokens - out.len() - 1).min(kv.capacity() - kv.len() - 2)
         };
-        match spec.draft.source() {
+        match source {
             DraftKind::Off | DraftKind::Auto => {}
             DraftKind::Lookup => {
                 context.push(next);
@@ -378,10 +404,21 @@ pub fn generate_with_draft(
             }
             DraftKind::Pack => {
                 context.push(next);
+                // `auto`: the guesses' acceptance so far sets K (one arm).
+                match_len = 1;
+                let room = match adaptive.as_mut() {
+                    Some(a) if room > 0 => room.min(a.next_k(match_len)),
+                    _ => room,
+                };
                 if let (Some(p), true) = (pack.as_mut(), room > 0) {
                     let stops: &[u32] = if opts.ignore_eos { &[] } else { &opts.stop_ids };
-                    stats.draft_passes +=
-                        p.cache.propose(p.model, &context, room, stops, model.cfg.vocab_size, &mut draft)?;
+                    match p.cache.propose(&p.draft.model, &context, room, stops, model.cfg.vocab_size, &mut draft) {
+                        Ok(n) => stats.draft_passes += n,
+                        Err(e) => {
+                            draft.clear();
+                            pack = drop_draft(e);
+                        }
+                    }
                 }
             }
             DraftKind::SelfDraft => {
@@ -425,7 +462,7 @@ pub fn generate_with_draft(
                 }
             };
             kv.truncate(base + kept + 1);
-            if matches!(spec.draft.source(), DraftKind::Lookup | DraftKind::Pack) {
+            if matches!(source, DraftKind::Lookup | DraftKind::Pack) {
                 context.extend(ahead.iter());
             }
             if let Some(a) = &mut adaptive {
@@ -460,6 +497,7 @@ pub fn generate_with_draft(
     }
     stats.generated_tokens = out.len();
     stats.draft = spec.draft;
+    stats.draft_source = source;
     stats.stopped_at = kv.len();
     Ok((out, stats))
 }

@@ -83,11 +83,11 @@ impl Session {
         let new = &ids[common..];
         // A draft pack's KV cache lives as long as the conversation.
         let pack = match (&engine.draft, opts.speculate.draft) {
-            (Some(model), DraftKind::Pack) => {
+            (Some(draft), DraftKind::Pack | DraftKind::Auto) => {
                 if self.draft.is_none() {
-                    self.draft = Some(DraftCache::new(model, self.kv.capacity())?);
+                    self.draft = Some(DraftCache::new(&draft.model, self.kv.capacity())?);
                 }
-                self.draft.as_mut().map(|cache| PackDraft { model, cache, history: &self.cached[..common] })
+                self.draft.as_mut().map(|cache| PackDraft { draft, cache, history: &self.cached[..common] })
             }
             _ => None,
         };

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use nflash_format::Pack;
-use nflash_runtime::draft::{DraftCache, DraftKind, SpecOptions};
+use nflash_runtime::draft::{DraftCache, DraftKind, DraftModel, SpecOptions};
 use std::ops::ControlFlow;
 
 use nflash_runtime::generate::{generate_until, generate_with_draft, GenStats, GenerateOptions, PackDraft};
@@ -273,11 +273,13 @@ fn a_stop_inside_a_verify_pass_counts_only_the_tokens_used() {
 }
 
 /// Generates from `prompt` with `engine` and the draft model `draft`
-/// ([`DraftKind::Pack`], K = `k`; seed 7, a 96-token KV cache); the
-/// tokens, the KV cache's length at the end and the counters.
+/// (`kind` [`DraftKind::Pack`] or [`DraftKind::Auto`], K = `k`; seed 7, a
+/// 96-token KV cache); the tokens, the KV cache's length at the end and
+/// the counters.
 fn gen_drafted(
     engine: &Engine,
-    draft: &nflash_runtime::Model,
+    draft: &DraftModel,
+    kind: DraftKind,
     prompt: &[u32],
     temperature: f32,
     k: usize,
@@ -286,12 +288,12 @@ fn gen_drafted(
         max_tokens: 40,
         stop_ids: engine.stop_ids.clone(),
         ignore_eos: temperature > 0.0,
-        speculate: SpecOptions { draft: DraftKind::Pack, max_draft: k },
+        speculate: SpecOptions { draft: kind, max_draft: k },
         ..Default::default()
     };
     let mut kv = engine.model.new_kv_cache(96);
-    let mut cache = DraftCache::new(draft, 96).unwrap();
-    let pack = PackDraft { model: draft, cache: &mut cache, history: &[] };
+    let mut cache = DraftCache::new(&draft.model, 96).unwrap();
+    let pack = PackDraft { draft, cache: &mut cache, history: &[] };
     let mut sampler = Sampler::new(SamplerConfig { temperature, top_k: 0, top_p: 1.0, seed: 7 });
     let (ids, st) =
         generate_with_draft(&engine.model, &mut kv, &engine.tokenizer, prompt, &mut sampler, &opts, Some(pack), |_| {
@@ -304,22 +306,30 @@ fn gen_drafted(
 /// A draft pack's guesses give plain decoding's tokens and KV cache under
 /// every placement of `target`, greedy and sampled, K = 1, 3 and 6, with
 /// each of `drafts` (the target itself, in memory: every greedy guess
-/// kept; another model with the same tokenizer: some kept, some not).
+/// kept; another model with the same tokenizer: some kept, some not);
+/// `auto` with the draft gives them too.
 fn check_draft_pack(target: &Path, drafts: &[&Path]) {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     pool.install(|| {
         let pack = Pack::open_resident(target).unwrap();
         let draft_packs: Vec<Pack> = drafts.iter().map(|d| Pack::open_resident(d).unwrap()).collect();
-        let draft_engines: Vec<Engine> = draft_packs.iter().map(|d| Engine::load(d).unwrap()).collect();
         for (name, cfg) in placements(target) {
-            let engine = Engine::load_with(&pack, &cfg).unwrap();
-            for (di, draft) in draft_engines.iter().enumerate() {
+            let mut engine = Engine::load_with(&pack, &cfg).unwrap();
+            let mut draft_models = Vec::new();
+            for d in &draft_packs {
+                engine.attach_draft(&pack, d).unwrap();
+                draft_models.push(engine.draft.take().unwrap());
+            }
+            for (di, draft) in draft_models.iter().enumerate() {
                 let (mut drafted, mut kept, mut greedy) = (0, 0, (0, 0));
                 for (i, prompt) in prompts().iter().enumerate() {
                     for temperature in [0.0, 1.5] {
                         let plain = gen(&engine, prompt, temperature, DraftKind::Off, 4);
+                        let auto = gen_drafted(&engine, draft, DraftKind::Auto, prompt, temperature, 4);
+                        assert_eq!(auto.0, plain.0, "{name}, draft {di}, prompt {i}, auto: tokens differ");
+                        assert_eq!(auto.2.draft_source, DraftKind::Pack);
                         for k in [1, 3, 6] {
-                            let spec = gen_drafted(&engine, &draft.model, prompt, temperature, k);
+                            let spec = gen_drafted(&engine, draft, DraftKind::Pack, prompt, temperature, k);
                             let what = format!("{name}, draft {di}, prompt {i}, temperature {temperature}, K {k}");
                             assert_eq!(spec.0, plain.0, "{what}: tokens differ");
                             assert_eq!(spec.1, plain.1, "{what}: KV cache lengths differ");
@@ -368,6 +378,48 @@ fn a_draft_pack_gives_plain_decodings_tokens() {
     check_draft_pack(&sparse, &[&sparse, &small]);
     let moe = pack(d, &tiny_mixtral(), "moe.nflash", "q4_0", &[]);
     check_draft_pack(&moe, &[&moe, &small]);
+}
+
+/// A model whose vocabulary is padded past its tokenizer's (128 embedding
+/// rows, 96 tokens) samples ids the draft (96 rows, the same tokenizer)
+/// has no embedding for: the draft skips its guesses after them, and the
+/// text is still plain decoding's (it was a failed generation before).
+#[test]
+fn a_draft_with_fewer_embedding_rows_skips_what_it_cannot_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ckpt = d.join("padded-ckpt");
+    write_tiny_checkpoint(&ckpt, &TinySpec { inter: 256, layers: 2, vocab: 128, seed: 9, ..TinySpec::default() });
+    std::fs::write(ckpt.join("tokenizer.json"), serde_json::to_vec(&nflash_tests::tiny_tokenizer_json(96)).unwrap())
+        .unwrap();
+    let target = d.join("padded.nflash");
+    let o = run(
+        "prep",
+        &["convert", "--model", ckpt.to_str().unwrap(), "--out", target.to_str().unwrap(), "--quant", "q8_0"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let draft = pack(d, &TinySpec { inter: 64, layers: 1, vocab: 96, ..TinySpec::default() }, "draft", "q8_0", &[]);
+    let (tp, dp) = (Pack::open_resident(&target).unwrap(), Pack::open_resident(&draft).unwrap());
+    let mut engine = Engine::load(&tp).unwrap();
+    engine.attach_draft(&tp, &dp).unwrap();
+    let draft_model = engine.draft.as_ref().unwrap();
+    let mut past = false;
+    for prompt in prompts() {
+        for temperature in [0.0, 1.5] {
+            let plain = gen(&engine, &prompt, temperature, DraftKind::Off, 4);
+            let spec = gen_drafted(&engine, draft_model, DraftKind::Pack, &prompt, temperature, 4);
+            assert_eq!(spec.0, plain.0, "temperature {temperature}");
+            past |= plain.0.iter().any(|&t| t >= 96);
+        }
+    }
+    assert!(past, "the model never sampled an id past the tokenizer's");
+    // Directly: no guess after such an id, and no error.
+    let mut cache = DraftCache::new(&draft_model.model, 96).unwrap();
+    let mut guesses = vec![1];
+    cache.propose(&draft_model.model, &[11, 40, 100, 7], 4, &[], 128, &mut guesses).unwrap();
+    assert!(guesses.is_empty() && cache.len() == 2, "{guesses:?}, {} in the cache", cache.len());
+    cache.propose(&draft_model.model, &[11, 40, 7], 4, &[], 128, &mut guesses).unwrap();
+    assert_eq!(guesses.len(), 4);
 }
 
 /// Sliding-window layers in the draft (Gemma 3, window 5): its KV rings
@@ -536,15 +588,18 @@ fn nflash_run_drafts_with_a_draft_pack() {
     };
     let (plain, pj) = go(&["--speculate-draft", "off"]);
     assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
-    for (draft, kind) in [(&p, "pack"), (&small, "auto")] {
+    // pack drafts; auto, in memory, never does (a verify pass costs there
+    // what it saves), with the draft's guesses counted as pack's.
+    for (draft, kind) in [(&p, "pack"), (&small, "pack"), (&small, "auto")] {
         let (o, j) = go(&["--draft", draft.to_str().unwrap(), "--speculate-draft", kind]);
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success(), "{err}");
         assert_eq!(o.stdout, plain.stdout, "{kind}");
         let j = j.unwrap();
-        assert_eq!(j["speculate_draft"], "pack", "{j}");
+        assert_eq!(j["speculate_draft"], kind, "{j}");
         assert_eq!(j["decode_tokens"], pj.as_ref().unwrap()["decode_tokens"]);
-        assert!(j["acceptance_by_draft"]["pack"]["draft_tokens"].as_u64().unwrap() > 0, "{j}");
+        let drafted = j["acceptance_by_draft"]["pack"]["draft_tokens"].as_u64().unwrap();
+        assert_eq!(drafted > 0, kind == "pack", "{j}");
         assert!(err.contains("draft pack") && err.contains("MiB in memory"), "{err}");
     }
     // Inside a budget: the plan's fixed region holds the draft.

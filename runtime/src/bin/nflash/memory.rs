@@ -179,9 +179,7 @@ pub fn load_engine<'p>(
     };
     let (mut engine, plan) = placement::load_engine(pack, &o, ctx, verify)?;
     if let Some(d) = draft {
-        let mut model = Engine::load(d).with_context(|| format!("loading the draft pack {}", d.path().display()))?;
-        model.model.set_kv_type(a.kv);
-        engine.attach_draft(model, d.path())?;
+        engine.attach_draft(pack, d).with_context(|| format!("loading the draft pack {}", d.path().display()))?;
     }
     Ok((engine, plan))
 }

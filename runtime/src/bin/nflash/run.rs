@@ -210,9 +210,9 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
         engine.encode_raw(&prompt)?
     };
     let mut kv = engine.model.try_new_kv_cache(ctx)?;
-    let mut draft_cache = engine.draft.as_ref().map(|d| DraftCache::new(d, ctx)).transpose()?;
+    let mut draft_cache = engine.draft.as_ref().map(|d| DraftCache::new(&d.model, ctx)).transpose()?;
     let pack_draft =
-        engine.draft.as_ref().zip(draft_cache.as_mut()).map(|(model, cache)| PackDraft { model, cache, history: &[] });
+        engine.draft.as_ref().zip(draft_cache.as_mut()).map(|(draft, cache)| PackDraft { draft, cache, history: &[] });
     let mut stdout = std::io::stdout().lock();
     let (_, st) = generate_with_draft(
         &engine.model,
@@ -501,7 +501,7 @@ fn acceptance_by_draft(st: &GenStats) -> serde_json::Value {
     let mut m = serde_json::Map::new();
     if st.draft != DraftKind::Off {
         m.insert(
-            st.draft.source().name().to_string(),
+            st.draft_source.name().to_string(),
             serde_json::json!({"draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
                 "acceptance_rate": st.acceptance_rate()}),
         );

@@ -87,8 +87,9 @@ pub struct SpeculateArgs {
     /// (self-speculation: the model on the neurons it holds in memory, no
     /// flash reads; pays where decode reads much from flash and much of a
     /// sparse pack is resident), or pack (a draft pack's guesses: --draft;
-    /// auto means pack when --draft is given). Not the same as --speculate,
-    /// the prefetch of neuron clusters.
+    /// with --draft, auto drafts with it where its acceptance so far pays
+    /// for its passes and the verify pass: never in memory). Not the same
+    /// as --speculate, the prefetch of neuron clusters.
     #[arg(
         long,
         default_value = "auto",
@@ -108,14 +109,10 @@ pub struct SpeculateArgs {
 }
 
 impl SpeculateArgs {
-    /// The generation's speculative-decoding settings: `auto` with a
-    /// `--draft` is `pack`.
+    /// The generation's speculative-decoding settings (`auto` drafts
+    /// with the --draft pack where one is given).
     pub fn options(&self) -> SpecOptions {
-        let draft = match (self.speculate_draft, &self.draft) {
-            (DraftKind::Auto, Some(_)) => DraftKind::Pack,
-            (d, _) => d,
-        };
-        SpecOptions { draft, max_draft: self.draft_tokens }
+        SpecOptions { draft: self.speculate_draft, max_draft: self.draft_tokens }
     }
 
     /// Checks that --draft and --speculate-draft agree.
