@@ -23,8 +23,8 @@ so the same share of the FFN is out of memory here; "none" runs without a
 limit. Each run: `nflash run --raw --temperature 0 --max-tokens --tokens
 --memory-budget L` in a fresh cgroup v1 group limited to L, page cache
 dropped first (nflash_bench.cgroup.run_in_cgroup); drafts alternate run by
-run (off, auto, lookup, self; pack with --drafts: a draft pack, --draft-pack,
-held inside the same limit), --runs rounds; medians.
+run (off, auto, lookup, self, pack: the draft pack --draft-pack held inside the
+same limit, auto-pack: auto with that draft pack), --runs rounds; medians.
 
 Prompts (raw text; the chat ones in SmolLM2's own chat format, written out,
 so both engines read the very same text):
@@ -67,7 +67,7 @@ from nflash_bench.common import REPO, die, fmt, log, median, run_info  # noqa: E
 from nflash_bench.llama import LLAMA_NATIVE_BIN, native_llama_cmd, parse_native_llama  # noqa: E402
 from nflash_bench.prompt import PROMPT_TEXT  # noqa: E402
 
-DRAFTS = ["off", "auto", "lookup", "self", "pack"]
+DRAFTS = ["off", "auto", "lookup", "self", "pack", "auto-pack"]
 LLAMA_LOOKUP_BIN = REPO / "bench-out/llama-lookup/build/bin/llama-lookup"
 CHAT_QUESTIONS = [
     "What are three good habits for staying healthy? Explain each in a sentence or two.",
@@ -162,8 +162,9 @@ def nflash_run(a, pack: Path, prompt: Path, draft: str, limit: int | None, ctx: 
     j.unlink(missing_ok=True)
     cmd = [str(a.nflash), "run", "--model", str(pack), "--raw", "--prompt-file", str(prompt),
            "--max-tokens", str(a.tokens), "--temperature", "0", "--ctx", str(ctx), "--threads", str(a.threads),
-           "--speculate-draft", draft, "--draft-tokens", str(a.draft_tokens), "--stats-json", str(j)]
-    if draft == "pack":
+           "--speculate-draft", draft.removesuffix("-pack"), "--draft-tokens", str(a.draft_tokens),
+           "--stats-json", str(j)]
+    if draft in ("pack", "auto-pack"):
         cmd += ["--draft", str(a.draft_pack)]
     if limit is not None:
         cmd += ["--memory-budget", f"{limit}B"]
@@ -370,7 +371,7 @@ def main(argv) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-tokens", type=int, default=4, help="K for every draft (default 4)")
     ap.add_argument("--drafts", default=",".join(DRAFTS),
-                    help=f"drafts to run (default {','.join(DRAFTS)}; pack: the --draft-pack)")
+                    help=f"drafts to run (default {','.join(DRAFTS)}; pack and auto-pack: with the --draft-pack)")
     ap.add_argument("--draft-pack", default=str(REPO / "models/smollm2-q8_0.nflash"),
                     help="the draft pack of the pack draft (default the demo pack, SmolLM2-135M q8_0: "
                          "the same tokenizer as both models), held inside each limit")
@@ -395,9 +396,9 @@ def main(argv) -> int:
     a.drafts = [d for d in a.drafts.split(",") if d]
     if "off" not in a.drafts:
         a.drafts.insert(0, "off")
-    if "pack" in a.drafts and not Path(a.draft_pack).exists():
+    if not Path(a.draft_pack).exists():
         log(f"note: {a.draft_pack} not found (make {a.draft_pack}): no pack draft rows")
-        a.drafts.remove("pack")
+        a.drafts = [d for d in a.drafts if d not in ("pack", "auto-pack")]
     a.limits = [x for x in a.limits.split(",") if x]
     a.llama_native = Path(a.llama_native)
     need_root("bench-speculate")

@@ -292,11 +292,28 @@ pub fn generate_with_draft(
     // parallel regions of prefill and decode (`spin`); a model that reads
     // from flash leaves the cores to the I/O threads.
     let _awake = model.cache_regions().io_engine.is_none().then(crate::spin::KeepAwake::start);
+    let spec = opts.speculate;
+    // The draft that guesses: `auto` drafts with a draft pack where one is given.
+    let source = match (spec.draft, &pack) {
+        (DraftKind::Auto, Some(_)) => DraftKind::Pack,
+        (d, _) => d.source(),
+    };
+    // `auto`: K per pass from the acceptance so far, 0 where it does not pay.
+    let offload = model.cache_regions().io_engine.is_some();
+    let mut adaptive = (spec.draft == DraftKind::Auto).then(|| {
+        let a = crate::draft::Adaptive::new(spec.max_draft, offload);
+        match &pack {
+            Some(p) if source == DraftKind::Pack => a.with_draft_cost(p.draft.cost),
+            _ => a,
+        }
+    });
     let t0 = Instant::now();
     let prefill0 = model.cache_stats();
     let first = prefill(model, kv, prompt, &opts.cancel)?.map(|logits| sampler.sample(&logits));
-    // A draft pack reads the prompt too, as part of prefill.
-    if let (Some(p), Some(_)) = (pack.as_mut(), first) {
+    // A draft pack reads the prompt too, as part of prefill (unless `auto`
+    // will never draft).
+    let will_draft = source == DraftKind::Pack && adaptive.as_ref().is_none_or(|a| a.can_pay());
+    if let (Some(p), Some(_), true) = (pack.as_mut(), first, will_draft) {
         match p.cache.catch_up(&p.draft.model, &[p.history, prompt].concat()) {
             Ok(n) => stats.draft_passes += n,
             Err(e) => pack = drop_draft(e),
@@ -318,28 +335,13 @@ pub fn generate_with_draft(
     // Speculative decoding: `ahead` holds tokens already sampled after
     // `next` by a verify pass, whose forward passes (all but the last's)
     // are done; `context` the ids a lookup draft searches.
-    let spec = opts.speculate;
     let mut ahead: std::collections::VecDeque<u32> = std::collections::VecDeque::new();
     // (With a draft pack, the whole text the target has committed.)
-    // The draft that guesses: `auto` drafts with a draft pack where one is given.
-    let source = match (spec.draft, &pack) {
-        (DraftKind::Auto, Some(_)) => DraftKind::Pack,
-        (d, _) => d.source(),
-    };
     let mut context: Vec<u32> = match (source, &pack) {
         (DraftKind::Lookup, _) => prompt.to_vec(),
         (DraftKind::Pack, Some(p)) => [p.history, prompt].concat(),
         _ => Vec::new(),
     };
-    // `auto`: K per pass from the acceptance so far, 0 where it does not pay.
-    let offload = model.cache_regions().io_engine.is_some();
-    let mut adaptive = (spec.draft == DraftKind::Auto).then(|| {
-        let a = crate::draft::Adaptive::new(spec.max_draft, offload);
-        match &pack {
-            Some(p) if source == DraftKind::Pack => a.with_draft_cost(p.draft.cost),
-            _ => a,
-        }
-    });
     let mut draft = Vec::new();
     // The length of the n-gram a lookup draft continues.
     let mut match_len = 0;
