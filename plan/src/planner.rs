@@ -257,11 +257,17 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
         while ctx_fit >= 16 && !fits(ctx_fit) {
             ctx_fit = ctx_fit * 15 / 16;
         }
-        let ctx_hint = if ctx_fit >= 16 && ctx_fit < req.ctx as u64 && fits(ctx_fit) {
+        let mut ctx_hint = if ctx_fit >= 16 && ctx_fit < req.ctx as u64 && fits(ctx_fit) {
             format!(", or lower --ctx to {ctx_fit} or less")
         } else {
             String::new()
         };
+        if req.draft_bytes > 0 {
+            ctx_hint += &format!(
+                ", or drop --draft or lower --ctx (the draft pack takes {:.1} MiB at this context)",
+                mib(req.draft_bytes)
+            );
+        }
         return Err(Error::Format(nflash_format::Error::Budget {
             budget,
             budget_mib: mib(budget),

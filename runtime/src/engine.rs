@@ -118,22 +118,31 @@ impl<'a> Engine<'a> {
     /// As [`Engine::load`]; [`Error::Usage`] naming the first id whose token
     /// differs, and the draft's path.
     pub fn attach_draft(&mut self, pack: &Pack, draft: &'a Pack) -> Result<()> {
+        self.check_draft_tokenizer(draft)?;
         let bytes = |p: &Pack| p.manifest().segments.iter().map(|s| s.bytes).sum::<u64>();
         let cost = bytes(draft) as f64 / bytes(pack).max(1) as f64;
-        let path = draft.path();
         let mut draft = Engine::load(draft)?;
         draft.model.set_kv_type(self.model.kv_type());
-        if let Some((id, ours, theirs)) = self.tokenizer.vocab_difference(&draft.tokenizer) {
-            let show = |t: Option<String>| t.map_or_else(|| "missing".to_string(), |t| format!("{t:?}"));
-            return Err(Error::Usage(format!(
-                "the draft pack {} has another tokenizer than the model: token id {id} is {} in the model and {} in the draft; a draft must share the model's tokenizer (the same model family, e.g. a smaller SmolLM2 for SmolLM2)",
-                path.display(),
-                show(ours),
-                show(theirs)
-            )));
-        }
         self.draft = Some(crate::draft::DraftModel { model: draft.model, cost });
         Ok(())
+    }
+
+    /// Checks that the pack `draft` has this engine's tokenizer: every id
+    /// names the same token (its tokenizer is read, not its weights).
+    ///
+    /// # Errors
+    /// [`Error::Usage`] naming the first id whose token differs, and the
+    /// draft's path; a damaged tokenizer segment's error.
+    pub fn check_draft_tokenizer(&self, draft: &Pack) -> Result<()> {
+        let theirs = Tokenizer::from_json(&draft.tokenizer_json()?)?;
+        let Some((id, ours, theirs)) = self.tokenizer.vocab_difference(&theirs) else { return Ok(()) };
+        let show = |t: Option<String>| t.map_or_else(|| "missing".to_string(), |t| format!("{t:?}"));
+        Err(Error::Usage(format!(
+            "the draft pack {} has another tokenizer than the model: token id {id} is {} in the model and {} in the draft; a draft must share the model's tokenizer (the same model family, e.g. a smaller SmolLM2 for SmolLM2)",
+            draft.path().display(),
+            show(ours),
+            show(theirs)
+        )))
     }
 
     /// Token ids of a raw prompt (no chat template): the tokenizer's tokens,

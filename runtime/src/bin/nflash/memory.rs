@@ -6,6 +6,7 @@ use nflash_format::{DeviceProfile, Pack, Plan};
 use nflash_plan::layout::IoEngine;
 use nflash_plan::planner::parse_bytes;
 use nflash_plan::KvType;
+use nflash_runtime::draft::DraftKind;
 use nflash_runtime::model::CacheStats;
 use nflash_runtime::placement::{self, MemoryOptions};
 use nflash_runtime::pressure::{Governor, Signals, Watch};
@@ -145,12 +146,13 @@ pub fn budget_json(
 /// Loads the engine as [`nflash_runtime::placement::load_engine`] does with
 /// these options. `device`: from [`MemoryArgs::device_profile`]; `ctx`:
 /// tokens; `verify`: check each neuron cluster's CRC-32C as it is read;
-/// `draft`: a draft pack (`--draft`), planned inside the budget
-/// ([`nflash_plan::planner::draft_pack_bytes`]), loaded all in memory after
-/// the model and attached to it.
+/// `draft`: a draft pack (`--draft`) and the draft kind, planned inside the
+/// budget ([`nflash_plan::planner::draft_pack_bytes`]), loaded all in
+/// memory after the model and attached to it; not loaded, with a note,
+/// where `auto` would never draft with it (the model all in memory).
 pub fn load_engine<'p>(
     pack: &'p Pack,
-    draft: Option<&'p Pack>,
+    draft: Option<(&'p Pack, DraftKind)>,
     a: &MemoryArgs,
     device: Option<DeviceProfile>,
     ctx: usize,
@@ -175,11 +177,23 @@ pub fn load_engine<'p>(
         io_threads: a.io_threads,
         io_engine: a.io_engine,
         kv: a.kv,
-        draft_bytes: draft.map_or(0, |d| nflash_plan::planner::draft_pack_bytes(d.manifest(), ctx as u32, a.kv)),
+        draft_bytes: draft.map_or(0, |(d, _)| nflash_plan::planner::draft_pack_bytes(d.manifest(), ctx as u32, a.kv)),
     };
     let (mut engine, plan) = placement::load_engine(pack, &o, ctx, verify)?;
-    if let Some(d) = draft {
-        engine.attach_draft(pack, d).with_context(|| format!("loading the draft pack {}", d.path().display()))?;
+    let Some((d, kind)) = draft else { return Ok((engine, plan)) };
+    engine.check_draft_tokenizer(d)?;
+    if kind == DraftKind::Auto && engine.model.cache_regions().io_engine.is_none() {
+        nflash_runtime::message!(
+            "note: the draft pack {} is not loaded: the whole model is in memory, where auto never drafts (a verify pass costs about what it saves); pass --speculate-draft pack to draft with it anyway",
+            d.path().display()
+        );
+        return Ok((engine, plan));
     }
+    if std::fs::canonicalize(d.path()).ok() == std::fs::canonicalize(pack.path()).ok() {
+        nflash_runtime::message!(
+            "note: the draft pack is the model's own pack: its guesses cost a model step each, so it cannot speed decoding up (a smaller model of the same family can)"
+        );
+    }
+    engine.attach_draft(pack, d).with_context(|| format!("loading the draft pack {}", d.path().display()))?;
     Ok((engine, plan))
 }

@@ -125,7 +125,8 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     let pack = open_pack(&a.model, a.verify)?;
     let draft = a.speculative.draft.as_deref().map(|p| open_pack(p, a.verify)).transpose()?;
     let ctx = context_len(&pack, a.ctx)?;
-    let (mut engine, plan) = load_engine(&pack, draft.as_ref(), &a.memory, device, ctx, a.verify.clusters())?;
+    let draft_kind = draft.as_ref().map(|d| (d, a.speculative.speculate_draft));
+    let (mut engine, plan) = load_engine(&pack, draft_kind, &a.memory, device, ctx, a.verify.clusters())?;
     if a.stats {
         if let Some(p) = &plan {
             message!(
@@ -133,9 +134,9 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
                 nflash_plan::planner::describe(p, pack.manifest())
             );
         }
-        if let Some(d) = &draft {
+        if let Some(d) = draft.as_ref().filter(|_| engine.draft.is_some()) {
             message!(
-                "draft pack {}: {:.1} MiB in memory{} (weights, KV cache at ctx {ctx}, scratch)",
+                "  draft pack {}: {:.1} MiB in memory{} (weights, KV cache at ctx {ctx}, scratch)",
                 d.path().display(),
                 nflash_plan::planner::draft_pack_bytes(d.manifest(), ctx as u32, a.memory.kv) as f64
                     / (1u64 << 20) as f64,
@@ -451,26 +452,16 @@ fn report(
         });
         let mut j = j;
         // Speculative decoding: verify passes apart from tokens.
-        let spec = serde_json::json!({
-            "decode_passes": st.decode_steps,
-            "decode_tokens": st.decode_tokens,
-            "speculate_draft": st.draft.name(),
-            "draft_tokens": st.draft_tokens,
-            "accepted_tokens": st.accepted_tokens,
-            "acceptance_rate": st.acceptance_rate(),
-            "acceptance_by_draft": acceptance_by_draft(st),
-            "draft_passes": st.draft_passes,
-            "verify_passes": st.verify_passes,
+        let mut spec = serde_json::json!({
             // Dense layers' neuron clusters per verify pass: each token's
             // summed, and their union (what the pass fetched).
             "verify_clusters_needed_per_pass": (st.verify_passes > 0)
                 .then(|| counts.iter().map(|c| c.verify_needed).sum::<u64>() as f64 / st.verify_passes as f64),
             "verify_cluster_union_per_pass": (st.verify_passes > 0)
                 .then(|| counts.iter().map(|c| c.verify_union).sum::<u64>() as f64 / st.verify_passes as f64),
-            "draft_seconds": st.draft_s,
-            "verify_seconds": st.verify_s,
             "clusters_read_per_token": c.misses as f64 / steps,
         });
+        spec.as_object_mut().expect("an object").extend(crate::sampling::speculation_json(st));
         if let (Some(o), serde_json::Value::Object(add)) = (j.as_object_mut(), spec) {
             o.extend(add);
         }
@@ -493,20 +484,6 @@ fn report(
         write_atomic(path, format!("{j}\n").as_bytes())?;
     }
     Ok(())
-}
-
-/// `--stats-json`'s `acceptance_by_draft`: per draft kind used, tokens
-/// drafted and accepted and the acceptance rate (empty without speculation).
-fn acceptance_by_draft(st: &GenStats) -> serde_json::Value {
-    let mut m = serde_json::Map::new();
-    if st.draft != DraftKind::Off {
-        m.insert(
-            st.draft_source.name().to_string(),
-            serde_json::json!({"draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
-                "acceptance_rate": st.acceptance_rate()}),
-        );
-    }
-    serde_json::Value::Object(m)
 }
 
 /// A read–eval–print chat. The whole conversation is re-rendered each turn

@@ -6,6 +6,7 @@ use anyhow::{bail, Result};
 use clap::builder::TypedValueParser;
 use clap::Args;
 use nflash_runtime::draft::{DraftKind, SpecOptions};
+use nflash_runtime::generate::GenStats;
 use nflash_runtime::sampler::{self, SamplerConfig};
 
 /// Sampling options; each defaults to the checkpoint's
@@ -69,6 +70,39 @@ impl SamplingArgs {
 /// A seed from the clock, nanoseconds.
 pub fn clock_seed() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+}
+
+/// The speculative-decoding keys of `--stats-json` and of serve's
+/// `timings`, from one generation's counters: `decode_passes`,
+/// `decode_tokens`, `speculate_draft`, `draft_tokens`, `accepted_tokens`,
+/// `acceptance_rate`, `acceptance_by_draft` (per draft kind that guessed:
+/// tokens drafted and accepted and the rate; empty without speculation),
+/// `draft_passes`, `verify_passes`, `draft_seconds`, `verify_seconds`.
+pub fn speculation_json(st: &GenStats) -> serde_json::Map<String, serde_json::Value> {
+    let mut by_draft = serde_json::Map::new();
+    if st.draft != DraftKind::Off {
+        by_draft.insert(
+            st.draft_source.name().to_string(),
+            serde_json::json!({"draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
+                "acceptance_rate": st.acceptance_rate()}),
+        );
+    }
+    match serde_json::json!({
+        "decode_passes": st.decode_steps,
+        "decode_tokens": st.decode_tokens,
+        "speculate_draft": st.draft.name(),
+        "draft_tokens": st.draft_tokens,
+        "accepted_tokens": st.accepted_tokens,
+        "acceptance_rate": st.acceptance_rate(),
+        "acceptance_by_draft": by_draft,
+        "draft_passes": st.draft_passes,
+        "verify_passes": st.verify_passes,
+        "draft_seconds": st.draft_s,
+        "verify_seconds": st.verify_s,
+    }) {
+        serde_json::Value::Object(m) => m,
+        _ => unreachable!("a JSON object literal"),
+    }
 }
 
 /// Speculative-decoding options (`nflash_runtime::draft`).

@@ -332,7 +332,8 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
     let pack = open_pack(&a.model, a.verify)?;
     let draft = a.speculative.draft.as_deref().map(|p| open_pack(p, a.verify)).transpose()?;
     let ctx = context_len(&pack, a.ctx)?;
-    let (engine, plan) = load_engine(&pack, draft.as_ref(), &a.memory, device, ctx, a.verify.clusters())?;
+    let draft_kind = draft.as_ref().map(|d| (d, a.speculative.speculate_draft));
+    let (engine, plan) = load_engine(&pack, draft_kind, &a.memory, device, ctx, a.verify.clusters())?;
     let mut session = Session::new(&engine, ctx)?;
     let (sampling, _) = a.sampling.resolve(&engine.generation);
     let model_id = a.alias.clone().unwrap_or_else(|| {
@@ -404,9 +405,14 @@ fn serve_in_pool(a: ServeArgs, key: Option<String>, listener: TcpListener) -> Re
         })
         .context("cannot start the HTTP thread")?;
     message!(
-        "nflash serve: {} on http://{addr} (context {ctx} tokens{}; {} request(s) may wait) — POST /v1/chat/completions, /v1/completions; GET /v1/models, /health; GET/POST /admin/memory (give memory back)",
+        "nflash serve: {} on http://{addr} (context {ctx} tokens{}{}; {} request(s) may wait) — POST /v1/chat/completions, /v1/completions; GET /v1/models, /health; GET/POST /admin/memory (give memory back)",
         shared.model_id,
         shared.budget.map_or(String::new(), |b| format!(", memory budget {:.1} MiB", b as f64 / (1u64 << 20) as f64)),
+        draft.as_ref().filter(|_| engine.draft.is_some()).map_or(String::new(), |d| format!(
+            ", draft pack {} ({})",
+            d.path().display(),
+            a.speculative.speculate_draft.name()
+        )),
         a.queue
     );
     let memory = Memory { watch: shared.watch.as_ref(), budget: shared.budget };
@@ -556,17 +562,14 @@ fn timings(job: &Job, turn: &Turn, queue_s: f64, memory: Memory, held: u64) -> V
         "prefill_tokens": st.prompt_tokens,
         "prefill_ms": st.prefill_s * 1e3,
         "prefill_tokens_per_s": st.prefill_tokens_per_s(),
-        "decode_tokens": st.decode_tokens,
-        "decode_passes": st.decode_steps,
-        "draft_tokens": st.draft_tokens,
-        "accepted_tokens": st.accepted_tokens,
-        "acceptance_rate": st.acceptance_rate(),
         "decode_ms": st.decode_s * 1e3,
         "decode_tokens_per_s": st.decode_tokens_per_s(),
         "cache_hit_rate": st.decode_cache.hit_rate(),
         "bytes_read": st.prefill_cache.bytes_read + st.decode_cache.bytes_read,
     });
-    j.as_object_mut().expect("an object").extend(budget);
+    let o = j.as_object_mut().expect("an object");
+    o.extend(crate::sampling::speculation_json(st));
+    o.extend(budget);
     j
 }
 
