@@ -397,7 +397,8 @@ impl From<Error> for Fail {
             Error::Format(
                 nflash_format::Error::Io { .. }
                 | nflash_format::Error::Missing { .. }
-                | nflash_format::Error::IsDirectory { .. },
+                | nflash_format::Error::IsDirectory { .. }
+                | nflash_format::Error::NotRegularFile { .. },
             ) => NflashStatus::Io,
             Error::Format(_)
             | Error::MissingTensor { .. }
@@ -535,7 +536,14 @@ pub unsafe extern "C" fn nflash_open(
         } else {
             // SAFETY: non-null, so a NUL-terminated string, per the caller.
             let draft_path = unsafe { text(o.draft_path, "options.draft_path") }?;
-            Some(placement::open_pack(Path::new(draft_path), o.verify == 1, o.verify != 2)?)
+            if draft_path.is_empty() {
+                return Err(invalid("options.draft_path is empty: pass the draft pack's path, or NULL for no draft"));
+            }
+            let draft = placement::open_pack(Path::new(draft_path), o.verify == 1, o.verify != 2).map_err(|e| {
+                let Fail(status, msg) = Fail::from(e);
+                Fail(status, format!("the draft pack (options.draft_path): {msg}"))
+            })?;
+            Some(draft)
         };
         let reserve = if o.memory_reserve_bytes > 0 { o.memory_reserve_bytes } else { 32 << 20 };
         let auto = o.memory_budget_bytes == u64::MAX;

@@ -17,6 +17,10 @@ pub enum Error {
     /// The pack path is a directory (e.g. a Hugging Face checkpoint).
     #[error("{path} is a directory, not an nflash pack; pass the .nflash file written by `prep convert` (a checkpoint directory must be converted first)")]
     IsDirectory { path: PathBuf },
+    /// The pack path is neither a file nor a directory: a FIFO, a device or
+    /// a socket, which opening could block on or read as empty.
+    #[error("{path} is {kind}, not a file; pass the .nflash file written by `prep convert`")]
+    NotRegularFile { path: PathBuf, kind: &'static str },
     /// The file is smaller than the fixed header (SPEC §2).
     #[error("{path}: file is {len} bytes, shorter than the {need}-byte header: the file is truncated or not an nflash pack; re-run `prep convert`")]
     TruncatedHeader { path: PathBuf, len: u64, need: u64 },

@@ -66,6 +66,28 @@ fn range_check(
     }
 }
 
+/// What `path` is when it is neither a regular file nor a directory (after
+/// symlinks): "a FIFO", "a character device", "a block device" or "a
+/// socket"; `None` for files, directories and paths that cannot be
+/// inspected (opening them reports why). Input files are checked with it
+/// before they are opened: opening a FIFO blocks until a writer comes, and
+/// a device reads as an empty or endless file.
+pub fn special_file_kind(path: &Path) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    let t = std::fs::metadata(path).ok()?.file_type();
+    if t.is_fifo() {
+        Some("a FIFO (named pipe)")
+    } else if t.is_char_device() {
+        Some("a character device")
+    } else if t.is_block_device() {
+        Some("a block device")
+    } else if t.is_socket() {
+        Some("a socket")
+    } else {
+        None
+    }
+}
+
 impl Pack {
     /// Opens and validates the pack at `path`: header (magic, version, CRC),
     /// manifest (range, CRC, decoding, size caps), and every segment, tensor
@@ -95,6 +117,10 @@ impl Pack {
     fn open_mode(path: &Path, resident: bool) -> Result<Pack> {
         use std::os::unix::fs::FileExt;
         let path = path.to_path_buf();
+        // Before opening: opening a FIFO blocks until a writer comes.
+        if let Some(kind) = special_file_kind(&path) {
+            return Err(Error::NotRegularFile { path, kind });
+        }
         let file = File::open(&path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => Error::Missing { path: path.clone() },
             _ => Error::io(&path, e),

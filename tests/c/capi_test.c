@@ -567,6 +567,10 @@ static void t_speculate(void) {
     nflash_model *drafted = NULL;
     CHECK_STATUS(nflash_open(pack_path, &o, &drafted), NFLASH_STATUS_IO);
     CHECK_ERROR_NAMES("nonexistent.nflash");
+    CHECK_ERROR_NAMES("draft pack");
+    o.draft_path = "";
+    CHECK_STATUS(nflash_open(pack_path, &o, &drafted), NFLASH_STATUS_INVALID_ARGUMENT);
+    CHECK_ERROR_NAMES("draft_path");
     o.draft_path = pack_path;
     CHECK_STATUS(nflash_open(pack_path, &o, &drafted), NFLASH_STATUS_OK);
     if (!drafted) return;

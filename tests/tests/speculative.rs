@@ -627,4 +627,12 @@ fn nflash_run_drafts_with_a_draft_pack() {
     refused(&["--speculate-draft", "pack"], "needs a draft pack");
     refused(&["--draft", small.to_str().unwrap(), "--speculate-draft", "lookup"], "not lookup");
     refused(&["--draft", d.join("missing.nflash").to_str().unwrap()], "missing.nflash");
+    // A FIFO (opening one blocks until a writer comes) or a device as the
+    // draft or the model: refused before it is opened, naming what it is.
+    let fifo = d.join("fifo.nflash");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    refused(&["--draft", fifo.to_str().unwrap(), "--speculate-draft", "pack"], "--draft: ");
+    refused(&["--draft", "/dev/zero", "--speculate-draft", "pack"], "is a character device");
+    let o = run("nflash", &["run", "--model", fifo.to_str().unwrap(), "--prompt", "a"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("is a FIFO"));
 }

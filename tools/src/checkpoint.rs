@@ -969,6 +969,9 @@ impl Checkpoint {
             if path.is_dir() {
                 bail!("{} is a directory, not a safetensors file; re-download the checkpoint", path.display());
             }
+            if let Some(kind) = nflash_format::reader::special_file_kind(&path) {
+                bail!("{} is {kind}, not a safetensors file; re-download the checkpoint", path.display());
+            }
             let file = File::open(&path).with_context(|| {
                 format!(
                     "shard {} is named in the index but cannot be opened; re-download the checkpoint",

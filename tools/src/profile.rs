@@ -207,6 +207,9 @@ impl Profile {
     /// Missing file; not a profile (bad magic); another format version;
     /// corrupt or truncated data (zstd, bincode or consistency failure).
     pub fn load(path: &Path) -> Result<Profile> {
+        if let Some(kind) = nflash_format::reader::special_file_kind(path) {
+            bail!("{} is {kind}, not a profile; make one with `prep profile`", path.display());
+        }
         let file = File::open(path)
             .with_context(|| format!("cannot open the profile {}; make one with `prep profile`", path.display()))?;
         let mut r = BufReader::new(file);

@@ -447,6 +447,9 @@ impl GgufFile {
     /// overflows, an offset that is not aligned or runs past the end of the
     /// file. Each names the key or tensor and the byte offset.
     pub fn open(path: &Path) -> Result<Self> {
+        if let Some(kind) = nflash_format::reader::special_file_kind(path) {
+            bail!("{} is {kind}, not a file; pass a .gguf file", path.display());
+        }
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         let len = file.metadata().with_context(|| format!("cannot stat {}", path.display()))?.len();
         let r = Counted { inner: BufReader::with_capacity(1 << 16, file.try_clone()?), pos: 0, len };

@@ -123,7 +123,7 @@ fn run_in_pool(a: RunArgs) -> Result<()> {
     a.speculative.check()?;
     let device = a.memory.device_profile()?;
     let pack = open_pack(&a.model, a.verify)?;
-    let draft = a.speculative.draft.as_deref().map(|p| open_pack(p, a.verify)).transpose()?;
+    let draft = a.speculative.draft.as_deref().map(|p| open_pack(p, a.verify).context("--draft")).transpose()?;
     let ctx = context_len(&pack, a.ctx)?;
     let draft_kind = draft.as_ref().map(|d| (d, a.speculative.speculate_draft));
     let (mut engine, plan) = load_engine(&pack, draft_kind, &a.memory, device, ctx, a.verify.clusters())?;
