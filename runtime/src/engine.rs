@@ -118,12 +118,12 @@ impl<'a> Engine<'a> {
     /// As [`Engine::load`]; [`Error::Usage`] naming the first id whose token
     /// differs, and the draft's path.
     pub fn attach_draft(&mut self, pack: &Pack, draft: &'a Pack) -> Result<()> {
-        self.check_draft_tokenizer(draft)?;
         let bytes = |p: &Pack| p.manifest().segments.iter().map(|s| s.bytes).sum::<u64>();
         let cost = bytes(draft) as f64 / bytes(pack).max(1) as f64;
-        let mut draft = Engine::load(draft)?;
-        draft.model.set_kv_type(self.model.kv_type());
-        self.draft = Some(crate::draft::DraftModel { model: draft.model, cost });
+        let mut loaded = Engine::load(draft)?;
+        self.same_tokenizer(&loaded.tokenizer, draft)?;
+        loaded.model.set_kv_type(self.model.kv_type());
+        self.draft = Some(crate::draft::DraftModel { model: loaded.model, cost });
         Ok(())
     }
 
@@ -134,8 +134,13 @@ impl<'a> Engine<'a> {
     /// [`Error::Usage`] naming the first id whose token differs, and the
     /// draft's path; a damaged tokenizer segment's error.
     pub fn check_draft_tokenizer(&self, draft: &Pack) -> Result<()> {
-        let theirs = Tokenizer::from_json(&draft.tokenizer_json()?)?;
-        let Some((id, ours, theirs)) = self.tokenizer.vocab_difference(&theirs) else { return Ok(()) };
+        self.same_tokenizer(&Tokenizer::from_json(&draft.tokenizer_json()?)?, draft)
+    }
+
+    /// [`Self::check_draft_tokenizer`] with the draft's tokenizer `theirs`
+    /// already parsed.
+    fn same_tokenizer(&self, theirs: &Tokenizer, draft: &Pack) -> Result<()> {
+        let Some((id, ours, theirs)) = self.tokenizer.vocab_difference(theirs) else { return Ok(()) };
         let show = |t: Option<String>| t.map_or_else(|| "missing".to_string(), |t| format!("{t:?}"));
         Err(Error::Usage(format!(
             "the draft pack {} has another tokenizer than the model: token id {id} is {} in the model and {} in the draft; a draft must share the model's tokenizer (the same model family, e.g. a smaller SmolLM2 for SmolLM2)",

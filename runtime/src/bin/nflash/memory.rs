@@ -181,8 +181,9 @@ pub fn load_engine<'p>(
     };
     let (mut engine, plan) = placement::load_engine(pack, &o, ctx, verify)?;
     let Some((d, kind)) = draft else { return Ok((engine, plan)) };
-    engine.check_draft_tokenizer(d)?;
     if kind == DraftKind::Auto && engine.model.cache_regions().io_engine.is_none() {
+        // Not loaded, but a wrong draft is still refused (attach_draft checks a loaded one).
+        engine.check_draft_tokenizer(d)?;
         nflash_runtime::message!(
             "note: the draft pack {} is not loaded: the whole model is in memory, where auto never drafts (a verify pass costs about what it saves); pass --speculate-draft pack to draft with it anyway",
             d.path().display()
