@@ -2,7 +2,7 @@
 //! memory budget and the predictor's precision, name the bounding resource,
 //! and bad arguments are refused.
 
-use nflash_tests::{assert_fails, repo_root, run};
+use nflash_tests::{assert_fails, convert, repo_root, run, write_tiny_checkpoint, TinySpec};
 use serde_json::Value;
 
 /// Runs plan-sim on the OnePlus 12 profile; one JSON object per row.
@@ -191,6 +191,65 @@ fn speculation_is_priced_from_acceptance_and_the_union_of_clusters() {
     assert!(s(&some[1], "speedup") > 1.0, "{}", some[1]);
 }
 
+/// A draft pack (`--draft`) is priced in memory and in time: it takes its
+/// bytes out of the model's neuron cache, each verify pass adds its draft
+/// passes, so at the same acceptance it gives fewer tokens/s than prompt
+/// lookup; a budget that holds the model but not the draft gets no
+/// speculative row and a note.
+#[test]
+fn a_draft_pack_is_priced_in_memory_and_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("draft");
+    // Large enough (about 8 MB) to move a 7B's hot region by whole clusters.
+    write_tiny_checkpoint(&dir, &TinySpec { hidden: 256, inter: 2048, layers: 4, ..TinySpec::default() });
+    let draft = tmp.path().join("draft.nflash");
+    convert(&dir, &draft, "q8_0");
+    let base = ["--shape", "llama-7b", "--sparsity", "0.9", "--ffn-share", "1,0.25", "--acceptance", "0.6"];
+    let lookup = sim(&base);
+    let with = |extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(&["--draft", draft.to_str().unwrap()]);
+        a.extend_from_slice(extra);
+        sim(&a)
+    };
+    let drafted = with(&[]);
+    let s = |r: &Value, k: &str| f(&r["speculative"], k);
+    for (l, d) in lookup.iter().zip(&drafted) {
+        assert_eq!(f(l, "tokens_per_s"), f(d, "tokens_per_s"), "the plain estimate does not move");
+        assert_eq!(s(l, "draft_ms"), 0.0);
+        assert_eq!(s(l, "draft_bytes"), 0.0);
+        assert!(s(d, "draft_ms") > 0.0 && s(d, "draft_bytes") > 0.0, "{d}");
+        assert!((s(d, "pass_ms") - s(d, "verify_ms") - s(d, "draft_ms")).abs() < 1e-9, "{d}");
+        assert!(s(d, "tokens_per_s") < s(l, "tokens_per_s"), "{l} {d}");
+        assert!(s(d, "hot_share") <= s(l, "hot_share"), "{l} {d}");
+    }
+    // The draft's bytes come out of the neuron cache: all of them where the
+    // plain plan fills the budget (a quarter of the FFN in memory), some
+    // where the whole FFN and a MiB to spare fit.
+    let cache = |r: &Value| s(r, "neuron_cache_bytes");
+    assert_eq!(cache(&lookup[1]) - cache(&drafted[1]), s(&drafted[1], "draft_bytes"), "{} {}", lookup[1], drafted[1]);
+    assert!(cache(&drafted[0]) < cache(&lookup[0]), "{} {}", lookup[0], drafted[0]);
+    // More guesses per pass cost more draft passes.
+    let more = with(&["--draft-tokens", "8"]);
+    assert!(s(&more[0], "draft_ms") > s(&drafted[0], "draft_ms"), "{} {}", more[0], drafted[0]);
+    // The floor budget holds the model alone: no speculative row there, and a note.
+    let floor = format!("{}B", f(&lookup[1], "floor_bytes") as u64);
+    let mut a = vec!["plan-sim", "--device", "profiles/oneplus-12.toml", "--json", "--shape", "llama-7b"];
+    a.extend_from_slice(&["--sparsity", "0.9", "--acceptance", "0.6", "--memory-budget", &floor]);
+    let device = repo_root().join("profiles/oneplus-12.toml");
+    a[2] = device.to_str().unwrap();
+    a.extend_from_slice(&["--draft", draft.to_str().unwrap()]);
+    let o = run("nflash", &a);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let row: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(row["tokens_per_s"].as_f64().is_some() && row.get("speculative").is_none(), "{row}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("not it and the draft pack"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 #[test]
 fn bad_plan_sim_arguments_are_refused() {
     let device = repo_root().join("profiles/oneplus-12.toml");
@@ -205,6 +264,9 @@ fn bad_plan_sim_arguments_are_refused() {
     assert_fails("acceptance 2", &o(&["--shape", "llama-7b", "--acceptance", "2"]), &["--acceptance 2"]);
     assert_fails("union share alone", &o(&["--shape", "llama-7b", "--union-share", "0.5"]), &["--acceptance"]);
     assert_fails("draft tokens alone", &o(&["--shape", "llama-7b", "--draft-tokens", "3"]), &["--acceptance"]);
+    assert_fails("draft pack alone", &o(&["--shape", "llama-7b", "--draft", "/nonexistent.nflash"]), &["--acceptance"]);
+    let a = &["--shape", "llama-7b", "--acceptance", "0.5", "--draft", "/nonexistent.nflash"];
+    assert_fails("missing draft pack", &o(a), &["--draft: /nonexistent.nflash"]);
     assert_fails(
         "negative acceptance",
         &o(&["--shape", "llama-7b", "--acceptance", "-0.1"]),

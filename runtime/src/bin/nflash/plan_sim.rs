@@ -89,6 +89,13 @@ pub struct PlanSimArgs {
     /// share their neurons, need].
     #[arg(long, allow_negative_numbers = true)]
     union_share: Option<f64>,
+    /// With --acceptance: the guesses come from this draft pack
+    /// (`nflash run --draft PACK`), not from prompt lookup: it is held
+    /// all in memory inside each budget, so the model's neuron cache
+    /// shrinks by its bytes (weights, KV cache at --ctx, scratch), and
+    /// each verify pass adds --draft-tokens of its decode passes.
+    #[arg(long, value_name = "PACK")]
+    draft: Option<PathBuf>,
     /// Print JSON lines instead of the table.
     #[arg(long)]
     json: bool,
@@ -147,9 +154,10 @@ fn check(a: &PlanSimArgs) -> Result<(ShapeOptions, Option<String>)> {
     if let Some(u) = a.union_share.filter(|u| !(*u > 0.0 && *u <= 1.0)) {
         bail!("--union-share {u} is outside (0, 1]");
     }
-    if a.acceptance.is_none() && (a.draft_tokens.is_some() || a.union_share.is_some() || a.verify_token_cost.is_some())
+    if a.acceptance.is_none()
+        && (a.draft_tokens.is_some() || a.union_share.is_some() || a.verify_token_cost.is_some() || a.draft.is_some())
     {
-        bail!("--draft-tokens, --union-share and --verify-token-cost describe verify passes: give --acceptance too");
+        bail!("--draft-tokens, --union-share, --verify-token-cost and --draft describe verify passes: give --acceptance too");
     }
     let given: Vec<&str> = [
         ("--sparsity", !a.sparsity.is_empty()),
@@ -197,8 +205,65 @@ struct Case {
     /// these tokens/s there (`None`: not estimated).
     floor: u64,
     floor_tokens_per_s: Option<f64>,
-    /// With --acceptance: one verify pass's estimate.
-    verify: Option<Estimate>,
+    /// With --acceptance: one verify pass's estimate (with --draft, under
+    /// the plan that holds the draft).
+    verify: Option<SpecCase>,
+}
+
+/// A verify pass as plan-sim prices it.
+struct SpecCase {
+    /// The pass's estimate (its `token_ms` is the pass's, draft passes apart).
+    pass: Estimate,
+    /// The draft pack's passes per verify pass, ms (0: prompt lookup).
+    draft_ms: f64,
+    /// The FFN's share in memory under the plan that holds the draft.
+    hot_share: f64,
+    /// That plan's neuron cache, hot and cold regions, bytes.
+    cache_bytes: u64,
+}
+
+impl SpecCase {
+    /// Tokens/s with `v`'s tokens per pass.
+    fn tokens_per_s(&self, v: &cost::Verify) -> f64 {
+        v.tokens_per_pass() * 1e3 / (self.pass.token_ms() + self.draft_ms)
+    }
+}
+
+/// A draft pack as plan-sim prices it (`--draft`).
+struct DraftCost {
+    /// Its bytes inside the budget ([`planner::draft_pack_bytes`] at --ctx).
+    bytes: u64,
+    /// One of its decode passes on the device, all of it in memory, ms.
+    pass_ms: f64,
+}
+
+/// Prices the draft pack at `path` on `dev` at `threads` (`--draft`).
+///
+/// # Errors
+/// The pack cannot be opened, or the planner refuses the budget its whole
+/// pack takes (a broken manifest).
+fn draft_cost(path: &std::path::Path, dev: &DeviceProfile, a: &PlanSimArgs, threads: u32) -> Result<DraftCost> {
+    let pack = Pack::open(path).with_context(|| format!("--draft: {}", path.display()))?;
+    let m = pack.manifest();
+    let share = pack.unit_share()?;
+    // A budget that holds all of it, every cluster hot, as `nflash run --draft` loads it.
+    let ffn: u64 = m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| cluster_read_bytes(f, c))).sum();
+    let budget = planner::fixed_region(m, a.ctx, a.kv, None).total() + ffn + planner::staging_bytes(m) + (1 << 20);
+    let req = PlanRequest {
+        budget_bytes: budget,
+        ctx: a.ctx,
+        kv: a.kv,
+        threads,
+        io_threads: None,
+        measured: None,
+        unit_share: Some(share.clone()),
+        draft_bytes: 0,
+    };
+    let p = planner::plan(m, dev, &req).with_context(|| format!("--draft: {}", path.display()))?;
+    Ok(DraftCost {
+        bytes: planner::draft_pack_bytes(m, a.ctx, a.kv),
+        pass_ms: cost::estimate(m, &share, dev, &p).token_ms(),
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -207,6 +272,7 @@ fn simulate(
     share: &[f64],
     dev: &DeviceProfile,
     a: &PlanSimArgs,
+    draft: Option<&DraftCost>,
     threads: u32,
     label: &str,
     sparsity: Option<f64>,
@@ -265,6 +331,37 @@ fn simulate(
     let floor_tokens_per_s =
         planner::plan(m, dev, &request(floor)).ok().map(|p| 1e3 / cost::estimate(m, share, dev, &p).token_ms());
     let verify = verify_of(a);
+    // A verify pass's estimate under the plan that also holds the draft pack,
+    // and its draft passes' time; `None` (noted) where the budget does not hold both.
+    let hot_share = |p: &nflash_format::Plan| p.hot_bytes as f64 / ffn_bytes.max(1) as f64;
+    let verify_at = |budget: u64, plain: &nflash_format::Plan, notes: &mut Vec<String>| -> Option<SpecCase> {
+        let v = verify?;
+        let Some(d) = draft else {
+            let pass = cost::estimate_verify(m, share, dev, plain, &v);
+            return Some(SpecCase {
+                pass,
+                draft_ms: 0.0,
+                hot_share: hot_share(plain),
+                cache_bytes: plain.hot_bytes + plain.cold_bytes,
+            });
+        };
+        match planner::plan(m, dev, &PlanRequest { draft_bytes: d.bytes, ..request(budget) }) {
+            Ok(p) => Some(SpecCase {
+                pass: cost::estimate_verify(m, share, dev, &p, &v),
+                draft_ms: v.draft_tokens * d.pass_ms,
+                hot_share: hot_share(&p),
+                cache_bytes: p.hot_bytes + p.cold_bytes,
+            }),
+            Err(_) => {
+                notes.push(format!(
+                    "{label}: the budget {} holds the model but not it and the draft pack ({}): no spec tok/s there",
+                    size(budget),
+                    size(d.bytes)
+                ));
+                None
+            }
+        }
+    };
     budgets
         .into_iter()
         .map(|budget| {
@@ -278,16 +375,16 @@ fn simulate(
             }
             match planner::plan(m, dev, &request(budget)) {
                 Ok(p) => Case {
+                    verify: verify_at(budget, &p, notes),
                     label: label.to_string(),
                     sparsity,
                     budget,
                     ffn_bytes,
                     fixed: p.fixed_bytes,
-                    hot_share: p.hot_bytes as f64 / ffn_bytes.max(1) as f64,
+                    hot_share: hot_share(&p),
                     est: Ok(cost::estimate(m, share, dev, &p)),
                     floor,
                     floor_tokens_per_s,
-                    verify: verify.map(|v| cost::estimate_verify(m, share, dev, &p, &v)),
                 },
                 Err(e) => Case {
                     label: label.to_string(),
@@ -333,6 +430,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         Some(t) => t,
         None => dev.n_cores(),
     };
+    let draft = a.draft.as_deref().map(|p| draft_cost(p, &dev, &a, threads)).transpose()?;
     let mut cases = Vec::new();
     // Mixtral-sized shapes take seconds per budget; drawn only on a terminal.
     let pb = indicatif::ProgressBar::new((a.models.len() + a.shape.len() * so.sparsity.len()) as u64);
@@ -346,7 +444,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         let s = m.sparse.as_ref().map(|s| s.target_sparsity as f64);
         let name = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
         let share = pack.unit_share()?;
-        cases.extend(simulate(m, &share, &dev, &a, threads, &name, s, &mut notes));
+        cases.extend(simulate(m, &share, &dev, &a, draft.as_ref(), threads, &name, s, &mut notes));
         pb.inc(1);
     }
     for name in &a.shape {
@@ -369,7 +467,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
             };
             let (m, share) = sim::synthetic_manifest(&shape, &o, &dev)
                 .with_context(|| format!("{} cannot be stored as {}", shape.name, so.quant))?;
-            cases.extend(simulate(&m, &share, &dev, &a, threads, shape.name, Some(s), &mut notes));
+            cases.extend(simulate(&m, &share, &dev, &a, draft.as_ref(), threads, shape.name, Some(s), &mut notes));
             pb.inc(1);
         }
     }
@@ -395,13 +493,16 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
                 }
                 Err(why) => j["refused"] = serde_json::json!(why),
             }
-            if let (Some(v), Some(pass), Ok(e)) = (verify_of(&a), &c.verify, &c.est) {
-                let tps = v.tokens_per_pass() * 1e3 / pass.token_ms();
+            if let (Some(v), Some(sc), Ok(e)) = (verify_of(&a), &c.verify, &c.est) {
+                let tps = sc.tokens_per_s(&v);
                 j["speculative"] = serde_json::json!({
                     "acceptance": v.acceptance, "draft_tokens": v.draft_tokens,
                     "verify_token_cost": v.token_cost, "union_share": v.union_share,
-                    "tokens_per_pass": v.tokens_per_pass(), "pass_ms": pass.token_ms(),
-                    "read_bytes_per_pass": pass.read_bytes_per_token, "tokens_per_s": tps,
+                    "tokens_per_pass": v.tokens_per_pass(), "pass_ms": sc.pass.token_ms() + sc.draft_ms,
+                    "verify_ms": sc.pass.token_ms(), "draft_ms": sc.draft_ms,
+                    "draft_bytes": draft.as_ref().map_or(0, |d| d.bytes), "hot_share": sc.hot_share,
+                    "neuron_cache_bytes": sc.cache_bytes,
+                    "read_bytes_per_pass": sc.pass.read_bytes_per_token, "tokens_per_s": tps,
                     "speedup": tps * e.token_ms() / 1e3,
                 });
             }
@@ -451,8 +552,8 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
                 size(c.floor),
                 c.floor_tokens_per_s.map_or("-".into(), |t| format!("{t:.2}")),
                 match (verify_of(&a), &c.verify) {
-                    (Some(v), Some(pass)) => {
-                        let tps = v.tokens_per_pass() * 1e3 / pass.token_ms();
+                    (Some(v), Some(sc)) => {
+                        let tps = sc.tokens_per_s(&v);
                         format!(" {:>10.2} {:>5.2}x", tps, tps * e.token_ms() / 1e3)
                     }
                     _ => String::new(),
@@ -489,10 +590,20 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     println!("compute: weights touched per token (attention with the KV cache at half the context) / {speed}{attn_note}, {ffn_note}{cpu_note}; I/O: cold misses per token (a layer-ordered LRU: a cluster survives as many whole tokens as the cold region holds) at the profile's random-read bandwidth for the merged read size; I/O exp: the part of it not hidden behind the layer's FFN compute (and its attention where a speculative prefetch runs, as `nflash run --speculate auto` decides: {waste:.0}% extra reads), a layer taking max(compute, reads) + {loss} × the smaller (the I/O threads share the cores); bound: flash I/O when I/O exp is over half the token, compute + I/O over a fifth, else compute; floor: the least memory pressure can take the budget to (the fixed region and one layer's clusters, nothing hot), and at floor its tokens/s");
     if let Some(v) = verify_of(&a) {
         println!(
-            "spec tok/s: speculative decoding, verify passes of {} drafted tokens, a share of {} of them accepted ({:.2} tokens per pass), the draft free (prompt lookup); a pass reads its weights once and the union of its tokens' cold clusters ({}), and computes {} of a decode token's work per token beyond the first; x: against plain decode",
+            "spec tok/s: speculative decoding, verify passes of {} drafted tokens, a share of {} of them accepted ({:.2} tokens per pass), {}; a pass reads its weights once and the union of its tokens' cold clusters ({}), and computes {} of a decode token's work per token beyond the first; x: against plain decode",
             v.draft_tokens,
             v.acceptance,
             v.tokens_per_pass(),
+            match (&a.draft, &draft) {
+                (Some(p), Some(d)) => format!(
+                    "the draft pack {} held in each budget ({}, out of the model's neuron cache), {} of its passes per verify pass at {:.2} ms each",
+                    p.display(),
+                    size(d.bytes),
+                    v.draft_tokens,
+                    d.pass_ms
+                ),
+                _ => "the draft free (prompt lookup)".into(),
+            },
             v.union_share.map_or("tokens independent".into(), |u| format!("{u} of the clusters they need in all")),
             v.token_cost
         );
