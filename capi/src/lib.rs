@@ -426,6 +426,11 @@ fn invalid(msg: impl Into<String>) -> Fail {
 /// thread's last error.
 fn guard(f: impl FnOnce() -> Result<NflashStatus, Fail>) -> NflashStatus {
     match catch_unwind(AssertUnwindSafe(f)) {
+        // A cancelled call fails too: its message replaces an older one.
+        Ok(Ok(NflashStatus::Cancelled)) => {
+            set_error("cancelled by nflash_cancel (the text generated before it, if any, went to the token callback)");
+            NflashStatus::Cancelled
+        }
         Ok(Ok(s)) => s,
         Ok(Err(Fail(s, msg))) => {
             set_error(&msg);

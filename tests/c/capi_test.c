@@ -418,6 +418,8 @@ static void t_cancel_during_then_after(void) {
     nflash_status s = nflash_complete(model, "Once upon a time", &p, collect_cb, &c);
     pthread_join(t, NULL);
     CHECK(s == NFLASH_STATUS_CANCELLED, "cancelled during generation: status %d", (int)s);
+    CHECK(strstr(nflash_last_error(), "cancelled by nflash_cancel") != NULL, "last error after a cancel: %s",
+          nflash_last_error());
     nflash_stats_t st;
     nflash_stats(model, &st);
     CHECK(st.generated_tokens >= 3 && st.generated_tokens < 200, "cancelled after %u tokens", st.generated_tokens);

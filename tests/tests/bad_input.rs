@@ -986,3 +986,28 @@ fn checkpoint_files_and_contexts_are_checked_up_front() {
     let j: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(j["ctx"], 256);
 }
+
+/// A negative number given to an option reaches that option's own check,
+/// in nflash and prep alike, instead of clap's "unexpected argument '-1'"
+/// (which reads as if the option took no value).
+#[test]
+fn negative_numbers_reach_each_options_own_check() {
+    let m = ["run", "--model", "/nonexistent.nflash", "--prompt", "hi"];
+    for (extra, needles) in [
+        (&["--draft-tokens", "-1"][..], &["'-1' for '--draft-tokens", "1..=16"][..]),
+        (&["--temperature", "-0.5"], &["'-0.5' for '--temperature", "≥ 0"]),
+        (&["--memory-budget", "-5MiB"], &["'-5MiB' for '--memory-budget", "96MiB"]),
+        (&["--cold-cache", "-8MiB"], &["'-8MiB' for '--cold-cache"]),
+    ] {
+        let mut a = m.to_vec();
+        a.extend_from_slice(extra);
+        let o = run("nflash", &a);
+        let e = assert_fails(&extra.join(" "), &o, needles);
+        assert!(!e.contains("unexpected argument"), "{e}");
+    }
+    let o = run("nflash", &["plan-sim", "--device", "x.toml", "--shape", "llama-7b", "--acceptance", "-0.1"]);
+    assert_fails("plan-sim --acceptance -0.1", &o, &["--acceptance -0.1 is outside"]);
+    let o = run("prep", &["convert", "--model", "/nonexistent", "--out", "/nonexistent.nflash", "--tokens", "-5"]);
+    let e = assert_fails("prep convert --tokens -5", &o, &["'-5' for '--tokens"]);
+    assert!(!e.contains("unexpected argument"), "{e}");
+}

@@ -873,7 +873,28 @@ fn the_admin_endpoint_gives_memory_back_and_lifts_the_cap_under_the_key() {
     assert_eq!(m["held_bytes"].as_u64(), Some(half), "{m}");
     let (_, _, m) = mem("POST", Some(&format!(r#"{{"bytes": {}}}"#, ceiling - 1)));
     assert_eq!((m["held_bytes"].as_u64(), m["cap_bytes"].as_u64()), (Some(half), Some(ceiling - 1)), "{m}");
-    for bad in [r#"{"bytes": -1}"#, r#"{"level": "x"}"#, r#"{"bytes": 1, "level": 2}"#, "{}", "nope"] {
+    // Whole numbers in any JSON notation (Python's json writes 1e8 as 100000000.0).
+    assert_eq!(mem("POST", Some(r#"{"bytes": -0}"#)).2["held_bytes"].as_u64(), Some(floor));
+    assert_eq!(mem("POST", Some(r#"{"level": 0.0}"#)).2["held_bytes"].as_u64(), Some(ceiling));
+    assert_eq!(mem("POST", Some(r#"{"level": 2e1}"#)).2["held_bytes"].as_u64(), Some(half));
+    for (body, cap) in [(r#"{"bytes": 1e10}"#, 10_000_000_000u64), (r#"{"bytes": 20000000000.0}"#, 20_000_000_000)] {
+        let (st, _, m) = mem("POST", Some(body));
+        assert_eq!(
+            (st, m["cap_bytes"].as_u64(), m["held_bytes"].as_u64()),
+            (200, Some(cap), Some(half)),
+            "{body}: {m}"
+        );
+    }
+    for bad in [
+        r#"{"bytes": -1}"#,
+        r#"{"bytes": 1.5}"#,
+        r#"{"bytes": 1e30}"#,
+        r#"{"level": 2.5}"#,
+        r#"{"level": "x"}"#,
+        r#"{"bytes": 1, "level": 2}"#,
+        "{}",
+        "nope",
+    ] {
         let (st, _, v) = mem("POST", Some(bad));
         assert_eq!(st, 400, "{bad}: {v}");
     }

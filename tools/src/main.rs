@@ -19,7 +19,7 @@ mod synth;
 mod upgrade;
 mod verify;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use nflash_runtime::message;
 
 /// Prepare models for nflash: convert Hugging Face checkpoints into
@@ -67,9 +67,21 @@ fn tune_allocator() {
     }
 }
 
+/// Parses the command line with a negative number taken as any option's
+/// value, so that `--draft-tokens -1` or `--memory-budget -5MiB` reaches
+/// the option's own check ("-1 is not in 0..=16") instead of clap's
+/// "unexpected argument '-1' found".
+fn parse_cli() -> Cli {
+    fn negatives(c: clap::Command) -> clap::Command {
+        c.mut_args(|a| if a.get_action().takes_values() { a.allow_negative_numbers(true) } else { a })
+            .mut_subcommands(negatives)
+    }
+    Cli::from_arg_matches(&negatives(Cli::command()).get_matches()).unwrap_or_else(|e| e.exit())
+}
+
 fn main() {
     tune_allocator();
-    let cli = Cli::parse();
+    let cli = parse_cli();
     let _ = ctrlc::set_handler(|| {
         // The lock is held until exit: the main thread cannot rename the
         // output into place (it takes the lock first) while it is removed.

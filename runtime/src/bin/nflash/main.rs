@@ -9,7 +9,7 @@ mod run;
 mod sampling;
 mod serve;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use nflash_runtime::message;
 
 /// Run large language models packed by `prep` from a single `.nflash` file.
@@ -66,9 +66,21 @@ fn default_sigpipe() {
     }
 }
 
+/// Parses the command line with a negative number taken as any option's
+/// value, so that `--draft-tokens -1` or `--memory-budget -5MiB` reaches
+/// the option's own check ("-1 is not in 0..=16") instead of clap's
+/// "unexpected argument '-1' found".
+fn parse_cli() -> Cli {
+    fn negatives(c: clap::Command) -> clap::Command {
+        c.mut_args(|a| if a.get_action().takes_values() { a.allow_negative_numbers(true) } else { a })
+            .mut_subcommands(negatives)
+    }
+    Cli::from_arg_matches(&negatives(Cli::command()).get_matches()).unwrap_or_else(|e| e.exit())
+}
+
 fn main() {
     tune_allocator();
-    let cli = Cli::parse();
+    let cli = parse_cli();
     // `nflash probe` writes a scratch file: SIGPIPE on a closed stderr would
     // end it before it removes that file, so it keeps Rust's default
     // (ignored) and reports through message!, which drops write errors.

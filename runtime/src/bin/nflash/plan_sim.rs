@@ -48,7 +48,7 @@ pub struct PlanSimArgs {
     quant: Option<DType>,
     /// Memory budgets, comma-separated (e.g. 3GiB,4GiB); default: the fixed
     /// region plus each of --ffn-share of the FFN bytes.
-    #[arg(long, value_delimiter = ',', value_parser = nflash_plan::planner::parse_bytes)]
+    #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = nflash_plan::planner::parse_bytes)]
     memory_budget: Vec<u64>,
     /// Shares of the FFN bytes kept in memory beside the fixed region, used without --memory-budget.
     #[arg(long, value_delimiter = ',', default_value = "1,0.5,0.25")]

@@ -97,7 +97,7 @@ pub struct ServeArgs {
     #[arg(long)]
     max_tokens_limit: Option<usize>,
     /// Largest request body (e.g. 1MiB, at least 1KiB); a larger one gets 400.
-    #[arg(long, default_value = "1MiB", value_parser = parse_bytes)]
+    #[arg(long, default_value = "1MiB", allow_hyphen_values = true, value_parser = parse_bytes)]
     max_body: u64,
     /// Open connections at most; more wait to be accepted.
     #[arg(long, default_value_t = 64)]
@@ -881,11 +881,11 @@ async fn trim_memory(State(s): State<Arc<Shared>>, req: Request) -> Response {
     };
     let Some(mem) = &s.memory else { return axum::Json(memory_json(&s)).into_response() };
     let cap = match (v.get("bytes"), v.get("level")) {
-        (Some(b), None) => match b.as_u64() {
+        (Some(b), None) => match whole_number(b).and_then(|b| u64::try_from(b).ok()) {
             Some(b) => b,
             None => return ApiError::bad("bytes must be a whole number of bytes from 0 to 2^64 - 1").into_response(),
         },
-        (None, Some(l)) => match l.as_i64().and_then(|l| i32::try_from(l).ok()) {
+        (None, Some(l)) => match whole_number(l).and_then(|l| i32::try_from(l).ok()) {
             Some(l) => nflash_runtime::pressure::level_target(l, mem.floor_bytes(), mem.ceiling_bytes()),
             None => {
                 return ApiError::bad(
@@ -898,6 +898,20 @@ async fn trim_memory(State(s): State<Arc<Shared>>, req: Request) -> Response {
     };
     nflash_runtime::pressure::apply_cap(mem.as_ref(), s.watch.as_ref(), cap);
     axum::Json(memory_json(&s)).into_response()
+}
+
+/// A JSON number that is whole, in any notation (`100000000`, `1e8`,
+/// `100000000.0` as Python's `json` writes a float, `-0`); `None` for a
+/// fraction, a non-number, or a magnitude of 2^64 or more.
+fn whole_number(v: &Value) -> Option<i128> {
+    if let Some(u) = v.as_u64() {
+        return Some(u.into());
+    }
+    if let Some(i) = v.as_i64() {
+        return Some(i.into());
+    }
+    let f = v.as_f64()?;
+    (f.is_finite() && f.fract() == 0.0 && f.abs() < 2f64.powi(64)).then_some(f as i128)
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {
