@@ -551,6 +551,14 @@ fn nflash_run_speculates_with_the_same_text() {
     // Out-of-range K is refused by the parser.
     let o = run("nflash", &["run", "--model", p.to_str().unwrap(), "--prompt", "a", "--draft-tokens", "0"]);
     assert!(!o.status.success());
+    // A K that `off` leaves unused is noted, not refused (a sweep over drafts passes one K to all).
+    for (draft, noted) in [("off", true), ("lookup", false)] {
+        let a = ["run", "--model", p.to_str().unwrap(), "--prompt", "a", "--max-tokens", "2", "--draft-tokens", "3"];
+        let o = run("nflash", &[&a[..], &["--speculate-draft", draft]].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{err}");
+        assert_eq!(err.contains("--draft-tokens 3 is unused"), noted, "{draft}: {err}");
+    }
 }
 
 /// `nflash run --draft PACK`: the draft pack's guesses (`auto` means pack

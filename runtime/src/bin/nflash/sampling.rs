@@ -130,9 +130,10 @@ pub struct SpeculateArgs {
         value_parser = clap::builder::PossibleValuesParser::new(DraftKind::ALL.map(|(_, name)| name)).try_map(|s| s.parse::<DraftKind>())
     )]
     pub speculate_draft: DraftKind,
-    /// Most tokens a draft guesses per verify pass (K; the pass runs K + 1 tokens).
-    #[arg(long, default_value_t = nflash_runtime::draft::DEFAULT_DRAFT_TOKENS, value_parser = clap::value_parser!(u16).range(1..=nflash_runtime::draft::MAX_DRAFT_TOKENS as i64).map(usize::from))]
-    pub draft_tokens: usize,
+    /// Most tokens a draft guesses per verify pass (K; the pass runs K + 1
+    /// tokens) [default: 4].
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=nflash_runtime::draft::MAX_DRAFT_TOKENS as i64).map(usize::from))]
+    pub draft_tokens: Option<usize>,
     /// A draft pack (from `prep convert`): a small model with the model's
     /// tokenizer (the same family, e.g. SmolLM2-135M for a larger SmolLM2)
     /// whose greedy guesses verify passes check. It is held all in memory,
@@ -146,14 +147,22 @@ impl SpeculateArgs {
     /// The generation's speculative-decoding settings (`auto` drafts
     /// with the --draft pack where one is given).
     pub fn options(&self) -> SpecOptions {
-        SpecOptions { draft: self.speculate_draft, max_draft: self.draft_tokens }
+        SpecOptions {
+            draft: self.speculate_draft,
+            max_draft: self.draft_tokens.unwrap_or(nflash_runtime::draft::DEFAULT_DRAFT_TOKENS),
+        }
     }
 
-    /// Checks that --draft and --speculate-draft agree.
+    /// Checks that --draft and --speculate-draft agree; notes a
+    /// --draft-tokens that `off` leaves unused (a sweep over drafts with
+    /// one K passes both, so it is not refused).
     ///
     /// # Errors
     /// `pack` without --draft, or --draft with a draft that does not use it.
     pub fn check(&self) -> Result<()> {
+        if let (DraftKind::Off, Some(k)) = (self.speculate_draft, self.draft_tokens) {
+            nflash_runtime::message!("note: --draft-tokens {k} is unused: --speculate-draft off drafts no tokens");
+        }
         match (self.speculate_draft, &self.draft) {
             (DraftKind::Pack, None) => {
                 bail!("--speculate-draft pack needs a draft pack: pass --draft PACK (a small model with the same tokenizer)")
