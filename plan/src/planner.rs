@@ -54,6 +54,9 @@ pub const MAX_IO_THREADS: u32 = 64;
 /// A message with examples.
 pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
+    if t.starts_with('-') {
+        return Err(format!("{t}: a size cannot be negative; sizes such as 512MiB, 1.5GiB"));
+    }
     // A unit ends the size: `512`, `1.5` and `1e9` have none.
     if t.chars().last().is_some_and(|c| c.is_ascii_digit() || c == '.') {
         return Err(format!(
@@ -414,5 +417,9 @@ mod tests {
             assert!(e.contains("no unit") && e.contains(&format!("{bare}MiB")), "{bare}: {e}");
         }
         assert!(parse_bytes("lots").is_err());
+        for negative in ["-1", "-5MiB", " -0.5GiB"] {
+            let e = parse_bytes(negative).unwrap_err();
+            assert!(e.contains("cannot be negative") && !e.contains("MiB or"), "{negative}: {e}");
+        }
     }
 }

@@ -996,14 +996,22 @@ fn negative_numbers_reach_each_options_own_check() {
     for (extra, needles) in [
         (&["--draft-tokens", "-1"][..], &["'-1' for '--draft-tokens", "1..=16"][..]),
         (&["--temperature", "-0.5"], &["'-0.5' for '--temperature", "≥ 0"]),
-        (&["--memory-budget", "-5MiB"], &["'-5MiB' for '--memory-budget", "96MiB"]),
-        (&["--cold-cache", "-8MiB"], &["'-8MiB' for '--cold-cache"]),
+        (&["--memory-budget", "-5MiB"], &["'-5MiB' for '--memory-budget", "cannot be negative"]),
+        (&["--cold-cache", "-8MiB"], &["'-8MiB' for '--cold-cache", "cannot be negative"]),
     ] {
         let mut a = m.to_vec();
         a.extend_from_slice(extra);
         let o = run("nflash", &a);
         let e = assert_fails(&extra.join(" "), &o, needles);
         assert!(!e.contains("unexpected argument"), "{e}");
+    }
+    // A prompt that begins with a dash is a prompt: the run gets as far as the model.
+    let o = run("nflash", &["run", "--model", "/nonexistent.nflash", "--prompt", "- a list"]);
+    assert_fails("--prompt '- a list'", &o, &["/nonexistent.nflash"]);
+    // A missing value still says one is required, not that the next word is unexpected.
+    for opt in ["--memory-budget", "--draft-tokens"] {
+        let o = run("nflash", &[&m[..], &[opt, "--max-tokens", "3"]].concat());
+        assert_fails(&format!("{opt} without a value"), &o, &[&format!("a value is required for '{opt}")]);
     }
     let o = run("nflash", &["plan-sim", "--device", "x.toml", "--shape", "llama-7b", "--acceptance", "-0.1"]);
     assert_fails("plan-sim --acceptance -0.1", &o, &["--acceptance -0.1 is outside"]);

@@ -29,7 +29,7 @@ pub struct ConvertArgs {
     quant: Option<DType>,
     /// Target size of one neuron cluster (a run of FFN neuron bundles read
     /// together), e.g. 64KiB. Default: chosen by the planner for --device, else 64KiB.
-    #[arg(long, allow_hyphen_values = true, value_parser = nflash_plan::planner::parse_bytes)]
+    #[arg(long, value_parser = nflash_plan::planner::parse_bytes)]
     cluster_bytes: Option<u64>,
     #[command(flatten)]
     sparse: SparseArgs,
@@ -46,7 +46,7 @@ pub struct DeviceArgs {
     #[arg(long)]
     device: Option<PathBuf>,
     /// Whole-process memory budget on the device (e.g. 96MiB, 4GiB); default: the profile's available memory.
-    #[arg(long, requires = "device", allow_hyphen_values = true, value_parser = nflash_plan::planner::parse_bytes)]
+    #[arg(long, requires = "device", value_parser = nflash_plan::planner::parse_bytes)]
     memory_budget: Option<u64>,
     /// Context length (tokens) the KV cache is planned for; default min(4096, the model's maximum), as `nflash run`.
     #[arg(long, requires = "device", value_parser = clap::value_parser!(u32).range(2..=nflash_format::MAX_CONTEXT as i64))]

@@ -137,7 +137,7 @@ pub struct SynthArgs {
     #[arg(long, default_value = "models/SmolLM2-135M-Instruct")]
     tokenizer: PathBuf,
     /// Largest shard, bytes (e.g. 2GiB).
-    #[arg(long, default_value = "2GiB", allow_hyphen_values = true, value_parser = nflash_plan::planner::parse_bytes)]
+    #[arg(long, default_value = "2GiB", value_parser = nflash_plan::planner::parse_bytes)]
     shard_bytes: u64,
     /// Calibration tokens (uniformly random ids) whose statistics set the biases, 16 to 65536.
     #[arg(long, default_value_t = 512)]

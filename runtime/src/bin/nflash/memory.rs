@@ -23,11 +23,11 @@ pub struct MemoryArgs {
     /// the memory available less --memory-reserve and follow it, up to
     /// --memory-max (default: the whole model in memory). Default: the
     /// pack's plan, or everything in memory.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_budget)]
+    #[arg(long, value_parser = parse_budget)]
     pub memory_budget: Option<Budget>,
     /// With --memory-budget auto: the most nflash holds (e.g. 2GiB); the
     /// plan is made for it.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_bytes)]
+    #[arg(long, value_parser = parse_bytes)]
     pub memory_max: Option<u64>,
     /// Device profile (TOML) to plan with; default: the pack's plan's
     /// device, else the built-in dev-host profile.
@@ -37,7 +37,7 @@ pub struct MemoryArgs {
     #[arg(long)]
     pub hot_fraction: Option<f64>,
     /// Override the plan: cold neuron cache size (e.g. 8MiB); raised to one layer's cold clusters if smaller.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_bytes)]
+    #[arg(long, value_parser = parse_bytes)]
     pub cold_cache: Option<u64>,
     /// Override the plan: reads of neuron clusters in flight at once (I/O
     /// threads, or the io_uring queue depth).
@@ -53,7 +53,7 @@ pub struct MemoryArgs {
     /// nflash gives neuron-cache memory back (down to its floor: resident
     /// weights, KV cache, scratch and one layer's staging slots), and takes
     /// it again up to the budget once the pressure has been gone for 2 s.
-    #[arg(long, default_value = "32MiB", allow_hyphen_values = true, value_parser = parse_bytes)]
+    #[arg(long, default_value = "32MiB", value_parser = parse_bytes)]
     pub memory_reserve: u64,
     /// KV cache element type: f16 (half the memory, as llama.cpp) or f32.
     /// The memory plan sizes the KV cache for it.

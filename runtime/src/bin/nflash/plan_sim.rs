@@ -48,7 +48,7 @@ pub struct PlanSimArgs {
     quant: Option<DType>,
     /// Memory budgets, comma-separated (e.g. 3GiB,4GiB); default: the fixed
     /// region plus each of --ffn-share of the FFN bytes.
-    #[arg(long, value_delimiter = ',', allow_hyphen_values = true, value_parser = nflash_plan::planner::parse_bytes)]
+    #[arg(long, value_delimiter = ',', value_parser = nflash_plan::planner::parse_bytes)]
     memory_budget: Vec<u64>,
     /// Shares of the FFN bytes kept in memory beside the fixed region, used without --memory-budget.
     #[arg(long, value_delimiter = ',', default_value = "1,0.5,0.25")]
@@ -235,6 +235,10 @@ struct DraftCost {
     bytes: u64,
     /// One of its decode passes on the device, all of it in memory, ms.
     pass_ms: f64,
+    /// Its vocabulary (HF `vocab_size`): `nflash run` needs the model's tokenizer.
+    vocab: u64,
+    /// Its segments' bytes.
+    weights: u64,
 }
 
 /// Prices the draft pack at `path` on `dev` at `threads` (`--draft`).
@@ -243,9 +247,10 @@ struct DraftCost {
 /// The pack cannot be opened, or the planner refuses the budget its whole
 /// pack takes (a broken manifest).
 fn draft_cost(path: &std::path::Path, dev: &DeviceProfile, a: &PlanSimArgs, threads: u32) -> Result<DraftCost> {
-    let pack = Pack::open(path).with_context(|| format!("--draft: {}", path.display()))?;
+    // The pack's errors name its path.
+    let pack = Pack::open(path).context("--draft")?;
     let m = pack.manifest();
-    let share = pack.unit_share()?;
+    let share = pack.unit_share().context("--draft")?;
     // A budget that holds all of it, every cluster hot, as `nflash run --draft` loads it.
     let ffn: u64 = m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| cluster_read_bytes(f, c))).sum();
     let budget = planner::fixed_region(m, a.ctx, a.kv, None).total() + ffn + planner::staging_bytes(m) + (1 << 20);
@@ -259,9 +264,11 @@ fn draft_cost(path: &std::path::Path, dev: &DeviceProfile, a: &PlanSimArgs, thre
         unit_share: Some(share.clone()),
         draft_bytes: 0,
     };
-    let p = planner::plan(m, dev, &req).with_context(|| format!("--draft: {}", path.display()))?;
+    let p = planner::plan(m, dev, &req).with_context(|| format!("--draft {}", path.display()))?;
     Ok(DraftCost {
         bytes: planner::draft_pack_bytes(m, a.ctx, a.kv),
+        vocab: m.config.vocab_size,
+        weights: m.segments.iter().map(|s| s.bytes).sum(),
         pass_ms: cost::estimate(m, &share, dev, &p).token_ms(),
     })
 }
@@ -331,6 +338,22 @@ fn simulate(
     let floor_tokens_per_s =
         planner::plan(m, dev, &request(floor)).ok().map(|p| 1e3 / cost::estimate(m, share, dev, &p).token_ms());
     let verify = verify_of(a);
+    if let Some(d) = draft {
+        if d.vocab != m.config.vocab_size {
+            notes.push(format!(
+                "{label}: the draft's vocabulary ({} tokens) is not the model's ({}): `nflash run --draft` needs the model's tokenizer and would refuse this draft",
+                d.vocab, m.config.vocab_size
+            ));
+        }
+        let weights: u64 = m.segments.iter().map(|s| s.bytes).sum();
+        if d.weights >= weights {
+            notes.push(format!(
+                "{label}: the draft ({}) is not smaller than the model ({}): its passes cost about what the model's do, so it cannot pay",
+                size(d.weights),
+                size(weights)
+            ));
+        }
+    }
     // A verify pass's estimate under the plan that also holds the draft pack,
     // and its draft passes' time; `None` (noted) where the budget does not hold both.
     let hot_share = |p: &nflash_format::Plan| p.hot_bytes as f64 / ffn_bytes.max(1) as f64;
@@ -511,7 +534,7 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
         for n in &notes {
             message!("note: {n}");
         }
-        return Ok(());
+        return all_refused(&cases);
     }
     println!("plan-sim on {} ({threads} threads, ctx {}): decode cost per token", dev.name, a.ctx);
     println!(
@@ -611,6 +634,15 @@ pub fn run(a: PlanSimArgs) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     for n in notes.iter().filter(|n| seen.insert(n.as_str())) {
         println!("note: {n}");
+    }
+    all_refused(&cases)
+}
+
+/// Fails when the planner refused every case: nothing was priced (the
+/// rows say why).
+fn all_refused(cases: &[Case]) -> Result<()> {
+    if !cases.is_empty() && cases.iter().all(|c| c.est.is_err()) {
+        bail!("every budget was refused (see the rows): give a larger --memory-budget or --ffn-share");
     }
     Ok(())
 }

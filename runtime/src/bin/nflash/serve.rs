@@ -97,7 +97,7 @@ pub struct ServeArgs {
     #[arg(long)]
     max_tokens_limit: Option<usize>,
     /// Largest request body (e.g. 1MiB, at least 1KiB); a larger one gets 400.
-    #[arg(long, default_value = "1MiB", allow_hyphen_values = true, value_parser = parse_bytes)]
+    #[arg(long, default_value = "1MiB", value_parser = parse_bytes)]
     max_body: u64,
     /// Open connections at most; more wait to be accepted.
     #[arg(long, default_value_t = 64)]
