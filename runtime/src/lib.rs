@@ -23,6 +23,7 @@
 //! `nflash_plan::planner::plan`, [`Engine::load_with`],
 //! [`generate::generate`], [`ppl::perplexity`].
 
+pub mod args;
 pub mod chat;
 pub mod cpu;
 pub mod draft;

@@ -20,6 +20,7 @@ mod upgrade;
 mod verify;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use nflash_runtime::args::{join_dash_values, OptionSpec};
 use nflash_runtime::message;
 
 /// Prepare models for nflash: convert Hugging Face checkpoints into
@@ -67,44 +68,19 @@ fn tune_allocator() {
     }
 }
 
-/// Parses the command line. An option's value that begins with a dash
-/// and is not an option of the command (`--draft-tokens -1`,
-/// `--memory-budget -5MiB`, `--prompt "- a list"`) is joined to its option
-/// (`--draft-tokens=-1`), so it reaches the option's own check instead of
-/// clap's "unexpected argument '-1' found"; a missing value
-/// (`--memory-budget --prompt hi`) still says one is required.
+/// Parses the command line, an option's value that begins with a dash
+/// joined to its option first ([`nflash_runtime::args::join_dash_values`]).
 fn parse_cli() -> Cli {
     let cmd = Cli::command();
-    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     // The subcommand's options (the first word that names one), and the top level's.
     let sub = args.iter().skip(1).find_map(|a| a.to_str().and_then(|a| cmd.find_subcommand(a)));
-    let opts: Vec<&clap::Arg> = cmd.get_arguments().chain(sub.into_iter().flat_map(|s| s.get_arguments())).collect();
-    let is_option = |t: &str| {
-        let name = t.split('=').next().unwrap_or(t);
-        opts.iter().any(|a| {
-            a.get_long().is_some_and(|l| name.strip_prefix("--") == Some(l))
-                || a.get_short().is_some_and(|c| name.strip_prefix('-').is_some_and(|r| r.starts_with(c)))
-        }) || matches!(name, "--help" | "-h" | "--version" | "-V")
-    };
-    let takes_value = |t: &str| {
-        opts.iter()
-            .any(|a| a.get_action().takes_values() && a.get_long().is_some_and(|l| t.strip_prefix("--") == Some(l)))
-    };
-    let mut i = 1;
-    while i + 1 < args.len() {
-        let (Some(t), Some(v)) = (args[i].to_str(), args[i + 1].to_str()) else {
-            i += 1;
-            continue;
-        };
-        if t == "--" {
-            break;
-        }
-        if takes_value(t) && v.starts_with('-') && v != "-" && !is_option(v) {
-            args[i] = format!("{t}={v}").into();
-            args.remove(i + 1);
-        }
-        i += 1;
+    fn spec(a: &clap::Arg) -> OptionSpec<'_> {
+        OptionSpec { long: a.get_long(), short: a.get_short(), takes_value: a.get_action().takes_values() }
     }
+    let opts: Vec<OptionSpec> =
+        cmd.get_arguments().chain(sub.into_iter().flat_map(|s| s.get_arguments())).map(spec).collect();
+    let args = join_dash_values(args, &opts);
     Cli::from_arg_matches(&cmd.get_matches_from(args)).unwrap_or_else(|e| e.exit())
 }
 
