@@ -4,7 +4,7 @@
 //! definition each, so the plan's memory model and what `nflash run`
 //! allocates cannot drift apart.
 
-use nflash_format::{FfnLayer, NeuronCluster, Pack, Plan};
+use nflash_format::{FfnLayer, Manifest, NeuronCluster, Pack, Plan};
 
 /// Granularity of cluster reads, bytes: the cluster alignment `prep`
 /// writes (formats/SPEC.md §4.4, `cluster_align`), so a cluster's read
@@ -95,6 +95,18 @@ pub fn index_bytes(m: &nflash_format::Manifest) -> u64 {
 /// [`read_align`] (the cluster's size in the hot or cold region).
 pub fn cluster_read_bytes(f: &FfnLayer, c: &NeuronCluster) -> u64 {
     (c.n_neurons as u64 * f.bundle.bundle_bytes).div_ceil(read_align(f)) * read_align(f)
+}
+
+/// Bytes of every FFN neuron cluster of `m` as read ([`cluster_read_bytes`]
+/// summed): what the whole FFN takes in the hot and cold regions.
+pub fn ffn_read_bytes(m: &Manifest) -> u64 {
+    m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| cluster_read_bytes(f, c))).sum()
+}
+
+/// Bytes of all of `m`'s segments (SPEC §3): the pack's weights, tokenizer
+/// and predictors, without header and manifest.
+pub fn segment_bytes(m: &Manifest) -> u64 {
+    m.segments.iter().map(|s| s.bytes).sum()
 }
 
 /// How many of `f`'s clusters lie wholly in the hot prefix of `hot_neurons`

@@ -19,7 +19,9 @@ use crate::cost::{
     attention_bytes, attention_split, cluster_need, cluster_needs, estimate_with, io_seconds, io_term, Cl,
 };
 use crate::error::{Error, Result};
-use crate::layout::{align_up, cluster_read_bytes, hot_clusters, kv_cache_bytes_of, KvType, FFN_TILE_ELEMS};
+use crate::layout::{
+    align_up, cluster_read_bytes, ffn_read_bytes, hot_clusters, kv_cache_bytes_of, KvType, FFN_TILE_ELEMS,
+};
 
 /// Process memory outside the model (code, libraries, thread stacks, the
 /// allocator's arenas), bytes, for plans made off the device (`prep`).
@@ -189,8 +191,7 @@ pub fn fixed_region(m: &Manifest, ctx: u32, kv: KvType, measured: Option<Footpri
 /// is the model's, counted once.
 pub fn draft_pack_bytes(m: &Manifest, ctx: u32, kv: KvType) -> u64 {
     let f = fixed_region(m, ctx, kv, None);
-    let all: Vec<u32> = m.ffn.iter().map(|u| u.n_neurons).collect();
-    f.resident + f.kv + f.scratch + TOKENIZER_FACTOR * m.tokenizer.json_bytes + hot_region_bytes(m, &all)
+    f.resident + f.kv + f.scratch + TOKENIZER_FACTOR * m.tokenizer.json_bytes + ffn_read_bytes(m)
 }
 
 /// Bytes of `m`'s tokenizer and resident segments (embeddings, attention,
@@ -363,7 +364,7 @@ pub fn plan(m: &Manifest, dev: &DeviceProfile, req: &PlanRequest) -> Result<Plan
 /// A human-readable summary of `p` (printed by `prep convert` and `nflash run --stats`).
 pub fn describe(p: &Plan, m: &Manifest) -> String {
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    let ffn_total: u64 = m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| cluster_read_bytes(f, c))).sum();
+    let ffn_total = ffn_read_bytes(m);
     let hot_n: u64 = p.hot_neurons.iter().map(|&h| h as u64).sum();
     let all_n: u64 = m.ffn.iter().map(|f| f.n_neurons as u64).sum();
     let (lo, hi) = (p.hot_neurons.iter().min().copied().unwrap_or(0), p.hot_neurons.iter().max().copied().unwrap_or(0));

@@ -118,7 +118,7 @@ impl<'a> Engine<'a> {
     /// As [`Engine::load`]; [`Error::Usage`] naming the first id whose token
     /// differs, and the draft's path.
     pub fn attach_draft(&mut self, pack: &Pack, draft: &'a Pack) -> Result<()> {
-        let bytes = |p: &Pack| p.manifest().segments.iter().map(|s| s.bytes).sum::<u64>();
+        let bytes = |p: &Pack| nflash_plan::layout::segment_bytes(p.manifest());
         let cost = bytes(draft) as f64 / bytes(pack).max(1) as f64;
         let mut loaded = Engine::load(draft)?;
         self.same_tokenizer(&loaded.tokenizer, draft)?;

@@ -44,7 +44,7 @@ pub fn run(a: UpgradeArgs) -> Result<()> {
             h.minor
         );
     }
-    let total: u64 = m.segments.iter().map(|s| s.bytes).sum();
+    let total = nflash_plan::layout::segment_bytes(m);
     let pb = crate::progress::Progress::new(
         total,
         "{msg:>10} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",

@@ -8,7 +8,7 @@ use clap::builder::PossibleValuesParser;
 use clap::Args;
 use nflash_format::{DType, DeviceProfile, Manifest, Pack};
 use nflash_plan::cost::{self, Estimate};
-use nflash_plan::layout::cluster_read_bytes;
+use nflash_plan::layout::{ffn_read_bytes, segment_bytes};
 use nflash_plan::planner::{self, PlanRequest};
 use nflash_plan::sim::{self, SimOptions, SHAPES};
 use nflash_runtime::message;
@@ -252,8 +252,8 @@ fn draft_cost(path: &std::path::Path, dev: &DeviceProfile, a: &PlanSimArgs, thre
     let m = pack.manifest();
     let share = pack.unit_share().context("--draft")?;
     // A budget that holds all of it, every cluster hot, as `nflash run --draft` loads it.
-    let ffn: u64 = m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| cluster_read_bytes(f, c))).sum();
-    let budget = planner::fixed_region(m, a.ctx, a.kv, None).total() + ffn + planner::staging_bytes(m) + (1 << 20);
+    let budget =
+        planner::fixed_region(m, a.ctx, a.kv, None).total() + ffn_read_bytes(m) + planner::staging_bytes(m) + (1 << 20);
     let req = PlanRequest {
         budget_bytes: budget,
         ctx: a.ctx,
@@ -268,7 +268,7 @@ fn draft_cost(path: &std::path::Path, dev: &DeviceProfile, a: &PlanSimArgs, thre
     Ok(DraftCost {
         bytes: planner::draft_pack_bytes(m, a.ctx, a.kv),
         vocab: m.config.vocab_size,
-        weights: m.segments.iter().map(|s| s.bytes).sum(),
+        weights: segment_bytes(m),
         pass_ms: cost::estimate(m, &share, dev, &p).token_ms(),
     })
 }
@@ -286,7 +286,7 @@ fn simulate(
     notes: &mut Vec<String>,
 ) -> Vec<Case> {
     // FFN bytes as read (whole aligned clusters), the unit hot_bytes is counted in.
-    let ffn_bytes: u64 = m.ffn.iter().flat_map(|f| f.clusters.iter().map(move |c| cluster_read_bytes(f, c))).sum();
+    let ffn_bytes = ffn_read_bytes(m);
     let fixed = planner::fixed_region(m, a.ctx, a.kv, None).total();
     let budgets: Vec<u64> = if a.memory_budget.is_empty() {
         // The planner also needs one layer's clusters to stage reads beyond the fixed region.
@@ -345,7 +345,7 @@ fn simulate(
                 d.vocab, m.config.vocab_size
             ));
         }
-        let weights: u64 = m.segments.iter().map(|s| s.bytes).sum();
+        let weights = segment_bytes(m);
         if d.weights >= weights {
             notes.push(format!(
                 "{label}: the draft ({}) is not smaller than the model ({}): its passes cost about what the model's do, so it cannot pay",
